@@ -1,0 +1,127 @@
+"""Median ``send()`` time of each local scheme against one ``copy_`` of the same bytes, in one run.
+
+    python benchmarks/bench_local.py                   # 100 MB float32 model, 2 workers
+    python benchmarks/bench_local.py --mb 10 --workers 4 --rounds 20 --markdown docs/benchmarks.md
+
+A send is timed from the call until every worker has applied the update and
+acked (``sync=True``). Workers wait in ``receive()`` and do nothing else, so
+the figure is the cost of moving the weights, not of a busy worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import weightsync as ws
+
+SCHEMES = ["no_sync", "shared_mem", "multiprocess"]
+
+
+def make_model(mb: float) -> nn.Module:
+    """An MLP of square float32 layers totalling about ``mb`` megabytes."""
+    width = 2048
+    layers = max(1, round(mb * 1e6 / 4 / (width * width + width)))
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+
+def worker(scheme: ws.WeightSyncScheme, idx: int, mb: float, stop) -> None:
+    torch.set_num_threads(1)
+    model = make_model(mb)
+    scheme.init_on_receiver(model_id="policy", model=model, worker_idx=idx)
+    scheme.connect()
+    while not stop.is_set():  # no_sync has no channel to say the trainer is done
+        try:
+            scheme.receive(timeout=0.5)
+        except ws.ConnectionClosedError:
+            break
+    scheme.shutdown()
+
+
+def time_scheme(name: str, model: nn.Module, workers: int, rounds: int, mb: float) -> tuple[list[float], list[float]]:
+    """Per round: one ``copy_`` of the model's bytes, then one ``send()``; both lists of seconds.
+
+    Interleaving the floor with the sends makes their ratio robust to the
+    machine's load changing during the run.
+    """
+    numel = sum(p.numel() for p in model.parameters())
+    src, dst = torch.randn(numel), torch.empty(numel)
+    ctx = mp.get_context("spawn")
+    scheme = ws.WeightSyncScheme.from_backend(name, timeout=120)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
+    stop = ctx.Event()
+    procs = [ctx.Process(target=worker, args=(scheme, i, mb, stop)) for i in range(workers)]
+    for proc in procs:
+        proc.start()
+    try:
+        scheme.connect()
+        copies, sends = [], []
+        for step in range(rounds + 2):
+            start = time.perf_counter()
+            dst.copy_(src)
+            copy_s = time.perf_counter() - start
+            with torch.no_grad():
+                model[0].bias.add_(1.0)  # an optimizer-like change, so every version differs
+            start = time.perf_counter()
+            scheme.send()
+            send_s = time.perf_counter() - start
+            if step >= 2:  # the first sends also map the slots in the workers
+                copies.append(copy_s)
+                sends.append(send_s)
+        return copies, sends
+    finally:
+        scheme.shutdown()
+        stop.set()
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=float, default=100.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--schemes", nargs="+", default=SCHEMES, choices=SCHEMES)
+    parser.add_argument("--markdown", help="also write the table to this Markdown file")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = make_model(args.mb)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = []
+    for name in args.schemes:
+        copies, sends = time_scheme(name, model, args.workers, args.rounds, args.mb)
+        copy_ms, send_ms = statistics.median(copies) * 1e3, statistics.median(sends) * 1e3
+        rows.append((name, send_ms, copy_ms, send_ms / copy_ms))
+    header = (
+        f"{nbytes / 1e6:.1f} MB float32 model ({len(list(model.parameters()))} tensors), "
+        f"{args.workers} workers, median of {args.rounds} sends, {platform.machine()}, "
+        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    )
+    lines = [
+        header,
+        "",
+        "| scheme | median send (ms) | median copy_ of the same bytes (ms) | send / copy_ |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [f"| {name} | {send:.2f} | {copy:.2f} | {ratio:.2f} |" for name, send, copy, ratio in rows]
+    print("\n".join(lines))
+    if args.markdown:
+        with open(args.markdown, "w") as out:
+            out.write(
+                "# Benchmarks\n\nProduced by `python benchmarks/bench_local.py --markdown docs/benchmarks.md`.\n"
+                "A send is timed until every worker applied and acked.\n\n"
+            )
+            out.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Worker programs the tests run in real child processes (importable by spawn/forkserver)."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import signal
+import threading
+import traceback
+from multiprocessing.connection import wait
+
+import torch
+from torch import nn
+
+import weightsync as ws
+
+
+class TinyNet(nn.Module):
+    """Parameters, a BatchNorm (persistent buffers, an int64 one) and a non-persistent buffer."""
+
+    def __init__(self, hidden: int = 8, out: int = 2) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, out))
+        self.register_buffer("scale", torch.ones(out), persistent=False)
+
+
+class Holder:
+    """A context in the TorchRL style: the model sits at ``env.transform[0].module``."""
+
+    class _T:
+        def __init__(self, module):
+            self.module = module
+
+    class _Env:
+        def __init__(self, module):
+            self.transform = [Holder._T(module)]
+
+    def __init__(self, module):
+        self.env = Holder._Env(module)
+
+
+def build(kind: str) -> nn.Module:
+    if kind == "tiny":
+        return TinyNet()
+    if kind == "tiny_wrong":  # same keys, one different shape
+        return TinyNet(out=3)
+    if kind == "value":
+        return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
+    if kind == "flat4":  # four 64k-float tensors: large enough for a torn read to be visible
+        return nn.ParameterList([nn.Parameter(torch.zeros(65536)) for _ in range(4)])
+    raise ValueError(kind)
+
+
+def checksum(model, extract_as: str = "tensordict") -> str:
+    digest = hashlib.sha256()
+    for key, tensor in sorted(ws.WeightStrategy(extract_as).flat(model).items()):
+        digest.update(key.encode())
+        digest.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _scramble(model: nn.Module) -> None:
+    with torch.no_grad():
+        for tensor in ws.WeightStrategy("tensordict").flat(model).values():
+            tensor.fill_(-7)
+
+
+def leftovers() -> dict:
+    """What this process still holds of weightsync after shutdown: threads, slot descriptors, slot mappings."""
+    gc.collect()
+    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if _readable(fd)]
+    with open("/proc/self/maps") as maps:
+        mapped = sum("memfd:weightsync" in line for line in maps)
+    return {
+        "threads": [t.name for t in threading.enumerate() if t.name.startswith("weightsync")],
+        "memfds": sum("memfd:weightsync" in f for f in fds),
+        "maps": mapped,
+    }
+
+
+def _readable(fd: str) -> bool:
+    try:
+        os.readlink(f"/proc/self/fd/{fd}")
+        return True
+    except OSError:
+        return False
+
+
+def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = False, path_context: bool = False):
+    """Connect every scheme, then loop: apply updates as they arrive, log (model, version, checksum), obey ``cmd``."""
+    try:
+        models = {mid: build(kind) for mid, kind in kinds.items()}
+        for model in models.values():
+            _scramble(model)
+        for mid, scheme in schemes.items():
+            if path_context:
+                scheme.init_on_worker(
+                    model_id="env.transform[0].module", context=Holder(models[mid]), worker_idx=worker_idx
+                )
+            else:
+                scheme.init_on_receiver(model_id=mid, model=models[mid], worker_idx=worker_idx)
+        errors = {}
+        for mid, scheme in schemes.items():
+            try:
+                scheme.connect()
+            except ws.WeightSyncError as exc:
+                errors[mid] = f"{type(exc).__name__}: {exc}"
+        extract = {mid: s.strategy.extract_as for mid, s in schemes.items()}
+        log = [(mid, s.version, checksum(models[mid], extract[mid])) for mid, s in schemes.items() if mid not in errors]
+        cmd.send(("ready", log, errors))
+        log = []
+        channels = [
+            s.receiver_transport.channel.connection
+            for s in schemes.values()
+            if getattr(s, "receiver_transport", None) is not None
+        ]
+        while True:
+            ready = wait([cmd, *channels], timeout=0.05)
+            for mid, scheme in schemes.items():
+                if mid in errors:
+                    continue
+                lock = getattr(scheme, "weights_lock", None) or threading.RLock()
+                with lock:  # a background thread may apply the next version meanwhile
+                    try:
+                        got = scheme.get_receiver().receive(0.0) if use_facade else scheme.receive(0.0) is not None
+                    except ws.ConnectionClosedError:
+                        channels = []
+                        continue
+                    except ws.WeightSyncError as exc:
+                        log.append((mid, "error", f"{type(exc).__name__}: {exc}"))
+                        continue
+                    if got:
+                        log.append((mid, scheme.version, checksum(models[mid], extract[mid])))
+            if cmd in ready or cmd.poll():
+                op, *args = cmd.recv()
+                if op == "log":
+                    cmd.send(log)
+                    log = []
+                elif op == "state":
+                    state = {}
+                    for mid, s in schemes.items():
+                        with getattr(s, "weights_lock", None) or threading.RLock():
+                            state[mid] = (s.version, checksum(models[mid], extract[mid]))
+                    cmd.send(state)
+                elif op == "break_model":  # the worker's model changes shape after connect
+                    models[args[0]].body[3] = nn.Linear(8, 3)
+                    cmd.send("broken")
+                elif op == "die_on_next_update":
+                    scheme = schemes[args[0]]
+                    cmd.send("armed")
+                    if scheme.receiver_transport.poll(timeout=60):
+                        os.kill(os.getpid(), signal.SIGKILL)
+                elif op == "stop":
+                    for scheme in schemes.values():
+                        scheme.shutdown()
+                    cmd.send(("stopped", log, leftovers()))
+                    return
+    except Exception:  # noqa: BLE001 - shown by the test that reads it
+        cmd.send(("crashed", traceback.format_exc()))
+
+
+def torn_reader(scheme, worker_idx: int, kind: str, cmd, lock_reads: bool = False):
+    """Read the model continuously; count reads that see a mix of two versions."""
+    model = build(kind)
+    scheme.init_on_receiver(model_id="policy", model=model, worker_idx=worker_idx)
+    scheme.connect()
+    cmd.send("ready")
+    reads = torn = applied = 0
+    tensors = lambda: list(ws.WeightStrategy().flat(model).values())  # noqa: E731
+    while not cmd.poll():
+        try:
+            if scheme.receive(0.0) is not None:
+                applied += 1
+        except ws.ConnectionClosedError:
+            break
+        if lock_reads:
+            with scheme.weights_lock:
+                values = {float(t.min()) for t in tensors()} | {float(t.max()) for t in tensors()}
+        else:
+            values = {float(t.min()) for t in tensors()} | {float(t.max()) for t in tensors()}
+        reads += 1
+        torn += len(values) != 1
+    cmd.recv()
+    scheme.shutdown()
+    cmd.send({"reads": reads, "torn": torn, "applied": applied, "version": scheme.version})

@@ -1,0 +1,135 @@
+"""Fixtures: real worker processes, the local schemes to run each test body over, leak checks."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import threading
+
+import psutil
+import pytest
+
+import weightsync as ws
+
+# Workers fork from a server that has already imported torch: a worker starts in
+# milliseconds instead of seconds, and still gets its scheme pickled like a spawned one.
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "tensordict", "weightsync", "tests._workers"])
+
+LOCAL_SCHEMES = {
+    "multiprocess": lambda **kw: ws.MultiProcessWeightSyncScheme(timeout=20, connect_timeout=60, **kw),
+    "shared_mem": lambda **kw: ws.SharedMemWeightSyncScheme(timeout=20, connect_timeout=60, **kw),
+    "multiprocess-thread": lambda **kw: ws.MultiProcessWeightSyncScheme(
+        timeout=20, connect_timeout=60, background_thread=True, **kw
+    ),
+    "shared_mem-per_worker": lambda **kw: ws.SharedMemWeightSyncScheme(
+        timeout=20, connect_timeout=60, per_worker_weights=True, **kw
+    ),
+}
+
+
+@pytest.fixture
+def ctx():
+    return _CTX
+
+
+@pytest.fixture(params=sorted(LOCAL_SCHEMES))
+def make_scheme(request):
+    """A factory for the local scheme under test (every test body runs over all of them)."""
+    return LOCAL_SCHEMES[request.param]
+
+
+def _memfds(pid: int) -> int:
+    try:
+        return sum("memfd:weightsync" in os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+def _weightsync_maps(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return sum("memfd:weightsync" in line for line in maps)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """After every test: no shared-memory segment, weightsync thread or child process left behind."""
+    shm_before = set(os.listdir("/dev/shm"))
+    yield
+    gc.collect()
+    me = psutil.Process()
+    children = [
+        c
+        for c in me.children(recursive=True)
+        if c.is_running()
+        and c.status() != psutil.STATUS_ZOMBIE
+        and "forkserver" not in " ".join(c.cmdline())
+        and "resource_tracker" not in " ".join(c.cmdline())
+    ]
+    assert not children, f"child processes left behind: {[(c.pid, c.cmdline()) for c in children]}"
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("weightsync")]
+    assert not threads, f"threads left behind: {threads}"
+    assert _memfds(os.getpid()) == 0, "shared-memory slots still open in the test process"
+    assert _weightsync_maps(os.getpid()) == 0, "shared-memory slots still mapped in the test process"
+    assert set(os.listdir("/dev/shm")) <= shm_before, "new files in /dev/shm"
+
+
+class WorkerGroup:
+    """Worker processes running :func:`tests._workers.serve`, driven over a command pipe each."""
+
+    def __init__(self, ctx, target, n, make_args):
+        self.procs, self.cmds = [], []
+        for i in range(n):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=target, args=make_args(i, child), daemon=True)
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.cmds.append(parent)
+
+    def recv(self, i, timeout=30.0):
+        if not self.cmds[i].poll(timeout):
+            raise TimeoutError(f"worker {i} did not answer within {timeout}s")
+        msg = self.cmds[i].recv()
+        if isinstance(msg, tuple) and msg and msg[0] == "crashed":
+            raise AssertionError(f"worker {i} crashed:\n{msg[1]}")
+        return msg
+
+    def ask(self, i, *command, timeout=30.0):
+        self.cmds[i].send(command)
+        return self.recv(i, timeout)
+
+    def stop(self, timeout=30.0):
+        for i, proc in enumerate(self.procs):
+            if proc.is_alive():
+                try:
+                    self.cmds[i].send(("stop",))
+                except OSError:
+                    pass
+        for proc in self.procs:
+            proc.join(timeout)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for cmd in self.cmds:
+            cmd.close()
+
+
+@pytest.fixture
+def workers(ctx):
+    """Start worker groups; every group is stopped (and killed if need be) at teardown."""
+    groups = []
+
+    def start(target, n, make_args):
+        group = WorkerGroup(ctx, target, n, make_args)
+        groups.append(group)
+        return group
+
+    yield start
+    for group in groups:
+        group.stop()

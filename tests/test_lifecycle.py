@@ -1,0 +1,172 @@
+"""The state machine: every call out of order is refused with a clear error; pickling; the registry."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from torch import nn
+
+import weightsync as ws
+
+SCHEMES = [ws.MultiProcessWeightSyncScheme, ws.SharedMemWeightSyncScheme]
+
+
+@pytest.mark.parametrize("cls", SCHEMES)
+def test_calls_out_of_order(cls):
+    scheme = cls(timeout=1, connect_timeout=1)
+    with pytest.raises(ws.LifecycleError, match="cannot send: scheme is new"):
+        scheme.send()
+    with pytest.raises(ws.LifecycleError, match="cannot connect"):
+        scheme.connect()
+    with pytest.raises(ws.LifecycleError, match="cannot receive"):
+        scheme.receive()
+    with pytest.raises(ws.LifecycleError, match="init_on_sender"):
+        scheme.get_sender()
+    with pytest.raises(ws.LifecycleError, match="init_on_receiver"):
+        scheme.get_receiver()
+
+    scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    with pytest.raises(ws.LifecycleError, match="cannot init_on_sender"):
+        scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    with pytest.raises(ws.LifecycleError, match="cannot init_on_receiver"):
+        scheme.init_on_receiver(model_id="policy", model=nn.Linear(2, 2), worker_idx=0)
+    with pytest.raises(ws.LifecycleError, match="cannot send: scheme is initialized as sender"):
+        scheme.send()
+    with pytest.raises(ws.LifecycleError, match="cannot receive"):
+        scheme.receive()
+    with pytest.raises(ws.LifecycleError, match="receiver's call"):
+        scheme.connect(worker_idx=0)
+    with pytest.raises(ws.SyncTimeoutError, match="workers \\[0\\] did not connect within 1.0s"):
+        scheme.connect()
+    scheme.shutdown()
+    with pytest.raises(ws.LifecycleError, match="shut down"):
+        scheme.send()
+    scheme.shutdown()
+
+
+def test_connect_twice_and_receive_on_a_sender():
+    import threading
+
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=5, connect_timeout=10)
+    scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    receiver = pickle.loads(pickle.dumps(scheme))
+    receiver.init_on_receiver(model_id="policy", model=nn.Linear(2, 2), worker_idx=0)
+    joiner = threading.Thread(target=receiver.connect)
+    joiner.start()
+    scheme.connect()
+    joiner.join(10)
+    with pytest.raises(ws.LifecycleError, match="cannot connect: scheme is connected sender"):
+        scheme.connect()
+    with pytest.raises(ws.LifecycleError, match="cannot connect: scheme is connected receiver"):
+        receiver.connect(worker_idx=0)
+    with pytest.raises(ws.LifecycleError, match="cannot receive: scheme is connected sender"):
+        scheme.receive()
+    with pytest.raises(ws.LifecycleError, match="cannot send: scheme is connected receiver"):
+        receiver.send()
+    assert receiver.receive() is None  # nothing pending: returns at once
+    scheme.shutdown()
+    with pytest.raises(ws.ConnectionClosedError):
+        receiver.receive(timeout=5)
+    receiver.shutdown()
+
+
+def test_bad_arguments():
+    with pytest.raises(ws.ConfigurationError, match="timeout"):
+        ws.MultiProcessWeightSyncScheme(timeout=0)
+    with pytest.raises(ws.ConfigurationError, match="max_slots"):
+        ws.SharedMemWeightSyncScheme(max_slots=0)
+    scheme = ws.MultiProcessWeightSyncScheme()
+    with pytest.raises(ws.ConfigurationError, match="num_workers"):
+        scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2))
+    with pytest.raises(ws.ConfigurationError, match="num_workers must be a positive int"):
+        scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=0)
+    with pytest.raises(ws.ConfigurationError, match="unexpected arguments: \\['pipes'\\]"):
+        scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1, pipes=[])
+    with pytest.raises(ws.ConfigurationError, match="model path"):
+        scheme.init_on_sender(model_id="policy.net", context=object(), num_workers=1)
+    assert scheme.state == "new"  # a refused init leaves the scheme usable
+    receiver = ws.MultiProcessWeightSyncScheme()
+    with pytest.raises(ws.LifecycleError, match="does not know where its sender is"):
+        receiver.init_on_receiver(model_id="policy", model=nn.Linear(2, 2), worker_idx=0)
+
+
+def test_pickle_keeps_configuration_only():
+    scheme = ws.SharedMemWeightSyncScheme(strategy="state_dict", sync=False, timeout=7, per_worker_weights=True)
+    clone = pickle.loads(pickle.dumps(scheme))
+    assert (clone.strategy.extract_as, clone.sync, clone.timeout, clone.per_worker_weights) == (
+        "state_dict",
+        False,
+        7.0,
+        True,
+    )
+    scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    ready = pickle.loads(pickle.dumps(scheme))
+    assert ready.state == "new" and ready.model is None and ready.model_id == "policy"
+    with pytest.raises(ws.LifecycleError, match="only be initialized as a receiver"):
+        ready.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    assert b"Linear" not in pickle.dumps(scheme)  # no model, no runtime state travels
+    scheme.shutdown()
+
+
+def test_registry_and_from_backend():
+    assert {"multiprocess", "shared_mem", "no_sync"} <= set(ws.available_backends())
+    assert isinstance(ws.WeightSyncScheme.from_backend("shared_mem", timeout=3), ws.SharedMemWeightSyncScheme)
+    assert ws.get_backend("mp") is ws.MultiProcessWeightSyncScheme
+    with pytest.raises(ws.ConfigurationError, match="unknown weight-sync backend 'carrier-pigeon'; known: \\["):
+        ws.WeightSyncScheme.from_backend("carrier-pigeon")
+
+    class Custom(ws.NoWeightSyncScheme):
+        backend = "custom-test"
+
+    ws.register_backend("custom-test", Custom)
+    try:
+        assert isinstance(ws.WeightSyncScheme.from_backend("custom-test"), Custom)
+        with pytest.raises(ws.ConfigurationError, match="already registered"):
+            ws.register_backend("custom-test", Custom)
+        ws.register_backend("lazy-test", "weightsync.schemes.no_sync:NoWeightSyncScheme")
+        assert ws.get_backend("lazy-test") is ws.NoWeightSyncScheme
+        ws.register_backend("broken-test", "weightsync.nowhere:Nothing")
+        with pytest.raises(ws.ConfigurationError, match="not available"):
+            ws.get_backend("broken-test")
+    finally:
+        from weightsync.schemes import registry
+
+        for name in ("custom-test", "lazy-test", "broken-test"):
+            registry._registered.pop(name, None)
+
+
+def test_no_sync_receiver_needs_nothing():
+    scheme = ws.NoWeightSyncScheme()
+    scheme.init_on_receiver(model_id="policy", model=nn.Linear(1, 1))
+    scheme.connect()
+    assert scheme.receive() is None and scheme.get_receiver().receive() is False
+    scheme.shutdown()
+
+
+def test_wrong_auth_key_is_refused():
+    import threading
+
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=5, connect_timeout=3)
+    scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    address = scheme.sender_transports or pickle.loads(pickle.dumps(scheme))._handoff["address"]
+    intruder = ws.MultiProcessWeightSyncScheme(timeout=5, connect_timeout=3)
+    intruder.init_on_receiver(
+        model_id="policy", model=nn.Linear(2, 2), worker_idx=0, address=address, authkey=b"0" * 32
+    )
+    errors = []
+
+    def join():
+        try:
+            intruder.connect()
+        except ws.WeightSyncError as exc:
+            errors.append(exc)
+
+    joiner = threading.Thread(target=join)
+    joiner.start()
+    with pytest.raises(ws.SyncTimeoutError, match="workers \\[0\\] did not connect"):
+        scheme.connect()
+    joiner.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], ws.AuthenticationError)
+    scheme.shutdown()
+    intruder.shutdown()

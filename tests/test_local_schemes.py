@@ -1,0 +1,375 @@
+"""The local schemes in real worker processes: one body over every scheme, then isolation, torn reads, failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import weightsync as ws
+from tests._workers import build, checksum, serve, torn_reader
+
+
+def _optimizer_step(model: torch.nn.Module, seed: int) -> None:
+    """An in-place change like an optimizer step, buffers included."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in ws.WeightStrategy().flat(model).values():
+            if tensor.is_floating_point():
+                tensor.add_(torch.randn(tensor.shape, generator=gen) * 0.1)
+            else:
+                tensor.add_(1)
+
+
+def _start(workers, schemes: dict, kinds: dict, n: int = 2, **kw):
+    group = workers(serve, n, lambda i, conn: (schemes, i, kinds, conn, *kw.values()))
+    for scheme in schemes.values():
+        scheme.connect()
+    ready = [group.recv(i) for i in range(n)]
+    return group, ready
+
+
+@pytest.mark.parametrize("strategy", ["tensordict", "state_dict"])
+def test_every_send_reaches_every_targeted_worker(make_scheme, workers, strategy):
+    model = build("tiny")
+    scheme = make_scheme(strategy=strategy)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, ready = _start(workers, {"policy": scheme}, {"policy": "tiny"})
+    expected = {0: checksum(model, strategy)}
+    for _, log, errors in ready:
+        assert errors == {}
+        assert log == [("policy", 0, expected[0])]
+
+    held = {0: 0, 1: 0}
+    plan = [None] * 6 + [[1], 0, [0, 1], None]
+    for step, worker_ids in enumerate(plan, start=1):
+        _optimizer_step(model, step)
+        expected[step] = checksum(model, strategy)
+        scheme.send(worker_ids=worker_ids)
+        targets = [0, 1] if worker_ids is None else ([worker_ids] if isinstance(worker_ids, int) else worker_ids)
+        for w in targets:
+            held[w] = step
+        assert scheme.version == step
+        for w in range(2):
+            assert scheme.acked_versions[w] == held[w]
+            version, digest = group.ask(w, "state")["policy"]
+            assert (version, digest) == (held[w], expected[held[w]]), f"worker {w} after send {step}"
+
+    for w in range(2):
+        for model_id, version, digest in group.ask(w, "log"):
+            assert model_id == "policy" and digest == expected[version], f"worker {w} applied a wrong version {version}"
+    for w in range(2):
+        _, _, leftovers = group.ask(w, "stop")
+        assert leftovers == {"threads": [], "memfds": 0, "maps": 0}, f"worker {w} kept {leftovers}"
+    scheme.shutdown()
+    scheme.shutdown()  # idempotent
+
+
+def test_two_models_with_two_schemes(workers):
+    policy, value = build("tiny"), build("value")
+    schemes = {
+        "policy": ws.MultiProcessWeightSyncScheme(timeout=20),
+        "value": ws.SharedMemWeightSyncScheme(strategy="state_dict", timeout=20),
+    }
+    schemes["policy"].init_on_sender(model_id="policy", model=policy, num_workers=2)
+    schemes["value"].init_on_sender(model_id="value", weights=value.state_dict(), num_workers=2)
+    group, ready = _start(workers, schemes, {"policy": "tiny", "value": "value"})
+    for _, log, _ in ready:
+        assert sorted(log) == sorted([("policy", 0, checksum(policy)), ("value", 0, checksum(value, "state_dict"))])
+    for step in range(1, 4):
+        _optimizer_step(policy, step)
+        _optimizer_step(value, 100 + step)
+        schemes["policy"].send()
+        schemes["value"].send(weights=value)
+        for w in range(2):
+            state = group.ask(w, "state")
+            assert state["policy"] == (step, checksum(policy))
+            assert state["value"] == (step, checksum(value, "state_dict"))
+    group.stop()
+    for scheme in schemes.values():
+        scheme.shutdown()
+
+
+def test_pickled_scheme_older_facade_and_model_path_with_spawn(workers):
+    """A scheme pickled into spawned processes; the older facade on both sides; a TorchRL-style model path."""
+    import multiprocessing as mp
+
+    from tests._workers import Holder
+
+    model = build("tiny")
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=30, connect_timeout=120)
+    scheme.init_on_sender(model_id="env.transform[0].module", context=Holder(model), num_workers=2)
+    with pytest.raises(ws.LifecycleError):
+        scheme.get_receiver()
+    sender = scheme.get_sender()
+    path = "env.transform[0].module"
+    kinds = {path: "tiny"}
+    ctx = mp.get_context("spawn")
+    procs, cmds = [], []
+    for i in range(2):
+        parent, child = ctx.Pipe()
+        procs.append(ctx.Process(target=serve, args=({path: scheme}, i, kinds, child, True, True), daemon=True))
+        procs[-1].start()
+        child.close()
+        cmds.append(parent)
+    try:
+        scheme.connect()
+        for cmd in cmds:
+            assert cmd.poll(60)
+            _, log, errors = cmd.recv()
+            assert errors == {} and log[0][1:] == (0, checksum(model))
+        _optimizer_step(model, 1)
+        sender.send()
+        _optimizer_step(model, 2)
+        sender.update_weights()
+        for cmd in cmds:
+            cmd.send(("state",))
+            assert cmd.poll(30)
+            assert cmd.recv()[path] == (2, checksum(model))
+    finally:
+        for cmd in cmds:
+            cmd.send(("stop",))
+        for proc in procs:
+            proc.join(30)
+        scheme.shutdown()
+    assert [p.exitcode for p in procs] == [0, 0]
+
+
+def test_trainer_changes_are_invisible_until_send(make_scheme, workers):
+    model = build("tiny")
+    scheme = make_scheme()
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = _start(workers, {"policy": scheme}, {"policy": "tiny"})
+    published = checksum(model)
+    for step in range(3):
+        _optimizer_step(model, 50 + step)  # no send
+    assert checksum(model) != published
+    for w in range(2):
+        assert group.ask(w, "state")["policy"] == (0, published)
+    scheme.send()
+    for w in range(2):
+        assert group.ask(w, "state")["policy"] == (1, checksum(model))
+    group.stop()
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["multiprocess", "shared_mem", "shared_mem-thread"])
+def test_no_torn_reads_while_sending_alternating_weights(workers, kind):
+    background = kind.endswith("thread")
+    cls = ws.SharedMemWeightSyncScheme if kind.startswith("shared_mem") else ws.MultiProcessWeightSyncScheme
+    scheme = cls(sync=False, timeout=20, background_thread=background)
+    model = build("flat4")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group = workers(torn_reader, 2, lambda i, conn: (scheme, i, "flat4", conn, background))
+    scheme.connect()
+    for w in range(2):
+        assert group.recv(w) == "ready"
+    sends = 150
+    for step in range(1, sends + 1):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(step % 2))
+        scheme.send()  # sync=False: does not wait, so the sender laps slow readers
+    scheme.wait_async()
+    assert scheme.acked_versions == {0: sends, 1: sends}
+    for w in range(2):
+        group.cmds[w].send(("stop",))
+        stats = group.recv(w)
+        assert stats["torn"] == 0, f"worker {w} saw {stats['torn']} torn reads in {stats['reads']}"
+        assert stats["reads"] > 0 and stats["applied"] > 0 and stats["version"] == sends
+    scheme.shutdown()
+
+
+def test_receiver_that_cannot_apply_reports_to_the_sender(workers):
+    model = build("tiny")
+    scheme = ws.SharedMemWeightSyncScheme(timeout=20)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group = workers(
+        serve, 2, lambda i, conn: ({"policy": scheme}, i, {"policy": "tiny" if i == 0 else "tiny_wrong"}, conn)
+    )
+    with pytest.raises(ws.ReceiverError) as info:
+        scheme.connect()
+    err = info.value
+    assert err.worker_idx == 1 and err.model_id == "policy" and err.remote_type == "WeightMismatchError"
+    assert "body.3.weight" in str(err) and "body.3.bias" in str(err) and "scale" in str(err)
+    _, log0, errors0 = group.recv(0)
+    _, log1, errors1 = group.recv(1)
+    assert errors0 == {} and log0 == [("policy", 0, checksum(model))]
+    assert "WeightMismatchError" in errors1["policy"]
+    scrambled = build("tiny_wrong")
+    from tests._workers import _scramble
+
+    _scramble(scrambled)
+    assert group.ask(1, "state")["policy"] == (None, checksum(scrambled)), "the failing worker's model was touched"
+
+    _optimizer_step(model, 3)
+    with pytest.raises(ws.ReceiverError, match="body.3.weight") as info:
+        scheme.send()  # the worker that failed at connect is named again, with its cause
+    assert info.value.worker_idx == 1
+    assert group.ask(0, "state")["policy"] == (1, checksum(model)), "the healthy worker was not updated"
+    assert group.ask(1, "state")["policy"] == (None, checksum(scrambled))
+    group.stop()
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("scheme_name", ["multiprocess", "shared_mem"])
+def test_apply_failure_after_connect_is_acked_with_its_cause(workers, scheme_name):
+    model = build("tiny")
+    scheme = ws.WeightSyncScheme.from_backend(scheme_name, timeout=20)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = _start(workers, {"policy": scheme}, {"policy": "tiny"})
+    assert group.ask(1, "break_model", "policy") == "broken"
+    held = group.ask(1, "state")["policy"]
+    _optimizer_step(model, 1)
+    with pytest.raises(ws.ReceiverError) as info:
+        scheme.send()
+    err = info.value
+    assert (err.worker_idx, err.version, err.remote_type) == (1, 1, "WeightMismatchError")
+    assert "body.3.weight" in err.remote_message and "[3, 8] float32" in err.remote_message
+    assert group.ask(0, "state")["policy"] == (1, checksum(model))
+    assert group.ask(1, "state")["policy"] == held, "a refused update changed the worker's model"
+    assert any(entry[1] == "error" for entry in group.ask(1, "log")), "the worker was not told either"
+    _optimizer_step(model, 2)
+    scheme.send(worker_ids=0)  # the failing worker stays connected; the others go on
+    assert group.ask(0, "state")["policy"] == (2, checksum(model))
+    group.stop()
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("scheme_name", ["multiprocess", "shared_mem"])
+def test_worker_killed_during_a_send(workers, scheme_name):
+    timeout = 10.0
+    model = build("tiny")
+    scheme = ws.WeightSyncScheme.from_backend(scheme_name, timeout=timeout)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = _start(workers, {"policy": scheme}, {"policy": "tiny"})
+    assert group.ask(1, "die_on_next_update", "policy") == "armed"
+    _optimizer_step(model, 1)
+    start = time.monotonic()
+    with pytest.raises(ws.WorkerDiedError) as info:
+        scheme.send()
+    assert time.monotonic() - start < timeout
+    assert info.value.worker_idx == 1 and info.value.model_id == "policy" and info.value.version == 1
+    group.procs[1].join(10)
+    assert group.procs[1].exitcode == -signal.SIGKILL
+    assert group.ask(0, "state")["policy"] == (1, checksum(model))
+    assert not scheme.sender_transports[1].check_connection()
+    assert 1 in scheme.failed_workers
+
+    _optimizer_step(model, 2)
+    with pytest.raises(ws.WorkerDiedError):
+        scheme.send()  # the dead worker is named again; the live one is still served
+    assert group.ask(0, "state")["policy"] == (2, checksum(model))
+    _optimizer_step(model, 3)
+    scheme.send(worker_ids=[0])
+    assert group.ask(0, "state")["policy"] == (3, checksum(model))
+    group.stop()
+    scheme.shutdown()
+
+
+def test_stopped_worker_times_out_with_its_name(workers):
+    model = build("tiny")
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=1.0)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = _start(workers, {"policy": scheme}, {"policy": "tiny"})
+    os.kill(group.procs[1].pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ws.SyncTimeoutError) as info:
+            scheme.send()
+        assert 1.0 <= time.monotonic() - start < 5.0
+        assert info.value.worker_idx == 1 and "version 1" in str(info.value)
+        assert group.ask(0, "state")["policy"][0] == 1
+    finally:
+        os.kill(group.procs[1].pid, signal.SIGCONT)
+    scheme.wait_async(timeout=20)  # once resumed, the worker catches up and acks
+    assert scheme.acked_versions == {0: 1, 1: 1}
+    group.stop()
+    scheme.shutdown()
+
+
+def test_bad_weights_fail_in_the_caller_and_send_nothing(make_scheme, workers):
+    model = build("tiny")
+    scheme = make_scheme()
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = _start(workers, {"policy": scheme}, {"policy": "tiny"})
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ws.InvalidWeightsError, match="function"):
+        scheme.send(weights={**ws.WeightStrategy("state_dict").flat(model), "scale": lambda x: x})
+    wrong = ws.WeightStrategy().flat(model)
+    wrong["body.0.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ws.WeightMismatchError, match="body.0.weight"):
+        scheme.send(weights=wrong)
+    missing = ws.WeightStrategy().flat(model)
+    del missing["scale"]
+    with pytest.raises(ws.WeightMismatchError, match="missing keys \\['scale'\\]"):
+        scheme.send(weights=missing)
+    with pytest.raises(ws.ConfigurationError, match="worker_ids \\[2\\]"):
+        scheme.send(worker_ids=[0, 2])
+    assert scheme.version == 0
+    for w in range(2):
+        assert group.ask(w, "state")["policy"][0] == 0
+    assert all(torch.equal(good[k], v) for k, v in model.state_dict().items())
+    group.stop()
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("latest_wins", [True, False])
+def test_async_sends_coalesce_to_the_latest_version(latest_wins):
+    """A worker that fell behind applies only the newest pending version (or every one, in order)."""
+    import threading
+
+    model = build("tiny")
+    scheme = ws.MultiProcessWeightSyncScheme(sync=False, latest_wins=latest_wins, timeout=20, max_slots=8)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    receiver = pickle_roundtrip(scheme)
+    replica = build("tiny")
+    receiver.init_on_receiver(model_id="policy", model=replica, worker_idx=0)
+    joiner = threading.Thread(target=receiver.connect)
+    joiner.start()
+    scheme.connect()
+    joiner.join(20)
+    sums = {}
+    for step in range(1, 6):
+        _optimizer_step(model, step)
+        sums[step] = checksum(model)
+        scheme.send_async()
+    applied = []
+    while receiver.version != 5:
+        if receiver.receive(timeout=5) is not None:
+            applied.append(receiver.version)
+    assert applied == ([5] if latest_wins else [1, 2, 3, 4, 5])
+    assert checksum(replica) == sums[5]
+    scheme.wait_async()
+    assert scheme.acked_versions == {0: 5}
+    receiver.shutdown()
+    scheme.shutdown()
+
+
+def pickle_roundtrip(scheme):
+    import pickle
+
+    return pickle.loads(pickle.dumps(scheme))
+
+
+def test_no_sync_scheme_moves_nothing(workers):
+    model = build("tiny")
+    scheme = ws.NoWeightSyncScheme()
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2, pipes=["ignored"])
+    group = workers(serve, 2, lambda i, conn: ({"policy": scheme}, i, {"policy": "tiny"}, conn))
+    scheme.connect()
+    before = [group.recv(w) for w in range(2)]
+    assert [errors for _, _, errors in before] == [{}, {}]
+    _optimizer_step(model, 1)
+    scheme.send()
+    scheme.send_async(worker_ids=[1])
+    scheme.wait_async()
+    assert scheme.version == 2
+    for w in range(2):
+        version, digest = group.ask(w, "state")["policy"]
+        assert digest == before[w][1][0][2] and digest != checksum(model)
+    group.stop()
+    scheme.shutdown()

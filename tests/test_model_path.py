@@ -1,0 +1,41 @@
+"""Model paths inside a context: ``"policy"``, ``"env.value_net"``, ``"env.transform[0].module"``."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+import weightsync as ws
+from tests._workers import Holder
+
+
+def test_paths_through_attributes_indexes_and_mappings():
+    module = nn.Linear(2, 2)
+    holder = Holder(module)
+    assert ws.resolve_model(holder, "env.transform[0].module") is module
+    seq = nn.Sequential(nn.ReLU(), nn.ModuleDict({"head": module}))
+    assert ws.resolve_model(seq, "[1].head") is module
+    assert ws.resolve_model({"nets": {"value": module}}, "nets.value") is module
+    assert ws.resolve_model({"nets": [module]}, "nets[-1]") is module
+    assert ws.resolve_model({"a b": module}, '["a b"]') is module
+
+
+def test_context_get_model_wins():
+    module = nn.Linear(2, 2)
+
+    class Collector:
+        def get_model(self, model_id):
+            return {"policy": module}.get(model_id)
+
+    assert ws.resolve_model(Collector(), "policy") is module
+    with pytest.raises(ws.ConfigurationError, match="returned None"):
+        ws.resolve_model(Collector(), "value")
+
+
+def test_missing_segment_is_named():
+    with pytest.raises(ws.ConfigurationError, match="'env.transform\\[0\\]' has no 'policy'"):
+        ws.resolve_model(Holder(nn.Linear(1, 1)), "env.transform[0].policy")
+    with pytest.raises(ws.ConfigurationError, match="has no '\\[3\\]'"):
+        ws.resolve_model(Holder(nn.Linear(1, 1)), "env.transform[3].module")
+    with pytest.raises(ws.ConfigurationError, match="cannot parse"):
+        ws.resolve_model(Holder(nn.Linear(1, 1)), "env..transform")

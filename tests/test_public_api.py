@@ -1,0 +1,60 @@
+"""The public surface is what ``weightsync/__init__.py`` exports."""
+
+from __future__ import annotations
+
+import inspect
+
+import weightsync as ws
+
+
+def test_all_is_sorted_and_complete():
+    assert ws.__all__ == sorted(ws.__all__)
+    assert all(hasattr(ws, name) for name in ws.__all__)
+    public_classes = {n for n, v in vars(ws).items() if inspect.isclass(v) and not n.startswith("_")}
+    assert public_classes <= set(ws.__all__)
+
+
+def test_one_error_tree():
+    errors = [getattr(ws, n) for n in ws.__all__ if n.endswith("Error")]
+    assert all(issubclass(e, ws.WeightSyncError) for e in errors)
+    assert issubclass(ws.SyncTimeoutError, TimeoutError)
+    assert issubclass(ws.ConfigurationError, ValueError)
+    err = ws.WorkerDiedError("gone", model_id="policy", worker_idx=3, version=7)
+    assert str(err) == "[model 'policy', worker 3, version 7] gone" and err.worker_idx == 3
+
+
+def test_older_facade_names_exist():
+    for name in (
+        "init_on_sender",
+        "init_on_receiver",
+        "init_on_worker",
+        "connect",
+        "send",
+        "send_async",
+        "wait_async",
+        "receive",
+        "apply_weights",
+        "shutdown",
+        "get_sender",
+        "get_receiver",
+        "create_sender",
+        "create_receiver",
+        "create_transport",
+        "prepare_weights",
+        "from_backend",
+    ):
+        assert callable(getattr(ws.WeightSyncScheme, name)), name
+    for name in (
+        "model",
+        "model_id",
+        "worker_idx",
+        "weights",
+        "context",
+        "sender_transports",
+        "receiver_transport",
+        "shared_transport",
+    ):
+        assert isinstance(getattr(ws.WeightSyncScheme, name), property), name
+    for name in ("send_weights", "send_weights_async", "wait_ack", "receive_weights", "send_ack", "check_connection"):
+        assert callable(getattr(ws.MPTransport, name)), name
+    assert issubclass(ws.SharedMemTransport, ws.TransportBackend)

@@ -1,0 +1,118 @@
+"""WeightStrategy: extraction formats, in-place apply, and refusal of mismatched updates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+import weightsync as ws
+from tests._workers import TinyNet
+
+
+def _values(model):
+    return {k: v.clone() for k, v in ws.WeightStrategy().flat(model).items()}
+
+
+def test_extract_formats_and_non_persistent_buffers():
+    model = TinyNet()
+    td = ws.WeightStrategy("tensordict").extract_weights(model)
+    sd = ws.WeightStrategy("state_dict").extract_weights(model)
+    assert isinstance(td, TensorDict) and isinstance(sd, dict)
+    assert "scale" in td.keys() and "scale" not in sd  # non-persistent buffers only in the tensordict format
+    assert td["body", "0", "weight"].data_ptr() == model.body[0].weight.data_ptr()  # no copy
+    assert not td["body", "0", "weight"].requires_grad
+
+
+def test_apply_keeps_parameters_buffers_and_requires_grad():
+    src, dst = TinyNet(), TinyNet()
+    dst.body[0].bias.requires_grad_(False)
+    params = {n: p for n, p in dst.named_parameters()}
+    for extract_as in ("tensordict", "state_dict"):
+        ws.WeightStrategy(extract_as).apply_weights(dst, src)
+        assert all(p is params[n] for n, p in dst.named_parameters())
+        assert all(isinstance(p, nn.Parameter) for p in dst.parameters())
+        assert dst.body[0].weight.requires_grad and not dst.body[0].bias.requires_grad
+        assert "running_mean" in dict(dst.body[1].named_buffers())
+        assert torch.equal(dst.body[0].weight, src.body[0].weight)
+
+
+@pytest.mark.parametrize("form", ["module", "tensordict", "flat", "nested", "state_dict"])
+def test_every_input_form_is_accepted(form):
+    src, dst = TinyNet(), TinyNet()
+    with torch.no_grad():
+        src.scale.fill_(3.0)
+    weights = {
+        "module": src,
+        "tensordict": TensorDict.from_module(src),
+        "flat": dict(ws.WeightStrategy().flat(src)),
+        "nested": ws.WeightStrategy().extract_weights(src).to_dict(),
+        "state_dict": src.state_dict(),
+    }[form]
+    strategy = ws.WeightStrategy("state_dict" if form == "state_dict" else "tensordict")
+    strategy.apply_weights(dst, weights)
+    assert all(torch.equal(a, b) for a, b in zip(strategy.flat(dst).values(), strategy.flat(src).values()))
+
+
+def test_mismatch_lists_every_key_and_leaves_the_target_untouched():
+    dst = TinyNet()
+    before = _values(dst)
+    update = dict(ws.WeightStrategy().flat(TinyNet()))
+    del update["body.0.bias"]
+    update["extra.weight"] = torch.zeros(2)
+    update["body.3.weight"] = torch.zeros(3, 8)
+    update["body.1.running_mean"] = update["body.1.running_mean"].double()
+    with pytest.raises(ws.WeightMismatchError) as info:
+        ws.WeightStrategy().apply_weights(dst, update)
+    err = info.value
+    assert err.missing == ["body.0.bias"] and err.extra == ["extra.weight"]
+    assert set(err.mismatched) == {"body.3.weight", "body.1.running_mean"}
+    assert "[3, 8] float32" in str(err) and "float64" in str(err)
+    after = _values(dst)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_non_leaf_tensors_are_detached_and_non_tensors_refused():
+    model = nn.Linear(2, 2)
+    w = torch.ones(2, 2, requires_grad=True) * 2  # non-leaf, requires grad
+    flat = ws.WeightStrategy().flat({"weight": w, "bias": torch.zeros(2)})
+    assert not flat["weight"].requires_grad and flat["weight"].grad_fn is None
+    ws.WeightStrategy().apply_weights(model, {"weight": w, "bias": torch.zeros(2)})
+    assert torch.equal(model.weight.detach(), torch.full((2, 2), 2.0)) and model.weight.is_leaf
+    with pytest.raises(ws.InvalidWeightsError, match="'bias': 'str'"):
+        ws.WeightStrategy().flat({"weight": w, "bias": "zeros"})
+    with pytest.raises(ws.InvalidWeightsError, match="got int"):
+        ws.WeightStrategy().flat(3)
+
+
+def test_tensordict_and_dict_destinations_and_share_mode():
+    src = {"a": {"b": torch.arange(4.0)}, "c": torch.ones(2)}
+    td = TensorDict({"a": {"b": torch.zeros(4)}, "c": torch.zeros(2)}, batch_size=[])
+    ws.WeightStrategy().apply_weights(td, src)
+    assert torch.equal(td["a", "b"], torch.arange(4.0))
+    plain = {"a.b": torch.zeros(4), "c": torch.zeros(2)}
+    ws.WeightStrategy().apply_weights(plain, src)
+    assert torch.equal(plain["a.b"], torch.arange(4.0))
+    model = nn.Linear(2, 2)
+    weight_obj = model.weight
+    shared = {"weight": torch.full((2, 2), 5.0), "bias": torch.zeros(2)}
+    ws.WeightStrategy().apply_weights(model, shared, share=True)
+    assert model.weight is weight_obj and model.weight.data_ptr() == shared["weight"].data_ptr()
+
+
+def test_bad_extract_format():
+    with pytest.raises(ws.ConfigurationError, match="extract_as"):
+        ws.WeightStrategy("pickle")
+
+
+def test_layout_roundtrip_and_alignment():
+    flat = ws.WeightStrategy().flat(TinyNet())
+    layout = ws.FlatLayout.from_weights(flat)
+    assert ws.FlatLayout.from_plain(layout.to_plain()) == layout
+    assert all(s.offset % 64 == 0 for s in layout.slots)
+    buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    views = layout.views(buf)
+    for key, tensor in flat.items():
+        views[key].copy_(tensor)
+    assert all(torch.equal(layout.views(buf)[k], flat[k]) for k in flat)

@@ -1,0 +1,69 @@
+"""weightsync: move model weights from a trainer to the workers that use them.
+
+Pick a scheme per model (``MultiProcessWeightSyncScheme``,
+``SharedMemWeightSyncScheme``, ``NoWeightSyncScheme``, ...), call
+``init_on_sender`` and ``connect`` in the trainer, ``init_on_receiver`` and
+``connect`` in each worker, then ``send()`` and ``receive()``.
+"""
+
+from .errors import (
+    AuthenticationError,
+    ConfigurationError,
+    ConnectionClosedError,
+    InvalidWeightsError,
+    LifecycleError,
+    ReceiverError,
+    SendFailedError,
+    SyncTimeoutError,
+    TransportError,
+    WeightMismatchError,
+    WeightSyncError,
+    WorkerDiedError,
+)
+from .layout import FlatLayout
+from .model_path import resolve_model
+from .schemes import (
+    MultiProcessWeightSyncScheme,
+    NoWeightSyncScheme,
+    SharedMemWeightSyncScheme,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncScheme,
+    available_backends,
+    get_backend,
+    register_backend,
+)
+from .strategy import WeightStrategy
+from .transports import MPTransport, SharedMemTransport, TransportBackend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthenticationError",
+    "ConfigurationError",
+    "ConnectionClosedError",
+    "FlatLayout",
+    "InvalidWeightsError",
+    "LifecycleError",
+    "MPTransport",
+    "MultiProcessWeightSyncScheme",
+    "NoWeightSyncScheme",
+    "ReceiverError",
+    "SendFailedError",
+    "SharedMemTransport",
+    "SharedMemWeightSyncScheme",
+    "SyncTimeoutError",
+    "TransportBackend",
+    "TransportError",
+    "WeightMismatchError",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightStrategy",
+    "WeightSyncError",
+    "WeightSyncScheme",
+    "WorkerDiedError",
+    "available_backends",
+    "get_backend",
+    "register_backend",
+    "resolve_model",
+]

@@ -1,0 +1,199 @@
+"""The weightsync error tree.
+
+Every error raised by weightsync derives from :class:`WeightSyncError` and
+carries, where they are known, the model id, the worker index, the version and
+the keys involved, both in its message and as attributes::
+
+    WeightSyncError
+    ├── ConfigurationError            bad argument or unknown backend (also ValueError)
+    ├── LifecycleError                a call out of order (also RuntimeError)
+    ├── InvalidWeightsError           weights that cannot be sent (also TypeError)
+    │   └── WeightMismatchError       keys, shapes or dtypes differ from the target
+    ├── TransportError                the data plane broke
+    │   ├── AuthenticationError       a peer failed the auth-key challenge
+    │   ├── ConnectionClosedError     the peer closed its end (sender shut down)
+    │   └── WorkerDiedError           a worker process exited while awaited
+    ├── SyncTimeoutError              a bounded wait ran out (also TimeoutError)
+    ├── ReceiverError                 a worker failed to apply an update and said why
+    └── SendFailedError               several workers failed in one send
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = [
+    "AuthenticationError",
+    "ConfigurationError",
+    "ConnectionClosedError",
+    "InvalidWeightsError",
+    "LifecycleError",
+    "ReceiverError",
+    "SendFailedError",
+    "SyncTimeoutError",
+    "TransportError",
+    "WeightMismatchError",
+    "WeightSyncError",
+    "WorkerDiedError",
+]
+
+
+class WeightSyncError(Exception):
+    """Root of every error weightsync raises.
+
+    Attributes:
+        model_id: the model the operation was about, if known.
+        worker_idx: the worker involved, if known.
+        version: the weights version involved, if known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        model_id: str | None = None,
+        worker_idx: int | None = None,
+        version: int | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.worker_idx = worker_idx
+        self.version = version
+        self.detail = message
+        where = []
+        if model_id is not None:
+            where.append(f"model {model_id!r}")
+        if worker_idx is not None:
+            where.append(f"worker {worker_idx}")
+        if version is not None:
+            where.append(f"version {version}")
+        super().__init__(f"[{', '.join(where)}] {message}" if where else message)
+
+
+class ConfigurationError(WeightSyncError, ValueError):
+    """An argument, option or backend name is invalid."""
+
+
+class LifecycleError(WeightSyncError, RuntimeError):
+    """A method was called in a state where it is not allowed."""
+
+
+class InvalidWeightsError(WeightSyncError, TypeError):
+    """Weights that cannot be extracted, sent or applied (for example non-tensors)."""
+
+
+class WeightMismatchError(InvalidWeightsError):
+    """An update does not match its target; nothing was written.
+
+    Attributes:
+        missing: keys the target has and the update lacks.
+        extra: keys the update has and the target lacks.
+        mismatched: ``{key: (update_spec, target_spec)}`` for shape or dtype differences.
+    """
+
+    def __init__(
+        self,
+        *,
+        missing: Iterable[str] = (),
+        extra: Iterable[str] = (),
+        mismatched: Mapping[str, tuple[str, str]] | None = None,
+        model_id: str | None = None,
+        worker_idx: int | None = None,
+        version: int | None = None,
+    ) -> None:
+        self.missing = sorted(missing)
+        self.extra = sorted(extra)
+        self.mismatched = dict(mismatched or {})
+        parts = []
+        if self.missing:
+            parts.append(f"missing keys {self.missing}")
+        if self.extra:
+            parts.append(f"extra keys {self.extra}")
+        if self.mismatched:
+            shown = ", ".join(f"{k!r}: got {a}, expected {b}" for k, a, b in _triples(self.mismatched))
+            parts.append(f"mismatched {{{shown}}}")
+        super().__init__(
+            "weights do not match the target: " + "; ".join(parts) + " (target left unchanged)",
+            model_id=model_id,
+            worker_idx=worker_idx,
+            version=version,
+        )
+
+
+def _triples(mismatched: Mapping[str, tuple[str, str]]) -> list[tuple[str, str, str]]:
+    return [(k, a, b) for k, (a, b) in sorted(mismatched.items())]
+
+
+class TransportError(WeightSyncError):
+    """The channel to a peer failed."""
+
+
+class AuthenticationError(TransportError):
+    """A peer did not prove it holds the scheme's auth key."""
+
+
+class ConnectionClosedError(TransportError):
+    """The peer closed the channel (for a receiver: the sender shut down or died)."""
+
+
+class WorkerDiedError(TransportError):
+    """A worker's process exited (its channel closed) while the sender waited on it."""
+
+
+class SyncTimeoutError(WeightSyncError, TimeoutError):
+    """A bounded wait ran out before the awaited peers answered."""
+
+
+class ReceiverError(WeightSyncError):
+    """A worker failed to apply an update and reported the cause.
+
+    Attributes:
+        remote_type: the exception class name raised in the worker.
+        remote_message: its message.
+    """
+
+    def __init__(
+        self,
+        remote_type: str,
+        remote_message: str,
+        *,
+        model_id: str | None = None,
+        worker_idx: int | None = None,
+        version: int | None = None,
+    ) -> None:
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+        super().__init__(
+            f"receiver failed to apply the update: {remote_type}: {remote_message}",
+            model_id=model_id,
+            worker_idx=worker_idx,
+            version=version,
+        )
+
+
+class SendFailedError(WeightSyncError):
+    """Several workers failed during one send; ``failures`` maps worker index to its error.
+
+    Workers not listed were updated and acked.
+    """
+
+    def __init__(
+        self, failures: Mapping[int, WeightSyncError], *, model_id: str | None = None, version: int | None = None
+    ) -> None:
+        self.failures = dict(sorted(failures.items()))
+        lines = "; ".join(f"worker {w}: {type(e).__name__}: {e.detail}" for w, e in self.failures.items())
+        super().__init__(f"{len(self.failures)} workers failed: {lines}", model_id=model_id, version=version)
+
+
+def raise_failures(failures: Mapping[int, WeightSyncError], *, model_id: str | None, version: int | None) -> None:
+    """Raise the single failure as itself, several as one :class:`SendFailedError`."""
+    if not failures:
+        return
+    if len(failures) == 1:
+        raise next(iter(failures.values()))
+    raise SendFailedError(failures, model_id=model_id, version=version)
+
+
+def describe(exc: BaseException) -> Any:
+    """Plain-data description of an exception, for acks that cross a process boundary."""
+    return {"type": type(exc).__name__, "message": str(exc)}

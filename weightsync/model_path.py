@@ -1,0 +1,76 @@
+"""Finding a model inside a context object by a path such as ``"env.transform[0].module"``."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .errors import ConfigurationError
+
+__all__ = ["resolve_model"]
+
+_TOKEN = re.compile(r"\s*(?:\.?([A-Za-z_][A-Za-z_0-9]*)|\[\s*(-?\d+|'[^']*'|\"[^\"]*\")\s*\])")
+
+
+def _tokens(path: str) -> list[str | int]:
+    out: list[str | int] = []
+    pos = 0
+    while pos < len(path):
+        m = _TOKEN.match(path, pos)
+        if not m or m.end() == pos:
+            raise ConfigurationError(f"cannot parse model path {path!r} at position {pos}")
+        name, index = m.groups()
+        if name is not None:
+            out.append(name)
+        elif index[0] in "'\"":
+            out.append(index[1:-1])
+        else:
+            out.append(int(index))
+        pos = m.end()
+    if not out:
+        raise ConfigurationError("empty model path")
+    return out
+
+
+def _step(obj: Any, token: str | int) -> Any:
+    if isinstance(token, int):
+        return obj[token]
+    if hasattr(obj, token):
+        return getattr(obj, token)
+    # Containers (dict, nn.ModuleDict, TensorDict) are addressed by key with the same dotted syntax.
+    try:
+        return obj[token]
+    except (KeyError, TypeError, IndexError):
+        raise AttributeError(token) from None
+
+
+def resolve_model(context: Any, model_id: str) -> Any:
+    """Return the object that ``model_id`` names in ``context``.
+
+    ``context.get_model(model_id)`` is used when the context provides it; otherwise
+    the path is walked: attribute names separated by dots, ``[i]`` to index a
+    sequence (``nn.Sequential``, list) and ``["key"]`` or ``.key`` for mappings.
+
+    Raises:
+        ConfigurationError: the path does not exist; the message names the first
+            segment that could not be found and what was there instead.
+    """
+    getter = getattr(context, "get_model", None)
+    if callable(getter):
+        model = getter(model_id)
+        if model is None:
+            raise ConfigurationError(f"context.get_model({model_id!r}) returned None", model_id=model_id)
+        return model
+    obj = context
+    walked = ""
+    for token in _tokens(model_id):
+        try:
+            obj = _step(obj, token)
+        except (AttributeError, IndexError, KeyError, TypeError) as exc:
+            seg = f"[{token}]" if isinstance(token, int) else token
+            raise ConfigurationError(
+                f"model path {model_id!r}: {type(obj).__name__} at {walked or '<context>'!r} has no {seg!r}",
+                model_id=model_id,
+            ) from exc
+        walked += f"[{token}]" if isinstance(token, int) else (f".{token}" if walked else token)
+    return obj

@@ -1,0 +1,19 @@
+"""Schemes: the lifecycle of one model across workers, one backend a module."""
+
+from .base import WeightReceiver, WeightSender, WeightSyncScheme
+from .multiprocess import MultiProcessWeightSyncScheme
+from .no_sync import NoWeightSyncScheme
+from .registry import available_backends, get_backend, register_backend
+from .shared_mem import SharedMemWeightSyncScheme
+
+__all__ = [
+    "MultiProcessWeightSyncScheme",
+    "NoWeightSyncScheme",
+    "SharedMemWeightSyncScheme",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightSyncScheme",
+    "available_backends",
+    "get_backend",
+    "register_backend",
+]

@@ -1,0 +1,585 @@
+"""The scheme lifecycle shared by every backend: :class:`WeightSyncScheme`.
+
+A scheme object plays one role. In the trainer it is a *sender*:
+``init_on_sender`` → ``connect`` → ``send``/``send_async``/``wait_async`` →
+``shutdown``. In a worker it is a *receiver*: ``init_on_receiver`` →
+``connect(worker_idx=...)`` → ``receive`` → ``shutdown``. A sender pickled
+after ``init_on_sender`` arrives in the worker as a fresh, receiver-ready
+scheme that knows how to reach the sender.
+
+Subclasses implement the ``_*_impl`` hooks; this module owns the state
+machine, argument checking, model resolution and the older facade
+(``get_sender``, ``WeightSender``, ...).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from ..errors import ConfigurationError, InvalidWeightsError, LifecycleError, WeightSyncError
+from ..model_path import resolve_model
+from ..strategy import WeightStrategy
+from ..transports.base import TransportBackend
+
+__all__ = ["WeightReceiver", "WeightSender", "WeightSyncScheme"]
+
+log = logging.getLogger("weightsync.schemes")
+
+NEW, SENDER, SENDER_CONNECTED, RECEIVER, RECEIVER_CONNECTED, CLOSED = (
+    "new",
+    "initialized as sender",
+    "connected sender",
+    "initialized as receiver",
+    "connected receiver",
+    "shut down",
+)
+
+
+class WeightSyncScheme:
+    """Base class of every scheme: the lifecycle of one model across workers.
+
+    Args:
+        strategy: ``"tensordict"`` or ``"state_dict"`` (a :class:`WeightStrategy` is accepted too).
+        sync: ``send()`` blocks until every targeted worker applied and acked.
+        timeout: seconds any single wait may last (acks, receives, shutdown).
+        connect_timeout: seconds the rendez-vous in ``connect()`` may last.
+    """
+
+    #: Name under which the scheme is registered (see :func:`weightsync.register_backend`).
+    backend: ClassVar[str] = ""
+    #: Receivers must say which worker they are before connecting.
+    needs_worker_idx: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        strategy: str | WeightStrategy = "tensordict",
+        sync: bool = True,
+        timeout: float = 60.0,
+        connect_timeout: float = 120.0,
+    ) -> None:
+        self._strategy = strategy if isinstance(strategy, WeightStrategy) else WeightStrategy(strategy)
+        if not timeout or timeout <= 0:
+            raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not connect_timeout or connect_timeout <= 0:
+            raise ConfigurationError(f"connect_timeout must be a positive number of seconds, got {connect_timeout!r}")
+        self.sync = bool(sync)
+        self.timeout = float(timeout)
+        self.connect_timeout = float(connect_timeout)
+        self._reset_runtime()
+
+    def _reset_runtime(self) -> None:
+        self._state = NEW
+        self._model_id: str | None = None
+        self._context: Any = None
+        self._model: Any = None
+        self._worker_idx: int | None = None
+        self._num_workers: int | None = None
+        self._version: int | None = None
+        self._lock = threading.RLock()
+        self._sender: WeightSender | None = None
+        self._receiver: WeightReceiver | None = None
+        self._handoff: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ state
+    @property
+    def strategy(self) -> WeightStrategy:
+        return self._strategy
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def is_sender(self) -> bool:
+        return self._state in (SENDER, SENDER_CONNECTED)
+
+    @property
+    def is_receiver(self) -> bool:
+        return self._state in (RECEIVER, RECEIVER_CONNECTED)
+
+    def _require(self, *states: str, action: str) -> None:
+        if self._state not in states:
+            raise LifecycleError(
+                f"cannot {action}: scheme is {self._state}; {action} needs it {' or '.join(states)}",
+                model_id=self._model_id,
+                worker_idx=self._worker_idx,
+            )
+
+    # ------------------------------------------------------------- properties
+    @property
+    def model_id(self) -> str | None:
+        return self._model_id
+
+    @property
+    def context(self) -> Any:
+        return self._context
+
+    @property
+    def model(self) -> Any:
+        return self._model
+
+    @property
+    def worker_idx(self) -> int | None:
+        return self._worker_idx
+
+    @property
+    def num_workers(self) -> int | None:
+        return self._num_workers
+
+    @property
+    def version(self) -> int | None:
+        """Sender: the last version published. Receiver: the version it holds. ``None`` before any."""
+        return self._version
+
+    @property
+    def acked_versions(self) -> dict[int, int | None]:
+        """Sender only: the last version each worker acked (``None`` if none yet)."""
+        return {}
+
+    @property
+    def weights(self) -> Any:
+        """The weights of the registered model, in the strategy's format (no copy)."""
+        if self._model is None:
+            return None
+        return self._strategy.extract_weights(self._model)
+
+    @property
+    def sender_transports(self) -> dict[int, TransportBackend]:
+        return {}
+
+    @property
+    def receiver_transport(self) -> TransportBackend | None:
+        return None
+
+    @property
+    def shared_transport(self) -> Any:
+        return None
+
+    # -------------------------------------------------------------- lifecycle
+    def init_on_sender(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
+        """Register the trainer side: the model (or weights) and the workers. Sends nothing.
+
+        Args:
+            model_id: the model's name, also a path inside ``context``
+                (``"policy"``, ``"env.transform[0].module"``).
+            context: an object that holds the model (``get_model(model_id)`` or by
+                path) and may provide ``num_workers``.
+            **kwargs: ``model=`` or ``weights=``, ``num_workers=``, and scheme-specific handles.
+
+        Raises:
+            LifecycleError: the scheme was already initialized.
+            ConfigurationError: a required argument is missing or invalid.
+        """
+        with self._lock:
+            self._require(NEW, action="init_on_sender")
+            if self._handoff is not None:
+                raise LifecycleError(
+                    "this scheme was unpickled from a sender: it can only be initialized as a receiver",
+                    model_id=model_id,
+                )
+            self._model_id = model_id
+            self._context = context
+            model = kwargs.pop("model", None)
+            weights = kwargs.pop("weights", None)
+            if model is None and weights is None and context is not None:
+                model = resolve_model(context, model_id)
+            self._model = model if model is not None else weights
+            num_workers = kwargs.pop("num_workers", None)
+            if num_workers is None and context is not None:
+                num_workers = getattr(context, "num_workers", None)
+            self._num_workers = self._check_num_workers(num_workers)
+            self._init_sender_impl(**kwargs)
+            self._state = SENDER
+
+    def _check_num_workers(self, num_workers: Any) -> int | None:
+        if num_workers is None:
+            return None
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ConfigurationError(
+                f"num_workers must be a positive int, got {num_workers!r}", model_id=self._model_id
+            )
+        return num_workers
+
+    def init_on_receiver(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
+        """Register the worker side: its model and index. Receives nothing yet.
+
+        Args:
+            model_id: the model's name or path inside ``context``.
+            context: an object holding the worker's model.
+            **kwargs: ``model=``, ``worker_idx=`` and scheme-specific handles.
+
+        Raises:
+            LifecycleError: the scheme was already initialized (for example as a sender).
+        """
+        with self._lock:
+            self._require(NEW, action="init_on_receiver")
+            self._model_id = model_id
+            self._context = context
+            model = kwargs.pop("model", None)
+            if model is None and context is not None:
+                model = resolve_model(context, model_id)
+            self._model = model
+            worker_idx = kwargs.pop("worker_idx", None)
+            if worker_idx is not None:
+                self._worker_idx = self._check_worker_idx(worker_idx)
+            self._init_receiver_impl(**kwargs)
+            self._state = RECEIVER
+
+    def init_on_worker(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
+        """Older name of :meth:`init_on_receiver`."""
+        self.init_on_receiver(model_id, context, **kwargs)
+
+    def _check_worker_idx(self, worker_idx: Any) -> int:
+        if isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or worker_idx < 0:
+            raise ConfigurationError(
+                f"worker_idx must be a non-negative int, got {worker_idx!r}", model_id=self._model_id
+            )
+        if self._num_workers is not None and worker_idx >= self._num_workers:
+            raise ConfigurationError(
+                f"worker_idx {worker_idx} out of range for {self._num_workers} workers", model_id=self._model_id
+            )
+        return worker_idx
+
+    def connect(self, *, worker_idx: int | None = None, weights: Any = None) -> None:
+        """Rendez-vous. Sender: wait for every worker and give each the initial weights
+        (``weights`` overrides the registered model's). Receiver: join the sender,
+        receive and apply the initial weights. Blocks for at most ``connect_timeout``.
+
+        Raises:
+            LifecycleError: called before init, or twice.
+            SyncTimeoutError: a peer did not show up in time (named in the message).
+        """
+        with self._lock:
+            if self._state == SENDER:
+                if worker_idx is not None:
+                    raise LifecycleError("connect(worker_idx=...) is the receiver's call; this scheme is a sender")
+                try:
+                    self._connect_sender_impl(weights)
+                except WeightSyncError:
+                    # Workers that failed the initial sync are named in the error; once every
+                    # worker has joined, the others are served and the sender is connected.
+                    if self._rendezvous_complete():
+                        self._state = SENDER_CONNECTED
+                    raise
+                self._state = SENDER_CONNECTED
+            elif self._state == RECEIVER:
+                if worker_idx is not None:
+                    self._worker_idx = self._check_worker_idx(worker_idx)
+                if self._worker_idx is None and self.needs_worker_idx:
+                    raise ConfigurationError("a receiver needs worker_idx (in init_on_receiver or connect)")
+                self._connect_receiver_impl()
+                self._state = RECEIVER_CONNECTED
+            else:
+                self._require(SENDER, RECEIVER, action="connect")
+
+    def setup_connection_and_weights(self, **kwargs: Any) -> None:
+        """Older name of :meth:`connect`."""
+        self.connect(**kwargs)
+
+    def synchronize_weights(self, **kwargs: Any) -> None:
+        """Older name of :meth:`connect`."""
+        self.connect(**kwargs)
+
+    def _targets(self, worker_ids: int | Iterable[int] | None) -> list[int]:
+        n = self._num_workers or 0
+        if worker_ids is None:
+            return list(range(n))
+        ids = [worker_ids] if isinstance(worker_ids, int) and not isinstance(worker_ids, bool) else worker_ids
+        try:
+            ids = list(ids)
+        except TypeError:
+            raise ConfigurationError(f"worker_ids must be None, an int or a list of ints, got {worker_ids!r}") from None
+        bad = [w for w in ids if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < n]
+        if bad:
+            raise ConfigurationError(
+                f"worker_ids {bad} are not workers of this scheme (valid: 0..{n - 1})", model_id=self._model_id
+            )
+        if len(set(ids)) != len(ids):
+            raise ConfigurationError(f"worker_ids has duplicates: {ids}", model_id=self._model_id)
+        return sorted(ids)
+
+    def send(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
+        """Publish a new version to ``worker_ids`` (all by default).
+
+        ``weights`` may be ``None`` (read the registered model now), an
+        ``nn.Module``, a ``TensorDict`` or a dict. With ``sync=True`` this blocks
+        until every targeted worker applied and acked (at most ``timeout`` s);
+        with ``sync=False`` it returns once the update is published.
+
+        Raises:
+            LifecycleError: the scheme is not a connected sender.
+            InvalidWeightsError: weights that cannot be sent (nothing was sent).
+            WeightSyncError: a worker failed, died or timed out; the message names it.
+                The other targeted workers hold the new version.
+        """
+        with self._lock:
+            self._require(SENDER_CONNECTED, action="send")
+            self._send_impl(weights, self._targets(worker_ids), wait=self.sync)
+
+    def send_async(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
+        """Publish a new version without waiting; pair with :meth:`wait_async`."""
+        with self._lock:
+            self._require(SENDER_CONNECTED, action="send_async")
+            self._send_impl(weights, self._targets(worker_ids), wait=False)
+
+    def wait_async(self, timeout: float | None = None) -> None:
+        """Wait until every worker acked the last version sent to it (at most ``timeout``, default the scheme's).
+
+        Raises:
+            SyncTimeoutError: naming the workers that did not ack in time.
+        """
+        with self._lock:
+            self._require(SENDER_CONNECTED, action="wait_async")
+            self._wait_impl(self.timeout if timeout is None else timeout)
+
+    def receive(self, timeout: float | None = 0.0) -> Any:
+        """Apply a pending update, if any; return the weights applied, or ``None``.
+
+        Args:
+            timeout: seconds to wait for an update: ``0`` (default) only checks,
+                ``None`` waits up to the scheme's ``timeout``.
+
+        Raises:
+            LifecycleError: the scheme is not a connected receiver.
+            WeightMismatchError: the update did not fit this worker's model; the
+                model kept its weights and the sender was told.
+            ConnectionClosedError: the sender shut down or died.
+        """
+        self._require(RECEIVER_CONNECTED, action="receive")
+        return self._receive_impl(self.timeout if timeout is None else timeout)
+
+    def apply_weights(self, weights: Any, inplace: bool = True) -> None:
+        """Write ``weights`` into this side's registered model, whole or not at all."""
+        if not inplace:
+            raise ConfigurationError(
+                "apply_weights(inplace=False) is not supported: weights are always written in place"
+            )
+        if self._model is None:
+            raise LifecycleError("apply_weights needs a registered model (init_on_sender/init_on_receiver)")
+        self._strategy.apply_weights(self._model, weights, model_id=self._model_id, worker_idx=self._worker_idx)
+
+    def shutdown(self) -> None:
+        """Release every process, thread, socket and shared-memory slot this side holds. Idempotent."""
+        with self._lock:
+            if self._state in (NEW, CLOSED):
+                self._state = CLOSED
+                return
+            try:
+                self._shutdown_impl()
+            finally:
+                self._state = CLOSED
+
+    def __enter__(self) -> WeightSyncScheme:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            if self._state not in (NEW, CLOSED):
+                self.shutdown()
+        except Exception:  # noqa: BLE001 - nothing may escape a finalizer
+            pass
+
+    # ---------------------------------------------------------------- weights
+    def prepare_weights(
+        self, weights: Any, model_id: str | None = None, strategy: WeightStrategy | None = None, context: Any = None
+    ) -> Any:
+        """Resolve ``weights`` to the strategy's format (no copy).
+
+        ``None`` reads the model registered for ``model_id`` (or found in
+        ``context``); a module, TensorDict or dict is converted.
+
+        Raises:
+            InvalidWeightsError: nothing to send, or non-tensor values.
+        """
+        strategy = strategy or self._strategy
+        return strategy.format(self._flat_weights(weights, model_id, context, strategy))
+
+    def _flat_weights(
+        self, weights: Any, model_id: str | None = None, context: Any = None, strategy: WeightStrategy | None = None
+    ) -> dict:
+        strategy = strategy or self._strategy
+        if weights is None:
+            context = context if context is not None else self._context
+            model_id = model_id or self._model_id
+            if self._model is not None and (model_id == self._model_id):
+                weights = self._model
+            elif context is not None and model_id is not None:
+                weights = resolve_model(context, model_id)
+            if weights is None:
+                raise InvalidWeightsError(
+                    "no weights given and no model registered to read them from", model_id=model_id
+                )
+        if isinstance(weights, str):
+            if context is None and self._context is None:
+                raise InvalidWeightsError(f"weights given as path {weights!r} but no context to resolve it")
+            weights = resolve_model(context if context is not None else self._context, weights)
+        return strategy.flat(weights)
+
+    # ------------------------------------------------------------ the facade
+    def get_sender(self) -> WeightSender:
+        """The sender facade. Raises :class:`LifecycleError` before ``init_on_sender``."""
+        if not self.is_sender:
+            raise LifecycleError(f"get_sender() needs init_on_sender() first; scheme is {self._state}")
+        if self._sender is None:
+            self._sender = WeightSender(self)
+        return self._sender
+
+    def get_receiver(self) -> WeightReceiver:
+        """The receiver facade. Raises :class:`LifecycleError` before ``init_on_receiver``."""
+        if not self.is_receiver:
+            raise LifecycleError(f"get_receiver() needs init_on_receiver() first; scheme is {self._state}")
+        if self._receiver is None:
+            self._receiver = WeightReceiver(self)
+        return self._receiver
+
+    def create_sender(self) -> WeightSender:
+        """A sender facade bound to this scheme (usable once ``init_on_sender`` ran)."""
+        return WeightSender(self)
+
+    def create_receiver(self) -> WeightReceiver:
+        """A receiver facade bound to this scheme (usable once ``init_on_receiver`` ran)."""
+        return WeightReceiver(self)
+
+    def create_transport(self, **kwargs: Any) -> TransportBackend:
+        """Build the transport for one peer; see each scheme for its arguments."""
+        raise ConfigurationError(f"{type(self).__name__} has no transport to create")
+
+    # ----------------------------------------------------------------- pickle
+    def __getstate__(self) -> dict[str, Any]:
+        """Configuration plus, for a sender, what a worker needs to reach it; never runtime state."""
+        state = {k: v for k, v in self.__dict__.items() if k in self._config_fields()}
+        state["_strategy"] = self._strategy.extract_as
+        if self.is_sender or self._state == SENDER_CONNECTED:
+            state["_handoff"] = self._receiver_handoff()
+            state["_model_id"] = self._model_id
+            state["_num_workers"] = self._num_workers
+        elif self._handoff is not None:
+            state["_handoff"] = self._handoff
+            state["_model_id"] = self._model_id
+            state["_num_workers"] = self._num_workers
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        strategy = WeightStrategy(state.pop("_strategy"))
+        handoff = state.pop("_handoff", None)
+        model_id = state.pop("_model_id", None)
+        num_workers = state.pop("_num_workers", None)
+        self.__dict__.update(state)
+        self._strategy = strategy
+        self._reset_runtime()
+        self._handoff = handoff
+        self._model_id = model_id
+        self._num_workers = num_workers
+
+    def _config_fields(self) -> set[str]:
+        return {"sync", "timeout", "connect_timeout"}
+
+    def __copy__(self) -> WeightSyncScheme:
+        raise LifecycleError("schemes are not copied; build a new one from the same arguments")
+
+    def __deepcopy__(self, memo: dict) -> WeightSyncScheme:
+        if self._state != NEW:
+            raise LifecycleError("only a new (uninitialized) scheme can be deep-copied")
+        clone = type(self).__new__(type(self))
+        clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return clone
+
+    # ------------------------------------------------------------------ hooks
+    def _receiver_handoff(self) -> dict[str, Any]:
+        return {}
+
+    def _rendezvous_complete(self) -> bool:
+        """True once every worker has joined, even if some failed their initial sync."""
+        return False
+
+    def _init_sender_impl(self, **kwargs: Any) -> None:
+        _no_extra(kwargs, "init_on_sender")
+
+    def _init_receiver_impl(self, **kwargs: Any) -> None:
+        _no_extra(kwargs, "init_on_receiver")
+
+    def _connect_sender_impl(self, weights: Any) -> None:
+        raise NotImplementedError
+
+    def _connect_receiver_impl(self) -> None:
+        raise NotImplementedError
+
+    def _send_impl(self, weights: Any, targets: list[int], wait: bool) -> None:
+        raise NotImplementedError
+
+    def _wait_impl(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    def _receive_impl(self, timeout: float) -> Any:
+        raise NotImplementedError
+
+    def _shutdown_impl(self) -> None:
+        pass
+
+    # --------------------------------------------------------------- registry
+    @classmethod
+    def from_backend(cls, name: str, **kwargs: Any) -> WeightSyncScheme:
+        """Build the scheme registered under ``name`` (``"multiprocess"``, ``"shared_mem"``, ...)."""
+        from .registry import get_backend
+
+        return get_backend(name)(**kwargs)
+
+
+def _no_extra(kwargs: dict[str, Any], where: str) -> None:
+    if kwargs:
+        raise ConfigurationError(f"{where} got unexpected arguments: {sorted(kwargs)}")
+
+
+class WeightSender:
+    """Older facade over a sender scheme: ``send``, ``send_async``, ``wait_async``, ``update_weights``."""
+
+    def __init__(self, scheme: WeightSyncScheme) -> None:
+        self._scheme = scheme
+
+    @property
+    def scheme(self) -> WeightSyncScheme:
+        return self._scheme
+
+    def send(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
+        self._scheme.send(weights, worker_ids)
+
+    def send_async(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
+        self._scheme.send_async(weights, worker_ids)
+
+    def wait_async(self, timeout: float | None = None) -> None:
+        self._scheme.wait_async(timeout)
+
+    def update_weights(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
+        """Send and wait for every targeted worker, whatever the scheme's ``sync``."""
+        self._scheme.send_async(weights, worker_ids)
+        self._scheme.wait_async()
+
+
+class WeightReceiver:
+    """Older facade over a receiver scheme: ``receive(timeout) -> bool`` and ``apply_weights``."""
+
+    def __init__(self, scheme: WeightSyncScheme) -> None:
+        self._scheme = scheme
+
+    @property
+    def scheme(self) -> WeightSyncScheme:
+        return self._scheme
+
+    def receive(self, timeout: float | None = 0.0) -> bool:
+        """Apply a pending update; ``True`` if one was applied."""
+        return self._scheme.receive(timeout) is not None
+
+    def apply_weights(self, weights: Any, inplace: bool = True) -> None:
+        self._scheme.apply_weights(weights, inplace)
+
+    @property
+    def weights(self) -> Any:
+        return self._scheme.weights

@@ -1,0 +1,551 @@
+"""What the multiprocess and shared-memory schemes share: slots, channels, versions, acks.
+
+Sender: ``init_on_sender`` computes the weights' layout and opens an
+authenticated listener; ``connect`` accepts every worker and publishes
+version 0. A send writes the weights once into a free shared slot and tells
+each targeted worker which slot holds which version; workers apply and ack.
+
+Receiver: ``connect`` joins the listener, checks the layout against its own
+model, applies version 0 and acks. ``receive`` applies the newest pending
+version (or each in order with ``latest_wins=False``) and acks; or a
+background thread does it, and ``receive`` reports what the thread applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+from collections import deque
+from multiprocessing.connection import wait as wait_connections
+from typing import Any
+
+from ..errors import (
+    ConfigurationError,
+    ConnectionClosedError,
+    LifecycleError,
+    SyncTimeoutError,
+    WeightMismatchError,
+    WeightSyncError,
+    WorkerDiedError,
+    raise_failures,
+)
+from ..layout import FlatLayout
+from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec, write_into
+from ..transports.channel import ChannelListener, connect_channel, deadline_after, remaining
+from ..transports.mp import MPTransport, Update
+from ..transports.slots import SharedSlot, SlotPool
+from .base import WeightSyncScheme
+
+__all__ = ["LocalScheme"]
+
+log = logging.getLogger("weightsync.schemes.local")
+
+
+class LocalScheme(WeightSyncScheme):
+    """Base of the schemes that reach worker processes on this machine.
+
+    Args:
+        strategy: ``"tensordict"`` or ``"state_dict"``.
+        sync: ``send()`` waits for every targeted worker's ack.
+        timeout: bound, in seconds, of every wait after connect.
+        connect_timeout: bound, in seconds, of the rendez-vous.
+        background_thread: receivers apply updates in a thread of their own as
+            soon as they arrive; ``receive()`` then only reports what the thread
+            applied. Off by default: the worker applies in its loop.
+        latest_wins: a receiver that finds several pending versions applies only
+            the newest (and acks it, which acks the skipped ones); ``False``
+            applies each in order.
+        max_slots: how many shared weight slots the sender may allocate
+            (lazily); default ``num_workers + 2``, which no send pattern exceeds.
+            Fewer make a send wait for lagging workers.
+    """
+
+    transport_class: type[MPTransport] = MPTransport
+
+    def __init__(
+        self,
+        strategy: str | WeightStrategy = "tensordict",
+        sync: bool = True,
+        timeout: float = 60.0,
+        connect_timeout: float = 120.0,
+        background_thread: bool = False,
+        latest_wins: bool = True,
+        max_slots: int | None = None,
+    ) -> None:
+        super().__init__(strategy=strategy, sync=sync, timeout=timeout, connect_timeout=connect_timeout)
+        if max_slots is not None and (isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 1):
+            raise ConfigurationError(f"max_slots must be a positive int or None, got {max_slots!r}")
+        self.background_thread = bool(background_thread)
+        self.latest_wins = bool(latest_wins)
+        self.max_slots = max_slots
+
+    def _config_fields(self) -> set[str]:
+        return super()._config_fields() | {"background_thread", "latest_wins", "max_slots"}
+
+    def _reset_runtime(self) -> None:
+        super()._reset_runtime()
+        # Sender side.
+        self._authkey: bytes | None = None
+        self._listener: ChannelListener | None = None
+        self._layout: FlatLayout | None = None
+        self._pools: dict[int | None, SlotPool] = {}
+        self._transports: dict[int, MPTransport] = {}
+        self._failed: dict[int, WeightSyncError] = {}
+        self._errors: dict[int, WeightSyncError] = {}
+        self._next_version = 0
+        # Receiver side.
+        self._transport: MPTransport | None = None
+        self._layout_error: WeightMismatchError | None = None
+        self._pending: deque[Update] = deque()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._applied = threading.Condition()
+        self._reported_version: int | None = None
+        self._thread_error: BaseException | None = None
+        #: Held while a receiver writes or switches its model's weights; a worker
+        #: whose forward pass runs beside the background thread holds it too.
+        self.weights_lock = threading.RLock()
+
+    # ------------------------------------------------------------- properties
+    @property
+    def layout(self) -> FlatLayout | None:
+        return self._layout
+
+    @property
+    def acked_versions(self) -> dict[int, int | None]:
+        return {w: t.acked for w, t in sorted(self._transports.items())}
+
+    @property
+    def sender_transports(self) -> dict[int, MPTransport]:
+        return dict(self._transports)
+
+    @property
+    def receiver_transport(self) -> MPTransport | None:
+        return self._transport
+
+    @property
+    def shared_transport(self) -> SlotPool | None:
+        """The sender's pool of shared weight slots (``None`` elsewhere)."""
+        return self._pools.get(None)
+
+    @property
+    def failed_workers(self) -> dict[int, WeightSyncError]:
+        """Workers found dead, with the error that revealed it."""
+        return dict(self._failed)
+
+    def _pool_key(self, worker: int) -> int | None:
+        return None
+
+    # ----------------------------------------------------------------- sender
+    def _init_sender_impl(self, **kwargs: Any) -> None:
+        if self._num_workers is None:
+            raise ConfigurationError(
+                f"{type(self).__name__}.init_on_sender needs num_workers=", model_id=self._model_id
+            )
+        if self._model is None:
+            raise ConfigurationError(
+                "init_on_sender needs model= or weights= (or a context holding the model)", model_id=self._model_id
+            )
+        address = kwargs.pop("address", None)
+        super()._init_sender_impl(**kwargs)
+        flat = self._strategy.flat(self._model)
+        if not flat:
+            raise ConfigurationError("the model has no weights to synchronize", model_id=self._model_id)
+        self._layout = FlatLayout.from_weights(flat)
+        self._authkey = secrets.token_bytes(32)
+        self._listener = ChannelListener(self._authkey, address)
+        log.debug("model %r: listening on %s for %d workers", self._model_id, self._listener.address, self._num_workers)
+
+    def _receiver_handoff(self) -> dict[str, Any]:
+        if self._listener is None or self._authkey is None:
+            return {}
+        return {"address": self._listener.address, "authkey": self._authkey.hex()}
+
+    def _connect_sender_impl(self, weights: Any) -> None:
+        assert self._listener is not None and self._num_workers is not None
+        deadline = deadline_after(self.connect_timeout)
+        n = self._num_workers
+        while len(self._transports) < n:
+            left = remaining(deadline)
+            missing = sorted(set(range(n)) - set(self._transports))
+            if left <= 0:
+                self._close_transports()
+                raise SyncTimeoutError(
+                    f"workers {missing} did not connect within {self.connect_timeout:.1f}s", model_id=self._model_id
+                )
+            try:
+                accepted = self._listener.accept(left)
+            except WeightSyncError as exc:  # a stranger or a broken peer: keep waiting for the real workers
+                log.warning("model %r: %s", self._model_id, exc)
+                continue
+            if accepted is None:
+                continue
+            channel, hello = accepted
+            problem = self._check_hello(hello)
+            if problem:
+                log.warning("model %r: refused %s: %s", self._model_id, channel.peer, problem)
+                try:
+                    channel.send({"op": "refused", "reason": problem})
+                except WeightSyncError:
+                    pass
+                channel.close()
+                continue
+            w = int(hello["worker_idx"])
+            channel.send({"op": "welcome", "layout": self._layout.to_plain(), "num_workers": n})
+            self._transports[w] = self.transport_class(channel, w, self)
+        try:
+            self.send_to(weights, list(range(n)), wait=True)
+        except WeightSyncError as exc:
+            # A worker that cannot take the initial weights (its model does not match) is out
+            # for good: it gave up on its side. Remember why, so later sends name the cause.
+            failures = getattr(exc, "failures", None) or {exc.worker_idx: exc}
+            for w, failure in failures.items():
+                if w is not None:
+                    self._mark_dead(w, failure)
+            raise
+
+    def _rendezvous_complete(self) -> bool:
+        return self._num_workers is not None and len(self._transports) == self._num_workers
+
+    def _check_hello(self, hello: dict[str, Any]) -> str | None:
+        w = hello.get("worker_idx")
+        if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < (self._num_workers or 0):
+            return f"worker_idx {w!r} is not in 0..{(self._num_workers or 0) - 1}"
+        if w in self._transports:
+            return f"worker {w} is already connected"
+        if hello.get("model_id") != self._model_id:
+            return f"model_id {hello.get('model_id')!r} does not match {self._model_id!r}"
+        return None
+
+    def _send_impl(self, weights: Any, targets: list[int], wait: bool) -> None:
+        self.send_to(weights, targets, wait=wait)
+
+    def send_to(self, weights: Any, targets: list[int], *, wait: bool) -> None:
+        """Publish one new version to ``targets``; wait for their acks when ``wait``."""
+        flat = self._flat_weights(weights)
+        assert self._layout is not None
+        check_spec(weights_spec(flat), self._layout.spec, model_id=self._model_id)
+        failures = {w: self._failed[w] for w in targets if w in self._failed}
+        live = [w for w in targets if w not in self._failed]
+        deadline = deadline_after(self.timeout)
+        self.drain()
+        version = self._next_version
+        by_pool: dict[int | None, list[int]] = {}
+        for w in live:
+            by_pool.setdefault(self._pool_key(w), []).append(w)
+        published: dict[int, SharedSlot] = {}
+        for key, workers in by_pool.items():
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = self._pools[key] = SlotPool(
+                    self._layout,
+                    self.max_slots or (self._num_workers or 1) + 2,
+                    pinning=self.transport_class.pinning,
+                    tag=f"{os.getpid()}-{key}",
+                )
+            slot = self._acquire(pool, deadline, version)
+            write_into(slot.views, flat)
+            pool.publish(slot, version, workers)
+            for w in workers:
+                published[w] = slot
+        self._next_version += 1
+        self._version = version
+        for w, slot in published.items():
+            try:
+                self._transports[w].notify(slot, version)
+            except WorkerDiedError as exc:
+                failures[w] = self._mark_dead(w, exc)
+        if wait:
+            failures.update(self._await({w: version for w in published if w not in failures}, deadline))
+        else:
+            failures.update(self._take_errors(published))
+        raise_failures(failures, model_id=self._model_id, version=version)
+
+    def _acquire(self, pool: SlotPool, deadline: float, version: int) -> SharedSlot:
+        slot = pool.acquire()
+        while slot is None:
+            busy = sorted(pool.busy_workers())
+            if remaining(deadline) <= 0:
+                raise SyncTimeoutError(
+                    f"no free weight slot within {self.timeout:.1f}s: workers {busy} still hold or read older "
+                    f"versions (max_slots={pool.max_slots})",
+                    model_id=self._model_id,
+                    version=version,
+                )
+            self._wait_readable(busy, deadline)
+            self.drain(busy)
+            slot = pool.acquire()
+        return slot
+
+    def _wait_readable(self, workers: list[int], deadline: float) -> None:
+        conns = [
+            self._transports[w].channel.connection for w in workers if w in self._transports and w not in self._failed
+        ]
+        if conns:
+            wait_connections(conns, timeout=remaining(deadline))
+
+    def drain(self, workers: list[int] | None = None) -> None:
+        """Process every ack already received, without waiting."""
+        for w in workers if workers is not None else list(self._transports):
+            transport = self._transports.get(w)
+            if transport is None or w in self._failed:
+                continue
+            try:
+                while transport.channel.poll(0):
+                    msg = transport.channel.recv(0)
+                    if msg is None:
+                        break
+                    self._on_ack(w, msg)
+            except ConnectionClosedError as exc:
+                # A worker that reported a failure and then left is remembered for that failure.
+                self._mark_dead(
+                    w,
+                    self._errors.get(w)
+                    or WorkerDiedError(
+                        f"its channel closed ({exc.detail})",
+                        model_id=self._model_id,
+                        worker_idx=w,
+                        version=transport.sent,
+                    ),
+                )
+
+    def _on_ack(self, w: int, msg: dict[str, Any]) -> None:
+        transport = self._transports[w]
+        error = transport.handle_ack(msg, self._model_id)
+        held = msg.get("held")
+        for pool in self._pools.values():
+            pool.on_ack(w, int(msg["version"]), None if held is None else int(held))
+        if error is not None:
+            self._errors[w] = error
+
+    def _mark_dead(self, w: int, exc: WeightSyncError) -> WeightSyncError:
+        if w not in self._failed:
+            log.warning("model %r: worker %d is gone: %s", self._model_id, w, exc)
+            self._failed[w] = exc
+            self._transports[w].dead = exc
+            for pool in self._pools.values():
+                pool.drop_worker(w)
+        return self._failed[w]
+
+    def _take_errors(self, workers: Any) -> dict[int, WeightSyncError]:
+        return {w: self._errors.pop(w) for w in list(self._errors) if w in workers}
+
+    def _await(self, expected: dict[int, int], deadline: float) -> dict[int, WeightSyncError]:
+        """Wait until each worker acked at least its expected version; return the failures."""
+        failures: dict[int, WeightSyncError] = {}
+        while True:
+            self.drain()
+            for w in expected:
+                if w in self._failed and w not in failures:
+                    failures[w] = self._failed[w]
+            failures.update(self._take_errors(expected))
+            pending = [
+                w
+                for w, v in expected.items()
+                if w not in failures and (self._transports[w].acked is None or self._transports[w].acked < v)
+            ]
+            if not pending:
+                return failures
+            if remaining(deadline) <= 0:
+                for w in pending:
+                    failures[w] = SyncTimeoutError(
+                        f"no ack for version {expected[w]} within {self.timeout:.1f}s (last acked: "
+                        f"{self._transports[w].acked})",
+                        model_id=self._model_id,
+                        worker_idx=w,
+                        version=expected[w],
+                    )
+                return failures
+            self._wait_readable(list(self._transports), deadline)
+
+    def wait_for(self, workers: list[int], timeout: float | None) -> None:
+        deadline = deadline_after(self.timeout if timeout is None else timeout)
+        expected = {w: self._transports[w].sent for w in workers if self._transports[w].sent is not None}
+        failures = {w: self._failed[w] for w in workers if w in self._failed}
+        failures.update(self._await(expected, deadline))
+        raise_failures(failures, model_id=self._model_id, version=self._version)
+
+    def _wait_impl(self, timeout: float) -> None:
+        self.wait_for(sorted(self._transports), timeout)
+
+    def _close_transports(self) -> None:
+        for transport in self._transports.values():
+            transport.close()
+        self._transports.clear()
+
+    # --------------------------------------------------------------- receiver
+    def _init_receiver_impl(self, **kwargs: Any) -> None:
+        address = kwargs.pop("address", None)
+        authkey = kwargs.pop("authkey", None)
+        super()._init_receiver_impl(**kwargs)
+        if self._model is None:
+            raise ConfigurationError(
+                "init_on_receiver needs model= (or a context holding the model)", model_id=self._model_id
+            )
+        handoff = dict(self._handoff or {})
+        if address is not None:
+            handoff["address"] = address
+        if authkey is not None:
+            handoff["authkey"] = authkey.hex() if isinstance(authkey, bytes) else authkey
+        if not handoff.get("address") or not handoff.get("authkey"):
+            raise LifecycleError(
+                "this receiver does not know where its sender is: hand it the scheme pickled after "
+                "init_on_sender(), or pass address= and authkey=",
+                model_id=self._model_id,
+            )
+        self._handoff = handoff
+
+    def _connect_receiver_impl(self) -> None:
+        assert self._handoff is not None and self._worker_idx is not None
+        deadline = deadline_after(self.connect_timeout)
+        hello = {"worker_idx": self._worker_idx, "pid": os.getpid(), "model_id": self._model_id}
+        channel = connect_channel(
+            self._handoff["address"], bytes.fromhex(self._handoff["authkey"]), hello, self.connect_timeout
+        )
+        try:
+            welcome = channel.recv_until(deadline, "the sender's welcome")
+            if welcome["op"] == "refused":
+                raise ConfigurationError(
+                    f"the sender refused this worker: {welcome.get('reason')}",
+                    model_id=self._model_id,
+                    worker_idx=self._worker_idx,
+                )
+            self._layout = FlatLayout.from_plain(welcome["layout"])
+            self._num_workers = int(welcome["num_workers"])
+            self._transport = self.transport_class(channel, self._worker_idx)
+            try:
+                check_spec(
+                    self._layout.spec,
+                    weights_spec(flatten_weights(self._model, self._strategy.extract_as)),
+                    model_id=self._model_id,
+                    worker_idx=self._worker_idx,
+                )
+            except WeightMismatchError as exc:
+                self._layout_error = exc
+            while self._version is None:
+                if remaining(deadline) <= 0:
+                    raise SyncTimeoutError(
+                        "no initial weights from the sender in time",
+                        model_id=self._model_id,
+                        worker_idx=self._worker_idx,
+                    )
+                self._poll_and_apply(remaining(deadline))
+        except BaseException:
+            channel.close()
+            self._transport = None
+            raise
+        self._reported_version = self._version  # connect() itself delivered version 0
+        if self.background_thread:
+            self._thread = threading.Thread(
+                target=self._thread_loop, name=f"weightsync-{self._model_id}-receiver", daemon=True
+            )
+            self._thread.start()
+
+    def _poll_and_apply(self, timeout: float) -> int | None:
+        """Apply what the sender queued; return the version now held if it changed."""
+        assert self._transport is not None
+        try:
+            self._pending.extend(self._transport.receive_weights(0.0 if self._pending else timeout))
+        except ConnectionClosedError:
+            if not self._pending:
+                raise
+        if not self._pending:
+            return None
+        if self.latest_wins:
+            update = self._pending[-1]
+            self._pending.clear()
+        else:
+            update = self._pending.popleft()  # one version per call: the worker's loop sees each
+        self._apply(update)
+        return self._version
+
+    def _apply(self, update: Update) -> None:
+        assert self._transport is not None and self._layout is not None
+        where = {"model_id": self._model_id, "worker_idx": self._worker_idx, "version": update.version}
+        try:
+            if self._layout_error is not None:
+                raise self._layout_error
+            buffer = self._transport.slot_buffers.get(update.slot)
+            if buffer is None:
+                raise LifecycleError(f"update names slot {update.slot}, which was never shared", **where)
+            dst = flatten_weights(self._model, self._strategy.extract_as)
+            check_spec(self._layout.spec, weights_spec(dst), **where)
+            with self.weights_lock:  # weights and version change together for readers holding the lock
+                write_into(dst, self._layout.views(buffer), share=self._transport.pinning)
+                self._version = update.version
+        except Exception as exc:
+            self._transport.send_ack(update.version, error=exc, held=self._version)
+            raise
+        self._transport.send_ack(update.version, held=update.version)
+
+    def _thread_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                changed = self._poll_and_apply(0.05)
+            except ConnectionClosedError as exc:
+                with self._applied:
+                    self._thread_error = exc
+                    self._applied.notify_all()
+                return
+            except Exception as exc:  # noqa: BLE001 - reported to the worker at its next receive()
+                log.error("model %r worker %s: update failed: %s", self._model_id, self._worker_idx, exc)
+                with self._applied:
+                    self._thread_error = exc
+                    self._applied.notify_all()
+                continue
+            if changed is not None:
+                with self._applied:
+                    self._applied.notify_all()
+
+    def _receive_impl(self, timeout: float) -> Any:
+        if self._thread is None:
+            changed = self._poll_and_apply(timeout)
+        else:
+            with self._applied:
+                self._applied.wait_for(
+                    lambda: self._thread_error is not None or self._version != self._reported_version, timeout
+                )
+                changed = self._version if self._version != self._reported_version else None
+                if changed is None and self._thread_error is not None:
+                    error = self._thread_error
+                    if not isinstance(error, ConnectionClosedError):
+                        self._thread_error = None  # an apply failure is reported once; a closed channel stays
+                    raise error
+        if changed is None:
+            return None
+        self._reported_version = changed
+        with self.weights_lock:
+            return self._strategy.extract_weights(self._model)
+
+    # --------------------------------------------------------------- shutdown
+    def _shutdown_impl(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(self.timeout)
+            if self._thread.is_alive():
+                log.error("model %r: receiver thread did not stop within %.1fs", self._model_id, self.timeout)
+            self._thread = None
+        if self._transport is not None:
+            if self._transport.pinning and self._model is not None:
+                # The model still reads a shared slot: give it private memory so the slot can be freed.
+                with self.weights_lock:
+                    for tensor in flatten_weights(self._model, self._strategy.extract_as).values():
+                        if tensor.device.type == "cpu":
+                            tensor.data = tensor.data.clone()
+            self._transport.close()
+            self._transport = None
+        for transport in self._transports.values():
+            if transport.dead is None:
+                try:
+                    transport.channel.send({"op": "bye"})
+                except WeightSyncError:
+                    pass
+        self._close_transports()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

@@ -1,0 +1,182 @@
+"""How weights are taken out of a model and put back: :class:`WeightStrategy`."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+from .errors import ConfigurationError, InvalidWeightsError, WeightMismatchError
+
+__all__ = ["WeightStrategy", "flatten_weights", "weights_spec"]
+
+EXTRACT_FORMATS = ("tensordict", "state_dict")
+
+
+def _module_tensors(module: nn.Module, extract_as: str) -> dict[str, torch.Tensor]:
+    if extract_as == "state_dict":
+        # state_dict semantics: persistent buffers only, tied parameters under every name.
+        return dict(module.state_dict(keep_vars=True))
+    out: dict[str, torch.Tensor] = dict(module.named_parameters())
+    out.update(module.named_buffers())
+    return out
+
+
+def _flatten_mapping(src: Mapping, prefix: str, out: dict[str, Any]) -> None:
+    for key, value in src.items():
+        if not isinstance(key, str):
+            raise InvalidWeightsError(f"weight keys must be strings, got {key!r} ({type(key).__name__})")
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and not isinstance(value, torch.Tensor):
+            _flatten_mapping(value, name + ".", out)
+        else:
+            out[name] = value
+
+
+def flatten_weights(source: Any, extract_as: str = "tensordict") -> dict[str, torch.Tensor]:
+    """Return ``{dotted_key: tensor}`` for a module, TensorDict or (nested or flat) dict.
+
+    The tensors are the source's own objects (no copy): parameters stay
+    ``nn.Parameter``; callers that need detached data call ``.detach()``.
+
+    Raises:
+        InvalidWeightsError: a value is not a tensor, or the source is of an unsupported type.
+    """
+    if isinstance(source, nn.Module):
+        return _module_tensors(source, extract_as)
+    if isinstance(source, TensorDictBase):
+        flat = source.flatten_keys(".")
+        out: dict[str, Any] = {}
+        for key in flat.keys(include_nested=True, leaves_only=True):
+            out[key if isinstance(key, str) else ".".join(key)] = flat.get(key)
+    elif isinstance(source, Mapping):
+        out = {}
+        _flatten_mapping(source, "", out)
+    else:
+        raise InvalidWeightsError(
+            f"weights must be an nn.Module, a TensorDict or a dict of tensors, got {type(source).__name__}"
+        )
+    bad = {k: type(v).__name__ for k, v in out.items() if not isinstance(v, torch.Tensor)}
+    if bad:
+        raise InvalidWeightsError(f"weights must be tensors; non-tensor values at {bad}")
+    return out
+
+
+def weights_spec(flat: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{key: (shape, dtype)}`` of a flat weights dict."""
+    return {k: (tuple(v.shape), v.dtype) for k, v in flat.items()}
+
+
+def _fmt(spec: tuple[tuple[int, ...], torch.dtype]) -> str:
+    shape, dtype = spec
+    return f"{list(shape)} {str(dtype).replace('torch.', '')}"
+
+
+def check_spec(
+    update: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    target: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    **where: Any,
+) -> None:
+    """Raise :class:`WeightMismatchError` unless ``update`` and ``target`` have the same keys, shapes and dtypes."""
+    missing = target.keys() - update.keys()
+    extra = update.keys() - target.keys()
+    mismatched = {
+        k: (_fmt(update[k]), _fmt(target[k])) for k in update.keys() & target.keys() if update[k] != target[k]
+    }
+    if missing or extra or mismatched:
+        raise WeightMismatchError(missing=missing, extra=extra, mismatched=mismatched, **where)
+
+
+class WeightStrategy:
+    """Extracts weights from a model and applies them back.
+
+    Args:
+        extract_as: ``"tensordict"`` (default) extracts a nested ``TensorDict`` of
+            every parameter and buffer, non-persistent buffers included;
+            ``"state_dict"`` extracts a flat ``dict`` with the keys of
+            ``module.state_dict()`` (persistent buffers only).
+
+    Both formats are accepted as input whatever ``extract_as`` says: an
+    ``nn.Module``, a ``TensorDict`` or a dict with flat dotted keys or nested.
+    """
+
+    def __init__(self, extract_as: str = "tensordict") -> None:
+        if extract_as not in EXTRACT_FORMATS:
+            raise ConfigurationError(f"extract_as must be one of {EXTRACT_FORMATS}, got {extract_as!r}")
+        self.extract_as = extract_as
+
+    def __repr__(self) -> str:
+        return f"WeightStrategy(extract_as={self.extract_as!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WeightStrategy) and other.extract_as == self.extract_as
+
+    def __hash__(self) -> int:
+        return hash(self.extract_as)
+
+    def flat(self, source: Any) -> dict[str, torch.Tensor]:
+        """Flat ``{dotted_key: detached tensor}`` view of ``source`` (no copy).
+
+        Tensors that require grad are detached (non-leaf ones included), so the
+        result never drags an autograd graph along.
+        """
+        return {k: v.detach() for k, v in flatten_weights(source, self.extract_as).items()}
+
+    def format(self, flat: Mapping[str, torch.Tensor]) -> TensorDict | dict[str, torch.Tensor]:
+        """Pack a flat dict into this strategy's output format (no copy)."""
+        if self.extract_as == "state_dict":
+            return OrderedDict(flat)
+        return TensorDict(dict(flat), batch_size=[]).unflatten_keys(".")
+
+    def extract_weights(self, source: Any) -> TensorDict | dict[str, torch.Tensor]:
+        """Weights of ``source`` in this strategy's format, sharing memory with it (no copy).
+
+        Raises:
+            InvalidWeightsError: ``source`` holds non-tensor values or is of an unsupported type.
+        """
+        return self.format(self.flat(source))
+
+    def check(self, weights: Any, destination: Any, **where: Any) -> None:
+        """Raise :class:`WeightMismatchError` unless ``weights`` fits ``destination`` exactly."""
+        check_spec(weights_spec(self.flat(weights)), weights_spec(self.flat(destination)), **where)
+
+    def apply_weights(self, destination: Any, weights: Any, *, share: bool = False, **where: Any) -> None:
+        """Write ``weights`` into ``destination`` (a module, TensorDict or dict), whole or not at all.
+
+        Every key, shape and dtype is checked before anything is written; on a
+        mismatch the destination is untouched. Parameters stay the same
+        ``nn.Parameter`` objects (so optimizers and hooks keep working) and keep
+        their ``requires_grad``; buffers stay buffers.
+
+        Args:
+            share: instead of copying, make each destination tensor use the
+                storage of the matching source tensor (``tensor.data = src``).
+                Only for CPU destinations; others are copied.
+
+        Raises:
+            WeightMismatchError: missing, extra or mismatched keys (nothing written).
+            InvalidWeightsError: non-tensor values.
+        """
+        src = self.flat(weights)
+        dst = flatten_weights(destination, self.extract_as)
+        check_spec(weights_spec(src), weights_spec(dst), **where)
+        write_into(dst, src, share=share)
+
+
+def write_into(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor], *, share: bool = False) -> None:
+    """Copy (or share) ``src[k]`` into ``dst[k]`` for every key; the caller has checked the specs."""
+    with torch.no_grad():
+        copies_dst, copies_src = [], []
+        for key, target in dst.items():
+            value = src[key]
+            if share and target.device.type == "cpu" and value.device.type == "cpu":
+                target.data = value
+            else:
+                copies_dst.append(target.data if isinstance(target, nn.Parameter) else target)
+                copies_src.append(value)
+        if copies_dst:
+            torch._foreach_copy_(copies_dst, copies_src)

@@ -1,0 +1,258 @@
+"""An authenticated message channel between a sender and one local worker.
+
+The listener binds a Linux abstract-namespace Unix socket: it has no file to
+leave behind and vanishes with the process, even on SIGKILL. Anyone on the
+host can reach an abstract socket, so both ends prove they hold the scheme's
+random auth key (an HMAC challenge each way) before any message is read.
+
+Messages are small JSON objects framed by :class:`multiprocessing.connection.Connection`;
+nothing received is ever unpickled. File descriptors (shared-memory slots)
+travel as ``SCM_RIGHTS`` ancillary data on the same socket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..errors import AuthenticationError, ConnectionClosedError, SyncTimeoutError, TransportError
+
+__all__ = ["Channel", "ChannelListener", "connect_channel", "deadline_after", "remaining"]
+
+log = logging.getLogger("weightsync.transports.channel")
+
+_NONCE = 32
+
+
+def deadline_after(timeout: float) -> float:
+    return time.monotonic() + timeout
+
+
+def remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def _digest(authkey: bytes, nonce: bytes, role: bytes) -> bytes:
+    return hmac.new(authkey, role + nonce, hashlib.sha256).digest()
+
+
+def _abstract(address: str) -> str:
+    # "@name" is the printable spelling of an abstract address ("\0name").
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
+class Channel:
+    """One end of an authenticated connection: JSON messages and file descriptors.
+
+    ``send`` is safe to call from several threads; a single thread reads.
+    """
+
+    def __init__(self, conn: Connection, peer: str) -> None:
+        self._conn = conn
+        self.peer = peer
+        self._send_lock = threading.Lock()
+        self.closed = False
+
+    def fileno(self) -> int:
+        return self._conn.fileno()
+
+    @property
+    def connection(self) -> Connection:
+        return self._conn
+
+    def send(self, msg: dict[str, Any]) -> None:
+        """Send one message. Raises :class:`ConnectionClosedError` if the peer is gone."""
+        data = json.dumps(msg, separators=(",", ":")).encode()
+        with self._send_lock:
+            self._send_bytes(data)
+
+    def _send_bytes(self, data: bytes) -> None:
+        try:
+            self._conn.send_bytes(data)
+        except (BrokenPipeError, ConnectionResetError, OSError) as exc:
+            self.closed = True
+            raise ConnectionClosedError(f"channel to {self.peer} is closed ({exc})") from exc
+
+    def send_with_fds(self, msg: dict[str, Any], fds: list[int]) -> None:
+        """Send a message followed by file descriptors, atomically with respect to other senders."""
+        data = json.dumps(msg, separators=(",", ":")).encode()
+        with self._send_lock:
+            self._send_bytes(data)
+            with socket.fromfd(self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                try:
+                    socket.send_fds(sock, [b"F"], fds)
+                except OSError as exc:
+                    self.closed = True
+                    raise ConnectionClosedError(f"channel to {self.peer} is closed ({exc})") from exc
+
+    def recv_fds(self, count: int, timeout: float) -> list[int]:
+        """Receive ``count`` descriptors sent by :meth:`send_with_fds` after the message just read."""
+        if not self._conn.poll(timeout):
+            raise SyncTimeoutError(f"no file descriptor from {self.peer} within {timeout:.1f}s")
+        with socket.fromfd(self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            _, fds, _, _ = socket.recv_fds(sock, 1, count)
+        if len(fds) != count:
+            for fd in fds:
+                os.close(fd)
+            raise TransportError(f"expected {count} file descriptors from {self.peer}, got {len(fds)}")
+        return list(fds)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        """True when a message (or EOF) is ready to be read."""
+        try:
+            return self._conn.poll(timeout)
+        except (OSError, EOFError):
+            return True
+
+    def recv(self, timeout: float = 0.0) -> dict[str, Any] | None:
+        """Next message, or ``None`` if none arrives within ``timeout`` seconds.
+
+        Raises:
+            ConnectionClosedError: the peer closed its end.
+        """
+        try:
+            if not self._conn.poll(timeout):
+                return None
+            data = self._conn.recv_bytes()
+        except (EOFError, OSError) as exc:
+            self.closed = True
+            raise ConnectionClosedError(f"channel to {self.peer} closed") from exc
+        try:
+            msg = json.loads(data)
+        except ValueError as exc:
+            raise TransportError(f"malformed message from {self.peer}") from exc
+        if not isinstance(msg, dict) or "op" not in msg:
+            raise TransportError(f"malformed message from {self.peer}: {msg!r:.80}")
+        return msg
+
+    def recv_until(self, deadline: float, what: str) -> dict[str, Any]:
+        """Next message before ``deadline``; raises :class:`SyncTimeoutError` naming ``what`` otherwise."""
+        msg = self.recv(remaining(deadline))
+        if msg is None:
+            raise SyncTimeoutError(f"timed out waiting for {what} from {self.peer}")
+        return msg
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+
+
+class ChannelListener:
+    """Accepts authenticated channels from workers on an abstract Unix socket."""
+
+    def __init__(self, authkey: bytes, address: str | None = None) -> None:
+        self._authkey = authkey
+        self.address = address or f"@weightsync-{os.getpid()}-{secrets.token_hex(8)}"
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(_abstract(self.address))
+            self._sock.listen(128)
+        except OSError:
+            self._sock.close()
+            raise
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def accept(self, timeout: float) -> tuple[Channel, dict[str, Any]] | None:
+        """Accept and authenticate one worker; ``None`` if nobody connects within ``timeout``.
+
+        Returns the channel and the worker's hello message.
+
+        Raises:
+            AuthenticationError: the peer failed the challenge (its connection is closed).
+        """
+        deadline = deadline_after(timeout)
+        self._sock.settimeout(max(timeout, 1e-3))
+        try:
+            raw, _ = self._sock.accept()
+        except TimeoutError:
+            return None
+        raw.setblocking(True)
+        conn = Connection(raw.detach())
+        channel = Channel(conn, "worker (handshake)")
+        try:
+            nonce = secrets.token_bytes(_NONCE)
+            conn.send_bytes(nonce)
+            if not conn.poll(remaining(deadline) or 1.0):
+                raise AuthenticationError("peer did not answer the auth challenge in time")
+            answer = conn.recv_bytes(256)
+            if not hmac.compare_digest(answer, _digest(self._authkey, nonce, b"worker")):
+                conn.send_bytes(b"denied")
+                raise AuthenticationError("peer failed the auth-key challenge")
+            hello = channel.recv_until(deadline_after(max(remaining(deadline), 1.0)), "hello")
+            peer_nonce = bytes.fromhex(hello.pop("nonce", ""))
+            conn.send_bytes(_digest(self._authkey, peer_nonce, b"sender"))
+        except (EOFError, OSError, ConnectionClosedError, AuthenticationError, SyncTimeoutError, ValueError) as exc:
+            channel.close()
+            if isinstance(exc, AuthenticationError):
+                log.warning("refused a connection on %s: %s", self.address, exc)
+                raise
+            raise AuthenticationError(f"handshake failed: {exc}") from exc
+        channel.peer = f"worker {hello.get('worker_idx')} (pid {hello.get('pid')})"
+        return channel, hello
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+
+def connect_channel(address: str, authkey: bytes, hello: dict[str, Any], timeout: float) -> Channel:
+    """Connect to a :class:`ChannelListener`, authenticate both ways, and send ``hello``.
+
+    Retries while the listener does not exist yet, up to ``timeout`` seconds.
+
+    Raises:
+        SyncTimeoutError: no listener answered in time.
+        AuthenticationError: the key was refused, or the listener could not prove it holds it.
+    """
+    deadline = deadline_after(timeout)
+    delay = 0.01
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(_abstract(address))
+            break
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            if remaining(deadline) <= 0:
+                raise SyncTimeoutError(f"no sender listening at {address!r} after {timeout:.1f}s") from exc
+            # The sender may not have bound yet: back off briefly (bounded by the deadline).
+            time.sleep(min(delay, remaining(deadline)))
+            delay = min(delay * 2, 0.2)
+    conn = Connection(sock.detach())
+    channel = Channel(conn, f"sender at {address}")
+    try:
+        if not conn.poll(remaining(deadline)):
+            raise SyncTimeoutError(f"sender at {address!r} sent no auth challenge within {timeout:.1f}s")
+        nonce = conn.recv_bytes(256)
+        conn.send_bytes(_digest(authkey, nonce, b"worker"))
+        my_nonce = secrets.token_bytes(_NONCE)
+        channel.send({**hello, "op": "hello", "nonce": my_nonce.hex()})
+        if not conn.poll(remaining(deadline)):
+            raise SyncTimeoutError(f"sender at {address!r} did not answer the handshake within {timeout:.1f}s")
+        proof = conn.recv_bytes(256)
+    except (EOFError, OSError, ConnectionClosedError) as exc:
+        channel.close()
+        raise AuthenticationError(f"sender at {address!r} closed the handshake (wrong auth key?)") from exc
+    except BaseException:
+        channel.close()
+        raise
+    if not hmac.compare_digest(proof, _digest(authkey, my_nonce, b"sender")):
+        channel.close()
+        raise AuthenticationError(f"sender at {address!r} refused the auth key or failed to prove its own")
+    return channel

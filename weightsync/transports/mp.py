@@ -1,0 +1,171 @@
+"""``MPTransport``: the channel to one local worker process that keeps a private copy.
+
+Sender side, it tells its worker which shared slot holds a new version (the
+slot's descriptor goes along the first time) and collects the worker's acks.
+Receiver side, it maps the slots it is given and yields pending updates; the
+scheme copies them into the worker's own model and acks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import ConnectionClosedError, LifecycleError, ReceiverError, TransportError, WorkerDiedError
+from .base import TransportBackend
+from .channel import Channel
+from .slots import SharedSlot, map_fd
+
+if TYPE_CHECKING:
+    from ..schemes.local import LocalScheme
+
+__all__ = ["MPTransport", "Update"]
+
+
+@dataclass
+class Update:
+    """A pending update on the receiver side: which version, in which slot."""
+
+    version: int
+    slot: int
+
+
+class MPTransport(TransportBackend):
+    """Data plane to ONE worker of a local scheme (sender side) or from the sender (receiver side).
+
+    Args:
+        channel: the authenticated channel to the peer.
+        worker_idx: the worker this transport serves.
+        scheme: on the sender side, the scheme that owns the slots and versions.
+    """
+
+    #: Receivers of this transport keep the version they hold mapped in the slot (no private copy).
+    pinning = False
+
+    def __init__(self, channel: Channel, worker_idx: int, scheme: LocalScheme | None = None) -> None:
+        self.channel = channel
+        self.worker_idx = worker_idx
+        self._scheme = scheme
+        # Sender side.
+        self.slots_sent: set[int] = set()
+        self.acked: int | None = None
+        self.sent: int | None = None
+        self.dead: BaseException | None = None
+        # Receiver side.
+        self.slot_buffers: dict[int, torch.Tensor] = {}
+        self.closed_by_sender = False
+
+    # ------------------------------------------------------------ sender side
+    def notify(self, slot: SharedSlot, version: int) -> None:
+        """Tell the worker that ``slot`` holds ``version``; ship the slot's descriptor on first use."""
+        try:
+            if slot.id not in self.slots_sent:
+                self.channel.send_with_fds({"op": "slot", "slot": slot.id, "nbytes": slot.nbytes}, [slot.fd])
+                self.slots_sent.add(slot.id)
+            self.channel.send({"op": "update", "version": version, "slot": slot.id})
+        except ConnectionClosedError as exc:
+            raise WorkerDiedError(
+                f"channel closed while sending ({exc.detail})", worker_idx=self.worker_idx, version=version
+            ) from exc
+        self.sent = version
+
+    def handle_ack(self, msg: dict[str, Any], model_id: str | None) -> ReceiverError | None:
+        """Record an ack; return the worker's error if it failed to apply."""
+        if msg.get("op") != "ack":
+            raise TransportError(f"unexpected message {msg.get('op')!r} from worker {self.worker_idx}")
+        version = int(msg["version"])
+        self.acked = version if self.acked is None else max(self.acked, version)
+        err = msg.get("error")
+        if err:
+            return ReceiverError(
+                err["type"], err["message"], model_id=model_id, worker_idx=self.worker_idx, version=version
+            )
+        return None
+
+    def _sender(self) -> LocalScheme:
+        if self._scheme is None:
+            raise LifecycleError("this transport is a receiver's; sender methods need the sender side")
+        return self._scheme
+
+    def send_weights(self, weights: Any) -> None:
+        """Publish ``weights`` to this worker only and wait for its ack."""
+        self._sender().send_to(weights, [self.worker_idx], wait=True)
+
+    def send_weights_async(self, weights: Any) -> None:
+        """Publish ``weights`` to this worker only; :meth:`wait_ack` waits for the ack."""
+        self._sender().send_to(weights, [self.worker_idx], wait=False)
+
+    def wait_ack(self, timeout: float | None = None) -> None:
+        """Wait until this worker acked the last version sent to it (bounded by ``timeout``)."""
+        self._sender().wait_for([self.worker_idx], timeout)
+
+    def check_connection(self) -> bool:
+        """``False`` once the peer is known dead or its channel closed."""
+        if self.dead is not None or self.channel.closed:
+            return False
+        if self._scheme is not None and self.channel.poll(0):
+            self._scheme.drain([self.worker_idx])
+        return self.dead is None and not self.channel.closed
+
+    # ---------------------------------------------------------- receiver side
+    def poll(self, timeout: float = 0.0) -> bool:
+        """``True`` when a message from the sender is waiting."""
+        return self.channel.poll(timeout)
+
+    def receive_weights(self, timeout: float | None = 0.0, **kwargs: Any) -> list[Update]:
+        """Read every message the sender has queued (waiting up to ``timeout`` for the first).
+
+        Maps newly announced slots and returns the pending updates, oldest
+        first; an empty list when nothing arrived. Raises
+        :class:`ConnectionClosedError` once the sender has said goodbye or died
+        and nothing is left to apply.
+        """
+        if kwargs:
+            raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+        updates: list[Update] = []
+        if self.closed_by_sender:
+            raise ConnectionClosedError("the sender has shut down", worker_idx=self.worker_idx)
+        try:
+            msg = self.channel.recv(timeout or 0.0)
+        except ConnectionClosedError:
+            self.closed_by_sender = True
+            raise ConnectionClosedError(
+                "the sender closed the channel (shut down or died)", worker_idx=self.worker_idx
+            ) from None
+        while msg is not None:
+            op = msg["op"]
+            if op == "slot":
+                (fd,) = self.channel.recv_fds(1, timeout=5.0)
+                try:
+                    self.slot_buffers[int(msg["slot"])] = map_fd(fd, int(msg["nbytes"]))
+                finally:
+                    os.close(fd)
+            elif op == "update":
+                updates.append(Update(int(msg["version"]), int(msg["slot"])))
+            elif op == "bye":
+                self.closed_by_sender = True
+                break
+            else:
+                raise TransportError(f"unexpected message {op!r} from the sender", worker_idx=self.worker_idx)
+            try:
+                msg = self.channel.recv(0.0)
+            except ConnectionClosedError:
+                self.closed_by_sender = True
+                break
+        if not updates and self.closed_by_sender:
+            raise ConnectionClosedError("the sender has shut down", worker_idx=self.worker_idx)
+        return updates
+
+    def send_ack(self, version: int, error: BaseException | None = None, held: int | None = None) -> None:
+        """Tell the sender ``version`` was applied (or failed with ``error``); ``held`` is the version now in use."""
+        msg: dict[str, Any] = {"op": "ack", "version": version, "held": held}
+        if error is not None:
+            msg["error"] = {"type": type(error).__name__, "message": str(error)}
+        self.channel.send(msg)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.slot_buffers.clear()

@@ -170,3 +170,23 @@ def test_wrong_auth_key_is_refused():
     assert len(errors) == 1 and isinstance(errors[0], ws.AuthenticationError)
     scheme.shutdown()
     intruder.shutdown()
+
+
+def test_prepare_weights_resolves_models_and_paths():
+    from tests._workers import Holder, TinyNet
+
+    model = TinyNet()
+    scheme = ws.SharedMemWeightSyncScheme()
+    scheme.init_on_sender(model_id="env.transform[0].module", context=Holder(model), num_workers=1)
+    assert scheme.model is model
+    td = scheme.prepare_weights(None)
+    assert td["body", "0", "weight"].data_ptr() == model.body[0].weight.data_ptr()
+    sd = scheme.prepare_weights(None, strategy=ws.WeightStrategy("state_dict"))
+    assert "body.0.weight" in sd and "scale" not in sd
+    other = TinyNet()
+    assert scheme.prepare_weights("env.transform[0].module", context=Holder(other))["scale"].data_ptr() == (
+        other.scale.data_ptr()
+    )
+    with pytest.raises(ws.InvalidWeightsError, match="not a tensor|non-tensor"):
+        scheme.prepare_weights({"w": 1})
+    scheme.shutdown()

@@ -373,3 +373,28 @@ def test_no_sync_scheme_moves_nothing(workers):
         assert digest == before[w][1][0][2] and digest != checksum(model)
     group.stop()
     scheme.shutdown()
+
+
+@pytest.mark.parametrize("per_worker_weights", [False, True])
+def test_send_waits_for_a_free_slot_then_times_out_publishing_nothing(per_worker_weights):
+    """With one slot, a shared-memory worker pins it: the next send cannot get a slot and must not half-publish."""
+    import threading
+
+    model = build("tiny")
+    scheme = ws.SharedMemWeightSyncScheme(timeout=0.5, max_slots=1, per_worker_weights=per_worker_weights)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    receiver = pickle_roundtrip(scheme)
+    replica = build("tiny")
+    receiver.init_on_receiver(model_id="policy", model=replica, worker_idx=0)
+    joiner = threading.Thread(target=receiver.connect)
+    joiner.start()
+    scheme.connect()
+    joiner.join(20)
+    _optimizer_step(model, 1)
+    start = time.monotonic()
+    with pytest.raises(ws.SyncTimeoutError, match="no free weight slot .* workers \\[0\\] still hold"):
+        scheme.send()
+    assert 0.5 <= time.monotonic() - start < 3.0
+    assert scheme.version == 0 and receiver.receive() is None and receiver.version == 0
+    receiver.shutdown()
+    scheme.shutdown()

@@ -235,21 +235,13 @@ class LocalScheme(WeightSyncScheme):
         by_pool: dict[int | None, list[int]] = {}
         for w in live:
             by_pool.setdefault(self._pool_key(w), []).append(w)
+        # Every slot is secured before anything is written, so a send that times out here publishes nothing.
+        slots = {key: self._acquire(self._pool(key), deadline, version) for key in by_pool}
         published: dict[int, SharedSlot] = {}
         for key, workers in by_pool.items():
-            pool = self._pools.get(key)
-            if pool is None:
-                pool = self._pools[key] = SlotPool(
-                    self._layout,
-                    self.max_slots or (self._num_workers or 1) + 2,
-                    pinning=self.transport_class.pinning,
-                    tag=f"{os.getpid()}-{key}",
-                )
-            slot = self._acquire(pool, deadline, version)
-            write_into(slot.views, flat)
-            pool.publish(slot, version, workers)
-            for w in workers:
-                published[w] = slot
+            write_into(slots[key].views, flat)
+            self._pools[key].publish(slots[key], version, workers)
+            published.update(dict.fromkeys(workers, slots[key]))
         self._next_version += 1
         self._version = version
         for w, slot in published.items():
@@ -262,6 +254,16 @@ class LocalScheme(WeightSyncScheme):
         else:
             failures.update(self._take_errors(published))
         raise_failures(failures, model_id=self._model_id, version=version)
+
+    def _pool(self, key: int | None) -> SlotPool:
+        pool = self._pools.get(key)
+        if pool is None:
+            assert self._layout is not None
+            limit = self.max_slots or (self._num_workers or 1) + 2
+            pool = self._pools[key] = SlotPool(
+                self._layout, limit, pinning=self.transport_class.pinning, tag=f"{os.getpid()}-{key}"
+            )
+        return pool
 
     def _acquire(self, pool: SlotPool, deadline: float, version: int) -> SharedSlot:
         slot = pool.acquire()

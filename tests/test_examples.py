@@ -37,3 +37,89 @@ def test_benchmark_runs_and_writes_its_table(tmp_path):
     table = md.read_text()
     for scheme in ("no_sync", "shared_mem", "multiprocess"):
         assert f"| {scheme} |" in table
+
+
+SMALL = ["rounds=2", "progress=false", "models.policy.size_mb=1", "models.value.size_mb=0.25"]
+
+
+def _run(args, cwd=ROOT, timeout=240):
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_main_job_single_run_verifies_and_keeps_secrets_out_of_its_outputs(tmp_path):
+    out = _run(["-m", "weightsync", *SMALL, "schemes.value=shared_mem", f"hydra.run.dir={tmp_path}"])
+    assert out.returncode == 0, out.stderr
+    assert "| multiprocess | policy |" in out.stdout and "| shared_mem | value |" in out.stdout
+    assert out.stdout.count("| yes |") == 2
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert any(p.name == "results.json" for p in files)
+    for path in files:
+        assert "authkey" not in path.read_text(errors="replace"), f"{path} mentions the auth key"
+
+
+def test_main_job_multirun_writes_a_combined_table_csv_and_plot(tmp_path):
+    out = _run(
+        [
+            "-m",
+            "weightsync",
+            "-m",
+            "scheme=multiprocess,shared_mem",
+            "num_workers=1",
+            *SMALL,
+            f"hydra.sweep.dir={tmp_path}",
+        ]
+    )
+    assert out.returncode == 0, out.stderr
+    table = (tmp_path / "results.md").read_text()
+    assert table.count("| yes |") == 4 and "scheme=shared_mem" in table
+    assert (tmp_path / "results.csv").read_text().count("\n") == 5
+    assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_main_job_help_lists_the_groups():
+    out = _run(["-m", "weightsync", "--help"])
+    assert out.returncode == 0
+    assert "scheme: distributed, multiprocess, no_sync, ray, ray_module_transform, rpc, shared_mem" in out.stdout
+    assert "weightsync/scheme:" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("scheme=pigeon", "Could not find 'scheme/pigeon'"),
+        ("num_workers=many", "num_workers"),
+        ("scheme.timeout=-1", "timeout must be a positive number"),
+        ("scheme=ray", "is not available"),
+    ],
+)
+def test_main_job_bad_overrides_fail_before_any_worker_starts(tmp_path, override, message):
+    out = _run(["-m", "weightsync", override, f"hydra.run.dir={tmp_path}"], timeout=60)
+    assert out.returncode != 0
+    assert message in out.stderr
+    assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.parametrize("override", [[], ["weightsync/scheme=shared_mem", "weightsync.scheme.sync=false"]])
+def test_hydra_app_example_trains_with_synced_workers(tmp_path, override):
+    out = _run(["examples/hydra_app/train.py", "iterations=3", *override, f"hydra.run.dir={tmp_path}"])
+    assert out.returncode == 0, out.stderr
+    assert "best mean return" in out.stdout
+
+
+def test_sweep_example_runs_every_job(tmp_path):
+    out = _run(
+        [
+            "-m",
+            "weightsync",
+            "--config-dir",
+            "examples/sweep",
+            "--config-name",
+            "sweep",
+            "-m",
+            "rounds=2",
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        timeout=400,
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "results.md").read_text().count("| yes |") == 16

@@ -204,11 +204,12 @@ class WeightSyncScheme:
             )
         return num_workers
 
-    def init_on_receiver(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
+    def init_on_receiver(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
         """Register the worker side: its model and index. Receives nothing yet.
 
         Args:
-            model_id: the model's name or path inside ``context``.
+            model_id: the model's name or path inside ``context`` (default: the one
+                the scheme was handed with, else ``"policy"``).
             context: an object holding the worker's model.
             **kwargs: ``model=``, ``worker_idx=`` and scheme-specific handles.
 
@@ -217,6 +218,7 @@ class WeightSyncScheme:
         """
         with self._lock:
             self._require(NEW, action="init_on_receiver")
+            model_id = model_id or self._model_id or "policy"
             self._model_id = model_id
             self._context = context
             model = kwargs.pop("model", None)
@@ -229,7 +231,7 @@ class WeightSyncScheme:
             self._init_receiver_impl(**kwargs)
             self._state = RECEIVER
 
-    def init_on_worker(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
+    def init_on_worker(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
         """Older name of :meth:`init_on_receiver`."""
         self.init_on_receiver(model_id, context, **kwargs)
 
@@ -450,6 +452,41 @@ class WeightSyncScheme:
     def create_transport(self, **kwargs: Any) -> TransportBackend:
         """Build the transport for one peer; see each scheme for its arguments."""
         raise ConfigurationError(f"{type(self).__name__} has no transport to create")
+
+    # ------------------------------------------------------- receiver configs
+    def receiver_config(self, worker_idx: int) -> dict[str, Any]:
+        """Plain data (YAML-able, no live objects, no secrets) from which worker ``worker_idx`` builds its side.
+
+        In the worker: ``scheme = weightsync.config.from_config(cfg)`` (or
+        ``hydra.utils.instantiate``), then ``scheme.init_on_receiver(model=...)``
+        and ``scheme.connect()``. Works in any process of this host, also one
+        started by hand.
+
+        Raises:
+            LifecycleError: called before ``init_on_sender``.
+        """
+        self._require(SENDER, SENDER_CONNECTED, action="receiver_config")
+        idx = self._check_worker_idx(worker_idx)
+        cls = type(self)
+        scheme = {"_target_": f"{cls.__module__}.{cls.__qualname__}", "strategy": self._strategy.extract_as}
+        scheme.update({name: getattr(self, name) for name in sorted(self._config_fields())})
+        return {
+            "_target_": "weightsync.config.make_receiver",
+            "scheme": scheme,
+            "model_id": self._model_id,
+            "worker_idx": idx,
+            "connection": self._receiver_connection(),
+        }
+
+    def _receiver_connection(self) -> dict[str, Any]:
+        return {}
+
+    def _prepare_receiver(self, *, model_id: str, worker_idx: int, connection: dict[str, Any]) -> None:
+        """Make a new scheme receiver-ready from a receiver config's fields."""
+        self._require(NEW, action="prepare a receiver")
+        self._model_id = model_id
+        self._worker_idx = self._check_worker_idx(worker_idx)
+        self._handoff = dict(connection)
 
     # ----------------------------------------------------------------- pickle
     def __getstate__(self) -> dict[str, Any]:

@@ -33,7 +33,15 @@ from ..errors import (
 )
 from ..layout import FlatLayout
 from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec, write_into
-from ..transports.channel import ChannelListener, connect_channel, deadline_after, remaining
+from ..transports.channel import (
+    ChannelListener,
+    connect_channel,
+    deadline_after,
+    read_key_file,
+    remaining,
+    remove_key_file,
+    write_key_file,
+)
 from ..transports.mp import MPTransport, Update
 from ..transports.slots import SharedSlot, SlotPool
 from .base import WeightSyncScheme
@@ -95,6 +103,7 @@ class LocalScheme(WeightSyncScheme):
         self._failed: dict[int, WeightSyncError] = {}
         self._errors: dict[int, WeightSyncError] = {}
         self._next_version = 0
+        self._authkey_file: str | None = None
         # Receiver side.
         self._transport: MPTransport | None = None
         self._layout_error: WeightMismatchError | None = None
@@ -162,6 +171,12 @@ class LocalScheme(WeightSyncScheme):
         if self._listener is None or self._authkey is None:
             return {}
         return {"address": self._listener.address, "authkey": self._authkey.hex()}
+
+    def _receiver_connection(self) -> dict[str, Any]:
+        assert self._listener is not None and self._authkey is not None
+        if self._authkey_file is None:
+            self._authkey_file = write_key_file(self._listener.address, self._authkey)
+        return {"address": self._listener.address, "authkey_file": self._authkey_file}
 
     def _connect_sender_impl(self, weights: Any) -> None:
         assert self._listener is not None and self._num_workers is not None
@@ -304,7 +319,7 @@ class LocalScheme(WeightSyncScheme):
                 # A worker that reported a failure and then left is remembered for that failure.
                 self._mark_dead(
                     w,
-                    self._errors.get(w)
+                    transport.last_error
                     or WorkerDiedError(
                         f"its channel closed ({exc.detail})",
                         model_id=self._model_id,
@@ -381,6 +396,7 @@ class LocalScheme(WeightSyncScheme):
     def _init_receiver_impl(self, **kwargs: Any) -> None:
         address = kwargs.pop("address", None)
         authkey = kwargs.pop("authkey", None)
+        authkey_file = kwargs.pop("authkey_file", None)
         super()._init_receiver_impl(**kwargs)
         if self._model is None:
             raise ConfigurationError(
@@ -391,6 +407,9 @@ class LocalScheme(WeightSyncScheme):
             handoff["address"] = address
         if authkey is not None:
             handoff["authkey"] = authkey.hex() if isinstance(authkey, bytes) else authkey
+        authkey_file = authkey_file or handoff.pop("authkey_file", None)
+        if authkey_file is not None and authkey is None:
+            handoff["authkey"] = read_key_file(authkey_file, model_id=self._model_id)
         if not handoff.get("address") or not handoff.get("authkey"):
             raise LifecycleError(
                 "this receiver does not know where its sender is: hand it the scheme pickled after "
@@ -551,3 +570,6 @@ class LocalScheme(WeightSyncScheme):
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+        if self._authkey_file is not None:
+            remove_key_file(self._authkey_file)
+            self._authkey_file = None

@@ -19,14 +19,31 @@ import logging
 import os
 import secrets
 import socket
+import stat
+import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..errors import AuthenticationError, ConnectionClosedError, SyncTimeoutError, TransportError
+from ..errors import (
+    AuthenticationError,
+    ConfigurationError,
+    ConnectionClosedError,
+    SyncTimeoutError,
+    TransportError,
+)
 
-__all__ = ["Channel", "ChannelListener", "connect_channel", "deadline_after", "remaining"]
+__all__ = [
+    "Channel",
+    "ChannelListener",
+    "connect_channel",
+    "deadline_after",
+    "read_key_file",
+    "remaining",
+    "remove_key_file",
+    "write_key_file",
+]
 
 log = logging.getLogger("weightsync.transports.channel")
 
@@ -256,3 +273,47 @@ def connect_channel(address: str, authkey: bytes, hello: dict[str, Any], timeout
         channel.close()
         raise AuthenticationError(f"sender at {address!r} refused the auth key or failed to prove its own")
     return channel
+
+
+def _key_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    path = os.path.join(base, f"weightsync-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+        raise ConfigurationError(f"{path} must be a directory owned by this user with mode 0700 (it holds auth keys)")
+    return path
+
+
+def write_key_file(address: str, authkey: bytes) -> str:
+    """Write ``authkey`` to a new owner-only file named after ``address``; return its path.
+
+    Receiver configs name this file instead of carrying the key, so they can be
+    logged and saved. The sender removes it at shutdown.
+    """
+    path = os.path.join(_key_dir(), address.lstrip("@") + ".key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(authkey.hex())
+    return path
+
+
+def read_key_file(path: str, **where: Any) -> str:
+    """The hex auth key stored at ``path``; a clear error if it is missing or readable by others."""
+    try:
+        info = os.stat(path)
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            raise ConfigurationError(f"auth key file {path} is readable by other users; refusing it", **where)
+        with open(path) as key:
+            return key.read().strip()
+    except FileNotFoundError as exc:
+        raise ConfigurationError(
+            f"auth key file {path} does not exist: the sender has shut down, or runs on another host", **where
+        ) from exc
+
+
+def remove_key_file(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -54,6 +54,7 @@ class MPTransport(TransportBackend):
         self.acked: int | None = None
         self.sent: int | None = None
         self.dead: BaseException | None = None
+        self.last_error: ReceiverError | None = None
         # Receiver side.
         self.slot_buffers: dict[int, torch.Tensor] = {}
         self.closed_by_sender = False
@@ -79,11 +80,13 @@ class MPTransport(TransportBackend):
         version = int(msg["version"])
         self.acked = version if self.acked is None else max(self.acked, version)
         err = msg.get("error")
-        if err:
-            return ReceiverError(
-                err["type"], err["message"], model_id=model_id, worker_idx=self.worker_idx, version=version
-            )
-        return None
+        # The last failure stays known until a later success: if the worker then leaves, that is why.
+        self.last_error = (
+            ReceiverError(err["type"], err["message"], model_id=model_id, worker_idx=self.worker_idx, version=version)
+            if err
+            else None
+        )
+        return self.last_error
 
     def _sender(self) -> LocalScheme:
         if self._scheme is None:

@@ -1,0 +1,1 @@
+"""The main job's configuration (installed as the package ``weightsync.conf``, for ``pkg://weightsync.conf``)."""

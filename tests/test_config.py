@@ -1,0 +1,237 @@
+"""The Hydra layer: configs mirror their targets, groups compose, receiver configs travel as plain data."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize, initialize_config_module
+from hydra.errors import HydraException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch import nn
+
+import weightsync as ws
+from weightsync import config as wc
+from weightsync.app.job import resolve_schemes
+from weightsync.config.export import group_yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+ALL_CONFIGS = {
+    **{f"scheme/{k}": v for k, v in wc.SCHEMES.items()},
+    **{f"transport/{k}": v for k, v in wc.TRANSPORTS.items()},
+}
+RUNTIME_ARGS = {"channel", "scheme"}  # live handles given to instantiate(), never config fields
+
+
+def _target(cfg_cls):
+    module, _, attr = cfg_cls._target_.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return None
+
+
+AVAILABLE = {k: v for k, v in ALL_CONFIGS.items() if _target(v) is not None}
+PLANNED = {k: v for k, v in ALL_CONFIGS.items() if _target(v) is None}
+
+
+def test_the_distributed_configs_are_the_planned_ones():
+    assert sorted(PLANNED) == sorted(
+        [
+            "scheme/ray",
+            "scheme/ray_module_transform",
+            "scheme/rpc",
+            "scheme/distributed",
+            "transport/ray",
+            "transport/ray_actor",
+            "transport/rpc",
+            "transport/distributed",
+        ]
+    )
+
+
+@pytest.mark.parametrize("name", sorted(AVAILABLE) + ["strategy"])
+def test_config_fields_mirror_the_constructor(name):
+    cfg_cls = wc.WeightStrategyConfig if name == "strategy" else AVAILABLE[name]
+    params = {
+        p.name: p.default
+        for p in inspect.signature(_target(cfg_cls)).parameters.values()
+        if p.name not in RUNTIME_ARGS and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    }
+    fields = {f.name: f.default for f in dataclasses.fields(cfg_cls) if f.name != "_target_"}
+    assert set(fields) == set(params), f"{name}: config {sorted(fields)} vs constructor {sorted(params)}"
+    for key, default in params.items():
+        if default is not inspect.Parameter.empty:
+            assert fields[key] == default, f"{name}.{key}: config default {fields[key]!r} vs {default!r}"
+
+
+@pytest.mark.parametrize("name", sorted(PLANNED))
+def test_planned_backends_fail_clearly_instead_of_silently(name):
+    cfg = OmegaConf.structured(PLANNED[name])
+    with pytest.raises(ws.ConfigurationError, match="is not available in this version"):
+        wc.from_config(cfg)
+    with pytest.raises(HydraException, match="Error locating target"):
+        instantiate(cfg)
+
+
+def test_group_yaml_matches_the_dataclasses():
+    for rel, text in group_yaml().items():
+        assert (ROOT / "conf" / rel).read_text() == text, (
+            f"conf/{rel} is stale: python -m weightsync.config.export conf"
+        )
+
+
+@pytest.mark.parametrize("option", sorted(wc.SCHEMES))
+def test_every_scheme_option_composes_from_the_config_store(option):
+    with initialize(version_base="1.3"):
+        cfg = compose(overrides=[f"+weightsync/scheme={option}", "weightsync.scheme.timeout=7.5"])
+    node = cfg.weightsync.scheme
+    assert node._target_ == wc.SCHEMES[option]._target_ and node.timeout == 7.5
+    if f"scheme/{option}" in AVAILABLE:
+        scheme = instantiate(node)
+        assert isinstance(scheme, ws.WeightSyncScheme) and scheme.timeout == 7.5
+
+
+def test_groups_resolve_through_a_pkg_search_path_without_the_config_store():
+    with initialize(version_base="1.3"):
+        cfg = compose(overrides=["hydra.searchpath=[pkg://weightsync.conf]", "+weightsync/strategy=state_dict"])
+    assert instantiate(cfg.weightsync.strategy) == ws.WeightStrategy("state_dict")
+
+
+def _main(overrides):
+    import weightsync.app.main  # noqa: F401 - registers the job schema and the `scheme` group
+
+    with initialize_config_module(version_base="1.3", config_module="weightsync.conf"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def test_main_config_overrides():
+    cfg = _main([])
+    assert cfg.num_workers == 2 and set(cfg.models) == {"policy", "value"}
+    assert {m: c._target_ for m, c in resolve_schemes(cfg).items()} == {
+        "policy": "weightsync.MultiProcessWeightSyncScheme",
+        "value": "weightsync.MultiProcessWeightSyncScheme",
+    }
+
+    cfg = _main(["scheme=shared_mem", "scheme.sync=false", "scheme.per_worker_weights=true"])
+    for node in resolve_schemes(cfg).values():
+        assert node._target_ == "weightsync.SharedMemWeightSyncScheme" and node.sync is False
+        assert node.per_worker_weights is True  # a subclass's own field survives the slot
+
+    cfg = _main(["schemes.policy=shared_mem", "schemes.value=no_sync", "num_workers=4"])
+    resolved = resolve_schemes(cfg)
+    assert resolved["policy"]._target_.endswith("SharedMemWeightSyncScheme")
+    assert resolved["value"]._target_.endswith("NoWeightSyncScheme") and cfg.num_workers == 4
+
+    with pytest.raises(ws.ConfigurationError, match="schemes.value='pigeon': unknown scheme"):
+        resolve_schemes(_main(["schemes.value=pigeon"]))
+
+
+@pytest.mark.parametrize("override", ["scheme=pigeon", "num_workers=many", "scheme.timeout=soon", "scheme.colour=red"])
+def test_bad_overrides_fail_in_hydra(override):
+    with pytest.raises(HydraException):
+        _main([override])
+
+
+def test_receiver_config_is_plain_and_secret_free():
+    scheme = ws.SharedMemWeightSyncScheme(timeout=5, per_worker_weights=True)
+    with pytest.raises(ws.LifecycleError):
+        scheme.receiver_config(0)
+    scheme.init_on_sender(model_id="policy", model=nn.Linear(3, 3), num_workers=2)
+    cfg = scheme.receiver_config(1)
+    text = yaml.safe_dump(cfg)  # plain data: the strictest YAML dumper accepts it
+    assert yaml.safe_load(text) == cfg
+    assert scheme._authkey.hex() not in text and "authkey:" not in text
+    key_file = cfg["connection"]["authkey_file"]
+    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+    assert cfg["scheme"]["per_worker_weights"] is True and cfg["worker_idx"] == 1
+    with pytest.raises(ws.ConfigurationError, match="out of range"):
+        scheme.receiver_config(2)
+    scheme.shutdown()
+    assert not os.path.exists(key_file), "the key file outlived the sender"
+
+
+def test_receiver_config_round_trip_in_the_same_process():
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=10)
+    model = nn.Linear(3, 3)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    receiver = wc.from_config(OmegaConf.to_yaml(OmegaConf.create(scheme.receiver_config(0))))
+    replica = nn.Linear(3, 3)
+    receiver.init_on_receiver(model=replica)
+    joiner = threading.Thread(target=receiver.connect)
+    joiner.start()
+    scheme.connect()
+    joiner.join(10)
+    assert receiver.model_id == "policy" and receiver.worker_idx == 0 and receiver.version == 0
+    assert (replica.weight == model.weight).all()
+    receiver.shutdown()
+    scheme.shutdown()
+
+
+WORKER_BY_HAND = """
+import sys, hashlib, torch, weightsync.config as wc
+from torch import nn
+scheme = wc.from_config(open(sys.argv[1]).read())
+model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+scheme.init_on_receiver(model=model)
+scheme.connect()
+while scheme.version < 1:
+    scheme.receive(timeout=30)
+print(scheme.version, float(sum(p.double().sum() for p in model.parameters())), flush=True)
+scheme.shutdown()
+"""
+
+
+def test_receiver_config_through_yaml_into_a_process_started_by_hand(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    scheme = ws.SharedMemWeightSyncScheme(timeout=30, connect_timeout=60)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    cfg_file = tmp_path / "receiver.yaml"
+    cfg_file.write_text(OmegaConf.to_yaml(OmegaConf.create(scheme.receiver_config(0))))
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER_BY_HAND)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(cfg_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        scheme.connect()
+        for p in model.parameters():
+            p.data.add_(1.0)
+        scheme.send()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        scheme.shutdown()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    version, total = out.split()
+    assert int(version) == 1
+    assert float(total) == pytest.approx(float(sum(p.double().sum() for p in model.parameters())), rel=1e-12)
+
+
+def test_foreign_targets_are_refused():
+    bad = {
+        "_target_": "weightsync.config.make_receiver",
+        "model_id": "p",
+        "worker_idx": 0,
+        "connection": {},
+        "scheme": {"_target_": "os.system", "command": "echo pwned"},
+    }
+    with pytest.raises(ws.ConfigurationError, match="refuses _target_ 'os.system' at scheme"):
+        wc.from_config(bad)
+    with pytest.raises(ws.ConfigurationError, match="refuses _target_ 'subprocess.run' at <root>"):
+        wc.from_config({"_target_": "subprocess.run", "args": ["true"]})
+    with pytest.raises(ws.ConfigurationError, match="refuses"):
+        wc.from_config({"_target_": "weightsync.WeightStrategy", "extract_as": {"_target_": "builtins.eval"}})
+    assert wc.from_config({"_target_": "builtins.dict", "a": 1}, allow=("builtins.dict",)) == {"a": 1}
+    assert "builtins.dict" not in wc.allowed_targets()  # a per-call allowance does not stick

@@ -1,0 +1,4 @@
+from weightsync.app.main import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The main job, ``python -m weightsync``: a Hydra app that syncs, verifies and times."""

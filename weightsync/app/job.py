@@ -1,0 +1,287 @@
+"""The main job: build models, start workers from receiver configs, run update rounds, verify, time.
+
+Each round makes an optimizer-like in-place change to every model, then
+``send()``s it. Every worker reports a checksum of the weights it holds after
+each version it applies; the trainer compares it with its own for that
+version. The worker processes never see the sender object: they get
+``scheme.receiver_config(i)``, plain data, and build their side with
+:func:`weightsync.config.from_config`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import multiprocessing as mp
+import statistics
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from ..config import SCHEMES, from_config
+from ..config.receiver import check_available
+from ..errors import ConfigurationError, ConnectionClosedError, WeightSyncError
+from ..schemes.base import WeightSyncScheme
+from ..schemes.no_sync import NoWeightSyncScheme
+from ..strategy import WeightStrategy
+
+__all__ = ["JobConfig", "ModelSpec", "build_model", "resolve_schemes", "run_job"]
+
+log = logging.getLogger("weightsync.app")
+
+
+@dataclass
+class ModelSpec:
+    """A synthetic float32 model: ``size_mb`` megabytes split into ``tensors`` tensors."""
+
+    size_mb: float = 8.0
+    tensors: int = 4
+
+
+@dataclass
+class JobConfig:
+    """Schema of the main job's config (``conf/config.yaml`` fills it in)."""
+
+    num_workers: int = 2
+    rounds: int = 20
+    seed: int = 0
+    progress: bool = True
+    start_method: str = "spawn"
+    worker_timeout: float = 120.0
+    models: dict[str, ModelSpec] = field(default_factory=dict)
+    schemes: dict[str, Any] = field(default_factory=dict)
+    scheme: Any = None
+
+
+def build_model(spec: dict[str, Any]) -> nn.Module:
+    """A float32 model of ``spec["size_mb"]`` megabytes split into ``spec["tensors"]`` parameters."""
+    size_mb, tensors = float(spec["size_mb"]), int(spec["tensors"])
+    if size_mb <= 0 or tensors < 1:
+        raise ConfigurationError(f"a model needs size_mb > 0 and tensors >= 1, got {size_mb} and {tensors}")
+    numel = max(1, int(size_mb * 1e6 / 4 / tensors))
+    return nn.ParameterList([nn.Parameter(torch.zeros(numel)) for _ in range(tensors)])
+
+
+def checksum(model: nn.Module) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for key, tensor in sorted(WeightStrategy().flat(model).items()):
+        digest.update(key.encode())
+        digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def resolve_schemes(cfg: DictConfig) -> dict[str, DictConfig]:
+    """Each model's scheme config; a plain name (``schemes.value=shared_mem``) picks that scheme's defaults.
+
+    Raises:
+        ConfigurationError: an unknown scheme name, or models and schemes that do not pair up.
+    """
+    models, out = set(cfg.models), {}
+    for model_id in cfg.schemes:
+        node = cfg.schemes[model_id]
+        if isinstance(node, str):
+            if node not in SCHEMES:
+                raise ConfigurationError(f"schemes.{model_id}={node!r}: unknown scheme; known: {sorted(SCHEMES)}")
+            node = OmegaConf.structured(SCHEMES[node])
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise ConfigurationError(f"schemes.{model_id} must be a scheme config or a scheme name, got {node!r}")
+        out[model_id] = node
+    if set(out) != models:
+        raise ConfigurationError(
+            f"every model needs a scheme and every scheme a model: models {sorted(models)}, schemes {sorted(out)}"
+        )
+    return out
+
+
+def _worker(idx: int, configs: dict, specs: dict, reports, stop) -> None:
+    """A worker process: build each model, join each scheme from its receiver config, report every version."""
+    torch.set_num_threads(1)
+    schemes, models = {}, {}
+    try:
+        for model_id, cfg in configs.items():
+            models[model_id] = build_model(specs[model_id])
+            schemes[model_id] = from_config(cfg)
+            schemes[model_id].init_on_receiver(model=models[model_id])
+        for model_id, scheme in schemes.items():
+            scheme.connect()
+            reports.put(("applied", idx, model_id, scheme.version, checksum(models[model_id])))
+        open_channels = {
+            m: s.receiver_transport.channel.connection for m, s in schemes.items() if s.receiver_transport is not None
+        }
+        while not stop.is_set():
+            wait(list(open_channels.values()) or [], timeout=0.05)
+            for model_id, scheme in schemes.items():
+                try:
+                    if scheme.receive(0.0) is not None:
+                        reports.put(("applied", idx, model_id, scheme.version, checksum(models[model_id])))
+                except ConnectionClosedError:
+                    open_channels.pop(model_id, None)
+            if not open_channels and any(s.receiver_transport is not None for s in schemes.values()):
+                break  # every channel closed: the trainer is done
+    except Exception as exc:  # noqa: BLE001 - reported to the trainer, which names the worker
+        reports.put(("failed", idx, f"{type(exc).__name__}: {exc}"))
+    finally:
+        for scheme in schemes.values():
+            scheme.shutdown()
+
+
+def _perturb(model: nn.Module, gen: torch.Generator) -> None:
+    """An optimizer-like in-place change."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
+
+
+def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
+    """Run the job described by ``cfg``; return one result row per model.
+
+    Every error is raised before a worker process starts when it can be
+    (unknown scheme, bad sizes, invalid scheme arguments).
+    """
+    from hydra.utils import instantiate
+
+    scheme_cfgs = resolve_schemes(cfg)
+    specs = {m: {"size_mb": float(cfg.models[m].size_mb), "tensors": int(cfg.models[m].tensors)} for m in cfg.models}
+    n = int(cfg.num_workers)
+    if n < 1 or int(cfg.rounds) < 1:
+        raise ConfigurationError(f"num_workers and rounds must be >= 1, got {n} and {cfg.rounds}")
+    torch.manual_seed(int(cfg.seed))
+    models = {m: build_model(spec) for m, spec in specs.items()}
+    for model in models.values():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_()
+    schemes: dict[str, WeightSyncScheme] = {}
+    for model_id, scheme_cfg in scheme_cfgs.items():
+        schemes[model_id] = _instantiate_scheme(instantiate, scheme_cfg, model_id)
+    ctx = mp.get_context(str(cfg.start_method))
+    reports, stop = ctx.Queue(), ctx.Event()
+    procs = []
+    try:
+        for model_id, scheme in schemes.items():
+            scheme.init_on_sender(model_id=model_id, model=models[model_id], num_workers=n)
+        for i in range(n):
+            configs = {m: s.receiver_config(i) for m, s in schemes.items()}
+            procs.append(ctx.Process(target=_worker, args=(i, configs, specs, reports, stop), daemon=True))
+            procs[-1].start()
+        expected = {m: {} for m in schemes}
+        times = {m: [] for m in schemes}
+        collector = _Collector(reports, procs, float(cfg.worker_timeout))
+        for model_id, scheme in schemes.items():
+            scheme.connect()
+            expected[model_id][scheme.version] = checksum(models[model_id])
+        moving = {m for m, s in schemes.items() if not isinstance(s, NoWeightSyncScheme)}
+        collector.expect({m: expected[m] for m in moving}, n)
+        gen = torch.Generator().manual_seed(int(cfg.seed) + 1)
+        rounds = range(1, int(cfg.rounds) + 1)
+        for _ in progress(rounds) if progress else rounds:
+            for model_id, scheme in schemes.items():
+                _perturb(models[model_id], gen)
+                times[model_id].append(_timed_send(scheme))
+                expected[model_id][scheme.version] = checksum(models[model_id])
+                if model_id in moving:  # workers check this version before the next send is timed
+                    collector.expect({model_id: expected[model_id]}, n)
+    finally:
+        for scheme in schemes.values():
+            scheme.shutdown()
+        stop.set()
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    return [
+        _row(
+            model_id,
+            schemes[model_id],
+            sum(p.numel() * p.element_size() for p in models[model_id].parameters()),
+            n,
+            times[model_id],
+            collector.verified(model_id) if model_id in moving else "n/a (no_sync)",
+        )
+        for model_id in schemes
+    ]
+
+
+def _instantiate_scheme(instantiate: Any, scheme_cfg: DictConfig, model_id: str) -> WeightSyncScheme:
+    check_available({"_target_": scheme_cfg._target_})
+    try:
+        return instantiate(scheme_cfg)
+    except Exception as exc:  # Hydra wraps the target's error; surface ours as it is, name the model otherwise
+        cause = exc.__cause__ or exc
+        if isinstance(cause, WeightSyncError):
+            raise cause from None
+        raise ConfigurationError(f"schemes.{model_id}: cannot build {scheme_cfg._target_}: {cause}") from exc
+
+
+def _timed_send(scheme: WeightSyncScheme) -> float:
+    import time
+
+    start = time.perf_counter()
+    scheme.send()
+    if not scheme.sync:
+        scheme.wait_async()
+    return time.perf_counter() - start
+
+
+class _Collector:
+    """Reads workers' reports and checks each against the trainer's checksum for that version."""
+
+    def __init__(self, reports: Any, procs: list, timeout: float) -> None:
+        self.reports, self.procs, self.timeout = reports, procs, timeout
+        self.seen: dict[tuple[int, str], dict[int, str]] = {}
+        self.mismatches: dict[str, list] = {}
+        self.checked: dict[str, int] = {}
+
+    def expect(self, expected: dict[str, dict[int, str]], n: int) -> None:
+        """Wait until every worker reported the latest version of every model (bounded by the timeout)."""
+        import queue
+
+        latest = {m: max(v) for m, v in expected.items()}
+        while True:
+            missing = [(w, m) for w in range(n) for m in latest if latest[m] not in self.seen.get((w, m), {})]
+            if not missing:
+                return
+            try:
+                kind, w, *rest = self.reports.get(timeout=self.timeout)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(self.procs) if not p.is_alive()]
+                raise WeightSyncError(
+                    f"no report from workers {sorted({w for w, _ in missing})} within {self.timeout:.0f}s "
+                    f"(dead: {dead})"
+                ) from None
+            if kind == "failed":
+                raise WeightSyncError(f"worker {w} failed: {rest[0]}", worker_idx=w)
+            model_id, version, digest = rest
+            if model_id not in expected:
+                continue  # a model whose scheme moves nothing (no_sync)
+            self.seen.setdefault((w, model_id), {})[version] = digest
+            self.checked[model_id] = self.checked.get(model_id, 0) + 1
+            if expected[model_id].get(version) != digest:
+                self.mismatches.setdefault(model_id, []).append((w, version))
+
+    def verified(self, model_id: str) -> str:
+        if self.mismatches.get(model_id):
+            return f"NO {self.mismatches[model_id][:3]}"
+        return "yes" if self.checked.get(model_id) else "no reports"
+
+
+def _row(model_id: str, scheme: WeightSyncScheme, nbytes: int, n: int, times: list[float], verified: str) -> dict:
+    ordered = sorted(times)
+    median = statistics.median(ordered)
+    p95 = ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
+    return {
+        "scheme": type(scheme).backend or type(scheme).__name__,
+        "model": model_id,
+        "model_mb": round(nbytes / 1e6, 3),
+        "workers": n,
+        "rounds": len(times),
+        "sync": scheme.sync,
+        "median_ms": round(median * 1e3, 3),
+        "p95_ms": round(p95 * 1e3, 3),
+        "gb_s": round(nbytes / median / 1e9, 3) if median > 0 else float("inf"),
+        "verified": verified,
+    }

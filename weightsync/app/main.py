@@ -1,0 +1,53 @@
+"""``python -m weightsync``: the Hydra app. See ``conf/config.yaml`` for what it runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from ..config import SCHEMES
+from ..errors import WeightSyncError
+from .job import JobConfig, run_job
+from .report import RESULTS_FILE, markdown_table
+
+__all__ = ["main"]
+
+
+def _register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="job_schema", node=JobConfig)
+    for name, node in SCHEMES.items():  # the job's own `scheme` group, so `scheme=shared_mem` works
+        cs.store(group="scheme", name=name, node=node)
+
+
+_register()
+
+
+@hydra.main(version_base="1.3", config_path="pkg://weightsync.conf", config_name="config")
+def _app(cfg: DictConfig) -> None:
+    from tqdm import tqdm
+
+    def progress(rounds):
+        return tqdm(rounds, desc="rounds", unit="round", disable=not cfg.progress, leave=False)
+
+    try:
+        rows = run_job(cfg, progress=progress)
+    except WeightSyncError as exc:
+        print(f"weightsync: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    hydra_cfg = HydraConfig.get()
+    overrides = " ".join(hydra_cfg.overrides.task)
+    rows = [{**row, "overrides": overrides} for row in rows]
+    (Path(hydra_cfg.runtime.output_dir) / RESULTS_FILE).write_text(json.dumps(rows, indent=1))
+    print(markdown_table(rows))
+
+
+def main() -> None:
+    """Entry point of ``python -m weightsync`` and the ``weightsync`` command."""
+    _app()

@@ -1,0 +1,82 @@
+"""Result tables of the main job: printed, and for a multirun combined into Markdown, CSV and a plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+__all__ = ["COLUMNS", "SweepReport", "markdown_table", "write_sweep_report"]
+
+log = logging.getLogger("weightsync.app")
+
+COLUMNS = ["scheme", "model", "model_mb", "workers", "sync", "rounds", "median_ms", "p95_ms", "gb_s", "verified"]
+RESULTS_FILE = "results.json"
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[str] = COLUMNS) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(str(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_sweep_report(sweep_dir: Path) -> list[dict[str, Any]]:
+    """Combine every job's ``results.json`` under ``sweep_dir`` into results.md, results.csv and results.png."""
+    rows = []
+    for path in sorted(sweep_dir.glob(f"*/{RESULTS_FILE}"), key=lambda p: (len(p.parent.name), p.parent.name)):
+        for row in json.loads(path.read_text()):
+            rows.append({"job": path.parent.name, **row})
+    if not rows:
+        log.warning("no %s found under %s", RESULTS_FILE, sweep_dir)
+        return rows
+    columns = ["job", *COLUMNS, "overrides"]
+    (sweep_dir / "results.md").write_text(markdown_table(rows, columns) + "\n")
+    with open(sweep_dir / "results.csv", "w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    _plot(rows, sweep_dir / "results.png")
+    return rows
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[str, list[tuple[float, float]]] = {}
+    for row in rows:
+        series.setdefault(f"{row['scheme']} ({row['workers']} workers)", []).append(
+            (float(row["model_mb"]), float(row["median_ms"]))
+        )
+    for label, points in sorted(series.items()):
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("model size (MB)")
+    ax.set_ylabel("median send (ms)")
+    ax.set_title("weightsync: send time until every worker applied and acked")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+class SweepReport(Callback):
+    """Hydra callback: at the end of a multirun, write and print the combined table."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = write_sweep_report(sweep_dir)
+        if rows:
+            print(f"\nAll jobs ({sweep_dir}/results.md, results.csv, results.png):\n")
+            print(markdown_table(rows, ["job", *COLUMNS, "overrides"]))

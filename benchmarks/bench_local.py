@@ -14,6 +14,7 @@ import argparse
 import multiprocessing as mp
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -116,9 +117,11 @@ def main() -> None:
     print("\n".join(lines))
     if args.markdown:
         with open(args.markdown, "w") as out:
+            command = " ".join(["python", *sys.argv])
             out.write(
-                "# Benchmarks\n\nProduced by `python benchmarks/bench_local.py --markdown docs/benchmarks.md`.\n"
-                "A send is timed until every worker applied and acked.\n\n"
+                f"# Benchmarks\n\nProduced by `{command}`.\n"
+                "A send is timed until every worker applied and acked; each round also times one `copy_` of the "
+                "same bytes just before its send, so the ratio compares figures taken under the same load.\n\n"
             )
             out.write("\n".join(lines) + "\n")
 

@@ -184,3 +184,34 @@ def torn_reader(scheme, worker_idx: int, kind: str, cmd, lock_reads: bool = Fals
     cmd.recv()
     scheme.shutdown()
     cmd.send({"reads": reads, "torn": torn, "applied": applied, "version": scheme.version})
+
+
+def connect_pair(sender, receiver, timeout: float = 20.0) -> None:
+    """Connect a sender and an in-process receiver: the receiver joins from a thread while the sender waits."""
+    errors = []
+
+    def join():
+        try:
+            receiver.connect()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+
+    joiner = threading.Thread(target=join)
+    joiner.start()
+    try:
+        sender.connect()
+    finally:
+        joiner.join(timeout)
+    if errors:
+        raise errors[0]
+
+
+def in_process_receiver(sender, model, worker_idx: int = 0):
+    """A receiver in this process for ``sender`` (pickled, as a worker would get it), connected."""
+    import pickle
+
+    receiver = pickle.loads(pickle.dumps(sender))
+    receiver.init_on_receiver(model_id=sender.model_id, model=model, worker_idx=worker_idx)
+    connect_pair(sender, receiver)
+    return receiver
+

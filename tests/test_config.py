@@ -9,7 +9,6 @@ import os
 import stat
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 import weightsync as ws
+from tests._workers import connect_pair
 from weightsync import config as wc
 from weightsync.app.job import resolve_schemes
 from weightsync.config.export import group_yaml
@@ -102,6 +102,24 @@ def test_every_scheme_option_composes_from_the_config_store(option):
         assert isinstance(scheme, ws.WeightSyncScheme) and scheme.timeout == 7.5
 
 
+@pytest.mark.parametrize(
+    "group, option",
+    [("transport", t) for t in sorted(wc.TRANSPORTS)] + [("strategy", s) for s in sorted(wc.STRATEGIES)],
+)
+def test_every_transport_and_strategy_option_composes(group, option):
+    with initialize(version_base="1.3"):
+        cfg = compose(overrides=[f"+weightsync/{group}={option}"])
+    node = cfg.weightsync[group]
+    if group == "strategy":
+        assert instantiate(node) == ws.WeightStrategy(option)
+    else:
+        assert node._target_ == wc.TRANSPORTS[option]._target_ and node.worker_idx == 0
+
+
+def test_top_level_from_config_is_the_hydra_layer_one():
+    assert ws.from_config is wc.from_config
+
+
 def test_groups_resolve_through_a_pkg_search_path_without_the_config_store():
     with initialize(version_base="1.3"):
         cfg = compose(overrides=["hydra.searchpath=[pkg://weightsync.conf]", "+weightsync/strategy=state_dict"])
@@ -168,10 +186,7 @@ def test_receiver_config_round_trip_in_the_same_process():
     receiver = wc.from_config(OmegaConf.to_yaml(OmegaConf.create(scheme.receiver_config(0))))
     replica = nn.Linear(3, 3)
     receiver.init_on_receiver(model=replica)
-    joiner = threading.Thread(target=receiver.connect)
-    joiner.start()
-    scheme.connect()
-    joiner.join(10)
+    connect_pair(scheme, receiver)
     assert receiver.model_id == "policy" and receiver.worker_idx == 0 and receiver.version == 0
     assert (replica.weight == model.weight).all()
     receiver.shutdown()

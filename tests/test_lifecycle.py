@@ -8,6 +8,7 @@ import pytest
 from torch import nn
 
 import weightsync as ws
+from tests._workers import in_process_receiver
 
 SCHEMES = [ws.MultiProcessWeightSyncScheme, ws.SharedMemWeightSyncScheme]
 
@@ -46,16 +47,10 @@ def test_calls_out_of_order(cls):
 
 
 def test_connect_twice_and_receive_on_a_sender():
-    import threading
 
     scheme = ws.MultiProcessWeightSyncScheme(timeout=5, connect_timeout=10)
     scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
-    receiver = pickle.loads(pickle.dumps(scheme))
-    receiver.init_on_receiver(model_id="policy", model=nn.Linear(2, 2), worker_idx=0)
-    joiner = threading.Thread(target=receiver.connect)
-    joiner.start()
-    scheme.connect()
-    joiner.join(10)
+    receiver = in_process_receiver(scheme, nn.Linear(2, 2))
     with pytest.raises(ws.LifecycleError, match="cannot connect: scheme is connected sender"):
         scheme.connect()
     with pytest.raises(ws.LifecycleError, match="cannot connect: scheme is connected receiver"):

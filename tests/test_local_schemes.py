@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import weightsync as ws
-from tests._workers import build, checksum, serve, torn_reader
+from tests._workers import build, checksum, in_process_receiver, serve, torn_reader
 
 
 def _optimizer_step(model: torch.nn.Module, seed: int) -> None:
@@ -320,18 +320,12 @@ def test_bad_weights_fail_in_the_caller_and_send_nothing(make_scheme, workers):
 @pytest.mark.parametrize("latest_wins", [True, False])
 def test_async_sends_coalesce_to_the_latest_version(latest_wins):
     """A worker that fell behind applies only the newest pending version (or every one, in order)."""
-    import threading
 
     model = build("tiny")
     scheme = ws.MultiProcessWeightSyncScheme(sync=False, latest_wins=latest_wins, timeout=20, max_slots=8)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
-    receiver = pickle_roundtrip(scheme)
     replica = build("tiny")
-    receiver.init_on_receiver(model_id="policy", model=replica, worker_idx=0)
-    joiner = threading.Thread(target=receiver.connect)
-    joiner.start()
-    scheme.connect()
-    joiner.join(20)
+    receiver = in_process_receiver(scheme, replica)
     sums = {}
     for step in range(1, 6):
         _optimizer_step(model, step)
@@ -347,12 +341,6 @@ def test_async_sends_coalesce_to_the_latest_version(latest_wins):
     assert scheme.acked_versions == {0: 5}
     receiver.shutdown()
     scheme.shutdown()
-
-
-def pickle_roundtrip(scheme):
-    import pickle
-
-    return pickle.loads(pickle.dumps(scheme))
 
 
 def test_no_sync_scheme_moves_nothing(workers):
@@ -378,18 +366,12 @@ def test_no_sync_scheme_moves_nothing(workers):
 @pytest.mark.parametrize("per_worker_weights", [False, True])
 def test_send_waits_for_a_free_slot_then_times_out_publishing_nothing(per_worker_weights):
     """With one slot, a shared-memory worker pins it: the next send cannot get a slot and must not half-publish."""
-    import threading
 
     model = build("tiny")
     scheme = ws.SharedMemWeightSyncScheme(timeout=0.5, max_slots=1, per_worker_weights=per_worker_weights)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
-    receiver = pickle_roundtrip(scheme)
     replica = build("tiny")
-    receiver.init_on_receiver(model_id="policy", model=replica, worker_idx=0)
-    joiner = threading.Thread(target=receiver.connect)
-    joiner.start()
-    scheme.connect()
-    joiner.join(20)
+    receiver = in_process_receiver(scheme, replica)
     _optimizer_step(model, 1)
     start = time.monotonic()
     with pytest.raises(ws.SyncTimeoutError, match="no free weight slot .* workers \\[0\\] still hold"):

@@ -38,6 +38,16 @@ from .transports import MPTransport, SharedMemTransport, TransportBackend
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # The Hydra layer is imported on first use, so `import weightsync` does not pay for Hydra.
+    if name == "from_config":
+        from .config import from_config
+
+        return from_config
+    raise AttributeError(f"module 'weightsync' has no attribute {name!r}")
+
+
 __all__ = [
     "AuthenticationError",
     "ConfigurationError",
@@ -63,6 +73,7 @@ __all__ = [
     "WeightSyncScheme",
     "WorkerDiedError",
     "available_backends",
+    "from_config",
     "get_backend",
     "register_backend",
     "resolve_model",

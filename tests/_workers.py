@@ -214,4 +214,3 @@ def in_process_receiver(sender, model, worker_idx: int = 0):
     receiver.init_on_receiver(model_id=sender.model_id, model=model, worker_idx=worker_idx)
     connect_pair(sender, receiver)
     return receiver
-

@@ -58,3 +58,14 @@ def test_older_facade_names_exist():
     for name in ("send_weights", "send_weights_async", "wait_ack", "receive_weights", "send_ack", "check_connection"):
         assert callable(getattr(ws.MPTransport, name)), name
     assert issubclass(ws.SharedMemTransport, ws.TransportBackend)
+
+
+def test_errors_survive_pickling_with_their_fields():
+    import pickle
+
+    err = ws.WeightMismatchError(missing=["a"], mismatched={"b": ("[2] float32", "[3] float32")}, worker_idx=1)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is ws.WeightMismatchError and str(back) == str(err)
+    assert (back.missing, back.mismatched, back.worker_idx) == (["a"], err.mismatched, 1)
+    remote = pickle.loads(pickle.dumps(ws.ReceiverError("ValueError", "bad", worker_idx=2, version=3)))
+    assert (remote.remote_type, remote.worker_idx, remote.version) == ("ValueError", 2, 3)

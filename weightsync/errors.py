@@ -69,6 +69,18 @@ class WeightSyncError(Exception):
             where.append(f"version {version}")
         super().__init__(f"[{', '.join(where)}] {message}" if where else message)
 
+    def __reduce__(self) -> tuple:
+        # Subclasses take keyword-only arguments, which the default exception pickling cannot replay;
+        # errors cross process boundaries (Ray tasks), so rebuild them from their state instead.
+        return (_restore_error, (type(self), self.args, dict(self.__dict__)))
+
+
+def _restore_error(cls: type, args: tuple, state: dict) -> WeightSyncError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
+
 
 class ConfigurationError(WeightSyncError, ValueError):
     """An argument, option or backend name is invalid."""

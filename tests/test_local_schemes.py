@@ -380,3 +380,21 @@ def test_send_waits_for_a_free_slot_then_times_out_publishing_nothing(per_worker
     assert scheme.version == 0 and receiver.receive() is None and receiver.version == 0
     receiver.shutdown()
     scheme.shutdown()
+
+
+@pytest.mark.parametrize("scheme_name", ["multiprocess", "shared_mem"])
+def test_worker_that_acked_then_left_does_not_fail_the_send(scheme_name):
+    """The ack and the closed channel arrive together: the send is complete, the next one names the worker."""
+    model = build("tiny")
+    scheme = ws.WeightSyncScheme.from_backend(scheme_name, timeout=10)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    receiver = in_process_receiver(scheme, build("tiny"))
+    _optimizer_step(model, 1)
+    scheme.send_async()
+    assert receiver.receive(timeout=5) is not None and receiver.version == 1
+    receiver.shutdown()  # acked version 1, then left: both are queued for the sender now
+    scheme.wait_async()
+    assert scheme.acked_versions == {0: 1}
+    with pytest.raises(ws.WorkerDiedError):
+        scheme.send()
+    scheme.shutdown()

@@ -354,8 +354,10 @@ class LocalScheme(WeightSyncScheme):
         failures: dict[int, WeightSyncError] = {}
         while True:
             self.drain()
-            for w in expected:
-                if w in self._failed and w not in failures:
+            for w, v in expected.items():
+                acked = self._transports[w].acked
+                # A worker that acked what we wait for and then left (shut down, exited) did its part.
+                if w in self._failed and w not in failures and (acked is None or acked < v):
                     failures[w] = self._failed[w]
             failures.update(self._take_errors(expected))
             pending = [

@@ -55,6 +55,25 @@ def _weightsync_maps(pid: int) -> int:
         return 0
 
 
+def is_ray_cluster(proc: psutil.Process) -> bool:
+    """Processes of a Ray cluster a test module started on purpose (it checks they end with ray.shutdown())."""
+    try:
+        cmd = " ".join(proc.cmdline())
+        return proc.name().startswith(("ray::", "raylet", "gcs_server")) or "/site-packages/ray/" in cmd
+    except psutil.Error:
+        return False
+
+
+def _is_leak(proc: psutil.Process) -> bool:
+    try:
+        if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        cmd = " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+    return "forkserver" not in cmd and "resource_tracker" not in cmd and not is_ray_cluster(proc)
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
     """After every test: no shared-memory segment, weightsync thread or child process left behind."""
@@ -62,14 +81,7 @@ def no_leaks():
     yield
     gc.collect()
     me = psutil.Process()
-    children = [
-        c
-        for c in me.children(recursive=True)
-        if c.is_running()
-        and c.status() != psutil.STATUS_ZOMBIE
-        and "forkserver" not in " ".join(c.cmdline())
-        and "resource_tracker" not in " ".join(c.cmdline())
-    ]
+    children = [c for c in me.children(recursive=True) if _is_leak(c)]
     assert not children, f"child processes left behind: {[(c.pid, c.cmdline()) for c in children]}"
     threads = [t.name for t in threading.enumerate() if t.name.startswith("weightsync")]
     assert not threads, f"threads left behind: {threads}"

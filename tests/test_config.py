@@ -30,7 +30,7 @@ ALL_CONFIGS = {
     **{f"scheme/{k}": v for k, v in wc.SCHEMES.items()},
     **{f"transport/{k}": v for k, v in wc.TRANSPORTS.items()},
 }
-RUNTIME_ARGS = {"channel", "scheme"}  # live handles given to instantiate(), never config fields
+RUNTIME_ARGS = {"actor", "channel", "scheme"}  # live handles given to instantiate(), never config fields
 
 
 def _target(cfg_cls):
@@ -48,11 +48,9 @@ PLANNED = {k: v for k, v in ALL_CONFIGS.items() if _target(v) is None}
 def test_the_distributed_configs_are_the_planned_ones():
     assert sorted(PLANNED) == sorted(
         [
-            "scheme/ray",
             "scheme/ray_module_transform",
             "scheme/rpc",
             "scheme/distributed",
-            "transport/ray",
             "transport/ray_actor",
             "transport/rpc",
             "transport/distributed",

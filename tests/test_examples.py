@@ -89,7 +89,8 @@ def test_main_job_help_lists_the_groups():
         ("scheme=pigeon", "Could not find 'scheme/pigeon'"),
         ("num_workers=many", "num_workers"),
         ("scheme.timeout=-1", "timeout must be a positive number"),
-        ("scheme=ray", "is not available"),
+        ("scheme=rpc", "is not available"),
+        ("scheme=ray", "does not start yet"),
     ],
 )
 def test_main_job_bad_overrides_fail_before_any_worker_starts(tmp_path, override, message):

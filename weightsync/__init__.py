@@ -25,6 +25,7 @@ from .model_path import resolve_model
 from .schemes import (
     MultiProcessWeightSyncScheme,
     NoWeightSyncScheme,
+    RayWeightSyncScheme,
     SharedMemWeightSyncScheme,
     WeightReceiver,
     WeightSender,
@@ -34,7 +35,7 @@ from .schemes import (
     register_backend,
 )
 from .strategy import WeightStrategy
-from .transports import MPTransport, SharedMemTransport, TransportBackend
+from .transports import MPTransport, RayTransport, SharedMemTransport, TransportBackend
 
 __version__ = "0.1.0"
 
@@ -58,6 +59,8 @@ __all__ = [
     "MPTransport",
     "MultiProcessWeightSyncScheme",
     "NoWeightSyncScheme",
+    "RayTransport",
+    "RayWeightSyncScheme",
     "ReceiverError",
     "SendFailedError",
     "SharedMemTransport",

@@ -26,6 +26,7 @@ from ..config import SCHEMES, from_config
 from ..config.receiver import check_available
 from ..errors import ConfigurationError, ConnectionClosedError, WeightSyncError
 from ..schemes.base import WeightSyncScheme
+from ..schemes.local import LocalScheme
 from ..schemes.no_sync import NoWeightSyncScheme
 from ..strategy import WeightStrategy
 
@@ -158,6 +159,11 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
     schemes: dict[str, WeightSyncScheme] = {}
     for model_id, scheme_cfg in scheme_cfgs.items():
         schemes[model_id] = _instantiate_scheme(instantiate, scheme_cfg, model_id)
+        if not isinstance(schemes[model_id], (LocalScheme, NoWeightSyncScheme)):
+            raise ConfigurationError(
+                f"schemes.{model_id}: the main job's workers are local processes; {type(schemes[model_id]).__name__}"
+                " needs workers of its own engine, which the main job does not start yet"
+            )
     ctx = mp.get_context(str(cfg.start_method))
     reports, stop = ctx.Queue(), ctx.Event()
     procs = []

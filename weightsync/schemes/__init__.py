@@ -3,12 +3,14 @@
 from .base import WeightReceiver, WeightSender, WeightSyncScheme
 from .multiprocess import MultiProcessWeightSyncScheme
 from .no_sync import NoWeightSyncScheme
+from .ray import RayWeightSyncScheme
 from .registry import available_backends, get_backend, register_backend
 from .shared_mem import SharedMemWeightSyncScheme
 
 __all__ = [
     "MultiProcessWeightSyncScheme",
     "NoWeightSyncScheme",
+    "RayWeightSyncScheme",
     "SharedMemWeightSyncScheme",
     "WeightReceiver",
     "WeightSender",

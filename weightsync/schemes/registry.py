@@ -28,6 +28,7 @@ _BUILTIN: dict[str, str] = {
     "multiprocess": "weightsync.schemes.multiprocess:MultiProcessWeightSyncScheme",
     "shared_mem": "weightsync.schemes.shared_mem:SharedMemWeightSyncScheme",
     "no_sync": "weightsync.schemes.no_sync:NoWeightSyncScheme",
+    "ray": "weightsync.schemes.ray:RayWeightSyncScheme",
 }
 _ALIASES = {"mp": "multiprocess", "sharedmem": "shared_mem", "shared_memory": "shared_mem", "none": "no_sync"}
 _registered: dict[str, type[WeightSyncScheme] | str] = {}

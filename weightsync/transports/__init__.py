@@ -2,6 +2,7 @@
 
 from .base import TransportBackend
 from .mp import MPTransport
+from .ray import RayTransport
 from .shared_mem import SharedMemTransport
 
-__all__ = ["MPTransport", "SharedMemTransport", "TransportBackend"]
+__all__ = ["MPTransport", "RayTransport", "SharedMemTransport", "TransportBackend"]

@@ -1,0 +1,224 @@
+"""RayWeightSyncScheme on a real local Ray cluster (started by this module, shut down at its end)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import subprocess
+import time
+
+import pytest
+
+import weightsync as ws
+from tests._workers import _scramble, build, checksum
+from tests.test_local_schemes import _optimizer_step
+
+ray = pytest.importorskip("ray", reason="Ray is an optional engine; `pip install -e .[test]` installs it")
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+@contextlib.contextmanager
+def loopback_only_network():
+    """Run the enclosed code in a new network namespace whose only interface is ``lo``.
+
+    Ray binds its services to the node's address, ignoring ``_node_ip_address``; in a namespace with
+    only loopback that address is 127.0.0.1, so the cluster's traffic never leaves loopback. Threads
+    and processes started inside inherit the namespace; the test process returns to its own after.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    original = os.open("/proc/self/ns/net", os.O_RDONLY)
+    try:
+        if libc.unshare(_CLONE_NEWNET) != 0:
+            pytest.skip(f"Ray tests need a loopback-only network namespace (root): {os.strerror(ctypes.get_errno())}")
+        try:
+            subprocess.run(["ip", "link", "set", "lo", "up"], check=True, timeout=10)
+            yield
+        finally:
+            if libc.setns(original, _CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "could not return to the original network namespace")
+    finally:
+        os.close(original)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    import psutil
+
+    from tests.conftest import is_ray_cluster
+
+    with loopback_only_network():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="weightsync-tests")
+        assert ray.nodes()[0]["NodeManagerAddress"] == "127.0.0.1"
+        yield
+        ray.shutdown()
+    left = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if is_ray_cluster(p) and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    ]
+    # Ray's workers exit on their own after shutdown, at their own pace; end any straggler, bounded in time.
+    _, alive = psutil.wait_procs(left, timeout=15)
+    for proc in alive:
+        proc.kill()
+    psutil.wait_procs(alive, timeout=10)
+
+
+def _collectors(n=2, kinds=None):
+    from tests._ray_actors import Collector
+
+    return [Collector.remote(kind) for kind in (kinds or ["tiny"] * n)]
+
+
+@pytest.mark.parametrize("strategy", ["state_dict", "tensordict"])
+@pytest.mark.parametrize("handed_as", ["pickled", "receiver_config"])
+def test_every_send_reaches_every_targeted_actor(strategy, handed_as):
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(strategy=strategy, timeout=30)
+    actors = _collectors()
+    if handed_as == "pickled":  # the collector pattern: the scheme goes to the actor before init
+        ray.get([a.join.remote(scheme, i) for i, a in enumerate(actors)])
+    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    if handed_as == "receiver_config":  # the Hydra pattern: plain data, instantiated in the actor
+        ray.get([a.join.remote(scheme.receiver_config(i), i) for i, a in enumerate(actors)])
+    scheme.connect()
+    expected = {0: checksum(model, strategy)}
+    assert ray.get([a.state.remote() for a in actors]) == [(0, expected[0])] * 2
+    assert ray.get([a.receive.remote() for a in actors]) == [0, 0]
+
+    held = {0: 0, 1: 0}
+    for step, worker_ids in enumerate([None, None, [1], 0, None], start=1):
+        _optimizer_step(model, step)
+        expected[step] = checksum(model, strategy)
+        scheme.send(worker_ids=worker_ids)
+        for w in [0, 1] if worker_ids is None else ([worker_ids] if isinstance(worker_ids, int) else worker_ids):
+            held[w] = step
+        assert scheme.acked_versions == held
+        assert ray.get([a.state.remote() for a in actors]) == [(held[w], expected[held[w]]) for w in range(2)]
+    scheme.shutdown()
+    for a in actors:
+        ray.kill(a)
+
+
+def test_async_sends_arrive_in_order_and_are_awaited():
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(sync=False, timeout=30)
+    actors = _collectors()
+    ray.get([a.join.remote(scheme, i) for i, a in enumerate(actors)])
+    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    scheme.connect()
+    for step in range(1, 6):
+        _optimizer_step(model, step)
+        scheme.send()  # sync=False: returns once submitted
+    scheme.wait_async()
+    assert scheme.acked_versions == {0: 5, 1: 5}
+    assert ray.get([a.state.remote() for a in actors]) == [(5, checksum(model, "state_dict"))] * 2
+    scheme.shutdown()
+    for a in actors:
+        ray.kill(a)
+
+
+def test_async_failure_is_reported_at_wait_async():
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(sync=False, timeout=30)
+    actors = _collectors()
+    ray.get([a.join.remote(scheme, i) for i, a in enumerate(actors)])
+    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    scheme.connect()
+    ray.get(actors[1].break_model.remote())
+    errors = []
+    for step in (1, 2):
+        _optimizer_step(model, step)
+        try:
+            scheme.send()  # returns once submitted; an earlier send's failure may be reported here
+        except ws.ReceiverError as exc:
+            errors.append(exc)
+    try:
+        scheme.wait_async()
+    except ws.ReceiverError as exc:
+        errors.append(exc)
+    assert errors, "the actor's failures were never reported"
+    assert all(e.worker_idx == 1 and e.remote_type == "WeightMismatchError" for e in errors)
+    assert ray.get(actors[0].state.remote()) == (2, checksum(model, "state_dict"))
+    scheme.shutdown()
+    for a in actors:
+        ray.kill(a)
+
+
+def test_one_object_per_send_whatever_the_number_of_actors(monkeypatch):
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=30)
+    actors = _collectors(3)
+    ray.get([a.join.remote(scheme, i) for i, a in enumerate(actors)])
+    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    puts = []
+    real_put = ray.put
+    monkeypatch.setattr(ray, "put", lambda value, **kw: puts.append(value) or real_put(value, **kw))
+    scheme.connect()
+    scheme.send()
+    assert len(puts) == 2 and all(p.nbytes == scheme.layout.nbytes for p in puts)
+    scheme.shutdown()
+    for a in actors:
+        ray.kill(a)
+
+
+def test_killed_actor_is_named_and_the_others_are_updated():
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=20)
+    actors = _collectors()
+    ray.get([a.join.remote(scheme, i) for i, a in enumerate(actors)])
+    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    scheme.connect()
+    ray.kill(actors[1], no_restart=True)
+    _optimizer_step(model, 1)
+    start = time.monotonic()
+    with pytest.raises(ws.WorkerDiedError) as info:
+        scheme.send()
+    assert time.monotonic() - start < 20
+    assert (info.value.worker_idx, info.value.model_id, info.value.version) == (1, "policy", 1)
+    assert ray.get(actors[0].state.remote()) == (1, checksum(model, "state_dict"))
+    with pytest.raises(ws.WorkerDiedError):
+        scheme.send()  # named again; the live actor is still served
+    assert ray.get(actors[0].state.remote())[0] == 2
+    scheme.send(worker_ids=[0])
+    assert not scheme.sender_transports[1].check_connection()
+    scheme.shutdown()
+    ray.kill(actors[0])
+
+
+def test_actor_that_cannot_apply_reports_to_the_sender():
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=20)
+    actors = _collectors(kinds=["tiny", "tiny_wrong"])
+    ray.get([a.join.remote(scheme, i) for i, a in enumerate(actors)])
+    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    with pytest.raises(ws.ReceiverError) as info:
+        scheme.connect()
+    err = info.value
+    assert err.worker_idx == 1 and err.remote_type == "WeightMismatchError" and "body.3.weight" in str(err)
+    wrong = build("tiny_wrong")
+    _scramble(wrong)
+    assert ray.get(actors[1].state.remote()) == (None, checksum(wrong, "state_dict"))
+    assert ray.get(actors[0].state.remote()) == (0, checksum(model, "state_dict"))
+    _optimizer_step(model, 2)
+    with pytest.raises(ws.ReceiverError):
+        scheme.send()
+    assert ray.get(actors[0].state.remote()) == (1, checksum(model, "state_dict"))
+    scheme.shutdown()
+    for a in actors:
+        ray.kill(a)
+
+
+def test_actor_without_a_receiver_and_bad_arguments():
+    model = build("tiny")
+    with pytest.raises(ws.ConfigurationError, match="remote_collectors"):
+        ws.RayWeightSyncScheme().init_on_sender(model_id="policy", model=model)
+    scheme = ws.RayWeightSyncScheme(timeout=20)
+    actors = _collectors(1)  # never joins
+    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    with pytest.raises(ws.ReceiverError, match="has no receiver for model 'policy'"):
+        scheme.connect()
+    scheme.shutdown()
+    ray.kill(actors[0])

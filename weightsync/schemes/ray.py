@@ -1,0 +1,306 @@
+"""``RayWeightSyncScheme``: workers are Ray actors; weights travel through Ray's object store once per send."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import torch
+
+from ..errors import (
+    ConfigurationError,
+    ReceiverError,
+    SyncTimeoutError,
+    WeightSyncError,
+    WorkerDiedError,
+    raise_failures,
+)
+from ..layout import FlatLayout
+from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec, write_into
+from ..transports.channel import deadline_after, remaining
+from ..transports.ray import RayTransport, register_receiver, unregister_receiver
+from .base import WeightSyncScheme
+
+__all__ = ["RayWeightSyncScheme"]
+
+log = logging.getLogger("weightsync.schemes.ray")
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - ray is a dependency; this guards slim installs
+        raise ConfigurationError("RayWeightSyncScheme needs the 'ray' package: pip install ray") from exc
+    return ray
+
+
+class RayWeightSyncScheme(WeightSyncScheme):
+    """Synchronize a model to Ray actors.
+
+    A send packs the weights into one contiguous buffer, puts it in Ray's
+    object store once (however many actors), and asks each targeted actor to
+    apply it: a call that Ray runs inside the actor, between its other method
+    calls. Each actor copies the update into its own model; the call's
+    completion is the ack. Updates to one actor are applied in the order sent.
+
+    In the actor (typically in its ``__init__``)::
+
+        scheme.init_on_receiver(model_id="policy", model=self.policy, worker_idx=i)
+        scheme.connect()
+
+    where ``scheme`` is the sender's scheme pickled into the actor, or
+    ``weightsync.from_config(sender.receiver_config(i))``. ``receive()`` in the
+    actor returns the weights if a new version was applied since the last
+    call, else ``None``; it never blocks (the update itself is a call to the
+    actor and could not run while the actor waits).
+
+    Args:
+        address: Ray cluster to join when Ray is not initialized yet (``None``:
+            ``RAY_ADDRESS`` or a new local cluster).
+        namespace: Ray namespace for that ``ray.init``.
+        Other arguments: see :class:`~weightsync.schemes.base.WeightSyncScheme`.
+
+    Sender kwargs of ``init_on_sender``: ``remote_collectors=`` or ``actors=``
+    (a list of actor handles; worker ``i`` is the ``i``-th), or a context with
+    ``remote_collectors``.
+    """
+
+    backend = "ray"
+    needs_worker_idx = True
+
+    def __init__(
+        self,
+        strategy: str | WeightStrategy = "state_dict",
+        sync: bool = True,
+        timeout: float = 60.0,
+        connect_timeout: float = 120.0,
+        address: str | None = None,
+        namespace: str | None = None,
+    ) -> None:
+        super().__init__(strategy=strategy, sync=sync, timeout=timeout, connect_timeout=connect_timeout)
+        self.address = address
+        self.namespace = namespace
+
+    def _config_fields(self) -> set[str]:
+        return super()._config_fields() | {"address", "namespace"}
+
+    def _reset_runtime(self) -> None:
+        super()._reset_runtime()
+        self._layout: FlatLayout | None = None
+        self._transports: dict[int, RayTransport] = {}
+        self._failed: dict[int, WeightSyncError] = {}
+        self._errors: dict[int, WeightSyncError] = {}  # failures of async sends, not reported yet
+        self._next_version = 0
+        # Receiver side.
+        self._reported_version: int | None = None
+        self.weights_lock = threading.RLock()
+
+    @property
+    def layout(self) -> FlatLayout | None:
+        return self._layout
+
+    @property
+    def acked_versions(self) -> dict[int, int | None]:
+        return {w: t.acked for w, t in sorted(self._transports.items())}
+
+    @property
+    def sender_transports(self) -> dict[int, RayTransport]:
+        return dict(self._transports)
+
+    @property
+    def failed_workers(self) -> dict[int, WeightSyncError]:
+        return dict(self._failed)
+
+    # ----------------------------------------------------------------- sender
+    def _init_sender_impl(self, **kwargs: Any) -> None:
+        actors = kwargs.pop("remote_collectors", None) or kwargs.pop("actors", None)
+        if actors is None and self._context is not None:
+            actors = getattr(self._context, "remote_collectors", None)
+        super()._init_sender_impl(**kwargs)
+        if not actors:
+            raise ConfigurationError(
+                "RayWeightSyncScheme.init_on_sender needs remote_collectors= (actor handles)", model_id=self._model_id
+            )
+        actors = list(actors)
+        if self._num_workers is not None and self._num_workers != len(actors):
+            raise ConfigurationError(
+                f"num_workers={self._num_workers} but {len(actors)} actors were given", model_id=self._model_id
+            )
+        self._num_workers = len(actors)
+        if self._model is None:
+            raise ConfigurationError(
+                "init_on_sender needs model= or weights= (or a context holding the model)", model_id=self._model_id
+            )
+        ray = _ray()
+        if not ray.is_initialized():
+            ray.init(address=self.address or os.environ.get("RAY_ADDRESS"), namespace=self.namespace)
+        flat = self._strategy.flat(self._model)
+        if not flat:
+            raise ConfigurationError("the model has no weights to synchronize", model_id=self._model_id)
+        self._layout = FlatLayout.from_weights(flat)
+        self._transports = {i: RayTransport(actor, i, self) for i, actor in enumerate(actors)}
+
+    def _rendezvous_complete(self) -> bool:
+        return bool(self._transports)
+
+    def _connect_sender_impl(self, weights: Any) -> None:
+        try:
+            self.send_to(weights, sorted(self._transports), wait=True, timeout=self.connect_timeout)
+        except WeightSyncError as exc:
+            for w, failure in (getattr(exc, "failures", None) or {exc.worker_idx: exc}).items():
+                if w is not None:
+                    self._mark_dead(w, failure)
+            raise
+
+    def _send_impl(self, weights: Any, targets: list[int], wait: bool) -> None:
+        self.send_to(weights, targets, wait=wait)
+
+    def send_to(self, weights: Any, targets: list[int], *, wait: bool, timeout: float | None = None) -> None:
+        """Publish one new version to ``targets`` through the object store; wait for their acks when ``wait``."""
+        assert self._layout is not None
+        flat = self._flat_weights(weights)
+        check_spec(weights_spec(flat), self._layout.spec, model_id=self._model_id)
+        ray = _ray()
+        failures = {w: self._failed[w] for w in targets if w in self._failed}
+        live = [w for w in targets if w not in self._failed]
+        # Take in calls that already finished; failures of earlier async sends are reported with this one.
+        self._errors.update(self._collect(list(self._transports), 0.0, {}))
+        version = self._next_version
+        buffer = torch.empty(self._layout.nbytes, dtype=torch.uint8)
+        write_into(self._layout.views(buffer), flat)  # the one copy: into the buffer Ray stores
+        payload = ray.put(buffer.numpy())
+        for w in live:
+            # The layout travels until the worker has acked once (its first update carries it).
+            transport = self._transports[w]
+            transport.submit(version, payload, self._layout.to_plain() if transport.acked is None else None)
+        self._next_version += 1
+        self._version = version
+        if wait:
+            deadline = deadline_after(self.timeout if timeout is None else timeout)
+            failures.update(self._collect(live, None, {w: version for w in live}, deadline))
+        failures.update({w: self._errors.pop(w) for w in list(self._errors) if w in targets and w not in failures})
+        raise_failures(failures, model_id=self._model_id, version=version)
+
+    def _collect(
+        self, workers: list[int], poll: float | None, expected: dict[int, int], deadline: float | None = None
+    ) -> dict[int, WeightSyncError]:
+        """Resolve finished calls; with ``expected``, wait (until ``deadline``) for each worker's version."""
+        ray = _ray()
+        failures: dict[int, WeightSyncError] = {}
+        while True:
+            refs = {
+                ref: (w, v)
+                for w in workers
+                if w not in self._failed
+                for v, ref in self._transports[w].in_flight.items()
+            }
+            pending = [
+                w
+                for w, v in expected.items()
+                if w not in failures
+                and w not in self._failed
+                and (self._transports[w].acked is None or self._transports[w].acked < v)
+            ]
+            if not refs or (expected and not pending):
+                break
+            wait_s = 0.0 if poll is not None else remaining(deadline or 0.0)
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+            for ref in ready:
+                w, v = refs[ref]
+                transport = self._transports[w]
+                del transport.in_flight[v]
+                try:
+                    held = ray.get(ref)
+                    transport.acked = held if transport.acked is None else max(transport.acked, held)
+                except ray.exceptions.RayActorError as exc:
+                    failures[w] = self._mark_dead(
+                        w,
+                        WorkerDiedError(
+                            f"its actor died ({type(exc).__name__})", model_id=self._model_id, worker_idx=w, version=v
+                        ),
+                    )
+                except Exception as exc:  # noqa: BLE001 - the actor's failure, as Ray delivers it
+                    cause = getattr(exc, "cause", None) or exc
+                    failures[w] = ReceiverError(
+                        type(cause).__name__,
+                        str(cause).splitlines()[-1][:2000] if str(cause) else repr(cause),
+                        model_id=self._model_id,
+                        worker_idx=w,
+                        version=v,
+                    )
+            if poll is not None:
+                break
+            if remaining(deadline or 0.0) <= 0:
+                for w in pending:
+                    acked = self._transports[w].acked
+                    if w not in failures and (acked is None or acked < expected[w]):
+                        failures[w] = SyncTimeoutError(
+                            f"no ack for version {expected[w]} within the timeout (last acked: {acked})",
+                            model_id=self._model_id,
+                            worker_idx=w,
+                            version=expected[w],
+                        )
+                break
+        for w, v in expected.items():
+            acked = self._transports[w].acked
+            if w in self._failed and w not in failures and (acked is None or acked < v):
+                failures[w] = self._failed[w]
+        return failures
+
+    def _mark_dead(self, w: int, exc: WeightSyncError) -> WeightSyncError:
+        if w not in self._failed:
+            log.warning("model %r: worker %d is gone: %s", self._model_id, w, exc)
+            self._failed[w] = exc
+            self._transports[w].dead = exc
+        return self._failed[w]
+
+    def wait_for(self, workers: list[int], timeout: float | None) -> None:
+        deadline = deadline_after(self.timeout if timeout is None else timeout)
+        expected = {w: self._transports[w].sent for w in workers if self._transports[w].sent is not None}
+        failures = {w: self._errors.pop(w) for w in list(self._errors) if w in workers}
+        failures.update(self._collect(workers, None, expected, deadline))
+        raise_failures(failures, model_id=self._model_id, version=self._version)
+
+    def _wait_impl(self, timeout: float) -> None:
+        self.wait_for(sorted(self._transports), timeout)
+
+    # --------------------------------------------------------------- receiver
+    def _init_receiver_impl(self, **kwargs: Any) -> None:
+        super()._init_receiver_impl(**kwargs)
+        if self._model is None:
+            raise ConfigurationError(
+                "init_on_receiver needs model= (or a context holding the model)", model_id=self._model_id
+            )
+        register_receiver(self._model_id, self)
+
+    def _connect_receiver_impl(self) -> None:
+        # Nothing to join: the sender's connect() delivers version 0 as a call to this actor.
+        pass
+
+    def _apply_payload(self, version: int, buffer: torch.Tensor, layout: dict | None) -> int:
+        """Called inside the actor by the sender's call: check, then copy the update into the model."""
+        where = {"model_id": self._model_id, "worker_idx": self._worker_idx, "version": version}
+        if layout is not None:
+            self._layout = FlatLayout.from_plain(layout)
+        if self._layout is None:
+            raise ConfigurationError("received an update before the layout", **where)
+        dst = flatten_weights(self._model, self._strategy.extract_as)
+        check_spec(self._layout.spec, weights_spec(dst), **where)
+        with self.weights_lock:
+            write_into(dst, self._layout.views(buffer))
+            self._version = version
+        return version
+
+    def _receive_impl(self, timeout: float) -> Any:
+        with self.weights_lock:
+            if self._version is None or self._version == self._reported_version:
+                return None
+            self._reported_version = self._version
+            return self._strategy.extract_weights(self._model)
+
+    def _shutdown_impl(self) -> None:
+        if self.is_receiver:
+            unregister_receiver(self._model_id or "", self)
+        self._transports.clear()

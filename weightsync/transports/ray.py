@@ -1,0 +1,100 @@
+"""``RayTransport``: weight updates to ONE Ray actor, as calls that run inside the actor.
+
+The sender puts each version in Ray's object store once; for every targeted
+actor it submits ``actor.__ray_call__(apply_in_actor, ...)``, which Ray runs
+inside that actor between its other method calls (so a synchronous actor
+never sees a half-applied update). The call's completion is the ack; its
+exception is the actor's failure; ``RayActorError`` means the actor is dead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..errors import LifecycleError
+
+if TYPE_CHECKING:
+    from ..schemes.ray import RayWeightSyncScheme
+
+__all__ = ["RayTransport", "apply_in_actor", "register_receiver", "unregister_receiver"]
+
+# The receivers living in this process (an actor's worker process), by model id.
+_RECEIVERS: dict[str, RayWeightSyncScheme] = {}
+
+
+def register_receiver(model_id: str, scheme: RayWeightSyncScheme) -> None:
+    """Make ``scheme`` the receiver of ``model_id`` in this process (the actor's)."""
+    _RECEIVERS[model_id] = scheme
+
+
+def unregister_receiver(model_id: str, scheme: RayWeightSyncScheme) -> None:
+    if _RECEIVERS.get(model_id) is scheme:
+        del _RECEIVERS[model_id]
+
+
+def apply_in_actor(actor: Any, model_id: str, version: int, payload: np.ndarray, layout: dict | None) -> int:
+    """Runs inside the actor: apply ``payload`` (the flat weights) as ``version``; return the version held."""
+    scheme = _RECEIVERS.get(model_id)
+    if scheme is None:
+        raise LifecycleError(
+            f"this actor has no receiver for model {model_id!r}: call scheme.init_on_receiver(model_id="
+            f"{model_id!r}, model=..., worker_idx=...) in the actor before the sender connects",
+            model_id=model_id,
+        )
+    with warnings.catch_warnings():
+        # The object store hands out read-only arrays; we only read from them.
+        warnings.simplefilter("ignore", UserWarning)
+        buffer = torch.from_numpy(payload)
+    return scheme._apply_payload(version, buffer, layout)
+
+
+class RayTransport:
+    """Data plane to ONE Ray actor of :class:`~weightsync.schemes.ray.RayWeightSyncScheme` (sender side).
+
+    Args:
+        actor: the actor's handle.
+        worker_idx: the worker this actor is.
+        scheme: the sender scheme that owns versions and payloads.
+    """
+
+    def __init__(self, actor: Any, worker_idx: int, scheme: RayWeightSyncScheme | None = None) -> None:
+        self.actor = actor
+        self.worker_idx = worker_idx
+        self._scheme = scheme
+        self.acked: int | None = None
+        self.sent: int | None = None
+        self.dead: BaseException | None = None
+        self.in_flight: dict[int, Any] = {}  # version -> ObjectRef of the call applying it
+
+    def submit(self, version: int, payload_ref: Any, layout: dict | None) -> None:
+        """Ask the actor to apply ``version`` (queued after its earlier calls, in order)."""
+        model_id = self._sender().model_id
+        self.in_flight[version] = self.actor.__ray_call__.remote(apply_in_actor, model_id, version, payload_ref, layout)
+        self.sent = version
+
+    def _sender(self) -> RayWeightSyncScheme:
+        if self._scheme is None:
+            raise LifecycleError("this transport has no sender scheme")
+        return self._scheme
+
+    def send_weights(self, weights: Any) -> None:
+        self._sender().send_to(weights, [self.worker_idx], wait=True)
+
+    def send_weights_async(self, weights: Any) -> None:
+        self._sender().send_to(weights, [self.worker_idx], wait=False)
+
+    def wait_ack(self, timeout: float | None = None) -> None:
+        self._sender().wait_for([self.worker_idx], timeout)
+
+    def receive_weights(self, timeout: float | None = None, **kwargs: Any) -> Any:
+        raise LifecycleError("Ray actors receive updates as calls from the sender; use scheme.receive() in the actor")
+
+    def send_ack(self, version: int, error: BaseException | None = None, held: int | None = None) -> None:
+        raise LifecycleError("a Ray actor acks by completing the sender's call; there is nothing to send")
+
+    def check_connection(self) -> bool:
+        return self.dead is None

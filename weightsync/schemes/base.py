@@ -83,6 +83,9 @@ class WeightSyncScheme:
         self._sender: WeightSender | None = None
         self._receiver: WeightReceiver | None = None
         self._handoff: dict[str, Any] | None = None
+        # Sender side: one transport per worker, and the workers found dead (with the error that showed it).
+        self._transports: dict[int, Any] = {}
+        self._failed: dict[int, WeightSyncError] = {}
 
     # ------------------------------------------------------------------ state
     @property
@@ -138,7 +141,24 @@ class WeightSyncScheme:
     @property
     def acked_versions(self) -> dict[int, int | None]:
         """Sender only: the last version each worker acked (``None`` if none yet)."""
-        return {}
+        return {w: t.acked for w, t in sorted(self._transports.items())}
+
+    @property
+    def failed_workers(self) -> dict[int, WeightSyncError]:
+        """Sender only: workers found dead, with the error that revealed it."""
+        return dict(self._failed)
+
+    def _mark_dead(self, w: int, exc: WeightSyncError) -> WeightSyncError:
+        """Record worker ``w`` as gone (once); later sends name it with ``exc``."""
+        if w not in self._failed:
+            log.warning("model %r: worker %d is gone: %s", self._model_id, w, exc)
+            self._failed[w] = exc
+            self._transports[w].dead = exc
+            self._on_worker_lost(w)
+        return self._failed[w]
+
+    def _on_worker_lost(self, w: int) -> None:
+        """Hook: release what a dead worker held."""
 
     @property
     def weights(self) -> Any:
@@ -149,7 +169,7 @@ class WeightSyncScheme:
 
     @property
     def sender_transports(self) -> dict[int, TransportBackend]:
-        return {}
+        return dict(self._transports)
 
     @property
     def receiver_transport(self) -> TransportBackend | None:

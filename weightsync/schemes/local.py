@@ -99,8 +99,6 @@ class LocalScheme(WeightSyncScheme):
         self._listener: ChannelListener | None = None
         self._layout: FlatLayout | None = None
         self._pools: dict[int | None, SlotPool] = {}
-        self._transports: dict[int, MPTransport] = {}
-        self._failed: dict[int, WeightSyncError] = {}
         self._errors: dict[int, WeightSyncError] = {}
         self._next_version = 0
         self._authkey_file: str | None = None
@@ -123,14 +121,6 @@ class LocalScheme(WeightSyncScheme):
         return self._layout
 
     @property
-    def acked_versions(self) -> dict[int, int | None]:
-        return {w: t.acked for w, t in sorted(self._transports.items())}
-
-    @property
-    def sender_transports(self) -> dict[int, MPTransport]:
-        return dict(self._transports)
-
-    @property
     def receiver_transport(self) -> MPTransport | None:
         return self._transport
 
@@ -138,11 +128,6 @@ class LocalScheme(WeightSyncScheme):
     def shared_transport(self) -> SlotPool | None:
         """The sender's pool of shared weight slots (``None`` elsewhere)."""
         return self._pools.get(None)
-
-    @property
-    def failed_workers(self) -> dict[int, WeightSyncError]:
-        """Workers found dead, with the error that revealed it."""
-        return dict(self._failed)
 
     def _pool_key(self, worker: int) -> int | None:
         return None
@@ -337,14 +322,9 @@ class LocalScheme(WeightSyncScheme):
         if error is not None:
             self._errors[w] = error
 
-    def _mark_dead(self, w: int, exc: WeightSyncError) -> WeightSyncError:
-        if w not in self._failed:
-            log.warning("model %r: worker %d is gone: %s", self._model_id, w, exc)
-            self._failed[w] = exc
-            self._transports[w].dead = exc
-            for pool in self._pools.values():
-                pool.drop_worker(w)
-        return self._failed[w]
+    def _on_worker_lost(self, w: int) -> None:
+        for pool in self._pools.values():
+            pool.drop_worker(w)
 
     def _take_errors(self, workers: Any) -> dict[int, WeightSyncError]:
         return {w: self._errors.pop(w) for w in list(self._errors) if w in workers}

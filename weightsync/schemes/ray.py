@@ -89,8 +89,6 @@ class RayWeightSyncScheme(WeightSyncScheme):
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
         self._layout: FlatLayout | None = None
-        self._transports: dict[int, RayTransport] = {}
-        self._failed: dict[int, WeightSyncError] = {}
         self._errors: dict[int, WeightSyncError] = {}  # failures of async sends, not reported yet
         self._next_version = 0
         # Receiver side.
@@ -100,18 +98,6 @@ class RayWeightSyncScheme(WeightSyncScheme):
     @property
     def layout(self) -> FlatLayout | None:
         return self._layout
-
-    @property
-    def acked_versions(self) -> dict[int, int | None]:
-        return {w: t.acked for w, t in sorted(self._transports.items())}
-
-    @property
-    def sender_transports(self) -> dict[int, RayTransport]:
-        return dict(self._transports)
-
-    @property
-    def failed_workers(self) -> dict[int, WeightSyncError]:
-        return dict(self._failed)
 
     # ----------------------------------------------------------------- sender
     def _init_sender_impl(self, **kwargs: Any) -> None:
@@ -248,13 +234,6 @@ class RayWeightSyncScheme(WeightSyncScheme):
             if w in self._failed and w not in failures and (acked is None or acked < v):
                 failures[w] = self._failed[w]
         return failures
-
-    def _mark_dead(self, w: int, exc: WeightSyncError) -> WeightSyncError:
-        if w not in self._failed:
-            log.warning("model %r: worker %d is gone: %s", self._model_id, w, exc)
-            self._failed[w] = exc
-            self._transports[w].dead = exc
-        return self._failed[w]
 
     def wait_for(self, workers: list[int], timeout: float | None) -> None:
         deadline = deadline_after(self.timeout if timeout is None else timeout)

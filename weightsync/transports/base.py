@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["TransportBackend"]
+__all__ = ["SenderBoundTransport", "TransportBackend"]
 
 
 @runtime_checkable
@@ -29,3 +29,33 @@ class TransportBackend(Protocol):
     def send_ack(self, version: int, error: BaseException | None = None, held: int | None = None) -> None: ...
 
     def check_connection(self) -> bool: ...
+
+
+class SenderBoundTransport:
+    """Sender-side methods of a per-worker transport, carried out by the scheme that owns it.
+
+    The scheme keeps versions and payloads; the transport publishes to its one
+    worker through it.
+    """
+
+    worker_idx: int
+    _scheme: Any
+
+    def _sender(self) -> Any:
+        if self._scheme is None:
+            from ..errors import LifecycleError
+
+            raise LifecycleError("this transport is a receiver's; sender methods need the sender side")
+        return self._scheme
+
+    def send_weights(self, weights: Any) -> None:
+        """Publish ``weights`` to this worker only and wait for its ack (bounded by the scheme's timeout)."""
+        self._sender().send_to(weights, [self.worker_idx], wait=True)
+
+    def send_weights_async(self, weights: Any) -> None:
+        """Publish ``weights`` to this worker only; :meth:`wait_ack` waits for the ack."""
+        self._sender().send_to(weights, [self.worker_idx], wait=False)
+
+    def wait_ack(self, timeout: float | None = None) -> None:
+        """Wait until this worker acked the last version sent to it (bounded by ``timeout``)."""
+        self._sender().wait_for([self.worker_idx], timeout)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import ConnectionClosedError, LifecycleError, ReceiverError, TransportError, WorkerDiedError
-from .base import TransportBackend
+from ..errors import ConnectionClosedError, ReceiverError, TransportError, WorkerDiedError
+from .base import SenderBoundTransport, TransportBackend
 from .channel import Channel
 from .slots import SharedSlot, map_fd
 
@@ -33,7 +33,7 @@ class Update:
     slot: int
 
 
-class MPTransport(TransportBackend):
+class MPTransport(SenderBoundTransport, TransportBackend):
     """Data plane to ONE worker of a local scheme (sender side) or from the sender (receiver side).
 
     Args:
@@ -87,23 +87,6 @@ class MPTransport(TransportBackend):
             else None
         )
         return self.last_error
-
-    def _sender(self) -> LocalScheme:
-        if self._scheme is None:
-            raise LifecycleError("this transport is a receiver's; sender methods need the sender side")
-        return self._scheme
-
-    def send_weights(self, weights: Any) -> None:
-        """Publish ``weights`` to this worker only and wait for its ack."""
-        self._sender().send_to(weights, [self.worker_idx], wait=True)
-
-    def send_weights_async(self, weights: Any) -> None:
-        """Publish ``weights`` to this worker only; :meth:`wait_ack` waits for the ack."""
-        self._sender().send_to(weights, [self.worker_idx], wait=False)
-
-    def wait_ack(self, timeout: float | None = None) -> None:
-        """Wait until this worker acked the last version sent to it (bounded by ``timeout``)."""
-        self._sender().wait_for([self.worker_idx], timeout)
 
     def check_connection(self) -> bool:
         """``False`` once the peer is known dead or its channel closed."""

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..errors import LifecycleError
+from .base import SenderBoundTransport
 
 if TYPE_CHECKING:
     from ..schemes.ray import RayWeightSyncScheme
@@ -52,7 +53,7 @@ def apply_in_actor(actor: Any, model_id: str, version: int, payload: np.ndarray,
     return scheme._apply_payload(version, buffer, layout)
 
 
-class RayTransport:
+class RayTransport(SenderBoundTransport):
     """Data plane to ONE Ray actor of :class:`~weightsync.schemes.ray.RayWeightSyncScheme` (sender side).
 
     Args:
@@ -75,20 +76,6 @@ class RayTransport:
         model_id = self._sender().model_id
         self.in_flight[version] = self.actor.__ray_call__.remote(apply_in_actor, model_id, version, payload_ref, layout)
         self.sent = version
-
-    def _sender(self) -> RayWeightSyncScheme:
-        if self._scheme is None:
-            raise LifecycleError("this transport has no sender scheme")
-        return self._scheme
-
-    def send_weights(self, weights: Any) -> None:
-        self._sender().send_to(weights, [self.worker_idx], wait=True)
-
-    def send_weights_async(self, weights: Any) -> None:
-        self._sender().send_to(weights, [self.worker_idx], wait=False)
-
-    def wait_ack(self, timeout: float | None = None) -> None:
-        self._sender().wait_for([self.worker_idx], timeout)
 
     def receive_weights(self, timeout: float | None = None, **kwargs: Any) -> Any:
         raise LifecycleError("Ray actors receive updates as calls from the sender; use scheme.receive() in the actor")

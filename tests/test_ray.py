@@ -32,7 +32,10 @@ def loopback_only_network():
     original = os.open("/proc/self/ns/net", os.O_RDONLY)
     try:
         if libc.unshare(_CLONE_NEWNET) != 0:
-            pytest.skip(f"Ray tests need a loopback-only network namespace (root): {os.strerror(ctypes.get_errno())}")
+            pytest.skip(
+                "Ray binds the machine's own address; keeping its traffic on loopback needs a private network "
+                f"namespace, which needs root here ({os.strerror(ctypes.get_errno())})"
+            )
         try:
             subprocess.run(["ip", "link", "set", "lo", "up"], check=True, timeout=10)
             yield
@@ -72,6 +75,14 @@ def _collectors(n=2, kinds=None):
     return [Collector.remote(kind) for kind in (kinds or ["tiny"] * n)]
 
 
+def _joined(scheme, model, n=2, kinds=None):
+    """Collectors that joined ``scheme`` (handed to them before init), registered with the sender."""
+    actors = _collectors(n, kinds)
+    ray.get([a.join.remote(scheme, i) for i, a in enumerate(actors)])
+    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    return actors
+
+
 @pytest.mark.parametrize("strategy", ["state_dict", "tensordict"])
 @pytest.mark.parametrize("handed_as", ["pickled", "receiver_config"])
 def test_every_send_reaches_every_targeted_actor(strategy, handed_as):
@@ -105,9 +116,7 @@ def test_every_send_reaches_every_targeted_actor(strategy, handed_as):
 def test_async_sends_arrive_in_order_and_are_awaited():
     model = build("tiny")
     scheme = ws.RayWeightSyncScheme(sync=False, timeout=30)
-    actors = _collectors()
-    ray.get([a.join.remote(scheme, i) for i, a in enumerate(actors)])
-    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    actors = _joined(scheme, model)
     scheme.connect()
     for step in range(1, 6):
         _optimizer_step(model, step)
@@ -123,9 +132,7 @@ def test_async_sends_arrive_in_order_and_are_awaited():
 def test_async_failure_is_reported_at_wait_async():
     model = build("tiny")
     scheme = ws.RayWeightSyncScheme(sync=False, timeout=30)
-    actors = _collectors()
-    ray.get([a.join.remote(scheme, i) for i, a in enumerate(actors)])
-    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    actors = _joined(scheme, model)
     scheme.connect()
     ray.get(actors[1].break_model.remote())
     errors = []
@@ -150,9 +157,7 @@ def test_async_failure_is_reported_at_wait_async():
 def test_one_object_per_send_whatever_the_number_of_actors(monkeypatch):
     model = build("tiny")
     scheme = ws.RayWeightSyncScheme(timeout=30)
-    actors = _collectors(3)
-    ray.get([a.join.remote(scheme, i) for i, a in enumerate(actors)])
-    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    actors = _joined(scheme, model, n=3)
     puts = []
     real_put = ray.put
     monkeypatch.setattr(ray, "put", lambda value, **kw: puts.append(value) or real_put(value, **kw))
@@ -167,9 +172,7 @@ def test_one_object_per_send_whatever_the_number_of_actors(monkeypatch):
 def test_killed_actor_is_named_and_the_others_are_updated():
     model = build("tiny")
     scheme = ws.RayWeightSyncScheme(timeout=20)
-    actors = _collectors()
-    ray.get([a.join.remote(scheme, i) for i, a in enumerate(actors)])
-    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    actors = _joined(scheme, model)
     scheme.connect()
     ray.kill(actors[1], no_restart=True)
     _optimizer_step(model, 1)
@@ -191,9 +194,7 @@ def test_killed_actor_is_named_and_the_others_are_updated():
 def test_actor_that_cannot_apply_reports_to_the_sender():
     model = build("tiny")
     scheme = ws.RayWeightSyncScheme(timeout=20)
-    actors = _collectors(kinds=["tiny", "tiny_wrong"])
-    ray.get([a.join.remote(scheme, i) for i, a in enumerate(actors)])
-    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    actors = _joined(scheme, model, kinds=["tiny", "tiny_wrong"])
     with pytest.raises(ws.ReceiverError) as info:
         scheme.connect()
     err = info.value

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import multiprocessing as mp
 import statistics
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
@@ -224,8 +225,6 @@ def _instantiate_scheme(instantiate: Any, scheme_cfg: DictConfig, model_id: str)
 
 
 def _timed_send(scheme: WeightSyncScheme) -> float:
-    import time
-
     start = time.perf_counter()
     scheme.send()
     if not scheme.sync:

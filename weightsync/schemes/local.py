@@ -132,6 +132,10 @@ class LocalScheme(WeightSyncScheme):
     def _pool_key(self, worker: int) -> int | None:
         return None
 
+    def create_transport(self, **kwargs: Any) -> MPTransport:
+        """This scheme's transport over ``channel=`` for ``worker_idx=`` (sender side if this is a sender)."""
+        return self.transport_class(kwargs["channel"], kwargs["worker_idx"], self if self.is_sender else None)
+
     # ----------------------------------------------------------------- sender
     def _init_sender_impl(self, **kwargs: Any) -> None:
         if self._num_workers is None:

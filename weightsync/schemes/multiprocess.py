@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..transports.mp import MPTransport
 from .local import LocalScheme
 
@@ -32,7 +30,3 @@ class MultiProcessWeightSyncScheme(LocalScheme):
 
     backend = "multiprocess"
     transport_class = MPTransport
-
-    def create_transport(self, **kwargs: Any) -> MPTransport:
-        """An :class:`MPTransport` over ``channel=`` for ``worker_idx=`` (sender side if this is a sender)."""
-        return MPTransport(kwargs["channel"], kwargs["worker_idx"], self if self.is_sender else None)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from typing import Any
@@ -24,8 +23,6 @@ from ..transports.ray import RayTransport, register_receiver, unregister_receive
 from .base import WeightSyncScheme
 
 __all__ = ["RayWeightSyncScheme"]
-
-log = logging.getLogger("weightsync.schemes.ray")
 
 
 def _ray():
@@ -68,7 +65,6 @@ class RayWeightSyncScheme(WeightSyncScheme):
     """
 
     backend = "ray"
-    needs_worker_idx = True
 
     def __init__(
         self,

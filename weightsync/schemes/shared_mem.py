@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..strategy import WeightStrategy
 from ..transports.shared_mem import SharedMemTransport
 from .local import LocalScheme
@@ -61,7 +59,3 @@ class SharedMemWeightSyncScheme(LocalScheme):
 
     def _pool_key(self, worker: int) -> int | None:
         return worker if self.per_worker_weights else None
-
-    def create_transport(self, **kwargs: Any) -> SharedMemTransport:
-        """A :class:`SharedMemTransport` over ``channel=`` for ``worker_idx=``."""
-        return SharedMemTransport(kwargs["channel"], kwargs["worker_idx"], self if self.is_sender else None)

@@ -110,10 +110,10 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
         log = [(mid, s.version, checksum(models[mid], extract[mid])) for mid, s in schemes.items() if mid not in errors]
         cmd.send(("ready", log, errors))
         log = []
-        channels = [
+        channels = [  # local schemes: wake up when the sender writes; other engines are polled
             s.receiver_transport.channel.connection
             for s in schemes.values()
-            if getattr(s, "receiver_transport", None) is not None
+            if hasattr(s.receiver_transport, "channel")
         ]
         while True:
             ready = wait([cmd, *channels], timeout=0.05)

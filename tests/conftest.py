@@ -27,6 +27,12 @@ LOCAL_SCHEMES = {
         timeout=20, connect_timeout=60, per_worker_weights=True, **kw
     ),
 }
+# A torch.distributed group on loopback: the shared test bodies run over it as well (RPC runs them in
+# trainer processes of their own: tests/test_rpc.py).
+ENGINE_SCHEMES = {
+    "distributed-gloo": lambda **kw: ws.DistributedWeightSyncScheme(timeout=20, connect_timeout=60, **kw),
+}
+SCHEMES = {**LOCAL_SCHEMES, **ENGINE_SCHEMES}
 
 
 @pytest.fixture
@@ -34,10 +40,10 @@ def ctx():
     return _CTX
 
 
-@pytest.fixture(params=sorted(LOCAL_SCHEMES))
+@pytest.fixture(params=sorted(SCHEMES))
 def make_scheme(request):
-    """A factory for the local scheme under test (every test body runs over all of them)."""
-    return LOCAL_SCHEMES[request.param]
+    """A factory for the scheme under test (every test body runs over the local and torch.distributed ones)."""
+    return SCHEMES[request.param]
 
 
 def _memfds(pid: int) -> int:

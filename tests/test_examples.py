@@ -63,7 +63,7 @@ def test_main_job_multirun_writes_a_combined_table_csv_and_plot(tmp_path):
             "-m",
             "weightsync",
             "-m",
-            "scheme=multiprocess,shared_mem",
+            "scheme=multiprocess,shared_mem,distributed,rpc",
             "num_workers=1",
             *SMALL,
             f"hydra.sweep.dir={tmp_path}",
@@ -71,8 +71,8 @@ def test_main_job_multirun_writes_a_combined_table_csv_and_plot(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     table = (tmp_path / "results.md").read_text()
-    assert table.count("| yes |") == 4 and "scheme=shared_mem" in table
-    assert (tmp_path / "results.csv").read_text().count("\n") == 5
+    assert table.count("| yes |") == 8 and "scheme=shared_mem" in table and "scheme=rpc" in table
+    assert (tmp_path / "results.csv").read_text().count("\n") == 9
     assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -89,12 +89,12 @@ def test_main_job_help_lists_the_groups():
         ("scheme=pigeon", "Could not find 'scheme/pigeon'"),
         ("num_workers=many", "num_workers"),
         ("scheme.timeout=-1", "timeout must be a positive number"),
-        ("scheme=rpc", "is not available"),
-        ("scheme=ray", "does not start yet"),
+        ("scheme=distributed scheme.backend=mpi", "backend must be 'gloo' or 'nccl'"),
+        ("scheme=ray", "needs Ray actors"),
     ],
 )
 def test_main_job_bad_overrides_fail_before_any_worker_starts(tmp_path, override, message):
-    out = _run(["-m", "weightsync", override, f"hydra.run.dir={tmp_path}"], timeout=60)
+    out = _run(["-m", "weightsync", *override.split(), f"hydra.run.dir={tmp_path}"], timeout=60)
     assert out.returncode != 0
     assert message in out.stderr
     assert not (tmp_path / "results.json").exists()

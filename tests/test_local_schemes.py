@@ -10,62 +10,15 @@ import pytest
 import torch
 
 import weightsync as ws
+from tests import _bodies as bodies
+from tests._bodies import optimizer_step
+from tests._bodies import start as start_workers
 from tests._workers import build, checksum, in_process_receiver, serve, torn_reader
-
-
-def _optimizer_step(model: torch.nn.Module, seed: int) -> None:
-    """An in-place change like an optimizer step, buffers included."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for tensor in ws.WeightStrategy().flat(model).values():
-            if tensor.is_floating_point():
-                tensor.add_(torch.randn(tensor.shape, generator=gen) * 0.1)
-            else:
-                tensor.add_(1)
-
-
-def _start(workers, schemes: dict, kinds: dict, n: int = 2, **kw):
-    group = workers(serve, n, lambda i, conn: (schemes, i, kinds, conn, *kw.values()))
-    for scheme in schemes.values():
-        scheme.connect()
-    ready = [group.recv(i) for i in range(n)]
-    return group, ready
 
 
 @pytest.mark.parametrize("strategy", ["tensordict", "state_dict"])
 def test_every_send_reaches_every_targeted_worker(make_scheme, workers, strategy):
-    model = build("tiny")
-    scheme = make_scheme(strategy=strategy)
-    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
-    group, ready = _start(workers, {"policy": scheme}, {"policy": "tiny"})
-    expected = {0: checksum(model, strategy)}
-    for _, log, errors in ready:
-        assert errors == {}
-        assert log == [("policy", 0, expected[0])]
-
-    held = {0: 0, 1: 0}
-    plan = [None] * 6 + [[1], 0, [0, 1], None]
-    for step, worker_ids in enumerate(plan, start=1):
-        _optimizer_step(model, step)
-        expected[step] = checksum(model, strategy)
-        scheme.send(worker_ids=worker_ids)
-        targets = [0, 1] if worker_ids is None else ([worker_ids] if isinstance(worker_ids, int) else worker_ids)
-        for w in targets:
-            held[w] = step
-        assert scheme.version == step
-        for w in range(2):
-            assert scheme.acked_versions[w] == held[w]
-            version, digest = group.ask(w, "state")["policy"]
-            assert (version, digest) == (held[w], expected[held[w]]), f"worker {w} after send {step}"
-
-    for w in range(2):
-        for model_id, version, digest in group.ask(w, "log"):
-            assert model_id == "policy" and digest == expected[version], f"worker {w} applied a wrong version {version}"
-    for w in range(2):
-        _, _, leftovers = group.ask(w, "stop")
-        assert leftovers == {"threads": [], "memfds": 0, "maps": 0}, f"worker {w} kept {leftovers}"
-    scheme.shutdown()
-    scheme.shutdown()  # idempotent
+    bodies.every_send_reaches_every_targeted_worker(make_scheme(strategy=strategy), workers, strategy)
 
 
 def test_two_models_with_two_schemes(workers):
@@ -76,12 +29,12 @@ def test_two_models_with_two_schemes(workers):
     }
     schemes["policy"].init_on_sender(model_id="policy", model=policy, num_workers=2)
     schemes["value"].init_on_sender(model_id="value", weights=value.state_dict(), num_workers=2)
-    group, ready = _start(workers, schemes, {"policy": "tiny", "value": "value"})
+    group, ready = start_workers(workers, schemes, {"policy": "tiny", "value": "value"})
     for _, log, _ in ready:
         assert sorted(log) == sorted([("policy", 0, checksum(policy)), ("value", 0, checksum(value, "state_dict"))])
     for step in range(1, 4):
-        _optimizer_step(policy, step)
-        _optimizer_step(value, 100 + step)
+        optimizer_step(policy, step)
+        optimizer_step(value, 100 + step)
         schemes["policy"].send()
         schemes["value"].send(weights=value)
         for w in range(2):
@@ -121,9 +74,9 @@ def test_pickled_scheme_older_facade_and_model_path_with_spawn(workers):
             assert cmd.poll(60)
             _, log, errors = cmd.recv()
             assert errors == {} and log[0][1:] == (0, checksum(model))
-        _optimizer_step(model, 1)
+        optimizer_step(model, 1)
         sender.send()
-        _optimizer_step(model, 2)
+        optimizer_step(model, 2)
         sender.update_weights()
         for cmd in cmds:
             cmd.send(("state",))
@@ -139,21 +92,7 @@ def test_pickled_scheme_older_facade_and_model_path_with_spawn(workers):
 
 
 def test_trainer_changes_are_invisible_until_send(make_scheme, workers):
-    model = build("tiny")
-    scheme = make_scheme()
-    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
-    group, _ = _start(workers, {"policy": scheme}, {"policy": "tiny"})
-    published = checksum(model)
-    for step in range(3):
-        _optimizer_step(model, 50 + step)  # no send
-    assert checksum(model) != published
-    for w in range(2):
-        assert group.ask(w, "state")["policy"] == (0, published)
-    scheme.send()
-    for w in range(2):
-        assert group.ask(w, "state")["policy"] == (1, checksum(model))
-    group.stop()
-    scheme.shutdown()
+    bodies.trainer_changes_are_invisible_until_send(make_scheme(), workers)
 
 
 @pytest.mark.parametrize("kind", ["multiprocess", "shared_mem", "shared_mem-thread"])
@@ -205,7 +144,7 @@ def test_receiver_that_cannot_apply_reports_to_the_sender(workers):
     _scramble(scrambled)
     assert group.ask(1, "state")["policy"] == (None, checksum(scrambled)), "the failing worker's model was touched"
 
-    _optimizer_step(model, 3)
+    optimizer_step(model, 3)
     with pytest.raises(ws.ReceiverError, match="body.3.weight") as info:
         scheme.send()  # the worker that failed at connect is named again, with its cause
     assert info.value.worker_idx == 1
@@ -220,10 +159,10 @@ def test_apply_failure_after_connect_is_acked_with_its_cause(workers, scheme_nam
     model = build("tiny")
     scheme = ws.WeightSyncScheme.from_backend(scheme_name, timeout=20)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
-    group, _ = _start(workers, {"policy": scheme}, {"policy": "tiny"})
+    group, _ = start_workers(workers, {"policy": scheme}, {"policy": "tiny"})
     assert group.ask(1, "break_model", "policy") == "broken"
     held = group.ask(1, "state")["policy"]
-    _optimizer_step(model, 1)
+    optimizer_step(model, 1)
     with pytest.raises(ws.ReceiverError) as info:
         scheme.send()
     err = info.value
@@ -232,7 +171,7 @@ def test_apply_failure_after_connect_is_acked_with_its_cause(workers, scheme_nam
     assert group.ask(0, "state")["policy"] == (1, checksum(model))
     assert group.ask(1, "state")["policy"] == held, "a refused update changed the worker's model"
     assert any(entry[1] == "error" for entry in group.ask(1, "log")), "the worker was not told either"
-    _optimizer_step(model, 2)
+    optimizer_step(model, 2)
     scheme.send(worker_ids=0)  # the failing worker stays connected; the others go on
     assert group.ask(0, "state")["policy"] == (2, checksum(model))
     group.stop()
@@ -245,9 +184,9 @@ def test_worker_killed_during_a_send(workers, scheme_name):
     model = build("tiny")
     scheme = ws.WeightSyncScheme.from_backend(scheme_name, timeout=timeout)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
-    group, _ = _start(workers, {"policy": scheme}, {"policy": "tiny"})
+    group, _ = start_workers(workers, {"policy": scheme}, {"policy": "tiny"})
     assert group.ask(1, "die_on_next_update", "policy") == "armed"
-    _optimizer_step(model, 1)
+    optimizer_step(model, 1)
     start = time.monotonic()
     with pytest.raises(ws.WorkerDiedError) as info:
         scheme.send()
@@ -259,11 +198,11 @@ def test_worker_killed_during_a_send(workers, scheme_name):
     assert not scheme.sender_transports[1].check_connection()
     assert 1 in scheme.failed_workers
 
-    _optimizer_step(model, 2)
+    optimizer_step(model, 2)
     with pytest.raises(ws.WorkerDiedError):
         scheme.send()  # the dead worker is named again; the live one is still served
     assert group.ask(0, "state")["policy"] == (2, checksum(model))
-    _optimizer_step(model, 3)
+    optimizer_step(model, 3)
     scheme.send(worker_ids=[0])
     assert group.ask(0, "state")["policy"] == (3, checksum(model))
     group.stop()
@@ -274,7 +213,7 @@ def test_stopped_worker_times_out_with_its_name(workers):
     model = build("tiny")
     scheme = ws.MultiProcessWeightSyncScheme(timeout=1.0)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
-    group, _ = _start(workers, {"policy": scheme}, {"policy": "tiny"})
+    group, _ = start_workers(workers, {"policy": scheme}, {"policy": "tiny"})
     os.kill(group.procs[1].pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
@@ -292,29 +231,7 @@ def test_stopped_worker_times_out_with_its_name(workers):
 
 
 def test_bad_weights_fail_in_the_caller_and_send_nothing(make_scheme, workers):
-    model = build("tiny")
-    scheme = make_scheme()
-    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
-    group, _ = _start(workers, {"policy": scheme}, {"policy": "tiny"})
-    good = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ws.InvalidWeightsError, match="function"):
-        scheme.send(weights={**ws.WeightStrategy("state_dict").flat(model), "scale": lambda x: x})
-    wrong = ws.WeightStrategy().flat(model)
-    wrong["body.0.weight"] = torch.zeros(3, 3)
-    with pytest.raises(ws.WeightMismatchError, match="body.0.weight"):
-        scheme.send(weights=wrong)
-    missing = ws.WeightStrategy().flat(model)
-    del missing["scale"]
-    with pytest.raises(ws.WeightMismatchError, match="missing keys \\['scale'\\]"):
-        scheme.send(weights=missing)
-    with pytest.raises(ws.ConfigurationError, match="worker_ids \\[2\\]"):
-        scheme.send(worker_ids=[0, 2])
-    assert scheme.version == 0
-    for w in range(2):
-        assert group.ask(w, "state")["policy"][0] == 0
-    assert all(torch.equal(good[k], v) for k, v in model.state_dict().items())
-    group.stop()
-    scheme.shutdown()
+    bodies.bad_weights_fail_in_the_caller_and_send_nothing(make_scheme(), workers)
 
 
 @pytest.mark.parametrize("latest_wins", [True, False])
@@ -328,7 +245,7 @@ def test_async_sends_coalesce_to_the_latest_version(latest_wins):
     receiver = in_process_receiver(scheme, replica)
     sums = {}
     for step in range(1, 6):
-        _optimizer_step(model, step)
+        optimizer_step(model, step)
         sums[step] = checksum(model)
         scheme.send_async()
     applied = []
@@ -351,7 +268,7 @@ def test_no_sync_scheme_moves_nothing(workers):
     scheme.connect()
     before = [group.recv(w) for w in range(2)]
     assert [errors for _, _, errors in before] == [{}, {}]
-    _optimizer_step(model, 1)
+    optimizer_step(model, 1)
     scheme.send()
     scheme.send_async(worker_ids=[1])
     scheme.wait_async()
@@ -372,7 +289,7 @@ def test_send_waits_for_a_free_slot_then_times_out_publishing_nothing(per_worker
     scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
     replica = build("tiny")
     receiver = in_process_receiver(scheme, replica)
-    _optimizer_step(model, 1)
+    optimizer_step(model, 1)
     start = time.monotonic()
     with pytest.raises(ws.SyncTimeoutError, match="no free weight slot .* workers \\[0\\] still hold"):
         scheme.send()
@@ -389,7 +306,7 @@ def test_worker_that_acked_then_left_does_not_fail_the_send(scheme_name):
     scheme = ws.WeightSyncScheme.from_backend(scheme_name, timeout=10)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
     receiver = in_process_receiver(scheme, build("tiny"))
-    _optimizer_step(model, 1)
+    optimizer_step(model, 1)
     scheme.send_async()
     assert receiver.receive(timeout=5) is not None and receiver.version == 1
     receiver.shutdown()  # acked version 1, then left: both are queued for the sender now

@@ -11,8 +11,8 @@ import time
 import pytest
 
 import weightsync as ws
+from tests._bodies import optimizer_step
 from tests._workers import _scramble, build, checksum
-from tests.test_local_schemes import _optimizer_step
 
 ray = pytest.importorskip("ray", reason="Ray is an optional engine; `pip install -e .[test]` installs it")
 
@@ -101,7 +101,7 @@ def test_every_send_reaches_every_targeted_actor(strategy, handed_as):
 
     held = {0: 0, 1: 0}
     for step, worker_ids in enumerate([None, None, [1], 0, None], start=1):
-        _optimizer_step(model, step)
+        optimizer_step(model, step)
         expected[step] = checksum(model, strategy)
         scheme.send(worker_ids=worker_ids)
         for w in [0, 1] if worker_ids is None else ([worker_ids] if isinstance(worker_ids, int) else worker_ids):
@@ -119,7 +119,7 @@ def test_async_sends_arrive_in_order_and_are_awaited():
     actors = _joined(scheme, model)
     scheme.connect()
     for step in range(1, 6):
-        _optimizer_step(model, step)
+        optimizer_step(model, step)
         scheme.send()  # sync=False: returns once submitted
     scheme.wait_async()
     assert scheme.acked_versions == {0: 5, 1: 5}
@@ -137,7 +137,7 @@ def test_async_failure_is_reported_at_wait_async():
     ray.get(actors[1].break_model.remote())
     errors = []
     for step in (1, 2):
-        _optimizer_step(model, step)
+        optimizer_step(model, step)
         try:
             scheme.send()  # returns once submitted; an earlier send's failure may be reported here
         except ws.ReceiverError as exc:
@@ -175,7 +175,7 @@ def test_killed_actor_is_named_and_the_others_are_updated():
     actors = _joined(scheme, model)
     scheme.connect()
     ray.kill(actors[1], no_restart=True)
-    _optimizer_step(model, 1)
+    optimizer_step(model, 1)
     start = time.monotonic()
     with pytest.raises(ws.WorkerDiedError) as info:
         scheme.send()
@@ -203,7 +203,7 @@ def test_actor_that_cannot_apply_reports_to_the_sender():
     _scramble(wrong)
     assert ray.get(actors[1].state.remote()) == (None, checksum(wrong, "state_dict"))
     assert ray.get(actors[0].state.remote()) == (0, checksum(model, "state_dict"))
-    _optimizer_step(model, 2)
+    optimizer_step(model, 2)
     with pytest.raises(ws.ReceiverError):
         scheme.send()
     assert ray.get(actors[0].state.remote()) == (1, checksum(model, "state_dict"))
@@ -223,3 +223,56 @@ def test_actor_without_a_receiver_and_bad_arguments():
         scheme.connect()
     scheme.shutdown()
     ray.kill(actors[0])
+
+
+@pytest.mark.parametrize("strategy", ["state_dict", "tensordict"])
+@pytest.mark.parametrize("handed_as", ["pickled", "receiver_config"])
+def test_module_hosted_in_one_actor_follows_the_trainer(strategy, handed_as):
+    import torch
+
+    from tests._ray_actors import make_value
+
+    model = build("value")
+    scheme = ws.RayModuleTransformScheme(strategy=strategy, timeout=30)
+    Host = ray.remote(num_cpus=0)(ws.ModuleActor)
+    if handed_as == "pickled":
+        host = Host.remote(make_value, scheme, "transform")
+        scheme.init_on_sender(model_id="transform", model=model, actor=host)
+    else:
+        host = Host.remote(make_value)
+        scheme.init_on_sender(model_id="transform", model=model, actor=host)
+        ray.get(host.join.remote(scheme.receiver_config(0)))
+    assert isinstance(scheme.get_sender(), ws.RayModuleTransformSender)
+    assert isinstance(scheme.sender_transports[0], ws.RayActorTransport)
+    scheme.connect()
+    batch = torch.randn(5, 3)
+    for step in range(1, 4):
+        optimizer_step(model, step)
+        scheme.send()
+        assert ray.get(host.weights_version.remote()) == step
+        state = ray.get(host.get_weights.remote())
+        assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert scheme.acked_versions == {0: 3}
+    with torch.no_grad():
+        expected = model(batch)
+    assert torch.allclose(ray.get(host.forward.remote(batch)), expected)
+    scheme.shutdown()
+    ray.kill(host)
+
+
+def test_module_actor_failures_are_named():
+    from tests._ray_actors import make_value
+
+    model = build("value")
+    with pytest.raises(ws.ConfigurationError, match="ONE actor"):
+        ws.RayModuleTransformScheme().init_on_sender(model=model, remote_collectors=[1, 2])
+    scheme = ws.RayModuleTransformScheme(timeout=20)
+    host = ray.remote(num_cpus=0)(ws.ModuleActor).remote(make_value, scheme, "transform")
+    scheme.init_on_sender(model_id="transform", model=model, actor=host)
+    scheme.connect()
+    ray.kill(host, no_restart=True)
+    optimizer_step(model, 1)
+    with pytest.raises(ws.WorkerDiedError) as info:
+        scheme.send()
+    assert (info.value.worker_idx, info.value.model_id) == (0, "transform")
+    scheme.shutdown()

@@ -1,7 +1,8 @@
 """weightsync: move model weights from a trainer to the workers that use them.
 
 Pick a scheme per model (``MultiProcessWeightSyncScheme``,
-``SharedMemWeightSyncScheme``, ``NoWeightSyncScheme``, ...), call
+``SharedMemWeightSyncScheme``, ``RayWeightSyncScheme``,
+``DistributedWeightSyncScheme``, ...), call
 ``init_on_sender`` and ``connect`` in the trainer, ``init_on_receiver`` and
 ``connect`` in each worker, then ``send()`` and ``receive()``.
 """
@@ -23,9 +24,15 @@ from .errors import (
 from .layout import FlatLayout
 from .model_path import resolve_model
 from .schemes import (
+    DistributedWeightSyncScheme,
+    ModuleActor,
     MultiProcessWeightSyncScheme,
     NoWeightSyncScheme,
+    RayModuleTransformReceiver,
+    RayModuleTransformScheme,
+    RayModuleTransformSender,
     RayWeightSyncScheme,
+    RPCWeightSyncScheme,
     SharedMemWeightSyncScheme,
     WeightReceiver,
     WeightSender,
@@ -35,7 +42,15 @@ from .schemes import (
     register_backend,
 )
 from .strategy import WeightStrategy
-from .transports import MPTransport, RayTransport, SharedMemTransport, TransportBackend
+from .transports import (
+    DistributedTransport,
+    MPTransport,
+    RayActorTransport,
+    RayTransport,
+    RPCTransport,
+    SharedMemTransport,
+    TransportBackend,
+)
 
 __version__ = "0.1.0"
 
@@ -53,12 +68,21 @@ __all__ = [
     "AuthenticationError",
     "ConfigurationError",
     "ConnectionClosedError",
+    "DistributedTransport",
+    "DistributedWeightSyncScheme",
     "FlatLayout",
     "InvalidWeightsError",
     "LifecycleError",
     "MPTransport",
+    "ModuleActor",
     "MultiProcessWeightSyncScheme",
     "NoWeightSyncScheme",
+    "RPCTransport",
+    "RPCWeightSyncScheme",
+    "RayActorTransport",
+    "RayModuleTransformReceiver",
+    "RayModuleTransformScheme",
+    "RayModuleTransformSender",
     "RayTransport",
     "RayWeightSyncScheme",
     "ReceiverError",

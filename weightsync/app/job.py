@@ -27,8 +27,8 @@ from ..config import SCHEMES, from_config
 from ..config.receiver import check_available
 from ..errors import ConfigurationError, ConnectionClosedError, WeightSyncError
 from ..schemes.base import WeightSyncScheme
-from ..schemes.local import LocalScheme
 from ..schemes.no_sync import NoWeightSyncScheme
+from ..schemes.ray import RayWeightSyncScheme
 from ..strategy import WeightStrategy
 
 __all__ = ["JobConfig", "ModelSpec", "build_model", "resolve_schemes", "run_job"]
@@ -111,24 +111,30 @@ def _worker(idx: int, configs: dict, specs: dict, reports, stop) -> None:
         for model_id, scheme in schemes.items():
             scheme.connect()
             reports.put(("applied", idx, model_id, scheme.version, checksum(models[model_id])))
-        open_channels = {
-            m: s.receiver_transport.channel.connection for m, s in schemes.items() if s.receiver_transport is not None
-        }
-        while not stop.is_set():
-            wait(list(open_channels.values()) or [], timeout=0.05)
-            for model_id, scheme in schemes.items():
+        # Local schemes wake this loop when the trainer writes; the other engines are polled.
+        channels = {m: s.receiver_transport.channel.connection for m, s in schemes.items() if _has_channel(s)}
+        open_models = {m for m, s in schemes.items() if not isinstance(s, NoWeightSyncScheme)}
+        while not stop.is_set() and open_models:
+            wait(
+                [channels[m] for m in open_models if m in channels],
+                timeout=0.01 if len(channels) < len(schemes) else 0.05,
+            )
+            for model_id in sorted(open_models):
+                scheme = schemes[model_id]
                 try:
                     if scheme.receive(0.0) is not None:
                         reports.put(("applied", idx, model_id, scheme.version, checksum(models[model_id])))
                 except ConnectionClosedError:
-                    open_channels.pop(model_id, None)
-            if not open_channels and any(s.receiver_transport is not None for s in schemes.values()):
-                break  # every channel closed: the trainer is done
+                    open_models.discard(model_id)  # the trainer is done with this model
     except Exception as exc:  # noqa: BLE001 - reported to the trainer, which names the worker
         reports.put(("failed", idx, f"{type(exc).__name__}: {exc}"))
     finally:
         for scheme in schemes.values():
             scheme.shutdown()
+
+
+def _has_channel(scheme: WeightSyncScheme) -> bool:
+    return hasattr(scheme.receiver_transport, "channel")
 
 
 def _perturb(model: nn.Module, gen: torch.Generator) -> None:
@@ -160,10 +166,10 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
     schemes: dict[str, WeightSyncScheme] = {}
     for model_id, scheme_cfg in scheme_cfgs.items():
         schemes[model_id] = _instantiate_scheme(instantiate, scheme_cfg, model_id)
-        if not isinstance(schemes[model_id], (LocalScheme, NoWeightSyncScheme)):
+        if isinstance(schemes[model_id], RayWeightSyncScheme):
             raise ConfigurationError(
-                f"schemes.{model_id}: the main job's workers are local processes; {type(schemes[model_id]).__name__}"
-                " needs workers of its own engine, which the main job does not start yet"
+                f"schemes.{model_id}: the main job's workers are processes it starts; "
+                f"{type(schemes[model_id]).__name__} needs Ray actors as workers (see docs/multinode.md)"
             )
     ctx = mp.get_context(str(cfg.start_method))
     reports, stop = ctx.Queue(), ctx.Event()

@@ -121,33 +121,41 @@ class RayModuleTransformSchemeConfig(RaySchemeConfig):
 
 @dataclass
 class RPCSchemeConfig(SchemeConfig):
-    """``torch.distributed.rpc`` between named workers (runtime: the distributed-engines issue).
+    """``torch.distributed.rpc`` (TensorPipe) between the trainer and named workers.
 
     Attributes:
-        master_addr: rendez-vous host (``None``: ``MASTER_ADDR`` or 127.0.0.1).
+        master_addr: the trainer's host as workers reach it (``None``: ``MASTER_ADDR`` or 127.0.0.1).
         master_port: rendez-vous port (``None``: ``MASTER_PORT`` or a free port).
+        latest_wins: a worker that fell behind applies only the newest update.
+        max_buffers: staging buffers the trainer may hold for updates not acked yet.
     """
 
     _target_: str = "weightsync.schemes.rpc.RPCWeightSyncScheme"
     strategy: str = "state_dict"
     master_addr: Optional[str] = None  # noqa: UP045
     master_port: Optional[int] = None  # noqa: UP045
+    latest_wins: bool = True
+    max_buffers: int = 2
 
 
 @dataclass
 class DistributedSchemeConfig(SchemeConfig):
-    """A ``torch.distributed`` process group (runtime: the distributed-engines issue).
+    """A ``torch.distributed`` process group of the scheme's own (the default group is left alone).
 
     Attributes:
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA).
-        master_addr: TCP store host (``None``: ``MASTER_ADDR`` or 127.0.0.1).
+        master_addr: the trainer's host as workers reach it (``None``: ``MASTER_ADDR`` or 127.0.0.1).
         master_port: TCP store port (``None``: ``MASTER_PORT`` or a free port).
+        latest_wins: a worker that fell behind applies only the newest update.
+        max_buffers: staging buffers the trainer may hold while workers still receive earlier versions.
     """
 
     _target_: str = "weightsync.schemes.distributed.DistributedWeightSyncScheme"
     backend: str = "gloo"
     master_addr: Optional[str] = None  # noqa: UP045
     master_port: Optional[int] = None  # noqa: UP045
+    latest_wins: bool = True
+    max_buffers: int = 2
 
 
 # --------------------------------------------------------------- transports
@@ -179,15 +187,16 @@ class RayActorTransportConfig(RayTransportConfig):
 
 @dataclass
 class RPCTransportConfig:
-    """Transport to one RPC worker (runtime: the distributed-engines issue)."""
+    """Transport to one RPC worker (``worker_name``: its RPC name, default ``weightsync-worker-<idx>``)."""
 
     _target_: str = "weightsync.transports.rpc.RPCTransport"
     worker_idx: int = 0
+    worker_name: Optional[str] = None  # noqa: UP045
 
 
 @dataclass
 class DistributedTransportConfig:
-    """Transport to one torch.distributed rank (runtime: the distributed-engines issue)."""
+    """Transport to one torch.distributed rank (``worker_idx + 1``)."""
 
     _target_: str = "weightsync.transports.distributed.DistributedTransport"
     worker_idx: int = 0

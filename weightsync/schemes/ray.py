@@ -19,10 +19,16 @@ from ..errors import (
 from ..layout import FlatLayout
 from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec, write_into
 from ..transports.channel import deadline_after, remaining
-from ..transports.ray import RayTransport, register_receiver, unregister_receiver
-from .base import WeightSyncScheme
+from ..transports.ray import RayActorTransport, RayTransport, apply_in_actor, register_receiver, unregister_receiver
+from .base import WeightReceiver, WeightSender, WeightSyncScheme
 
-__all__ = ["RayWeightSyncScheme"]
+__all__ = [
+    "ModuleActor",
+    "RayModuleTransformReceiver",
+    "RayModuleTransformScheme",
+    "RayModuleTransformSender",
+    "RayWeightSyncScheme",
+]
 
 
 def _ray():
@@ -122,7 +128,11 @@ class RayWeightSyncScheme(WeightSyncScheme):
         if not flat:
             raise ConfigurationError("the model has no weights to synchronize", model_id=self._model_id)
         self._layout = FlatLayout.from_weights(flat)
-        self._transports = {i: RayTransport(actor, i, self) for i, actor in enumerate(actors)}
+        self._transports = {i: self.create_transport(actor=actor, worker_idx=i) for i, actor in enumerate(actors)}
+
+    def create_transport(self, **kwargs: Any) -> RayTransport:
+        """The transport to one actor (``actor=``, ``worker_idx=``) bound to this scheme."""
+        return RayTransport(scheme=self, **kwargs)
 
     def _rendezvous_complete(self) -> bool:
         return bool(self._transports)
@@ -279,3 +289,139 @@ class RayWeightSyncScheme(WeightSyncScheme):
         if self.is_receiver:
             unregister_receiver(self._model_id or "", self)
         self._transports.clear()
+
+
+class RayModuleTransformSender(WeightSender):
+    """Sender facade of :class:`RayModuleTransformScheme`: ``send`` updates the hosted module."""
+
+    @property
+    def actor(self) -> Any:
+        """The actor hosting the module."""
+        return self._scheme.sender_transports[0].actor
+
+
+class RayModuleTransformReceiver(WeightReceiver):
+    """Receiver facade of :class:`RayModuleTransformScheme`, inside the hosting actor."""
+
+
+class RayModuleTransformScheme(RayWeightSyncScheme):
+    """Synchronize a model hosted inside ONE Ray actor (a module that transforms data for many workers).
+
+    The trainer keeps the model it trains; the actor holds its copy and
+    serves it (for example a reward model or an encoder used as a transform).
+    A send puts the weights in the object store once and calls the actor's
+    ``update_weights_tensordict`` or ``update_weights_state_dict`` method (by
+    strategy); the call runs between the actor's other calls, so a forward
+    never sees half an update, and its completion is the ack.
+
+    :class:`ModuleActor` provides those methods; wrap it with ``ray.remote``
+    and give it the scheme (pickled, or its ``receiver_config(0)``)::
+
+        host = ray.remote(ModuleActor).remote(make_module, scheme)  # before init_on_sender (pickled) ...
+        scheme.init_on_sender(model_id="module", model=trained, actor=host)
+        scheme.connect()
+        ray.get(host.forward.remote(batch))
+
+    An actor class of your own needs the two methods, each calling
+    :func:`weightsync.transports.ray.apply_in_actor`, and a receiver set up
+    with ``scheme.init_on_receiver(model=..., worker_idx=0)``.
+
+    ``init_on_sender`` takes ``actor=`` (or ``remote_collectors=[actor]``, or a
+    context with ``actor``).
+    """
+
+    backend = "ray_module_transform"
+    needs_worker_idx = False
+
+    def _init_sender_impl(self, **kwargs: Any) -> None:
+        actor = kwargs.pop("actor", None)
+        if actor is None and self._context is not None and "remote_collectors" not in kwargs:
+            actor = getattr(self._context, "actor", None)
+        if actor is not None:
+            kwargs["remote_collectors"] = [actor]
+        super()._init_sender_impl(**kwargs)
+        if self._num_workers != 1:
+            raise ConfigurationError(
+                f"RayModuleTransformScheme hosts the module in ONE actor, got {self._num_workers}",
+                model_id=self._model_id,
+            )
+
+    def create_transport(self, **kwargs: Any) -> RayActorTransport:
+        return RayActorTransport(scheme=self, **kwargs)
+
+    def _init_receiver_impl(self, **kwargs: Any) -> None:
+        if self._worker_idx is None:
+            self._worker_idx = 0
+        super()._init_receiver_impl(**kwargs)
+
+    def get_sender(self) -> RayModuleTransformSender:
+        if not self.is_sender:
+            super().get_sender()  # raises the lifecycle error
+        if self._sender is None:
+            self._sender = RayModuleTransformSender(self)
+        return self._sender
+
+    def get_receiver(self) -> RayModuleTransformReceiver:
+        if not self.is_receiver:
+            super().get_receiver()
+        if self._receiver is None:
+            self._receiver = RayModuleTransformReceiver(self)
+        return self._receiver
+
+    def create_sender(self) -> RayModuleTransformSender:
+        return RayModuleTransformSender(self)
+
+    def create_receiver(self) -> RayModuleTransformReceiver:
+        return RayModuleTransformReceiver(self)
+
+
+class ModuleActor:
+    """A module served from a Ray actor and kept up to date by :class:`RayModuleTransformScheme`.
+
+    Use as ``ray.remote(ModuleActor).remote(module, scheme, model_id="module")``.
+
+    Args:
+        module: an ``nn.Module``, or a callable that builds one inside the actor.
+        scheme: the sender's scheme (pickled by Ray) or its ``receiver_config(0)``;
+            ``None`` to call :meth:`join` later.
+        model_id: the model's id, as the sender names it.
+    """
+
+    def __init__(self, module: Any, scheme: Any = None, model_id: str | None = None) -> None:
+        import torch.nn as nn
+
+        self.module = module if isinstance(module, nn.Module) else module()
+        self.scheme: RayModuleTransformScheme | None = None
+        if scheme is not None:
+            self.join(scheme, model_id)
+
+    def join(self, scheme: Any, model_id: str | None = None) -> None:
+        """Set up this actor's receiver (the sender's ``connect()`` then delivers the initial weights)."""
+        if isinstance(scheme, dict):
+            from ..config import from_config
+
+            scheme = from_config(scheme)
+        scheme.init_on_receiver(model_id=model_id, model=self.module, worker_idx=0)
+        scheme.connect()
+        self.scheme = scheme
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module (without autograd) on the arguments."""
+        with torch.no_grad():
+            return self.module(*args, **kwargs)
+
+    def update_weights_tensordict(self, model_id: str, version: int, payload: Any, layout: dict | None) -> int:
+        """Called by the sender (strategy ``tensordict``): apply one update; return the version held."""
+        return apply_in_actor(self, model_id, version, payload, layout)
+
+    def update_weights_state_dict(self, model_id: str, version: int, payload: Any, layout: dict | None) -> int:
+        """Called by the sender (strategy ``state_dict``): apply one update; return the version held."""
+        return apply_in_actor(self, model_id, version, payload, layout)
+
+    def weights_version(self) -> int | None:
+        """The version this actor's module holds."""
+        return self.scheme.version if self.scheme is not None else None
+
+    def get_weights(self) -> dict[str, Any]:
+        """A copy of the module's weights (strategy ``state_dict``)."""
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}

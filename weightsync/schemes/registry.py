@@ -29,8 +29,18 @@ _BUILTIN: dict[str, str] = {
     "shared_mem": "weightsync.schemes.shared_mem:SharedMemWeightSyncScheme",
     "no_sync": "weightsync.schemes.no_sync:NoWeightSyncScheme",
     "ray": "weightsync.schemes.ray:RayWeightSyncScheme",
+    "ray_module_transform": "weightsync.schemes.ray:RayModuleTransformScheme",
+    "rpc": "weightsync.schemes.rpc:RPCWeightSyncScheme",
+    "distributed": "weightsync.schemes.distributed:DistributedWeightSyncScheme",
 }
-_ALIASES = {"mp": "multiprocess", "sharedmem": "shared_mem", "shared_memory": "shared_mem", "none": "no_sync"}
+_ALIASES = {
+    "mp": "multiprocess",
+    "sharedmem": "shared_mem",
+    "shared_memory": "shared_mem",
+    "none": "no_sync",
+    "torch_distributed": "distributed",
+    "gloo": "distributed",
+}
 _registered: dict[str, type[WeightSyncScheme] | str] = {}
 _entry_points_loaded = False
 

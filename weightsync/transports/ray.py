@@ -21,7 +21,7 @@ from .base import SenderBoundTransport
 if TYPE_CHECKING:
     from ..schemes.ray import RayWeightSyncScheme
 
-__all__ = ["RayTransport", "apply_in_actor", "register_receiver", "unregister_receiver"]
+__all__ = ["RayActorTransport", "RayTransport", "apply_in_actor", "register_receiver", "unregister_receiver"]
 
 # The receivers living in this process (an actor's worker process), by model id.
 _RECEIVERS: dict[str, RayWeightSyncScheme] = {}
@@ -38,7 +38,12 @@ def unregister_receiver(model_id: str, scheme: RayWeightSyncScheme) -> None:
 
 
 def apply_in_actor(actor: Any, model_id: str, version: int, payload: np.ndarray, layout: dict | None) -> int:
-    """Runs inside the actor: apply ``payload`` (the flat weights) as ``version``; return the version held."""
+    """Runs inside the actor: apply ``payload`` (the flat weights) as ``version``; return the version held.
+
+    An actor class of your own that hosts a module for
+    :class:`~weightsync.schemes.ray.RayModuleTransformScheme` calls this from
+    its ``update_weights_tensordict`` / ``update_weights_state_dict`` methods.
+    """
     scheme = _RECEIVERS.get(model_id)
     if scheme is None:
         raise LifecycleError(
@@ -85,3 +90,18 @@ class RayTransport(SenderBoundTransport):
 
     def check_connection(self) -> bool:
         return self.dead is None
+
+
+class RayActorTransport(RayTransport):
+    """Data plane to the ONE actor hosting a module (:class:`~weightsync.schemes.ray.RayModuleTransformScheme`).
+
+    Updates are calls to the actor's own ``update_weights_tensordict`` or
+    ``update_weights_state_dict`` method (the scheme's strategy picks which),
+    queued like any other call to it, so they run between its forward calls.
+    """
+
+    def submit(self, version: int, payload_ref: Any, layout: dict | None) -> None:
+        scheme = self._sender()
+        method = getattr(self.actor, f"update_weights_{scheme.strategy.extract_as}")
+        self.in_flight[version] = method.remote(scheme.model_id, version, payload_ref, layout)
+        self.sent = version

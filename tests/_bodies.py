@@ -1,0 +1,151 @@
+"""Test bodies every scheme runs: the local and torch.distributed ones in the test process, RPC in a trainer
+process of its own (torch.distributed.rpc starts once per process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import weightsync as ws
+from tests._workers import build, checksum, serve
+
+
+def optimizer_step(model: torch.nn.Module, seed: int) -> None:
+    """An in-place change like an optimizer step, buffers included."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in ws.WeightStrategy().flat(model).values():
+            if tensor.is_floating_point():
+                tensor.add_(torch.randn(tensor.shape, generator=gen) * 0.1)
+            else:
+                tensor.add_(1)
+
+
+def start(workers, schemes: dict, kinds: dict, n: int = 2, **kw):
+    group = workers(serve, n, lambda i, conn: (schemes, i, kinds, conn, *kw.values()))
+    for scheme in schemes.values():
+        scheme.connect()
+    ready = [group.recv(i) for i in range(n)]
+    return group, ready
+
+
+def every_send_reaches_every_targeted_worker(scheme, workers, strategy):
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, ready = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    expected = {0: checksum(model, strategy)}
+    for _, log, errors in ready:
+        assert errors == {}
+        assert log == [("policy", 0, expected[0])]
+
+    held = {0: 0, 1: 0}
+    plan = [None] * 6 + [[1], 0, [0, 1], None]
+    for step, worker_ids in enumerate(plan, start=1):
+        optimizer_step(model, step)
+        expected[step] = checksum(model, strategy)
+        scheme.send(worker_ids=worker_ids)
+        targets = [0, 1] if worker_ids is None else ([worker_ids] if isinstance(worker_ids, int) else worker_ids)
+        for w in targets:
+            held[w] = step
+        assert scheme.version == step
+        for w in range(2):
+            assert scheme.acked_versions[w] == held[w]
+            version, digest = group.ask(w, "state")["policy"]
+            assert (version, digest) == (held[w], expected[held[w]]), f"worker {w} after send {step}"
+
+    for w in range(2):
+        for model_id, version, digest in group.ask(w, "log"):
+            assert model_id == "policy" and digest == expected[version], f"worker {w} applied a wrong version {version}"
+    for w in range(2):
+        _, _, leftovers = group.ask(w, "stop")
+        assert leftovers == {"threads": [], "memfds": 0, "maps": 0}, f"worker {w} kept {leftovers}"
+    scheme.shutdown()
+    scheme.shutdown()  # idempotent
+
+
+def trainer_changes_are_invisible_until_send(scheme, workers):
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    published = checksum(model, scheme.strategy.extract_as)
+    for step in range(3):
+        optimizer_step(model, 50 + step)  # no send
+    assert checksum(model, scheme.strategy.extract_as) != published
+    for w in range(2):
+        assert group.ask(w, "state")["policy"] == (0, published)
+    scheme.send()
+    for w in range(2):
+        assert group.ask(w, "state")["policy"] == (1, checksum(model, scheme.strategy.extract_as))
+    group.stop()
+    scheme.shutdown()
+
+
+def bad_weights_fail_in_the_caller_and_send_nothing(scheme, workers):
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ws.InvalidWeightsError, match="function"):
+        scheme.send(weights={**ws.WeightStrategy("state_dict").flat(model), "scale": lambda x: x})
+    wrong = ws.WeightStrategy().flat(model)
+    wrong["body.0.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ws.WeightMismatchError, match="body.0.weight"):
+        scheme.send(weights=wrong)
+    missing = ws.WeightStrategy().flat(model)
+    del missing["scale"]
+    with pytest.raises(ws.WeightMismatchError, match="missing keys \\['scale'\\]"):
+        scheme.send(weights=missing)
+    with pytest.raises(ws.ConfigurationError, match="worker_ids \\[2\\]"):
+        scheme.send(worker_ids=[0, 2])
+    assert scheme.version == 0
+    for w in range(2):
+        assert group.ask(w, "state")["policy"][0] == 0
+    assert all(torch.equal(good[k], v) for k, v in model.state_dict().items())
+    group.stop()
+    scheme.shutdown()
+
+
+def killed_worker_is_named_and_the_others_are_served(scheme, workers):
+    """SIGKILL a worker; the next send names it (well within the timeout) and still updates the other."""
+    import os
+    import signal
+    import time
+
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    os.kill(group.procs[1].pid, signal.SIGKILL)
+    group.procs[1].join(10)
+    optimizer_step(model, 1)
+    began = time.monotonic()
+    with pytest.raises(ws.WorkerDiedError) as info:
+        scheme.send()
+    assert time.monotonic() - began < scheme.timeout
+    assert (info.value.worker_idx, info.value.model_id, info.value.version) == (1, "policy", 1)
+    assert group.ask(0, "state")["policy"] == (1, checksum(model, scheme.strategy.extract_as))
+    optimizer_step(model, 2)
+    scheme.send(worker_ids=[0])
+    assert scheme.acked_versions == {0: 2, 1: 0}
+    assert 1 in scheme.failed_workers and not scheme.sender_transports[1].check_connection()
+    group.stop()
+    scheme.shutdown()
+
+
+def mismatching_worker_is_refused_by_name(scheme, workers):
+    """A worker whose model does not fit fails the rendez-vous by name; the other is connected and served."""
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    kinds = ["tiny", "tiny_wrong"]
+    group = workers(serve, 2, lambda i, conn: ({"policy": scheme}, i, {"policy": kinds[i]}, conn))
+    with pytest.raises(ws.ReceiverError) as info:
+        scheme.connect()
+    assert info.value.worker_idx == 1 and info.value.remote_type == "WeightMismatchError"
+    assert "body.3.weight" in str(info.value)
+    _, log, errors = group.recv(1)
+    assert "WeightMismatchError" in errors["policy"]
+    assert group.recv(0)[1] == [("policy", 0, checksum(model, scheme.strategy.extract_as))]
+    optimizer_step(model, 1)
+    scheme.send(worker_ids=[0])
+    assert group.ask(0, "state")["policy"] == (1, checksum(model, scheme.strategy.extract_as))
+    group.stop()
+    scheme.shutdown()

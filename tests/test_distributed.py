@@ -1,0 +1,141 @@
+"""DistributedWeightSyncScheme on real gloo groups and TCP stores on 127.0.0.1 (NCCL where CUDA exists).
+
+The shared bodies (every send, isolation, bad weights) run over it from test_local_schemes.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import weightsync as ws
+from tests import _bodies as bodies
+from tests._bodies import optimizer_step, start
+from tests._workers import build, checksum
+
+
+def _scheme(**kw):
+    return ws.DistributedWeightSyncScheme(timeout=20, connect_timeout=60, **kw)
+
+
+def test_killed_rank_is_named_and_the_others_are_served(workers):
+    bodies.killed_worker_is_named_and_the_others_are_served(_scheme(), workers)
+
+
+def test_mismatching_worker_is_refused_before_any_byte_moves(workers):
+    bodies.mismatching_worker_is_refused_by_name(_scheme(), workers)
+
+
+@pytest.mark.parametrize("latest_wins", [True, False])
+def test_async_sends_are_received_in_order_or_coalesced(workers, latest_wins):
+    model = build("tiny")
+    scheme = _scheme(sync=False, latest_wins=latest_wins, max_buffers=8)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"}, n=1)
+    group.ask(0, "log")
+    for step in range(1, 6):
+        optimizer_step(model, step)
+        scheme.send_async()
+    scheme.wait_async()
+    assert scheme.acked_versions == {0: 5}
+    assert group.ask(0, "state")["policy"] == (5, checksum(model))
+    applied = [v for _, v, _ in group.ask(0, "log")]
+    assert applied[-1] == 5 and applied == sorted(applied)
+    if not latest_wins:
+        assert applied == [1, 2, 3, 4, 5]
+    group.stop()
+    scheme.shutdown()
+
+
+def test_stalled_worker_holds_the_staging_buffers_then_the_send_times_out_sending_nothing(workers):
+    import os
+    import signal
+
+    model = build("flat4")
+    scheme = ws.DistributedWeightSyncScheme(timeout=1.0, connect_timeout=60, sync=False, max_buffers=1)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    group, _ = start(workers, {"policy": scheme}, {"policy": "flat4"}, n=1)
+    os.kill(group.procs[0].pid, signal.SIGSTOP)
+    try:
+        scheme.send_async()  # version 1: 1 MB on the wire, never taken
+        with pytest.raises(ws.SyncTimeoutError, match="have not taken earlier versions"):
+            scheme.send_async()
+        assert scheme.version == 1
+    finally:
+        os.kill(group.procs[0].pid, signal.SIGCONT)
+    scheme.wait_async(timeout=20)
+    assert scheme.acked_versions == {0: 1}
+    group.stop()
+    scheme.shutdown()
+
+
+def test_the_training_jobs_own_group_and_store_are_left_alone(workers, monkeypatch):
+    """A default process group on MASTER_PORT: the scheme joins that store under its own prefix."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    try:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        store.set("job/key", "mine")
+        model = build("tiny")
+        scheme = _scheme()
+        scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+        assert scheme.receiver_config(0)["connection"]["master_port"] == port
+        group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"}, n=1)
+        optimizer_step(model, 1)
+        scheme.send()
+        assert group.ask(0, "state")["policy"] == (1, checksum(model))
+        tensor = torch.ones(3)
+        dist.all_reduce(tensor)  # the job's group still works
+        assert torch.equal(tensor, torch.ones(3)) and store.get("job/key") == b"mine"
+        group.stop()
+        scheme.shutdown()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_receiver_config_carries_what_a_worker_on_another_host_needs(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    scheme = _scheme(backend="gloo")
+    scheme.init_on_sender(model_id="policy", model=build("tiny"), num_workers=3)
+    cfg = scheme.receiver_config(2)
+    conn = cfg["connection"]
+    assert conn["master_addr"] == "127.0.0.1" and conn["master_port"] > 0 and conn["world_size"] == 4
+    assert cfg["scheme"]["backend"] == "gloo" and cfg["worker_idx"] == 2
+    listening = [c for c in __import__("psutil").Process().net_connections("tcp") if c.status == "LISTEN"]
+    assert all(c.laddr.ip in ("127.0.0.1", "::ffff:127.0.0.1") for c in listening if c.laddr.port == conn["master_port"])
+    scheme.shutdown()
+    with pytest.raises(ws.ConfigurationError, match="backend must be"):
+        ws.DistributedWeightSyncScheme(backend="mpi")
+    with pytest.raises(ws.ConfigurationError, match="num_workers"):
+        _scheme().init_on_sender(model_id="policy", model=build("tiny"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the NCCL path needs CUDA; this machine has none")
+def test_nccl_moves_weights_gpu_to_gpu(workers):
+    model = build("tiny").cuda()
+    scheme = _scheme(backend="nccl")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"}, n=1)
+    optimizer_step(model, 1)
+    scheme.send()
+    assert group.ask(0, "state")["policy"] == (1, checksum(model))
+    group.stop()
+    scheme.shutdown()
+
+
+def test_nccl_without_cuda_is_refused_clearly():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    scheme = _scheme(backend="nccl")
+    with pytest.raises(ws.ConfigurationError, match="nccl.*needs CUDA"):
+        scheme.init_on_sender(model_id="policy", model=build("tiny"), num_workers=1)
+    assert scheme.state == "new"

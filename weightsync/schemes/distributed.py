@@ -1,0 +1,445 @@
+"""``DistributedWeightSyncScheme``: weights over a torch.distributed process group (gloo on CPU, NCCL on GPU)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import (
+    ConfigurationError,
+    ConnectionClosedError,
+    ReceiverError,
+    SyncTimeoutError,
+    WeightMismatchError,
+    WeightSyncError,
+    WorkerDiedError,
+    raise_failures,
+)
+from ..layout import FlatLayout
+from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec, write_into
+from ..transports.channel import deadline_after, remaining
+from ..transports.distributed import (
+    ACK_OK,
+    DistributedTransport,
+    as_timedelta,
+    connect_store,
+    first_line,
+    new_group,
+    open_store,
+    resolve_master,
+)
+from ..transports.staging import StagingPool
+from .base import WeightSyncScheme
+
+__all__ = ["DistributedWeightSyncScheme"]
+
+
+class DistributedWeightSyncScheme(WeightSyncScheme):
+    """Synchronize a model to workers over a torch.distributed process group of its own.
+
+    The sender serves a TCP store (``master_addr:master_port``) and forms a
+    group with its workers: rank 0 is the sender, rank ``i + 1`` worker ``i``.
+    The group is standalone: the default process group, if the training job
+    uses one, is not touched; if ``master_port`` is already the job's store,
+    the scheme joins it under a key prefix of its own. A send copies the
+    weights once into a flat buffer and sends it to each targeted worker
+    (one message per worker, whatever the number of tensors); the worker
+    acks over the group, so a dead rank fails the send at once.
+
+    A worker applies updates in ``receive()`` (in its own thread: no update
+    lands while it computes); ``latest_wins`` makes a worker that fell behind
+    apply only the newest of the versions waiting for it.
+
+    Args:
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA; weights travel
+            GPU to GPU).
+        master_addr: the sender's host as workers reach it (``None``:
+            ``MASTER_ADDR``, else 127.0.0.1). The store binds this address only.
+        master_port: the store's port (``None``: ``MASTER_PORT``, else a free port).
+        latest_wins: a worker applies only the newest of its pending versions.
+        max_buffers: staging buffers the sender may hold while workers still
+            read earlier versions; a send waits (up to ``timeout``) for one
+            to be free. Peak extra sender memory is ``max_buffers`` x the model.
+        Other arguments: see :class:`~weightsync.schemes.base.WeightSyncScheme`.
+
+    ``init_on_sender`` needs ``num_workers=``; workers get the scheme pickled
+    or as ``receiver_config(i)`` and call ``init_on_receiver(model=...,
+    worker_idx=i)`` then ``connect()``.
+    """
+
+    backend = "distributed"
+
+    def __init__(
+        self,
+        strategy: str | WeightStrategy = "tensordict",
+        sync: bool = True,
+        timeout: float = 60.0,
+        connect_timeout: float = 120.0,
+        backend: str = "gloo",
+        master_addr: str | None = None,
+        master_port: int | None = None,
+        latest_wins: bool = True,
+        max_buffers: int = 2,
+    ) -> None:
+        super().__init__(strategy=strategy, sync=sync, timeout=timeout, connect_timeout=connect_timeout)
+        if backend not in ("gloo", "nccl"):
+            raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if isinstance(max_buffers, bool) or not isinstance(max_buffers, int) or max_buffers < 1:
+            raise ConfigurationError(f"max_buffers must be a positive int, got {max_buffers!r}")
+        resolve_master(master_addr, master_port)  # validates the port now, not at connect
+        # An instance attribute: the class attribute ``backend`` stays the registry name ("distributed").
+        self.backend = backend
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.latest_wins = bool(latest_wins)
+        self.max_buffers = max_buffers
+
+    def _config_fields(self) -> set[str]:
+        return super()._config_fields() | {"backend", "master_addr", "master_port", "latest_wins", "max_buffers"}
+
+    def _reset_runtime(self) -> None:
+        super()._reset_runtime()
+        self._store: dist.Store | None = None
+        self._base_store: dist.Store | None = None
+        self._pg: Any = None
+        self._layout: FlatLayout | None = None
+        self._address: tuple[str, int] | None = None
+        self._prefix: str | None = None
+        self._pool: StagingPool | None = None
+        self._errors: dict[int, WeightSyncError] = {}
+        self._next_version = 0
+        # Receiver side.
+        self._transport: DistributedTransport | None = None
+        self._recv_buffer: torch.Tensor | None = None
+        self._reported_version: int | None = None
+        self._closed = False
+        self.weights_lock = threading.RLock()
+
+    def _check_backend(self) -> None:
+        if self.backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
+            raise ConfigurationError(
+                "backend='nccl' needs CUDA and a torch build with NCCL; use backend='gloo' on CPU",
+                model_id=self._model_id,
+            )
+
+    @property
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    @property
+    def layout(self) -> FlatLayout | None:
+        return self._layout
+
+    @property
+    def receiver_transport(self) -> DistributedTransport | None:
+        return self._transport
+
+    def create_transport(self, **kwargs: Any) -> DistributedTransport:
+        """A transport to worker ``worker_idx`` bound to this scheme."""
+        return DistributedTransport(scheme=self, **kwargs)
+
+    # ----------------------------------------------------------------- sender
+    def _init_sender_impl(self, **kwargs: Any) -> None:
+        super()._init_sender_impl(**kwargs)
+        self._check_backend()
+        if self._num_workers is None:
+            raise ConfigurationError("DistributedWeightSyncScheme.init_on_sender needs num_workers=")
+        if self._model is None:
+            raise ConfigurationError(
+                "init_on_sender needs model= or weights= (or a context holding the model)", model_id=self._model_id
+            )
+        flat = self._strategy.flat(self._model)
+        if not flat:
+            raise ConfigurationError("the model has no weights to synchronize", model_id=self._model_id)
+        self._layout = FlatLayout.from_weights(flat)
+        host, port = resolve_master(self.master_addr, self.master_port)
+        self._base_store, port, owned = open_store(host, port, self.connect_timeout)
+        self._address = (host, port)
+        # A prefix of our own: several models (or the job's own store) share nothing.
+        self._prefix = f"weightsync/{self._model_id}/{secrets.token_hex(8)}"
+        self._store = dist.PrefixStore(self._prefix, self._base_store)
+        self._store.set("layout", json.dumps(self._layout.to_plain()))
+        self._transports = {w: self.create_transport(worker_idx=w, sync=self.sync) for w in range(self._num_workers)}
+
+    def _group_timeout(self, deadline: float) -> float:
+        """The group's own operation timeout: the rest of the rendez-vous, and never less than 4 x ``timeout``
+        (past it, gloo disconnects a peer that stalled in the middle of an update)."""
+        return max(remaining(deadline), 4 * self.timeout)
+
+    def _receiver_handoff(self) -> dict[str, Any]:
+        assert self._address is not None
+        return {
+            "master_addr": self._address[0],
+            "master_port": self._address[1],
+            "prefix": self._prefix,
+            "world_size": (self._num_workers or 0) + 1,
+        }
+
+    def _receiver_connection(self) -> dict[str, Any]:
+        return self._receiver_handoff()
+
+    def _rendezvous_complete(self) -> bool:
+        return self._pg is not None
+
+    def _connect_sender_impl(self, weights: Any) -> None:
+        assert self._store is not None and self._num_workers is not None
+        deadline = deadline_after(self.connect_timeout)
+        hellos = [f"hello/{w}" for w in range(self._num_workers)]
+        try:
+            while not self._store.check(hellos):
+                if remaining(deadline) <= 0:
+                    missing = [w for w, key in enumerate(hellos) if not self._store.check([key])]
+                    raise SyncTimeoutError(
+                        f"workers {missing} did not join within {self.connect_timeout:.0f}s "
+                        f"(store at {self._address[0]}:{self._address[1]})",
+                        model_id=self._model_id,
+                        worker_idx=missing[0] if len(missing) == 1 else None,
+                    )
+                threading.Event().wait(min(0.01, remaining(deadline)))
+            refused = {}
+            for w, key in enumerate(hellos):
+                hello = json.loads(self._store.get(key))
+                if not hello.get("ok"):
+                    refused[w] = ReceiverError(
+                        hello.get("type", "Error"), hello.get("message", ""), model_id=self._model_id, worker_idx=w
+                    )
+            self._pg = new_group(
+                self.backend, self._store, 0, self._num_workers + 1, self._group_timeout(deadline), self._address[0]
+            )
+        except dist.DistError as exc:
+            raise SyncTimeoutError(
+                f"the process group did not form within {self.connect_timeout:.0f}s: {first_line(exc)}",
+                model_id=self._model_id,
+            ) from None
+        for w, exc in refused.items():
+            self._mark_dead(w, exc)
+        ok = [w for w in range(self._num_workers) if w not in refused]
+        try:
+            if ok:
+                self.send_to(weights, ok, wait=True, timeout=remaining(deadline), initial=True)
+        except WeightSyncError as exc:
+            refused.update(getattr(exc, "failures", None) or {exc.worker_idx: exc})
+        raise_failures(refused, model_id=self._model_id, version=0)
+
+    def _send_impl(self, weights: Any, targets: list[int], wait: bool) -> None:
+        self.send_to(weights, targets, wait=wait)
+
+    def send_to(
+        self, weights: Any, targets: list[int], *, wait: bool, timeout: float | None = None, initial: bool = False
+    ) -> None:
+        """Publish one new version to ``targets``: one copy into a staging buffer, one send per worker."""
+        assert self._layout is not None
+        flat = self._flat_weights(weights)
+        check_spec(weights_spec(flat), self._layout.spec, model_id=self._model_id)
+        deadline = deadline_after(self.timeout if timeout is None else timeout)
+        version = self._next_version
+        self._errors.update(self._collect(sorted(self._transports), None, {}))  # earlier async sends' outcomes
+        failures = {w: self._failed[w] for w in targets if w in self._failed}
+        live = [w for w in targets if w not in self._failed]
+        if self._pool is None:
+            self._pool = StagingPool(
+                self._layout.nbytes, self._device, self.max_buffers, lambda work: work.done(), self._settle
+            )
+        staging = self._pool.acquire(deadline, model_id=self._model_id, version=version)
+        write_into(self._layout.views(staging.tensor), flat)
+        if initial:
+            self._store.set("initial", str(version))
+        for w in live:
+            try:
+                staging.readers[w] = self._transports[w].post(version, staging.tensor, initial=initial)
+            except RuntimeError as exc:  # the peer is gone: gloo refuses to send to it
+                failures[w] = self._mark_dead(w, self._died(w, version, exc))
+        self._next_version += 1
+        self._version = version
+        if wait:
+            failures.update(self._collect(live, deadline, {w: version for w in live if w not in failures}))
+        failures.update({w: self._errors.pop(w) for w in list(self._errors) if w in targets and w not in failures})
+        raise_failures(failures, model_id=self._model_id, version=version)
+
+    def _died(self, w: int, version: int | None, exc: BaseException) -> WorkerDiedError:
+        return WorkerDiedError(
+            f"its rank {w + 1} went away ({first_line(exc)})", model_id=self._model_id, worker_idx=w, version=version
+        )
+
+    def _settle(self, w: int, work: Any, seconds: float) -> bool:
+        """Wait a little on a send to worker ``w``; ``True`` once it no longer reads its buffer."""
+        wait_futures([work], timeout=seconds)
+        if not work.done():
+            return False
+        if work.cancelled() or work.exception() is not None:
+            self._mark_dead(w, self._died(w, self._version, work.exception() or RuntimeError("cancelled")))
+        return True
+
+    def _collect(
+        self, workers: list[int], deadline: float | None, expected: dict[int, int]
+    ) -> dict[int, WeightSyncError]:
+        """Take in acks: those already there (``deadline`` None), or until each worker acked ``expected``."""
+        failures: dict[int, WeightSyncError] = {}
+        for w in workers:
+            transport = self._transports[w]
+            if w in self._failed:
+                if w in expected and (transport.acked is None or transport.acked < expected[w]):
+                    failures[w] = self._failed[w]
+                continue
+            while transport.pending:
+                if deadline is not None and w in expected and (transport.acked or -1) >= expected[w]:
+                    break
+                try:
+                    got = transport.take_ack(deadline if w in expected or deadline is None else None)
+                except SyncTimeoutError as exc:
+                    failures[w] = exc
+                    break
+                except WorkerDiedError as exc:
+                    failures[w] = self._mark_dead(w, exc)
+                    break
+                if got is None:
+                    break
+                pending, _, status = got
+                if status != ACK_OK:
+                    detail = transport.error_detail(pending.seq)
+                    failures[w] = ReceiverError(
+                        detail.get("type", "Error"),
+                        detail.get("message", ""),
+                        model_id=self._model_id,
+                        worker_idx=w,
+                        version=pending.version,
+                    )
+        return failures
+
+    def wait_for(self, workers: list[int], timeout: float | None) -> None:
+        deadline = deadline_after(self.timeout if timeout is None else timeout)
+        expected = {w: self._transports[w].sent for w in workers if self._transports[w].sent is not None}
+        failures = {w: self._errors.pop(w) for w in list(self._errors) if w in workers}
+        failures.update({w: e for w, e in self._collect(workers, deadline, expected).items() if w not in failures})
+        raise_failures(failures, model_id=self._model_id, version=self._version)
+
+    def _wait_impl(self, timeout: float) -> None:
+        self.wait_for(sorted(self._transports), timeout)
+
+    def _on_worker_lost(self, w: int) -> None:
+        self._transports[w].stop_waiting(0.0)
+        if self._pool is not None:
+            self._pool.forget(w)
+
+    # --------------------------------------------------------------- receiver
+    def _init_receiver_impl(self, **kwargs: Any) -> None:
+        handoff = dict(self._handoff or {})
+        for key in ("master_addr", "master_port", "prefix", "world_size"):
+            if kwargs.get(key) is not None:
+                handoff[key] = kwargs.pop(key)
+            kwargs.pop(key, None)
+        super()._init_receiver_impl(**kwargs)
+        self._check_backend()
+        if self._model is None:
+            raise ConfigurationError(
+                "init_on_receiver needs model= (or a context holding the model)", model_id=self._model_id
+            )
+        if not handoff.get("prefix"):
+            raise ConfigurationError(
+                "this receiver does not know its sender: hand it the scheme pickled after init_on_sender(), "
+                "or its receiver_config(worker_idx)",
+                model_id=self._model_id,
+            )
+        self._handoff = handoff
+
+    def _connect_receiver_impl(self) -> None:
+        assert self._handoff is not None and self._worker_idx is not None
+        where = {"model_id": self._model_id, "worker_idx": self._worker_idx}
+        deadline = deadline_after(self.connect_timeout)
+        host, port = self._handoff["master_addr"], int(self._handoff["master_port"])
+        base = connect_store(host, port, self.connect_timeout, **where)
+        store = dist.PrefixStore(self._handoff["prefix"], base)
+        try:
+            store.wait(["layout"], as_timedelta(remaining(deadline)))
+            self._layout = FlatLayout.from_plain(json.loads(store.get("layout")))
+            mismatch = None
+            try:
+                check_spec(
+                    self._layout.spec, weights_spec(flatten_weights(self._model, self._strategy.extract_as)), **where
+                )
+            except WeightMismatchError as exc:
+                mismatch = exc
+            hello = (
+                {"ok": True}
+                if mismatch is None
+                else {"ok": False, "type": type(mismatch).__name__, "message": str(mismatch)[:4000]}
+            )
+            store.set(f"hello/{self._worker_idx}", json.dumps(hello))
+            world = int(self._handoff["world_size"])
+            self._num_workers = world - 1
+            # Every worker joins the group, even one that refused: the group forms only with all of them.
+            self._pg = new_group(self.backend, store, self._worker_idx + 1, world, self._group_timeout(deadline), host)
+        except dist.DistError as exc:
+            raise SyncTimeoutError(f"could not join the sender's group: {first_line(exc)}", **where) from None
+        self._base_store, self._store = base, store
+        if mismatch is not None:
+            self._pg = None
+            raise mismatch
+        self._transport = self.create_transport(worker_idx=self._worker_idx, sync=self.sync)
+        self._recv_buffer = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=self._device)
+        self._transport.receive_initial_weights(self._recv_buffer, remaining(deadline))
+        version = int(store.get("initial"))
+        self._apply([0], version)
+        self._reported_version = self._version
+
+    def _apply(self, seqs: list[int], version: int) -> None:
+        """Write the received buffer into the model as ``version``; ack every message in ``seqs``."""
+        assert self._transport is not None and self._layout is not None and self._recv_buffer is not None
+        where = {"model_id": self._model_id, "worker_idx": self._worker_idx, "version": version}
+        try:
+            dst = flatten_weights(self._model, self._strategy.extract_as)
+            check_spec(self._layout.spec, weights_spec(dst), **where)
+            with self.weights_lock:  # weights and version change together for readers holding the lock
+                write_into(dst, self._layout.views(self._recv_buffer))
+                self._version = version
+        except Exception as exc:
+            self._transport.send_ack(version, error=exc, held=self._version, seqs=tuple(seqs))
+            raise
+        self._transport.send_ack(version, held=version, seqs=tuple(seqs))
+
+    def _receive_impl(self, timeout: float) -> Any:
+        assert self._transport is not None and self._recv_buffer is not None
+        if self._closed:
+            raise ConnectionClosedError("the sender shut down", model_id=self._model_id, worker_idx=self._worker_idx)
+        deadline = deadline_after(timeout)
+        seqs, version = [], None
+        while True:
+            msg = self._transport.next_message(0.0 if seqs else remaining(deadline))
+            if msg is None:
+                break
+            if msg.get("closed"):
+                self._closed = True
+                break
+            version = int(msg["version"])
+            self._transport.receive_into(self._recv_buffer, self.timeout, version)
+            seqs.append(self._transport.seq)
+            if not self.latest_wins:
+                break
+        if seqs:
+            self._apply(seqs, version)
+        elif self._closed:
+            raise ConnectionClosedError("the sender shut down", model_id=self._model_id, worker_idx=self._worker_idx)
+        if self._version is None or self._version == self._reported_version:
+            return None
+        self._reported_version = self._version
+        with self.weights_lock:
+            return self._strategy.extract_weights(self._model)
+
+    # --------------------------------------------------------------- shutdown
+    def _shutdown_impl(self) -> None:
+        for w, transport in self._transports.items():
+            if w not in self._failed:
+                transport.close(min(self.timeout, 5.0))
+        self._transports.clear()
+        self._pool = None
+        self._transport = None
+        self._recv_buffer = None
+        self._pg = None
+        self._store = None
+        self._base_store = None

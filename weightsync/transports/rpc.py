@@ -1,0 +1,303 @@
+"""``RPCTransport``: weight updates to ONE ``torch.distributed.rpc`` worker, as RPCs the worker answers once applied.
+
+One RPC agent runs per process, so every RPC scheme of a process shares one
+*session*: the world of the sender (``weightsync-trainer``, rank 0) and its
+workers (``weightsync-worker-<i>``, rank ``i + 1``), formed over a TCP store
+the sender serves on ``master_addr:master_port``. A user who already runs
+RPC passes ``worker_names=`` and the scheme uses that agent as it is.
+
+An update is one RPC per worker carrying the flat weights (one tensor,
+whatever the model's); the worker keeps it until its loop calls
+``receive()``, applies it, and only then answers: the answer is the ack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from torch.distributed.rendezvous import register_rendezvous_handler
+
+from ..errors import ConfigurationError, LifecycleError, SyncTimeoutError
+from .base import SenderBoundTransport
+from .distributed import connect_store, first_line, open_store
+
+if TYPE_CHECKING:
+    from ..schemes.rpc import RPCWeightSyncScheme
+
+__all__ = ["RPCTransport", "Session", "default_worker_name", "deliver", "session"]
+
+log = logging.getLogger("weightsync.transports.rpc")
+
+SENDER_NAME = "weightsync-trainer"
+
+
+def default_worker_name(worker_idx: int) -> str:
+    return f"weightsync-worker-{worker_idx}"
+
+
+# ------------------------------------------------------------------ sessions
+_SESSION_LOCK = threading.Lock()
+_STORES: dict[str, dist.Store] = {}  # rendezvous token -> the store init_rpc is to use
+
+
+def _rendezvous(url: Any, **kwargs: Any):
+    """``weightsync://<token>``: hand init_rpc the store this process already opened for that session."""
+    token = urlparse(url).netloc
+    store = _STORES.get(token)
+    if store is None:
+        raise ConfigurationError(f"no weightsync RPC session {token!r} in this process")
+    yield store, kwargs.get("rank", -1), kwargs.get("world_size", -1)
+
+
+register_rendezvous_handler("weightsync", _rendezvous)
+
+
+@dataclass
+class Session:
+    """This process's RPC world, shared by its RPC schemes."""
+
+    token: str
+    host: str
+    port: int
+    world_size: int
+    counter: int  # init_rpc's prefix counter on the sender; workers must use the same
+    store: dist.Store | None = None
+    started: bool = False
+    owned: bool = True  # weightsync started the agent (and stops it)
+    users: int = 0
+
+
+_SESSION: Session | None = None
+# torch.distributed.rpc cannot be started twice in one process (pytorch/pytorch#46491): once the
+# agent stopped, this process may not host another RPC world.
+_SPENT = False
+_ONCE = (
+    "torch.distributed.rpc can run once per process (pytorch/pytorch#46491) and this process already ran "
+    "an RPC world; start the next one in a new process"
+)
+
+
+def session() -> Session | None:
+    return _SESSION
+
+
+def open_sender_session(master: tuple[str, int], world_size: int, timeout: float) -> Session:
+    """The sender's session: a new one (store served now, agent started at connect), or the one already open."""
+    import secrets
+
+    global _SESSION
+    with _SESSION_LOCK:
+        if _SESSION is not None:
+            if _SESSION.world_size != world_size:
+                raise ConfigurationError(
+                    f"this process already runs an RPC world of {_SESSION.world_size - 1} workers; every RPC scheme "
+                    f"of a process shares it (got num_workers={world_size - 1})"
+                )
+            _SESSION.users += 1
+            return _SESSION
+        if _SPENT:
+            raise ConfigurationError(_ONCE)
+        if rpc.is_available() and _agent_running():
+            raise ConfigurationError(
+                "RPC is already initialized in this process: pass worker_names= (the RPC names of the workers) "
+                "to init_on_sender to use that agent"
+            )
+        store, port, _ = open_store(master[0], master[1], timeout)
+        _SESSION = Session(secrets.token_hex(8), master[0], port, world_size, _init_counter(), store, users=1)
+        return _SESSION
+
+
+def join_worker_session(handoff: dict[str, Any], timeout: float, **where: Any) -> Session:
+    """A worker's session, from what its sender handed it (shared with its other RPC schemes)."""
+    global _SESSION
+    with _SESSION_LOCK:
+        if _SESSION is not None:
+            if _SESSION.token != handoff["token"]:
+                raise ConfigurationError(
+                    "this process already belongs to another RPC world; one process joins one sender", **where
+                )
+            _SESSION.users += 1
+            return _SESSION
+        if _SPENT:
+            raise ConfigurationError(_ONCE, **where)
+        store = connect_store(handoff["master_addr"], int(handoff["master_port"]), timeout, **where)
+        _SESSION = Session(
+            handoff["token"],
+            handoff["master_addr"],
+            int(handoff["master_port"]),
+            int(handoff["world_size"]),
+            int(handoff["counter"]),
+            store,
+            users=1,
+        )
+        return _SESSION
+
+
+def start_agent(sess: Session, name: str, rank: int, timeout: float, **where: Any) -> None:
+    """Start this process's agent for ``sess`` once (blocks until the whole world joined, at most ``timeout``)."""
+    with _SESSION_LOCK:
+        if sess.started:
+            return
+        _STORES[sess.token] = sess.store
+        try:
+            # init_rpc prefixes its keys with a per-process counter: both sides must use the sender's.
+            with rpc._init_counter_lock:
+                rpc._init_counter = sess.counter
+            options = rpc.TensorPipeRpcBackendOptions(init_method=f"weightsync://{sess.token}", rpc_timeout=timeout)
+            with warnings.catch_warnings():  # init_rpc's own use of a gloo group warns about torch internals
+                warnings.simplefilter("ignore")
+                rpc.init_rpc(name, rank=rank, world_size=sess.world_size, rpc_backend_options=options)
+        except RuntimeError as exc:
+            raise SyncTimeoutError(
+                f"the RPC world ({sess.world_size} processes) did not form within {timeout:.0f}s: {first_line(exc)}",
+                **where,
+            ) from None
+        finally:
+            _STORES.pop(sess.token, None)
+        sess.started = True
+
+
+def leave_session(sess: Session) -> None:
+    """One scheme is done with the session; the last one stops the agent and the store."""
+    global _SESSION, _SPENT
+    with _SESSION_LOCK:
+        sess.users -= 1
+        if sess.users > 0:
+            return
+        if sess.started and sess.owned:
+            with contextlib.suppress(RuntimeError):
+                # Not graceful: a graceful shutdown waits for every peer, and a dead one would hold it up.
+                rpc.shutdown(graceful=False)
+            _SPENT = True
+        sess.store = None
+        if _SESSION is sess:
+            _SESSION = None
+
+
+def _agent_running() -> bool:
+    try:
+        rpc.get_worker_info()
+        return True
+    except RuntimeError:
+        return False
+
+
+def _init_counter() -> int:
+    with rpc._init_counter_lock:
+        return rpc._init_counter
+
+
+# ----------------------------------------------------------------- receivers
+@dataclass
+class Delivery:
+    """An update that reached a worker: answered (acked) once applied or superseded."""
+
+    version: int
+    buffer: torch.Tensor
+    layout: dict | None
+    future: torch.futures.Future = field(default_factory=torch.futures.Future)
+
+
+class Mailbox:
+    """Updates for one model in this worker, waiting for its ``receive()``."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.queue: deque[Delivery] = deque()
+        self.closed = False
+
+
+_MAILBOXES: dict[str, Mailbox] = {}
+_MAILBOX_LOCK = threading.Lock()
+
+
+def mailbox(model_id: str) -> Mailbox:
+    with _MAILBOX_LOCK:
+        return _MAILBOXES.setdefault(model_id, Mailbox())
+
+
+def drop_mailbox(model_id: str) -> None:
+    with _MAILBOX_LOCK:
+        box = _MAILBOXES.pop(model_id, None)
+    if box is not None:
+        with box.cond:
+            for delivery in box.queue:
+                delivery.future.set_result(
+                    {"held": None, "error": {"type": "ConnectionClosedError", "message": "the worker shut down"}}
+                )
+            box.queue.clear()
+
+
+@rpc.functions.async_execution
+def deliver(model_id: str, version: int, buffer: torch.Tensor, layout: dict | None) -> torch.futures.Future:
+    """Runs in the worker's RPC agent: queue the update; the answer comes once the worker applied it."""
+    delivery = Delivery(version, buffer, layout)
+    box = mailbox(model_id)
+    with box.cond:
+        box.queue.append(delivery)
+        box.cond.notify_all()
+    return delivery.future
+
+
+def close_mailbox(model_id: str) -> bool:
+    """Runs in the worker: the sender shut down."""
+    box = mailbox(model_id)
+    with box.cond:
+        box.closed = True
+        box.cond.notify_all()
+    return True
+
+
+# ----------------------------------------------------------------- transport
+class RPCTransport(SenderBoundTransport):
+    """Data plane to ONE RPC worker of :class:`~weightsync.schemes.rpc.RPCWeightSyncScheme` (sender side).
+
+    Args:
+        worker_idx: the worker this transport reaches.
+        worker_name: its RPC name (default ``weightsync-worker-<worker_idx>``).
+        scheme: the sender scheme that owns versions and staging buffers.
+    """
+
+    def __init__(
+        self, worker_idx: int = 0, worker_name: str | None = None, scheme: RPCWeightSyncScheme | None = None
+    ) -> None:
+        self.worker_idx = worker_idx
+        self.worker_name = worker_name or default_worker_name(worker_idx)
+        self._scheme = scheme
+        self.acked: int | None = None
+        self.sent: int | None = None
+        self.dead: BaseException | None = None
+        self.in_flight: dict[int, torch.futures.Future] = {}  # version -> the RPC's future
+
+    def submit(self, version: int, buffer: torch.Tensor, layout: dict | None, timeout: float) -> torch.futures.Future:
+        """Send ``version`` to the worker; the returned future completes with its answer (the ack)."""
+        model_id = self._sender().model_id
+        future = rpc.rpc_async(self.worker_name, deliver, args=(model_id, version, buffer, layout), timeout=timeout)
+        self.in_flight[version] = future
+        self.sent = version
+        return future
+
+    def close(self, timeout: float) -> None:
+        """Tell the worker the sender is gone (best effort, bounded)."""
+        with contextlib.suppress(RuntimeError):
+            rpc.rpc_async(self.worker_name, close_mailbox, args=(self._sender().model_id,), timeout=timeout).wait()
+        self.in_flight.clear()
+
+    def receive_weights(self, timeout: float | None = None, **kwargs: Any) -> Any:
+        raise LifecycleError("RPC workers receive updates with scheme.receive() in the worker")
+
+    def send_ack(self, version: int, error: BaseException | None = None, held: int | None = None) -> None:
+        raise LifecycleError("an RPC worker acks by answering the sender's call; there is nothing to send")
+
+    def check_connection(self) -> bool:
+        return self.dead is None

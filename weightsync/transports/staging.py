@@ -1,0 +1,82 @@
+"""Staging buffers for network sends: a flat copy of the weights that in-flight sends may still read."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import SyncTimeoutError
+from .channel import remaining
+
+__all__ = ["Staging", "StagingPool"]
+
+
+class Staging:
+    """One flat send buffer and, per worker, the send still reading it."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.readers: dict[int, Any] = {}  # worker -> its in-flight send (a Work or a Future)
+
+    def busy(self, done: Callable[[Any], bool]) -> list[int]:
+        """Workers whose send still reads this buffer."""
+        self.readers = {w: op for w, op in self.readers.items() if not done(op)}
+        return sorted(self.readers)
+
+
+class StagingPool:
+    """At most ``limit`` staging buffers; a send takes one no in-flight send reads.
+
+    Args:
+        nbytes: size of each buffer (the flat layout's).
+        device: where buffers live (CPU, or the GPU for NCCL).
+        limit: most buffers held at once; peak extra memory is ``limit`` x ``nbytes``.
+        done: whether an in-flight send has finished.
+        settle: waits a little on one in-flight send; ``False`` if still running.
+    """
+
+    def __init__(
+        self,
+        nbytes: int,
+        device: torch.device,
+        limit: int,
+        done: Callable[[Any], bool],
+        settle: Callable[[int, Any, float], bool],
+    ) -> None:
+        self.nbytes, self.device, self.limit = nbytes, device, limit
+        self._done, self._settle = done, settle
+        self.buffers: list[Staging] = []
+
+    def acquire(self, deadline: float, **where: Any) -> Staging:
+        """A free buffer, waiting (until ``deadline``) for the oldest one's sends to finish.
+
+        Raises:
+            SyncTimeoutError: every buffer is still read by a worker that did not take its update in time.
+        """
+        while True:
+            for staging in self.buffers:
+                if not staging.busy(self._done):
+                    return staging
+            if len(self.buffers) < self.limit:
+                self.buffers.append(Staging(self.nbytes, self.device))
+                return self.buffers[-1]
+            oldest = self.buffers[0]
+            if remaining(deadline) <= 0:
+                raise SyncTimeoutError(
+                    f"workers {oldest.busy(self._done)} have not taken earlier versions off the wire; nothing was "
+                    f"sent (all {self.limit} staging buffers are in use)",
+                    **where,
+                )
+            for w, op in list(oldest.readers.items()):
+                if self._settle(w, op, min(remaining(deadline), 0.05)):
+                    oldest.readers.pop(w, None)
+
+    def forget(self, worker: int) -> None:
+        """A worker is gone: its sends no longer hold any buffer."""
+        for staging in self.buffers:
+            staging.readers.pop(worker, None)
+
+    def clear(self) -> None:
+        self.buffers.clear()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import socket
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -110,8 +111,9 @@ def test_receiver_config_carries_what_a_worker_on_another_host_needs(monkeypatch
     conn = cfg["connection"]
     assert conn["master_addr"] == "127.0.0.1" and conn["master_port"] > 0 and conn["world_size"] == 4
     assert cfg["scheme"]["backend"] == "gloo" and cfg["worker_idx"] == 2
-    listening = [c for c in __import__("psutil").Process().net_connections("tcp") if c.status == "LISTEN"]
-    assert all(c.laddr.ip in ("127.0.0.1", "::ffff:127.0.0.1") for c in listening if c.laddr.port == conn["master_port"])
+    listening = [c for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"]
+    store_sockets = [c for c in listening if c.laddr.port == conn["master_port"]]
+    assert store_sockets and all(c.laddr.ip in ("127.0.0.1", "::ffff:127.0.0.1") for c in store_sockets)
     scheme.shutdown()
     with pytest.raises(ws.ConfigurationError, match="backend must be"):
         ws.DistributedWeightSyncScheme(backend="mpi")

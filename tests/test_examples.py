@@ -46,6 +46,30 @@ def _run(args, cwd=ROOT, timeout=240):
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+def test_engine_benchmark_runs_against_the_raw_engine(tmp_path):
+    md = tmp_path / "engines.md"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_engines.py",
+            "--engines",
+            "distributed",
+            "--mb",
+            "1",
+            "--rounds",
+            "2",
+            "--markdown",
+            str(md),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "| distributed |" in md.read_text() and "failed" not in md.read_text()
+
+
 def test_main_job_single_run_verifies_and_keeps_secrets_out_of_its_outputs(tmp_path):
     out = _run(["-m", "weightsync", *SMALL, "schemes.value=shared_mem", f"hydra.run.dir={tmp_path}"])
     assert out.returncode == 0, out.stderr

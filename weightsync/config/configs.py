@@ -99,7 +99,7 @@ class SharedMemSchemeConfig(MultiProcessSchemeConfig):
 
 @dataclass
 class RaySchemeConfig(SchemeConfig):
-    """Workers are Ray actors (runtime: the distributed-engines issue).
+    """Workers are Ray actors.
 
     Attributes:
         address: Ray cluster address (``None``: ``RAY_ADDRESS`` or a local cluster).
@@ -114,7 +114,7 @@ class RaySchemeConfig(SchemeConfig):
 
 @dataclass
 class RayModuleTransformSchemeConfig(RaySchemeConfig):
-    """A model hosted inside one Ray actor (runtime: the distributed-engines issue)."""
+    """A model hosted inside one Ray actor (`weightsync.ModuleActor` or an actor of your own)."""
 
     _target_: str = "weightsync.schemes.ray.RayModuleTransformScheme"
 
@@ -174,7 +174,7 @@ class SharedMemTransportConfig(MPTransportConfig):
 
 @dataclass
 class RayTransportConfig:
-    """Transport to one Ray actor (runtime: the distributed-engines issue)."""
+    """Transport to one Ray actor (the `actor` handle is given at instantiate time)."""
 
     _target_: str = "weightsync.transports.ray.RayTransport"
     worker_idx: int = 0

@@ -1,0 +1,255 @@
+"""Median ``send()`` time of each distributed scheme against its raw engine moving the same bytes, in one run.
+
+    python benchmarks/bench_engines.py                          # 100 MB float32 model, 2 workers, 10 rounds
+    python benchmarks/bench_engines.py --engines distributed rpc --mb 10 --markdown out.md
+
+Per round, interleaved so that machine load hits both alike:
+
+- ``distributed``: one gloo broadcast of a flat buffer of the model's bytes from the trainer to
+  the workers (a group of its own), then one ``send()`` of DistributedWeightSyncScheme.
+- ``rpc``: one RPC carrying a tensor of the model's bytes to each worker (in parallel, the worker
+  returns at once), then one ``send()`` of RPCWeightSyncScheme.
+- ``ray``: one ``ray.put`` of a tensor of the model's bytes fetched by each actor and copied into
+  its model, then one ``send()`` of RayWeightSyncScheme to the same actors.
+
+A send is timed until every worker applied and acked. Each engine runs in a
+fresh process (torch.distributed.rpc starts once per process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_local import make_model  # noqa: E402
+
+import weightsync as ws  # noqa: E402
+
+ENGINES = ["distributed", "rpc", "ray"]
+
+
+# ---------------------------------------------------------------- distributed
+def _dist_worker(scheme, idx, mb, port, cmd) -> None:
+    import torch.distributed as dist
+
+    from weightsync.transports.distributed import new_group
+
+    torch.set_num_threads(1)
+    model = make_model(mb)
+    scheme.init_on_receiver(model_id="policy", model=model, worker_idx=idx)
+    scheme.connect()
+    store = dist.PrefixStore("raw", dist.TCPStore("127.0.0.1", port, is_master=False))
+    n = scheme.num_workers + 1
+    pg = new_group("gloo", store, idx + 1, n, 120, "127.0.0.1")
+    buf = torch.empty(sum(p.numel() for p in model.parameters()))
+    while True:
+        op = cmd.recv()
+        if op == "raw":
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            pg.broadcast([buf], opts).wait()
+        elif op == "send":
+            version = scheme.version
+            while scheme.version == version:
+                scheme.receive(timeout=30)
+        else:
+            break
+    scheme.shutdown()
+
+
+def bench_distributed(mb: float, workers: int, rounds: int) -> tuple[list[float], list[float]]:
+    import torch.distributed as dist
+
+    from weightsync.transports.distributed import new_group, open_store
+
+    model = make_model(mb)
+    store, port, _ = open_store("127.0.0.1", 0, 120)
+    scheme = ws.DistributedWeightSyncScheme(timeout=120)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(workers)]
+    procs = [ctx.Process(target=_dist_worker, args=(scheme, i, mb, port, pipes[i][1])) for i in range(workers)]
+    for p in procs:
+        p.start()
+    scheme.connect()
+    pg = new_group("gloo", dist.PrefixStore("raw", store), 0, workers + 1, 120, "127.0.0.1")
+    buf = torch.randn(sum(p.numel() for p in model.parameters()))
+    raw, sends = [], []
+    for r in range(rounds + 1):
+        for parent, _ in pipes:
+            parent.send("raw")
+        start = time.perf_counter()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        pg.broadcast([buf], opts).wait()
+        raw.append(time.perf_counter() - start)
+        _perturb(model, r)
+        for parent, _ in pipes:
+            parent.send("send")
+        start = time.perf_counter()
+        scheme.send()
+        sends.append(time.perf_counter() - start)
+    for parent, _ in pipes:
+        parent.send("stop")
+    scheme.shutdown()
+    for p in procs:
+        p.join(60)
+    return raw[1:], sends[1:]  # the first round warms connections up
+
+
+# ------------------------------------------------------------------------ rpc
+def _sink(tensor: torch.Tensor) -> int:
+    return tensor.numel()
+
+
+def _rpc_worker(scheme, idx, mb, stop) -> None:
+    torch.set_num_threads(1)
+    model = make_model(mb)
+    scheme.init_on_receiver(model_id="policy", model=model, worker_idx=idx)
+    scheme.connect()
+    while not stop.is_set():
+        try:
+            scheme.receive(timeout=0.05)
+        except ws.ConnectionClosedError:
+            break
+    scheme.shutdown()
+
+
+def bench_rpc(mb: float, workers: int, rounds: int) -> tuple[list[float], list[float]]:
+    import torch.distributed.rpc as rpc
+
+    from weightsync.transports.rpc import default_worker_name
+
+    model = make_model(mb)
+    scheme = ws.RPCWeightSyncScheme(timeout=120)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=_rpc_worker, args=(scheme, i, mb, stop)) for i in range(workers)]
+    for p in procs:
+        p.start()
+    scheme.connect()
+    payload = torch.randn(sum(p.numel() for p in model.parameters()))
+    raw, sends = [], []
+    for r in range(rounds + 1):
+        start = time.perf_counter()
+        futures = [rpc.rpc_async(default_worker_name(i), _sink, args=(payload,)) for i in range(workers)]
+        torch.futures.wait_all(futures)
+        raw.append(time.perf_counter() - start)
+        _perturb(model, r)
+        start = time.perf_counter()
+        scheme.send()
+        sends.append(time.perf_counter() - start)
+    stop.set()
+    scheme.shutdown()
+    for p in procs:
+        p.join(60)
+    return raw[1:], sends[1:]
+
+
+# ------------------------------------------------------------------------ ray
+def bench_ray(mb: float, workers: int, rounds: int) -> tuple[list[float], list[float]]:
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Actor:
+        def __init__(self, scheme, idx, mb):
+            torch.set_num_threads(1)
+            self.model = make_model(mb)
+            self.flat = torch.nn.utils.parameters_to_vector(self.model.parameters()).detach()
+            scheme.init_on_receiver(model_id="policy", model=self.model, worker_idx=idx)
+            scheme.connect()
+            self.scheme = scheme
+
+        def fetch_and_copy(self, array):
+            self.flat.copy_(torch.from_numpy(array))  # the raw floor: fetch the object, copy it into the model
+            return True
+
+    ray.init(num_cpus=workers + 1, include_dashboard=False, log_to_driver=False)
+    try:
+        model = make_model(mb)
+        scheme = ws.RayWeightSyncScheme(timeout=120)
+        actors = [Actor.remote(scheme, i, mb) for i in range(workers)]
+        scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+        scheme.connect()
+        payload = torch.randn(sum(p.numel() for p in model.parameters()))
+        raw, sends = [], []
+        for r in range(rounds + 1):
+            start = time.perf_counter()
+            ref = ray.put(payload.numpy())
+            ray.get([a.fetch_and_copy.remote(ref) for a in actors])
+            raw.append(time.perf_counter() - start)
+            del ref
+            _perturb(model, r)
+            start = time.perf_counter()
+            scheme.send()
+            sends.append(time.perf_counter() - start)
+        scheme.shutdown()
+        return raw[1:], sends[1:]
+    finally:
+        ray.shutdown()
+
+
+# ---------------------------------------------------------------------- main
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3 * (seed + 1))
+
+
+def _run_one(engine: str, mb: float, workers: int, rounds: int, out) -> None:
+    try:
+        out.send(globals()[f"bench_{engine}"](mb, workers, rounds))
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        out.send(f"{type(exc).__name__}: {exc}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    parser.add_argument("--mb", type=float, default=100.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--markdown", type=Path, default=None, help="write the table to this file")
+    args = parser.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    rows = []
+    for engine in args.engines:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_run_one, args=(engine, args.mb, args.workers, args.rounds, child))
+        proc.start()
+        result = parent.recv() if parent.poll(900) else "timed out after 900 s"
+        proc.join(60)
+        if isinstance(result, str):
+            rows.append(f"| {engine} | failed: {result} | | |")
+            continue
+        raw, sends = (statistics.median(x) * 1e3 for x in result)
+        rows.append(f"| {engine} | {sends:.2f} ms | {raw:.2f} ms | {sends / raw:.2f}x |")
+    mb = make_model(args.mb)
+    nbytes = sum(p.numel() * p.element_size() for p in mb.parameters())
+    table = "\n".join(
+        [
+            f"{nbytes / 1e6:.1f} MB float32, {args.workers} workers, median of {args.rounds} rounds, "
+            f"{platform.machine()} / {mp.cpu_count()} cores, torch {torch.__version__}",
+            "",
+            "| scheme | send | raw engine | ratio |",
+            "|---|---:|---:|---:|",
+            *rows,
+        ]
+    )
+    print(table)
+    if args.markdown:
+        args.markdown.write_text(table + "\n")
+    return 0 if not any("failed" in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

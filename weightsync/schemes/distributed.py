@@ -35,12 +35,12 @@ from ..transports.distributed import (
     resolve_master,
 )
 from ..transports.staging import StagingPool
-from .base import WeightSyncScheme
+from .acked import AckedScheme
 
 __all__ = ["DistributedWeightSyncScheme"]
 
 
-class DistributedWeightSyncScheme(WeightSyncScheme):
+class DistributedWeightSyncScheme(AckedScheme):
     """Synchronize a model to workers over a torch.distributed process group of its own.
 
     The sender serves a TCP store (``master_addr:master_port``) and forms a
@@ -112,8 +112,6 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         self._address: tuple[str, int] | None = None
         self._prefix: str | None = None
         self._pool: StagingPool | None = None
-        self._errors: dict[int, WeightSyncError] = {}
-        self._next_version = 0
         # Receiver side.
         self._transport: DistributedTransport | None = None
         self._recv_buffer: torch.Tensor | None = None
@@ -227,9 +225,6 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             refused.update(getattr(exc, "failures", None) or {exc.worker_idx: exc})
         raise_failures(refused, model_id=self._model_id, version=0)
 
-    def _send_impl(self, weights: Any, targets: list[int], wait: bool) -> None:
-        self.send_to(weights, targets, wait=wait)
-
     def send_to(
         self, weights: Any, targets: list[int], *, wait: bool, timeout: float | None = None, initial: bool = False
     ) -> None:
@@ -311,16 +306,6 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
                         version=pending.version,
                     )
         return failures
-
-    def wait_for(self, workers: list[int], timeout: float | None) -> None:
-        deadline = deadline_after(self.timeout if timeout is None else timeout)
-        expected = {w: self._transports[w].sent for w in workers if self._transports[w].sent is not None}
-        failures = {w: self._errors.pop(w) for w in list(self._errors) if w in workers}
-        failures.update({w: e for w, e in self._collect(workers, deadline, expected).items() if w not in failures})
-        raise_failures(failures, model_id=self._model_id, version=self._version)
-
-    def _wait_impl(self, timeout: float) -> None:
-        self.wait_for(sorted(self._transports), timeout)
 
     def _on_worker_lost(self, w: int) -> None:
         self._transports[w].stop_waiting(0.0)

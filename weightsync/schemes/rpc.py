@@ -34,12 +34,13 @@ from ..transports.rpc import (
     start_agent,
 )
 from ..transports.staging import StagingPool
-from .base import SENDER_CONNECTED, WeightSyncScheme
+from .acked import AckedScheme
+from .base import SENDER_CONNECTED
 
 __all__ = ["RPCWeightSyncScheme"]
 
 
-class RPCWeightSyncScheme(WeightSyncScheme):
+class RPCWeightSyncScheme(AckedScheme):
     """Synchronize a model to workers reached by ``torch.distributed.rpc``.
 
     A send copies the weights once into a flat buffer and makes one RPC per
@@ -95,8 +96,6 @@ class RPCWeightSyncScheme(WeightSyncScheme):
         self._session: Session | None = None
         self._layout: FlatLayout | None = None
         self._pool: StagingPool | None = None
-        self._errors: dict[int, WeightSyncError] = {}
-        self._next_version = 0
         self._answered = threading.Event()
         self._mailbox: Any = None
         # Receiver side.
@@ -168,16 +167,7 @@ class RPCWeightSyncScheme(WeightSyncScheme):
         deadline = deadline_after(self.connect_timeout)
         if self._session is not None:
             start_agent(self._session, SENDER_NAME, 0, self.connect_timeout, model_id=self._model_id)
-        try:
-            self.send_to(weights, sorted(self._transports), wait=True, timeout=remaining(deadline))
-        except WeightSyncError as exc:
-            for w, failure in (getattr(exc, "failures", None) or {exc.worker_idx: exc}).items():
-                if w is not None:
-                    self._mark_dead(w, failure)
-            raise
-
-    def _send_impl(self, weights: Any, targets: list[int], wait: bool) -> None:
-        self.send_to(weights, targets, wait=wait)
+        self._send_initial(weights, remaining(deadline))
 
     def send_to(self, weights: Any, targets: list[int], *, wait: bool, timeout: float | None = None) -> None:
         """Publish one new version to ``targets``: one copy into a staging buffer, one RPC per worker."""
@@ -293,16 +283,6 @@ class RPCWeightSyncScheme(WeightSyncScheme):
                 version=version,
             )
         return None
-
-    def wait_for(self, workers: list[int], timeout: float | None) -> None:
-        deadline = deadline_after(self.timeout if timeout is None else timeout)
-        expected = {w: self._transports[w].sent for w in workers if self._transports[w].sent is not None}
-        failures = {w: self._errors.pop(w) for w in list(self._errors) if w in workers}
-        failures.update({w: e for w, e in self._collect(workers, deadline, expected).items() if w not in failures})
-        raise_failures(failures, model_id=self._model_id, version=self._version)
-
-    def _wait_impl(self, timeout: float) -> None:
-        self.wait_for(sorted(self._transports), timeout)
 
     def _on_worker_lost(self, w: int) -> None:
         self._transports[w].in_flight.clear()

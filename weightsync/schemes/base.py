@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from ..errors import ConfigurationError, InvalidWeightsError, LifecycleError, WeightSyncError
+from ..layout import FlatLayout
 from ..model_path import resolve_model
 from ..strategy import WeightStrategy
 from ..transports.base import TransportBackend
@@ -86,6 +87,9 @@ class WeightSyncScheme:
         # Sender side: one transport per worker, and the workers found dead (with the error that showed it).
         self._transports: dict[int, Any] = {}
         self._failed: dict[int, WeightSyncError] = {}
+        # Receiver side: readers holding weights_lock see weights and version change together.
+        self._reported_version: int | None = None
+        self.weights_lock = threading.RLock()
 
     # ------------------------------------------------------------------ state
     @property
@@ -552,6 +556,25 @@ class WeightSyncScheme:
     # ------------------------------------------------------------------ hooks
     def _receiver_handoff(self) -> dict[str, Any]:
         return {}
+
+    def _sender_layout(self) -> FlatLayout:
+        """The flat layout of the registered model's weights (sender side, at init)."""
+        if self._model is None:
+            raise ConfigurationError(
+                "init_on_sender needs model= or weights= (or a context holding the model)", model_id=self._model_id
+            )
+        flat = self._strategy.flat(self._model)
+        if not flat:
+            raise ConfigurationError("the model has no weights to synchronize", model_id=self._model_id)
+        return FlatLayout.from_weights(flat)
+
+    def _newly_applied(self) -> Any:
+        """Receiver: the weights if a version was applied since the last report (now reported), else ``None``."""
+        with self.weights_lock:
+            if self._version is None or self._version == self._reported_version:
+                return None
+            self._reported_version = self._version
+            return self._strategy.extract_weights(self._model)
 
     def _rendezvous_complete(self) -> bool:
         """True once every worker has joined, even if some failed their initial sync."""

@@ -115,9 +115,7 @@ class DistributedWeightSyncScheme(AckedScheme):
         # Receiver side.
         self._transport: DistributedTransport | None = None
         self._recv_buffer: torch.Tensor | None = None
-        self._reported_version: int | None = None
         self._closed = False
-        self.weights_lock = threading.RLock()
 
     def _check_backend(self) -> None:
         if self.backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
@@ -148,16 +146,9 @@ class DistributedWeightSyncScheme(AckedScheme):
         self._check_backend()
         if self._num_workers is None:
             raise ConfigurationError("DistributedWeightSyncScheme.init_on_sender needs num_workers=")
-        if self._model is None:
-            raise ConfigurationError(
-                "init_on_sender needs model= or weights= (or a context holding the model)", model_id=self._model_id
-            )
-        flat = self._strategy.flat(self._model)
-        if not flat:
-            raise ConfigurationError("the model has no weights to synchronize", model_id=self._model_id)
-        self._layout = FlatLayout.from_weights(flat)
+        self._layout = self._sender_layout()
         host, port = resolve_master(self.master_addr, self.master_port)
-        self._base_store, port, owned = open_store(host, port, self.connect_timeout)
+        self._base_store, port, _ = open_store(host, port, self.connect_timeout)
         self._address = (host, port)
         # A prefix of our own: several models (or the job's own store) share nothing.
         self._prefix = f"weightsync/{self._model_id}/{secrets.token_hex(8)}"
@@ -410,11 +401,7 @@ class DistributedWeightSyncScheme(AckedScheme):
             self._apply(seqs, version)
         elif self._closed:
             raise ConnectionClosedError("the sender shut down", model_id=self._model_id, worker_idx=self._worker_idx)
-        if self._version is None or self._version == self._reported_version:
-            return None
-        self._reported_version = self._version
-        with self.weights_lock:
-            return self._strategy.extract_weights(self._model)
+        return self._newly_applied()
 
     # --------------------------------------------------------------- shutdown
     def _shutdown_impl(self) -> None:

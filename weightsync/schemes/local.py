@@ -109,11 +109,9 @@ class LocalScheme(WeightSyncScheme):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._applied = threading.Condition()
-        self._reported_version: int | None = None
         self._thread_error: BaseException | None = None
         #: Held while a receiver writes or switches its model's weights; a worker
         #: whose forward pass runs beside the background thread holds it too.
-        self.weights_lock = threading.RLock()
 
     # ------------------------------------------------------------- properties
     @property
@@ -142,16 +140,9 @@ class LocalScheme(WeightSyncScheme):
             raise ConfigurationError(
                 f"{type(self).__name__}.init_on_sender needs num_workers=", model_id=self._model_id
             )
-        if self._model is None:
-            raise ConfigurationError(
-                "init_on_sender needs model= or weights= (or a context holding the model)", model_id=self._model_id
-            )
         address = kwargs.pop("address", None)
         super()._init_sender_impl(**kwargs)
-        flat = self._strategy.flat(self._model)
-        if not flat:
-            raise ConfigurationError("the model has no weights to synchronize", model_id=self._model_id)
-        self._layout = FlatLayout.from_weights(flat)
+        self._layout = self._sender_layout()
         self._authkey = secrets.token_bytes(32)
         self._listener = ChannelListener(self._authkey, address)
         log.debug("model %r: listening on %s for %d workers", self._model_id, self._listener.address, self._num_workers)

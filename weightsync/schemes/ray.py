@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
 import torch
@@ -94,8 +93,6 @@ class RayWeightSyncScheme(WeightSyncScheme):
         self._errors: dict[int, WeightSyncError] = {}  # failures of async sends, not reported yet
         self._next_version = 0
         # Receiver side.
-        self._reported_version: int | None = None
-        self.weights_lock = threading.RLock()
 
     @property
     def layout(self) -> FlatLayout | None:
@@ -117,17 +114,10 @@ class RayWeightSyncScheme(WeightSyncScheme):
                 f"num_workers={self._num_workers} but {len(actors)} actors were given", model_id=self._model_id
             )
         self._num_workers = len(actors)
-        if self._model is None:
-            raise ConfigurationError(
-                "init_on_sender needs model= or weights= (or a context holding the model)", model_id=self._model_id
-            )
+        self._layout = self._sender_layout()  # before Ray starts: a missing model fails first
         ray = _ray()
         if not ray.is_initialized():
             ray.init(address=self.address or os.environ.get("RAY_ADDRESS"), namespace=self.namespace)
-        flat = self._strategy.flat(self._model)
-        if not flat:
-            raise ConfigurationError("the model has no weights to synchronize", model_id=self._model_id)
-        self._layout = FlatLayout.from_weights(flat)
         self._transports = {i: self.create_transport(actor=actor, worker_idx=i) for i, actor in enumerate(actors)}
 
     def create_transport(self, **kwargs: Any) -> RayTransport:
@@ -279,11 +269,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         return version
 
     def _receive_impl(self, timeout: float) -> Any:
-        with self.weights_lock:
-            if self._version is None or self._version == self._reported_version:
-                return None
-            self._reported_version = self._version
-            return self._strategy.extract_weights(self._model)
+        return self._newly_applied()
 
     def _shutdown_impl(self) -> None:
         if self.is_receiver:

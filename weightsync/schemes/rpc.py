@@ -99,8 +99,6 @@ class RPCWeightSyncScheme(AckedScheme):
         self._answered = threading.Event()
         self._mailbox: Any = None
         # Receiver side.
-        self._reported_version: int | None = None
-        self.weights_lock = threading.RLock()
 
     @property
     def layout(self) -> FlatLayout | None:
@@ -129,14 +127,7 @@ class RPCWeightSyncScheme(AckedScheme):
             self._num_workers = len(names)
         if self._num_workers is None:
             raise ConfigurationError("RPCWeightSyncScheme.init_on_sender needs num_workers= (or worker_names=)")
-        if self._model is None:
-            raise ConfigurationError(
-                "init_on_sender needs model= or weights= (or a context holding the model)", model_id=self._model_id
-            )
-        flat = self._strategy.flat(self._model)
-        if not flat:
-            raise ConfigurationError("the model has no weights to synchronize", model_id=self._model_id)
-        self._layout = FlatLayout.from_weights(flat)
+        self._layout = self._sender_layout()
         if names is None:
             master = resolve_master(self.master_addr, self.master_port)
             self._session = open_sender_session(master, self._num_workers + 1, self.connect_timeout)
@@ -367,11 +358,7 @@ class RPCWeightSyncScheme(AckedScheme):
 
     def _receive_impl(self, timeout: float) -> Any:
         self._take(timeout)
-        if self._version is None or self._version == self._reported_version:
-            return None
-        self._reported_version = self._version
-        with self.weights_lock:
-            return self._strategy.extract_weights(self._model)
+        return self._newly_applied()
 
     # --------------------------------------------------------------- shutdown
     def _shutdown_impl(self) -> None:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._netns import loopback_only_network
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -82,22 +84,45 @@ def test_main_job_single_run_verifies_and_keeps_secrets_out_of_its_outputs(tmp_p
 
 
 def test_main_job_multirun_writes_a_combined_table_csv_and_plot(tmp_path):
-    out = _run(
-        [
-            "-m",
-            "weightsync",
-            "-m",
-            "scheme=multiprocess,shared_mem,distributed,rpc",
-            "num_workers=1",
-            *SMALL,
-            f"hydra.sweep.dir={tmp_path}",
-        ]
-    )
+    # Ray's workers are actors the job starts on a local cluster; the namespace keeps it on loopback.
+    with loopback_only_network():
+        out = _run(
+            [
+                "-m",
+                "weightsync",
+                "-m",
+                "scheme=multiprocess,shared_mem,ray,rpc,distributed",
+                "num_workers=1",
+                *SMALL,
+                f"hydra.sweep.dir={tmp_path}",
+            ]
+        )
     assert out.returncode == 0, out.stderr
     table = (tmp_path / "results.md").read_text()
-    assert table.count("| yes |") == 8 and "scheme=shared_mem" in table and "scheme=rpc" in table
-    assert (tmp_path / "results.csv").read_text().count("\n") == 9
+    assert table.count("| yes |") == 10, table
+    for scheme in ("multiprocess", "shared_mem", "ray", "rpc", "distributed"):
+        assert f"| {scheme} | policy |" in table and f"| {scheme} | value |" in table
+    assert (tmp_path / "results.csv").read_text().count("\n") == 11
     assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_main_job_runs_ray_actors_beside_worker_processes(tmp_path):
+    # One model on a Ray-hosted module (one actor), the other on shared memory (one process).
+    with loopback_only_network():
+        out = _run(
+            [
+                "-m",
+                "weightsync",
+                "scheme=ray_module_transform",
+                "schemes.value=shared_mem",
+                "num_workers=1",
+                *SMALL,
+                f"hydra.run.dir={tmp_path}",
+            ]
+        )
+    assert out.returncode == 0, out.stderr
+    assert "| ray_module_transform | policy |" in out.stdout and "| shared_mem | value |" in out.stdout
+    assert out.stdout.count("| yes |") == 2
 
 
 def test_main_job_help_lists_the_groups():
@@ -114,7 +139,7 @@ def test_main_job_help_lists_the_groups():
         ("num_workers=many", "num_workers"),
         ("scheme.timeout=-1", "timeout must be a positive number"),
         ("scheme=distributed scheme.backend=mpi", "backend must be 'gloo' or 'nccl'"),
-        ("scheme=ray", "needs Ray actors"),
+        ("scheme=ray_module_transform", "hosts the module in ONE actor; run it with num_workers=1"),
     ],
 )
 def test_main_job_bad_overrides_fail_before_any_worker_starts(tmp_path, override, message):

@@ -116,3 +116,33 @@ def test_layout_roundtrip_and_alignment():
     for key, tensor in flat.items():
         views[key].copy_(tensor)
     assert all(torch.equal(layout.views(buf)[k], flat[k]) for k in flat)
+
+
+def test_layout_pieces_send_large_tensors_as_they_are_and_pack_the_rest():
+    flat = {
+        "a": torch.randn(3),  # small: packed
+        "b": torch.randn(1000),  # large: its own memory
+        "c": torch.randn(2, 2).t(),  # large enough but not contiguous: packed
+        "d": torch.arange(5, dtype=torch.int64),  # small: packed, another dtype group
+        "e": torch.randn(7).to(torch.bfloat16),
+    }
+    layout = ws.FlatLayout.from_weights(flat)
+    staging = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    buffers, ranges = layout.pieces(flat, staging, direct_min=16)
+    b_slot = next(i for i, s in enumerate(layout.slots) if s.key == "b")
+    direct = buffers[ranges.index((b_slot, b_slot + 1))]
+    assert direct.data_ptr() == flat["b"].data_ptr()  # no copy
+    assert all(b.data_ptr() != flat["b"].data_ptr() for b in buffers if b is not direct)
+    assert sorted(i for first, last in ranges for i in range(first, last)) == list(range(len(flat)))
+    received = layout.unpack([b.clone() for b in buffers], ranges)
+    assert all(torch.equal(received[k], flat[k]) and received[k].dtype == flat[k].dtype for k in flat)
+
+
+def test_layout_unpack_refuses_a_payload_that_does_not_fit():
+    flat = {"a": torch.randn(10), "b": torch.randn(4)}
+    layout = ws.FlatLayout.from_weights(flat)
+    buffers, ranges = layout.pieces(flat, torch.empty(layout.nbytes, dtype=torch.uint8), direct_min=1)
+    with pytest.raises(ws.ConfigurationError, match="holds 39 bytes"):
+        layout.unpack([buffers[0][:-1], buffers[1]], ranges)
+    with pytest.raises(ws.ConfigurationError, match="does not cover"):
+        layout.unpack(buffers[:1], ranges[:1])

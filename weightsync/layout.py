@@ -92,6 +92,63 @@ class FlatLayout:
         """Typed views of every tensor inside ``buffer`` (a uint8 tensor of at least ``nbytes``)."""
         return {s.key: buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.slots}
 
+    def pieces(
+        self, flat: Mapping[str, torch.Tensor], staging: torch.Tensor, direct_min: int
+    ) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+        """The weights as a few contiguous byte buffers, with one copy at most of each byte.
+
+        A CPU tensor of at least ``direct_min`` bytes that is contiguous is a buffer
+        of its own, its memory as it is (no copy). Each run of the other tensors is
+        packed into its place in ``staging`` (a uint8 buffer of ``nbytes``, reused
+        across sends) and that range is one buffer. Returns the buffers (uint8)
+        and, for each, the range ``[first, last)`` of :attr:`slots` it holds, which
+        is what :meth:`unpack` needs.
+        """
+        buffers: list[torch.Tensor] = []
+        ranges: list[tuple[int, int]] = []
+        run: list[int] = []
+
+        def close_run() -> None:
+            if run:
+                first, last = self.slots[run[0]], self.slots[run[-1]]
+                dst = [
+                    staging[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
+                    for s in self.slots[run[0] : run[-1] + 1]
+                ]
+                with torch.no_grad():
+                    torch._foreach_copy_(dst, [flat[s.key] for s in self.slots[run[0] : run[-1] + 1]])
+                buffers.append(staging[first.offset : last.offset + last.nbytes])
+                ranges.append((run[0], run[-1] + 1))
+                run.clear()
+
+        for i, slot in enumerate(self.slots):
+            tensor = flat[slot.key]
+            if slot.nbytes >= direct_min and tensor.device.type == "cpu" and tensor.is_contiguous():
+                close_run()
+                buffers.append(tensor.detach().reshape(-1).view(torch.uint8))
+                ranges.append((i, i + 1))
+            else:
+                run.append(i)
+        close_run()
+        return buffers, ranges
+
+    def unpack(self, buffers: list[torch.Tensor], ranges: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+        """Typed views of every tensor inside the buffers :meth:`pieces` made (checked to fit)."""
+        covered = [i for first, last in ranges for i in range(first, last)]
+        if len(buffers) != len(ranges) or covered != list(range(len(self.slots))):
+            raise ConfigurationError(f"a payload of {len(buffers)} buffers does not cover the layout's tensors")
+        views: dict[str, torch.Tensor] = {}
+        for buffer, (first, last) in zip(buffers, ranges):
+            base = self.slots[first].offset
+            end = self.slots[last - 1].offset + self.slots[last - 1].nbytes
+            if buffer.dtype != torch.uint8 or buffer.numel() != end - base:
+                raise ConfigurationError(
+                    f"a payload buffer holds {buffer.numel()} bytes where tensors {first}..{last - 1} need {end - base}"
+                )
+            for s in self.slots[first:last]:
+                views[s.key] = buffer[s.offset - base : s.offset - base + s.nbytes].view(s.dtype).view(s.shape)
+        return views
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FlatLayout) and other.slots == self.slots
 

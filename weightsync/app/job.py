@@ -3,7 +3,8 @@
 Each round makes an optimizer-like in-place change to every model, then
 ``send()``s it. Every worker reports a checksum of the weights it holds after
 each version it applies; the trainer compares it with its own for that
-version. The worker processes never see the sender object: they get
+version. Workers are processes the job starts, or for the Ray schemes Ray
+actors (:mod:`weightsync.app.ray_workers`). They never see the sender object: they get
 ``scheme.receiver_config(i)``, plain data, and build their side with
 :func:`weightsync.config.from_config`.
 """
@@ -166,29 +167,38 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
     schemes: dict[str, WeightSyncScheme] = {}
     for model_id, scheme_cfg in scheme_cfgs.items():
         schemes[model_id] = _instantiate_scheme(instantiate, scheme_cfg, model_id)
-        if isinstance(schemes[model_id], RayWeightSyncScheme):
-            raise ConfigurationError(
-                f"schemes.{model_id}: the main job's workers are processes it starts; "
-                f"{type(schemes[model_id]).__name__} needs Ray actors as workers (see docs/multinode.md)"
-            )
+    # Ray schemes' workers are Ray actors the job starts; every other scheme's are processes.
+    on_ray = {m for m, s in schemes.items() if isinstance(s, RayWeightSyncScheme)}
+    in_procs = {m: s for m, s in schemes.items() if m not in on_ray}
     ctx = mp.get_context(str(cfg.start_method))
     reports, stop = ctx.Queue(), ctx.Event()
-    procs = []
+    procs: list = []
+    actors = None
     try:
+        if on_ray:
+            from .ray_workers import RayWorkers
+
+            actors = RayWorkers({m: schemes[m] for m in on_ray}, specs, n, float(cfg.worker_timeout))
         for model_id, scheme in schemes.items():
-            scheme.init_on_sender(model_id=model_id, model=models[model_id], num_workers=n)
-        for i in range(n):
-            configs = {m: s.receiver_config(i) for m, s in schemes.items()}
+            extra = actors.sender_kwargs(scheme) if model_id in on_ray else {}
+            scheme.init_on_sender(model_id=model_id, model=models[model_id], num_workers=n, **extra)
+        for i in range(n if in_procs else 0):
+            configs = {m: s.receiver_config(i) for m, s in in_procs.items()}
             procs.append(ctx.Process(target=_worker, args=(i, configs, specs, reports, stop), daemon=True))
             procs[-1].start()
+        if actors is not None:
+            actors.join({m: schemes[m] for m in on_ray})
         expected = {m: {} for m in schemes}
         times = {m: [] for m in schemes}
-        collector = _Collector(reports, procs, float(cfg.worker_timeout))
+        collector = _Collector(reports, procs, float(cfg.worker_timeout), expected)
         for model_id, scheme in schemes.items():
             scheme.connect()
             expected[model_id][scheme.version] = checksum(models[model_id])
         moving = {m for m, s in schemes.items() if not isinstance(s, NoWeightSyncScheme)}
-        collector.expect({m: expected[m] for m in moving}, n)
+        if actors is not None:  # an actor's update is applied when the send returns: ask for its state
+            for report in actors.reports():
+                collector.record(report)
+        collector.expect(moving, n)
         gen = torch.Generator().manual_seed(int(cfg.seed) + 1)
         rounds = range(1, int(cfg.rounds) + 1)
         for _ in progress(rounds) if progress else rounds:
@@ -197,7 +207,9 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
                 times[model_id].append(_timed_send(scheme))
                 expected[model_id][scheme.version] = checksum(models[model_id])
                 if model_id in moving:  # workers check this version before the next send is timed
-                    collector.expect({model_id: expected[model_id]}, n)
+                    for report in actors.reports(model_id) if model_id in on_ray else []:
+                        collector.record(report)
+                    collector.expect({model_id}, n)
     finally:
         for scheme in schemes.values():
             scheme.shutdown()
@@ -206,6 +218,8 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
+        if actors is not None:
+            actors.close()
     return [
         _row(
             model_id,
@@ -239,40 +253,46 @@ def _timed_send(scheme: WeightSyncScheme) -> float:
 
 
 class _Collector:
-    """Reads workers' reports and checks each against the trainer's checksum for that version."""
+    """Reads workers' reports and checks each against the trainer's checksum for that version.
 
-    def __init__(self, reports: Any, procs: list, timeout: float) -> None:
-        self.reports, self.procs, self.timeout = reports, procs, timeout
+    ``expected`` (model -> version -> checksum) is the trainer's live record, filled in as it sends.
+    """
+
+    def __init__(self, reports: Any, procs: list, timeout: float, expected: dict[str, dict[int, str]]) -> None:
+        self.reports, self.procs, self.timeout, self.expected = reports, procs, timeout, expected
         self.seen: dict[tuple[int, str], dict[int, str]] = {}
         self.mismatches: dict[str, list] = {}
         self.checked: dict[str, int] = {}
 
-    def expect(self, expected: dict[str, dict[int, str]], n: int) -> None:
-        """Wait until every worker reported the latest version of every model (bounded by the timeout)."""
+    def expect(self, model_ids: set[str], n: int) -> None:
+        """Wait until every worker reported the latest version of each of ``model_ids`` (bounded by the timeout)."""
         import queue
 
-        latest = {m: max(v) for m, v in expected.items()}
+        latest = {m: max(self.expected[m]) for m in model_ids}
         while True:
             missing = [(w, m) for w in range(n) for m in latest if latest[m] not in self.seen.get((w, m), {})]
             if not missing:
                 return
             try:
-                kind, w, *rest = self.reports.get(timeout=self.timeout)
+                report = self.reports.get(timeout=self.timeout)
             except queue.Empty:
                 dead = [i for i, p in enumerate(self.procs) if not p.is_alive()]
                 raise WeightSyncError(
                     f"no report from workers {sorted({w for w, _ in missing})} within {self.timeout:.0f}s "
                     f"(dead: {dead})"
                 ) from None
-            if kind == "failed":
-                raise WeightSyncError(f"worker {w} failed: {rest[0]}", worker_idx=w)
-            model_id, version, digest = rest
-            if model_id not in expected:
-                continue  # a model whose scheme moves nothing (no_sync)
-            self.seen.setdefault((w, model_id), {})[version] = digest
-            self.checked[model_id] = self.checked.get(model_id, 0) + 1
-            if expected[model_id].get(version) != digest:
-                self.mismatches.setdefault(model_id, []).append((w, version))
+            self.record(report)
+
+    def record(self, report: tuple) -> None:
+        """One worker report: ``("applied", worker, model, version, checksum)`` or ``("failed", worker, why)``."""
+        kind, w, *rest = report
+        if kind == "failed":
+            raise WeightSyncError(f"worker {w} failed: {rest[0]}", worker_idx=w)
+        model_id, version, digest = rest
+        self.seen.setdefault((w, model_id), {})[version] = digest
+        self.checked[model_id] = self.checked.get(model_id, 0) + 1
+        if self.expected[model_id].get(version) != digest:
+            self.mismatches.setdefault(model_id, []).append((w, version))
 
     def verified(self, model_id: str) -> str:
         if self.mismatches.get(model_id):

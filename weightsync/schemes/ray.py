@@ -19,7 +19,12 @@ from ..layout import FlatLayout
 from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec, write_into
 from ..transports.channel import deadline_after, remaining
 from ..transports.ray import RayActorTransport, RayTransport, apply_in_actor, register_receiver, unregister_receiver
-from .base import WeightReceiver, WeightSender, WeightSyncScheme
+from .acked import AckedScheme
+from .base import WeightReceiver, WeightSender
+
+# A tensor of at least this many bytes is put in the object store straight from its own memory; smaller
+# ones are packed together first (one object store buffer costs about as much as copying 100 KB).
+DIRECT_MIN_BYTES = 256 * 1024
 
 __all__ = [
     "ModuleActor",
@@ -38,11 +43,12 @@ def _ray():
     return ray
 
 
-class RayWeightSyncScheme(WeightSyncScheme):
+class RayWeightSyncScheme(AckedScheme):
     """Synchronize a model to Ray actors.
 
-    A send packs the weights into one contiguous buffer, puts it in Ray's
-    object store once (however many actors), and asks each targeted actor to
+    A send puts the weights in Ray's object store as one object, once however
+    many actors (large tensors straight from their memory, small ones packed
+    together: each byte is copied once), and asks each targeted actor to
     apply it: a call that Ray runs inside the actor, between its other method
     calls. Each actor copies the update into its own model; the call's
     completion is the ack. Updates to one actor are applied in the order sent.
@@ -90,9 +96,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
         self._layout: FlatLayout | None = None
-        self._errors: dict[int, WeightSyncError] = {}  # failures of async sends, not reported yet
-        self._next_version = 0
-        # Receiver side.
+        self._staging: torch.Tensor | None = None
 
     @property
     def layout(self) -> FlatLayout | None:
@@ -128,16 +132,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         return bool(self._transports)
 
     def _connect_sender_impl(self, weights: Any) -> None:
-        try:
-            self.send_to(weights, sorted(self._transports), wait=True, timeout=self.connect_timeout)
-        except WeightSyncError as exc:
-            for w, failure in (getattr(exc, "failures", None) or {exc.worker_idx: exc}).items():
-                if w is not None:
-                    self._mark_dead(w, failure)
-            raise
-
-    def _send_impl(self, weights: Any, targets: list[int], wait: bool) -> None:
-        self.send_to(weights, targets, wait=wait)
+        self._send_initial(weights, self.connect_timeout)
 
     def send_to(self, weights: Any, targets: list[int], *, wait: bool, timeout: float | None = None) -> None:
         """Publish one new version to ``targets`` through the object store; wait for their acks when ``wait``."""
@@ -148,11 +143,13 @@ class RayWeightSyncScheme(WeightSyncScheme):
         failures = {w: self._failed[w] for w in targets if w in self._failed}
         live = [w for w in targets if w not in self._failed]
         # Take in calls that already finished; failures of earlier async sends are reported with this one.
-        self._errors.update(self._collect(list(self._transports), 0.0, {}))
+        self._errors.update(self._collect(list(self._transports), None, {}))
         version = self._next_version
-        buffer = torch.empty(self._layout.nbytes, dtype=torch.uint8)
-        write_into(self._layout.views(buffer), flat)  # the one copy: into the buffer Ray stores
-        payload = ray.put(buffer.numpy())
+        if self._staging is None:  # reused by every send; ray.put copies out of it before returning
+            self._staging = torch.empty(self._layout.nbytes, dtype=torch.uint8)
+        # Large tensors go as they are, small ones packed: ray.put copies each byte once into the store.
+        buffers, ranges = self._layout.pieces(flat, self._staging, DIRECT_MIN_BYTES)
+        payload = ray.put((ranges, [b.numpy() for b in buffers]))
         for w in live:
             # The layout travels until the worker has acked once (its first update carries it).
             transport = self._transports[w]
@@ -161,14 +158,14 @@ class RayWeightSyncScheme(WeightSyncScheme):
         self._version = version
         if wait:
             deadline = deadline_after(self.timeout if timeout is None else timeout)
-            failures.update(self._collect(live, None, {w: version for w in live}, deadline))
+            failures.update(self._collect(live, deadline, {w: version for w in live}))
         failures.update({w: self._errors.pop(w) for w in list(self._errors) if w in targets and w not in failures})
         raise_failures(failures, model_id=self._model_id, version=version)
 
     def _collect(
-        self, workers: list[int], poll: float | None, expected: dict[int, int], deadline: float | None = None
+        self, workers: list[int], deadline: float | None, expected: dict[int, int]
     ) -> dict[int, WeightSyncError]:
-        """Resolve finished calls; with ``expected``, wait (until ``deadline``) for each worker's version."""
+        """Resolve finished calls: those already done (``deadline`` None), or until each worker applied ``expected``."""
         ray = _ray()
         failures: dict[int, WeightSyncError] = {}
         while True:
@@ -187,7 +184,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
             ]
             if not refs or (expected and not pending):
                 break
-            wait_s = 0.0 if poll is not None else remaining(deadline or 0.0)
+            wait_s = 0.0 if deadline is None else remaining(deadline)
             ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
             for ref in ready:
                 w, v = refs[ref]
@@ -212,9 +209,9 @@ class RayWeightSyncScheme(WeightSyncScheme):
                         worker_idx=w,
                         version=v,
                     )
-            if poll is not None:
+            if deadline is None:
                 break
-            if remaining(deadline or 0.0) <= 0:
+            if remaining(deadline) <= 0:
                 for w in pending:
                     acked = self._transports[w].acked
                     if w not in failures and (acked is None or acked < expected[w]):
@@ -231,16 +228,6 @@ class RayWeightSyncScheme(WeightSyncScheme):
                 failures[w] = self._failed[w]
         return failures
 
-    def wait_for(self, workers: list[int], timeout: float | None) -> None:
-        deadline = deadline_after(self.timeout if timeout is None else timeout)
-        expected = {w: self._transports[w].sent for w in workers if self._transports[w].sent is not None}
-        failures = {w: self._errors.pop(w) for w in list(self._errors) if w in workers}
-        failures.update(self._collect(workers, None, expected, deadline))
-        raise_failures(failures, model_id=self._model_id, version=self._version)
-
-    def _wait_impl(self, timeout: float) -> None:
-        self.wait_for(sorted(self._transports), timeout)
-
     # --------------------------------------------------------------- receiver
     def _init_receiver_impl(self, **kwargs: Any) -> None:
         super()._init_receiver_impl(**kwargs)
@@ -254,7 +241,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         # Nothing to join: the sender's connect() delivers version 0 as a call to this actor.
         pass
 
-    def _apply_payload(self, version: int, buffer: torch.Tensor, layout: dict | None) -> int:
+    def _apply_payload(self, version: int, buffers: list[torch.Tensor], ranges: list, layout: dict | None) -> int:
         """Called inside the actor by the sender's call: check, then copy the update into the model."""
         where = {"model_id": self._model_id, "worker_idx": self._worker_idx, "version": version}
         if layout is not None:
@@ -263,8 +250,9 @@ class RayWeightSyncScheme(WeightSyncScheme):
             raise ConfigurationError("received an update before the layout", **where)
         dst = flatten_weights(self._model, self._strategy.extract_as)
         check_spec(self._layout.spec, weights_spec(dst), **where)
+        src = self._layout.unpack(buffers, [tuple(r) for r in ranges])
         with self.weights_lock:
-            write_into(dst, self._layout.views(buffer))
+            write_into(dst, src)
             self._version = version
         return version
 

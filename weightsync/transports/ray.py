@@ -37,8 +37,8 @@ def unregister_receiver(model_id: str, scheme: RayWeightSyncScheme) -> None:
         del _RECEIVERS[model_id]
 
 
-def apply_in_actor(actor: Any, model_id: str, version: int, payload: np.ndarray, layout: dict | None) -> int:
-    """Runs inside the actor: apply ``payload`` (the flat weights) as ``version``; return the version held.
+def apply_in_actor(actor: Any, model_id: str, version: int, payload: tuple, layout: dict | None) -> int:
+    """Runs inside the actor: apply ``payload`` (the weights' buffers) as ``version``; return the version held.
 
     An actor class of your own that hosts a module for
     :class:`~weightsync.schemes.ray.RayModuleTransformScheme` calls this from
@@ -51,11 +51,12 @@ def apply_in_actor(actor: Any, model_id: str, version: int, payload: np.ndarray,
             f"{model_id!r}, model=..., worker_idx=...) in the actor before the sender connects",
             model_id=model_id,
         )
+    ranges, arrays = payload
     with warnings.catch_warnings():
         # The object store hands out read-only arrays; we only read from them.
         warnings.simplefilter("ignore", UserWarning)
-        buffer = torch.from_numpy(payload)
-    return scheme._apply_payload(version, buffer, layout)
+        buffers = [torch.from_numpy(np.asarray(a)) for a in arrays]
+    return scheme._apply_payload(version, buffers, ranges, layout)
 
 
 class RayTransport(SenderBoundTransport):

@@ -37,13 +37,13 @@ ENGINES = ["distributed", "rpc", "ray"]
 
 
 # ---------------------------------------------------------------- distributed
-def _dist_worker(scheme, idx, mb, port, cmd) -> None:
+def _dist_worker(scheme, idx, mb, port, cmd, tensors=0) -> None:
     import torch.distributed as dist
 
     from weightsync.transports.distributed import new_group
 
     torch.set_num_threads(1)
-    model = make_model(mb)
+    model = make_model(mb, tensors)
     scheme.init_on_receiver(model_id="policy", model=model, worker_idx=idx)
     scheme.connect()
     store = dist.PrefixStore("raw", dist.TCPStore("127.0.0.1", port, is_master=False))
@@ -65,18 +65,18 @@ def _dist_worker(scheme, idx, mb, port, cmd) -> None:
     scheme.shutdown()
 
 
-def bench_distributed(mb: float, workers: int, rounds: int) -> tuple[list[float], list[float]]:
+def bench_distributed(mb: float, workers: int, rounds: int, tensors: int = 0) -> tuple[list[float], list[float]]:
     import torch.distributed as dist
 
     from weightsync.transports.distributed import new_group, open_store
 
-    model = make_model(mb)
+    model = make_model(mb, tensors)
     store, port, _ = open_store("127.0.0.1", 0, 120)
     scheme = ws.DistributedWeightSyncScheme(timeout=120)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe() for _ in range(workers)]
-    procs = [ctx.Process(target=_dist_worker, args=(scheme, i, mb, port, pipes[i][1])) for i in range(workers)]
+    procs = [ctx.Process(target=_dist_worker, args=(scheme, i, mb, port, pipes[i][1], tensors)) for i in range(workers)]
     for p in procs:
         p.start()
     scheme.connect()
@@ -110,9 +110,9 @@ def _sink(tensor: torch.Tensor) -> int:
     return tensor.numel()
 
 
-def _rpc_worker(scheme, idx, mb, stop) -> None:
+def _rpc_worker(scheme, idx, mb, stop, tensors=0) -> None:
     torch.set_num_threads(1)
-    model = make_model(mb)
+    model = make_model(mb, tensors)
     scheme.init_on_receiver(model_id="policy", model=model, worker_idx=idx)
     scheme.connect()
     while not stop.is_set():
@@ -123,17 +123,17 @@ def _rpc_worker(scheme, idx, mb, stop) -> None:
     scheme.shutdown()
 
 
-def bench_rpc(mb: float, workers: int, rounds: int) -> tuple[list[float], list[float]]:
+def bench_rpc(mb: float, workers: int, rounds: int, tensors: int = 0) -> tuple[list[float], list[float]]:
     import torch.distributed.rpc as rpc
 
     from weightsync.transports.rpc import default_worker_name
 
-    model = make_model(mb)
+    model = make_model(mb, tensors)
     scheme = ws.RPCWeightSyncScheme(timeout=120)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
-    procs = [ctx.Process(target=_rpc_worker, args=(scheme, i, mb, stop)) for i in range(workers)]
+    procs = [ctx.Process(target=_rpc_worker, args=(scheme, i, mb, stop, tensors)) for i in range(workers)]
     for p in procs:
         p.start()
     scheme.connect()
@@ -156,14 +156,14 @@ def bench_rpc(mb: float, workers: int, rounds: int) -> tuple[list[float], list[f
 
 
 # ------------------------------------------------------------------------ ray
-def bench_ray(mb: float, workers: int, rounds: int) -> tuple[list[float], list[float]]:
+def bench_ray(mb: float, workers: int, rounds: int, tensors: int = 0) -> tuple[list[float], list[float]]:
     import ray
 
     @ray.remote(num_cpus=0)
     class Actor:
-        def __init__(self, scheme, idx, mb):
+        def __init__(self, scheme, idx, mb, tensors):
             torch.set_num_threads(1)
-            self.model = make_model(mb)
+            self.model = make_model(mb, tensors)
             self.flat = torch.nn.utils.parameters_to_vector(self.model.parameters()).detach()
             scheme.init_on_receiver(model_id="policy", model=self.model, worker_idx=idx)
             scheme.connect()
@@ -175,9 +175,9 @@ def bench_ray(mb: float, workers: int, rounds: int) -> tuple[list[float], list[f
 
     ray.init(num_cpus=workers + 1, include_dashboard=False, log_to_driver=False)
     try:
-        model = make_model(mb)
+        model = make_model(mb, tensors)
         scheme = ws.RayWeightSyncScheme(timeout=120)
-        actors = [Actor.remote(scheme, i, mb) for i in range(workers)]
+        actors = [Actor.remote(scheme, i, mb, tensors) for i in range(workers)]
         scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
         scheme.connect()
         payload = torch.randn(sum(p.numel() for p in model.parameters()))
@@ -205,9 +205,9 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
             p.add_(1e-3 * (seed + 1))
 
 
-def _run_one(engine: str, mb: float, workers: int, rounds: int, out) -> None:
+def _run_one(engine: str, mb: float, workers: int, rounds: int, out, tensors: int = 0) -> None:
     try:
-        out.send(globals()[f"bench_{engine}"](mb, workers, rounds))
+        out.send(globals()[f"bench_{engine}"](mb, workers, rounds, tensors))
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
         out.send(f"{type(exc).__name__}: {exc}")
 

@@ -1,7 +1,9 @@
 """Median ``send()`` time of each local scheme against one ``copy_`` of the same bytes, in one run.
 
     python benchmarks/bench_local.py                   # 100 MB float32 model, 2 workers
-    python benchmarks/bench_local.py --mb 10 --workers 4 --rounds 20 --markdown docs/benchmarks.md
+    python benchmarks/bench_local.py --mb 10 --workers 4 --rounds 20 --markdown local.md
+
+``benchmarks/suite.py`` runs every target case (this one included) in one command.
 
 A send is timed from the call until every worker has applied the update and
 acked (``sync=True``). Workers wait in ``receive()`` and do nothing else, so
@@ -25,16 +27,22 @@ import weightsync as ws
 SCHEMES = ["no_sync", "shared_mem", "multiprocess"]
 
 
-def make_model(mb: float) -> nn.Module:
-    """An MLP of square float32 layers totalling about ``mb`` megabytes."""
-    width = 2048
+def make_model(mb: float, tensors: int = 0) -> nn.Module:
+    """About ``mb`` megabytes of float32: an MLP of square layers, or ``tensors`` equal tensors when given.
+
+    The MLP is 2048 wide (4.2 MB a layer) from 4 MB up, narrower below, so small models stay MLPs too.
+    """
+    if tensors:
+        numel = max(1, round(mb * 1e6 / 4 / tensors))
+        return nn.ParameterList([nn.Parameter(torch.randn(numel)) for _ in range(tensors)])
+    width = 2048 if mb >= 4 else max(8, round((mb * 1e6 / 4 / 3) ** 0.5))
     layers = max(1, round(mb * 1e6 / 4 / (width * width + width)))
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
 
-def worker(scheme: ws.WeightSyncScheme, idx: int, mb: float, stop) -> None:
+def worker(scheme: ws.WeightSyncScheme, idx: int, mb: float, stop, tensors: int = 0) -> None:
     torch.set_num_threads(1)
-    model = make_model(mb)
+    model = make_model(mb, tensors)
     scheme.init_on_receiver(model_id="policy", model=model, worker_idx=idx)
     scheme.connect()
     while not stop.is_set():  # no_sync has no channel to say the trainer is done
@@ -45,36 +53,48 @@ def worker(scheme: ws.WeightSyncScheme, idx: int, mb: float, stop) -> None:
     scheme.shutdown()
 
 
-def time_scheme(name: str, model: nn.Module, workers: int, rounds: int, mb: float) -> tuple[list[float], list[float]]:
+def time_scheme(
+    name: str, model: nn.Module, workers: int, rounds: int, mb: float, tensors: int = 0, memory: dict | None = None
+) -> tuple[list[float], list[float]]:
     """Per round: one ``copy_`` of the model's bytes, then one ``send()``; both lists of seconds.
 
     Interleaving the floor with the sends makes their ratio robust to the
-    machine's load changing during the run.
+    machine's load changing during the run. ``memory``, when given, receives
+    ``extra_bytes``: the sender's peak resident memory over its level before
+    ``init_on_sender`` (the model and the floor's buffers already counted there).
     """
+    import psutil
+
     numel = sum(p.numel() for p in model.parameters())
-    src, dst = torch.randn(numel), torch.empty(numel)
+    src, dst = torch.randn(numel), torch.randn(numel)
     ctx = mp.get_context("spawn")
+    me = psutil.Process()
+    base = peak = me.memory_info().rss
     scheme = ws.WeightSyncScheme.from_backend(name, timeout=120)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
     stop = ctx.Event()
-    procs = [ctx.Process(target=worker, args=(scheme, i, mb, stop)) for i in range(workers)]
+    procs = [ctx.Process(target=worker, args=(scheme, i, mb, stop, tensors)) for i in range(workers)]
     for proc in procs:
         proc.start()
     try:
         scheme.connect()
         copies, sends = [], []
+        last = list(model.parameters())[-1]
         for step in range(rounds + 2):
             start = time.perf_counter()
             dst.copy_(src)
             copy_s = time.perf_counter() - start
             with torch.no_grad():
-                model[0].bias.add_(1.0)  # an optimizer-like change, so every version differs
+                last.add_(1.0)  # an optimizer-like change, so every version differs
             start = time.perf_counter()
             scheme.send()
             send_s = time.perf_counter() - start
+            peak = max(peak, me.memory_info().rss)
             if step >= 2:  # the first sends also map the slots in the workers
                 copies.append(copy_s)
                 sends.append(send_s)
+        if memory is not None:
+            memory["extra_bytes"] = peak - base
         return copies, sends
     finally:
         scheme.shutdown()
@@ -118,12 +138,7 @@ def main() -> None:
     if args.markdown:
         with open(args.markdown, "w") as out:
             command = " ".join(["python", *sys.argv])
-            out.write(
-                f"# Benchmarks\n\nProduced by `{command}`.\n"
-                "A send is timed until every worker applied and acked; each round also times one `copy_` of the "
-                "same bytes just before its send, so the ratio compares figures taken under the same load.\n\n"
-            )
-            out.write("\n".join(lines) + "\n")
+            out.write(f"`{command}`\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

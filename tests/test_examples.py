@@ -173,3 +173,28 @@ def test_sweep_example_runs_every_job(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "results.md").read_text().count("| yes |") == 16
+
+
+def test_benchmark_suite_prints_every_case_against_its_target_and_plots(tmp_path):
+    md, png = tmp_path / "suite.md", tmp_path / "suite.png"
+    out = _run(
+        [
+            "benchmarks/suite.py",
+            *("--schemes", "shared_mem", "distributed"),
+            *("--cases", "floors", "small", "memory", "plot"),
+            *("--mb", "1", "--rounds", "2", "--sizes", "1", "2"),
+            *("--markdown", str(md), "--png", str(png)),
+        ],
+        timeout=420,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    table = md.read_text()
+    for row in (
+        "| shared_mem, 1 MB |",
+        "| distributed, 1 MB |",
+        "| shared_mem, 0.4 MB round trip |",
+        "| shared_mem: sender's extra memory, 8 workers |",
+        "| distributed | ",
+    ):
+        assert row in table, table
+    assert png.read_bytes()[:4] == b"\x89PNG"

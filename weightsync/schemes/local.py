@@ -21,6 +21,8 @@ from collections import deque
 from multiprocessing.connection import wait as wait_connections
 from typing import Any
 
+import torch
+
 from ..errors import (
     ConfigurationError,
     ConnectionClosedError,
@@ -106,6 +108,7 @@ class LocalScheme(WeightSyncScheme):
         self._transport: MPTransport | None = None
         self._layout_error: WeightMismatchError | None = None
         self._pending: deque[Update] = deque()
+        self._slot_views: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}  # slot -> (buffer, views)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._applied = threading.Condition()
@@ -470,8 +473,11 @@ class LocalScheme(WeightSyncScheme):
                 raise LifecycleError(f"update names slot {update.slot}, which was never shared", **where)
             dst = flatten_weights(self._model, self._strategy.extract_as)
             check_spec(self._layout.spec, weights_spec(dst), **where)
+            cached = self._slot_views.get(update.slot)
+            if cached is None or cached[0] is not buffer:  # typed views of a slot are made once, not per update
+                cached = self._slot_views[update.slot] = (buffer, self._layout.views(buffer))
             with self.weights_lock:  # weights and version change together for readers holding the lock
-                write_into(dst, self._layout.views(buffer), share=self._transport.pinning)
+                write_into(dst, cached[1], share=self._transport.pinning)
                 self._version = update.version
         except Exception as exc:
             self._transport.send_ack(update.version, error=exc, held=self._version)

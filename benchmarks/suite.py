@@ -1,0 +1,271 @@
+"""Every data-plane target in one command: a table of each case against its floor, and a plot.
+
+    python benchmarks/suite.py                       # everything; prints the table
+    python benchmarks/suite.py --write               # ... and updates docs/benchmarks.md and docs/benchmarks.png
+    python benchmarks/suite.py --cases small scaling --rounds 20
+
+Each case runs in a fresh process, so no case inherits another's memory or
+threads. Sends are ``sync=True`` and timed until every worker applied and
+acked; a floor is measured in the same rounds as the sends it is compared with
+(interleaved), so machine load hits both alike. The Ray cases start a local
+cluster; to keep it on loopback run the suite in a private network namespace
+(``unshare -n sh -c 'ip link set lo up && python benchmarks/suite.py'``, root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_engines  # noqa: E402
+import bench_local  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+PLOT = ROOT / "docs" / "benchmarks.png"
+BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
+LOCAL = ["shared_mem", "multiprocess"]
+ENGINES = ["distributed", "rpc", "ray"]
+CASES = ["floors", "tensors", "small", "scaling", "memory", "plot"]
+
+
+# ------------------------------------------------------------ measurements (each in a fresh process)
+def local_run(name: str, mb: float, workers: int, rounds: int, tensors: int = 0) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = bench_local.make_model(mb, tensors)
+    memory: dict[str, int] = {}
+    copies, sends = bench_local.time_scheme(name, model, workers, rounds, mb, tensors, memory)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"sends": sends, "floor": copies, "nbytes": nbytes, **memory}
+
+
+def engine_run(engine: str, mb: float, workers: int, rounds: int, tensors: int = 0) -> dict[str, Any]:
+    raw, sends = getattr(bench_engines, f"bench_{engine}")(mb, workers, rounds, tensors)
+    return {"sends": sends, "floor": raw}
+
+
+def run(scheme: str, mb: float, workers: int, rounds: int, tensors: int = 0) -> dict[str, Any]:
+    return (local_run if scheme in LOCAL else engine_run)(scheme, mb, workers, rounds, tensors)
+
+
+def _child(fn: Callable, args: tuple, out: Any) -> None:
+    try:
+        out.send(fn(*args))
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        out.send(f"{type(exc).__name__}: {exc}")
+
+
+def isolated(fn: Callable, *args: Any, timeout: float = 900) -> dict[str, Any]:
+    """``fn(*args)`` in a fresh spawned process; its result, or ``RuntimeError`` with its failure."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_child, args=(fn, args, child))
+    proc.start()
+    result = parent.recv() if parent.poll(timeout) else f"timed out after {timeout:.0f} s"
+    proc.join(60)
+    if proc.is_alive():
+        proc.kill()
+    if isinstance(result, str):
+        raise RuntimeError(f"{fn.__name__}{args}: {result}")
+    return result
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3
+
+
+# --------------------------------------------------------------------------- the cases
+class Row:
+    def __init__(self, case: str, measured: str, floor: str, value: float, target: float, unit: str = "x") -> None:
+        self.case, self.measured, self.floor, self.value, self.target, self.unit = (
+            case,
+            measured,
+            floor,
+            value,
+            target,
+            unit,
+        )
+
+    @property
+    def met(self) -> bool:
+        return self.value <= self.target
+
+    def cells(self) -> str:
+        return (
+            f"| {self.case} | {self.measured} | {self.floor} | {self.value:.2f}{self.unit} | "
+            f"<= {self.target:g}{self.unit} | {'yes' if self.met else '**no**'} |"
+        )
+
+
+def case_floors(args: argparse.Namespace) -> list[Row]:
+    floors = {
+        "shared_mem": ("one copy_ of the same bytes", 1.3),
+        "multiprocess": ("one copy_ of the same bytes", 2.5),
+        "distributed": ("one gloo broadcast of the bytes", 1.2),
+        "rpc": ("one RPC of the bytes to each worker", 1.3),
+        "ray": ("one ray.put fetched + copied by each actor", 1.3),
+    }
+    rows = []
+    for scheme, (what, target) in floors.items():
+        if scheme not in args.schemes:
+            continue
+        r = isolated(run, scheme, args.mb, args.workers, args.rounds)
+        send, floor = med(r["sends"]), med(r["floor"])
+        rows.append(
+            Row(f"{scheme}, {args.mb:g} MB", f"{send:.2f} ms", f"{floor:.2f} ms ({what})", send / floor, target)
+        )
+    return rows
+
+
+def case_tensors(args: argparse.Namespace) -> list[Row]:
+    rows = []
+    for scheme in args.schemes:
+        many = med(isolated(run, scheme, args.mb, args.workers, args.rounds, 2000)["sends"])
+        one = med(isolated(run, scheme, args.mb, args.workers, args.rounds, 1)["sends"])
+        rows.append(Row(f"{scheme}: 2000 tensors vs 1", f"{many:.2f} ms", f"{one:.2f} ms (1 tensor)", many / one, 1.2))
+    return rows
+
+
+def case_small(args: argparse.Namespace) -> list[Row]:
+    rows = []
+    for scheme, target in (("shared_mem", 0.2), ("multiprocess", 0.5)):
+        if scheme not in args.schemes:
+            continue
+        r = isolated(run, scheme, 0.4, args.workers, max(args.rounds, 50))
+        rows.append(
+            Row(f"{scheme}, 0.4 MB round trip", f"{med(r['sends']):.3f} ms", "-", med(r["sends"]), target, " ms")
+        )
+    return rows
+
+
+def case_scaling(args: argparse.Namespace) -> list[Row]:
+    if "shared_mem" not in args.schemes:
+        return []
+    one = med(isolated(run, "shared_mem", args.mb, 1, args.rounds)["sends"])
+    eight = med(isolated(run, "shared_mem", args.mb, 8, args.rounds)["sends"])
+    return [
+        Row(
+            f"shared_mem, {args.mb:g} MB, 1 -> 8 workers",
+            f"{eight:.2f} ms",
+            f"{one:.2f} ms (1 worker)",
+            eight / one,
+            1.5,
+        )
+    ]
+
+
+def case_memory(args: argparse.Namespace) -> list[Row]:
+    rows = []
+    for scheme in [s for s in LOCAL if s in args.schemes]:
+        r = isolated(local_run, scheme, args.mb, 8, max(3, args.rounds // 2))
+        rows.append(
+            Row(
+                f"{scheme}: sender's extra memory, 8 workers",
+                f"{r['extra_bytes'] / 1e6:.1f} MB",
+                f"{r['nbytes'] / 1e6:.1f} MB (the model)",
+                r["extra_bytes"] / r["nbytes"],
+                2.0,
+            )
+        )
+    return rows
+
+
+def case_plot(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
+    """Median send time of every scheme at each size (few rounds: the largest sizes take seconds)."""
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for scheme in args.schemes:
+        for mb in args.sizes:
+            rounds = 3 if mb >= 500 else 5
+            r = isolated(run, scheme, mb, args.workers, rounds)
+            curves.setdefault(scheme, []).append((mb, med(r["sends"])))
+    return curves
+
+
+def plot(curves: dict[str, list[tuple[float, float]]], path: Path, workers: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for scheme, points in curves.items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=scheme)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("model size (MB, float32)")
+    ax.set_ylabel("median send time until every worker acked (ms)")
+    ax.set_title(f"weightsync send time, {workers} workers, {platform.machine()} / {mp.cpu_count()} cores")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
+    parser.add_argument("--schemes", nargs="+", default=LOCAL + ENGINES, choices=LOCAL + ENGINES)
+    parser.add_argument("--mb", type=float, default=100.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--sizes", type=float, nargs="+", default=[1, 10, 100, 1000], help="plot sizes (MB)")
+    parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md and docs/benchmarks.png")
+    parser.add_argument("--markdown", type=Path, default=None, help="write the generated section to this file")
+    parser.add_argument("--png", type=Path, default=None, help="write the plot here")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    rows: list[Row] = []
+    curves = None
+    for case in args.cases:
+        if case == "plot":
+            curves = case_plot(args)
+        else:
+            rows += globals()[f"case_{case}"](args)
+        print(f"[{time.perf_counter() - start:6.0f} s] {case} done", file=sys.stderr)
+    png = PLOT if args.write else args.png
+    if curves and png:
+        plot(curves, png, args.workers)
+    lines = [
+        f"`python benchmarks/suite.py {' '.join(argv if argv is not None else sys.argv[1:])}` on "
+        f"{platform.machine()} / {mp.cpu_count()} cores, torch {torch.__version__}, "
+        f"{args.workers} workers unless said, median of {args.rounds} rounds unless said, "
+        f"{time.perf_counter() - start:.0f} s in all.",
+        "",
+        "| case | measured | floor | ratio | target | met |",
+        "|---|---:|---:|---:|---:|:---:|",
+        *(row.cells() for row in rows),
+    ]
+    if curves:
+        lines += ["", "Median send time (ms) by model size (the plot):", ""]
+        sizes = sorted({mb for points in curves.values() for mb, _ in points})
+        lines += ["| scheme | " + " | ".join(f"{mb:g} MB" for mb in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+        for scheme, points in curves.items():
+            lines.append(f"| {scheme} | " + " | ".join(f"{ms:.2f}" for _, ms in points) + " |")
+        if png:
+            lines += ["", f"![send time against model size]({png.name})"]
+    section = "\n".join(lines)
+    print(section)
+    if args.markdown:
+        args.markdown.write_text(section + "\n")
+    if args.write:
+        text = DOC.read_text()
+        head, _, rest = text.partition(BEGIN)
+        _, _, tail = rest.partition(END)
+        DOC.write_text(f"{head}{BEGIN}\n{section}\n{END}{tail}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

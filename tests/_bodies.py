@@ -149,3 +149,37 @@ def mismatching_worker_is_refused_by_name(scheme, workers):
     assert group.ask(0, "state")["policy"] == (1, checksum(model, scheme.strategy.extract_as))
     group.stop()
     scheme.shutdown()
+
+
+def rounded(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``model`` whose floating weights went through ``dtype`` and back."""
+    import copy
+
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for tensor in ws.WeightStrategy().flat(out).values():
+            if tensor.is_floating_point():
+                tensor.copy_(tensor.to(dtype).to(tensor.dtype))
+    return out
+
+
+def wire_nbytes(flat: dict, wire: torch.dtype) -> int:
+    """Bytes of ``flat`` with its floating tensors as ``wire`` (the integer ones as they are)."""
+    return sum(t.numel() * (t.element_size() if not t.is_floating_point() else wire.itemsize) for t in flat.values())
+
+
+def wire_dtype_halves_the_bytes_and_workers_hold_the_rounded_weights(scheme, workers):
+    assert scheme.wire_dtype == "bfloat16", "run this body with a scheme built with wire_dtype='bfloat16'"
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    assert scheme.layout.weights_nbytes == wire_nbytes(scheme.strategy.flat(model), torch.bfloat16)
+    group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    for step in (1, 2):
+        optimizer_step(model, step)
+        scheme.send()
+        expected = checksum(rounded(model, torch.bfloat16), scheme.strategy.extract_as)
+        assert expected != checksum(model, scheme.strategy.extract_as)  # bf16 did round something
+        for w in range(2):
+            assert group.ask(w, "state")["policy"] == (step, expected), f"worker {w} after send {step}"
+    group.stop()
+    scheme.shutdown()

@@ -18,8 +18,13 @@ def run(scenario: str, conn) -> None:
             groups.append(WorkerGroup(_CTX, target, n, make_args))
             return groups[-1]
 
-        name, _, strategy = scenario.partition(":")
-        scheme = ws.RPCWeightSyncScheme(timeout=20, connect_timeout=60, **({"strategy": strategy} if strategy else {}))
+        # "body[:strategy[:key=value,...]]": scheme arguments after the strategy.
+        name, _, rest = scenario.partition(":")
+        strategy, _, extra = rest.partition(":")
+        kwargs = dict(item.split("=", 1) for item in extra.split(",") if item)
+        if strategy:
+            kwargs["strategy"] = strategy
+        scheme = ws.RPCWeightSyncScheme(timeout=20, connect_timeout=60, **kwargs)
         body = getattr(bodies, name)
         if "strategy" in inspect.signature(body).parameters:
             body(scheme, workers, strategy)

@@ -31,6 +31,17 @@ def test_mismatching_worker_is_refused_before_any_byte_moves(workers):
     bodies.mismatching_worker_is_refused_by_name(_scheme(), workers)
 
 
+def test_wire_dtype_halves_the_bytes_and_workers_hold_the_rounded_weights(workers):
+    bodies.wire_dtype_halves_the_bytes_and_workers_hold_the_rounded_weights(_scheme(wire_dtype="bfloat16"), workers)
+
+
+@pytest.mark.parametrize("wire_dtype", ["int8", "pigeon"])
+def test_a_wire_dtype_that_is_not_a_floating_dtype_is_refused(wire_dtype):
+    for cls in (ws.DistributedWeightSyncScheme, ws.RPCWeightSyncScheme, ws.RayWeightSyncScheme):
+        with pytest.raises(ws.ConfigurationError, match=f"wire_dtype must name a floating dtype.*{wire_dtype}"):
+            cls(wire_dtype=wire_dtype)
+
+
 @pytest.mark.parametrize("latest_wins", [True, False])
 def test_async_sends_are_received_in_order_or_coalesced(workers, latest_wins):
     model = build("tiny")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 import weightsync as ws
-from tests._bodies import optimizer_step
+from tests._bodies import optimizer_step, rounded, wire_nbytes
 from tests._netns import loopback_only_network
 from tests._workers import _scramble, build, checksum
 
@@ -117,6 +118,24 @@ def test_async_failure_is_reported_at_wait_async():
     assert errors, "the actor's failures were never reported"
     assert all(e.worker_idx == 1 and e.remote_type == "WeightMismatchError" for e in errors)
     assert ray.get(actors[0].state.remote()) == (2, checksum(model, "state_dict"))
+    scheme.shutdown()
+    for a in actors:
+        ray.kill(a)
+
+
+def test_wire_dtype_halves_the_bytes_and_actors_hold_the_rounded_weights():
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=30, wire_dtype="bfloat16")
+    actors = _collectors()
+    ray.get([a.join.remote(scheme, i) for i, a in enumerate(actors)])
+    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    assert scheme.layout.weights_nbytes == wire_nbytes(scheme.strategy.flat(model), torch.bfloat16)
+    scheme.connect()
+    optimizer_step(model, 1)
+    scheme.send()
+    expected = checksum(rounded(model, torch.bfloat16), "state_dict")
+    assert expected != checksum(model, "state_dict")
+    assert ray.get([a.state.remote() for a in actors]) == [(1, expected)] * 2
     scheme.shutdown()
     for a in actors:
         ray.kill(a)

@@ -41,6 +41,7 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0) -> None:
         "bad_weights_fail_in_the_caller_and_send_nothing:tensordict",
         "killed_worker_is_named_and_the_others_are_served",
         "mismatching_worker_is_refused_by_name",
+        "wire_dtype_halves_the_bytes_and_workers_hold_the_rounded_weights::wire_dtype=bfloat16",
     ],
 )
 def test_rpc_scheme(scenario):

@@ -146,3 +146,20 @@ def test_layout_unpack_refuses_a_payload_that_does_not_fit():
         layout.unpack([buffers[0][:-1], buffers[1]], ranges)
     with pytest.raises(ws.ConfigurationError, match="does not cover"):
         layout.unpack(buffers[:1], ranges[:1])
+
+
+def test_layout_wire_dtype_casts_floating_tensors_only_and_travels_in_the_plain_form():
+    flat = {"w": torch.randn(100), "step": torch.arange(3, dtype=torch.int64), "h": torch.randn(5).double()}
+    layout = ws.FlatLayout.from_weights(flat, torch.bfloat16)
+    assert layout.spec == ws.FlatLayout.from_weights(flat).spec  # what the receiver checks: the model's dtypes
+    assert {s.key: s.wire for s in layout.slots} == {"w": torch.bfloat16, "step": torch.int64, "h": torch.bfloat16}
+    assert {s.key: s.nbytes for s in layout.slots} == {"w": 200, "step": 24, "h": 10}
+    assert ws.FlatLayout.from_plain(layout.to_plain()) == layout
+    assert ws.FlatLayout.from_plain(layout.to_plain()) != ws.FlatLayout.from_weights(flat)
+    buffers, ranges = layout.pieces(flat, torch.zeros(layout.nbytes, dtype=torch.uint8), direct_min=1)
+    assert all(b.data_ptr() != flat["w"].data_ptr() for b in buffers)  # a cast tensor is always packed
+    out = {k: torch.empty_like(v) for k, v in flat.items()}
+    ws.strategy.write_into(out, layout.unpack(buffers, ranges))
+    for key, tensor in flat.items():
+        expected = tensor.to(torch.bfloat16).to(tensor.dtype) if tensor.is_floating_point() else tensor
+        assert torch.equal(out[key], expected) and out[key].dtype == tensor.dtype

@@ -32,13 +32,30 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
+def wire_dtype_from_name(name: str | None) -> torch.dtype | None:
+    """The dtype weights travel as (``None``: their own); only floating dtypes.
+
+    Raises:
+        ConfigurationError: not the name of a floating torch dtype.
+    """
+    if name is None:
+        return None
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigurationError(f"wire_dtype must name a floating dtype such as 'bfloat16', got {name!r}")
+    return dtype
+
+
 @dataclass(frozen=True)
 class TensorSlot:
+    """One tensor's place: ``dtype`` is the model's, ``wire`` the dtype its bytes have in the buffer."""
+
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     offset: int
     nbytes: int
+    wire: torch.dtype
 
 
 class FlatLayout:
@@ -46,30 +63,36 @@ class FlatLayout:
 
     Args:
         spec: ``{dotted_key: (shape, dtype)}`` in the order the tensors are extracted.
+        wire_dtype: floating tensors are stored in the buffer as this dtype (cast when
+            written, cast back when copied out); ``None`` keeps every dtype.
     """
 
-    def __init__(self, spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    def __init__(
+        self, spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]], wire_dtype: torch.dtype | None = None
+    ) -> None:
+        self.wire_dtype = wire_dtype
         by_dtype: dict[torch.dtype, list[str]] = {}
         for key, (_, dtype) in spec.items():
             by_dtype.setdefault(dtype, []).append(key)
         slots: list[TensorSlot] = []
         offset = 0
         for dtype, keys in by_dtype.items():
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            wire = wire_dtype if wire_dtype is not None and dtype.is_floating_point else dtype
+            itemsize = torch.empty((), dtype=wire).element_size()
             for key in keys:
                 shape = tuple(int(s) for s in spec[key][0])
                 numel = 1
                 for s in shape:
                     numel *= s
-                slots.append(TensorSlot(key, shape, dtype, offset, numel * itemsize))
+                slots.append(TensorSlot(key, shape, dtype, offset, numel * itemsize, wire))
                 offset += -(-numel * itemsize // ALIGN) * ALIGN
         self.slots = slots
         self.nbytes = max(offset, ALIGN)
         self._spec = {s.key: (s.shape, s.dtype) for s in slots}
 
     @classmethod
-    def from_weights(cls, flat: Mapping[str, torch.Tensor]) -> FlatLayout:
-        return cls({k: (tuple(v.shape), v.dtype) for k, v in flat.items()})
+    def from_weights(cls, flat: Mapping[str, torch.Tensor], wire_dtype: torch.dtype | None = None) -> FlatLayout:
+        return cls({k: (tuple(v.shape), v.dtype) for k, v in flat.items()}, wire_dtype)
 
     @property
     def spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -82,23 +105,29 @@ class FlatLayout:
 
     def to_plain(self) -> dict[str, Any]:
         """JSON-able description, the form in which it crosses a process boundary."""
-        return {"entries": [[s.key, list(s.shape), dtype_name(s.dtype)] for s in self.slots]}
+        return {
+            "entries": [[s.key, list(s.shape), dtype_name(s.dtype)] for s in self.slots],
+            "wire_dtype": None if self.wire_dtype is None else dtype_name(self.wire_dtype),
+        }
 
     @classmethod
     def from_plain(cls, plain: Mapping[str, Any]) -> FlatLayout:
-        return cls({key: (tuple(shape), dtype_from_name(dt)) for key, shape, dt in plain["entries"]})
+        return cls(
+            {key: (tuple(shape), dtype_from_name(dt)) for key, shape, dt in plain["entries"]},
+            wire_dtype_from_name(plain.get("wire_dtype")),
+        )
 
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views of every tensor inside ``buffer`` (a uint8 tensor of at least ``nbytes``)."""
-        return {s.key: buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.slots}
+        """Typed views (the wire dtype) of every tensor inside ``buffer`` (a uint8 tensor of at least ``nbytes``)."""
+        return {s.key: buffer[s.offset : s.offset + s.nbytes].view(s.wire).view(s.shape) for s in self.slots}
 
     def pieces(
         self, flat: Mapping[str, torch.Tensor], staging: torch.Tensor, direct_min: int
     ) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
         """The weights as a few contiguous byte buffers, with one copy at most of each byte.
 
-        A CPU tensor of at least ``direct_min`` bytes that is contiguous is a buffer
-        of its own, its memory as it is (no copy). Each run of the other tensors is
+        A CPU tensor of at least ``direct_min`` bytes that is contiguous (and not
+        cast to a wire dtype) is a buffer of its own, its memory as it is (no copy). Each run of the other tensors is
         packed into its place in ``staging`` (a uint8 buffer of ``nbytes``, reused
         across sends) and that range is one buffer. Returns the buffers (uint8)
         and, for each, the range ``[first, last)`` of :attr:`slots` it holds, which
@@ -112,7 +141,7 @@ class FlatLayout:
             if run:
                 first, last = self.slots[run[0]], self.slots[run[-1]]
                 dst = [
-                    staging[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
+                    staging[s.offset : s.offset + s.nbytes].view(s.wire).view(s.shape)
                     for s in self.slots[run[0] : run[-1] + 1]
                 ]
                 with torch.no_grad():
@@ -123,7 +152,12 @@ class FlatLayout:
 
         for i, slot in enumerate(self.slots):
             tensor = flat[slot.key]
-            if slot.nbytes >= direct_min and tensor.device.type == "cpu" and tensor.is_contiguous():
+            if (
+                slot.nbytes >= direct_min
+                and slot.wire == slot.dtype
+                and tensor.device.type == "cpu"
+                and tensor.is_contiguous()
+            ):
                 close_run()
                 buffers.append(tensor.detach().reshape(-1).view(torch.uint8))
                 ranges.append((i, i + 1))
@@ -146,7 +180,7 @@ class FlatLayout:
                     f"a payload buffer holds {buffer.numel()} bytes where tensors {first}..{last - 1} need {end - base}"
                 )
             for s in self.slots[first:last]:
-                views[s.key] = buffer[s.offset - base : s.offset - base + s.nbytes].view(s.dtype).view(s.shape)
+                views[s.key] = buffer[s.offset - base : s.offset - base + s.nbytes].view(s.wire).view(s.shape)
         return views
 
     def __eq__(self, other: object) -> bool:

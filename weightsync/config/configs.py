@@ -104,12 +104,14 @@ class RaySchemeConfig(SchemeConfig):
     Attributes:
         address: Ray cluster address (``None``: ``RAY_ADDRESS`` or a local cluster).
         namespace: Ray namespace.
+        wire_dtype: floating weights travel as this dtype (e.g. ``"bfloat16"``), cast back on apply.
     """
 
     _target_: str = "weightsync.schemes.ray.RayWeightSyncScheme"
     strategy: str = "state_dict"
     address: Optional[str] = None  # noqa: UP045
     namespace: Optional[str] = None  # noqa: UP045
+    wire_dtype: Optional[str] = None  # noqa: UP045
 
 
 @dataclass
@@ -128,6 +130,7 @@ class RPCSchemeConfig(SchemeConfig):
         master_port: rendez-vous port (``None``: ``MASTER_PORT`` or a free port).
         latest_wins: a worker that fell behind applies only the newest update.
         max_buffers: staging buffers the trainer may hold for updates not acked yet.
+        wire_dtype: floating weights travel as this dtype (e.g. ``"bfloat16"``), cast back on apply.
     """
 
     _target_: str = "weightsync.schemes.rpc.RPCWeightSyncScheme"
@@ -136,6 +139,7 @@ class RPCSchemeConfig(SchemeConfig):
     master_port: Optional[int] = None  # noqa: UP045
     latest_wins: bool = True
     max_buffers: int = 2
+    wire_dtype: Optional[str] = None  # noqa: UP045
 
 
 @dataclass
@@ -148,6 +152,7 @@ class DistributedSchemeConfig(SchemeConfig):
         master_port: TCP store port (``None``: ``MASTER_PORT`` or a free port).
         latest_wins: a worker that fell behind applies only the newest update.
         max_buffers: staging buffers the trainer may hold while workers still receive earlier versions.
+        wire_dtype: floating weights travel as this dtype (e.g. ``"bfloat16"``), cast back on apply.
     """
 
     _target_: str = "weightsync.schemes.distributed.DistributedWeightSyncScheme"
@@ -156,6 +161,7 @@ class DistributedSchemeConfig(SchemeConfig):
     master_port: Optional[int] = None  # noqa: UP045
     latest_wins: bool = True
     max_buffers: int = 2
+    wire_dtype: Optional[str] = None  # noqa: UP045
 
 
 # --------------------------------------------------------------- transports

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..errors import WeightSyncError, raise_failures
+from ..layout import FlatLayout, wire_dtype_from_name
+from ..strategy import WeightStrategy
 from ..transports.channel import deadline_after
 from .base import WeightSyncScheme
 
@@ -12,13 +16,38 @@ __all__ = ["AckedScheme"]
 
 
 class AckedScheme(WeightSyncScheme):
-    """Versions, async failures and bounded waits for schemes that collect per-worker acks.
+    """Versions, async failures, bounded waits and the wire dtype of schemes that collect per-worker acks.
+
+    Args:
+        wire_dtype: floating weights travel as this dtype (for example ``"bfloat16"``
+            for a float32 model: half the bytes) and are cast back to the model's
+            dtype when applied; ``None`` sends them as they are. See the guide for
+            the precision lost.
+        Other arguments: see :class:`~weightsync.schemes.base.WeightSyncScheme`.
 
     Subclasses implement ``send_to(weights, targets, wait=..., timeout=...)`` and
     ``_collect(workers, deadline, expected)``: take in the acks already there
     (``deadline`` None), or wait until each worker acked ``expected[w]``; return
     the failures by worker.
     """
+
+    def __init__(
+        self,
+        strategy: str | WeightStrategy = "tensordict",
+        sync: bool = True,
+        timeout: float = 60.0,
+        connect_timeout: float = 120.0,
+        wire_dtype: str | None = None,
+    ) -> None:
+        super().__init__(strategy=strategy, sync=sync, timeout=timeout, connect_timeout=connect_timeout)
+        wire_dtype_from_name(wire_dtype)  # a bad name fails here, not at connect
+        self.wire_dtype = wire_dtype
+
+    def _config_fields(self) -> set[str]:
+        return super()._config_fields() | {"wire_dtype"}
+
+    def _sender_layout(self, wire_dtype: torch.dtype | None = None) -> FlatLayout:
+        return super()._sender_layout(wire_dtype or wire_dtype_from_name(self.wire_dtype))
 
     def _reset_runtime(self) -> None:
         super()._reset_runtime()

@@ -18,13 +18,16 @@ import copy
 import logging
 import threading
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import ConfigurationError, InvalidWeightsError, LifecycleError, WeightSyncError
 from ..layout import FlatLayout
 from ..model_path import resolve_model
 from ..strategy import WeightStrategy
 from ..transports.base import TransportBackend
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["WeightReceiver", "WeightSender", "WeightSyncScheme"]
 
@@ -557,7 +560,7 @@ class WeightSyncScheme:
     def _receiver_handoff(self) -> dict[str, Any]:
         return {}
 
-    def _sender_layout(self) -> FlatLayout:
+    def _sender_layout(self, wire_dtype: torch.dtype | None = None) -> FlatLayout:
         """The flat layout of the registered model's weights (sender side, at init)."""
         if self._model is None:
             raise ConfigurationError(
@@ -566,7 +569,7 @@ class WeightSyncScheme:
         flat = self._strategy.flat(self._model)
         if not flat:
             raise ConfigurationError("the model has no weights to synchronize", model_id=self._model_id)
-        return FlatLayout.from_weights(flat)
+        return FlatLayout.from_weights(flat, wire_dtype)
 
     def _newly_applied(self) -> Any:
         """Receiver: the weights if a version was applied since the last report (now reported), else ``None``."""

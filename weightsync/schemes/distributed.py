@@ -86,8 +86,11 @@ class DistributedWeightSyncScheme(AckedScheme):
         master_port: int | None = None,
         latest_wins: bool = True,
         max_buffers: int = 2,
+        wire_dtype: str | None = None,
     ) -> None:
-        super().__init__(strategy=strategy, sync=sync, timeout=timeout, connect_timeout=connect_timeout)
+        super().__init__(
+            strategy=strategy, sync=sync, timeout=timeout, connect_timeout=connect_timeout, wire_dtype=wire_dtype
+        )
         if backend not in ("gloo", "nccl"):
             raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if isinstance(max_buffers, bool) or not isinstance(max_buffers, int) or max_buffers < 1:

@@ -85,8 +85,11 @@ class RayWeightSyncScheme(AckedScheme):
         connect_timeout: float = 120.0,
         address: str | None = None,
         namespace: str | None = None,
+        wire_dtype: str | None = None,
     ) -> None:
-        super().__init__(strategy=strategy, sync=sync, timeout=timeout, connect_timeout=connect_timeout)
+        super().__init__(
+            strategy=strategy, sync=sync, timeout=timeout, connect_timeout=connect_timeout, wire_dtype=wire_dtype
+        )
         self.address = address
         self.namespace = namespace
 

@@ -78,8 +78,11 @@ class RPCWeightSyncScheme(AckedScheme):
         master_port: int | None = None,
         latest_wins: bool = True,
         max_buffers: int = 2,
+        wire_dtype: str | None = None,
     ) -> None:
-        super().__init__(strategy=strategy, sync=sync, timeout=timeout, connect_timeout=connect_timeout)
+        super().__init__(
+            strategy=strategy, sync=sync, timeout=timeout, connect_timeout=connect_timeout, wire_dtype=wire_dtype
+        )
         if isinstance(max_buffers, bool) or not isinstance(max_buffers, int) or max_buffers < 1:
             raise ConfigurationError(f"max_buffers must be a positive int, got {max_buffers!r}")
         resolve_master(master_addr, master_port)

@@ -65,14 +65,16 @@ def _dist_worker(scheme, idx, mb, port, cmd, tensors=0) -> None:
     scheme.shutdown()
 
 
-def bench_distributed(mb: float, workers: int, rounds: int, tensors: int = 0) -> tuple[list[float], list[float]]:
+def bench_distributed(
+    mb: float, workers: int, rounds: int, tensors: int = 0, wire_dtype: str | None = None
+) -> tuple[list[float], list[float]]:
     import torch.distributed as dist
 
     from weightsync.transports.distributed import new_group, open_store
 
     model = make_model(mb, tensors)
     store, port, _ = open_store("127.0.0.1", 0, 120)
-    scheme = ws.DistributedWeightSyncScheme(timeout=120)
+    scheme = ws.DistributedWeightSyncScheme(timeout=120, wire_dtype=wire_dtype)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe() for _ in range(workers)]

@@ -36,7 +36,7 @@ PLOT = ROOT / "docs" / "benchmarks.png"
 BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
 LOCAL = ["shared_mem", "multiprocess"]
 ENGINES = ["distributed", "rpc", "ray"]
-CASES = ["floors", "tensors", "small", "scaling", "memory", "plot"]
+CASES = ["floors", "tensors", "small", "scaling", "memory", "wire", "plot"]
 
 
 # ------------------------------------------------------------ measurements (each in a fresh process)
@@ -178,6 +178,30 @@ def case_memory(args: argparse.Namespace) -> list[Row]:
             )
         )
     return rows
+
+
+def wire_run(mb: float, workers: int, rounds: int, wire_dtype: str | None) -> dict[str, Any]:
+    raw, sends = bench_engines.bench_distributed(mb, workers, rounds, 0, wire_dtype)
+    return {"sends": sends, "floor": raw}
+
+
+def case_wire(args: argparse.Namespace) -> list[Row]:
+    """The distributed row again with ``wire_dtype="bfloat16"``, against the same fp32 broadcast."""
+    if "distributed" not in args.schemes:
+        return []
+    full = isolated(wire_run, args.mb, args.workers, args.rounds, None)
+    half = isolated(wire_run, args.mb, args.workers, args.rounds, "bfloat16")
+    # Each send against the fp32 broadcast of its own run, so the two runs' loads cancel out.
+    ratio_full, ratio_half = med(full["sends"]) / med(full["floor"]), med(half["sends"]) / med(half["floor"])
+    return [
+        Row(
+            f"distributed, {args.mb:g} MB, wire_dtype=bfloat16 (the same run in fp32: {ratio_full:.2f}x)",
+            f"{med(half['sends']):.2f} ms",
+            f"{med(half['floor']):.2f} ms (one fp32 gloo broadcast)",
+            ratio_half,
+            1.2,
+        )
+    ]
 
 
 def case_plot(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:

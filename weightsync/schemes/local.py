@@ -538,6 +538,7 @@ class LocalScheme(WeightSyncScheme):
                     for tensor in flatten_weights(self._model, self._strategy.extract_as).values():
                         if tensor.device.type == "cpu":
                             tensor.data = tensor.data.clone()
+            self._slot_views.clear()  # they hold the slots' mappings
             self._transport.close()
             self._transport = None
         for transport in self._transports.values():

@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -66,15 +67,16 @@ def _dist_worker(scheme, idx, mb, port, cmd, tensors=0) -> None:
 
 
 def bench_distributed(
-    mb: float, workers: int, rounds: int, tensors: int = 0, wire_dtype: str | None = None
+    mb: float, workers: int, rounds: int, tensors: int = 0, **scheme_kw: Any
 ) -> tuple[list[float], list[float]]:
+    """``scheme_kw``: more arguments of the scheme (``wire_dtype``, ``bucket_mb``)."""
     import torch.distributed as dist
 
     from weightsync.transports.distributed import new_group, open_store
 
     model = make_model(mb, tensors)
     store, port, _ = open_store("127.0.0.1", 0, 120)
-    scheme = ws.DistributedWeightSyncScheme(timeout=120, wire_dtype=wire_dtype)
+    scheme = ws.DistributedWeightSyncScheme(timeout=120, **scheme_kw)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe() for _ in range(workers)]

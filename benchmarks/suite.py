@@ -58,25 +58,25 @@ def run(scheme: str, mb: float, workers: int, rounds: int, tensors: int = 0) -> 
     return (local_run if scheme in LOCAL else engine_run)(scheme, mb, workers, rounds, tensors)
 
 
-def _child(fn: Callable, args: tuple, out: Any) -> None:
+def _child(fn: Callable, args: tuple, kwargs: dict, out: Any) -> None:
     try:
-        out.send(fn(*args))
+        out.send(fn(*args, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
         out.send(f"{type(exc).__name__}: {exc}")
 
 
-def isolated(fn: Callable, *args: Any, timeout: float = 900) -> dict[str, Any]:
-    """``fn(*args)`` in a fresh spawned process; its result, or ``RuntimeError`` with its failure."""
+def isolated(fn: Callable, *args: Any, timeout: float = 900, **kwargs: Any) -> dict[str, Any]:
+    """``fn(*args, **kwargs)`` in a fresh spawned process; its result, or ``RuntimeError`` with its failure."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_child, args=(fn, args, child))
+    proc = ctx.Process(target=_child, args=(fn, args, kwargs, child))
     proc.start()
     result = parent.recv() if parent.poll(timeout) else f"timed out after {timeout:.0f} s"
     proc.join(60)
     if proc.is_alive():
         proc.kill()
     if isinstance(result, str):
-        raise RuntimeError(f"{fn.__name__}{args}: {result}")
+        raise RuntimeError(f"{fn.__name__}{args}{kwargs or ''}: {result}")
     return result
 
 
@@ -180,8 +180,8 @@ def case_memory(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def wire_run(mb: float, workers: int, rounds: int, wire_dtype: str | None) -> dict[str, Any]:
-    raw, sends = bench_engines.bench_distributed(mb, workers, rounds, 0, wire_dtype)
+def distributed_run(mb: float, workers: int, rounds: int, **scheme_kw: Any) -> dict[str, Any]:
+    raw, sends = bench_engines.bench_distributed(mb, workers, rounds, 0, **scheme_kw)
     return {"sends": sends, "floor": raw}
 
 
@@ -189,8 +189,8 @@ def case_wire(args: argparse.Namespace) -> list[Row]:
     """The distributed row again with ``wire_dtype="bfloat16"``, against the same fp32 broadcast."""
     if "distributed" not in args.schemes:
         return []
-    full = isolated(wire_run, args.mb, args.workers, args.rounds, None)
-    half = isolated(wire_run, args.mb, args.workers, args.rounds, "bfloat16")
+    full = isolated(distributed_run, args.mb, args.workers, args.rounds)
+    half = isolated(distributed_run, args.mb, args.workers, args.rounds, wire_dtype="bfloat16")
     # Each send against the fp32 broadcast of its own run, so the two runs' loads cancel out.
     ratio_full, ratio_half = med(full["sends"]) / med(full["floor"]), med(half["sends"]) / med(half["floor"])
     return [

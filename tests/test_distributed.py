@@ -152,3 +152,15 @@ def test_nccl_without_cuda_is_refused_clearly():
     with pytest.raises(ws.ConfigurationError, match="nccl.*needs CUDA"):
         scheme.init_on_sender(model_id="policy", model=build("tiny"), num_workers=1)
     assert scheme.state == "new"
+
+
+@pytest.mark.parametrize("strategy", ["tensordict", "state_dict"])
+def test_every_send_reaches_every_worker_in_buckets(workers, strategy):
+    # 100-byte buckets: every tensor of "tiny" is a bucket of its own.
+    scheme = _scheme(strategy=strategy, bucket_mb=1e-4)
+    bodies.every_send_reaches_every_targeted_worker(scheme, workers, strategy)
+
+
+def test_bucket_size_must_be_positive():
+    with pytest.raises(ws.ConfigurationError, match="bucket_mb must be a positive number"):
+        _scheme(bucket_mb=0)

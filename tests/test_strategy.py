@@ -163,3 +163,20 @@ def test_layout_wire_dtype_casts_floating_tensors_only_and_travels_in_the_plain_
     for key, tensor in flat.items():
         expected = tensor.to(torch.bfloat16).to(tensor.dtype) if tensor.is_floating_point() else tensor
         assert torch.equal(out[key], expected) and out[key].dtype == tensor.dtype
+
+
+def test_layout_buckets_tile_the_buffer_at_tensor_boundaries():
+    layout = ws.FlatLayout.from_weights(
+        {"a": torch.randn(100), "b": torch.randn(10), "c": torch.randn(1000), "d": torch.randn(5)}
+    )
+    assert layout.buckets(None) == [(0, 4, 0, layout.nbytes)]
+    for max_bytes in (1, 500, 4000, 10**9):
+        buckets = layout.buckets(max_bytes)
+        assert buckets[0][0] == 0 and buckets[0][2] == 0 and buckets[-1][1:4:2] == (4, layout.nbytes)
+        for (_, last, _, end), (first, _, start, _) in zip(buckets, buckets[1:]):
+            assert last == first and end == start == layout.slots[first].offset
+        for first, last, start, _ in buckets:  # within the bound, unless one tensor alone exceeds it
+            assert (
+                last - first == 1 or layout.slots[last - 1].offset + layout.slots[last - 1].nbytes - start <= max_bytes
+            )
+    assert [b[:2] for b in layout.buckets(500)] == [(0, 2), (2, 3), (3, 4)]

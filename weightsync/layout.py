@@ -121,6 +121,20 @@ class FlatLayout:
         """Typed views (the wire dtype) of every tensor inside ``buffer`` (a uint8 tensor of at least ``nbytes``)."""
         return {s.key: buffer[s.offset : s.offset + s.nbytes].view(s.wire).view(s.shape) for s in self.slots}
 
+    def buckets(self, max_bytes: int | None) -> list[tuple[int, int, int, int]]:
+        """Split the buffer at tensor boundaries into runs of at most ``max_bytes`` (a larger tensor is a
+        bucket of its own); ``None``: one bucket. Returns ``(first_slot, last_slot, start, end)`` for each,
+        slots ``[first, last)`` and bytes ``[start, end)``; the buckets tile ``[0, nbytes)``."""
+        if not self.slots:
+            return [(0, 0, 0, self.nbytes)]
+        cuts = [0]
+        for i, slot in enumerate(self.slots[1:], start=1):
+            if max_bytes is not None and slot.offset + slot.nbytes - self.slots[cuts[-1]].offset > max_bytes:
+                cuts.append(i)
+        bounds = [self.slots[i].offset for i in cuts[1:]]
+        starts, ends = [0, *bounds], [*bounds, self.nbytes]
+        return list(zip(cuts, [*cuts[1:], len(self.slots)], starts, ends))
+
     def pieces(
         self, flat: Mapping[str, torch.Tensor], staging: torch.Tensor, direct_min: int
     ) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:

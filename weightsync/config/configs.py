@@ -153,6 +153,8 @@ class DistributedSchemeConfig(SchemeConfig):
         latest_wins: a worker that fell behind applies only the newest update.
         max_buffers: staging buffers the trainer may hold while workers still receive earlier versions.
         wire_dtype: floating weights travel as this dtype (e.g. ``"bfloat16"``), cast back on apply.
+        bucket_mb: send the weights in buckets of at most this many MB, each copied while the previous
+            one is on the wire (``None``: one message).
     """
 
     _target_: str = "weightsync.schemes.distributed.DistributedWeightSyncScheme"
@@ -162,6 +164,7 @@ class DistributedSchemeConfig(SchemeConfig):
     latest_wins: bool = True
     max_buffers: int = 2
     wire_dtype: Optional[str] = None  # noqa: UP045
+    bucket_mb: Optional[float] = None  # noqa: UP045
 
 
 # --------------------------------------------------------------- transports

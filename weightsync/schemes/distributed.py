@@ -66,6 +66,11 @@ class DistributedWeightSyncScheme(AckedScheme):
         max_buffers: staging buffers the sender may hold while workers still
             read earlier versions; a send waits (up to ``timeout``) for one
             to be free. Peak extra sender memory is ``max_buffers`` x the model.
+        bucket_mb: the weights go in buckets of at most this many MB (split at
+            tensor boundaries; a larger tensor is a bucket of its own), each
+            copied into the staging buffer while the previous one is on the
+            wire. ``None``: one message. A worker applies an update only once
+            every bucket of it has arrived.
         Other arguments: see :class:`~weightsync.schemes.base.WeightSyncScheme`.
 
     ``init_on_sender`` needs ``num_workers=``; workers get the scheme pickled
@@ -87,6 +92,7 @@ class DistributedWeightSyncScheme(AckedScheme):
         latest_wins: bool = True,
         max_buffers: int = 2,
         wire_dtype: str | None = None,
+        bucket_mb: float | None = None,
     ) -> None:
         super().__init__(
             strategy=strategy, sync=sync, timeout=timeout, connect_timeout=connect_timeout, wire_dtype=wire_dtype
@@ -102,9 +108,21 @@ class DistributedWeightSyncScheme(AckedScheme):
         self.master_port = master_port
         self.latest_wins = bool(latest_wins)
         self.max_buffers = max_buffers
+        if bucket_mb is not None and (
+            isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0
+        ):
+            raise ConfigurationError(f"bucket_mb must be a positive number of megabytes or None, got {bucket_mb!r}")
+        self.bucket_mb = bucket_mb
 
     def _config_fields(self) -> set[str]:
-        return super()._config_fields() | {"backend", "master_addr", "master_port", "latest_wins", "max_buffers"}
+        return super()._config_fields() | {
+            "backend",
+            "master_addr",
+            "master_port",
+            "latest_wins",
+            "max_buffers",
+            "bucket_mb",
+        }
 
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
@@ -115,9 +133,11 @@ class DistributedWeightSyncScheme(AckedScheme):
         self._address: tuple[str, int] | None = None
         self._prefix: str | None = None
         self._pool: StagingPool | None = None
+        self._buckets: list[tuple[int, int, int, int]] = []  # (first slot, last slot, start byte, end byte)
         # Receiver side.
         self._transport: DistributedTransport | None = None
         self._recv_buffer: torch.Tensor | None = None
+        self._recv_views: dict[str, torch.Tensor] | None = None
         self._closed = False
 
     def _check_backend(self) -> None:
@@ -150,6 +170,7 @@ class DistributedWeightSyncScheme(AckedScheme):
         if self._num_workers is None:
             raise ConfigurationError("DistributedWeightSyncScheme.init_on_sender needs num_workers=")
         self._layout = self._sender_layout()
+        self._buckets = self._layout.buckets(self._bucket_bytes)
         host, port = resolve_master(self.master_addr, self.master_port)
         self._base_store, port, _ = open_store(host, port, self.connect_timeout)
         self._address = (host, port)
@@ -233,17 +254,32 @@ class DistributedWeightSyncScheme(AckedScheme):
         live = [w for w in targets if w not in self._failed]
         if self._pool is None:
             self._pool = StagingPool(
-                self._layout.nbytes, self._device, self.max_buffers, lambda work: work.done(), self._settle
+                self._layout.nbytes,
+                self._device,
+                self.max_buffers,
+                lambda works: all(work.done() for work in works),
+                self._settle,
             )
         staging = self._pool.acquire(deadline, model_id=self._model_id, version=version)
-        write_into(self._layout.views(staging.tensor), flat)
         if initial:
             self._store.set("initial", str(version))
-        for w in live:
-            try:
-                staging.readers[w] = self._transports[w].post(version, staging.tensor, initial=initial)
-            except RuntimeError as exc:  # the peer is gone: gloo refuses to send to it
-                failures[w] = self._mark_dead(w, self._died(w, version, exc))
+        sending = [w for w in live if w not in failures]
+        for w in sending:
+            self._transports[w].announce(version, initial=initial)
+            staging.readers[w] = []
+        # Bucket by bucket: while gloo sends one, the next is copied into the staging buffer.
+        if staging.views is None:
+            staging.views = self._layout.views(staging.tensor)
+        for first, last, start, end in self._buckets:
+            write_into({s.key: staging.views[s.key] for s in self._layout.slots[first:last]}, flat)
+            for w in list(sending):
+                try:
+                    staging.readers[w].append(self._transports[w].send_part(staging.tensor[start:end]))
+                except RuntimeError as exc:  # the peer is gone: gloo refuses to send to it
+                    failures[w] = self._mark_dead(w, self._died(w, version, exc))
+                    sending.remove(w)
+        for w in sending:
+            self._transports[w].expect_ack(version, self._device)
         self._next_version += 1
         self._version = version
         if wait:
@@ -256,14 +292,24 @@ class DistributedWeightSyncScheme(AckedScheme):
             f"its rank {w + 1} went away ({first_line(exc)})", model_id=self._model_id, worker_idx=w, version=version
         )
 
-    def _settle(self, w: int, work: Any, seconds: float) -> bool:
-        """Wait a little on a send to worker ``w``; ``True`` once it no longer reads its buffer."""
-        wait_futures([work], timeout=seconds)
-        if not work.done():
+    def _settle(self, w: int, works: list, seconds: float) -> bool:
+        """Wait a little on the sends to worker ``w``; ``True`` once none reads its buffer any more."""
+        wait_futures(works, timeout=seconds)
+        if not all(work.done() for work in works):
             return False
-        if work.cancelled() or work.exception() is not None:
-            self._mark_dead(w, self._died(w, self._version, work.exception() or RuntimeError("cancelled")))
+        for work in works:
+            if work.cancelled() or work.exception() is not None:
+                self._mark_dead(w, self._died(w, self._version, work.exception() or RuntimeError("cancelled")))
+                break
         return True
+
+    @property
+    def _bucket_bytes(self) -> int | None:
+        return None if self.bucket_mb is None else max(1, int(self.bucket_mb * 1e6))
+
+    def _recv_parts(self) -> list[torch.Tensor]:
+        assert self._recv_buffer is not None
+        return [self._recv_buffer[start:end] for _, _, start, end in self._buckets]
 
     def _collect(
         self, workers: list[int], deadline: float | None, expected: dict[int, int]
@@ -362,7 +408,8 @@ class DistributedWeightSyncScheme(AckedScheme):
             raise mismatch
         self._transport = self.create_transport(worker_idx=self._worker_idx, sync=self.sync)
         self._recv_buffer = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=self._device)
-        self._transport.receive_initial_weights(self._recv_buffer, remaining(deadline))
+        self._buckets = self._layout.buckets(self._bucket_bytes)
+        self._transport.receive_initial_weights(self._recv_parts(), remaining(deadline))
         version = int(store.get("initial"))
         self._apply([0], version)
         self._reported_version = self._version
@@ -375,7 +422,9 @@ class DistributedWeightSyncScheme(AckedScheme):
             dst = flatten_weights(self._model, self._strategy.extract_as)
             check_spec(self._layout.spec, weights_spec(dst), **where)
             with self.weights_lock:  # weights and version change together for readers holding the lock
-                write_into(dst, self._layout.views(self._recv_buffer))
+                if self._recv_views is None:
+                    self._recv_views = self._layout.views(self._recv_buffer)
+                write_into(dst, self._recv_views)
                 self._version = version
         except Exception as exc:
             self._transport.send_ack(version, error=exc, held=self._version, seqs=tuple(seqs))
@@ -396,7 +445,7 @@ class DistributedWeightSyncScheme(AckedScheme):
                 self._closed = True
                 break
             version = int(msg["version"])
-            self._transport.receive_into(self._recv_buffer, self.timeout, version)
+            self._transport.receive_into(self._recv_parts(), self.timeout, version)
             seqs.append(self._transport.seq)
             if not self.latest_wins:
                 break
@@ -415,6 +464,7 @@ class DistributedWeightSyncScheme(AckedScheme):
         self._pool = None
         self._transport = None
         self._recv_buffer = None
+        self._recv_views = None
         self._pg = None
         self._store = None
         self._base_store = None

@@ -260,24 +260,33 @@ class DistributedTransport(SenderBoundTransport):
         """Publish ``weights`` to this worker only; wait for its ack when ``sync`` (bounded by the scheme's timeout)."""
         self._sender().send_to(weights, [self.worker_idx], wait=self.sync)
 
-    def post(self, version: int, buffer: torch.Tensor, *, initial: bool = False) -> Future:
-        """Announce ``version`` in the store, send ``buffer`` and post the ack's receive; return the send's future.
+    def announce(self, version: int, *, initial: bool = False) -> None:
+        """Start message ``version``: announce it in the store (the parts follow over the group).
 
         The initial weights are sent without an announcement: the worker is
         in ``connect()`` waiting for exactly them.
         """
-        pg, store = self._group()
+        _, store = self._group()
         seq = 0 if initial else self.seq + 1
         if not initial:
             store.set(f"msg/{self.worker_idx}/{seq}", json.dumps({"version": version}))
         self.seq = seq
         if self._waiter is None:
             self._waiter = Waiter(f"weightsync-{self._scheme.model_id}-rank{self.rank}")
-        sent = self._waiter.watch(pg.send([buffer], self.rank, TAG_DATA))
-        ack = torch.zeros(3, dtype=torch.int64, device=buffer.device)
-        self.pending.append(_Pending(seq, version, ack, self._waiter.watch(pg.recv([ack], self.rank, TAG_ACK))))
+
+    def send_part(self, part: torch.Tensor) -> Future:
+        """Send one bucket of the message announced last; its future completes once ``part`` is no longer read."""
+        pg, _ = self._group()
+        assert self._waiter is not None
+        return self._waiter.watch(pg.send([part], self.rank, TAG_DATA))
+
+    def expect_ack(self, version: int, device: torch.device) -> None:
+        """Post the receive of the ack of the message announced last (every part of it sent)."""
+        pg, _ = self._group()
+        assert self._waiter is not None
+        ack = torch.zeros(3, dtype=torch.int64, device=device)
+        self.pending.append(_Pending(self.seq, version, ack, self._waiter.watch(pg.recv([ack], self.rank, TAG_ACK))))
         self.sent = version
-        return sent
 
     def send_initial_weights(self, weights: Any) -> None:
         """Send the initial weights during ``connect()``, without store signalling."""
@@ -364,19 +373,22 @@ class DistributedTransport(SenderBoundTransport):
         self.seq += 1
         return msg
 
-    def receive_into(self, buffer: torch.Tensor, timeout: float, version: int | None) -> None:
-        """Receive the bytes of the message just announced (or the initial weights) into ``buffer``."""
+    def receive_into(self, parts: list[torch.Tensor], timeout: float, version: int | None) -> None:
+        """Receive the parts of the message just announced (or the initial weights), in order, within ``timeout``."""
         pg, _ = self._group()
+        deadline = deadline_after(timeout)
         try:
-            pg.recv([buffer], 0, TAG_DATA).wait(as_timedelta(timeout))
+            works = [pg.recv([part], 0, TAG_DATA) for part in parts]  # posted at once: parts arrive in order
+            for work in works:
+                work.wait(as_timedelta(max(remaining(deadline), 0.001)))
         except RuntimeError as exc:
             if is_timeout(exc):
                 raise SyncTimeoutError("the announced update did not arrive in time", **self._where(version)) from None
             raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where(version)) from None
 
-    def receive_initial_weights(self, buffer: torch.Tensor, timeout: float) -> None:
+    def receive_initial_weights(self, parts: list[torch.Tensor], timeout: float) -> None:
         """Receive the initial weights during ``connect()`` (no store signalling)."""
-        self.receive_into(buffer, timeout, 0)
+        self.receive_into(parts, timeout, 0)
 
     def receive_weights(self, timeout: float | None = None, **kwargs: Any) -> Any:
         """Receive and apply pending updates (see the scheme's ``receive``); the weights applied or ``None``."""

@@ -18,7 +18,8 @@ class Staging:
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.readers: dict[int, Any] = {}  # worker -> its in-flight send (a Work or a Future)
+        self.readers: dict[int, Any] = {}  # worker -> its in-flight send(s) (Works or Futures)
+        self.views: dict[str, torch.Tensor] | None = None  # typed views of the buffer, made once by its user
 
     def busy(self, done: Callable[[Any], bool]) -> list[int]:
         """Workers whose send still reads this buffer."""

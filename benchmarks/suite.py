@@ -167,10 +167,10 @@ def case_scaling(args: argparse.Namespace) -> list[Row]:
 def case_memory(args: argparse.Namespace) -> list[Row]:
     rows = []
     for scheme in [s for s in LOCAL if s in args.schemes]:
-        r = isolated(local_run, scheme, args.mb, 8, max(3, args.rounds // 2))
+        r = isolated(local_run, scheme, args.mb, args.memory_workers, max(3, args.rounds // 2))
         rows.append(
             Row(
-                f"{scheme}: sender's extra memory, 8 workers",
+                f"{scheme}: sender's extra memory, {args.memory_workers} workers",
                 f"{r['extra_bytes'] / 1e6:.1f} MB",
                 f"{r['nbytes'] / 1e6:.1f} MB (the model)",
                 r["extra_bytes"] / r["nbytes"],
@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mb", type=float, default=100.0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--memory-workers", type=int, default=8, help="workers of the memory case")
     parser.add_argument("--sizes", type=float, nargs="+", default=[1, 10, 100, 1000], help="plot sizes (MB)")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md and docs/benchmarks.png")
     parser.add_argument("--markdown", type=Path, default=None, help="write the generated section to this file")

@@ -263,9 +263,14 @@ class DistributedWeightSyncScheme(AckedScheme):
         staging = self._pool.acquire(deadline, model_id=self._model_id, version=version)
         if initial:
             self._store.set("initial", str(version))
-        sending = [w for w in live if w not in failures]
-        for w in sending:
-            self._transports[w].announce(version, initial=initial)
+        sending = []
+        for w in live:
+            try:
+                self._transports[w].announce(version, initial=initial)
+            except RuntimeError as exc:  # the store or the peer is gone
+                failures[w] = self._mark_dead(w, self._died(w, version, exc))
+                continue
+            sending.append(w)
             staging.readers[w] = []
         # Bucket by bucket: while gloo sends one, the next is copied into the staging buffer.
         if staging.views is None:

@@ -9,7 +9,6 @@ a call that runs inside the actor, so when a synchronous send returns (or
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -79,16 +78,8 @@ class RayWorkers:
                 )
         import ray
 
-        self.ray, self.timeout, self.started = ray, timeout, False
-        if not ray.is_initialized():
-            first = next(iter(schemes.values()))
-            ray.init(
-                address=first.address or os.environ.get("RAY_ADDRESS"),
-                namespace=first.namespace,
-                include_dashboard=False,
-                log_to_driver=False,
-            )
-            self.started = True
+        self.ray, self.timeout = ray, timeout
+        self.started = next(iter(schemes.values())).join_ray(include_dashboard=False, log_to_driver=False)
         actor_cls = ray.remote(num_cpus=0, max_restarts=0)(JobActor)
         self.actors = [actor_cls.remote(i, {m: specs[m] for m in schemes}) for i in range(num_workers)]
 

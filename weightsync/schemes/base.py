@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..errors import ConfigurationError, InvalidWeightsError, LifecycleError, WeightSyncError
+from ..errors import ConfigurationError, InvalidWeightsError, LifecycleError, SyncTimeoutError, WeightSyncError
 from ..layout import FlatLayout
 from ..model_path import resolve_model
 from ..strategy import WeightStrategy
@@ -163,6 +163,43 @@ class WeightSyncScheme:
             self._transports[w].dead = exc
             self._on_worker_lost(w)
         return self._failed[w]
+
+    def _has_acked(self, w: int, version: int) -> bool:
+        """Worker ``w`` acked ``version`` or a later one."""
+        acked = self._transports[w].acked
+        return acked is not None and acked >= version
+
+    def _missing_acks(self, expected: dict[int, int], failures: dict[int, WeightSyncError]) -> list[int]:
+        """Live workers of ``expected`` (none of ``failures``) that have not acked their version yet."""
+        return [
+            w for w, v in expected.items() if w not in failures and w not in self._failed and not self._has_acked(w, v)
+        ]
+
+    def _gone_before_acking(
+        self, expected: dict[int, int], failures: dict[int, WeightSyncError]
+    ) -> dict[int, WeightSyncError]:
+        """Workers of ``expected`` recorded as gone without acking their version (one that acked, then left,
+        did its part), with the error that named them."""
+        return {
+            w: self._failed[w]
+            for w, v in expected.items()
+            if w in self._failed and w not in failures and not self._has_acked(w, v)
+        }
+
+    def _ack_timeouts(
+        self, workers: list[int], expected: dict[int, int], within: str = "the timeout"
+    ) -> dict[int, WeightSyncError]:
+        """A :class:`SyncTimeoutError` for each of ``workers`` still without its ack of ``expected``."""
+        return {
+            w: SyncTimeoutError(
+                f"no ack for version {expected[w]} within {within} (last acked: {self._transports[w].acked})",
+                model_id=self._model_id,
+                worker_idx=w,
+                version=expected[w],
+            )
+            for w in workers
+            if not self._has_acked(w, expected[w])
+        }
 
     def _on_worker_lost(self, w: int) -> None:
         """Hook: release what a dead worker held."""

@@ -324,7 +324,7 @@ class DistributedWeightSyncScheme(AckedScheme):
         for w in workers:
             transport = self._transports[w]
             if w in self._failed:
-                if w in expected and (transport.acked is None or transport.acked < expected[w]):
+                if w in expected and not self._has_acked(w, expected[w]):
                     failures[w] = self._failed[w]
                 continue
             while transport.pending:

@@ -332,28 +332,13 @@ class LocalScheme(WeightSyncScheme):
         failures: dict[int, WeightSyncError] = {}
         while True:
             self.drain()
-            for w, v in expected.items():
-                acked = self._transports[w].acked
-                # A worker that acked what we wait for and then left (shut down, exited) did its part.
-                if w in self._failed and w not in failures and (acked is None or acked < v):
-                    failures[w] = self._failed[w]
+            failures.update(self._gone_before_acking(expected, failures))
             failures.update(self._take_errors(expected))
-            pending = [
-                w
-                for w, v in expected.items()
-                if w not in failures and (self._transports[w].acked is None or self._transports[w].acked < v)
-            ]
+            pending = self._missing_acks(expected, failures)
             if not pending:
                 return failures
             if remaining(deadline) <= 0:
-                for w in pending:
-                    failures[w] = SyncTimeoutError(
-                        f"no ack for version {expected[w]} within {self.timeout:.1f}s (last acked: "
-                        f"{self._transports[w].acked})",
-                        model_id=self._model_id,
-                        worker_idx=w,
-                        version=expected[w],
-                    )
+                failures.update(self._ack_timeouts(pending, expected, within=f"{self.timeout:.1f}s"))
                 return failures
             self._wait_readable(list(self._transports), deadline)
 

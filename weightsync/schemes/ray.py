@@ -10,7 +10,6 @@ import torch
 from ..errors import (
     ConfigurationError,
     ReceiverError,
-    SyncTimeoutError,
     WeightSyncError,
     WorkerDiedError,
     raise_failures,
@@ -122,10 +121,18 @@ class RayWeightSyncScheme(AckedScheme):
             )
         self._num_workers = len(actors)
         self._layout = self._sender_layout()  # before Ray starts: a missing model fails first
-        ray = _ray()
-        if not ray.is_initialized():
-            ray.init(address=self.address or os.environ.get("RAY_ADDRESS"), namespace=self.namespace)
+        self.join_ray()
         self._transports = {i: self.create_transport(actor=actor, worker_idx=i) for i, actor in enumerate(actors)}
+
+    def join_ray(self, **options: Any) -> bool:
+        """Unless Ray is up in this process, join the cluster this scheme names (``address``, else
+        ``RAY_ADDRESS``, else a new local one) in its ``namespace``; ``options`` go to ``ray.init``.
+        Returns whether this call initialized Ray."""
+        ray = _ray()
+        if ray.is_initialized():
+            return False
+        ray.init(address=self.address or os.environ.get("RAY_ADDRESS"), namespace=self.namespace, **options)
+        return True
 
     def create_transport(self, **kwargs: Any) -> RayTransport:
         """The transport to one actor (``actor=``, ``worker_idx=``) bound to this scheme."""
@@ -178,13 +185,7 @@ class RayWeightSyncScheme(AckedScheme):
                 if w not in self._failed
                 for v, ref in self._transports[w].in_flight.items()
             }
-            pending = [
-                w
-                for w, v in expected.items()
-                if w not in failures
-                and w not in self._failed
-                and (self._transports[w].acked is None or self._transports[w].acked < v)
-            ]
+            pending = self._missing_acks(expected, failures)
             if not refs or (expected and not pending):
                 break
             wait_s = 0.0 if deadline is None else remaining(deadline)
@@ -215,20 +216,9 @@ class RayWeightSyncScheme(AckedScheme):
             if deadline is None:
                 break
             if remaining(deadline) <= 0:
-                for w in pending:
-                    acked = self._transports[w].acked
-                    if w not in failures and (acked is None or acked < expected[w]):
-                        failures[w] = SyncTimeoutError(
-                            f"no ack for version {expected[w]} within the timeout (last acked: {acked})",
-                            model_id=self._model_id,
-                            worker_idx=w,
-                            version=expected[w],
-                        )
+                failures.update(self._ack_timeouts([w for w in pending if w not in failures], expected))
                 break
-        for w, v in expected.items():
-            acked = self._transports[w].acked
-            if w in self._failed and w not in failures and (acked is None or acked < v):
-                failures[w] = self._failed[w]
+        failures.update(self._gone_before_acking(expected, failures))
         return failures
 
     # --------------------------------------------------------------- receiver

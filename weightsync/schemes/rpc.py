@@ -224,30 +224,14 @@ class RPCWeightSyncScheme(AckedScheme):
                     failure = self._answer(w, version, future)
                     if failure is not None:
                         failures[w] = failure
-            pending = [
-                w
-                for w, v in expected.items()
-                if w not in failures
-                and w not in self._failed
-                and (self._transports[w].acked is None or self._transports[w].acked < v)
-            ]
+            pending = self._missing_acks(expected, failures)
             if deadline is None or not pending:
                 break
             if remaining(deadline) <= 0:
-                for w in pending:
-                    failures[w] = SyncTimeoutError(
-                        f"no ack for version {expected[w]} within the timeout (last acked: "
-                        f"{self._transports[w].acked})",
-                        model_id=self._model_id,
-                        worker_idx=w,
-                        version=expected[w],
-                    )
+                failures.update(self._ack_timeouts(pending, expected))
                 break
             self._answered.wait(remaining(deadline))
-        for w, v in expected.items():
-            acked = self._transports[w].acked
-            if w in self._failed and w not in failures and (acked is None or acked < v):
-                failures[w] = self._failed[w]
+        failures.update(self._gone_before_acking(expected, failures))
         return failures
 
     def _answer(self, w: int, version: int, future: Any) -> WeightSyncError | None:

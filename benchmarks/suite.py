@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,16 +86,16 @@ def med(xs: list[float]) -> float:
 
 
 # --------------------------------------------------------------------------- the cases
+@dataclass
 class Row:
-    def __init__(self, case: str, measured: str, floor: str, value: float, target: float, unit: str = "x") -> None:
-        self.case, self.measured, self.floor, self.value, self.target, self.unit = (
-            case,
-            measured,
-            floor,
-            value,
-            target,
-            unit,
-        )
+    """One line of the table: a case, its measurement against its floor, and the target of the ratio."""
+
+    case: str
+    measured: str
+    floor: str
+    value: float
+    target: float
+    unit: str = "x"
 
     @property
     def met(self) -> bool:

@@ -16,7 +16,7 @@ def optimizer_step(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for tensor in ws.WeightStrategy().flat(model).values():
             if tensor.is_floating_point():
-                tensor.add_(torch.randn(tensor.shape, generator=gen) * 0.1)
+                tensor.add_(torch.randn(tensor.shape, generator=gen).to(tensor.device) * 0.1)
             else:
                 tensor.add_(1)
 

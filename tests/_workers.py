@@ -41,6 +41,10 @@ class Holder:
 
 
 def build(kind: str) -> nn.Module:
+    if "@" in kind:  # "tiny@cuda:1": that model on that GPU, which becomes this process's current device
+        kind, device = kind.split("@")
+        torch.cuda.set_device(torch.device(device))
+        return build(kind).to(device)
     if kind == "tiny":
         return TinyNet()
     if kind == "tiny_wrong":  # same keys, one different shape

@@ -178,6 +178,8 @@ class DistributedWeightSyncScheme(AckedScheme):
         self._prefix = f"weightsync/{self._model_id}/{secrets.token_hex(8)}"
         self._store = dist.PrefixStore(self._prefix, self._base_store)
         self._store.set("layout", json.dumps(self._layout.to_plain()))
+        if self.backend == "nccl":
+            self._store.set("gpu", _gpu_identity())
         self._transports = {w: self.create_transport(worker_idx=w, sync=self.sync) for w in range(self._num_workers)}
 
     def _group_timeout(self, deadline: float) -> float:
@@ -215,13 +217,26 @@ class DistributedWeightSyncScheme(AckedScheme):
                         worker_idx=missing[0] if len(missing) == 1 else None,
                     )
                 threading.Event().wait(min(0.01, remaining(deadline)))
-            refused = {}
+            refused: dict[int, WeightSyncError] = {}
+            # NCCL refuses two ranks on one GPU, and only at the first transfer: name it now, by worker.
+            holders = {_gpu_identity(): "the sender"} if self.backend == "nccl" else {}
+            verdict = {}
             for w, key in enumerate(hellos):
                 hello = json.loads(self._store.get(key))
                 if not hello.get("ok"):
                     refused[w] = ReceiverError(
                         hello.get("type", "Error"), hello.get("message", ""), model_id=self._model_id, worker_idx=w
                     )
+                elif hello.get("gpu") in holders:
+                    verdict[str(w)] = (
+                        f"worker {w} is on the same GPU as {holders[hello['gpu']]} ({hello['gpu']}), and NCCL needs "
+                        "one GPU per rank: give each worker a GPU of its own (CUDA_VISIBLE_DEVICES or "
+                        "torch.cuda.set_device) or use backend='gloo'"
+                    )
+                    refused[w] = ConfigurationError(verdict[str(w)], model_id=self._model_id, worker_idx=w)
+                elif hello.get("gpu"):
+                    holders[hello["gpu"]] = f"worker {w}"
+            self._store.set("verdict", json.dumps(verdict))
             self._pg = new_group(
                 self.backend, self._store, 0, self._num_workers + 1, self._group_timeout(deadline), self._address[0]
             )
@@ -388,19 +403,25 @@ class DistributedWeightSyncScheme(AckedScheme):
         try:
             store.wait(["layout"], as_timedelta(remaining(deadline)))
             self._layout = FlatLayout.from_plain(json.loads(store.get("layout")))
-            mismatch = None
+            refusal = None
             try:
                 check_spec(
                     self._layout.spec, weights_spec(flatten_weights(self._model, self._strategy.extract_as)), **where
                 )
             except WeightMismatchError as exc:
-                mismatch = exc
+                refusal = exc
             hello = (
                 {"ok": True}
-                if mismatch is None
-                else {"ok": False, "type": type(mismatch).__name__, "message": str(mismatch)[:4000]}
+                if refusal is None
+                else {"ok": False, "type": type(refusal).__name__, "message": str(refusal)[:4000]}
             )
+            if self.backend == "nccl":
+                hello["gpu"] = _gpu_identity()
             store.set(f"hello/{self._worker_idx}", json.dumps(hello))
+            store.wait(["verdict"], as_timedelta(remaining(deadline)))
+            reason = json.loads(store.get("verdict")).get(str(self._worker_idx))
+            if reason is not None and refusal is None:
+                refusal = ConfigurationError(reason, **where)
             world = int(self._handoff["world_size"])
             self._num_workers = world - 1
             # Every worker joins the group, even one that refused: the group forms only with all of them.
@@ -408,9 +429,9 @@ class DistributedWeightSyncScheme(AckedScheme):
         except dist.DistError as exc:
             raise SyncTimeoutError(f"could not join the sender's group: {first_line(exc)}", **where) from None
         self._base_store, self._store = base, store
-        if mismatch is not None:
+        if refusal is not None:
             self._pg = None
-            raise mismatch
+            raise refusal
         self._transport = self.create_transport(worker_idx=self._worker_idx, sync=self.sync)
         self._recv_buffer = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=self._device)
         self._buckets = self._layout.buckets(self._bucket_bytes)
@@ -473,3 +494,8 @@ class DistributedWeightSyncScheme(AckedScheme):
         self._pg = None
         self._store = None
         self._base_store = None
+
+
+def _gpu_identity() -> str:
+    """This process's current GPU, by UUID: two processes on one GPU compare equal whatever their device indices."""
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)

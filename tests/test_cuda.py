@@ -20,6 +20,15 @@ def _cpu_engine(name: str) -> ws.WeightSyncScheme:
     return ws.WeightSyncScheme.from_backend(name, timeout=20)
 
 
+def _sends_arrive_then_stop(scheme, model, group) -> None:
+    for step in (1, 2):
+        optimizer_step(model, step)
+        scheme.send()
+        assert group.ask(0, "state")["policy"] == (step, checksum(model))
+    group.stop()
+    scheme.shutdown()
+
+
 @pytest.mark.parametrize("name", ["multiprocess", "shared_mem", "distributed"])
 def test_cuda_models_on_both_sides_over_a_cpu_engine(workers, name):
     model = build("tiny").cuda()
@@ -27,12 +36,7 @@ def test_cuda_models_on_both_sides_over_a_cpu_engine(workers, name):
     scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
     group, ready = start(workers, {"policy": scheme}, {"policy": "tiny@cuda:0"}, n=1)
     assert ready[0][2] == {} and ready[0][1] == [("policy", 0, checksum(model))]
-    for step in (1, 2):
-        optimizer_step(model, step)
-        scheme.send()
-        assert group.ask(0, "state")["policy"] == (step, checksum(model))
-    group.stop()
-    scheme.shutdown()
+    _sends_arrive_then_stop(scheme, model, group)
 
 
 def test_nccl_refuses_a_worker_on_the_senders_gpu_by_name(workers):
@@ -56,9 +60,4 @@ def test_nccl_moves_weights_gpu_to_gpu(workers):
     scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
     group, ready = start(workers, {"policy": scheme}, {"policy": "tiny@cuda:1"}, n=1)
     assert ready[0][2] == {}
-    for step in (1, 2):
-        optimizer_step(model, step)
-        scheme.send()
-        assert group.ask(0, "state")["policy"] == (step, checksum(model))
-    group.stop()
-    scheme.shutdown()
+    _sends_arrive_then_stop(scheme, model, group)

@@ -150,6 +150,9 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
                 elif op == "break_model":  # the worker's model changes shape after connect
                     models[args[0]].body[3] = nn.Linear(8, 3)
                     cmd.send("broken")
+                elif op == "close_channel":  # the worker's end of the transport goes away; the process lives
+                    schemes[args[0]].receiver_transport.close()
+                    cmd.send("closed")
                 elif op == "die_on_next_update":
                     scheme = schemes[args[0]]
                     cmd.send("armed")
@@ -218,3 +221,49 @@ def in_process_receiver(sender, model, worker_idx: int = 0):
     receiver.init_on_receiver(model_id=sender.model_id, model=model, worker_idx=worker_idx)
     connect_pair(sender, receiver)
     return receiver
+
+
+def until_sender_dies(cfg: dict, report: str) -> None:
+    """A worker built from a receiver config: apply updates until the sender goes away, then shut down
+    and write what it noticed (and what it still holds) to ``report``."""
+    import json
+    import time
+
+    from weightsync.config import from_config
+
+    scheme = from_config(cfg)
+    scheme.init_on_receiver(model=build("tiny"))
+    scheme.connect()
+    versions = [scheme.version]
+    while True:
+        try:
+            if scheme.receive(timeout=0.05) is not None:
+                versions.append(scheme.version)
+        except ws.ConnectionClosedError:
+            noticed = time.time()
+            break
+    scheme.shutdown()
+    with open(report, "w") as out:
+        json.dump({"noticed": noticed, "versions": versions, "leftovers": leftovers()}, out)
+
+
+def doomed_trainer(name: str, n: int, reports: list, cmd) -> None:
+    """A trainer that starts ``n`` workers from receiver configs, sends two versions, reports, then waits
+    (the test kills it)."""
+    import multiprocessing as mp
+    import time
+
+    scheme = ws.WeightSyncScheme.from_backend(name, timeout=5, connect_timeout=60)
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=n)
+    configs = [scheme.receiver_config(w) for w in range(n)]
+    procs = [mp.get_context("fork").Process(target=until_sender_dies, args=(configs[w], reports[w])) for w in range(n)]
+    for proc in procs:
+        proc.start()
+    scheme.connect()
+    for step in (1, 2):
+        with torch.no_grad():
+            next(model.parameters()).add_(step)
+        scheme.send()
+    cmd.send(([p.pid for p in procs], configs[0]["connection"]["authkey_file"]))
+    time.sleep(600)

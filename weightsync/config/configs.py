@@ -53,6 +53,10 @@ class SchemeConfig:
         sync: ``send()`` blocks until every targeted worker applied and acked.
         timeout: seconds any single wait may last after connect.
         connect_timeout: seconds the rendez-vous may last.
+        on_failure: ``"raise"`` (default) or ``"drop"``: what a send does about a worker
+            that died or did not ack in time.
+        max_staleness: in asynchronous sends, how many versions a worker may lag
+            (``None``: no bound).
     """
 
     _target_: str = "weightsync.NoWeightSyncScheme"
@@ -60,6 +64,8 @@ class SchemeConfig:
     sync: bool = True
     timeout: float = 60.0
     connect_timeout: float = 120.0
+    on_failure: str = "raise"
+    max_staleness: Optional[int] = None  # noqa: UP045
 
 
 @dataclass

@@ -38,8 +38,17 @@ class AckedScheme(WeightSyncScheme):
         timeout: float = 60.0,
         connect_timeout: float = 120.0,
         wire_dtype: str | None = None,
+        on_failure: str = "raise",
+        max_staleness: int | None = None,
     ) -> None:
-        super().__init__(strategy=strategy, sync=sync, timeout=timeout, connect_timeout=connect_timeout)
+        super().__init__(
+            strategy=strategy,
+            sync=sync,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            on_failure=on_failure,
+            max_staleness=max_staleness,
+        )
         wire_dtype_from_name(wire_dtype)  # a bad name fails here, not at connect
         self.wire_dtype = wire_dtype
 
@@ -61,6 +70,9 @@ class AckedScheme(WeightSyncScheme):
         self, workers: list[int], deadline: float | None, expected: dict[int, int]
     ) -> dict[int, WeightSyncError]:
         raise NotImplementedError
+
+    def _await_acks(self, expected: dict[int, int], deadline: float) -> dict[int, WeightSyncError]:
+        return self._collect(sorted(expected), deadline, expected)
 
     def _send_impl(self, weights: Any, targets: list[int], wait: bool) -> None:
         self.send_to(weights, targets, wait=wait)

@@ -17,14 +17,25 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..errors import ConfigurationError, InvalidWeightsError, LifecycleError, SyncTimeoutError, WeightSyncError
+from ..errors import (
+    ConfigurationError,
+    InvalidWeightsError,
+    LifecycleError,
+    SyncTimeoutError,
+    TransportError,
+    WeightSyncError,
+    raise_failures,
+)
 from ..layout import FlatLayout
+from ..metrics import SendMetrics, SendRecord
 from ..model_path import resolve_model
 from ..strategy import WeightStrategy
 from ..transports.base import TransportBackend
+from ..transports.channel import deadline_after
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +62,15 @@ class WeightSyncScheme:
         sync: ``send()`` blocks until every targeted worker applied and acked.
         timeout: seconds any single wait may last (acks, receives, shutdown).
         connect_timeout: seconds the rendez-vous in ``connect()`` may last.
+        on_failure: what a send does about a worker that died or did not ack in
+            time: ``"raise"`` (default) raises an error naming it; ``"drop"``
+            logs a warning naming it, stops sending to it and goes on with the
+            others (a restarted worker may rejoin where the scheme supports it).
+            A worker that refuses an update (its model does not fit) raises in
+            both modes: that is a bug to fix, not a fault to ride out.
+        max_staleness: in asynchronous sends, how many versions a worker may lag
+            behind the one being published; ``send_async`` first waits (at most
+            ``timeout``) for workers further behind. ``None``: no bound.
     """
 
     #: Name under which the scheme is registered (see :func:`weightsync.register_backend`).
@@ -64,15 +84,25 @@ class WeightSyncScheme:
         sync: bool = True,
         timeout: float = 60.0,
         connect_timeout: float = 120.0,
+        on_failure: str = "raise",
+        max_staleness: int | None = None,
     ) -> None:
         self._strategy = strategy if isinstance(strategy, WeightStrategy) else WeightStrategy(strategy)
         if not timeout or timeout <= 0:
             raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if not connect_timeout or connect_timeout <= 0:
             raise ConfigurationError(f"connect_timeout must be a positive number of seconds, got {connect_timeout!r}")
+        if on_failure not in ("raise", "drop"):
+            raise ConfigurationError(f"on_failure must be 'raise' or 'drop', got {on_failure!r}")
+        if max_staleness is not None and (
+            isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
+        ):
+            raise ConfigurationError(f"max_staleness must be a non-negative int or None, got {max_staleness!r}")
         self.sync = bool(sync)
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
+        self.on_failure = on_failure
+        self.max_staleness = max_staleness
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
@@ -90,6 +120,7 @@ class WeightSyncScheme:
         # Sender side: one transport per worker, and the workers found dead (with the error that showed it).
         self._transports: dict[int, Any] = {}
         self._failed: dict[int, WeightSyncError] = {}
+        self._metrics = SendMetrics()
         # Receiver side: readers holding weights_lock see weights and version change together.
         self._reported_version: int | None = None
         self.weights_lock = threading.RLock()
@@ -384,23 +415,152 @@ class WeightSyncScheme:
         """
         with self._lock:
             self._require(SENDER_CONNECTED, action="send")
-            self._send_impl(weights, self._targets(worker_ids), wait=self.sync)
+            self._publish(weights, self._targets(worker_ids), wait=self.sync)
 
     def send_async(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
-        """Publish a new version without waiting; pair with :meth:`wait_async`."""
+        """Publish a new version without waiting; pair with :meth:`wait_async`.
+
+        With ``max_staleness=k``, first waits (at most ``timeout``) until every targeted
+        worker acked at least the version ``k`` behind the one about to be published.
+        """
         with self._lock:
             self._require(SENDER_CONNECTED, action="send_async")
-            self._send_impl(weights, self._targets(worker_ids), wait=False)
+            self._publish(weights, self._targets(worker_ids), wait=False)
 
     def wait_async(self, timeout: float | None = None) -> None:
         """Wait until every worker acked the last version sent to it (at most ``timeout``, default the scheme's).
 
         Raises:
-            SyncTimeoutError: naming the workers that did not ack in time.
+            SyncTimeoutError: naming the workers that did not ack in time (with ``on_failure="drop"``,
+                they are dropped instead).
         """
         with self._lock:
             self._require(SENDER_CONNECTED, action="wait_async")
-            self._wait_impl(self.timeout if timeout is None else timeout)
+            try:
+                self._wait_impl(self.timeout if timeout is None else timeout)
+            except WeightSyncError as exc:
+                self._handle_failures(exc, self._version)
+
+    def _publish(self, weights: Any, targets: list[int], wait: bool) -> None:
+        """One send under the failure policy, measured: bound staleness, publish, then raise or drop."""
+        started = time.perf_counter()
+        self._admit_rejoins()
+        stale_wait = 0.0
+        if not wait and self.max_staleness is not None:
+            stale_wait = self._bound_staleness(targets)
+        before = self._version
+        failure: WeightSyncError | None = None
+        try:
+            self._send_impl(weights, targets, wait)
+        except WeightSyncError as exc:
+            if self._version == before:  # nothing was published (bad weights, no free slot): always raised
+                raise
+            failure = exc
+        failures = _by_worker(failure) if failure is not None else {}
+        record = SendRecord(
+            version=self._version,
+            workers=list(targets),
+            nbytes=self._payload_bytes(),
+            seconds=time.perf_counter() - started,
+            acks={
+                w: round(self._transports[w].acked_at - started, 6)
+                for w in targets
+                if w in self._transports
+                and w not in failures
+                and self._has_acked(w, self._version)
+                and self._transports[w].acked_at >= started
+            },
+            failed={w: f"{type(e).__name__}: {e.detail}" for w, e in failures.items()},
+            staleness_wait=stale_wait,
+        )
+        self._metrics.add(record)
+        log.debug("model %r: send %s", self._model_id, record)
+        if failure is not None:
+            self._handle_failures(failure, self._version)
+
+    def _handle_failures(self, exc: WeightSyncError, version: int | None) -> None:
+        """Raise ``exc`` (``on_failure="raise"``), or drop the workers it names as dead or late and raise
+        only what is left (a worker that refused the update, an error that names no worker)."""
+        failures = _by_worker(exc)
+        if self.on_failure == "raise" or not failures:
+            raise exc
+        kept = {}
+        for w, error in failures.items():
+            if isinstance(error, (TransportError, SyncTimeoutError)):
+                if w not in self._metrics.dropped:
+                    log.warning(
+                        "model %r: dropped worker %d at version %s: %s", self._model_id, w, version, error.detail
+                    )
+                    self._metrics.dropped[w] = f"{type(error).__name__}: {error.detail}"
+                self._mark_dead(w, error)
+            else:
+                kept[w] = error
+        raise_failures(kept, model_id=self._model_id, version=version)
+
+    def _bound_staleness(self, targets: list[int]) -> float:
+        """Wait until no targeted worker lags more than ``max_staleness`` behind the next version."""
+        assert self.max_staleness is not None
+        upcoming = (self._version if self._version is not None else -1) + 1
+        expected = {}
+        for w in targets:
+            if w in self._failed or w not in self._transports:
+                continue
+            acked = self._transports[w].acked
+            lag = upcoming - (acked if acked is not None else -1)
+            self._metrics.max_lag = max(self._metrics.max_lag, lag - 1)
+            if lag > self.max_staleness:
+                expected[w] = upcoming - self.max_staleness
+        if not expected:
+            return 0.0
+        started = time.perf_counter()
+        failures = self._await_acks(expected, deadline_after(self.timeout))
+        waited = time.perf_counter() - started
+        self._metrics.staleness_waits += 1
+        if failures:
+            late = {
+                w: SyncTimeoutError(
+                    f"lags more than max_staleness={self.max_staleness} versions and did not catch up within "
+                    f"{self.timeout:.1f}s ({e.detail})",
+                    model_id=self._model_id,
+                    worker_idx=w,
+                    version=upcoming,
+                )
+                if isinstance(e, SyncTimeoutError)
+                else e
+                for w, e in failures.items()
+            }
+            try:
+                raise_failures(late, model_id=self._model_id, version=upcoming)
+            except WeightSyncError as exc:
+                self._handle_failures(exc, upcoming)
+        return waited
+
+    def _await_acks(self, expected: dict[int, int], deadline: float) -> dict[int, WeightSyncError]:
+        """Wait until each worker of ``expected`` acked at least its version; return the failures."""
+        raise NotImplementedError
+
+    def _admit_rejoins(self) -> None:
+        """Hook: take in workers that came back since the last call (schemes that support rejoin)."""
+
+    def _payload_bytes(self) -> int:
+        layout = getattr(self, "layout", None)
+        return int(layout.nbytes) if layout is not None else 0
+
+    @property
+    def last_send(self) -> SendRecord | None:
+        """Sender: what the last send did (version, workers, bytes, seconds, per-worker ack times, failures)."""
+        return self._metrics.last
+
+    def stats(self) -> dict[str, Any]:
+        """Sender: a summary of every send so far: counts, bytes, send-time and ack-time medians and
+        maxima, failures, dropped workers (with the cause), rejoins, staleness, and each worker's
+        last acked version and lag."""
+        acked = self.acked_versions if self.is_sender else {}
+        return self._metrics.summary(
+            version=self._version,
+            acked=acked,
+            failed={w: f"{type(e).__name__}: {e.detail}" for w, e in self._failed.items()},
+        )
 
     def receive(self, timeout: float | None = 0.0) -> Any:
         """Apply a pending update, if any; return the weights applied, or ``None``.
@@ -581,7 +741,7 @@ class WeightSyncScheme:
         self._num_workers = num_workers
 
     def _config_fields(self) -> set[str]:
-        return {"sync", "timeout", "connect_timeout"}
+        return {"sync", "timeout", "connect_timeout", "on_failure", "max_staleness"}
 
     def __copy__(self) -> WeightSyncScheme:
         raise LifecycleError("schemes are not copied; build a new one from the same arguments")
@@ -651,6 +811,14 @@ class WeightSyncScheme:
         from .registry import get_backend
 
         return get_backend(name)(**kwargs)
+
+
+def _by_worker(exc: WeightSyncError) -> dict[int, WeightSyncError]:
+    """The per-worker failures an error stands for (none if it names no worker)."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        return dict(failures)
+    return {} if exc.worker_idx is None else {exc.worker_idx: exc}
 
 
 def _no_extra(kwargs: dict[str, Any], where: str) -> None:

@@ -93,9 +93,17 @@ class DistributedWeightSyncScheme(AckedScheme):
         max_buffers: int = 2,
         wire_dtype: str | None = None,
         bucket_mb: float | None = None,
+        on_failure: str = "raise",
+        max_staleness: int | None = None,
     ) -> None:
         super().__init__(
-            strategy=strategy, sync=sync, timeout=timeout, connect_timeout=connect_timeout, wire_dtype=wire_dtype
+            strategy=strategy,
+            sync=sync,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            wire_dtype=wire_dtype,
+            on_failure=on_failure,
+            max_staleness=max_staleness,
         )
         if backend not in ("gloo", "nccl"):
             raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {backend!r}")

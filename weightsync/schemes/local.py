@@ -42,6 +42,7 @@ from ..transports.channel import (
     read_key_file,
     remaining,
     remove_key_file,
+    remove_key_file_if_orphaned,
     write_key_file,
 )
 from ..transports.mp import MPTransport, Update
@@ -83,8 +84,17 @@ class LocalScheme(WeightSyncScheme):
         background_thread: bool = False,
         latest_wins: bool = True,
         max_slots: int | None = None,
+        on_failure: str = "raise",
+        max_staleness: int | None = None,
     ) -> None:
-        super().__init__(strategy=strategy, sync=sync, timeout=timeout, connect_timeout=connect_timeout)
+        super().__init__(
+            strategy=strategy,
+            sync=sync,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            on_failure=on_failure,
+            max_staleness=max_staleness,
+        )
         if max_slots is not None and (isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 1):
             raise ConfigurationError(f"max_slots must be a positive int or None, got {max_slots!r}")
         self.background_thread = bool(background_thread)
@@ -104,7 +114,10 @@ class LocalScheme(WeightSyncScheme):
         self._errors: dict[int, WeightSyncError] = {}
         self._next_version = 0
         self._authkey_file: str | None = None
+        self._admitter: threading.Thread | None = None
         # Receiver side.
+        self._key_file: str | None = None  # the sender's auth key file this receiver read, if any
+        self._sender_closed = False  # the channel to the sender closed under this receiver
         self._transport: MPTransport | None = None
         self._layout_error: WeightMismatchError | None = None
         self._pending: deque[Update] = deque()
@@ -183,16 +196,12 @@ class LocalScheme(WeightSyncScheme):
             channel, hello = accepted
             problem = self._check_hello(hello)
             if problem:
-                log.warning("model %r: refused %s: %s", self._model_id, channel.peer, problem)
-                try:
-                    channel.send({"op": "refused", "reason": problem})
-                except WeightSyncError:
-                    pass
-                channel.close()
+                self._refuse(channel, problem)
                 continue
             w = int(hello["worker_idx"])
             channel.send({"op": "welcome", "layout": self._layout.to_plain(), "num_workers": n})
             self._transports[w] = self.transport_class(channel, w, self)
+        self._start_admitter()
         try:
             self.send_to(weights, list(range(n)), wait=True)
         except WeightSyncError as exc:
@@ -204,6 +213,15 @@ class LocalScheme(WeightSyncScheme):
                     self._mark_dead(w, failure)
             raise
 
+    def _refuse(self, channel: Any, problem: str) -> None:
+        """Tell a connecting process why it is turned away, and close its channel."""
+        log.warning("model %r: refused %s: %s", self._model_id, channel.peer, problem)
+        try:
+            channel.send({"op": "refused", "reason": problem})
+        except WeightSyncError:
+            pass
+        channel.close()
+
     def _rendezvous_complete(self) -> bool:
         return self._num_workers is not None and len(self._transports) == self._num_workers
 
@@ -211,11 +229,86 @@ class LocalScheme(WeightSyncScheme):
         w = hello.get("worker_idx")
         if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < (self._num_workers or 0):
             return f"worker_idx {w!r} is not in 0..{(self._num_workers or 0) - 1}"
-        if w in self._transports:
+        if w in self._transports and w not in self._failed:
             return f"worker {w} is already connected"
         if hello.get("model_id") != self._model_id:
             return f"model_id {hello.get('model_id')!r} does not match {self._model_id!r}"
         return None
+
+    # ----------------------------------------------------------------- rejoin
+    def _start_admitter(self) -> None:
+        """Once every worker joined, keep the listener open for workers that come back after a crash."""
+        self._admitter = threading.Thread(
+            target=self._admit_loop, name=f"weightsync-{self._model_id}-admitter", daemon=True
+        )
+        self._admitter.start()
+
+    def _admit_loop(self) -> None:
+        while not self._stop.is_set():
+            listener = self._listener
+            if listener is None:
+                return
+            try:
+                accepted = listener.accept(0.1)
+            except WeightSyncError as exc:  # a stranger, a wrong key: refused, and logged without the key
+                log.warning("model %r: refused a connection: %s", self._model_id, exc)
+                continue
+            except OSError:  # the listener was closed under us: shutting down
+                return
+            if accepted is not None:
+                with self._lock:
+                    if not self._stop.is_set():
+                        self._admit(*accepted)
+
+    def _admit(self, channel: Any, hello: dict[str, Any]) -> None:
+        """A worker connecting after the rendez-vous: one that died (or was dropped) comes back under its
+        index and gets the newest version published; anyone else is refused with the reason."""
+        w = hello.get("worker_idx")
+        if isinstance(w, int) and w in self._transports and w not in self._failed:
+            self.drain([w])  # a worker killed since the last send is noticed now
+        problem = self._check_hello(hello)
+        if problem is None and self._version is None:
+            problem = "the sender has not published any version yet"
+        if problem:
+            self._refuse(channel, problem)
+            return
+        w = int(hello["worker_idx"])
+        assert self._layout is not None and self._num_workers is not None
+        old = self._transports.get(w)
+        if old is not None:
+            old.close()
+        transport = self._transports[w] = self.transport_class(channel, w, self)
+        self._failed.pop(w, None)
+        self._errors.pop(w, None)
+        try:
+            channel.send({"op": "welcome", "layout": self._layout.to_plain(), "num_workers": self._num_workers})
+            slot = self._newest_slot_for(w)
+            transport.notify(slot, slot.version)
+        except WeightSyncError as exc:
+            log.warning("model %r: worker %d could not rejoin: %s", self._model_id, w, exc)
+            self._mark_dead(w, WorkerDiedError(f"failed to rejoin ({exc})", model_id=self._model_id, worker_idx=w))
+            return
+        self._metrics.dropped.pop(w, None)
+        self._metrics.rejoins[w] = self._metrics.rejoins.get(w, 0) + 1
+        log.info("model %r: worker %d rejoined and was sent version %s", self._model_id, w, slot.version)
+
+    def _newest_slot_for(self, w: int) -> SharedSlot:
+        """A slot of ``w``'s pool holding the newest version published to anyone, now read by ``w``."""
+        newest = max(
+            (slot for pool in self._pools.values() for slot in pool.slots if slot.version is not None),
+            key=lambda slot: slot.version,
+        )
+        pool = self._pool(self._pool_key(w))
+        if newest not in pool.slots:  # per-worker pools: copy the newest version into this worker's pool
+            slot = pool.acquire()
+            if slot is None:
+                raise SyncTimeoutError(f"no free weight slot to rejoin worker {w}", model_id=self._model_id)
+            slot.version = None
+            slot.buffer.copy_(newest.buffer)
+            pool.publish(slot, newest.version, [w])
+            return slot
+        newest.readers.add(w)
+        return newest
 
     def _send_impl(self, weights: Any, targets: list[int], wait: bool) -> None:
         self.send_to(weights, targets, wait=wait)
@@ -228,8 +321,10 @@ class LocalScheme(WeightSyncScheme):
         failures = {w: self._failed[w] for w in targets if w in self._failed}
         live = [w for w in targets if w not in self._failed]
         deadline = deadline_after(self.timeout)
-        self.drain()
         version = self._next_version
+        self.drain(version=version)
+        failures.update({w: self._failed[w] for w in live if w in self._failed})  # found dead just now
+        live = [w for w in live if w not in self._failed]
         by_pool: dict[int | None, list[int]] = {}
         for w in live:
             by_pool.setdefault(self._pool_key(w), []).append(w)
@@ -237,6 +332,7 @@ class LocalScheme(WeightSyncScheme):
         slots = {key: self._acquire(self._pool(key), deadline, version) for key in by_pool}
         published: dict[int, SharedSlot] = {}
         for key, workers in by_pool.items():
+            slots[key].version = None  # until the write completes, the slot holds no version (rejoins read it)
             write_into(slots[key].views, flat)
             self._pools[key].publish(slots[key], version, workers)
             published.update(dict.fromkeys(workers, slots[key]))
@@ -248,7 +344,7 @@ class LocalScheme(WeightSyncScheme):
             except WorkerDiedError as exc:
                 failures[w] = self._mark_dead(w, exc)
         if wait:
-            failures.update(self._await({w: version for w in published if w not in failures}, deadline))
+            failures.update(self._await_acks({w: version for w in published if w not in failures}, deadline))
         else:
             failures.update(self._take_errors(published))
         raise_failures(failures, model_id=self._model_id, version=version)
@@ -286,8 +382,9 @@ class LocalScheme(WeightSyncScheme):
         if conns:
             wait_connections(conns, timeout=remaining(deadline))
 
-    def drain(self, workers: list[int] | None = None) -> None:
-        """Process every ack already received, without waiting."""
+    def drain(self, workers: list[int] | None = None, version: int | None = None) -> None:
+        """Process every ack already received, without waiting; a worker found gone is named with ``version``
+        (the send that found it), else with the last version it was sent."""
         for w in workers if workers is not None else list(self._transports):
             transport = self._transports.get(w)
             if transport is None or w in self._failed:
@@ -307,7 +404,7 @@ class LocalScheme(WeightSyncScheme):
                         f"its channel closed ({exc.detail})",
                         model_id=self._model_id,
                         worker_idx=w,
-                        version=transport.sent,
+                        version=transport.sent if version is None else version,
                     ),
                 )
 
@@ -323,11 +420,14 @@ class LocalScheme(WeightSyncScheme):
     def _on_worker_lost(self, w: int) -> None:
         for pool in self._pools.values():
             pool.drop_worker(w)
+        # A worker given up on (dead, or dropped after a timeout) finds its channel closed if it
+        # comes back to life, and may rejoin.
+        self._transports[w].channel.close()
 
     def _take_errors(self, workers: Any) -> dict[int, WeightSyncError]:
         return {w: self._errors.pop(w) for w in list(self._errors) if w in workers}
 
-    def _await(self, expected: dict[int, int], deadline: float) -> dict[int, WeightSyncError]:
+    def _await_acks(self, expected: dict[int, int], deadline: float) -> dict[int, WeightSyncError]:
         """Wait until each worker acked at least its expected version; return the failures."""
         failures: dict[int, WeightSyncError] = {}
         while True:
@@ -346,7 +446,7 @@ class LocalScheme(WeightSyncScheme):
         deadline = deadline_after(self.timeout if timeout is None else timeout)
         expected = {w: self._transports[w].sent for w in workers if self._transports[w].sent is not None}
         failures = {w: self._failed[w] for w in workers if w in self._failed}
-        failures.update(self._await(expected, deadline))
+        failures.update(self._await_acks(expected, deadline))
         raise_failures(failures, model_id=self._model_id, version=self._version)
 
     def _wait_impl(self, timeout: float) -> None:
@@ -375,6 +475,7 @@ class LocalScheme(WeightSyncScheme):
         authkey_file = authkey_file or handoff.pop("authkey_file", None)
         if authkey_file is not None and authkey is None:
             handoff["authkey"] = read_key_file(authkey_file, model_id=self._model_id)
+            self._key_file = authkey_file
         if not handoff.get("address") or not handoff.get("authkey"):
             raise LifecycleError(
                 "this receiver does not know where its sender is: hand it the scheme pickled after "
@@ -435,6 +536,7 @@ class LocalScheme(WeightSyncScheme):
         try:
             self._pending.extend(self._transport.receive_weights(0.0 if self._pending else timeout))
         except ConnectionClosedError:
+            self._sender_closed = True
             if not self._pending:
                 raise
         if not self._pending:
@@ -526,6 +628,17 @@ class LocalScheme(WeightSyncScheme):
             self._slot_views.clear()  # they hold the slots' mappings
             self._transport.close()
             self._transport = None
+        if self._key_file is not None:
+            # A sender that shut down removed its key file before closing; one that was killed could not.
+            remove_key_file_if_orphaned(self._key_file, grace=1.0 if self._sender_closed else 0.0)
+            self._key_file = None
+        if self._admitter is not None:
+            self._stop.set()
+            self._admitter.join(self.timeout)
+            self._admitter = None
+        if self._authkey_file is not None:  # first: a worker that sees the channel close may look for it
+            remove_key_file(self._authkey_file)
+            self._authkey_file = None
         for transport in self._transports.values():
             if transport.dead is None:
                 try:

@@ -85,9 +85,17 @@ class RayWeightSyncScheme(AckedScheme):
         address: str | None = None,
         namespace: str | None = None,
         wire_dtype: str | None = None,
+        on_failure: str = "raise",
+        max_staleness: int | None = None,
     ) -> None:
         super().__init__(
-            strategy=strategy, sync=sync, timeout=timeout, connect_timeout=connect_timeout, wire_dtype=wire_dtype
+            strategy=strategy,
+            sync=sync,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            wire_dtype=wire_dtype,
+            on_failure=on_failure,
+            max_staleness=max_staleness,
         )
         self.address = address
         self.namespace = namespace

@@ -79,9 +79,17 @@ class RPCWeightSyncScheme(AckedScheme):
         latest_wins: bool = True,
         max_buffers: int = 2,
         wire_dtype: str | None = None,
+        on_failure: str = "raise",
+        max_staleness: int | None = None,
     ) -> None:
         super().__init__(
-            strategy=strategy, sync=sync, timeout=timeout, connect_timeout=connect_timeout, wire_dtype=wire_dtype
+            strategy=strategy,
+            sync=sync,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            wire_dtype=wire_dtype,
+            on_failure=on_failure,
+            max_staleness=max_staleness,
         )
         if isinstance(max_buffers, bool) or not isinstance(max_buffers, int) or max_buffers < 1:
             raise ConfigurationError(f"max_buffers must be a positive int, got {max_buffers!r}")

@@ -42,6 +42,8 @@ class SharedMemWeightSyncScheme(LocalScheme):
         latest_wins: bool = True,
         max_slots: int | None = None,
         per_worker_weights: bool = False,
+        on_failure: str = "raise",
+        max_staleness: int | None = None,
     ) -> None:
         super().__init__(
             strategy=strategy,
@@ -51,6 +53,8 @@ class SharedMemWeightSyncScheme(LocalScheme):
             background_thread=background_thread,
             latest_wins=latest_wins,
             max_slots=max_slots,
+            on_failure=on_failure,
+            max_staleness=max_staleness,
         )
         self.per_worker_weights = bool(per_worker_weights)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["SenderBoundTransport", "TransportBackend"]
@@ -40,6 +41,19 @@ class SenderBoundTransport:
 
     worker_idx: int
     _scheme: Any
+    #: ``time.perf_counter()`` when :attr:`acked` last moved (per-worker ack times in send metrics).
+    acked_at: float = float("-inf")
+
+    @property
+    def acked(self) -> int | None:
+        """The last version this worker acked (``None`` before any)."""
+        return self.__dict__.get("_acked")
+
+    @acked.setter
+    def acked(self, version: int | None) -> None:
+        if version != self.__dict__.get("_acked"):
+            self.acked_at = time.perf_counter()
+        self.__dict__["_acked"] = version
 
     def _sender(self) -> Any:
         if self._scheme is None:

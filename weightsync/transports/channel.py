@@ -166,6 +166,10 @@ class Channel:
             pass
 
 
+#: Seconds a connecting peer has to complete the auth handshake.
+HANDSHAKE_TIMEOUT = 5.0
+
+
 class ChannelListener:
     """Accepts authenticated channels from workers on an abstract Unix socket."""
 
@@ -200,16 +204,19 @@ class ChannelListener:
         raw.setblocking(True)
         conn = Connection(raw.detach())
         channel = Channel(conn, "worker (handshake)")
+        # The handshake has a bound of its own: a short wait for connections (the sender's rejoin
+        # listener polls every 0.1 s) must not cut short a peer that is answering.
+        deadline = deadline_after(max(remaining(deadline), HANDSHAKE_TIMEOUT))
         try:
             nonce = secrets.token_bytes(_NONCE)
             conn.send_bytes(nonce)
-            if not conn.poll(remaining(deadline) or 1.0):
+            if not conn.poll(remaining(deadline)):
                 raise AuthenticationError("peer did not answer the auth challenge in time")
             answer = conn.recv_bytes(256)
             if not hmac.compare_digest(answer, _digest(self._authkey, nonce, b"worker")):
                 conn.send_bytes(b"denied")
                 raise AuthenticationError("peer failed the auth-key challenge")
-            hello = channel.recv_until(deadline_after(max(remaining(deadline), 1.0)), "hello")
+            hello = channel.recv_until(deadline, "hello")
             peer_nonce = bytes.fromhex(hello.pop("nonce", ""))
             conn.send_bytes(_digest(self._authkey, peer_nonce, b"sender"))
         except (EOFError, OSError, ConnectionClosedError, AuthenticationError, SyncTimeoutError, ValueError) as exc:
@@ -291,7 +298,11 @@ def write_key_file(address: str, authkey: bytes) -> str:
     Receiver configs name this file instead of carrying the key, so they can be
     logged and saved. The sender removes it at shutdown.
     """
-    path = os.path.join(_key_dir(), address.lstrip("@") + ".key")
+    directory = _key_dir()
+    for name in os.listdir(directory):  # keys of senders that were killed before they could remove them
+        if _owner_is_gone(name):
+            remove_key_file(os.path.join(directory, name))
+    path = os.path.join(directory, address.lstrip("@") + ".key")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(authkey.hex())
@@ -310,6 +321,34 @@ def read_key_file(path: str, **where: Any) -> str:
         raise ConfigurationError(
             f"auth key file {path} does not exist: the sender has shut down, or runs on another host", **where
         ) from exc
+
+
+def _owner_is_gone(name: str) -> bool:
+    """Whether the sender that wrote key file ``name`` (``weightsync-<pid>-<token>.key``) has exited."""
+    parts = name.split("-")
+    if len(parts) != 3 or parts[0] != "weightsync" or not parts[1].isdigit() or not name.endswith(".key"):
+        return False
+    try:
+        with open(f"/proc/{parts[1]}/stat") as stat_file:
+            return stat_file.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # exited, not yet reaped
+    except OSError:
+        return True
+
+
+def remove_key_file_if_orphaned(path: str, grace: float = 0.0) -> None:
+    """Remove the key file at ``path`` if the sender that wrote it has exited (a worker cleaning up after it).
+
+    A worker learns of a killed sender when the kernel closes the sender's sockets, a moment before the
+    process is marked exited: ``grace`` seconds are allowed for that.
+    """
+    deadline = deadline_after(grace)
+    while os.path.exists(path):
+        if _owner_is_gone(os.path.basename(path)):
+            remove_key_file(path)
+            return
+        if remaining(deadline) <= 0:
+            return
+        time.sleep(0.01)
 
 
 def remove_key_file(path: str) -> None:

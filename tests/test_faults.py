@@ -1,0 +1,341 @@
+"""Fault injection on real worker processes: kill, hang, close, restart and rejoin, under both failure policies.
+
+Every scheme that supports the fault runs it: the local ones (multiprocess, shared memory, per-worker shared
+memory) everywhere; torch.distributed for the policies (a gloo group cannot take a restarted rank back).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+import weightsync as ws
+from tests._bodies import optimizer_step, start
+from tests._workers import build, checksum, serve
+from tests.conftest import SCHEMES
+
+REJOINING = ["multiprocess", "shared_mem", "shared_mem-per_worker"]
+TIMEOUT = 2.0  # the schemes' ack timeout in these tests: a hung worker costs this much
+MARGIN = 1.5  # seconds allowed beyond it for the sender to give up and report
+
+
+def _scheme(name: str, **kw) -> ws.WeightSyncScheme:
+    return SCHEMES[name](**kw)
+
+
+def _connected(name, workers, n=2, **kw):
+    model = build("tiny")
+    scheme = _scheme(name, **kw)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=n)
+    group, ready = start(workers, {"policy": scheme}, {"policy": "tiny"}, n=n)
+    assert all(errors == {} for _, _, errors in ready)
+    return model, scheme, group
+
+
+def _kill(group, i):
+    os.kill(group.procs[i].pid, signal.SIGKILL)
+    group.procs[i].join(10)
+
+
+def _rejoin(workers, scheme, w, kind="tiny"):
+    """A new process for worker ``w``, from the same pickled scheme; returns its group and ready message."""
+    group = workers(serve, 1, lambda i, conn: ({"policy": scheme}, w, {"policy": kind}, conn))
+    return group, group.recv(0)
+
+
+@pytest.mark.parametrize("name", [*REJOINING, "distributed-gloo"])
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_drop_policy_goes_on_without_a_killed_worker_and_names_it(workers, caplog, name, when):
+    model, scheme, group = _connected(name, workers, on_failure="drop")
+    optimizer_step(model, 1)
+    if when == "before":
+        _kill(group, 1)
+    else:  # the worker dies as the update reaches it, before applying it
+        assert group.ask(1, "die_on_next_update", "policy") == "armed"
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="weightsync.schemes"):
+        scheme.send()
+    assert time.monotonic() - began < scheme.timeout
+    group.procs[1].join(10)
+    assert group.ask(0, "state")["policy"] == (1, checksum(model))
+    dropped = scheme.stats()["dropped_workers"]
+    assert list(dropped) == [1] and "WorkerDiedError" in dropped[1]
+    assert any(
+        "dropped worker 1 at version 1" in r.getMessage() and "'policy'" in r.getMessage() for r in caplog.records
+    )
+    assert scheme.last_send.failed.keys() == {1} and 0 in scheme.last_send.acks
+    for step in (2, 3):  # later sends skip the dropped worker quietly
+        optimizer_step(model, step)
+        scheme.send()
+        assert group.ask(0, "state")["policy"] == (step, checksum(model))
+    assert scheme.acked_versions[0] == 3
+    group.stop()
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("name", REJOINING)
+def test_worker_killed_after_a_send_is_found_by_the_next_one(workers, name):
+    model, scheme, group = _connected(name, workers)
+    optimizer_step(model, 1)
+    scheme.send()
+    _kill(group, 0)
+    optimizer_step(model, 2)
+    with pytest.raises(ws.WorkerDiedError) as info:
+        scheme.send()
+    assert (info.value.worker_idx, info.value.version) == (0, 2)
+    assert group.ask(1, "state")["policy"] == (2, checksum(model))
+    group.stop()
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("name", [*REJOINING, "distributed-gloo"])
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+def test_hung_worker_costs_one_timeout_then_is_raised_or_dropped(workers, name, policy):
+    model, scheme, group = _connected(name, workers, on_failure=policy)
+    scheme.timeout = TIMEOUT
+    os.kill(group.procs[1].pid, signal.SIGSTOP)
+    try:
+        optimizer_step(model, 1)
+        began = time.monotonic()
+        if policy == "raise":
+            with pytest.raises(ws.SyncTimeoutError) as info:
+                scheme.send()
+            assert (info.value.worker_idx, info.value.version, info.value.model_id) == (1, 1, "policy")
+        else:
+            scheme.send()
+            assert "SyncTimeoutError" in scheme.stats()["dropped_workers"][1]
+        took = time.monotonic() - began
+        assert TIMEOUT * 0.9 <= took < TIMEOUT + MARGIN, took
+        assert group.ask(0, "state")["policy"] == (1, checksum(model))
+    finally:
+        os.kill(group.procs[1].pid, signal.SIGCONT)
+    if policy == "drop":  # the next send does not wait for it again
+        optimizer_step(model, 2)
+        began = time.monotonic()
+        scheme.send()
+        assert time.monotonic() - began < TIMEOUT
+    group.stop()
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("name", REJOINING)
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+def test_closed_channel_is_named_or_dropped(workers, name, policy):
+    model, scheme, group = _connected(name, workers, on_failure=policy)
+    assert group.ask(1, "close_channel", "policy") == "closed"
+    optimizer_step(model, 1)
+    if policy == "raise":
+        with pytest.raises(ws.WorkerDiedError) as info:
+            scheme.send()
+        assert info.value.worker_idx == 1
+    else:
+        scheme.send()
+        assert list(scheme.stats()["dropped_workers"]) == [1]
+    assert group.ask(0, "state")["policy"] == (1, checksum(model))
+    group.stop()
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("name", REJOINING)
+def test_restarted_worker_rejoins_and_gets_the_current_version(workers, name):
+    model, scheme, group = _connected(name, workers, on_failure="drop")
+    for step in (1, 2):
+        optimizer_step(model, step)
+        scheme.send()
+    expected = checksum(model)
+    _kill(group, 1)
+    optimizer_step(model, 3)
+    scheme.send()  # worker 1 is dropped here; worker 0 holds version 3
+    latest = checksum(model)
+    optimizer_step(model, 4)  # trainer moves on without sending: the rejoiner must get version 3, not this
+    again, (_, log, errors) = _rejoin(workers, scheme, 1)
+    assert errors == {} and log == [("policy", 3, latest)] and latest != expected
+    assert scheme.stats()["rejoins"] == {1: 1} and scheme.stats()["dropped_workers"] == {}
+    scheme.send()  # version 4 reaches both
+    assert group.ask(0, "state")["policy"] == (4, checksum(model))
+    assert again.ask(0, "state")["policy"] == (4, checksum(model))
+    assert scheme.acked_versions == {0: 4, 1: 4}
+    again.stop()
+    group.stop()
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem"])
+def test_a_live_worker_index_cannot_be_taken_and_a_stranger_is_refused(workers, name):
+    model, scheme, group = _connected(name, workers)
+    intruder, (_, log, errors) = _rejoin(workers, scheme, 1)
+    assert log == [] and "worker 1 is already connected" in errors["policy"]
+    intruder.stop()
+    forged = ws.MultiProcessWeightSyncScheme(timeout=5, connect_timeout=5)
+    forged.init_on_receiver(
+        model_id="policy",
+        model=build("tiny"),
+        worker_idx=1,
+        address=scheme.receiver_config(1)["connection"]["address"],
+        authkey=b"\0" * 32,
+    )
+    with pytest.raises(ws.AuthenticationError):
+        forged.connect()
+    forged.shutdown()
+    optimizer_step(model, 1)
+    scheme.send()  # both real workers are still served
+    assert [group.ask(w, "state")["policy"][0] for w in (0, 1)] == [1, 1]
+    group.stop()
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem"])
+def test_200_sends_with_random_restarts_lose_and_repeat_no_version(workers, name):
+    rng = random.Random(6)
+    model, scheme, group = _connected(name, workers, n=3, on_failure="drop")
+    groups = {w: (group, w) for w in range(3)}  # worker -> (its group, its index in that group)
+    expected = {0: checksum(model)}
+    lives = []  # (worker, the versions that process applied) for every process that ran
+    restarts = 0
+
+    def retire(w):
+        g, i = groups[w]
+        lives.append((w, [(v, d) for _, v, d in g.ask(i, "log")]))
+
+    for w in range(3):
+        g, i = groups[w]
+        lives.append((w, [(0, expected[0])]))
+    for step in range(1, 201):
+        if step % 10 == 0:
+            w = rng.randrange(3)
+            retire(w)
+            _kill(*groups[w])
+            if rng.random() < 0.5:  # sometimes a send happens while it is gone
+                optimizer_step(model, step * 1000)
+                scheme.send()
+                expected[scheme.version] = checksum(model)
+            again, (_, log, errors) = _rejoin(workers, scheme, w)
+            assert errors == {}, errors
+            groups[w] = (again, 0)
+            lives.append((w, [(v, d) for _, v, d in log]))
+            restarts += 1
+        optimizer_step(model, step)
+        scheme.send()
+        expected[scheme.version] = checksum(model)
+    for w in range(3):
+        retire(w)
+    final = scheme.version
+    by_worker = {}
+    for w, applied in lives:
+        versions = [v for v, _ in applied]
+        assert versions == sorted(set(versions)), f"worker {w} repeated or reordered a version: {versions}"
+        assert all(expected[v] == d for v, d in applied), f"worker {w} applied wrong bytes"
+        by_worker.setdefault(w, []).append(versions)
+    for w, runs in by_worker.items():
+        # Each process applied every version from the one it joined at to the last it saw: none lost.
+        for versions in runs:
+            assert versions == list(range(versions[0], versions[0] + len(versions))), f"worker {w} lost a version"
+        assert runs[-1][-1] == final
+    assert restarts == 20 and scheme.stats()["rejoins"] and sum(scheme.stats()["rejoins"].values()) == 20
+    for g, _ in {id(g): (g, i) for g, i in groups.values()}.values():
+        g.stop()
+    group.stop()
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem", "distributed-gloo"])
+def test_staleness_bound_is_enforced_and_reported(workers, name):
+    model, scheme, group = _connected(name, workers, sync=False, max_staleness=1)
+    scheme.timeout = TIMEOUT
+    os.kill(group.procs[1].pid, signal.SIGSTOP)
+    resumed = threading.Timer(0.8, os.kill, (group.procs[1].pid, signal.SIGCONT))
+    try:
+        optimizer_step(model, 1)
+        scheme.send_async()  # worker 1 now lags by one version: allowed
+        resumed.start()
+        optimizer_step(model, 2)
+        began = time.monotonic()
+        scheme.send_async()  # it would lag by two: the send waits until it caught up
+        assert time.monotonic() - began >= 0.5
+        assert scheme.acked_versions[1] >= 1
+        stats = scheme.stats()
+        assert stats["staleness_waits"] == 1 and stats["max_lag_seen"] == 1
+        assert scheme.last_send.staleness_wait >= 0.5
+        scheme.wait_async()
+        os.kill(group.procs[1].pid, signal.SIGSTOP)
+        for step in (3, 4):
+            optimizer_step(model, step)
+            if step == 3:
+                scheme.send_async()
+            else:
+                with pytest.raises(ws.SyncTimeoutError, match="lags more than max_staleness=1") as info:
+                    scheme.send_async()
+                assert (info.value.worker_idx, info.value.version) == (1, 4)
+    finally:
+        resumed.cancel()
+        os.kill(group.procs[1].pid, signal.SIGCONT)
+    group.stop()
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "distributed-gloo"])
+def test_send_metrics_name_the_version_bytes_and_every_ack(workers, name):
+    model, scheme, group = _connected(name, workers)
+    for step in (1, 2, 3):
+        optimizer_step(model, step)
+        scheme.send()
+    record = scheme.last_send
+    assert record.version == 3 and record.workers == [0, 1] and record.nbytes == scheme.layout.nbytes
+    assert set(record.acks) == {0, 1} and all(0 < s <= record.seconds for s in record.acks.values())
+    stats = scheme.stats()
+    assert stats["sends"] == 3 and stats["bytes_sent"] == 3 * 2 * scheme.layout.nbytes
+    assert stats["send_seconds"]["median"] > 0 and stats["acked_versions"] == {0: 3, 1: 3}
+    assert stats["lag"] == {0: 0, 1: 0} and stats["worker_failures"] == 0
+    group.stop()
+    scheme.shutdown()
+
+
+def test_policy_and_staleness_settings_are_checked():
+    with pytest.raises(ws.ConfigurationError, match="on_failure must be 'raise' or 'drop'"):
+        ws.MultiProcessWeightSyncScheme(on_failure="ignore")
+    with pytest.raises(ws.ConfigurationError, match="max_staleness must be a non-negative int"):
+        ws.DistributedWeightSyncScheme(max_staleness=-1)
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem"])
+def test_workers_exit_cleanly_when_the_trainer_is_killed(ctx, tmp_path, name):
+    import json
+
+    import psutil
+
+    from tests._workers import doomed_trainer
+
+    reports = [str(tmp_path / f"worker{w}.json") for w in range(2)]
+    parent, child = ctx.Pipe()
+    trainer = ctx.Process(target=doomed_trainer, args=(name, 2, reports, child))  # not a daemon: it has children
+    trainer.start()
+    try:
+        assert parent.poll(60), "the trainer did not start its workers"
+        pids, key_file = parent.recv()
+        assert os.path.exists(key_file)
+        workers = [psutil.Process(pid) for pid in pids]
+        killed = time.time()
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.join(10)
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"workers still running after the trainer died: {[p.pid for p in alive]}"
+    finally:
+        if trainer.is_alive():
+            trainer.kill()
+            trainer.join(5)
+        for pid in locals().get("pids", []):
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
+    for report in reports:
+        with open(report) as f:
+            seen = json.load(f)
+        assert seen["versions"] == [0, 1, 2]
+        assert seen["noticed"] - killed < 5.0  # the scheme's timeout
+        assert seen["leftovers"] == {"threads": [], "memfds": 0, "maps": 0}
+    assert not os.path.exists(key_file), "the auth key file outlived the sender and its workers"

@@ -54,7 +54,14 @@ def worker(scheme: ws.WeightSyncScheme, idx: int, mb: float, stop, tensors: int 
 
 
 def time_scheme(
-    name: str, model: nn.Module, workers: int, rounds: int, mb: float, tensors: int = 0, memory: dict | None = None
+    name: str,
+    model: nn.Module,
+    workers: int,
+    rounds: int,
+    mb: float,
+    tensors: int = 0,
+    memory: dict | None = None,
+    checksum: bool = False,
 ) -> tuple[list[float], list[float]]:
     """Per round: one ``copy_`` of the model's bytes, then one ``send()``; both lists of seconds.
 
@@ -62,6 +69,8 @@ def time_scheme(
     machine's load changing during the run. ``memory``, when given, receives
     ``extra_bytes``: the sender's peak resident memory over its level before
     ``init_on_sender`` (the model and the floor's buffers already counted there).
+    ``checksum``: the floor is a send without checksum and the measured send one with it
+    (receivers check a checksum whenever the sender attached one, so the two alternate freely).
     """
     import psutil
 
@@ -82,7 +91,12 @@ def time_scheme(
         last = list(model.parameters())[-1]
         for step in range(rounds + 2):
             start = time.perf_counter()
-            dst.copy_(src)
+            if checksum:
+                scheme.checksum = False
+                scheme.send()
+                scheme.checksum = True
+            else:
+                dst.copy_(src)
             copy_s = time.perf_counter() - start
             with torch.no_grad():
                 last.add_(1.0)  # an optimizer-like change, so every version differs

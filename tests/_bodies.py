@@ -21,6 +21,19 @@ def optimizer_step(model: torch.nn.Module, seed: int) -> None:
                 tensor.add_(1)
 
 
+def start_readers(workers, scheme, background: bool = False):
+    """A "flat4" model on the sender and 2 workers reading theirs continuously (``torn_reader``), connected."""
+    from tests._workers import torn_reader
+
+    model = build("flat4")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group = workers(torn_reader, 2, lambda i, conn: (scheme, i, "flat4", conn, background))
+    scheme.connect()
+    for w in range(2):
+        assert group.recv(w) == "ready"
+    return model, group
+
+
 def start(workers, schemes: dict, kinds: dict, n: int = 2, **kw):
     group = workers(serve, n, lambda i, conn: (schemes, i, kinds, conn, *kw.values()))
     for scheme in schemes.values():
@@ -181,5 +194,75 @@ def wire_dtype_halves_the_bytes_and_workers_hold_the_rounded_weights(scheme, wor
         assert expected != checksum(model, scheme.strategy.extract_as)  # bf16 did round something
         for w in range(2):
             assert group.ask(w, "state")["policy"] == (step, expected), f"worker {w} after send {step}"
+    group.stop()
+    scheme.shutdown()
+
+
+def corrupted_payload_is_refused_and_the_model_kept(scheme, workers):
+    """With ``checksum=True``: a payload whose bytes do not match the sender's checksum is refused by every
+    worker, named to the sender as an IntegrityError, and the workers keep the version they held."""
+    import inspect
+    from unittest import mock
+
+    assert scheme.checksum
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    expected = {}
+    for step in (1, 2):
+        optimizer_step(model, step)
+        expected[step] = checksum(model, scheme.strategy.extract_as)
+        if step == 1:
+            scheme.send()
+            continue
+        # The sender announces a checksum its bytes do not have: as if they were damaged on the way.
+        with mock.patch.object(inspect.getmodule(type(scheme).send_to), "digest", return_value="0" * 16):
+            with pytest.raises(ws.WeightSyncError) as info:
+                scheme.send()
+    failures = getattr(info.value, "failures", None) or {info.value.worker_idx: info.value}
+    assert sorted(failures) == [0, 1]
+    for error in failures.values():
+        assert isinstance(error, ws.ReceiverError) and error.remote_type == "IntegrityError"
+        assert "failed its checksum" in error.remote_message and error.version == 2
+    for w in (0, 1):
+        assert group.ask(w, "state")["policy"] == (1, expected[1])
+    scheme.send()  # the next send, checked and whole, goes through
+    for w in (0, 1):
+        assert group.ask(w, "state")["policy"] == (3, expected[2])
+    group.stop()
+    scheme.shutdown()
+
+
+def dropped_worker_is_named_and_the_others_go_on(scheme, workers, when="before"):
+    """``on_failure="drop"``: a worker SIGKILLed before a send (or as the update reaches it) is dropped, named
+    in ``stats()``, and later sends go on to the other without waiting for it."""
+    import os
+    import signal
+    import time
+
+    assert scheme.on_failure == "drop"
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    optimizer_step(model, 1)
+    if when == "before":
+        os.kill(group.procs[1].pid, signal.SIGKILL)
+        group.procs[1].join(10)
+    else:  # the worker dies as the update reaches it, before applying it
+        assert group.ask(1, "die_on_next_update", "policy") == "armed"
+    began = time.monotonic()
+    scheme.send()
+    assert time.monotonic() - began < scheme.timeout
+    group.procs[1].join(10)
+    extract = scheme.strategy.extract_as
+    assert group.ask(0, "state")["policy"] == (1, checksum(model, extract))
+    dropped = scheme.stats()["dropped_workers"]
+    assert list(dropped) == [1] and "WorkerDiedError" in dropped[1]
+    assert scheme.last_send.failed.keys() == {1} and 0 in scheme.last_send.acks
+    for step in (2, 3):  # later sends skip the dropped worker quietly
+        optimizer_step(model, step)
+        scheme.send()
+        assert group.ask(0, "state")["policy"] == (step, checksum(model, extract))
+    assert scheme.acked_versions[0] == 3
     group.stop()
     scheme.shutdown()

@@ -173,6 +173,7 @@ def torn_reader(scheme, worker_idx: int, kind: str, cmd, lock_reads: bool = Fals
     scheme.init_on_receiver(model_id="policy", model=model, worker_idx=worker_idx)
     scheme.connect()
     cmd.send("ready")
+    rss_start = _rss()
     reads = torn = applied = 0
     tensors = lambda: list(ws.WeightStrategy().flat(model).values())  # noqa: E731
     while not cmd.poll():
@@ -189,8 +190,15 @@ def torn_reader(scheme, worker_idx: int, kind: str, cmd, lock_reads: bool = Fals
         reads += 1
         torn += len(values) != 1
     cmd.recv()
+    rss_end = _rss()
     scheme.shutdown()
-    cmd.send({"reads": reads, "torn": torn, "applied": applied, "version": scheme.version})
+    cmd.send({"reads": reads, "torn": torn, "applied": applied, "version": scheme.version, "rss": (rss_start, rss_end)})
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
 
 
 def connect_pair(sender, receiver, timeout: float = 20.0) -> None:

@@ -16,6 +16,7 @@ import time
 import pytest
 
 import weightsync as ws
+from tests import _bodies as bodies
 from tests._bodies import optimizer_step, start
 from tests._workers import build, checksum, serve
 from tests.conftest import SCHEMES
@@ -52,31 +53,11 @@ def _rejoin(workers, scheme, w, kind="tiny"):
 @pytest.mark.parametrize("name", [*REJOINING, "distributed-gloo"])
 @pytest.mark.parametrize("when", ["before", "during"])
 def test_drop_policy_goes_on_without_a_killed_worker_and_names_it(workers, caplog, name, when):
-    model, scheme, group = _connected(name, workers, on_failure="drop")
-    optimizer_step(model, 1)
-    if when == "before":
-        _kill(group, 1)
-    else:  # the worker dies as the update reaches it, before applying it
-        assert group.ask(1, "die_on_next_update", "policy") == "armed"
-    began = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="weightsync.schemes"):
-        scheme.send()
-    assert time.monotonic() - began < scheme.timeout
-    group.procs[1].join(10)
-    assert group.ask(0, "state")["policy"] == (1, checksum(model))
-    dropped = scheme.stats()["dropped_workers"]
-    assert list(dropped) == [1] and "WorkerDiedError" in dropped[1]
+        bodies.dropped_worker_is_named_and_the_others_go_on(_scheme(name, on_failure="drop"), workers, when)
     assert any(
         "dropped worker 1 at version 1" in r.getMessage() and "'policy'" in r.getMessage() for r in caplog.records
     )
-    assert scheme.last_send.failed.keys() == {1} and 0 in scheme.last_send.acks
-    for step in (2, 3):  # later sends skip the dropped worker quietly
-        optimizer_step(model, step)
-        scheme.send()
-        assert group.ask(0, "state")["policy"] == (step, checksum(model))
-    assert scheme.acked_versions[0] == 3
-    group.stop()
-    scheme.shutdown()
 
 
 @pytest.mark.parametrize("name", REJOINING)
@@ -339,3 +320,54 @@ def test_workers_exit_cleanly_when_the_trainer_is_killed(ctx, tmp_path, name):
         assert seen["noticed"] - killed < 5.0  # the scheme's timeout
         assert seen["leftovers"] == {"threads": [], "memfds": 0, "maps": 0}
     assert not os.path.exists(key_file), "the auth key file outlived the sender and its workers"
+
+
+def test_truncated_shared_segment_is_refused_not_mapped(workers):
+    # Mapping past the end of a segment would kill the worker (SIGBUS): it must refuse the slot instead.
+    from unittest import mock
+
+    from weightsync.transports.mp import MPTransport
+
+    model, scheme, group = _connected("shared_mem", workers)
+    real_notify = MPTransport.notify
+
+    def announce_more_than_there_is(self, slot, version):
+        if slot.id in self.slots_sent:
+            return real_notify(self, slot, version)
+        slot.nbytes *= 2
+        try:
+            return real_notify(self, slot, version)
+        finally:
+            slot.nbytes //= 2
+
+    held = checksum(model)
+    optimizer_step(model, 1)
+    with mock.patch.object(MPTransport, "notify", announce_more_than_there_is):
+        with pytest.raises(ws.SendFailedError) as info:
+            scheme.send()
+    for error in info.value.failures.values():
+        assert error.remote_type == "IntegrityError" and "truncated" in error.remote_message
+    assert [group.ask(w, "state")["policy"] for w in (0, 1)] == [(0, held)] * 2
+    group.stop()
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "distributed-gloo"])
+def test_non_finite_weights_are_refused_in_the_caller_when_checked(workers, name):
+    import torch
+
+    model, scheme, group = _connected(name, workers, check_finite=True)
+    held = checksum(model)
+    for bad in (float("nan"), float("inf")):
+        with torch.no_grad():
+            model.body[0].weight[0, 0] = bad
+        with pytest.raises(ws.InvalidWeightsError, match=r"NaN or Inf in \['body.0.weight'\].*nothing was sent"):
+            scheme.send()
+        assert scheme.version == 0 and scheme.stats()["sends"] == 0
+    assert [group.ask(w, "state")["policy"] for w in (0, 1)] == [(0, held)] * 2
+    with torch.no_grad():
+        model.body[0].weight[0, 0] = 0.5
+    scheme.send()
+    assert [group.ask(w, "state")["policy"][0] for w in (0, 1)] == [1, 1]
+    group.stop()
+    scheme.shutdown()

@@ -13,7 +13,7 @@ import weightsync as ws
 from tests import _bodies as bodies
 from tests._bodies import optimizer_step
 from tests._bodies import start as start_workers
-from tests._workers import build, checksum, in_process_receiver, serve, torn_reader
+from tests._workers import build, checksum, in_process_receiver, serve
 
 
 @pytest.mark.parametrize("strategy", ["tensordict", "state_dict"])
@@ -91,6 +91,10 @@ def test_pickled_scheme_older_facade_and_model_path_with_spawn(workers):
     assert [p.exitcode for p in procs] == [0, 0]
 
 
+def test_corrupted_payload_is_refused_and_the_model_kept(make_scheme, workers):
+    bodies.corrupted_payload_is_refused_and_the_model_kept(make_scheme(checksum=True), workers)
+
+
 def test_trainer_changes_are_invisible_until_send(make_scheme, workers):
     bodies.trainer_changes_are_invisible_until_send(make_scheme(), workers)
 
@@ -100,12 +104,7 @@ def test_no_torn_reads_while_sending_alternating_weights(workers, kind):
     background = kind.endswith("thread")
     cls = ws.SharedMemWeightSyncScheme if kind.startswith("shared_mem") else ws.MultiProcessWeightSyncScheme
     scheme = cls(sync=False, timeout=20, background_thread=background)
-    model = build("flat4")
-    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
-    group = workers(torn_reader, 2, lambda i, conn: (scheme, i, "flat4", conn, background))
-    scheme.connect()
-    for w in range(2):
-        assert group.recv(w) == "ready"
+    model, group = bodies.start_readers(workers, scheme, background)
     sends = 150
     for step in range(1, sends + 1):
         with torch.no_grad():

@@ -69,3 +69,12 @@ def test_errors_survive_pickling_with_their_fields():
     assert (back.missing, back.mismatched, back.worker_idx) == (["a"], err.mismatched, 1)
     remote = pickle.loads(pickle.dumps(ws.ReceiverError("ValueError", "bad", worker_idx=2, version=3)))
     assert (remote.remote_type, remote.worker_idx, remote.version) == ("ValueError", 2, 3)
+
+
+def test_api_reference_is_current():
+    from pathlib import Path
+
+    from weightsync._apidoc import render
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+    assert page.read_text() == render(), "docs/api.md is stale: run python -m weightsync._apidoc docs/api.md"

@@ -152,9 +152,10 @@ def test_one_object_per_send_whatever_the_number_of_actors(monkeypatch):
     scheme.send()
     assert len(puts) == 2  # one for connect's version 0, one for the send
     layout = scheme.layout
-    for ranges, arrays in puts:  # one object holding every tensor's bytes once (plus alignment padding)
+    for ranges, arrays, digest in puts:  # one object holding every tensor's bytes once (plus alignment padding)
         assert sorted(i for first, last in ranges for i in range(first, last)) == list(range(len(layout.slots)))
         assert layout.weights_nbytes <= sum(a.nbytes for a in arrays) <= layout.nbytes
+        assert digest is None  # checksum is off by default
     scheme.shutdown()
     for a in actors:
         ray.kill(a)
@@ -178,6 +179,21 @@ def test_killed_actor_is_named_and_the_others_are_updated():
     assert ray.get(actors[0].state.remote())[0] == 2
     scheme.send(worker_ids=[0])
     assert not scheme.sender_transports[1].check_connection()
+    scheme.shutdown()
+    ray.kill(actors[0])
+
+
+def test_drop_policy_goes_on_without_a_killed_actor():
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=20, on_failure="drop")
+    actors = _joined(scheme, model)
+    scheme.connect()
+    ray.kill(actors[1], no_restart=True)
+    for step in (1, 2):
+        optimizer_step(model, step)
+        scheme.send()  # dropped at the first, skipped at the second
+        assert ray.get(actors[0].state.remote()) == (step, checksum(model, "state_dict"))
+    assert list(scheme.stats()["dropped_workers"]) == [1] and scheme.acked_versions[0] == 2
     scheme.shutdown()
     ray.kill(actors[0])
 
@@ -266,4 +282,26 @@ def test_module_actor_failures_are_named():
     with pytest.raises(ws.WorkerDiedError) as info:
         scheme.send()
     assert (info.value.worker_idx, info.value.model_id) == (0, "transform")
+    scheme.shutdown()
+
+
+def test_corrupted_payload_is_refused_and_the_actors_keep_their_weights():
+    from unittest import mock
+
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=30, checksum=True)
+    actors = _joined(scheme, model)
+    scheme.connect()
+    optimizer_step(model, 1)
+    scheme.send()
+    held = checksum(model, "state_dict")
+    optimizer_step(model, 2)
+    with mock.patch("weightsync.schemes.ray.digest", return_value="0" * 16):
+        with pytest.raises(ws.SendFailedError) as info:
+            scheme.send()
+    assert sorted(info.value.failures) == [0, 1]
+    assert all(e.remote_type == "IntegrityError" for e in info.value.failures.values())
+    assert ray.get([a.state.remote() for a in actors]) == [(1, held)] * 2
+    scheme.send()
+    assert ray.get([a.state.remote() for a in actors]) == [(3, checksum(model, "state_dict"))] * 2
     scheme.shutdown()

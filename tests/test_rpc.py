@@ -42,6 +42,8 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0) -> None:
         "killed_worker_is_named_and_the_others_are_served",
         "mismatching_worker_is_refused_by_name",
         "wire_dtype_halves_the_bytes_and_workers_hold_the_rounded_weights::wire_dtype=bfloat16",
+        "corrupted_payload_is_refused_and_the_model_kept::checksum=1",
+        "dropped_worker_is_named_and_the_others_go_on::on_failure=drop",
     ],
 )
 def test_rpc_scheme(scenario):

@@ -11,6 +11,7 @@ from .errors import (
     AuthenticationError,
     ConfigurationError,
     ConnectionClosedError,
+    IntegrityError,
     InvalidWeightsError,
     LifecycleError,
     ReceiverError,
@@ -22,6 +23,7 @@ from .errors import (
     WorkerDiedError,
 )
 from .layout import FlatLayout
+from .metrics import SendRecord
 from .model_path import resolve_model
 from .schemes import (
     DistributedWeightSyncScheme,
@@ -71,6 +73,7 @@ __all__ = [
     "DistributedTransport",
     "DistributedWeightSyncScheme",
     "FlatLayout",
+    "IntegrityError",
     "InvalidWeightsError",
     "LifecycleError",
     "MPTransport",
@@ -87,6 +90,7 @@ __all__ = [
     "RayWeightSyncScheme",
     "ReceiverError",
     "SendFailedError",
+    "SendRecord",
     "SharedMemTransport",
     "SharedMemWeightSyncScheme",
     "SyncTimeoutError",

@@ -27,6 +27,7 @@ __all__ = [
     "AuthenticationError",
     "ConfigurationError",
     "ConnectionClosedError",
+    "IntegrityError",
     "InvalidWeightsError",
     "LifecycleError",
     "ReceiverError",
@@ -150,6 +151,11 @@ class ConnectionClosedError(TransportError):
 
 class WorkerDiedError(TransportError):
     """A worker's process exited (its channel closed) while the sender waited on it."""
+
+
+class IntegrityError(TransportError):
+    """A payload failed its checksum or does not have the size its layout needs (corrupted or truncated);
+    it was not applied and the model kept its previous weights."""
 
 
 class SyncTimeoutError(WeightSyncError, TimeoutError):

@@ -57,6 +57,7 @@ class SchemeConfig:
             that died or did not ack in time.
         max_staleness: in asynchronous sends, how many versions a worker may lag
             (``None``: no bound).
+        check_finite: refuse weights holding NaN or Inf before sending anything.
     """
 
     _target_: str = "weightsync.NoWeightSyncScheme"
@@ -66,6 +67,7 @@ class SchemeConfig:
     connect_timeout: float = 120.0
     on_failure: str = "raise"
     max_staleness: Optional[int] = None  # noqa: UP045
+    check_finite: bool = False
 
 
 @dataclass
@@ -83,12 +85,14 @@ class MultiProcessSchemeConfig(SchemeConfig):
         background_thread: receivers apply updates in a thread of their own.
         latest_wins: a worker that fell behind applies only the newest version.
         max_slots: shared staging slots the sender may allocate (``None``: ``num_workers + 2``).
+        checksum: receivers check each version's XXH3-64 before applying it.
     """
 
     _target_: str = "weightsync.MultiProcessWeightSyncScheme"
     background_thread: bool = False
     latest_wins: bool = True
     max_slots: Optional[int] = None  # noqa: UP045 - omegaconf 2.3 reads typing.Optional, not `int | None`
+    checksum: bool = False
 
 
 @dataclass
@@ -118,6 +122,7 @@ class RaySchemeConfig(SchemeConfig):
     address: Optional[str] = None  # noqa: UP045
     namespace: Optional[str] = None  # noqa: UP045
     wire_dtype: Optional[str] = None  # noqa: UP045
+    checksum: bool = False
 
 
 @dataclass
@@ -146,6 +151,7 @@ class RPCSchemeConfig(SchemeConfig):
     latest_wins: bool = True
     max_buffers: int = 2
     wire_dtype: Optional[str] = None  # noqa: UP045
+    checksum: bool = False
 
 
 @dataclass
@@ -171,6 +177,7 @@ class DistributedSchemeConfig(SchemeConfig):
     max_buffers: int = 2
     wire_dtype: Optional[str] = None  # noqa: UP045
     bucket_mb: Optional[float] = None  # noqa: UP045
+    checksum: bool = False
 
 
 # --------------------------------------------------------------- transports

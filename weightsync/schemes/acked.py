@@ -23,6 +23,10 @@ class AckedScheme(WeightSyncScheme):
             for a float32 model: half the bytes) and are cast back to the model's
             dtype when applied; ``None`` sends them as they are. See the guide for
             the precision lost.
+        checksum: the sender hashes each payload (XXH3-64) and receivers check it
+            before applying; a corrupted or truncated payload is refused with
+            :class:`~weightsync.errors.IntegrityError`. Off by default (see the
+            benchmarks for its cost).
         Other arguments: see :class:`~weightsync.schemes.base.WeightSyncScheme`.
 
     Subclasses implement ``send_to(weights, targets, wait=..., timeout=...)`` and
@@ -40,6 +44,8 @@ class AckedScheme(WeightSyncScheme):
         wire_dtype: str | None = None,
         on_failure: str = "raise",
         max_staleness: int | None = None,
+        check_finite: bool = False,
+        checksum: bool = False,
     ) -> None:
         super().__init__(
             strategy=strategy,
@@ -48,12 +54,14 @@ class AckedScheme(WeightSyncScheme):
             connect_timeout=connect_timeout,
             on_failure=on_failure,
             max_staleness=max_staleness,
+            check_finite=check_finite,
         )
         wire_dtype_from_name(wire_dtype)  # a bad name fails here, not at connect
         self.wire_dtype = wire_dtype
+        self.checksum = bool(checksum)
 
     def _config_fields(self) -> set[str]:
-        return super()._config_fields() | {"wire_dtype"}
+        return super()._config_fields() | {"wire_dtype", "checksum"}
 
     def _sender_layout(self, wire_dtype: torch.dtype | None = None) -> FlatLayout:
         return super()._sender_layout(wire_dtype or wire_dtype_from_name(self.wire_dtype))

@@ -19,7 +19,9 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
+
+import torch
 
 from ..errors import (
     ConfigurationError,
@@ -36,9 +38,6 @@ from ..model_path import resolve_model
 from ..strategy import WeightStrategy
 from ..transports.base import TransportBackend
 from ..transports.channel import deadline_after
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["WeightReceiver", "WeightSender", "WeightSyncScheme"]
 
@@ -71,6 +70,9 @@ class WeightSyncScheme:
         max_staleness: in asynchronous sends, how many versions a worker may lag
             behind the one being published; ``send_async`` first waits (at most
             ``timeout``) for workers further behind. ``None``: no bound.
+        check_finite: refuse, in the caller and before any byte moves, weights
+            holding NaN or Inf (:class:`~weightsync.errors.InvalidWeightsError`
+            naming the tensors). Off by default: it reads every weight once.
     """
 
     #: Name under which the scheme is registered (see :func:`weightsync.register_backend`).
@@ -86,6 +88,7 @@ class WeightSyncScheme:
         connect_timeout: float = 120.0,
         on_failure: str = "raise",
         max_staleness: int | None = None,
+        check_finite: bool = False,
     ) -> None:
         self._strategy = strategy if isinstance(strategy, WeightStrategy) else WeightStrategy(strategy)
         if not timeout or timeout <= 0:
@@ -103,6 +106,7 @@ class WeightSyncScheme:
         self.connect_timeout = float(connect_timeout)
         self.on_failure = on_failure
         self.max_staleness = max_staleness
+        self.check_finite = bool(check_finite)
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
@@ -444,7 +448,8 @@ class WeightSyncScheme:
     def _publish(self, weights: Any, targets: list[int], wait: bool) -> None:
         """One send under the failure policy, measured: bound staleness, publish, then raise or drop."""
         started = time.perf_counter()
-        self._admit_rejoins()
+        if self.check_finite:
+            self._refuse_non_finite(weights)
         stale_wait = 0.0
         if not wait and self.max_staleness is not None:
             stale_wait = self._bound_staleness(targets)
@@ -477,6 +482,16 @@ class WeightSyncScheme:
         log.debug("model %r: send %s", self._model_id, record)
         if failure is not None:
             self._handle_failures(failure, self._version)
+
+    def _refuse_non_finite(self, weights: Any) -> None:
+        flat = self._flat_weights(weights)
+        bad = sorted(
+            key for key, t in flat.items() if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all())
+        )
+        if bad:
+            raise InvalidWeightsError(
+                f"weights hold NaN or Inf in {bad} (check_finite=True); nothing was sent", model_id=self._model_id
+            )
 
     def _handle_failures(self, exc: WeightSyncError, version: int | None) -> None:
         """Raise ``exc`` (``on_failure="raise"``), or drop the workers it names as dead or late and raise
@@ -539,9 +554,6 @@ class WeightSyncScheme:
         """Wait until each worker of ``expected`` acked at least its version; return the failures."""
         raise NotImplementedError
 
-    def _admit_rejoins(self) -> None:
-        """Hook: take in workers that came back since the last call (schemes that support rejoin)."""
-
     def _payload_bytes(self) -> int:
         layout = getattr(self, "layout", None)
         return int(layout.nbytes) if layout is not None else 0
@@ -555,12 +567,13 @@ class WeightSyncScheme:
         """Sender: a summary of every send so far: counts, bytes, send-time and ack-time medians and
         maxima, failures, dropped workers (with the cause), rejoins, staleness, and each worker's
         last acked version and lag."""
-        acked = self.acked_versions if self.is_sender else {}
-        return self._metrics.summary(
-            version=self._version,
-            acked=acked,
-            failed={w: f"{type(e).__name__}: {e.detail}" for w, e in self._failed.items()},
-        )
+        with self._lock:  # a rejoin may be admitted from the listener's thread meanwhile
+            acked = self.acked_versions if self.is_sender else {}
+            return self._metrics.summary(
+                version=self._version,
+                acked=acked,
+                failed={w: f"{type(e).__name__}: {e.detail}" for w, e in self._failed.items()},
+            )
 
     def receive(self, timeout: float | None = 0.0) -> Any:
         """Apply a pending update, if any; return the weights applied, or ``None``.
@@ -741,7 +754,7 @@ class WeightSyncScheme:
         self._num_workers = num_workers
 
     def _config_fields(self) -> set[str]:
-        return {"sync", "timeout", "connect_timeout", "on_failure", "max_staleness"}
+        return {"sync", "timeout", "connect_timeout", "on_failure", "max_staleness", "check_finite"}
 
     def __copy__(self) -> WeightSyncScheme:
         raise LifecycleError("schemes are not copied; build a new one from the same arguments")

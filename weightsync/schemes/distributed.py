@@ -21,6 +21,7 @@ from ..errors import (
     WorkerDiedError,
     raise_failures,
 )
+from ..integrity import check_digest, digest, digest_device_check
 from ..layout import FlatLayout
 from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec, write_into
 from ..transports.channel import deadline_after, remaining
@@ -95,6 +96,8 @@ class DistributedWeightSyncScheme(AckedScheme):
         bucket_mb: float | None = None,
         on_failure: str = "raise",
         max_staleness: int | None = None,
+        check_finite: bool = False,
+        checksum: bool = False,
     ) -> None:
         super().__init__(
             strategy=strategy,
@@ -104,6 +107,8 @@ class DistributedWeightSyncScheme(AckedScheme):
             wire_dtype=wire_dtype,
             on_failure=on_failure,
             max_staleness=max_staleness,
+            check_finite=check_finite,
+            checksum=checksum,
         )
         if backend not in ("gloo", "nccl"):
             raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -154,6 +159,7 @@ class DistributedWeightSyncScheme(AckedScheme):
                 "backend='nccl' needs CUDA and a torch build with NCCL; use backend='gloo' on CPU",
                 model_id=self._model_id,
             )
+        digest_device_check(self.checksum, self._device, model_id=self._model_id)
 
     @property
     def _device(self) -> torch.device:
@@ -306,6 +312,10 @@ class DistributedWeightSyncScheme(AckedScheme):
                 except RuntimeError as exc:  # the peer is gone: gloo refuses to send to it
                     failures[w] = self._mark_dead(w, self._died(w, version, exc))
                     sending.remove(w)
+        if self.checksum and sending:  # after the last bucket is written; the workers check before applying
+            payload_digest = digest([staging.tensor])
+            for w in sending:
+                self._store.set(f"digest/{w}/{self._transports[w].seq}", payload_digest)
         for w in sending:
             self._transports[w].expect_ack(version, self._device)
         self._next_version += 1
@@ -445,14 +455,33 @@ class DistributedWeightSyncScheme(AckedScheme):
         self._buckets = self._layout.buckets(self._bucket_bytes)
         self._transport.receive_initial_weights(self._recv_parts(), remaining(deadline))
         version = int(store.get("initial"))
-        self._apply([0], version)
+        self._apply([0], version, self._expected_digest(0, remaining(deadline)))
         self._reported_version = self._version
 
-    def _apply(self, seqs: list[int], version: int) -> None:
-        """Write the received buffer into the model as ``version``; ack every message in ``seqs``."""
+    def _expected_digest(self, seq: int, timeout: float) -> str | None:
+        """The sender's checksum of message ``seq`` (``None`` without ``checksum``); it is set once every
+        bucket was written, so it may follow the data by a moment."""
+        if not self.checksum:
+            return None
+        assert self._store is not None
+        key = f"digest/{self._worker_idx}/{seq}"
+        try:
+            self._store.wait([key], as_timedelta(max(timeout, 0.001)))
+            value = self._store.get(key).decode()
+            self._store.delete_key(key)
+        except dist.DistError as exc:
+            raise ConnectionClosedError(
+                f"no checksum from the sender ({first_line(exc)})", model_id=self._model_id, worker_idx=self._worker_idx
+            ) from None
+        return value
+
+    def _apply(self, seqs: list[int], version: int, expected: str | None = None) -> None:
+        """Write the received buffer into the model as ``version`` (``expected``: its checksum); ack every
+        message in ``seqs``."""
         assert self._transport is not None and self._layout is not None and self._recv_buffer is not None
         where = {"model_id": self._model_id, "worker_idx": self._worker_idx, "version": version}
         try:
+            check_digest([self._recv_buffer], expected, **where)
             dst = flatten_weights(self._model, self._strategy.extract_as)
             check_spec(self._layout.spec, weights_spec(dst), **where)
             with self.weights_lock:  # weights and version change together for readers holding the lock
@@ -481,10 +510,11 @@ class DistributedWeightSyncScheme(AckedScheme):
             version = int(msg["version"])
             self._transport.receive_into(self._recv_parts(), self.timeout, version)
             seqs.append(self._transport.seq)
+            expected = self._expected_digest(self._transport.seq, self.timeout)
             if not self.latest_wins:
                 break
         if seqs:
-            self._apply(seqs, version)
+            self._apply(seqs, version, expected)
         elif self._closed:
             raise ConnectionClosedError("the sender shut down", model_id=self._model_id, worker_idx=self._worker_idx)
         return self._newly_applied()

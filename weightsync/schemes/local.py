@@ -26,6 +26,7 @@ import torch
 from ..errors import (
     ConfigurationError,
     ConnectionClosedError,
+    IntegrityError,
     LifecycleError,
     SyncTimeoutError,
     WeightMismatchError,
@@ -33,6 +34,7 @@ from ..errors import (
     WorkerDiedError,
     raise_failures,
 )
+from ..integrity import check_digest, digest
 from ..layout import FlatLayout
 from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec, write_into
 from ..transports.channel import (
@@ -71,6 +73,12 @@ class LocalScheme(WeightSyncScheme):
         max_slots: how many shared weight slots the sender may allocate
             (lazily); default ``num_workers + 2``, which no send pattern exceeds.
             Fewer make a send wait for lagging workers.
+        checksum: the sender hashes each version's bytes (XXH3-64) and every
+            receiver checks them before applying; a corrupted or truncated
+            payload is refused with :class:`~weightsync.errors.IntegrityError`
+            and the model keeps its weights. Off by default: see the benchmarks
+            for its cost.
+        on_failure, max_staleness: see :class:`~weightsync.schemes.base.WeightSyncScheme`.
     """
 
     transport_class: type[MPTransport] = MPTransport
@@ -86,6 +94,8 @@ class LocalScheme(WeightSyncScheme):
         max_slots: int | None = None,
         on_failure: str = "raise",
         max_staleness: int | None = None,
+        check_finite: bool = False,
+        checksum: bool = False,
     ) -> None:
         super().__init__(
             strategy=strategy,
@@ -94,15 +104,17 @@ class LocalScheme(WeightSyncScheme):
             connect_timeout=connect_timeout,
             on_failure=on_failure,
             max_staleness=max_staleness,
+            check_finite=check_finite,
         )
         if max_slots is not None and (isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 1):
             raise ConfigurationError(f"max_slots must be a positive int or None, got {max_slots!r}")
+        self.checksum = bool(checksum)
         self.background_thread = bool(background_thread)
         self.latest_wins = bool(latest_wins)
         self.max_slots = max_slots
 
     def _config_fields(self) -> set[str]:
-        return super()._config_fields() | {"background_thread", "latest_wins", "max_slots"}
+        return super()._config_fields() | {"background_thread", "latest_wins", "max_slots", "checksum"}
 
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
@@ -117,7 +129,6 @@ class LocalScheme(WeightSyncScheme):
         self._admitter: threading.Thread | None = None
         # Receiver side.
         self._key_file: str | None = None  # the sender's auth key file this receiver read, if any
-        self._sender_closed = False  # the channel to the sender closed under this receiver
         self._transport: MPTransport | None = None
         self._layout_error: WeightMismatchError | None = None
         self._pending: deque[Update] = deque()
@@ -305,6 +316,7 @@ class LocalScheme(WeightSyncScheme):
                 raise SyncTimeoutError(f"no free weight slot to rejoin worker {w}", model_id=self._model_id)
             slot.version = None
             slot.buffer.copy_(newest.buffer)
+            slot.digest = newest.digest
             pool.publish(slot, newest.version, [w])
             return slot
         newest.readers.add(w)
@@ -334,6 +346,7 @@ class LocalScheme(WeightSyncScheme):
         for key, workers in by_pool.items():
             slots[key].version = None  # until the write completes, the slot holds no version (rejoins read it)
             write_into(slots[key].views, flat)
+            slots[key].digest = digest([slots[key].buffer]) if self.checksum else None
             self._pools[key].publish(slots[key], version, workers)
             published.update(dict.fromkeys(workers, slots[key]))
         self._next_version += 1
@@ -536,7 +549,6 @@ class LocalScheme(WeightSyncScheme):
         try:
             self._pending.extend(self._transport.receive_weights(0.0 if self._pending else timeout))
         except ConnectionClosedError:
-            self._sender_closed = True
             if not self._pending:
                 raise
         if not self._pending:
@@ -556,8 +568,11 @@ class LocalScheme(WeightSyncScheme):
             if self._layout_error is not None:
                 raise self._layout_error
             buffer = self._transport.slot_buffers.get(update.slot)
+            if update.slot in self._transport.bad_slots:
+                raise IntegrityError(self._transport.bad_slots[update.slot], **where)
             if buffer is None:
                 raise LifecycleError(f"update names slot {update.slot}, which was never shared", **where)
+            check_digest([buffer], update.digest, **where)
             dst = flatten_weights(self._model, self._strategy.extract_as)
             check_spec(self._layout.spec, weights_spec(dst), **where)
             cached = self._slot_views.get(update.slot)
@@ -618,6 +633,7 @@ class LocalScheme(WeightSyncScheme):
             if self._thread.is_alive():
                 log.error("model %r: receiver thread did not stop within %.1fs", self._model_id, self.timeout)
             self._thread = None
+        sender_closed = self._transport is not None and self._transport.closed_by_sender
         if self._transport is not None:
             if self._transport.pinning and self._model is not None:
                 # The model still reads a shared slot: give it private memory so the slot can be freed.
@@ -630,7 +646,7 @@ class LocalScheme(WeightSyncScheme):
             self._transport = None
         if self._key_file is not None:
             # A sender that shut down removed its key file before closing; one that was killed could not.
-            remove_key_file_if_orphaned(self._key_file, grace=1.0 if self._sender_closed else 0.0)
+            remove_key_file_if_orphaned(self._key_file, grace=1.0 if sender_closed else 0.0)
             self._key_file = None
         if self._admitter is not None:
             self._stop.set()

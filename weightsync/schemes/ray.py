@@ -14,6 +14,7 @@ from ..errors import (
     WorkerDiedError,
     raise_failures,
 )
+from ..integrity import check_digest, digest
 from ..layout import FlatLayout
 from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec, write_into
 from ..transports.channel import deadline_after, remaining
@@ -87,6 +88,8 @@ class RayWeightSyncScheme(AckedScheme):
         wire_dtype: str | None = None,
         on_failure: str = "raise",
         max_staleness: int | None = None,
+        check_finite: bool = False,
+        checksum: bool = False,
     ) -> None:
         super().__init__(
             strategy=strategy,
@@ -96,6 +99,8 @@ class RayWeightSyncScheme(AckedScheme):
             wire_dtype=wire_dtype,
             on_failure=on_failure,
             max_staleness=max_staleness,
+            check_finite=check_finite,
+            checksum=checksum,
         )
         self.address = address
         self.namespace = namespace
@@ -167,7 +172,7 @@ class RayWeightSyncScheme(AckedScheme):
             self._staging = torch.empty(self._layout.nbytes, dtype=torch.uint8)
         # Large tensors go as they are, small ones packed: ray.put copies each byte once into the store.
         buffers, ranges = self._layout.pieces(flat, self._staging, DIRECT_MIN_BYTES)
-        payload = ray.put((ranges, [b.numpy() for b in buffers]))
+        payload = ray.put((ranges, [b.numpy() for b in buffers], digest(buffers) if self.checksum else None))
         for w in live:
             # The layout travels until the worker has acked once (its first update carries it).
             transport = self._transports[w]
@@ -242,9 +247,13 @@ class RayWeightSyncScheme(AckedScheme):
         # Nothing to join: the sender's connect() delivers version 0 as a call to this actor.
         pass
 
-    def _apply_payload(self, version: int, buffers: list[torch.Tensor], ranges: list, layout: dict | None) -> int:
-        """Called inside the actor by the sender's call: check, then copy the update into the model."""
+    def _apply_payload(
+        self, version: int, buffers: list[torch.Tensor], ranges: list, layout: dict | None, expected: str | None = None
+    ) -> int:
+        """Called inside the actor by the sender's call: check (``expected``: the payload's checksum), then copy
+        the update into the model."""
         where = {"model_id": self._model_id, "worker_idx": self._worker_idx, "version": version}
+        check_digest(buffers, expected, **where)
         if layout is not None:
             self._layout = FlatLayout.from_plain(layout)
         if self._layout is None:

@@ -16,6 +16,7 @@ from ..errors import (
     WorkerDiedError,
     raise_failures,
 )
+from ..integrity import check_digest, digest
 from ..layout import FlatLayout
 from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec, write_into
 from ..transports.channel import deadline_after, remaining
@@ -81,6 +82,8 @@ class RPCWeightSyncScheme(AckedScheme):
         wire_dtype: str | None = None,
         on_failure: str = "raise",
         max_staleness: int | None = None,
+        check_finite: bool = False,
+        checksum: bool = False,
     ) -> None:
         super().__init__(
             strategy=strategy,
@@ -90,6 +93,8 @@ class RPCWeightSyncScheme(AckedScheme):
             wire_dtype=wire_dtype,
             on_failure=on_failure,
             max_staleness=max_staleness,
+            check_finite=check_finite,
+            checksum=checksum,
         )
         if isinstance(max_buffers, bool) or not isinstance(max_buffers, int) or max_buffers < 1:
             raise ConfigurationError(f"max_buffers must be a positive int, got {max_buffers!r}")
@@ -187,11 +192,12 @@ class RPCWeightSyncScheme(AckedScheme):
             )
         staging = self._pool.acquire(deadline, model_id=self._model_id, version=version)
         write_into(self._layout.views(staging.tensor), flat)
+        payload_digest = digest([staging.tensor]) if self.checksum else None
         for w in live:
             transport = self._transports[w]
             layout = self._layout.to_plain() if transport.acked is None else None  # until the worker has it
             try:
-                future = transport.submit(version, staging.tensor, layout, self.timeout)
+                future = transport.submit(version, staging.tensor, layout, self.timeout, payload_digest)
             except RuntimeError as exc:
                 failures[w] = self._mark_dead(w, self._died(w, version, exc))
                 continue
@@ -336,6 +342,7 @@ class RPCWeightSyncScheme(AckedScheme):
                     self._layout = FlatLayout.from_plain(delivery.layout)
             if self._layout is None:
                 raise ConfigurationError("received an update before the layout", **where)
+            check_digest([update.buffer], update.digest, **where)
             dst = flatten_weights(self._model, self._strategy.extract_as)
             check_spec(self._layout.spec, weights_spec(dst), **where)
             with self.weights_lock:  # weights and version change together for readers holding the lock

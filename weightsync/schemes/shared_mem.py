@@ -44,6 +44,8 @@ class SharedMemWeightSyncScheme(LocalScheme):
         per_worker_weights: bool = False,
         on_failure: str = "raise",
         max_staleness: int | None = None,
+        check_finite: bool = False,
+        checksum: bool = False,
     ) -> None:
         super().__init__(
             strategy=strategy,
@@ -55,6 +57,8 @@ class SharedMemWeightSyncScheme(LocalScheme):
             max_slots=max_slots,
             on_failure=on_failure,
             max_staleness=max_staleness,
+            check_finite=check_finite,
+            checksum=checksum,
         )
         self.per_worker_weights = bool(per_worker_weights)
 

@@ -31,6 +31,7 @@ class Update:
 
     version: int
     slot: int
+    digest: str | None = None  # the sender's checksum of the slot, when it computes one
 
 
 class MPTransport(SenderBoundTransport, TransportBackend):
@@ -57,6 +58,7 @@ class MPTransport(SenderBoundTransport, TransportBackend):
         self.last_error: ReceiverError | None = None
         # Receiver side.
         self.slot_buffers: dict[int, torch.Tensor] = {}
+        self.bad_slots: dict[int, str] = {}  # slots refused on arrival, with the reason
         self.closed_by_sender = False
 
     # ------------------------------------------------------------ sender side
@@ -66,7 +68,7 @@ class MPTransport(SenderBoundTransport, TransportBackend):
             if slot.id not in self.slots_sent:
                 self.channel.send_with_fds({"op": "slot", "slot": slot.id, "nbytes": slot.nbytes}, [slot.fd])
                 self.slots_sent.add(slot.id)
-            self.channel.send({"op": "update", "version": version, "slot": slot.id})
+            self.channel.send({"op": "update", "version": version, "slot": slot.id, "digest": slot.digest})
         except ConnectionClosedError as exc:
             raise WorkerDiedError(
                 f"channel closed while sending ({exc.detail})", worker_idx=self.worker_idx, version=version
@@ -125,12 +127,17 @@ class MPTransport(SenderBoundTransport, TransportBackend):
             op = msg["op"]
             if op == "slot":
                 (fd,) = self.channel.recv_fds(1, timeout=5.0)
+                slot, nbytes = int(msg["slot"]), int(msg["nbytes"])
                 try:
-                    self.slot_buffers[int(msg["slot"])] = map_fd(fd, int(msg["nbytes"]))
+                    size = os.fstat(fd).st_size
+                    if size < nbytes:  # mapping past the end of a segment would kill this process (SIGBUS)
+                        self.bad_slots[slot] = f"slot {slot} holds {size} bytes, not the {nbytes} announced: truncated"
+                    else:
+                        self.slot_buffers[slot] = map_fd(fd, nbytes)
                 finally:
                     os.close(fd)
             elif op == "update":
-                updates.append(Update(int(msg["version"]), int(msg["slot"])))
+                updates.append(Update(int(msg["version"]), int(msg["slot"]), msg.get("digest")))
             elif op == "bye":
                 self.closed_by_sender = True
                 break
@@ -155,3 +162,4 @@ class MPTransport(SenderBoundTransport, TransportBackend):
     def close(self) -> None:
         self.channel.close()
         self.slot_buffers.clear()
+        self.bad_slots.clear()

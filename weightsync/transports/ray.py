@@ -51,12 +51,12 @@ def apply_in_actor(actor: Any, model_id: str, version: int, payload: tuple, layo
             f"{model_id!r}, model=..., worker_idx=...) in the actor before the sender connects",
             model_id=model_id,
         )
-    ranges, arrays = payload
+    ranges, arrays, expected = payload if len(payload) == 3 else (*payload, None)
     with warnings.catch_warnings():
         # The object store hands out read-only arrays; we only read from them.
         warnings.simplefilter("ignore", UserWarning)
         buffers = [torch.from_numpy(np.asarray(a)) for a in arrays]
-    return scheme._apply_payload(version, buffers, ranges, layout)
+    return scheme._apply_payload(version, buffers, ranges, layout, expected)
 
 
 class RayTransport(SenderBoundTransport):

@@ -205,6 +205,7 @@ class Delivery:
     version: int
     buffer: torch.Tensor
     layout: dict | None
+    digest: str | None = None  # the sender's checksum of ``buffer``, when it computes one
     future: torch.futures.Future = field(default_factory=torch.futures.Future)
 
 
@@ -239,9 +240,11 @@ def drop_mailbox(model_id: str) -> None:
 
 
 @rpc.functions.async_execution
-def deliver(model_id: str, version: int, buffer: torch.Tensor, layout: dict | None) -> torch.futures.Future:
+def deliver(
+    model_id: str, version: int, buffer: torch.Tensor, layout: dict | None, digest: str | None = None
+) -> torch.futures.Future:
     """Runs in the worker's RPC agent: queue the update; the answer comes once the worker applied it."""
-    delivery = Delivery(version, buffer, layout)
+    delivery = Delivery(version, buffer, layout, digest)
     box = mailbox(model_id)
     with box.cond:
         box.queue.append(delivery)
@@ -279,10 +282,14 @@ class RPCTransport(SenderBoundTransport):
         self.dead: BaseException | None = None
         self.in_flight: dict[int, torch.futures.Future] = {}  # version -> the RPC's future
 
-    def submit(self, version: int, buffer: torch.Tensor, layout: dict | None, timeout: float) -> torch.futures.Future:
+    def submit(
+        self, version: int, buffer: torch.Tensor, layout: dict | None, timeout: float, digest: str | None = None
+    ) -> torch.futures.Future:
         """Send ``version`` to the worker; the returned future completes with its answer (the ack)."""
         model_id = self._sender().model_id
-        future = rpc.rpc_async(self.worker_name, deliver, args=(model_id, version, buffer, layout), timeout=timeout)
+        future = rpc.rpc_async(
+            self.worker_name, deliver, args=(model_id, version, buffer, layout, digest), timeout=timeout
+        )
         self.in_flight[version] = future
         self.sent = version
         return future

@@ -48,6 +48,7 @@ class SharedSlot:
             raise
         self.views = layout.views(self.buffer)
         self.version: int | None = None
+        self.digest: str | None = None  # checksum of the version it holds, when the scheme computes one
         self.readers: set[int] = set()
 
     def close(self) -> None:

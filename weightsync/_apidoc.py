@@ -1,0 +1,180 @@
+"""Writes ``docs/api.md``, the API reference, from the public names and their docstrings.
+
+``python -m weightsync._apidoc docs/api.md``; a test checks that the file is current.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import weightsync as ws
+import weightsync.config as wsc
+
+GROUPS = [
+    (
+        "Schemes",
+        [
+            "WeightSyncScheme",
+            "MultiProcessWeightSyncScheme",
+            "SharedMemWeightSyncScheme",
+            "NoWeightSyncScheme",
+            "RayWeightSyncScheme",
+            "RayModuleTransformScheme",
+            "RPCWeightSyncScheme",
+            "DistributedWeightSyncScheme",
+        ],
+    ),
+    (
+        "Sender and receiver facades",
+        ["WeightSender", "WeightReceiver", "RayModuleTransformSender", "RayModuleTransformReceiver", "ModuleActor"],
+    ),
+    (
+        "Transports",
+        [
+            "TransportBackend",
+            "MPTransport",
+            "SharedMemTransport",
+            "RayTransport",
+            "RayActorTransport",
+            "RPCTransport",
+            "DistributedTransport",
+        ],
+    ),
+    ("Weights", ["WeightStrategy", "FlatLayout", "resolve_model"]),
+    ("Metrics", ["SendRecord"]),
+    ("Registry", ["available_backends", "get_backend", "register_backend"]),
+    ("Errors", sorted(n for n in ws.__all__ if n.endswith("Error"))),
+]
+CONFIG_NAMES = ["from_config", "make_receiver", "allow_targets", "allowed_targets"]
+
+
+SECTIONS = ("Args:", "Attributes:", "Raises:", "Returns:")
+
+
+def _doc(obj: Any) -> str:
+    return inspect.cleandoc(obj.__doc__ or "").strip()
+
+
+def _markdown(doc: str) -> str:
+    """A Google-style docstring as Markdown: sections become bold headers and their entries bullets."""
+    doc = re.sub(r":(?:class|meth|func|attr|data|mod):`~?([\w.]+)`", lambda m: f"`{m.group(1).split('.')[-1]}`", doc)
+    doc = doc.replace("``", "`").replace("::\n", ":\n")
+    out: list[str] = []
+    in_section = False
+    for line in doc.splitlines():
+        if line.strip() in SECTIONS:
+            out += ["", f"**{line.strip()[:-1]}**", ""]
+            in_section = True
+        elif in_section and line.startswith("        "):
+            out[-1] += " " + line.strip()
+        elif in_section and line.startswith("    "):
+            entry = re.match(r"\s+([^:]+):\s*(.*)", line)
+            out.append(f"- `{entry.group(1)}`: {entry.group(2)}" if entry else f"- {line.strip()}")
+        else:
+            in_section = in_section and line.strip() != "" and line.startswith(" ")
+            out.append(line)
+    return "\n".join(out).strip()
+
+
+def _signature(obj: Any) -> str:
+    try:
+        text = str(inspect.signature(obj))
+    except (TypeError, ValueError):
+        return "(...)"
+    return re.sub(
+        r"'([^']*)'",
+        lambda m: (
+            m.group(1)
+            if (
+                "|" in m.group(1)
+                or m.group(1)[:1].isupper()
+                or m.group(1) in ("int", "str", "float", "bool", "None", "dict", "list", "tuple")
+            )
+            else m.group(0)
+        ),
+        text,
+    )
+
+
+def _members(cls: type) -> list[str]:
+    """Public methods and properties defined on ``cls`` or a weightsync base, in source order."""
+    lines = []
+    seen = set()
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("weightsync"):
+            continue
+        for name, value in vars(klass).items():
+            if name.startswith("_") or name in seen:
+                continue
+            seen.add(name)
+            if isinstance(value, property):
+                first = _doc(value).split("\n\n")[0].replace("\n", " ")
+                lines.append(f"- `{name}` (property){': ' + first if first else ''}")
+            elif inspect.isfunction(value) or isinstance(value, (classmethod, staticmethod)):
+                func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+                sig = _signature(func).replace("(self, ", "(").replace("(self)", "()").replace("(cls, ", "(")
+                first = _doc(func).split("\n\n")[0].replace("\n", " ")
+                lines.append(f"- `{name}{sig}`{': ' + first if first else ''}")
+    return lines
+
+
+def _entry(name: str, obj: Any, prefix: str = "weightsync") -> list[str]:
+    out = [f"### `{prefix}.{name}`", ""]
+    if inspect.isclass(obj):
+        bases = [b.__name__ for b in obj.__bases__ if b is not object]
+        out += [f"`class {name}{_signature(obj)}`" + (f" (bases: {', '.join(bases)})" if bases else ""), ""]
+    else:
+        out += [f"`{name}{_signature(obj)}`", ""]
+    doc = _markdown(_doc(obj))
+    if doc:
+        out += [doc, ""]
+    if inspect.isclass(obj) and not issubclass(obj, BaseException):
+        members = _members(obj)
+        if members:
+            out += ["Members:", "", *members, ""]
+    return out
+
+
+def render() -> str:
+    lines = [
+        "# API reference",
+        "",
+        "Generated from the docstrings by `python -m weightsync._apidoc docs/api.md`; do not edit.",
+        "The guide (`docs/guide.md`) explains how the pieces fit; this page lists every public name.",
+        "",
+    ]
+    listed = set()
+    for title, names in GROUPS:
+        lines += [f"## {title}", ""]
+        for name in names:
+            lines += _entry(name, getattr(ws, name))
+            listed.add(name)
+    lines += ["## Configs (`weightsync.config`)", ""]
+    for name in CONFIG_NAMES:
+        lines += _entry(name, getattr(wsc, name), "weightsync.config")
+    for name in sorted(n for n in wsc.__all__ if n.endswith("Config")):
+        cls = getattr(wsc, name)
+        fields = ", ".join(f"`{f}`" for f in cls.__dataclass_fields__)
+        lines += [f"### `weightsync.config.{name}`", "", _doc(cls).split("\n\n")[0], "", f"Fields: {fields}.", ""]
+    missing = sorted(set(ws.__all__) - listed - {"from_config"})
+    if missing:
+        raise SystemExit(f"public names missing from the API reference groups: {missing}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    text = render()
+    if args:
+        Path(args[0]).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -64,8 +64,12 @@ def _weightsync_maps(pid: int) -> int:
 def is_ray_cluster(proc: psutil.Process) -> bool:
     """Processes of a Ray cluster a test module started on purpose (it checks they end with ray.shutdown())."""
     try:
-        cmd = " ".join(proc.cmdline())
-        return proc.name().startswith(("ray::", "raylet", "gcs_server")) or "/site-packages/ray/" in cmd
+        # Ray's own programs: its binaries, and Python scripts under ray/. Not any process whose command line
+        # merely mentions a Ray path: importing ray puts ray/thirdparty_files on sys.path, which the
+        # multiprocessing forkserver carries in its command line, and that server must outlive the Ray tests.
+        return proc.name().startswith(("ray::", "raylet", "gcs_server")) or any(
+            arg.endswith(".py") and "/site-packages/ray/" in arg for arg in proc.cmdline()
+        )
     except psutil.Error:
         return False
 

@@ -119,3 +119,23 @@ def test_any_mismatch_is_refused_by_name_and_nothing_is_written(structure, chang
     named = "extra.tensor" if change == "extra" else key
     assert named in str(info.value)
     assert same(values(dst, "tensordict"), before)
+
+
+@SETTINGS
+@given(structure=structures(), tie=st.booleans())
+def test_the_model_walk_matches_torchs_named_parameters_and_buffers(structure, tie):
+    from weightsync.strategy import _module_tensors
+
+    model = build(structure, 7)
+    if tie:  # one parameter under two names, and a module reached twice: each is listed once, first name
+        shared = nn.Parameter(torch.ones(3))
+        model.register_parameter("tied_a", shared)
+        holder = nn.Module()
+        holder.register_parameter("tied_b", shared)
+        model.add_module("holder", holder)
+        model.add_module("again", holder)
+    expected = dict(model.named_parameters())
+    expected.update(model.named_buffers())
+    got = _module_tensors(model, "tensordict")
+    assert list(got) == list(expected)
+    assert all(got[k] is expected[k] for k in expected)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -95,8 +96,9 @@ class FlatLayout:
         return cls({k: (tuple(v.shape), v.dtype) for k, v in flat.items()}, wire_dtype)
 
     @property
-    def spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return dict(self._spec)
+    def spec(self) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{dotted_key: (shape, dtype)}``, read-only (no copy: receivers check it at every update)."""
+        return MappingProxyType(self._spec)
 
     @property
     def weights_nbytes(self) -> int:
@@ -166,12 +168,7 @@ class FlatLayout:
 
         for i, slot in enumerate(self.slots):
             tensor = flat[slot.key]
-            if (
-                slot.nbytes >= direct_min
-                and slot.wire == slot.dtype
-                and tensor.device.type == "cpu"
-                and tensor.is_contiguous()
-            ):
+            if slot.nbytes >= direct_min and slot.wire == slot.dtype and tensor.is_cpu and tensor.is_contiguous():
                 close_run()
                 buffers.append(tensor.detach().reshape(-1).view(torch.uint8))
                 ranges.append((i, i + 1))

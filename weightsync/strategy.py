@@ -18,11 +18,21 @@ EXTRACT_FORMATS = ("tensordict", "state_dict")
 
 
 def _module_tensors(module: nn.Module, extract_as: str) -> dict[str, torch.Tensor]:
+    """What ``named_parameters()`` then ``named_buffers()`` give (same keys, order and de-duplication of tied
+    tensors), read straight from each module's own dicts: receivers walk their model at every update, and
+    the generic walk costs about 1 us per tensor more."""
     if extract_as == "state_dict":
         # state_dict semantics: persistent buffers only, tied parameters under every name.
         return dict(module.state_dict(keep_vars=True))
-    out: dict[str, torch.Tensor] = dict(module.named_parameters())
-    out.update(module.named_buffers())
+    modules = [(f"{prefix}." if prefix else "", m) for prefix, m in module.named_modules()]
+    out: dict[str, torch.Tensor] = {}
+    for table in ("_parameters", "_buffers"):
+        seen: set[int] = set()
+        for prefix, m in modules:
+            for name, tensor in getattr(m, table).items():
+                if tensor is not None and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    out[prefix + name] = tensor
     return out
 
 
@@ -68,7 +78,7 @@ def flatten_weights(source: Any, extract_as: str = "tensordict") -> dict[str, to
 
 def weights_spec(flat: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``{key: (shape, dtype)}`` of a flat weights dict."""
-    return {k: (tuple(v.shape), v.dtype) for k, v in flat.items()}
+    return {k: (v.shape, v.dtype) for k, v in flat.items()}  # torch.Size compares equal to a tuple
 
 
 def _fmt(spec: tuple[tuple[int, ...], torch.dtype]) -> str:
@@ -82,6 +92,8 @@ def check_spec(
     **where: Any,
 ) -> None:
     """Raise :class:`WeightMismatchError` unless ``update`` and ``target`` have the same keys, shapes and dtypes."""
+    if update == target:  # the common case, compared in C; the details below only for the error
+        return
     missing = target.keys() - update.keys()
     extra = update.keys() - target.keys()
     mismatched = {
@@ -169,14 +181,17 @@ class WeightStrategy:
 
 def write_into(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor], *, share: bool = False) -> None:
     """Copy (or share) ``src[k]`` into ``dst[k]`` for every key; the caller has checked the specs."""
-    with torch.no_grad():
+    with torch.no_grad():  # parameters are written in place as they are: no autograd, no `.data` alias
+        if not share:
+            torch._foreach_copy_(list(dst.values()), [src[key] for key in dst])
+            return
         copies_dst, copies_src = [], []
         for key, target in dst.items():
             value = src[key]
-            if share and target.device.type == "cpu" and value.device.type == "cpu":
+            if target.is_cpu and value.is_cpu:  # (`.device.type` costs 1.5 us a tensor, 10x this)
                 target.data = value
             else:
-                copies_dst.append(target.data if isinstance(target, nn.Parameter) else target)
+                copies_dst.append(target)
                 copies_src.append(value)
         if copies_dst:
             torch._foreach_copy_(copies_dst, copies_src)

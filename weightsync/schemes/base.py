@@ -35,7 +35,7 @@ from ..errors import (
 from ..layout import FlatLayout
 from ..metrics import SendMetrics, SendRecord
 from ..model_path import resolve_model
-from ..strategy import WeightStrategy
+from ..strategy import WeightStrategy, flatten_weights
 from ..transports.base import TransportBackend
 from ..transports.channel import deadline_after
 
@@ -641,8 +641,16 @@ class WeightSyncScheme:
         return strategy.format(self._flat_weights(weights, model_id, context, strategy))
 
     def _flat_weights(
-        self, weights: Any, model_id: str | None = None, context: Any = None, strategy: WeightStrategy | None = None
+        self,
+        weights: Any,
+        model_id: str | None = None,
+        context: Any = None,
+        strategy: WeightStrategy | None = None,
+        *,
+        detach: bool = True,
     ) -> dict:
+        """``{dotted_key: tensor}`` of ``weights`` (``None``: the registered model). ``detach=False`` keeps the
+        source's own tensors, for callers that only copy them out under ``no_grad`` (no per-tensor alias)."""
         strategy = strategy or self._strategy
         if weights is None:
             context = context if context is not None else self._context
@@ -659,7 +667,7 @@ class WeightSyncScheme:
             if context is None and self._context is None:
                 raise InvalidWeightsError(f"weights given as path {weights!r} but no context to resolve it")
             weights = resolve_model(context if context is not None else self._context, weights)
-        return strategy.flat(weights)
+        return strategy.flat(weights) if detach else flatten_weights(weights, strategy.extract_as)
 
     # ------------------------------------------------------------ the facade
     def get_sender(self) -> WeightSender:

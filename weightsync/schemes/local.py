@@ -133,6 +133,7 @@ class LocalScheme(WeightSyncScheme):
         self._layout_error: WeightMismatchError | None = None
         self._pending: deque[Update] = deque()
         self._slot_views: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}  # slot -> (buffer, views)
+        self._written: dict[str, torch.Tensor] = {}  # the model's tensors the last update was written to
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._applied = threading.Condition()
@@ -327,7 +328,7 @@ class LocalScheme(WeightSyncScheme):
 
     def send_to(self, weights: Any, targets: list[int], *, wait: bool) -> None:
         """Publish one new version to ``targets``; wait for their acks when ``wait``."""
-        flat = self._flat_weights(weights)
+        flat = self._flat_weights(weights, detach=False)  # copied out under no_grad
         assert self._layout is not None
         check_spec(weights_spec(flat), self._layout.spec, model_id=self._model_id)
         failures = {w: self._failed[w] for w in targets if w in self._failed}
@@ -580,6 +581,7 @@ class LocalScheme(WeightSyncScheme):
                 cached = self._slot_views[update.slot] = (buffer, self._layout.views(buffer))
             with self.weights_lock:  # weights and version change together for readers holding the lock
                 write_into(dst, cached[1], share=self._transport.pinning)
+                self._written = dst
                 self._version = update.version
         except Exception as exc:
             self._transport.send_ack(update.version, error=exc, held=self._version)
@@ -622,8 +624,8 @@ class LocalScheme(WeightSyncScheme):
         if changed is None:
             return None
         self._reported_version = changed
-        with self.weights_lock:
-            return self._strategy.extract_weights(self._model)
+        with self.weights_lock:  # the tensors the update was written to: no second walk of the model
+            return self._strategy.format({k: v.detach() for k, v in self._written.items()})
 
     # --------------------------------------------------------------- shutdown
     def _shutdown_impl(self) -> None:
@@ -642,6 +644,7 @@ class LocalScheme(WeightSyncScheme):
                         if tensor.device.type == "cpu":
                             tensor.data = tensor.data.clone()
             self._slot_views.clear()  # they hold the slots' mappings
+            self._written = {}
             self._transport.close()
             self._transport = None
         if self._key_file is not None:

@@ -179,7 +179,7 @@ class RPCWeightSyncScheme(AckedScheme):
     def send_to(self, weights: Any, targets: list[int], *, wait: bool, timeout: float | None = None) -> None:
         """Publish one new version to ``targets``: one copy into a staging buffer, one RPC per worker."""
         assert self._layout is not None
-        flat = self._flat_weights(weights)
+        flat = self._flat_weights(weights, detach=False)  # copied out under no_grad
         check_spec(weights_spec(flat), self._layout.spec, model_id=self._model_id)
         deadline = deadline_after(self.timeout if timeout is None else timeout)
         version = self._next_version

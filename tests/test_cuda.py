@@ -61,3 +61,27 @@ def test_nccl_moves_weights_gpu_to_gpu(workers):
     group, ready = start(workers, {"policy": scheme}, {"policy": "tiny@cuda:1"}, n=1)
     assert ready[0][2] == {}
     _sends_arrive_then_stop(scheme, model, group)
+
+
+def test_checksum_is_refused_where_the_payload_stays_on_the_gpu():
+    scheme = ws.DistributedWeightSyncScheme(backend="nccl", checksum=True, timeout=20, connect_timeout=60)
+    with pytest.raises(ws.ConfigurationError, match="checksum=True needs the payload in CPU memory"):
+        scheme.init_on_sender(model_id="policy", model=build("tiny").cuda(), num_workers=1)
+    assert scheme.state == "new"
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "distributed"])
+def test_checksum_and_check_finite_with_cuda_models(workers, name):
+    model = build("tiny").cuda()
+    scheme = _cpu_engine(name)
+    scheme.checksum = scheme.check_finite = True
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    group, ready = start(workers, {"policy": scheme}, {"policy": "tiny@cuda:0"}, n=1)
+    assert ready[0][2] == {}
+    with torch.no_grad():
+        model.body[0].weight[0, 0] = float("nan")
+    with pytest.raises(ws.InvalidWeightsError, match="NaN or Inf"):
+        scheme.send()
+    with torch.no_grad():
+        model.body[0].weight[0, 0] = 0.25
+    _sends_arrive_then_stop(scheme, model, group)

@@ -267,10 +267,20 @@ class LocalScheme(WeightSyncScheme):
                 continue
             except OSError:  # the listener was closed under us: shutting down
                 return
-            if accepted is not None:
-                with self._lock:
-                    if not self._stop.is_set():
-                        self._admit(*accepted)
+            if accepted is None:
+                continue
+            # The trainer may hold the lock for a whole send, or be shutting down (and joining this thread).
+            while not self._lock.acquire(timeout=0.1):
+                if self._stop.is_set():
+                    accepted[0].close()
+                    return
+            try:
+                if self._stop.is_set():
+                    accepted[0].close()
+                    return
+                self._admit(*accepted)
+            finally:
+                self._lock.release()
 
     def _admit(self, channel: Any, hello: dict[str, Any]) -> None:
         """A worker connecting after the rendez-vous: one that died (or was dropped) comes back under its

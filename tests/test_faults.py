@@ -371,3 +371,20 @@ def test_non_finite_weights_are_refused_in_the_caller_when_checked(workers, name
     assert [group.ask(w, "state")["policy"][0] for w in (0, 1)] == [1, 1]
     group.stop()
     scheme.shutdown()
+
+
+def test_a_killed_senders_key_file_is_swept_but_not_another_namespaces():
+    from weightsync.transports.channel import _key_dir, _pid_namespace, remove_key_file, write_key_file
+
+    directory = _key_dir()
+    dead = os.path.join(directory, f"weightsync-999999999-{'ab' * 8}.{_pid_namespace()}.key")
+    foreign = os.path.join(directory, f"weightsync-999999999-{'cd' * 8}.1.key")  # a PID from another namespace
+    for path in (dead, foreign):
+        with open(path, "w") as f:
+            f.write("00")
+    mine = write_key_file(f"@weightsync-{os.getpid()}-{'ef' * 8}", b"\1" * 32)
+    try:
+        assert not os.path.exists(dead) and os.path.exists(foreign) and os.path.exists(mine)
+    finally:
+        for path in (foreign, mine):
+            remove_key_file(path)

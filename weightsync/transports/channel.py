@@ -302,7 +302,7 @@ def write_key_file(address: str, authkey: bytes) -> str:
     for name in os.listdir(directory):  # keys of senders that were killed before they could remove them
         if _owner_is_gone(name):
             remove_key_file(os.path.join(directory, name))
-    path = os.path.join(directory, address.lstrip("@") + ".key")
+    path = os.path.join(directory, f"{address.lstrip('@')}.{_pid_namespace()}.key")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(authkey.hex())
@@ -323,10 +323,22 @@ def read_key_file(path: str, **where: Any) -> str:
         ) from exc
 
 
+def _pid_namespace() -> str:
+    """This process's PID namespace (its inode): a PID names a process only within its namespace."""
+    try:
+        return os.readlink("/proc/self/ns/pid").split("[")[-1].rstrip("]")
+    except OSError:
+        return "unknown"
+
+
 def _owner_is_gone(name: str) -> bool:
-    """Whether the sender that wrote key file ``name`` (``weightsync-<pid>-<token>.key``) has exited."""
-    parts = name.split("-")
-    if len(parts) != 3 or parts[0] != "weightsync" or not parts[1].isdigit() or not name.endswith(".key"):
+    """Whether the sender that wrote key file ``name`` (``weightsync-<pid>-<token>.<pid namespace>.key``) has
+    exited. Files from another PID namespace (a container sharing the directory) are never judged."""
+    stem, _, namespace = name.removesuffix(".key").rpartition(".")
+    parts = stem.split("-")
+    if not name.endswith(".key") or namespace != _pid_namespace() or namespace == "unknown":
+        return False
+    if len(parts) != 3 or parts[0] != "weightsync" or not parts[1].isdigit():
         return False
     try:
         with open(f"/proc/{parts[1]}/stat") as stat_file:

@@ -259,7 +259,6 @@ def doomed_trainer(name: str, n: int, reports: list, cmd) -> None:
     """A trainer that starts ``n`` workers from receiver configs, sends two versions, reports, then waits
     (the test kills it)."""
     import multiprocessing as mp
-    import time
 
     scheme = ws.WeightSyncScheme.from_backend(name, timeout=5, connect_timeout=60)
     model = build("tiny")
@@ -274,4 +273,4 @@ def doomed_trainer(name: str, n: int, reports: list, cmd) -> None:
             next(model.parameters()).add_(step)
         scheme.send()
     cmd.send(([p.pid for p in procs], configs[0]["connection"]["authkey_file"]))
-    time.sleep(600)
+    cmd.poll(600)  # the test kills this process; a message (or the test's end closing the pipe) ends it too

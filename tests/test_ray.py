@@ -198,6 +198,52 @@ def test_drop_policy_goes_on_without_a_killed_actor():
     ray.kill(actors[0])
 
 
+def test_a_replaced_or_restarted_actor_rejoins_and_gets_the_current_version():
+    from tests._ray_actors import Collector
+
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=20, on_failure="drop")
+    actors = [Collector.remote(), Collector.options(max_restarts=1).remote()]
+    ray.get([a.join.remote(scheme, i) for i, a in enumerate(actors)])
+    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    scheme.connect()
+    # A new actor replaces one that died for good.
+    ray.kill(actors[0], no_restart=True)
+    optimizer_step(model, 1)
+    scheme.send()  # worker 0 is dropped here; worker 1 holds version 1
+    latest = checksum(model, "state_dict")
+    optimizer_step(model, 2)  # the trainer moves on without sending: the newcomer must get version 1
+    newcomer = _collectors(1)[0]
+    ray.get(newcomer.join.remote(scheme.receiver_config(0), 0))
+    assert scheme.rejoin(0, newcomer) == 1
+    assert ray.get(newcomer.state.remote()) == (1, latest)
+    assert scheme.stats()["rejoins"] == {0: 1} and scheme.stats()["dropped_workers"] == {}
+    # Ray restarts the other one itself: same handle, a fresh process that joins again.
+    ray.kill(actors[1], no_restart=False)
+    scheme.send()  # version 2: worker 1 is dropped (its process died), or reached once already back
+    deadline = time.monotonic() + 60
+    while True:  # calls fail until the restart is over
+        try:
+            ray.get(actors[1].join.remote(scheme, 1), timeout=60)
+            break
+        except ray.exceptions.ActorUnavailableError:
+            assert time.monotonic() < deadline, "Ray did not restart the actor within 60 s"
+            time.sleep(0.2)
+    assert scheme.rejoin(1) == 2
+    assert ray.get(actors[1].state.remote()) == (2, checksum(model, "state_dict"))
+    optimizer_step(model, 3)
+    scheme.send()
+    assert [ray.get(a.state.remote()) for a in (newcomer, actors[1])] == [(3, checksum(model, "state_dict"))] * 2
+    assert scheme.acked_versions == {0: 3, 1: 3}
+    with pytest.raises(ws.ConfigurationError, match="worker_idx 2 is not in 0..1"):
+        scheme.rejoin(2, newcomer)
+    scheme.shutdown()
+    with pytest.raises(ws.LifecycleError):
+        scheme.rejoin(0, newcomer)
+    for a in (newcomer, actors[1]):
+        ray.kill(a)
+
+
 def test_actor_that_cannot_apply_reports_to_the_sender():
     model = build("tiny")
     scheme = ws.RayWeightSyncScheme(timeout=20)

@@ -68,7 +68,6 @@ class AckedScheme(WeightSyncScheme):
 
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
-        self._errors: dict[int, WeightSyncError] = {}  # failures of async sends, reported at the next call
         self._next_version = 0
 
     def send_to(self, weights: Any, targets: list[int], *, wait: bool, timeout: float | None = None) -> None:

@@ -124,7 +124,11 @@ class WeightSyncScheme:
         # Sender side: one transport per worker, and the workers found dead (with the error that showed it).
         self._transports: dict[int, Any] = {}
         self._failed: dict[int, WeightSyncError] = {}
+        self._errors: dict[int, WeightSyncError] = {}  # failures of async sends, reported at the next call
         self._metrics = SendMetrics()
+        # Sender side, after connect: the thread that admits restarted workers (schemes that support rejoin).
+        self._admitter: threading.Thread | None = None
+        self._admitter_stop = threading.Event()
         # Receiver side: readers holding weights_lock see weights and version change together.
         self._reported_version: int | None = None
         self.weights_lock = threading.RLock()
@@ -198,6 +202,59 @@ class WeightSyncScheme:
             self._transports[w].dead = exc
             self._on_worker_lost(w)
         return self._failed[w]
+
+    # ----------------------------------------------------------------- rejoin
+    def _start_admitter(self, poll: Any, admit: Any, discard: Any = None) -> None:
+        """Admit restarted workers from a thread of their own, once the rendez-vous is over.
+
+        ``poll()`` waits a little (about 0.1 s) for a worker asking to rejoin and returns it, or ``None``;
+        it raises ``EOFError`` when there is nothing more to wait on. ``admit(candidate)`` runs under the
+        scheme's lock, so never during a send; ``discard(candidate)`` turns it away at shutdown.
+        """
+
+        def loop() -> None:
+            while not self._admitter_stop.is_set():
+                try:
+                    candidate = poll()
+                except EOFError:
+                    return
+                if candidate is None:
+                    continue
+                # The trainer may hold the lock for a whole send, or be shutting down (and joining this thread).
+                while not self._lock.acquire(timeout=0.1):
+                    if self._admitter_stop.is_set():
+                        break
+                else:
+                    try:
+                        if not self._admitter_stop.is_set():
+                            admit(candidate)
+                            continue
+                    finally:
+                        self._lock.release()
+                if discard is not None:
+                    discard(candidate)
+                return
+
+        self._admitter_stop.clear()
+        self._admitter = threading.Thread(target=loop, name=f"weightsync-{self._model_id}-admitter", daemon=True)
+        self._admitter.start()
+
+    def _stop_admitter(self) -> None:
+        """End the admitter thread (it gives up the scheme's lock within 0.1 s)."""
+        if self._admitter is not None:
+            self._admitter_stop.set()
+            self._admitter.join(self.timeout)
+            if self._admitter.is_alive():
+                log.error("model %r: the rejoin thread did not stop within %.1fs", self._model_id, self.timeout)
+            self._admitter = None
+
+    def _rejoined(self, w: int, version: int | None) -> None:
+        """Worker ``w`` is back, and was sent ``version``: it counts as live again."""
+        self._failed.pop(w, None)
+        self._errors.pop(w, None)
+        self._metrics.dropped.pop(w, None)
+        self._metrics.rejoins[w] = self._metrics.rejoins.get(w, 0) + 1
+        log.info("model %r: worker %d rejoined and was sent version %s", self._model_id, w, version)
 
     def _has_acked(self, w: int, version: int) -> bool:
         """Worker ``w`` acked ``version`` or a later one."""

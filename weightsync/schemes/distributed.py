@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import threading
 from concurrent.futures import wait as wait_futures
@@ -24,7 +25,7 @@ from ..errors import (
 from ..integrity import check_digest, digest, digest_device_check
 from ..layout import FlatLayout
 from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec, write_into
-from ..transports.channel import deadline_after, remaining
+from ..transports.channel import deadline_after, process_identity, process_is_gone, remaining
 from ..transports.distributed import (
     ACK_OK,
     DistributedTransport,
@@ -37,6 +38,8 @@ from ..transports.distributed import (
 )
 from ..transports.staging import StagingPool
 from .acked import AckedScheme
+
+log = logging.getLogger("weightsync.schemes")
 
 __all__ = ["DistributedWeightSyncScheme"]
 
@@ -56,6 +59,12 @@ class DistributedWeightSyncScheme(AckedScheme):
     A worker applies updates in ``receive()`` (in its own thread: no update
     lands while it computes); ``latest_wins`` makes a worker that fell behind
     apply only the newest of the versions waiting for it.
+
+    A worker that died (or was dropped) may be started again under its index:
+    it forms a two-rank group with the sender and gets the newest version
+    published, while the others go on in the first group. A worker whose
+    process is still alive keeps its index (checked when both run on one
+    machine; from another machine the newcomer replaces it).
 
     Args:
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA; weights travel
@@ -147,6 +156,11 @@ class DistributedWeightSyncScheme(AckedScheme):
         self._prefix: str | None = None
         self._pool: StagingPool | None = None
         self._buckets: list[tuple[int, int, int, int]] = []  # (first slot, last slot, start byte, end byte)
+        self._newest: tuple[Any, int, str | None] | None = None  # (staging, version, checksum) of the last send
+        self._hellos: dict[int, dict[str, Any]] = {}  # what each worker said when it (re)joined
+        self._gens: dict[int, int] = {}  # worker -> the generation (connection count) admitted last
+        self._rejoins_seen = 0
+        self._admit_store: dist.Store | None = None  # the rejoin thread's own client of the store
         # Receiver side.
         self._transport: DistributedTransport | None = None
         self._recv_buffer: torch.Tensor | None = None
@@ -236,7 +250,7 @@ class DistributedWeightSyncScheme(AckedScheme):
             holders = {_gpu_identity(): "the sender"} if self.backend == "nccl" else {}
             verdict = {}
             for w, key in enumerate(hellos):
-                hello = json.loads(self._store.get(key))
+                hello = self._hellos[w] = json.loads(self._store.get(key))
                 if not hello.get("ok"):
                     refused[w] = ReceiverError(
                         hello.get("type", "Error"), hello.get("message", ""), model_id=self._model_id, worker_idx=w
@@ -254,11 +268,15 @@ class DistributedWeightSyncScheme(AckedScheme):
             self._pg = new_group(
                 self.backend, self._store, 0, self._num_workers + 1, self._group_timeout(deadline), self._address[0]
             )
+            self._admit_store = dist.PrefixStore(
+                self._prefix, connect_store(*self._address, remaining(deadline), model_id=self._model_id)
+            )
         except dist.DistError as exc:
             raise SyncTimeoutError(
                 f"the process group did not form within {self.connect_timeout:.0f}s: {first_line(exc)}",
                 model_id=self._model_id,
             ) from None
+        self._start_admitter(self._poll_rejoin, self._admit)
         for w, exc in refused.items():
             self._mark_dead(w, exc)
         ok = [w for w in range(self._num_workers) if w not in refused]
@@ -290,6 +308,7 @@ class DistributedWeightSyncScheme(AckedScheme):
                 self._settle,
             )
         staging = self._pool.acquire(deadline, model_id=self._model_id, version=version)
+        self._newest = None  # until the whole version is in the buffer
         if initial:
             self._store.set("initial", str(version))
         sending = []
@@ -312,10 +331,10 @@ class DistributedWeightSyncScheme(AckedScheme):
                 except RuntimeError as exc:  # the peer is gone: gloo refuses to send to it
                     failures[w] = self._mark_dead(w, self._died(w, version, exc))
                     sending.remove(w)
-        if self.checksum and sending:  # after the last bucket is written; the workers check before applying
-            payload_digest = digest([staging.tensor])
-            for w in sending:
-                self._store.set(f"digest/{w}/{self._transports[w].seq}", payload_digest)
+        payload_digest = digest([staging.tensor]) if self.checksum else None  # once every bucket is written
+        for w in sending if payload_digest else ():  # the workers check it before applying
+            self._transports[w].store.set(f"digest/{w}/{self._transports[w].seq}", payload_digest)
+        self._newest = (staging, version, payload_digest)  # what a worker that rejoins is sent
         for w in sending:
             self._transports[w].expect_ack(version, self._device)
         self._next_version += 1
@@ -390,6 +409,93 @@ class DistributedWeightSyncScheme(AckedScheme):
         if self._pool is not None:
             self._pool.forget(w)
 
+    # ----------------------------------------------------------------- rejoin
+    def _poll_rejoin(self) -> tuple[int, int, dict[str, Any], Any, dist.Store] | None:
+        """The rejoin thread's wait: a worker connecting again, answered and with its two-rank group formed.
+
+        Runs without the scheme's lock (sends go on meanwhile): a restarted worker announces itself by
+        bumping ``gen/<w>`` and ``rejoins``; it is refused if its earlier process is still alive.
+        """
+        store = self._admit_store
+        if store is None or self._num_workers is None:
+            raise EOFError
+        try:
+            asked = int(store.add("rejoins", 0))
+            found = None
+            if asked > self._rejoins_seen:
+                for w in range(self._num_workers):
+                    gen = int(store.add(f"gen/{w}", 0))
+                    if gen > self._gens.get(w, 1) and store.check([f"rejoin/{w}/{gen}"]):
+                        found = w, gen, json.loads(store.get(f"rejoin/{w}/{gen}"))
+                        self._gens[w] = gen
+                        break
+                self._rejoins_seen = self._rejoins_seen + 1 if found else asked
+            if found is None:
+                self._admitter_stop.wait(0.05)
+                return None
+            w, gen, hello = found
+            problem = self._rejoin_problem(w, hello)
+            store.set(f"verdict/{w}/{gen}", json.dumps({"ok": True} if problem is None else {"refused": problem}))
+            if problem is not None:
+                log.warning("model %r: refused worker %d connecting again: %s", self._model_id, w, problem)
+                return None
+            pair = dist.PrefixStore(f"pair/{w}/{gen}", store)
+            pg = new_group(self.backend, pair, 0, 2, max(self.connect_timeout, 4 * self.timeout), self._address[0])
+        except dist.DistError as exc:
+            if self._admitter_stop.is_set():
+                raise EOFError from None
+            log.warning("model %r: a worker connecting again could not join: %s", self._model_id, first_line(exc))
+            return None
+        return w, gen, hello, pg, pair
+
+    def _rejoin_problem(self, w: int, hello: dict[str, Any]) -> str | None:
+        """Why worker ``w`` may not come back with ``hello`` (``None``: it may)."""
+        if not hello.get("ok"):
+            return f"{hello.get('type', 'Error')}: {hello.get('message', '')}"
+        earlier = self._hellos.get(w, {}).get("process")
+        if w not in self._failed and process_is_gone(earlier) is False:
+            return f"worker {w} is already connected (its process {earlier['pid']} is alive)"
+        if w not in self._failed and process_is_gone(earlier) is None:
+            log.warning(
+                "model %r: worker %d connected again from another machine; it replaces the earlier process",
+                self._model_id,
+                w,
+            )
+        gpu = hello.get("gpu")
+        if gpu is not None:
+            live = {v.get("gpu") for u, v in self._hellos.items() if u != w and u not in self._failed}
+            if gpu == _gpu_identity() or gpu in live:
+                return f"its GPU {gpu} is already used by another rank, and NCCL needs one GPU per rank"
+        return None
+
+    def _admit(self, candidate: tuple[int, int, dict[str, Any], Any, dist.Store]) -> None:
+        """Under the scheme's lock: make the rejoined worker's transport current and send it the newest
+        version published (the bytes the others got, even if the trainer's model has moved on)."""
+        w, gen, hello, pg, pair = candidate
+        old = self._transports.get(w)
+        if old is not None and w not in self._failed:
+            old.close(0.0)  # its process is gone: nothing to wait for
+        transport = self._transports[w] = self.create_transport(worker_idx=w, sync=self.sync, group=(pg, pair))
+        self._failed.pop(w, None)  # from here on, a failure is this new process's
+        self._hellos[w] = hello
+        if self._pool is not None:
+            self._pool.forget(w)
+        if self._newest is None:
+            self._mark_dead(w, WorkerDiedError("failed to rejoin: no whole version to send", model_id=self._model_id))
+            return
+        staging, version, payload_digest = self._newest
+        try:
+            pair.set("initial", str(version))
+            transport.announce(version, initial=True)
+            staging.readers[w] = [transport.send_part(staging.tensor[start:end]) for *_, start, end in self._buckets]
+            if payload_digest is not None:
+                pair.set(f"digest/{w}/0", payload_digest)
+            transport.expect_ack(version, self._device)
+        except (RuntimeError, dist.DistError) as exc:
+            self._mark_dead(w, self._died(w, version, exc))
+            return
+        self._rejoined(w, version)
+
     # --------------------------------------------------------------- receiver
     def _init_receiver_impl(self, **kwargs: Any) -> None:
         handoff = dict(self._handoff or {})
@@ -433,28 +539,44 @@ class DistributedWeightSyncScheme(AckedScheme):
                 if refusal is None
                 else {"ok": False, "type": type(refusal).__name__, "message": str(refusal)[:4000]}
             )
+            hello["process"] = process_identity()
             if self.backend == "nccl":
                 hello["gpu"] = _gpu_identity()
-            store.set(f"hello/{self._worker_idx}", json.dumps(hello))
-            store.wait(["verdict"], as_timedelta(remaining(deadline)))
-            reason = json.loads(store.get("verdict")).get(str(self._worker_idx))
-            if reason is not None and refusal is None:
-                refusal = ConfigurationError(reason, **where)
             world = int(self._handoff["world_size"])
             self._num_workers = world - 1
-            # Every worker joins the group, even one that refused: the group forms only with all of them.
-            self._pg = new_group(self.backend, store, self._worker_idx + 1, world, self._group_timeout(deadline), host)
+            w = self._worker_idx
+            gen = int(store.add(f"gen/{w}", 1))  # how many processes have connected as worker w, this one included
+            if gen == 1:
+                store.set(f"hello/{w}", json.dumps(hello))
+                store.wait(["verdict"], as_timedelta(remaining(deadline)))
+                reason = json.loads(store.get("verdict")).get(str(w))
+                group = None
+                # Every worker joins the group, even one that refused: the group forms only with all of them.
+                self._pg = new_group(self.backend, store, w + 1, world, self._group_timeout(deadline), host)
+            else:  # a restart: a two-rank group of its own with the sender, if the sender lets it in
+                store.set(f"rejoin/{w}/{gen}", json.dumps(hello))
+                store.add("rejoins", 1)
+                store.wait([f"verdict/{w}/{gen}"], as_timedelta(remaining(deadline)))
+                reason = json.loads(store.get(f"verdict/{w}/{gen}")).get("refused")
+                if reason is None:
+                    pair = dist.PrefixStore(f"pair/{w}/{gen}", store)
+                    self._pg = new_group(self.backend, pair, 1, 2, self._group_timeout(deadline), host)
+                    group = (self._pg, pair)
+                elif refusal is None:
+                    reason = f"the sender refused this worker: {reason}"
+            if reason is not None and refusal is None:
+                refusal = ConfigurationError(reason, **where)
         except dist.DistError as exc:
             raise SyncTimeoutError(f"could not join the sender's group: {first_line(exc)}", **where) from None
         self._base_store, self._store = base, store
         if refusal is not None:
             self._pg = None
             raise refusal
-        self._transport = self.create_transport(worker_idx=self._worker_idx, sync=self.sync)
+        self._transport = self.create_transport(worker_idx=self._worker_idx, sync=self.sync, group=group)
         self._recv_buffer = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=self._device)
         self._buckets = self._layout.buckets(self._bucket_bytes)
         self._transport.receive_initial_weights(self._recv_parts(), remaining(deadline))
-        version = int(store.get("initial"))
+        version = int(self._transport.store.get("initial"))
         self._apply([0], version, self._expected_digest(0, remaining(deadline)))
         self._reported_version = self._version
 
@@ -463,12 +585,12 @@ class DistributedWeightSyncScheme(AckedScheme):
         bucket was written, so it may follow the data by a moment."""
         if not self.checksum:
             return None
-        assert self._store is not None
-        key = f"digest/{self._worker_idx}/{seq}"
+        assert self._transport is not None
+        key, store = f"digest/{self._worker_idx}/{seq}", self._transport.store
         try:
-            self._store.wait([key], as_timedelta(max(timeout, 0.001)))
-            value = self._store.get(key).decode()
-            self._store.delete_key(key)
+            store.wait([key], as_timedelta(max(timeout, 0.001)))
+            value = store.get(key).decode()
+            store.delete_key(key)
         except dist.DistError as exc:
             raise ConnectionClosedError(
                 f"no checksum from the sender ({first_line(exc)})", model_id=self._model_id, worker_idx=self._worker_idx
@@ -521,11 +643,14 @@ class DistributedWeightSyncScheme(AckedScheme):
 
     # --------------------------------------------------------------- shutdown
     def _shutdown_impl(self) -> None:
+        self._stop_admitter()
+        self._admit_store = None
         for w, transport in self._transports.items():
             if w not in self._failed:
                 transport.close(min(self.timeout, 5.0))
         self._transports.clear()
         self._pool = None
+        self._newest = None
         self._transport = None
         self._recv_buffer = None
         self._recv_views = None

@@ -123,10 +123,8 @@ class LocalScheme(WeightSyncScheme):
         self._listener: ChannelListener | None = None
         self._layout: FlatLayout | None = None
         self._pools: dict[int | None, SlotPool] = {}
-        self._errors: dict[int, WeightSyncError] = {}
         self._next_version = 0
         self._authkey_file: str | None = None
-        self._admitter: threading.Thread | None = None
         # Receiver side.
         self._key_file: str | None = None  # the sender's auth key file this receiver read, if any
         self._transport: MPTransport | None = None
@@ -213,7 +211,8 @@ class LocalScheme(WeightSyncScheme):
             w = int(hello["worker_idx"])
             channel.send({"op": "welcome", "layout": self._layout.to_plain(), "num_workers": n})
             self._transports[w] = self.transport_class(channel, w, self)
-        self._start_admitter()
+        # Once every worker joined, the listener stays open for workers that come back after a crash.
+        self._start_admitter(self._poll_listener, lambda accepted: self._admit(*accepted), lambda a: a[0].close())
         try:
             self.send_to(weights, list(range(n)), wait=True)
         except WeightSyncError as exc:
@@ -248,39 +247,18 @@ class LocalScheme(WeightSyncScheme):
         return None
 
     # ----------------------------------------------------------------- rejoin
-    def _start_admitter(self) -> None:
-        """Once every worker joined, keep the listener open for workers that come back after a crash."""
-        self._admitter = threading.Thread(
-            target=self._admit_loop, name=f"weightsync-{self._model_id}-admitter", daemon=True
-        )
-        self._admitter.start()
-
-    def _admit_loop(self) -> None:
-        while not self._stop.is_set():
-            listener = self._listener
-            if listener is None:
-                return
-            try:
-                accepted = listener.accept(0.1)
-            except WeightSyncError as exc:  # a stranger, a wrong key: refused, and logged without the key
-                log.warning("model %r: refused a connection: %s", self._model_id, exc)
-                continue
-            except OSError:  # the listener was closed under us: shutting down
-                return
-            if accepted is None:
-                continue
-            # The trainer may hold the lock for a whole send, or be shutting down (and joining this thread).
-            while not self._lock.acquire(timeout=0.1):
-                if self._stop.is_set():
-                    accepted[0].close()
-                    return
-            try:
-                if self._stop.is_set():
-                    accepted[0].close()
-                    return
-                self._admit(*accepted)
-            finally:
-                self._lock.release()
+    def _poll_listener(self) -> tuple[Any, dict[str, Any]] | None:
+        """The admitter's wait: a worker connecting after the rendez-vous (or ``None`` after 0.1 s)."""
+        listener = self._listener
+        if listener is None:
+            raise EOFError
+        try:
+            return listener.accept(0.1)
+        except WeightSyncError as exc:  # a stranger, a wrong key: refused, and logged without the key
+            log.warning("model %r: refused a connection: %s", self._model_id, exc)
+        except OSError:  # the listener was closed under us: shutting down
+            raise EOFError from None
+        return None
 
     def _admit(self, channel: Any, hello: dict[str, Any]) -> None:
         """A worker connecting after the rendez-vous: one that died (or was dropped) comes back under its
@@ -300,8 +278,7 @@ class LocalScheme(WeightSyncScheme):
         if old is not None:
             old.close()
         transport = self._transports[w] = self.transport_class(channel, w, self)
-        self._failed.pop(w, None)
-        self._errors.pop(w, None)
+        self._failed.pop(w, None)  # from here on, a failure is this new process's
         try:
             channel.send({"op": "welcome", "layout": self._layout.to_plain(), "num_workers": self._num_workers})
             slot = self._newest_slot_for(w)
@@ -310,9 +287,7 @@ class LocalScheme(WeightSyncScheme):
             log.warning("model %r: worker %d could not rejoin: %s", self._model_id, w, exc)
             self._mark_dead(w, WorkerDiedError(f"failed to rejoin ({exc})", model_id=self._model_id, worker_idx=w))
             return
-        self._metrics.dropped.pop(w, None)
-        self._metrics.rejoins[w] = self._metrics.rejoins.get(w, 0) + 1
-        log.info("model %r: worker %d rejoined and was sent version %s", self._model_id, w, slot.version)
+        self._rejoined(w, slot.version)
 
     def _newest_slot_for(self, w: int) -> SharedSlot:
         """A slot of ``w``'s pool holding the newest version published to anyone, now read by ``w``."""
@@ -661,10 +636,7 @@ class LocalScheme(WeightSyncScheme):
             # A sender that shut down removed its key file before closing; one that was killed could not.
             remove_key_file_if_orphaned(self._key_file, grace=1.0 if sender_closed else 0.0)
             self._key_file = None
-        if self._admitter is not None:
-            self._stop.set()
-            self._admitter.join(self.timeout)
-            self._admitter = None
+        self._stop_admitter()
         if self._authkey_file is not None:  # first: a worker that sees the channel close may look for it
             remove_key_file(self._authkey_file)
             self._authkey_file = None

@@ -20,7 +20,7 @@ from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec
 from ..transports.channel import deadline_after, remaining
 from ..transports.ray import RayActorTransport, RayTransport, apply_in_actor, register_receiver, unregister_receiver
 from .acked import AckedScheme
-from .base import WeightReceiver, WeightSender
+from .base import SENDER_CONNECTED, WeightReceiver, WeightSender
 
 # A tensor of at least this many bytes is put in the object store straight from its own memory; smaller
 # ones are packed together first (one object store buffer costs about as much as copying 100 KB).
@@ -52,6 +52,11 @@ class RayWeightSyncScheme(AckedScheme):
     apply it: a call that Ray runs inside the actor, between its other method
     calls. Each actor copies the update into its own model; the call's
     completion is the ack. Updates to one actor are applied in the order sent.
+
+    An actor that died (or was dropped) is taken back with
+    :meth:`rejoin`: a new actor for its index, or the same handle once Ray
+    restarted it, gets the newest version published. The sender keeps that
+    version's object in the store for this (one copy of the model).
 
     In the actor (typically in its ``__init__``)::
 
@@ -112,6 +117,7 @@ class RayWeightSyncScheme(AckedScheme):
         super()._reset_runtime()
         self._layout: FlatLayout | None = None
         self._staging: torch.Tensor | None = None
+        self._newest: tuple[int, Any] | None = None  # (version, object ref) of the last send, for rejoins
 
     @property
     def layout(self) -> FlatLayout | None:
@@ -179,11 +185,52 @@ class RayWeightSyncScheme(AckedScheme):
             transport.submit(version, payload, self._layout.to_plain() if transport.acked is None else None)
         self._next_version += 1
         self._version = version
+        self._newest = (version, payload)
         if wait:
             deadline = deadline_after(self.timeout if timeout is None else timeout)
             failures.update(self._collect(live, deadline, {w: version for w in live}))
         failures.update({w: self._errors.pop(w) for w in list(self._errors) if w in targets and w not in failures})
         raise_failures(failures, model_id=self._model_id, version=version)
+
+    def rejoin(self, worker_idx: int, actor: Any = None, timeout: float | None = None) -> int:
+        """Sender: take worker ``worker_idx`` back after its actor died or was dropped, and send it the newest
+        version published (the bytes the others got, even if the model has moved on since).
+
+        Args:
+            worker_idx: the worker's index.
+            actor: its new actor, whose receiver is set up for ``worker_idx`` (``None``: the same handle,
+                for an actor Ray restarted itself, ``max_restarts``).
+            timeout: seconds to wait for it to apply (``None``: the scheme's ``timeout``).
+
+        Returns:
+            The version it now holds.
+
+        Raises:
+            ConfigurationError: ``worker_idx`` is not one of this scheme's workers.
+            WorkerDiedError, ReceiverError, SyncTimeoutError: it could not take the version; it stays out.
+        """
+        self._require(SENDER_CONNECTED, action="rejoin")
+        if isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or worker_idx not in self._transports:
+            raise ConfigurationError(
+                f"worker_idx {worker_idx!r} is not in 0..{len(self._transports) - 1}", model_id=self._model_id
+            )
+        with self._lock:
+            assert self._newest is not None and self._layout is not None  # connect() published version 0
+            version, payload = self._newest
+            old = self._transports[worker_idx]
+            transport = self._transports[worker_idx] = self.create_transport(
+                actor=old.actor if actor is None else actor, worker_idx=worker_idx
+            )
+            self._failed.pop(worker_idx, None)  # from here on, a failure is this actor's
+            self._errors.pop(worker_idx, None)
+            transport.submit(version, payload, self._layout.to_plain())
+            deadline = deadline_after(self.timeout if timeout is None else timeout)
+            failures = self._collect([worker_idx], deadline, {worker_idx: version})
+            if failures:
+                self._mark_dead(worker_idx, failures[worker_idx])
+                raise_failures(failures, model_id=self._model_id, version=version)
+            self._rejoined(worker_idx, version)
+            return version
 
     def _collect(
         self, workers: list[int], deadline: float | None, expected: dict[int, int]
@@ -211,10 +258,15 @@ class RayWeightSyncScheme(AckedScheme):
                     held = ray.get(ref)
                     transport.acked = held if transport.acked is None else max(transport.acked, held)
                 except ray.exceptions.RayActorError as exc:
+                    what = (
+                        "is unavailable (restarting, or out of reach)"
+                        if isinstance(exc, ray.exceptions.ActorUnavailableError)
+                        else "died"
+                    )
                     failures[w] = self._mark_dead(
                         w,
                         WorkerDiedError(
-                            f"its actor died ({type(exc).__name__})", model_id=self._model_id, worker_idx=w, version=v
+                            f"its actor {what} ({type(exc).__name__})", model_id=self._model_id, worker_idx=w, version=v
                         ),
                     )
                 except Exception as exc:  # noqa: BLE001 - the actor's failure, as Ray delivers it
@@ -273,6 +325,7 @@ class RayWeightSyncScheme(AckedScheme):
         if self.is_receiver:
             unregister_receiver(self._model_id or "", self)
         self._transports.clear()
+        self._newest = None
 
 
 class RayModuleTransformSender(WeightSender):

@@ -39,6 +39,8 @@ __all__ = [
     "ChannelListener",
     "connect_channel",
     "deadline_after",
+    "process_identity",
+    "process_is_gone",
     "read_key_file",
     "remaining",
     "remove_key_file",
@@ -331,6 +333,15 @@ def _pid_namespace() -> str:
         return "unknown"
 
 
+def _pid_exited(pid: int) -> bool:
+    """Whether process ``pid`` of this PID namespace has exited (a zombie not yet reaped counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat_file:
+            return stat_file.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
 def _owner_is_gone(name: str) -> bool:
     """Whether the sender that wrote key file ``name`` (``weightsync-<pid>-<token>.<pid namespace>.key``) has
     exited. Files from another PID namespace (a container sharing the directory) are never judged."""
@@ -340,11 +351,28 @@ def _owner_is_gone(name: str) -> bool:
         return False
     if len(parts) != 3 or parts[0] != "weightsync" or not parts[1].isdigit():
         return False
+    return _pid_exited(int(parts[1]))
+
+
+def process_identity() -> dict[str, Any]:
+    """This process as another one on the same machine can check it: its PID, PID namespace and boot id."""
     try:
-        with open(f"/proc/{parts[1]}/stat") as stat_file:
-            return stat_file.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # exited, not yet reaped
+        with open("/proc/sys/kernel/random/boot_id") as boot_file:
+            boot = boot_file.read().strip()
     except OSError:
-        return True
+        boot = "unknown"
+    return {"pid": os.getpid(), "pidns": _pid_namespace(), "boot": boot}
+
+
+def process_is_gone(identity: dict[str, Any] | None) -> bool | None:
+    """Whether the process ``identity`` (from :func:`process_identity`) has exited; ``None`` when this
+    process cannot tell (another machine or PID namespace)."""
+    mine = process_identity()
+    if not identity or "unknown" in (mine["boot"], mine["pidns"]):
+        return None
+    if (identity.get("boot"), identity.get("pidns")) != (mine["boot"], mine["pidns"]):
+        return None
+    return _pid_exited(int(identity["pid"]))
 
 
 def remove_key_file_if_orphaned(path: str, grace: float = 0.0) -> None:

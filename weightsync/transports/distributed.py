@@ -228,13 +228,22 @@ class DistributedTransport(SenderBoundTransport):
         worker_idx: the worker this transport reaches (its rank is ``worker_idx + 1``).
         sync: ``send_weights`` waits for the ack (``send_weights_async`` never does).
         scheme: the scheme that owns the group and the store.
+        group: a group and store of this transport's own instead of the scheme's: the two-rank group (sender
+            rank 0, worker rank 1) formed when a restarted worker rejoins, with its store prefix.
     """
 
-    def __init__(self, worker_idx: int = 0, sync: bool = True, scheme: DistributedWeightSyncScheme | None = None):
+    def __init__(
+        self,
+        worker_idx: int = 0,
+        sync: bool = True,
+        scheme: DistributedWeightSyncScheme | None = None,
+        group: tuple[Any, dist.Store] | None = None,
+    ):
         self.worker_idx = worker_idx
-        self.rank = worker_idx + 1
+        self.rank = worker_idx + 1 if group is None else 1  # the worker's rank in the group this transport uses
         self.sync = sync
         self._scheme = scheme
+        self._own_group = group
         self.acked: int | None = None
         self.sent: int | None = None
         self.dead: BaseException | None = None
@@ -243,10 +252,17 @@ class DistributedTransport(SenderBoundTransport):
         self._waiter: Waiter | None = None
 
     def _group(self) -> tuple[Any, dist.Store]:
+        if self._own_group is not None:
+            return self._own_group
         scheme = self._scheme
         if scheme is None or scheme._pg is None or scheme._store is None:
             raise LifecycleError("this transport's scheme is not connected")
         return scheme._pg, scheme._store
+
+    @property
+    def store(self) -> dist.Store:
+        """The store carrying this worker's signalling (announcements, checksums, error details)."""
+        return self._group()[1]
 
     def _where(self, version: int | None = None) -> dict[str, Any]:
         return {

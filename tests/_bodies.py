@@ -233,6 +233,52 @@ def corrupted_payload_is_refused_and_the_model_kept(scheme, workers):
     scheme.shutdown()
 
 
+def agents_listen_on_loopback_only(scheme, workers):
+    """A sender on 127.0.0.1: its RPC agent and its workers' listen on loopback only, even where the host's
+    name resolves to a network address (TensorPipe's own guess)."""
+    import os
+    import socket
+
+    import psutil
+
+    assert socket.gethostbyname(socket.gethostname()) != "127.0.0.1", "the case under test needs a host name "
+    "that resolves to a network address"
+    scheme.init_on_sender(model_id="policy", model=build("tiny"), num_workers=2)
+    group, ready = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    assert all(errors == {} for _, _, errors in ready)
+    listening = {
+        (pid, conn.laddr.ip)
+        for pid in (os.getpid(), *(proc.pid for proc in group.procs))
+        for conn in psutil.Process(pid).net_connections("tcp")
+        if conn.status == psutil.CONN_LISTEN
+    }
+    assert listening and {ip for _, ip in listening} == {"127.0.0.1"}, listening
+    group.stop()
+    scheme.shutdown()
+
+
+def restarted_worker_is_refused_with_the_reason(scheme, workers):
+    """A worker that died and is started again under its index is refused at once, with the reason; the
+    others are still served."""
+    import os
+    import signal
+
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    os.kill(group.procs[1].pid, signal.SIGKILL)
+    group.procs[1].join(10)
+    again = workers(serve, 1, lambda i, conn: ({"policy": scheme}, 1, {"policy": "tiny"}, conn))
+    _, log, errors = again.recv(0)
+    assert log == [] and "cannot take a rank back" in errors["policy"], errors
+    optimizer_step(model, 1)
+    scheme.send(worker_ids=[0])
+    assert group.ask(0, "state")["policy"] == (1, checksum(model, scheme.strategy.extract_as))
+    again.stop()
+    group.stop()
+    scheme.shutdown()
+
+
 def dropped_worker_is_named_and_the_others_go_on(scheme, workers, when="before"):
     """``on_failure="drop"``: a worker SIGKILLed before a send (or as the update reaches it) is dropped, named
     in ``stats()``, and later sends go on to the other without waiting for it."""

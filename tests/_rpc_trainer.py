@@ -6,10 +6,31 @@ import inspect
 import traceback
 
 
-def run(scenario: str, conn) -> None:
-    """Run ``scenario`` (a body of :mod:`tests._bodies` and its arguments) as the sender; report to ``conn``."""
+def resolve_host_name_to(address: str) -> None:
+    """From now on, in this process and its children, the host's name resolves to ``address``: a private
+    mount namespace in which /etc/hosts says so (needs root)."""
+    import ctypes
+    import os
+    import socket
+    import subprocess
+    import tempfile
+
+    if ctypes.CDLL(None, use_errno=True).unshare(0x00020000) != 0:  # CLONE_NEWNS
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+    subprocess.run(["mount", "--make-rprivate", "/"], check=True, timeout=10)
+    hosts = os.path.join(tempfile.mkdtemp(), "hosts")
+    with open(hosts, "w") as f:
+        f.write(f"127.0.0.1 localhost\n{address} {socket.gethostname()}\n")
+    subprocess.run(["mount", "--bind", hosts, "/etc/hosts"], check=True, timeout=10)
+
+
+def run(scenario: str, conn, host_address: str | None = None) -> None:
+    """Run ``scenario`` (a body of :mod:`tests._bodies` and its arguments) as the sender; report to ``conn``.
+    With ``host_address``, the host's name resolves to it in this process and its workers."""
     groups = []
     try:
+        if host_address is not None:
+            resolve_host_name_to(host_address)
         import weightsync as ws
         from tests import _bodies as bodies
         from tests.conftest import _CTX, WorkerGroup

@@ -265,6 +265,23 @@ def test_actor_that_cannot_apply_reports_to_the_sender():
         ray.kill(a)
 
 
+def test_a_cluster_on_several_machines_needs_the_pickle_opt_in(monkeypatch):
+    model = build("tiny")
+    actors = _collectors(1)
+    nodes = ray.nodes()
+    monkeypatch.setattr(ray, "nodes", lambda: [*nodes, {"Alive": True, "NodeManagerAddress": "10.255.255.1"}])
+    scheme = ws.RayWeightSyncScheme(timeout=20)
+    with pytest.raises(ws.ConfigurationError, match=r"nodes on other machines \(10.255.255.1\).*allow_pickle=True"):
+        scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    ray.get(actors[0].join.remote(ws.RayWeightSyncScheme(allow_pickle=True), 0))
+    trusting = ws.RayWeightSyncScheme(timeout=20, allow_pickle=True)
+    trusting.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    trusting.connect()
+    assert ray.get(actors[0].state.remote()) == (0, checksum(model, "state_dict"))
+    trusting.shutdown()
+    ray.kill(actors[0])
+
+
 def test_actor_without_a_receiver_and_bad_arguments():
     model = build("tiny")
     with pytest.raises(ws.ConfigurationError, match="remote_collectors"):

@@ -115,6 +115,7 @@ class RaySchemeConfig(SchemeConfig):
         address: Ray cluster address (``None``: ``RAY_ADDRESS`` or a local cluster).
         namespace: Ray namespace.
         wire_dtype: floating weights travel as this dtype (e.g. ``"bfloat16"``), cast back on apply.
+        allow_pickle: run on a cluster of several machines, whose peers' messages Ray unpickles.
     """
 
     _target_: str = "weightsync.schemes.ray.RayWeightSyncScheme"
@@ -123,6 +124,7 @@ class RaySchemeConfig(SchemeConfig):
     namespace: Optional[str] = None  # noqa: UP045
     wire_dtype: Optional[str] = None  # noqa: UP045
     checksum: bool = False
+    allow_pickle: bool = False
 
 
 @dataclass
@@ -142,6 +144,7 @@ class RPCSchemeConfig(SchemeConfig):
         latest_wins: a worker that fell behind applies only the newest update.
         max_buffers: staging buffers the trainer may hold for updates not acked yet.
         wire_dtype: floating weights travel as this dtype (e.g. ``"bfloat16"``), cast back on apply.
+        allow_pickle: let ``master_addr`` be a network address, whose peers' messages RPC unpickles.
     """
 
     _target_: str = "weightsync.schemes.rpc.RPCWeightSyncScheme"
@@ -152,6 +155,7 @@ class RPCSchemeConfig(SchemeConfig):
     max_buffers: int = 2
     wire_dtype: Optional[str] = None  # noqa: UP045
     checksum: bool = False
+    allow_pickle: bool = False
 
 
 @dataclass

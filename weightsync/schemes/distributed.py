@@ -475,7 +475,7 @@ class DistributedWeightSyncScheme(AckedScheme):
         old = self._transports.get(w)
         if old is not None and w not in self._failed:
             old.close(0.0)  # its process is gone: nothing to wait for
-        transport = self._transports[w] = self.create_transport(worker_idx=w, sync=self.sync, group=(pg, pair))
+        transport = self._transports[w] = self.create_transport(worker_idx=w, sync=self.sync).use_pair(pg, pair)
         self._failed.pop(w, None)  # from here on, a failure is this new process's
         self._hellos[w] = hello
         if self._pool is not None:
@@ -572,7 +572,9 @@ class DistributedWeightSyncScheme(AckedScheme):
         if refusal is not None:
             self._pg = None
             raise refusal
-        self._transport = self.create_transport(worker_idx=self._worker_idx, sync=self.sync, group=group)
+        self._transport = self.create_transport(worker_idx=self._worker_idx, sync=self.sync)
+        if group is not None:
+            self._transport.use_pair(*group)
         self._recv_buffer = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=self._device)
         self._buckets = self._layout.buckets(self._bucket_bytes)
         self._transport.receive_initial_weights(self._recv_parts(), remaining(deadline))

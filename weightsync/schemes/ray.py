@@ -18,6 +18,7 @@ from ..integrity import check_digest, digest
 from ..layout import FlatLayout
 from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec, write_into
 from ..transports.channel import deadline_after, remaining
+from ..transports.distributed import is_loopback, local_interfaces
 from ..transports.ray import RayActorTransport, RayTransport, apply_in_actor, register_receiver, unregister_receiver
 from .acked import AckedScheme
 from .base import SENDER_CONNECTED, WeightReceiver, WeightSender
@@ -73,6 +74,10 @@ class RayWeightSyncScheme(AckedScheme):
         address: Ray cluster to join when Ray is not initialized yet (``None``:
             ``RAY_ADDRESS`` or a new local cluster).
         namespace: Ray namespace for that ``ray.init``.
+        allow_pickle: run on a cluster of several machines. Ray unpickles what its peers send (that is
+            how it calls functions and moves objects), so on a cluster whose nodes are not all on this
+            machine, weights and acks cross the network as pickles: opt in only if every machine of the
+            cluster is yours. Off, ``init_on_sender`` refuses a cluster with a node on another machine.
         Other arguments: see :class:`~weightsync.schemes.base.WeightSyncScheme`.
 
     Sender kwargs of ``init_on_sender``: ``remote_collectors=`` or ``actors=``
@@ -95,6 +100,7 @@ class RayWeightSyncScheme(AckedScheme):
         max_staleness: int | None = None,
         check_finite: bool = False,
         checksum: bool = False,
+        allow_pickle: bool = False,
     ) -> None:
         super().__init__(
             strategy=strategy,
@@ -109,9 +115,10 @@ class RayWeightSyncScheme(AckedScheme):
         )
         self.address = address
         self.namespace = namespace
+        self.allow_pickle = bool(allow_pickle)
 
     def _config_fields(self) -> set[str]:
-        return super()._config_fields() | {"address", "namespace"}
+        return super()._config_fields() | {"address", "namespace", "allow_pickle"}
 
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
@@ -141,6 +148,7 @@ class RayWeightSyncScheme(AckedScheme):
         self._num_workers = len(actors)
         self._layout = self._sender_layout()  # before Ray starts: a missing model fails first
         self.join_ray()
+        self._check_exposure()
         self._transports = {i: self.create_transport(actor=actor, worker_idx=i) for i, actor in enumerate(actors)}
 
     def join_ray(self, **options: Any) -> bool:
@@ -152,6 +160,24 @@ class RayWeightSyncScheme(AckedScheme):
             return False
         ray.init(address=self.address or os.environ.get("RAY_ADDRESS"), namespace=self.namespace, **options)
         return True
+
+    def _check_exposure(self) -> None:
+        """Refuse a cluster with nodes on other machines unless ``allow_pickle`` says so."""
+        if self.allow_pickle:
+            return
+        here = local_interfaces()
+        remote = sorted(
+            address
+            for address in {node["NodeManagerAddress"] for node in _ray().nodes() if node.get("Alive")}
+            if address not in here and not is_loopback(address)
+        )
+        if remote:
+            raise ConfigurationError(
+                f"this Ray cluster has nodes on other machines ({', '.join(remote)}), and Ray unpickles what "
+                "its peers send: set allow_pickle=True if every machine of the cluster is yours "
+                "(see docs/multinode.md)",
+                model_id=self._model_id,
+            )
 
     def create_transport(self, **kwargs: Any) -> RayTransport:
         """The transport to one actor (``actor=``, ``worker_idx=``) bound to this scheme."""

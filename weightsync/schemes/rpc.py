@@ -20,7 +20,7 @@ from ..integrity import check_digest, digest
 from ..layout import FlatLayout
 from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec, write_into
 from ..transports.channel import deadline_after, remaining
-from ..transports.distributed import first_line, resolve_master
+from ..transports.distributed import first_line, is_loopback, resolve_master
 from ..transports.rpc import (
     SENDER_NAME,
     RPCTransport,
@@ -64,6 +64,11 @@ class RPCWeightSyncScheme(AckedScheme):
         master_port: the store's port (``None``: ``MASTER_PORT``, else a free port).
         latest_wins: a worker that fell behind applies only the newest update waiting for it.
         max_buffers: staging buffers the sender may hold for updates not acked yet.
+        allow_pickle: let ``master_addr`` be a network address. ``torch.distributed.rpc`` unpickles
+            every message its peers send (that is how it calls functions), so an RPC world reachable
+            from other machines runs whatever they send: opt in only if every machine that can reach
+            it is yours. Off, a non-loopback ``master_addr`` is refused. An agent you started yourself
+            (``worker_names=``) is yours to secure.
         Other arguments: see :class:`~weightsync.schemes.base.WeightSyncScheme`.
     """
 
@@ -84,6 +89,7 @@ class RPCWeightSyncScheme(AckedScheme):
         max_staleness: int | None = None,
         check_finite: bool = False,
         checksum: bool = False,
+        allow_pickle: bool = False,
     ) -> None:
         super().__init__(
             strategy=strategy,
@@ -103,9 +109,20 @@ class RPCWeightSyncScheme(AckedScheme):
         self.master_port = master_port
         self.latest_wins = bool(latest_wins)
         self.max_buffers = max_buffers
+        self.allow_pickle = bool(allow_pickle)
 
     def _config_fields(self) -> set[str]:
-        return super()._config_fields() | {"master_addr", "master_port", "latest_wins", "max_buffers"}
+        return super()._config_fields() | {"master_addr", "master_port", "latest_wins", "max_buffers", "allow_pickle"}
+
+    def _check_exposure(self, host: str, **where: Any) -> None:
+        """Refuse an RPC world reachable from other machines unless ``allow_pickle`` says so."""
+        if not self.allow_pickle and not is_loopback(host):
+            raise ConfigurationError(
+                f"master_addr={host!r} opens this RPC world to other machines, and torch.distributed.rpc "
+                "unpickles every message its peers send: set allow_pickle=True if every machine that can reach "
+                f"{host} is yours (see docs/multinode.md), or keep master_addr on loopback",
+                **where,
+            )
 
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
@@ -146,6 +163,7 @@ class RPCWeightSyncScheme(AckedScheme):
         self._layout = self._sender_layout()
         if names is None:
             master = resolve_master(self.master_addr, self.master_port)
+            self._check_exposure(master[0], model_id=self._model_id)
             self._session = open_sender_session(master, self._num_workers + 1, self.connect_timeout)
         self._transports = {
             w: self.create_transport(worker_idx=w, worker_name=names[w] if names else None)
@@ -301,6 +319,7 @@ class RPCWeightSyncScheme(AckedScheme):
         where = {"model_id": self._model_id, "worker_idx": self._worker_idx}
         deadline = deadline_after(self.connect_timeout)
         if not self._handoff.get("external"):
+            self._check_exposure(self._handoff["master_addr"], **where)
             self._session = join_worker_session(self._handoff, self.connect_timeout, **where)
             try:
                 start_agent(

@@ -49,8 +49,12 @@ __all__ = [
     "as_timedelta",
     "first_line",
     "connect_store",
+    "interface_for",
+    "is_loopback",
+    "local_interfaces",
     "new_group",
     "is_timeout",
+    "local_address",
     "open_store",
     "Waiter",
     "resolve_master",
@@ -114,7 +118,7 @@ def connect_store(host: str, port: int, timeout: float, **where: Any) -> dist.St
         raise SyncTimeoutError(f"no TCP store answered at {host}:{port} within {timeout:.0f}s", **where) from exc
 
 
-def _local_address(toward: str) -> str:
+def local_address(toward: str) -> str:
     """The address of this host's interface that routes to ``toward`` (no packet is sent)."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -122,6 +126,38 @@ def _local_address(toward: str) -> str:
             return probe.getsockname()[0]
     except OSError:
         return "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback: only local processes reach it."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def local_interfaces() -> dict[str, str]:
+    """This machine's network interfaces that have an IPv4 address: {address: interface name}."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                request = struct.pack("256s", name[:15].encode())
+                found[socket.inet_ntoa(fcntl.ioctl(probe.fileno(), siocgifaddr, request)[20:24])] = name
+            except OSError:  # no IPv4 address on this interface
+                continue
+    return found
+
+
+def interface_for(address: str) -> str | None:
+    """The name of this machine's network interface that holds IPv4 ``address`` (``None``: none does)."""
+    return local_interfaces().get(address)
 
 
 def new_group(backend: str, store: dist.Store, rank: int, size: int, timeout: float, master_addr: str) -> Any:
@@ -138,7 +174,7 @@ def new_group(backend: str, store: dist.Store, rank: int, size: int, timeout: fl
         device = (
             dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])
             if ifname
-            else dist.ProcessGroupGloo.create_device(hostname=_local_address(master_addr))
+            else dist.ProcessGroupGloo.create_device(hostname=local_address(master_addr))
         )
         options = dist.ProcessGroupGloo._Options()
         options._devices = [device]
@@ -228,22 +264,14 @@ class DistributedTransport(SenderBoundTransport):
         worker_idx: the worker this transport reaches (its rank is ``worker_idx + 1``).
         sync: ``send_weights`` waits for the ack (``send_weights_async`` never does).
         scheme: the scheme that owns the group and the store.
-        group: a group and store of this transport's own instead of the scheme's: the two-rank group (sender
-            rank 0, worker rank 1) formed when a restarted worker rejoins, with its store prefix.
     """
 
-    def __init__(
-        self,
-        worker_idx: int = 0,
-        sync: bool = True,
-        scheme: DistributedWeightSyncScheme | None = None,
-        group: tuple[Any, dist.Store] | None = None,
-    ):
+    def __init__(self, worker_idx: int = 0, sync: bool = True, scheme: DistributedWeightSyncScheme | None = None):
         self.worker_idx = worker_idx
-        self.rank = worker_idx + 1 if group is None else 1  # the worker's rank in the group this transport uses
+        self.rank = worker_idx + 1  # the worker's rank in the group this transport uses
         self.sync = sync
         self._scheme = scheme
-        self._own_group = group
+        self._own_group: tuple[Any, dist.Store] | None = None
         self.acked: int | None = None
         self.sent: int | None = None
         self.dead: BaseException | None = None
@@ -258,6 +286,13 @@ class DistributedTransport(SenderBoundTransport):
         if scheme is None or scheme._pg is None or scheme._store is None:
             raise LifecycleError("this transport's scheme is not connected")
         return scheme._pg, scheme._store
+
+    def use_pair(self, pg: Any, store: dist.Store) -> DistributedTransport:
+        """Use a group and store of this transport's own instead of the scheme's: the two-rank group (sender
+        rank 0, worker rank 1) formed when a restarted worker rejoins, and its store prefix. Returns ``self``."""
+        self._own_group = (pg, store)
+        self.rank = 1
+        return self
 
     @property
     def store(self) -> dist.Store:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import warnings
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
@@ -29,7 +31,7 @@ from torch.distributed.rendezvous import register_rendezvous_handler
 
 from ..errors import ConfigurationError, LifecycleError, SyncTimeoutError
 from .base import SenderBoundTransport
-from .distributed import connect_store, first_line, open_store
+from .distributed import connect_store, first_line, interface_for, local_address, open_store
 
 if TYPE_CHECKING:
     from ..schemes.rpc import RPCWeightSyncScheme
@@ -148,14 +150,25 @@ def start_agent(sess: Session, name: str, rank: int, timeout: float, **where: An
     with _SESSION_LOCK:
         if sess.started:
             return
+        assert sess.store is not None
+        if int(sess.store.add(f"weightsync-joined/{rank}", 1)) > 1:
+            raise ConfigurationError(
+                f"{name} already joined this RPC world once, and torch.distributed.rpc cannot take a rank back "
+                "into a running world (its membership is fixed when it forms): restart the trainer with its "
+                "workers, or use a scheme whose workers can rejoin (multiprocess, shared_mem, distributed, ray)",
+                **where,
+            )
         _STORES[sess.token] = sess.store
         try:
             # init_rpc prefixes its keys with a per-process counter: both sides must use the sender's.
             with rpc._init_counter_lock:
                 rpc._init_counter = sess.counter
             options = rpc.TensorPipeRpcBackendOptions(init_method=f"weightsync://{sess.token}", rpc_timeout=timeout)
-            with warnings.catch_warnings():  # init_rpc's own use of a gloo group warns about torch internals
-                warnings.simplefilter("ignore")
+            # TensorPipe listens on the address the host name resolves to, unless told an interface: name the
+            # one that reaches the sender (loopback for a local sender), so a single-host run stays on 127.0.0.1.
+            ifname = os.environ.get("TP_SOCKET_IFNAME") or interface_for(local_address(sess.host))
+            with warnings.catch_warnings(), _environment(TP_SOCKET_IFNAME=ifname):
+                warnings.simplefilter("ignore")  # init_rpc's own use of a gloo group warns about torch internals
                 rpc.init_rpc(name, rank=rank, world_size=sess.world_size, rpc_backend_options=options)
         except RuntimeError as exc:
             raise SyncTimeoutError(
@@ -165,6 +178,21 @@ def start_agent(sess: Session, name: str, rank: int, timeout: float, **where: An
         finally:
             _STORES.pop(sess.token, None)
         sess.started = True
+
+
+@contextlib.contextmanager
+def _environment(**values: str | None) -> Iterator[None]:
+    """Set environment variables (those given as ``None`` are left alone) for the duration of the block."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update({key: value for key, value in values.items() if value is not None})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def leave_session(sess: Session) -> None:

@@ -144,6 +144,54 @@ def killed_worker_is_named_and_the_others_are_served(scheme, workers):
     scheme.shutdown()
 
 
+def send_past_hung_worker_1(scheme, model, timeout: float, margin: float) -> None:
+    """Send version 1 while worker 1 is hung: it costs one ``timeout`` (between 0.9x and ``+ margin``), then
+    raises ``SyncTimeoutError`` naming the worker, or drops it, by the scheme's ``on_failure``."""
+    import time
+
+    optimizer_step(model, 1)
+    began = time.monotonic()
+    if scheme.on_failure == "raise":
+        with pytest.raises(ws.SyncTimeoutError) as info:
+            scheme.send()
+        assert (info.value.worker_idx, info.value.version, info.value.model_id) == (1, 1, "policy")
+    else:
+        scheme.send()
+        assert "SyncTimeoutError" in scheme.stats()["dropped_workers"][1]
+    took = time.monotonic() - began
+    assert timeout * 0.9 <= took < timeout + margin, took
+
+
+def hung_worker_costs_one_timeout(scheme, workers, timeout=2.0, margin=1.5):
+    """A worker hung by SIGSTOP costs one ``timeout``: the send raises ``SyncTimeoutError`` naming it, or
+    drops it (``on_failure``), after between 0.9x ``timeout`` and ``timeout + margin``; the other worker
+    holds the new version, and a dropped worker is not waited for again."""
+    import os
+    import signal
+    import time
+
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, ready = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    assert all(errors == {} for _, _, errors in ready)
+    scheme.timeout = timeout
+    extract = scheme.strategy.extract_as
+    os.kill(group.procs[1].pid, signal.SIGSTOP)
+    try:
+        send_past_hung_worker_1(scheme, model, timeout, margin)
+        assert group.ask(0, "state")["policy"] == (1, checksum(model, extract))
+    finally:
+        os.kill(group.procs[1].pid, signal.SIGCONT)
+    if scheme.on_failure == "drop":  # the next send does not wait for it again
+        optimizer_step(model, 2)
+        began = time.monotonic()
+        scheme.send()
+        assert time.monotonic() - began < timeout
+        assert group.ask(0, "state")["policy"] == (2, checksum(model, extract))
+    group.stop()
+    scheme.shutdown()
+
+
 def mismatching_worker_is_refused_by_name(scheme, workers):
     """A worker whose model does not fit fails the rendez-vous by name; the other is connected and served."""
     model = build("tiny")

@@ -21,6 +21,11 @@ class Collector:
         self.scheme.init_on_receiver(model_id="policy", model=self.model, worker_idx=worker_idx)
         self.scheme.connect()
 
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
     def state(self) -> tuple:
         return self.scheme.version, checksum(self.model, self.scheme.strategy.extract_as)
 

@@ -79,31 +79,7 @@ def test_worker_killed_after_a_send_is_found_by_the_next_one(workers, name):
 @pytest.mark.parametrize("name", REJOINING)
 @pytest.mark.parametrize("policy", ["raise", "drop"])
 def test_hung_worker_costs_one_timeout_then_is_raised_or_dropped(workers, name, policy):
-    model, scheme, group = _connected(name, workers, on_failure=policy)
-    scheme.timeout = TIMEOUT
-    os.kill(group.procs[1].pid, signal.SIGSTOP)
-    try:
-        optimizer_step(model, 1)
-        began = time.monotonic()
-        if policy == "raise":
-            with pytest.raises(ws.SyncTimeoutError) as info:
-                scheme.send()
-            assert (info.value.worker_idx, info.value.version, info.value.model_id) == (1, 1, "policy")
-        else:
-            scheme.send()
-            assert "SyncTimeoutError" in scheme.stats()["dropped_workers"][1]
-        took = time.monotonic() - began
-        assert TIMEOUT * 0.9 <= took < TIMEOUT + MARGIN, took
-        assert group.ask(0, "state")["policy"] == (1, checksum(model))
-    finally:
-        os.kill(group.procs[1].pid, signal.SIGCONT)
-    if policy == "drop":  # the next send does not wait for it again
-        optimizer_step(model, 2)
-        began = time.monotonic()
-        scheme.send()
-        assert time.monotonic() - began < TIMEOUT
-    group.stop()
-    scheme.shutdown()
+    bodies.hung_worker_costs_one_timeout(_scheme(name, on_failure=policy), workers, TIMEOUT, MARGIN)
 
 
 @pytest.mark.parametrize("name", LOCAL)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import weightsync as ws
-from tests._bodies import optimizer_step, rounded, wire_nbytes
+from tests._bodies import optimizer_step, rounded, send_past_hung_worker_1, wire_nbytes
 from tests._netns import loopback_only_network
 from tests._workers import _scramble, build, checksum
 
@@ -196,6 +196,34 @@ def test_drop_policy_goes_on_without_a_killed_actor():
     assert list(scheme.stats()["dropped_workers"]) == [1] and scheme.acked_versions[0] == 2
     scheme.shutdown()
     ray.kill(actors[0])
+
+
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+def test_hung_actor_costs_one_timeout_then_is_raised_or_dropped(policy):
+    import os
+    import signal
+
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=20, on_failure=policy)
+    actors = _joined(scheme, model)
+    scheme.connect()
+    scheme.timeout = 2.0
+    pid = ray.get(actors[1].pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        send_past_hung_worker_1(scheme, model, 2.0, 1.5)
+        assert ray.get(actors[0].state.remote()) == (1, checksum(model, "state_dict"))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    if policy == "drop":  # the next send does not wait for it again
+        optimizer_step(model, 2)
+        began = time.monotonic()
+        scheme.send()
+        assert time.monotonic() - began < 2.0
+        assert ray.get(actors[0].state.remote()) == (2, checksum(model, "state_dict"))
+    scheme.shutdown()
+    for a in actors:
+        ray.kill(a)
 
 
 def test_a_replaced_or_restarted_actor_rejoins_and_gets_the_current_version():

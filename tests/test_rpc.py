@@ -45,6 +45,8 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str
         "corrupted_payload_is_refused_and_the_model_kept::checksum=1",
         "dropped_worker_is_named_and_the_others_go_on::on_failure=drop",
         "restarted_worker_is_refused_with_the_reason",
+        "hung_worker_costs_one_timeout::on_failure=raise",
+        "hung_worker_costs_one_timeout::on_failure=drop",
     ],
 )
 def test_rpc_scheme(scenario):

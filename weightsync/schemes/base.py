@@ -212,6 +212,16 @@ class WeightSyncScheme:
         scheme's lock, so never during a send; ``discard(candidate)`` turns it away at shutdown.
         """
 
+        def locked() -> bool:
+            # The trainer may hold the lock for a whole send, or be shutting down (and joining this thread).
+            while not self._lock.acquire(timeout=0.1):
+                if self._admitter_stop.is_set():
+                    return False
+            if self._admitter_stop.is_set():
+                self._lock.release()
+                return False
+            return True
+
         def loop() -> None:
             while not self._admitter_stop.is_set():
                 try:
@@ -220,20 +230,14 @@ class WeightSyncScheme:
                     return
                 if candidate is None:
                     continue
-                # The trainer may hold the lock for a whole send, or be shutting down (and joining this thread).
-                while not self._lock.acquire(timeout=0.1):
-                    if self._admitter_stop.is_set():
-                        break
-                else:
-                    try:
-                        if not self._admitter_stop.is_set():
-                            admit(candidate)
-                            continue
-                    finally:
-                        self._lock.release()
-                if discard is not None:
-                    discard(candidate)
-                return
+                if not locked():
+                    if discard is not None:
+                        discard(candidate)
+                    return
+                try:
+                    admit(candidate)
+                finally:
+                    self._lock.release()
 
         self._admitter_stop.clear()
         self._admitter = threading.Thread(target=loop, name=f"weightsync-{self._model_id}-admitter", daemon=True)

@@ -453,9 +453,10 @@ class DistributedWeightSyncScheme(AckedScheme):
         if not hello.get("ok"):
             return f"{hello.get('type', 'Error')}: {hello.get('message', '')}"
         earlier = self._hellos.get(w, {}).get("process")
-        if w not in self._failed and process_is_gone(earlier) is False:
+        gone = True if w in self._failed else process_is_gone(earlier)
+        if gone is False:
             return f"worker {w} is already connected (its process {earlier['pid']} is alive)"
-        if w not in self._failed and process_is_gone(earlier) is None:
+        if gone is None:
             log.warning(
                 "model %r: worker %d connected again from another machine; it replaces the earlier process",
                 self._model_id,
@@ -546,11 +547,11 @@ class DistributedWeightSyncScheme(AckedScheme):
             self._num_workers = world - 1
             w = self._worker_idx
             gen = int(store.add(f"gen/{w}", 1))  # how many processes have connected as worker w, this one included
+            group = None  # the first group; a restarted worker gets a pair group of its own
             if gen == 1:
                 store.set(f"hello/{w}", json.dumps(hello))
                 store.wait(["verdict"], as_timedelta(remaining(deadline)))
                 reason = json.loads(store.get("verdict")).get(str(w))
-                group = None
                 # Every worker joins the group, even one that refused: the group forms only with all of them.
                 self._pg = new_group(self.backend, store, w + 1, world, self._group_timeout(deadline), host)
             else:  # a restart: a two-rank group of its own with the sender, if the sender lets it in

@@ -264,7 +264,7 @@ def test_policy_and_staleness_settings_are_checked():
         ws.DistributedWeightSyncScheme(max_staleness=-1)
 
 
-@pytest.mark.parametrize("name", ["multiprocess", "shared_mem", "distributed"])
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem", "distributed", "rpc"])
 def test_workers_exit_cleanly_when_the_trainer_is_killed(ctx, tmp_path, name):
     import json
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from ..transports.rpc import (
     leave_session,
     mailbox,
     open_sender_session,
+    sender_gone,
     start_agent,
 )
 from ..transports.staging import StagingPool
@@ -39,6 +41,9 @@ from .acked import AckedScheme
 from .base import SENDER_CONNECTED
 
 __all__ = ["RPCWeightSyncScheme"]
+
+# A worker that got no update checks, at most this often (seconds), that its sender is still there.
+SENDER_PROBE_EVERY = 0.5
 
 
 class RPCWeightSyncScheme(AckedScheme):
@@ -130,8 +135,9 @@ class RPCWeightSyncScheme(AckedScheme):
         self._layout: FlatLayout | None = None
         self._pool: StagingPool | None = None
         self._answered = threading.Event()
-        self._mailbox: Any = None
         # Receiver side.
+        self._mailbox: Any = None
+        self._probed_at = 0.0  # when receive() last checked that the sender is still there
 
     @property
     def layout(self) -> FlatLayout | None:
@@ -378,7 +384,15 @@ class RPCWeightSyncScheme(AckedScheme):
         return update.version
 
     def _receive_impl(self, timeout: float) -> Any:
-        self._take(timeout)
+        if self._take(timeout) is None and self._session is not None:
+            now = time.monotonic()
+            if now - self._probed_at >= SENDER_PROBE_EVERY:  # no update came: is the sender still there?
+                self._probed_at = now
+                reason = sender_gone(self._session)
+                if reason is not None:
+                    raise ConnectionClosedError(
+                        f"the sender went away ({reason})", model_id=self._model_id, worker_idx=self._worker_idx
+                    )
         return self._newly_applied()
 
     # --------------------------------------------------------------- shutdown

@@ -36,7 +36,7 @@ from .distributed import connect_store, first_line, interface_for, local_address
 if TYPE_CHECKING:
     from ..schemes.rpc import RPCWeightSyncScheme
 
-__all__ = ["RPCTransport", "Session", "default_worker_name", "deliver", "session"]
+__all__ = ["RPCTransport", "Session", "default_worker_name", "deliver", "sender_gone", "session"]
 
 log = logging.getLogger("weightsync.transports.rpc")
 
@@ -77,6 +77,7 @@ class Session:
     started: bool = False
     owned: bool = True  # weightsync started the agent (and stops it)
     users: int = 0
+    pid: int = field(default_factory=os.getpid)  # the process it belongs to (a forked child inherits a copy)
 
 
 _SESSION: Session | None = None
@@ -90,6 +91,10 @@ _ONCE = (
 
 
 def session() -> Session | None:
+    """This process's RPC session, if any (a copy inherited through ``fork`` is not this process's)."""
+    global _SESSION
+    if _SESSION is not None and _SESSION.pid != os.getpid():
+        _SESSION = None
     return _SESSION
 
 
@@ -99,7 +104,7 @@ def open_sender_session(master: tuple[str, int], world_size: int, timeout: float
 
     global _SESSION
     with _SESSION_LOCK:
-        if _SESSION is not None:
+        if session() is not None:
             if _SESSION.world_size != world_size:
                 raise ConfigurationError(
                     f"this process already runs an RPC world of {_SESSION.world_size - 1} workers; every RPC scheme "
@@ -123,7 +128,7 @@ def join_worker_session(handoff: dict[str, Any], timeout: float, **where: Any) -
     """A worker's session, from what its sender handed it (shared with its other RPC schemes)."""
     global _SESSION
     with _SESSION_LOCK:
-        if _SESSION is not None:
+        if session() is not None:
             if _SESSION.token != handoff["token"]:
                 raise ConfigurationError(
                     "this process already belongs to another RPC world; one process joins one sender", **where
@@ -193,6 +198,18 @@ def _environment(**values: str | None) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def sender_gone(sess: Session) -> str | None:
+    """Why a worker's sender is out of reach (its TCP store, which lives in the sender, stopped answering),
+    or ``None`` while it answers. RPC itself says nothing about a peer no call is waiting on."""
+    if sess.store is None:
+        return None
+    try:
+        sess.store.check(["weightsync-probe"])
+    except dist.DistError as exc:
+        return first_line(exc)
+    return None
 
 
 def leave_session(sess: Session) -> None:

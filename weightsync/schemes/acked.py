@@ -89,9 +89,7 @@ class AckedScheme(WeightSyncScheme):
         try:
             self.send_to(weights, sorted(self._transports), wait=True, timeout=timeout, **kwargs)
         except WeightSyncError as exc:
-            for w, failure in (getattr(exc, "failures", None) or {exc.worker_idx: exc}).items():
-                if w is not None:
-                    self._mark_dead(w, failure)
+            self._mark_named_dead(exc)
             raise
 
     def wait_for(self, workers: list[int], timeout: float | None) -> None:

@@ -203,6 +203,12 @@ class WeightSyncScheme:
             self._on_worker_lost(w)
         return self._failed[w]
 
+    def _mark_named_dead(self, exc: WeightSyncError) -> None:
+        """Record every worker ``exc`` names as gone: one that failed the initial weights gave up on its side,
+        and later sends name it with this cause."""
+        for w, failure in _by_worker(exc).items():
+            self._mark_dead(w, failure)
+
     # ----------------------------------------------------------------- rejoin
     def _start_admitter(self, poll: Any, admit: Any, discard: Any = None) -> None:
         """Admit restarted workers from a thread of their own, once the rendez-vous is over.

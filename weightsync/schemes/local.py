@@ -216,12 +216,7 @@ class LocalScheme(WeightSyncScheme):
         try:
             self.send_to(weights, list(range(n)), wait=True)
         except WeightSyncError as exc:
-            # A worker that cannot take the initial weights (its model does not match) is out
-            # for good: it gave up on its side. Remember why, so later sends name the cause.
-            failures = getattr(exc, "failures", None) or {exc.worker_idx: exc}
-            for w, failure in failures.items():
-                if w is not None:
-                    self._mark_dead(w, failure)
+            self._mark_named_dead(exc)  # a worker whose model does not match is out for good
             raise
 
     def _refuse(self, channel: Any, problem: str) -> None:
@@ -329,10 +324,13 @@ class LocalScheme(WeightSyncScheme):
         # Every slot is secured before anything is written, so a send that times out here publishes nothing.
         slots = {key: self._acquire(self._pool(key), deadline, version) for key in by_pool}
         published: dict[int, SharedSlot] = {}
+        payload_digest = None  # every pool gets the same bytes: hashed once
         for key, workers in by_pool.items():
             slots[key].version = None  # until the write completes, the slot holds no version (rejoins read it)
             write_into(slots[key].views, flat)
-            slots[key].digest = digest([slots[key].buffer]) if self.checksum else None
+            if self.checksum and payload_digest is None:
+                payload_digest = digest([slots[key].buffer])
+            slots[key].digest = payload_digest
             self._pools[key].publish(slots[key], version, workers)
             published.update(dict.fromkeys(workers, slots[key]))
         self._next_version += 1
@@ -653,6 +651,3 @@ class LocalScheme(WeightSyncScheme):
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
-        if self._authkey_file is not None:
-            remove_key_file(self._authkey_file)
-            self._authkey_file = None

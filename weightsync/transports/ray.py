@@ -51,7 +51,7 @@ def apply_in_actor(actor: Any, model_id: str, version: int, payload: tuple, layo
             f"{model_id!r}, model=..., worker_idx=...) in the actor before the sender connects",
             model_id=model_id,
         )
-    ranges, arrays, expected = payload if len(payload) == 3 else (*payload, None)
+    ranges, arrays, expected = payload
     with warnings.catch_warnings():
         # The object store hands out read-only arrays; we only read from them.
         warnings.simplefilter("ignore", UserWarning)

@@ -314,3 +314,32 @@ def test_worker_that_acked_then_left_does_not_fail_the_send(scheme_name):
     with pytest.raises(ws.WorkerDiedError):
         scheme.send()
     scheme.shutdown()
+
+
+@pytest.mark.parametrize("scheme_name", ["multiprocess", "shared_mem"])
+@pytest.mark.parametrize("extract_as", ["tensordict", "state_dict"])
+def test_receive_returns_the_weights_the_model_now_holds(scheme_name, extract_as):
+    """receive() hands back the model's keys (a state_dict in the model's order; two dtypes, so not the slot's),
+    its new values in its own memory (no copy), and plain tensors: no Parameter, nothing that requires grad."""
+    model = build("tiny")
+    scheme = ws.WeightSyncScheme.from_backend(scheme_name, strategy=extract_as, sync=False, timeout=10)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    receiver = in_process_receiver(scheme, replica)
+    for step in (1, 2):  # the second update lands in another slot
+        optimizer_step(model, step)
+        scheme.send_async()
+        got = receiver.receive(timeout=5)
+        assert got is not None and receiver.version == step
+        flat = ws.WeightStrategy(extract_as).flat(got)
+        mine = ws.WeightStrategy(extract_as).flat(replica)
+        if extract_as == "state_dict":
+            assert list(got) == list(model.state_dict())
+        assert flat.keys() == mine.keys() == ws.WeightStrategy(extract_as).flat(model).keys()
+        for key, tensor in flat.items():
+            assert type(tensor) is torch.Tensor and not tensor.requires_grad, key
+            assert tensor.data_ptr() == mine[key].data_ptr(), key
+            assert torch.equal(tensor, ws.WeightStrategy(extract_as).flat(model)[key]), key
+    scheme.wait_async()
+    receiver.shutdown()
+    scheme.shutdown()

@@ -180,3 +180,33 @@ def test_layout_buckets_tile_the_buffer_at_tensor_boundaries():
                 last - first == 1 or layout.slots[last - 1].offset + layout.slots[last - 1].nbytes - start <= max_bytes
             )
     assert [b[:2] for b in layout.buckets(500)] == [(0, 2), (2, 3), (3, 4)]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_many_small_tensors_are_copied_on_every_thread_exactly(monkeypatch, threads):
+    """Above 4 MB of small tensors, copy_tensors spreads them over torch's threads (and keeps the large ones
+    on the caller's); every byte lands where it belongs, parameters that require grad included."""
+    from weightsync import strategy
+
+    started = []
+
+    class Spy(strategy.threading.Thread):
+        def start(self):
+            started.append(self)
+            super().start()
+
+    monkeypatch.setattr(strategy.threading, "Thread", Spy)
+    gen = torch.Generator().manual_seed(threads)
+    shapes = [(64, 64)] * 300 + [(3,)] * 7 + [(1024, 256)] * 2  # 4.9 MB of small tensors, 2 MB of large
+    src = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes] + [torch.arange(50, dtype=torch.int64)]
+    dst = [torch.zeros_like(t, requires_grad=False) for t in src]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        strategy.copy_tensors(dst, src)
+    finally:
+        torch.set_num_threads(before)
+    assert len(started) == threads - 1  # one helper per extra thread; none with one thread
+    for i, (d, s) in enumerate(zip(dst, src)):
+        assert torch.equal(d, s.detach()), i
+        assert d.grad_fn is None and not d.requires_grad, i

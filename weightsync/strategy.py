@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -179,12 +180,67 @@ class WeightStrategy:
         write_into(dst, src, share=share)
 
 
-def write_into(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor], *, share: bool = False) -> None:
-    """Copy (or share) ``src[k]`` into ``dst[k]`` for every key; the caller has checked the specs."""
+#: A CPU tensor under this many bytes is copied by one thread (torch parallelises a copy from 32768 elements).
+SMALL_TENSOR_BYTES = 128 << 10
+#: Small tensors are spread over torch's threads only when they add up to this much: a thread costs about 0.1 ms.
+SPLIT_MIN_BYTES = 4 << 20
+
+
+def copy_tensors(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every ``i`` (no autograd), on all of torch's threads.
+
+    One ``torch._foreach_copy_`` copies each small tensor on one thread, in turn: 2000 tensors of 50 kB
+    (100 MB) took 11.3 ms where one 100 MB copy took 6.7 ms. Spreading the small ones over
+    ``torch.get_num_threads()`` threads (a run of them each; large tensors stay on this thread, where torch
+    parallelises each) brought that to 9.2 ms on 2 cores (medians of 55, alternating, in one process).
+    """
+    threads = torch.get_num_threads()
+    small: list[int] = []
+    large: list[int] = []
+    small_bytes = 0
+    if threads > 1 and len(dst) > 4 * threads:
+        for i, t in enumerate(dst):
+            n = t.nbytes
+            if n < SMALL_TENSOR_BYTES and t.is_cpu:
+                small.append(i)
+                small_bytes += n
+            else:
+                large.append(i)
+    with torch.no_grad():
+        if small_bytes < SPLIT_MIN_BYTES:
+            torch._foreach_copy_(dst, src)
+            return
+        runs = [small[k::threads] for k in range(threads)]  # interleaved: runs of about equal bytes
+        errors: list[BaseException] = []
+
+        def copy_run(run: list[int]) -> None:
+            try:
+                with torch.no_grad():  # grad mode is per thread
+                    torch._foreach_copy_([dst[i] for i in run], [src[i] for i in run])
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller below
+                errors.append(exc)
+
+        helpers = [threading.Thread(target=copy_run, args=(run,), daemon=True) for run in runs[1:]]
+        for helper in helpers:
+            helper.start()
+        copy_run(runs[0])
+        if large:
+            copy_run(large)
+        for helper in helpers:
+            helper.join()  # no timeout: a memory copy, which cannot block on anything
+        if errors:
+            raise errors[0]
+
+
+def write_into(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor], *, share: bool = False) -> bool:
+    """Copy (or share) ``src[k]`` into ``dst[k]`` for every key; the caller has checked the specs.
+
+    Returns whether every tensor was shared (``share`` and all of them on the CPU): the model's tensors
+    then hold ``src``'s storage, views and all."""
     with torch.no_grad():  # parameters are written in place as they are: no autograd, no `.data` alias
         if not share:
-            torch._foreach_copy_(list(dst.values()), [src[key] for key in dst])
-            return
+            copy_tensors(list(dst.values()), [src[key] for key in dst])
+            return False
         copies_dst, copies_src = [], []
         for key, target in dst.items():
             value = src[key]
@@ -194,4 +250,5 @@ def write_into(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor],
                 copies_dst.append(target)
                 copies_src.append(value)
         if copies_dst:
-            torch._foreach_copy_(copies_dst, copies_src)
+            copy_tensors(copies_dst, copies_src)
+        return not copies_dst

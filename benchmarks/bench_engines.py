@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_local import make_model  # noqa: E402
+from bench_local import make_model, passive_openmp  # noqa: E402
 
 import weightsync as ws  # noqa: E402
 
@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--markdown", type=Path, default=None, help="write the table to this file")
     args = parser.parse_args(argv)
+    policy = passive_openmp()  # each engine runs in a fresh process; OMP_WAIT_POLICY=ACTIVE: without
     ctx = mp.get_context("spawn")
     rows = []
     for engine in args.engines:
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(
         [
             f"{nbytes / 1e6:.1f} MB float32, {args.workers} workers, median of {args.rounds} rounds, "
-            f"{platform.machine()} / {mp.cpu_count()} cores, torch {torch.__version__}",
+            f"{platform.machine()} / {mp.cpu_count()} cores, torch {torch.__version__}, OMP_WAIT_POLICY={policy}",
             "",
             "| scheme | send | raw engine | ratio |",
             "|---|---:|---:|---:|",

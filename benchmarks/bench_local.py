@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import platform
 import statistics
 import sys
@@ -38,6 +39,32 @@ def make_model(mb: float, tensors: int = 0) -> nn.Module:
     width = 2048 if mb >= 4 else max(8, round((mb * 1e6 / 4 / 3) ** 0.5))
     layers = max(1, round(mb * 1e6 / 4 / (width * width + width)))
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+
+def passive_openmp() -> str:
+    """Make processes started from now on (spawned: they load OpenMP afresh) let idle OpenMP threads sleep.
+
+    With the default policy the trainer's OpenMP threads spin for a while after each parallel copy, on
+    the cores its workers need: on 2 cores that delays the workers' wake-up by milliseconds (see
+    docs/benchmarks.md, "Where the time goes"). An ``OMP_WAIT_POLICY`` already set is kept; returns the policy.
+    """
+    return os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def held_memory() -> int:
+    """Bytes of this process's resident anonymous and shared memory (Linux ``RssAnon + RssShmem``).
+
+    That is the slots and the sender's own objects. Resident file pages (``RssFile``) are left out:
+    they are the code of the libraries a module imports the first time it is used (1.6 MB when
+    ``connect`` first runs), shared with every process that maps them, not memory the sync holds.
+    """
+    fields = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssShmem"):
+                fields[key] = int(value.split()[0]) * 1024  # kB
+    return sum(fields.values())
 
 
 def worker(scheme: ws.WeightSyncScheme, idx: int, mb: float, stop, tensors: int = 0) -> None:
@@ -68,17 +95,15 @@ def time_scheme(
     Interleaving the floor with the sends makes their ratio robust to the
     machine's load changing during the run. ``memory``, when given, receives
     ``extra_bytes``: the sender's peak resident memory over its level before
-    ``init_on_sender`` (the model and the floor's buffers already counted there).
+    ``init_on_sender`` (the model and the floor's buffers already counted there), as
+    :func:`held_memory` counts it.
     ``checksum``: the floor is a send without checksum and the measured send one with it
     (receivers check a checksum whenever the sender attached one, so the two alternate freely).
     """
-    import psutil
-
     numel = sum(p.numel() for p in model.parameters())
     src, dst = torch.randn(numel), torch.randn(numel)
     ctx = mp.get_context("spawn")
-    me = psutil.Process()
-    base = peak = me.memory_info().rss
+    base = peak = held_memory()
     scheme = ws.WeightSyncScheme.from_backend(name, timeout=120)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
     stop = ctx.Event()
@@ -103,7 +128,7 @@ def time_scheme(
             start = time.perf_counter()
             scheme.send()
             send_s = time.perf_counter() - start
-            peak = max(peak, me.memory_info().rss)
+            peak = max(peak, held_memory())
             if step >= 2:  # the first sends also map the slots in the workers
                 copies.append(copy_s)
                 sends.append(send_s)
@@ -139,7 +164,8 @@ def main() -> None:
     header = (
         f"{nbytes / 1e6:.1f} MB float32 model ({len(list(model.parameters()))} tensors), "
         f"{args.workers} workers, median of {args.rounds} sends, {platform.machine()}, "
-        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}"
+        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')} (set it before Python starts)"
     )
     lines = [
         header,

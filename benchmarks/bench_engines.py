@@ -177,7 +177,18 @@ def bench_ray(mb: float, workers: int, rounds: int, tensors: int = 0) -> tuple[l
             self.flat.copy_(torch.from_numpy(array))  # the raw floor: fetch the object, copy it into the model
             return True
 
-    ray.init(num_cpus=workers + 1, include_dashboard=False, log_to_driver=False)
+    # Up to 1 GiB, Ray's object store touches its pages once, at start-up, instead of whenever it first hands
+    # them out: first-touching 100 MB of fresh memory costs 42 ms on this VM (250 ms on other days), and it
+    # landed in whichever column drew fresh pages that round (docs/benchmarks.md, "Where the time goes").
+    # Touching the 5 GB the 1000 MB case needs outlasts the raylet's start-up timeout.
+    store = max(1 << 30, int(5 * mb * 1e6))  # the floor's object, the scheme's, and room
+    ray.init(
+        num_cpus=workers + 1,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=store,
+        _system_config={"preallocate_plasma_memory": store <= 1 << 30},
+    )
     try:
         model = make_model(mb, tensors)
         scheme = ws.RayWeightSyncScheme(timeout=120)

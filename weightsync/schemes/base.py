@@ -249,14 +249,19 @@ class WeightSyncScheme:
         self._admitter = threading.Thread(target=loop, name=f"weightsync-{self._model_id}-admitter", daemon=True)
         self._admitter.start()
 
+    def _end_thread(self, thread: threading.Thread | None, stop: threading.Event, what: str) -> None:
+        """Ask a helper thread to stop and wait for it, at most ``timeout`` (logged if it did not stop)."""
+        if thread is None:
+            return
+        stop.set()
+        thread.join(self.timeout)
+        if thread.is_alive():
+            log.error("model %r: the %s thread did not stop within %.1fs", self._model_id, what, self.timeout)
+
     def _stop_admitter(self) -> None:
         """End the admitter thread (it gives up the scheme's lock within 0.1 s)."""
-        if self._admitter is not None:
-            self._admitter_stop.set()
-            self._admitter.join(self.timeout)
-            if self._admitter.is_alive():
-                log.error("model %r: the rejoin thread did not stop within %.1fs", self._model_id, self.timeout)
-            self._admitter = None
+        self._end_thread(self._admitter, self._admitter_stop, "rejoin")
+        self._admitter = None
 
     def _rejoined(self, w: int, version: int | None) -> None:
         """Worker ``w`` is back, and was sent ``version``: it counts as live again."""

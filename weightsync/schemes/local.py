@@ -615,12 +615,8 @@ class LocalScheme(WeightSyncScheme):
 
     # --------------------------------------------------------------- shutdown
     def _shutdown_impl(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join(self.timeout)
-            if self._thread.is_alive():
-                log.error("model %r: receiver thread did not stop within %.1fs", self._model_id, self.timeout)
-            self._thread = None
+        self._end_thread(self._thread, self._stop, "receiver")
+        self._thread = None
         sender_closed = self._transport is not None and self._transport.closed_by_sender
         if self._transport is not None:
             if self._transport.pinning and self._model is not None:

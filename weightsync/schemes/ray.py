@@ -124,6 +124,7 @@ class RayWeightSyncScheme(AckedScheme):
         super()._reset_runtime()
         self._layout: FlatLayout | None = None
         self._staging: torch.Tensor | None = None
+        self._staging_views: dict[str, torch.Tensor] = {}
         self._newest: tuple[int, Any] | None = None  # (version, object ref) of the last send, for rejoins
 
     @property
@@ -202,8 +203,9 @@ class RayWeightSyncScheme(AckedScheme):
         version = self._next_version
         if self._staging is None:  # reused by every send; ray.put copies out of it before returning
             self._staging = torch.empty(self._layout.nbytes, dtype=torch.uint8)
+            self._staging_views = self._layout.views(self._staging)
         # Large tensors go as they are, small ones packed: ray.put copies each byte once into the store.
-        buffers, ranges = self._layout.pieces(flat, self._staging, DIRECT_MIN_BYTES)
+        buffers, ranges = self._layout.pieces(flat, self._staging, DIRECT_MIN_BYTES, self._staging_views)
         payload = ray.put((ranges, [b.numpy() for b in buffers], digest(buffers) if self.checksum else None))
         for w in live:
             # The layout travels until the worker has acked once (its first update carries it).

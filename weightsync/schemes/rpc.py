@@ -215,7 +215,9 @@ class RPCWeightSyncScheme(AckedScheme):
                 self._layout.nbytes, torch.device("cpu"), self.max_buffers, lambda fut: fut.done(), self._settle
             )
         staging = self._pool.acquire(deadline, model_id=self._model_id, version=version)
-        write_into(self._layout.views(staging.tensor), flat)
+        if staging.views is None:  # typed views of a staging buffer are made once, not per send
+            staging.views = self._layout.views(staging.tensor)
+        write_into(staging.views, flat)
         payload_digest = digest([staging.tensor]) if self.checksum else None
         for w in live:
             transport = self._transports[w]

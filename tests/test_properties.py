@@ -72,16 +72,26 @@ def test_extract_then_apply_reproduces_every_tensor(structure, extract_as):
 
 
 @SETTINGS
-@given(structure=structures(), wire=st.sampled_from([None, "bfloat16", "float16"]))
-def test_layout_round_trip_through_one_flat_buffer(structure, wire):
+@given(
+    structure=structures(),
+    wire=st.sampled_from([None, "bfloat16", "float16"]),
+    direct_min=st.sampled_from([None, 1, 16, 1 << 30]),
+)
+def test_layout_round_trip_through_one_flat_buffer(structure, wire, direct_min):
+    """Through one buffer, or (``direct_min``) through :meth:`FlatLayout.pieces` and ``unpack``, as Ray does."""
     src, dst = build(structure, 3), build(structure, 4)
     flat = flatten_weights(src)
     assume(flat)
     layout = FlatLayout.from_weights(flat, ws_wire(wire))
     assert FlatLayout.from_plain(layout.to_plain()) == layout
     buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
-    write_into(layout.views(buffer), flat)
-    write_into(flatten_weights(dst), layout.views(buffer))
+    if direct_min is None:
+        write_into(layout.views(buffer), flat)
+        received = layout.views(buffer)
+    else:
+        pieces, ranges = layout.pieces(flat, buffer, direct_min)
+        received = layout.unpack([piece.clone() for piece in pieces], ranges)
+    write_into(flatten_weights(dst), received)
     got = flatten_weights(dst)
     for key, tensor in flat.items():
         expected = tensor

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import weightsync as ws
 from tests import _bodies as bodies
 from tests._bodies import optimizer_step, start
-from tests._workers import build, checksum
+from tests._workers import build, checksum, in_process_receiver
 
 
 def _scheme(**kw):
@@ -151,3 +151,58 @@ def test_every_send_reaches_every_worker_in_buckets(workers, strategy):
 def test_bucket_size_must_be_positive():
     with pytest.raises(ws.ConfigurationError, match="bucket_mb must be a positive number"):
         _scheme(bucket_mb=0)
+
+
+@pytest.mark.parametrize("keep_storage", [False, True])
+def test_a_cpu_worker_switches_to_the_buffer_each_update_arrived_in_unless_told_to_keep_its_storage(keep_storage):
+    model = build("tiny")
+    scheme = _scheme(sync=False, keep_storage=keep_storage)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    params = dict(replica.named_parameters())
+    receiver = in_process_receiver(scheme, replica)
+    try:
+        storages = []
+        for step in range(1, 6):
+            optimizer_step(model, step)
+            scheme.send_async()
+            assert receiver.receive(timeout=10) is not None
+            scheme.wait_async()
+            assert all(p is params[k] for k, p in replica.named_parameters())  # the same Parameter objects
+            assert checksum(replica) == checksum(model)
+            storages.append(params["body.0.weight"].untyped_storage().data_ptr())
+            with torch.no_grad():  # the worker's own change to its model: gone at the next update
+                params["body.0.weight"].add_(100.0)
+        # Switched: updates land in two buffers in turn, the model reading the newest; kept: never moved.
+        assert len(set(storages)) == (1 if keep_storage else 2)
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+def test_an_update_that_fails_to_apply_leaves_a_switched_model_as_it_was():
+    # The refused update arrived in the buffer the model does not read: nothing of it shows in the model.
+    model = build("tiny")
+    scheme = _scheme(sync=False)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    receiver = in_process_receiver(scheme, replica)
+    try:
+        optimizer_step(model, 1)
+        scheme.send_async()
+        receiver.receive(timeout=10)
+        scheme.wait_async()
+        before = {k: v.clone() for k, v in replica.state_dict().items() if not k.startswith("body.3")}
+        replica.body[3] = torch.nn.Linear(8, 3)  # the worker's model no longer fits the layout
+        optimizer_step(model, 2)
+        scheme.send_async()
+        with pytest.raises(ws.WeightMismatchError):
+            receiver.receive(timeout=10)
+        with pytest.raises(ws.WeightSyncError):
+            scheme.wait_async()
+        after = replica.state_dict()
+        assert all(torch.equal(after[k], v) for k, v in before.items())
+        assert receiver.version == 1
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()

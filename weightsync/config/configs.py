@@ -171,6 +171,8 @@ class DistributedSchemeConfig(SchemeConfig):
         wire_dtype: floating weights travel as this dtype (e.g. ``"bfloat16"``), cast back on apply.
         bucket_mb: send the weights in buckets of at most this many MB, each copied while the previous
             one is on the wire (``None``: one message).
+        keep_storage: workers copy each update into their model's own memory; by default a CPU model
+            switches to the buffer the update arrived in (one copy fewer, same memory).
     """
 
     _target_: str = "weightsync.schemes.distributed.DistributedWeightSyncScheme"
@@ -181,6 +183,7 @@ class DistributedSchemeConfig(SchemeConfig):
     max_buffers: int = 2
     wire_dtype: Optional[str] = None  # noqa: UP045
     bucket_mb: Optional[float] = None  # noqa: UP045
+    keep_storage: bool = False
     checksum: bool = False
 
 

@@ -81,6 +81,13 @@ class DistributedWeightSyncScheme(AckedScheme):
             copied into the staging buffer while the previous one is on the
             wire. ``None``: one message. A worker applies an update only once
             every bucket of it has arrived.
+        keep_storage: workers copy each update into their model's own
+            tensors, whose memory then never changes. By default a worker
+            whose model is on the CPU (and whose weights travel in their own
+            dtype) switches its tensors to the buffer the update arrived in,
+            which saves a copy of the weights per update at the same memory:
+            two receive buffers, one of them the model's. The Parameter
+            objects stay; their storage changes at each update.
         Other arguments: see :class:`~weightsync.schemes.base.WeightSyncScheme`.
 
     ``init_on_sender`` needs ``num_workers=``; workers get the scheme pickled
@@ -103,6 +110,7 @@ class DistributedWeightSyncScheme(AckedScheme):
         max_buffers: int = 2,
         wire_dtype: str | None = None,
         bucket_mb: float | None = None,
+        keep_storage: bool = False,
         on_failure: str = "raise",
         max_staleness: int | None = None,
         check_finite: bool = False,
@@ -135,6 +143,7 @@ class DistributedWeightSyncScheme(AckedScheme):
         ):
             raise ConfigurationError(f"bucket_mb must be a positive number of megabytes or None, got {bucket_mb!r}")
         self.bucket_mb = bucket_mb
+        self.keep_storage = bool(keep_storage)
 
     def _config_fields(self) -> set[str]:
         return super()._config_fields() | {
@@ -144,6 +153,7 @@ class DistributedWeightSyncScheme(AckedScheme):
             "latest_wins",
             "max_buffers",
             "bucket_mb",
+            "keep_storage",
         }
 
     def _reset_runtime(self) -> None:
@@ -163,8 +173,12 @@ class DistributedWeightSyncScheme(AckedScheme):
         self._admit_store: dist.Store | None = None  # the rejoin thread's own client of the store
         # Receiver side.
         self._transport: DistributedTransport | None = None
-        self._recv_buffer: torch.Tensor | None = None
-        self._recv_views: dict[str, torch.Tensor] | None = None
+        # The buffer the next message lands in is _recv_buffers[_recv_at]. A worker whose model switches to
+        # the buffer of the version it applied receives the next one into the other buffer.
+        self._recv_buffers: list[torch.Tensor] = []
+        self._recv_views: list[dict[str, torch.Tensor]] = []
+        self._recv_at = 0
+        self._switch = False  # whether this receiver's model switches to the received buffer
         self._closed = False
 
     def _check_backend(self) -> None:
@@ -364,9 +378,13 @@ class DistributedWeightSyncScheme(AckedScheme):
     def _bucket_bytes(self) -> int | None:
         return None if self.bucket_mb is None else max(1, int(self.bucket_mb * 1e6))
 
+    @property
+    def _recv_buffer(self) -> torch.Tensor:
+        return self._recv_buffers[self._recv_at]
+
     def _recv_parts(self) -> list[torch.Tensor]:
-        assert self._recv_buffer is not None
-        return [self._recv_buffer[start:end] for _, _, start, end in self._buckets]
+        buffer = self._recv_buffer
+        return [buffer[start:end] for _, _, start, end in self._buckets]
 
     def _collect(
         self, workers: list[int], deadline: float | None, expected: dict[int, int]
@@ -576,7 +594,13 @@ class DistributedWeightSyncScheme(AckedScheme):
         self._transport = self.create_transport(worker_idx=self._worker_idx, sync=self.sync)
         if group is not None:
             self._transport.use_pair(*group)
-        self._recv_buffer = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=self._device)
+        self._recv_buffers = [torch.empty(self._layout.nbytes, dtype=torch.uint8, device=self._device)]
+        self._recv_views = [self._layout.views(self._recv_buffers[0])]
+        self._switch = (
+            not self.keep_storage
+            and self._device.type == "cpu"
+            and all(slot.wire == slot.dtype for slot in self._layout.slots)
+        )
         self._buckets = self._layout.buckets(self._bucket_bytes)
         self._transport.receive_initial_weights(self._recv_parts(), remaining(deadline))
         version = int(self._transport.store.get("initial"))
@@ -603,24 +627,27 @@ class DistributedWeightSyncScheme(AckedScheme):
     def _apply(self, seqs: list[int], version: int, expected: str | None = None) -> None:
         """Write the received buffer into the model as ``version`` (``expected``: its checksum); ack every
         message in ``seqs``."""
-        assert self._transport is not None and self._layout is not None and self._recv_buffer is not None
+        assert self._transport is not None and self._layout is not None and self._recv_buffers
         where = {"model_id": self._model_id, "worker_idx": self._worker_idx, "version": version}
         try:
             check_digest([self._recv_buffer], expected, **where)
             dst = flatten_weights(self._model, self._strategy.extract_as)
             check_spec(self._layout.spec, weights_spec(dst), **where)
+            if self._switch and len(self._recv_buffers) == 1:  # before the switch, so a failure changes nothing
+                self._recv_buffers.append(torch.empty_like(self._recv_buffers[0]))
+                self._recv_views.append(self._layout.views(self._recv_buffers[1]))
             with self.weights_lock:  # weights and version change together for readers holding the lock
-                if self._recv_views is None:
-                    self._recv_views = self._layout.views(self._recv_buffer)
-                write_into(dst, self._recv_views)
+                write_into(dst, self._recv_views[self._recv_at], share=self._switch)
                 self._version = version
+                if self._switch:  # the model now reads this buffer: the next message lands in the other one
+                    self._recv_at = 1 - self._recv_at
         except Exception as exc:
             self._transport.send_ack(version, error=exc, held=self._version, seqs=tuple(seqs))
             raise
         self._transport.send_ack(version, held=version, seqs=tuple(seqs))
 
     def _receive_impl(self, timeout: float) -> Any:
-        assert self._transport is not None and self._recv_buffer is not None
+        assert self._transport is not None and self._recv_buffers
         if self._closed:
             raise ConnectionClosedError("the sender shut down", model_id=self._model_id, worker_idx=self._worker_idx)
         deadline = deadline_after(timeout)
@@ -655,8 +682,8 @@ class DistributedWeightSyncScheme(AckedScheme):
         self._pool = None
         self._newest = None
         self._transport = None
-        self._recv_buffer = None
-        self._recv_views = None
+        self._recv_buffers = []  # a model switched to one keeps it: it is the model's memory now
+        self._recv_views = []
         self._pg = None
         self._store = None
         self._base_store = None

@@ -76,6 +76,28 @@ def every_send_reaches_every_targeted_worker(scheme, workers, strategy):
     scheme.shutdown()  # idempotent
 
 
+def worker_storage_switches_unless_kept(scheme, workers):
+    """A CPU worker takes each update's buffer as its model's storage, or with ``keep_storage`` copies into
+    the storage it has; either way it holds exactly the weights sent."""
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    storages = {w: [group.ask(w, "storage", "policy")] for w in range(2)}
+    for step in range(1, 5):
+        optimizer_step(model, step)
+        scheme.send()
+        for w in range(2):
+            assert group.ask(w, "state")["policy"] == (step, checksum(model, scheme.strategy.extract_as))
+            storages[w].append(group.ask(w, "storage", "policy"))
+    for w, seen in storages.items():
+        if scheme.keep_storage:
+            assert len(set(seen)) == 1, f"worker {w} moved its model: {seen}"
+        else:  # the buffer of each update is new while the model still holds the one before
+            assert all(a != b for a, b in zip(seen, seen[1:])), f"worker {w} did not switch: {seen}"
+    group.stop()
+    scheme.shutdown()
+
+
 def trainer_changes_are_invisible_until_send(scheme, workers):
     model = build("tiny")
     scheme.init_on_sender(model_id="policy", model=model, num_workers=2)

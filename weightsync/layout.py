@@ -100,6 +100,8 @@ class FlatLayout:
         self.nbytes = max(offset, ALIGN)
         self._spec = {s.key: (s.shape, s.dtype) for s in slots}
         self._strides = [_contiguous_strides(s.shape) for s in slots]
+        #: Whether some tensor travels in a dtype of its own (``wire_dtype``): it must be cast back, not shared.
+        self.casts = any(s.wire != s.dtype for s in slots)
 
     @classmethod
     def from_weights(cls, flat: Mapping[str, torch.Tensor], wire_dtype: torch.dtype | None = None) -> FlatLayout:

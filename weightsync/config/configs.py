@@ -144,6 +144,8 @@ class RPCSchemeConfig(SchemeConfig):
         latest_wins: a worker that fell behind applies only the newest update.
         max_buffers: staging buffers the trainer may hold for updates not acked yet.
         wire_dtype: floating weights travel as this dtype (e.g. ``"bfloat16"``), cast back on apply.
+        keep_storage: workers copy each update into their model's own memory; by default a CPU model
+            switches to the buffer the update arrived in (one copy fewer).
         allow_pickle: let ``master_addr`` be a network address, whose peers' messages RPC unpickles.
     """
 
@@ -154,6 +156,7 @@ class RPCSchemeConfig(SchemeConfig):
     latest_wins: bool = True
     max_buffers: int = 2
     wire_dtype: Optional[str] = None  # noqa: UP045
+    keep_storage: bool = False
     checksum: bool = False
     allow_pickle: bool = False
 

@@ -596,11 +596,7 @@ class DistributedWeightSyncScheme(AckedScheme):
             self._transport.use_pair(*group)
         self._recv_buffers = [torch.empty(self._layout.nbytes, dtype=torch.uint8, device=self._device)]
         self._recv_views = [self._layout.views(self._recv_buffers[0])]
-        self._switch = (
-            not self.keep_storage
-            and self._device.type == "cpu"
-            and all(slot.wire == slot.dtype for slot in self._layout.slots)
-        )
+        self._switch = not (self.keep_storage or self._layout.casts) and self._device.type == "cpu"
         self._buckets = self._layout.buckets(self._bucket_bytes)
         self._transport.receive_initial_weights(self._recv_parts(), remaining(deadline))
         version = int(self._transport.store.get("initial"))

@@ -69,6 +69,12 @@ class RPCWeightSyncScheme(AckedScheme):
         master_port: the store's port (``None``: ``MASTER_PORT``, else a free port).
         latest_wins: a worker that fell behind applies only the newest update waiting for it.
         max_buffers: staging buffers the sender may hold for updates not acked yet.
+        keep_storage: workers copy each update into their model's own
+            tensors, whose memory then never changes. By default a worker
+            whose model is on the CPU (and whose weights travel in their own
+            dtype) switches its tensors to the buffer the update arrived in
+            (a fresh one per message), which saves a copy of the weights per
+            update. The Parameter objects stay; their storage changes.
         allow_pickle: let ``master_addr`` be a network address. ``torch.distributed.rpc`` unpickles
             every message its peers send (that is how it calls functions), so an RPC world reachable
             from other machines runs whatever they send: opt in only if every machine that can reach
@@ -90,6 +96,7 @@ class RPCWeightSyncScheme(AckedScheme):
         latest_wins: bool = True,
         max_buffers: int = 2,
         wire_dtype: str | None = None,
+        keep_storage: bool = False,
         on_failure: str = "raise",
         max_staleness: int | None = None,
         check_finite: bool = False,
@@ -114,10 +121,18 @@ class RPCWeightSyncScheme(AckedScheme):
         self.master_port = master_port
         self.latest_wins = bool(latest_wins)
         self.max_buffers = max_buffers
+        self.keep_storage = bool(keep_storage)
         self.allow_pickle = bool(allow_pickle)
 
     def _config_fields(self) -> set[str]:
-        return super()._config_fields() | {"master_addr", "master_port", "latest_wins", "max_buffers", "allow_pickle"}
+        return super()._config_fields() | {
+            "master_addr",
+            "master_port",
+            "latest_wins",
+            "max_buffers",
+            "keep_storage",
+            "allow_pickle",
+        }
 
     def _check_exposure(self, host: str, **where: Any) -> None:
         """Refuse an RPC world reachable from other machines unless ``allow_pickle`` says so."""
@@ -372,8 +387,11 @@ class RPCWeightSyncScheme(AckedScheme):
             check_digest([update.buffer], update.digest, **where)
             dst = flatten_weights(self._model, self._strategy.extract_as)
             check_spec(self._layout.spec, weights_spec(dst), **where)
+            # A message's buffer is this process's alone (TensorPipe allocates one per message), so a CPU
+            # model can take its storage instead of a copy; the buffer it held before is freed.
+            switch = not (self.keep_storage or self._layout.casts)
             with self.weights_lock:  # weights and version change together for readers holding the lock
-                write_into(dst, self._layout.views(update.buffer))
+                write_into(dst, self._layout.views(update.buffer), share=switch)
                 self._version = update.version
         except Exception as exc:
             for delivery in taken:

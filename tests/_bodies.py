@@ -76,12 +76,12 @@ def every_send_reaches_every_targeted_worker(scheme, workers, strategy):
     scheme.shutdown()  # idempotent
 
 
-def worker_storage_switches_unless_kept(scheme, workers):
-    """A CPU worker takes each update's buffer as its model's storage, or with ``keep_storage`` copies into
-    the storage it has; either way it holds exactly the weights sent."""
+def worker_storage_switches_unless_kept(scheme, workers, kind="tiny"):
+    """A CPU worker takes each update's buffer as its model's storage, or copies into the storage it has
+    (``keep_storage``, or a model in shared memory); either way it holds exactly the weights sent."""
     model = build("tiny")
     scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
-    group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    group, _ = start(workers, {"policy": scheme}, {"policy": kind})
     storages = {w: [group.ask(w, "storage", "policy")] for w in range(2)}
     for step in range(1, 5):
         optimizer_step(model, step)
@@ -90,12 +90,16 @@ def worker_storage_switches_unless_kept(scheme, workers):
             assert group.ask(w, "state")["policy"] == (step, checksum(model, scheme.strategy.extract_as))
             storages[w].append(group.ask(w, "storage", "policy"))
     for w, seen in storages.items():
-        if scheme.keep_storage:
+        if scheme.keep_storage or kind == "tiny_shared":
             assert len(set(seen)) == 1, f"worker {w} moved its model: {seen}"
         else:  # the buffer of each update is new while the model still holds the one before
             assert all(a != b for a, b in zip(seen, seen[1:])), f"worker {w} did not switch: {seen}"
     group.stop()
     scheme.shutdown()
+
+
+def shared_memory_worker_is_written_into(scheme, workers):
+    worker_storage_switches_unless_kept(scheme, workers, kind="tiny_shared")
 
 
 def trainer_changes_are_invisible_until_send(scheme, workers):

@@ -47,6 +47,8 @@ def build(kind: str) -> nn.Module:
         return build(kind).to(device)
     if kind == "tiny":
         return TinyNet()
+    if kind == "tiny_shared":  # in shared memory, as a worker that shares its model with processes of its own
+        return TinyNet().share_memory()
     if kind == "tiny_wrong":  # same keys, one different shape
         return TinyNet(out=3)
     if kind == "value":

@@ -153,12 +153,14 @@ def test_bucket_size_must_be_positive():
         _scheme(bucket_mb=0)
 
 
-@pytest.mark.parametrize("keep_storage", [False, True])
-def test_a_cpu_worker_switches_to_the_buffer_each_update_arrived_in_unless_told_to_keep_its_storage(keep_storage):
+@pytest.mark.parametrize("keep", ["no", "keep_storage", "shared_memory"])
+def test_a_cpu_worker_switches_to_the_buffer_each_update_arrived_in_unless_its_storage_must_stay(keep):
     model = build("tiny")
-    scheme = _scheme(sync=False, keep_storage=keep_storage)
+    scheme = _scheme(sync=False, keep_storage=keep == "keep_storage")
     scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
     replica = build("tiny")
+    if keep == "shared_memory":  # other processes of the worker may read it: it must be written into
+        replica.share_memory()
     params = dict(replica.named_parameters())
     receiver = in_process_receiver(scheme, replica)
     try:
@@ -174,7 +176,8 @@ def test_a_cpu_worker_switches_to_the_buffer_each_update_arrived_in_unless_told_
             with torch.no_grad():  # the worker's own change to its model: gone at the next update
                 params["body.0.weight"].add_(100.0)
         # Switched: updates land in two buffers in turn, the model reading the newest; kept: never moved.
-        assert len(set(storages)) == (1 if keep_storage else 2)
+        assert len(set(storages)) == (2 if keep == "no" else 1)
+        assert params["body.0.weight"].is_shared() == (keep == "shared_memory")
     finally:
         receiver.shutdown()
         scheme.shutdown()

@@ -234,6 +234,12 @@ def copy_tensors(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
             raise errors[0]
 
 
+def in_shared_memory(tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether some CPU tensor's storage is in shared memory (``share_memory_()``): other processes may read
+    it, so a receiver must write into it rather than move the model to a buffer of its own (1 us a tensor)."""
+    return any(t.is_cpu and t.is_shared() for t in tensors.values())
+
+
 def write_into(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor], *, share: bool = False) -> bool:
     """Copy (or share) ``src[k]`` into ``dst[k]`` for every key; the caller has checked the specs.
 

@@ -24,7 +24,7 @@ from ..errors import (
 )
 from ..integrity import check_digest, digest, digest_device_check
 from ..layout import FlatLayout
-from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec, write_into
+from ..strategy import WeightStrategy, check_spec, flatten_weights, in_shared_memory, weights_spec, write_into
 from ..transports.channel import deadline_after, process_identity, process_is_gone, remaining
 from ..transports.distributed import (
     ACK_OK,
@@ -87,7 +87,8 @@ class DistributedWeightSyncScheme(AckedScheme):
             dtype) switches its tensors to the buffer the update arrived in,
             which saves a copy of the weights per update at the same memory:
             two receive buffers, one of them the model's. The Parameter
-            objects stay; their storage changes at each update.
+            objects stay; their storage changes at each update. A model in
+            shared memory at connect (``share_memory()``) is always copied into.
         Other arguments: see :class:`~weightsync.schemes.base.WeightSyncScheme`.
 
     ``init_on_sender`` needs ``num_workers=``; workers get the scheme pickled
@@ -596,7 +597,11 @@ class DistributedWeightSyncScheme(AckedScheme):
             self._transport.use_pair(*group)
         self._recv_buffers = [torch.empty(self._layout.nbytes, dtype=torch.uint8, device=self._device)]
         self._recv_views = [self._layout.views(self._recv_buffers[0])]
-        self._switch = not (self.keep_storage or self._layout.casts) and self._device.type == "cpu"
+        self._switch = (
+            not (self.keep_storage or self._layout.casts)
+            and self._device.type == "cpu"
+            and not in_shared_memory(flatten_weights(self._model, self._strategy.extract_as))
+        )
         self._buckets = self._layout.buckets(self._bucket_bytes)
         self._transport.receive_initial_weights(self._recv_parts(), remaining(deadline))
         version = int(self._transport.store.get("initial"))

@@ -19,7 +19,7 @@ from ..errors import (
 )
 from ..integrity import check_digest, digest
 from ..layout import FlatLayout
-from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec, write_into
+from ..strategy import WeightStrategy, check_spec, flatten_weights, in_shared_memory, weights_spec, write_into
 from ..transports.channel import deadline_after, remaining
 from ..transports.distributed import first_line, is_loopback, resolve_master
 from ..transports.rpc import (
@@ -74,7 +74,9 @@ class RPCWeightSyncScheme(AckedScheme):
             whose model is on the CPU (and whose weights travel in their own
             dtype) switches its tensors to the buffer the update arrived in
             (a fresh one per message), which saves a copy of the weights per
-            update. The Parameter objects stay; their storage changes.
+            update. The Parameter objects stay; their storage changes. A
+            model in shared memory at ``init_on_receiver``
+            (``share_memory()``) is always copied into.
         allow_pickle: let ``master_addr`` be a network address. ``torch.distributed.rpc`` unpickles
             every message its peers send (that is how it calls functions), so an RPC world reachable
             from other machines runs whatever they send: opt in only if every machine that can reach
@@ -152,6 +154,7 @@ class RPCWeightSyncScheme(AckedScheme):
         self._answered = threading.Event()
         # Receiver side.
         self._mailbox: Any = None
+        self._switch = False  # whether this receiver's model takes each message's buffer (set at connect)
         self._probed_at = 0.0  # when receive() last checked that the sender is still there
 
     @property
@@ -336,6 +339,10 @@ class RPCWeightSyncScheme(AckedScheme):
                 model_id=self._model_id,
             )
         self._mailbox = mailbox(self._model_id)  # updates that arrive before connect() wait here
+        # A model in shared memory may be read by processes of the worker's own: written into, never moved.
+        self._switch = not (
+            self.keep_storage or in_shared_memory(flatten_weights(self._model, self._strategy.extract_as))
+        )
 
     def _connect_receiver_impl(self) -> None:
         assert self._handoff is not None and self._worker_idx is not None
@@ -389,9 +396,8 @@ class RPCWeightSyncScheme(AckedScheme):
             check_spec(self._layout.spec, weights_spec(dst), **where)
             # A message's buffer is this process's alone (TensorPipe allocates one per message), so a CPU
             # model can take its storage instead of a copy; the buffer it held before is freed.
-            switch = not (self.keep_storage or self._layout.casts)
             with self.weights_lock:  # weights and version change together for readers holding the lock
-                write_into(dst, self._layout.views(update.buffer), share=switch)
+                write_into(dst, self._layout.views(update.buffer), share=self._switch and not self._layout.casts)
                 self._version = update.version
         except Exception as exc:
             for delivery in taken:

@@ -13,12 +13,14 @@ the figure is the cost of moving the weights, not of a busy worker.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -80,6 +82,28 @@ def worker(scheme: ws.WeightSyncScheme, idx: int, mb: float, stop, tensors: int 
     scheme.shutdown()
 
 
+@contextlib.contextmanager
+def connected(name: str, model: nn.Module, workers: int, mb: float, tensors: int = 0) -> Iterator[ws.WeightSyncScheme]:
+    """A sender scheme for ``model``, connected to ``workers`` spawned worker processes; shut down on exit."""
+    ctx = mp.get_context("spawn")
+    scheme = ws.WeightSyncScheme.from_backend(name, timeout=120)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
+    stop = ctx.Event()
+    procs = [ctx.Process(target=worker, args=(scheme, i, mb, stop, tensors)) for i in range(workers)]
+    for proc in procs:
+        proc.start()
+    try:
+        scheme.connect()
+        yield scheme
+    finally:
+        scheme.shutdown()
+        stop.set()
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+
+
 def time_scheme(
     name: str,
     model: nn.Module,
@@ -102,32 +126,19 @@ def time_scheme(
     """
     numel = sum(p.numel() for p in model.parameters())
     src, dst = torch.randn(numel), torch.randn(numel)
-    ctx = mp.get_context("spawn")
     base = peak = held_memory()
-    scheme = ws.WeightSyncScheme.from_backend(name, timeout=120)
-    scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
-    stop = ctx.Event()
-    procs = [ctx.Process(target=worker, args=(scheme, i, mb, stop, tensors)) for i in range(workers)]
-    for proc in procs:
-        proc.start()
-    try:
-        scheme.connect()
+    with connected(name, model, workers, mb, tensors) as scheme:
         copies, sends = [], []
-        last = list(model.parameters())[-1]
         for step in range(rounds + 2):
-            start = time.perf_counter()
             if checksum:
                 scheme.checksum = False
-                scheme.send()
+                copy_s = timed_send(scheme, model)
                 scheme.checksum = True
             else:
+                start = time.perf_counter()
                 dst.copy_(src)
-            copy_s = time.perf_counter() - start
-            with torch.no_grad():
-                last.add_(1.0)  # an optimizer-like change, so every version differs
-            start = time.perf_counter()
-            scheme.send()
-            send_s = time.perf_counter() - start
+                copy_s = time.perf_counter() - start
+            send_s = timed_send(scheme, model)
             peak = max(peak, held_memory())
             if step >= 2:  # the first sends also map the slots in the workers
                 copies.append(copy_s)
@@ -135,13 +146,33 @@ def time_scheme(
         if memory is not None:
             memory["extra_bytes"] = peak - base
         return copies, sends
-    finally:
-        scheme.shutdown()
-        stop.set()
-        for proc in procs:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
+
+
+def time_pair(
+    name: str, models: tuple[nn.Module, nn.Module], workers: tuple[int, int], rounds: int, mb: float, tensors=(0, 0)
+) -> tuple[list[float], list[float]]:
+    """Sends of ``models[i]`` to ``workers[i]`` workers (two schemes, worker models of ``tensors[i]`` tensors),
+    alternating each round so both see the same load; the two lists of seconds."""
+    with (
+        connected(name, models[0], workers[0], mb, tensors[0]) as first,
+        connected(name, models[1], workers[1], mb, tensors[1]) as second,
+    ):
+        times: tuple[list[float], list[float]] = ([], [])
+        for step in range(rounds + 2):
+            pair = (timed_send(first, models[0]), timed_send(second, models[1]))
+            if step >= 2:  # the first sends also map the slots in the workers
+                for out, took in zip(times, pair):
+                    out.append(took)
+        return times
+
+
+def timed_send(scheme: ws.WeightSyncScheme, model: nn.Module) -> float:
+    """Seconds one ``send()`` takes, after an optimizer-like change so every version differs."""
+    with torch.no_grad():
+        list(model.parameters())[-1].add_(1.0)
+    start = time.perf_counter()
+    scheme.send()
+    return time.perf_counter() - start
 
 
 def main() -> None:

@@ -182,6 +182,18 @@ def test_layout_buckets_tile_the_buffer_at_tensor_boundaries():
     assert [b[:2] for b in layout.buckets(500)] == [(0, 2), (2, 3), (3, 4)]
 
 
+def _copy_on_threads(dst, src, threads):
+    """``copy_tensors(dst, src)`` with torch set to ``threads`` threads, restored after."""
+    from weightsync import strategy
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        strategy.copy_tensors(dst, src)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_many_small_tensors_are_copied_on_every_thread_exactly(monkeypatch, threads):
     """Above 4 MB of small tensors, copy_tensors spreads them over torch's threads (and keeps the large ones
@@ -200,13 +212,50 @@ def test_many_small_tensors_are_copied_on_every_thread_exactly(monkeypatch, thre
     shapes = [(64, 64)] * 300 + [(3,)] * 7 + [(1024, 256)] * 2  # 4.9 MB of small tensors, 2 MB of large
     src = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes] + [torch.arange(50, dtype=torch.int64)]
     dst = [torch.zeros_like(t, requires_grad=False) for t in src]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        strategy.copy_tensors(dst, src)
-    finally:
-        torch.set_num_threads(before)
+    _copy_on_threads(dst, src, threads)
     assert len(started) == threads - 1  # one helper per extra thread; none with one thread
     for i, (d, s) in enumerate(zip(dst, src)):
         assert torch.equal(d, s.detach()), i
         assert d.grad_fn is None and not d.requires_grad, i
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_small_copies_stay_on_the_calling_thread_exactly(monkeypatch, threads):
+    """Under 1 MiB in all, copy_tensors cuts every tensor torch would copy on several threads into pieces it
+    copies on one (contiguous ones only); every byte lands where it belongs, casts included, and every
+    written tensor's version counter moves (what autograd checks)."""
+    from weightsync import strategy
+
+    calls = []
+    real = torch._foreach_copy_
+
+    def spy(dst, src):
+        calls.append(([t.numel() for t in dst], torch.get_num_threads()))
+        return real(dst, src)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    gen = torch.Generator().manual_seed(7)
+    src = [
+        nn.Parameter(torch.randn(183, 183, generator=gen)),  # 33489 elements: torch would use every thread
+        torch.randn(70000, generator=gen),  # three pieces
+        torch.randn(5, generator=gen),
+        torch.randn(200, 180, generator=gen).t(),  # not contiguous: left whole
+        torch.randn(40000, generator=gen),  # copied into bfloat16 (a wire cast), in pieces too
+    ]
+    dst = [torch.zeros(183, 183), torch.zeros(70000), torch.zeros(5), torch.zeros(180, 200)]
+    dst.append(torch.zeros(40000, dtype=torch.bfloat16))
+    dst[0] = nn.Parameter(dst[0])  # a worker's model, written in place
+    versions = [t._version for t in dst]
+    _copy_on_threads(dst, src, threads)
+    for i, (d, s) in enumerate(zip(dst, src)):
+        assert torch.equal(d, s.detach().to(d.dtype)), i
+        assert d._version > versions[i], i  # autograd sees every tensor written, pieces or not
+    assert dst[0].requires_grad and dst[0].grad_fn is None
+    assert all(d.grad_fn is None and not d.requires_grad for d in dst[1:])
+    ((sizes, threads_then),) = calls
+    assert threads_then == threads  # the process's thread count is not touched
+    if threads == 1:
+        assert sizes == [t.numel() for t in dst]  # nothing to gain: one call, whole tensors
+    else:
+        assert sorted(n for n in sizes if n >= strategy.PARALLEL_MIN_NUMEL) == [36000]  # the transposed one
+        assert sum(sizes) == sum(t.numel() for t in dst) and len(sizes) == 5 + 1 + 2 + 1

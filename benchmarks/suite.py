@@ -7,7 +7,10 @@
 Each case runs in a fresh process, so no case inherits another's memory or
 threads. Sends are ``sync=True`` and timed until every worker applied and
 acked; a floor is measured in the same rounds as the sends it is compared with
-(interleaved), so machine load hits both alike. The Ray cases start a local
+(interleaved), so machine load hits both alike. Where the floor is another send
+(1 worker against 8; 1 tensor against 2000), the local schemes run both senders
+in one process and alternate them; the engines, one run each, take each send
+against its own run's raw engine. The Ray cases start a local
 cluster; to keep it on loopback run the suite in a private network namespace
 (``unshare -n sh -c 'ip link set lo up && python benchmarks/suite.py'``, root).
 """

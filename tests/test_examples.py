@@ -181,7 +181,7 @@ def test_benchmark_suite_prints_every_case_against_its_target_and_plots(tmp_path
         [
             "benchmarks/suite.py",
             *("--schemes", "shared_mem", "distributed"),
-            *("--cases", "floors", "memory", "plot"),
+            *("--cases", "floors", "tensors", "scaling", "memory", "plot"),
             *("--mb", "1", "--rounds", "2", "--sizes", "1", "--memory-workers", "2"),
             *("--markdown", str(md), "--png", str(png)),
         ],
@@ -192,6 +192,9 @@ def test_benchmark_suite_prints_every_case_against_its_target_and_plots(tmp_path
     for row in (
         "| shared_mem, 1 MB |",
         "| distributed, 1 MB |",
+        "| shared_mem: 2000 tensors vs 1 |",  # two senders alternating in one process
+        "| distributed: 2000 tensors vs 1 |",  # each run against its own raw engine
+        "| shared_mem, 1 MB, 1 -> 8 workers |",
         "| shared_mem: sender's extra memory, 2 workers |",
         "| distributed | ",
     ):

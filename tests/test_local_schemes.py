@@ -343,3 +343,84 @@ def test_receive_returns_the_weights_the_model_now_holds(scheme_name, extract_as
     scheme.wait_async()
     receiver.shutdown()
     scheme.shutdown()
+
+
+@pytest.mark.parametrize("scheme_name", ["multiprocess", "shared_mem"])
+def test_worker_model_bound_once_then_updated_whole(monkeypatch, scheme_name):
+    """A CPU worker binds its model to one storage laid out like the slot at the first update; each later
+    update is one copy into it (multiprocess: the memory stays) or one swap of the memory behind it
+    (shared_mem: the model reads the new slot), no tensor re-pointed. A tensor the user replaced is bound
+    anew, and shutdown leaves the model the weights it held, in private memory."""
+    import weightsync.binding
+
+    binds = []
+    real_write_into = weightsync.binding.write_into
+    monkeypatch.setattr(
+        weightsync.binding,
+        "write_into",
+        lambda dst, src, **kw: binds.append(len(dst)) or real_write_into(dst, src, **kw),
+    )
+    model = build("tiny")
+    scheme = ws.WeightSyncScheme.from_backend(scheme_name, sync=False, timeout=10)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    params = dict(replica.named_parameters())
+    receiver = in_process_receiver(scheme, replica)
+    strategy, layout = scheme.strategy, scheme.layout
+    assert layout is not None and binds == [len(layout.slots)]  # version 0 bound the model
+
+    def send(step: int) -> None:
+        optimizer_step(model, step)
+        scheme.send_async()
+        assert receiver.receive(timeout=5) is not None
+        scheme.wait_async()
+
+    def base_holding(step: int) -> int:
+        """The model's storage address, after checking that it holds ``step`` with every tensor in its place."""
+        assert receiver.version == step and checksum(replica) == checksum(model), step
+        assert dict(replica.named_parameters()) == params  # the same Parameter objects
+        flat = strategy.flat(replica)
+        base = min(t.data_ptr() for t in flat.values())  # the first tensor sits at offset 0
+        assert {s.key: flat[s.key].data_ptr() - base for s in layout.slots} == {s.key: s.offset for s in layout.slots}
+        assert all(t.is_shared() == (scheme_name == "shared_mem") for t in flat.values())
+        return base
+
+    bases = {base_holding(0)}
+    for step in range(1, 7):  # 3 slots in the pool: the sender moves between them
+        send(step)
+        bases.add(base_holding(step))
+    assert binds == [len(layout.slots)], binds  # never re-pointed
+    assert len(bases) == (1 if scheme_name == "multiprocess" else 2), bases  # shared_mem reads 2 slots in turn
+
+    replaced = replica.body[0].weight
+    replaced.data = torch.zeros_like(replaced)  # the user moves one tensor off the storage: bound anew
+    send(7)
+    base_holding(7)
+    assert len(binds) == 2
+
+    expected = {k: v.clone() for k, v in strategy.flat(model).items()}
+    receiver.shutdown()  # the slots are unmapped (the no_leaks fixture checks) and the model keeps its weights
+    flat = strategy.flat(replica)
+    assert all(torch.equal(flat[k], expected[k]) and not flat[k].is_shared() for k in expected)
+    assert dict(replica.named_parameters()) == params
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["keep_storage", "shared_model"])
+def test_multiprocess_worker_keeps_its_storage_when_asked_or_shared(kind):
+    """keep_storage, or a model in shared memory at its first update, is written into tensor by tensor."""
+    model = build("tiny")
+    scheme = ws.MultiProcessWeightSyncScheme(sync=False, timeout=10, keep_storage=kind == "keep_storage")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny_shared" if kind == "shared_model" else "tiny")
+    before = {k: t.data_ptr() for k, t in scheme.strategy.flat(replica).items()}
+    receiver = in_process_receiver(scheme, replica)
+    for step in (1, 2):
+        optimizer_step(model, step)
+        scheme.send_async()
+        assert receiver.receive(timeout=5) is not None
+        scheme.wait_async()
+        assert checksum(replica) == checksum(model)
+        assert {k: t.data_ptr() for k, t in scheme.strategy.flat(replica).items()} == before
+    receiver.shutdown()
+    scheme.shutdown()

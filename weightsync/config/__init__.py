@@ -7,6 +7,7 @@ Importing this module registers every config in Hydra's ConfigStore (see
 from .configs import (
     DistributedSchemeConfig,
     DistributedTransportConfig,
+    LocalSchemeConfig,
     MPTransportConfig,
     MultiProcessSchemeConfig,
     NoSyncSchemeConfig,
@@ -32,6 +33,7 @@ __all__ = [
     "TRANSPORTS",
     "DistributedSchemeConfig",
     "DistributedTransportConfig",
+    "LocalSchemeConfig",
     "MPTransportConfig",
     "MultiProcessSchemeConfig",
     "NoSyncSchemeConfig",

@@ -18,6 +18,7 @@ from typing import Optional
 __all__ = [
     "DistributedSchemeConfig",
     "DistributedTransportConfig",
+    "LocalSchemeConfig",
     "MPTransportConfig",
     "MultiProcessSchemeConfig",
     "NoSyncSchemeConfig",
@@ -78,8 +79,8 @@ class NoSyncSchemeConfig(SchemeConfig):
 
 
 @dataclass
-class MultiProcessSchemeConfig(SchemeConfig):
-    """Local worker processes, each with a private copy.
+class LocalSchemeConfig(SchemeConfig):
+    """Fields the schemes reaching worker processes on this machine share.
 
     Attributes:
         background_thread: receivers apply updates in a thread of their own.
@@ -96,7 +97,20 @@ class MultiProcessSchemeConfig(SchemeConfig):
 
 
 @dataclass
-class SharedMemSchemeConfig(MultiProcessSchemeConfig):
+class MultiProcessSchemeConfig(LocalSchemeConfig):
+    """Local worker processes, each with a private copy.
+
+    Attributes:
+        keep_storage: workers copy each update into their model's tensors one by one and never move them;
+            by default a CPU model moves, at its first update, into one buffer laid out like the slot.
+    """
+
+    _target_: str = "weightsync.MultiProcessWeightSyncScheme"
+    keep_storage: bool = False
+
+
+@dataclass
+class SharedMemSchemeConfig(LocalSchemeConfig):
     """Local worker processes reading the published weights in shared memory.
 
     Attributes:

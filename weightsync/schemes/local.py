@@ -82,6 +82,8 @@ class LocalScheme(WeightSyncScheme):
     """
 
     transport_class: type[MPTransport] = MPTransport
+    #: Receivers copy every update into their model's tensors one by one, never re-pointing them.
+    keep_storage = False
 
     def __init__(
         self,
@@ -559,12 +561,15 @@ class LocalScheme(WeightSyncScheme):
             check_digest([buffer], update.digest, **where)
             dst = flatten_weights(self._model, self._strategy.extract_as)
             check_spec(self._layout.spec, weights_spec(dst), **where)
-            cached = self._slot_views.get(update.slot)
-            if cached is None or cached[0] is not buffer:  # typed views of a slot are made once, not per update
-                cached = self._slot_views[update.slot] = (buffer, self._layout.views(buffer))
             with self.weights_lock:  # weights and version change together for readers holding the lock
-                shared = write_into(dst, cached[1], share=self._transport.pinning)
-                self._written = (dst, cached[1] if shared else None)
+                views = None if self.keep_storage else self._transport.update_model(dst, update.slot, self._layout)
+                if views is None:  # tensor by tensor: keep_storage, or a model off the CPU or in shared memory
+                    cached = self._slot_views.get(update.slot)
+                    if cached is None or cached[0] is not buffer:  # a slot's typed views are made once
+                        cached = self._slot_views[update.slot] = (buffer, self._layout.views(buffer))
+                    shared = write_into(dst, cached[1], share=self._transport.pinning)
+                    views = cached[1] if shared else None
+                self._written = (dst, views)
                 self._version = update.version
         except Exception as exc:
             self._transport.send_ack(update.version, error=exc, held=self._version)
@@ -622,8 +627,9 @@ class LocalScheme(WeightSyncScheme):
             if self._transport.pinning and self._model is not None:
                 # The model still reads a shared slot: give it private memory so the slot can be freed.
                 with self.weights_lock:
+                    self._transport.release_model()
                     for tensor in flatten_weights(self._model, self._strategy.extract_as).values():
-                        if tensor.device.type == "cpu":
+                        if tensor.is_cpu and tensor.is_shared():  # (a model the user shared is moved too)
                             tensor.data = tensor.data.clone()
             self._slot_views.clear()  # they hold the slots' mappings
             self._written = ({}, None)

@@ -14,12 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..binding import BoundModel
 from ..errors import ConnectionClosedError, ReceiverError, TransportError, WorkerDiedError
+from ..strategy import copy_tensors, in_shared_memory
 from .base import SenderBoundTransport, TransportBackend
 from .channel import Channel
 from .slots import SharedSlot, map_fd
 
 if TYPE_CHECKING:
+    from ..layout import FlatLayout
     from ..schemes.local import LocalScheme
 
 __all__ = ["MPTransport", "Update"]
@@ -60,6 +63,9 @@ class MPTransport(SenderBoundTransport, TransportBackend):
         self.slot_buffers: dict[int, torch.Tensor] = {}
         self.bad_slots: dict[int, str] = {}  # slots refused on arrival, with the reason
         self.closed_by_sender = False
+        self._model = BoundModel()  # the model's tensors as views of one storage, once bound
+        self._model_bytes = torch.empty(0, dtype=torch.uint8)  # that storage, as bytes
+        self._model_shared: bool | None = None  # whether the model was in shared memory at its first update
 
     # ------------------------------------------------------------ sender side
     def notify(self, slot: SharedSlot, version: int) -> None:
@@ -134,6 +140,7 @@ class MPTransport(SenderBoundTransport, TransportBackend):
                         self.bad_slots[slot] = f"slot {slot} holds {size} bytes, not the {nbytes} announced: truncated"
                     else:
                         self.slot_buffers[slot] = map_fd(fd, nbytes)
+                        self._slot_mapped(slot, fd, nbytes)
                 finally:
                     os.close(fd)
             elif op == "update":
@@ -152,6 +159,41 @@ class MPTransport(SenderBoundTransport, TransportBackend):
             raise ConnectionClosedError("the sender has shut down", worker_idx=self.worker_idx)
         return updates
 
+    def _slot_mapped(self, slot: int, fd: int, nbytes: int) -> None:
+        """A slot was just mapped into :attr:`slot_buffers` (``fd`` is open until this returns)."""
+
+    def update_model(
+        self, dst: dict[str, torch.Tensor], slot: int, layout: FlatLayout
+    ) -> dict[str, torch.Tensor] | None:
+        """Copy ``slot`` into the model's tensors ``dst`` (checked against ``layout``) in one copy, whatever the
+        number of tensors, and return the views the tensors now are.
+
+        At the first update, the model is bound to one private storage laid out like the slot (each tensor
+        re-pointed at its view, with its values); so is a model whose tensors changed since (replaced, moved,
+        re-pointed by the user). The tensors' memory then stays the same from update to update. ``None``,
+        with nothing done, where the caller copies tensor by tensor instead: a model with a tensor off the
+        CPU, or in shared memory at its first update (processes of the worker's own may read it).
+        """
+        buffer = self.slot_buffers.get(slot)
+        if buffer is None:
+            return None
+        if self._model.holds(dst):
+            copy_tensors([self._model_bytes], [buffer])
+            return self._model.views
+        if self._model_shared is None:
+            self._model_shared = in_shared_memory(dst)
+        if self._model_shared or not all(tensor.is_cpu for tensor in dst.values()):
+            return None
+        storage = torch.UntypedStorage(layout.nbytes)
+        model_bytes = torch.empty(0, dtype=torch.uint8).set_(storage)
+        copy_tensors([model_bytes], [buffer])
+        self._model.bind(dst, storage, layout)
+        self._model_bytes = model_bytes
+        return self._model.views
+
+    def release_model(self) -> None:
+        """Before closing: move a model that reads a slot onto memory of its own (this transport: nothing to do)."""
+
     def send_ack(self, version: int, error: BaseException | None = None, held: int | None = None) -> None:
         """Tell the sender ``version`` was applied (or failed with ``error``); ``held`` is the version now in use."""
         msg: dict[str, Any] = {"op": "ack", "version": version, "held": held}
@@ -163,3 +205,5 @@ class MPTransport(SenderBoundTransport, TransportBackend):
         self.channel.close()
         self.slot_buffers.clear()
         self.bad_slots.clear()
+        self._model.forget()
+        self._model_bytes = torch.empty(0, dtype=torch.uint8)

@@ -24,13 +24,17 @@ import torch
 from ..errors import ConfigurationError
 from ..layout import FlatLayout
 
-__all__ = ["SharedSlot", "SlotPool", "map_fd"]
+__all__ = ["SharedSlot", "SlotPool", "map_fd", "map_storage"]
+
+
+def map_storage(fd: int, nbytes: int) -> torch.UntypedStorage:
+    """Map a shared-memory descriptor (the mapping outlives ``fd``, and ends with the storage)."""
+    return torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
 
 
 def map_fd(fd: int, nbytes: int) -> torch.Tensor:
     """Map a shared-memory descriptor as a uint8 tensor (the mapping outlives ``fd``)."""
-    storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
+    return torch.empty(0, dtype=torch.uint8).set_(map_storage(fd, nbytes))
 
 
 class SharedSlot:

@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -83,10 +84,13 @@ def worker(scheme: ws.WeightSyncScheme, idx: int, mb: float, stop, tensors: int 
 
 
 @contextlib.contextmanager
-def connected(name: str, model: nn.Module, workers: int, mb: float, tensors: int = 0) -> Iterator[ws.WeightSyncScheme]:
-    """A sender scheme for ``model``, connected to ``workers`` spawned worker processes; shut down on exit."""
+def connected(
+    name: str, model: nn.Module, workers: int, mb: float, tensors: int = 0, **options: Any
+) -> Iterator[ws.WeightSyncScheme]:
+    """A sender scheme for ``model`` (``options``: the scheme's own), connected to ``workers`` spawned worker
+    processes; shut down on exit."""
     ctx = mp.get_context("spawn")
-    scheme = ws.WeightSyncScheme.from_backend(name, timeout=120)
+    scheme = ws.WeightSyncScheme.from_backend(name, timeout=120, **options)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
     stop = ctx.Event()
     procs = [ctx.Process(target=worker, args=(scheme, i, mb, stop, tensors)) for i in range(workers)]
@@ -149,13 +153,19 @@ def time_scheme(
 
 
 def time_pair(
-    name: str, models: tuple[nn.Module, nn.Module], workers: tuple[int, int], rounds: int, mb: float, tensors=(0, 0)
+    name: str,
+    models: tuple[nn.Module, nn.Module],
+    workers: tuple[int, int],
+    rounds: int,
+    mb: float,
+    tensors: tuple[int, int] = (0, 0),
+    **options: Any,
 ) -> tuple[list[float], list[float]]:
-    """Sends of ``models[i]`` to ``workers[i]`` workers (two schemes, worker models of ``tensors[i]`` tensors),
-    alternating each round so both see the same load; the two lists of seconds."""
+    """Sends of ``models[i]`` to ``workers[i]`` workers (two schemes with ``options``, worker models of
+    ``tensors[i]`` tensors), alternating each round so both see the same load; the two lists of seconds."""
     with (
-        connected(name, models[0], workers[0], mb, tensors[0]) as first,
-        connected(name, models[1], workers[1], mb, tensors[1]) as second,
+        connected(name, models[0], workers[0], mb, tensors[0], **options) as first,
+        connected(name, models[1], workers[1], mb, tensors[1], **options) as second,
     ):
         times: tuple[list[float], list[float]] = ([], [])
         for step in range(rounds + 2):

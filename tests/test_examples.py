@@ -175,6 +175,7 @@ def test_sweep_example_runs_every_job(tmp_path):
     assert (tmp_path / "results.md").read_text().count("| yes |") == 16
 
 
+@pytest.mark.timeout(300)  # about 2 minutes: every case but the engines' in small
 def test_benchmark_suite_prints_every_case_against_its_target_and_plots(tmp_path):
     md, png = tmp_path / "suite.md", tmp_path / "suite.png"
     out = _run(
@@ -193,6 +194,7 @@ def test_benchmark_suite_prints_every_case_against_its_target_and_plots(tmp_path
         "| shared_mem, 1 MB |",
         "| distributed, 1 MB |",
         "| shared_mem: 2000 tensors vs 1 |",  # two senders alternating in one process
+        "| shared_mem, flatten_sender: 2000 tensors vs 1 |",
         "| distributed: 2000 tensors vs 1 |",  # each run against its own raw engine
         "| shared_mem, 1 MB, 1 -> 8 workers |",
         "| shared_mem: sender's extra memory, 2 workers |",

@@ -397,6 +397,12 @@ def test_worker_model_bound_once_then_updated_whole(monkeypatch, scheme_name):
     send(7)
     base_holding(7)
     assert len(binds) == 2
+    weight = replica.body[-1].weight
+    with torch.no_grad():  # same shape, same first byte, read column-major: no longer the view bound
+        weight.as_strided_(weight.shape, (1, weight.shape[0]))
+    send(8)
+    base_holding(8)
+    assert len(binds) == 3
 
     expected = {k: v.clone() for k, v in strategy.flat(model).items()}
     receiver.shutdown()  # the slots are unmapped (the no_leaks fixture checks) and the model keeps its weights
@@ -423,4 +429,77 @@ def test_multiprocess_worker_keeps_its_storage_when_asked_or_shared(kind):
         assert checksum(replica) == checksum(model)
         assert {k: t.data_ptr() for k, t in scheme.strategy.flat(replica).items()} == before
     receiver.shutdown()
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("scheme_name", ["multiprocess", "shared_mem"])
+def test_flatten_sender_publishes_the_trainer_model_with_one_copy(monkeypatch, scheme_name):
+    """flatten_sender moves the trainer's tensors into one buffer in the slot layout, values and Parameter
+    objects kept; each send is then one copy (no tensor-by-tensor write on either side). A trainer tensor
+    replaced since is bound anew at the next send; weights passed explicitly are copied tensor by tensor."""
+    import weightsync.schemes.local
+
+    writes = []
+    real_write_into = weightsync.schemes.local.write_into
+    monkeypatch.setattr(
+        weightsync.schemes.local,
+        "write_into",
+        lambda dst, src, **kw: writes.append(len(dst)) or real_write_into(dst, src, **kw),
+    )
+    model = build("tiny")
+    params = dict(model.named_parameters())
+    before = {k: v.clone() for k, v in ws.WeightStrategy().flat(model).items()}
+    scheme = ws.WeightSyncScheme.from_backend(scheme_name, sync=False, timeout=10, flatten_sender=True)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    layout = scheme.layout
+    flat = scheme.strategy.flat(model)
+    assert layout is not None and dict(model.named_parameters()) == params
+    assert all(torch.equal(flat[k], before[k]) for k in before)
+    base = flat[layout.slots[0].key].data_ptr()
+    assert {s.key: flat[s.key].data_ptr() - base for s in layout.slots} == {s.key: s.offset for s in layout.slots}
+    replica = build("tiny")
+    receiver = in_process_receiver(scheme, replica)
+
+    def send(step: int, weights=None) -> None:
+        if weights is None:
+            optimizer_step(model, step)
+        scheme.send_async(weights)
+        assert receiver.receive(timeout=5) is not None and receiver.version == step
+        scheme.wait_async()
+
+    writes.clear()
+    for step in (1, 2, 3):
+        send(step)
+        assert checksum(replica) == checksum(model)
+    assert writes == []  # one copy per send: no tensor-by-tensor write, sender or worker
+
+    model.body[0].weight.data = torch.ones_like(model.body[0].weight)  # the trainer moves a tensor off the buffer
+    send(4)
+    assert checksum(replica) == checksum(model) and len(writes) == 1  # bound anew (one copy into the new buffer)
+    send(5)
+    assert checksum(replica) == checksum(model) and len(writes) == 1
+    weight = model.body[-1].weight
+    with torch.no_grad():  # same shape, same first byte, read column-major: what the trainer reads is sent
+        weight.as_strided_(weight.shape, (1, weight.shape[0]))
+    send(6)
+    assert checksum(replica) == checksum(model) and len(writes) == 2
+
+    explicit = {k: v + 1 for k, v in scheme.strategy.flat(model).items()}
+    send(7, explicit)
+    assert checksum(replica) == checksum(explicit) and len(writes) == 3  # copied tensor by tensor
+    assert dict(model.named_parameters()) == params
+    receiver.shutdown()
+    scheme.shutdown()
+
+
+def test_flatten_sender_refuses_weights_off_the_cpu():
+    model = torch.nn.ParameterDict(
+        {"here": torch.nn.Parameter(torch.zeros(3)), "there": torch.nn.Parameter(torch.zeros(3, device="meta"))}
+    )
+    scheme = ws.SharedMemWeightSyncScheme(flatten_sender=True)
+    with pytest.raises(
+        ws.ConfigurationError, match=r"flatten_sender needs every weight on the CPU; \['there'\] are on meta"
+    ):
+        scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    assert model["here"].is_cpu and model["there"].is_meta  # nothing moved
     scheme.shutdown()

@@ -87,6 +87,9 @@ class LocalSchemeConfig(SchemeConfig):
         latest_wins: a worker that fell behind applies only the newest version.
         max_slots: shared staging slots the sender may allocate (``None``: ``num_workers + 2``).
         checksum: receivers check each version's XXH3-64 before applying it.
+        flatten_sender: the trainer's weights move, at init, into one buffer laid out like the slots (each
+            tensor a view of it), so a send is one copy whatever the number of tensors. Off by default: it
+            changes the trainer's memory.
     """
 
     _target_: str = "weightsync.MultiProcessWeightSyncScheme"
@@ -94,6 +97,7 @@ class LocalSchemeConfig(SchemeConfig):
     latest_wins: bool = True
     max_slots: Optional[int] = None  # noqa: UP045 - omegaconf 2.3 reads typing.Optional, not `int | None`
     checksum: bool = False
+    flatten_sender: bool = False
 
 
 @dataclass

@@ -58,6 +58,7 @@ class MultiProcessWeightSyncScheme(LocalScheme):
         max_staleness: int | None = None,
         check_finite: bool = False,
         checksum: bool = False,
+        flatten_sender: bool = False,
     ) -> None:
         super().__init__(
             strategy=strategy,
@@ -71,6 +72,7 @@ class MultiProcessWeightSyncScheme(LocalScheme):
             max_staleness=max_staleness,
             check_finite=check_finite,
             checksum=checksum,
+            flatten_sender=flatten_sender,
         )
         self.keep_storage = bool(keep_storage)
 

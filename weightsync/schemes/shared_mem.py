@@ -46,6 +46,7 @@ class SharedMemWeightSyncScheme(LocalScheme):
         max_staleness: int | None = None,
         check_finite: bool = False,
         checksum: bool = False,
+        flatten_sender: bool = False,
     ) -> None:
         super().__init__(
             strategy=strategy,
@@ -59,6 +60,7 @@ class SharedMemWeightSyncScheme(LocalScheme):
             max_staleness=max_staleness,
             check_finite=check_finite,
             checksum=checksum,
+            flatten_sender=flatten_sender,
         )
         self.per_worker_weights = bool(per_worker_weights)
 

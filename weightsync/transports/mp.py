@@ -63,7 +63,8 @@ class MPTransport(SenderBoundTransport, TransportBackend):
         self.slot_buffers: dict[int, torch.Tensor] = {}
         self.bad_slots: dict[int, str] = {}  # slots refused on arrival, with the reason
         self.closed_by_sender = False
-        self._model = BoundModel()  # the model's tensors as views of one storage, once bound
+        #: The model's tensors as views of one storage, once bound.
+        self.bound = BoundModel()
         self._model_bytes = torch.empty(0, dtype=torch.uint8)  # that storage, as bytes
         self._model_shared: bool | None = None  # whether the model was in shared memory at its first update
 
@@ -163,10 +164,11 @@ class MPTransport(SenderBoundTransport, TransportBackend):
         """A slot was just mapped into :attr:`slot_buffers` (``fd`` is open until this returns)."""
 
     def update_model(
-        self, dst: dict[str, torch.Tensor], slot: int, layout: FlatLayout
+        self, dst: dict[str, torch.Tensor], slot: int, layout: FlatLayout, held: bool
     ) -> dict[str, torch.Tensor] | None:
-        """Copy ``slot`` into the model's tensors ``dst`` (checked against ``layout``) in one copy, whatever the
-        number of tensors, and return the views the tensors now are.
+        """Copy ``slot`` into the model's tensors ``dst`` (checked against ``layout``; ``held``: what
+        ``self.bound.holds(dst)`` says) in one copy, whatever the number of tensors, and return the views the
+        tensors now are.
 
         At the first update, the model is bound to one private storage laid out like the slot (each tensor
         re-pointed at its view, with its values); so is a model whose tensors changed since (replaced, moved,
@@ -177,9 +179,9 @@ class MPTransport(SenderBoundTransport, TransportBackend):
         buffer = self.slot_buffers.get(slot)
         if buffer is None:
             return None
-        if self._model.holds(dst):
+        if held:
             copy_tensors([self._model_bytes], [buffer])
-            return self._model.views
+            return self.bound.views
         if self._model_shared is None:
             self._model_shared = in_shared_memory(dst)
         if self._model_shared or not all(tensor.is_cpu for tensor in dst.values()):
@@ -187,9 +189,9 @@ class MPTransport(SenderBoundTransport, TransportBackend):
         storage = torch.UntypedStorage(layout.nbytes)
         model_bytes = torch.empty(0, dtype=torch.uint8).set_(storage)
         copy_tensors([model_bytes], [buffer])
-        self._model.bind(dst, storage, layout)
+        self.bound.bind(dst, storage, layout)
         self._model_bytes = model_bytes
-        return self._model.views
+        return self.bound.views
 
     def release_model(self) -> None:
         """Before closing: move a model that reads a slot onto memory of its own (this transport: nothing to do)."""
@@ -205,5 +207,5 @@ class MPTransport(SenderBoundTransport, TransportBackend):
         self.channel.close()
         self.slot_buffers.clear()
         self.bad_slots.clear()
-        self._model.forget()
+        self.bound.forget()
         self._model_bytes = torch.empty(0, dtype=torch.uint8)

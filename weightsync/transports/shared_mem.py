@@ -51,17 +51,17 @@ class SharedMemTransport(MPTransport):
         self._spares[slot] = map_storage(fd, nbytes)
 
     def update_model(
-        self, dst: dict[str, torch.Tensor], slot: int, layout: FlatLayout
+        self, dst: dict[str, torch.Tensor], slot: int, layout: FlatLayout, held: bool
     ) -> dict[str, torch.Tensor] | None:
-        """Make the model's tensors ``dst`` (checked against ``layout``) read ``slot``; return their views.
+        """Make the model's tensors ``dst`` (checked against ``layout``; ``held``: what ``self.bound.holds(dst)``
+        says) read ``slot``; return their views.
 
         A model bound at an earlier update switches in O(1). The first update, or a model whose tensors
         changed since (replaced, moved, re-pointed by the user), is bound anew: each tensor is pointed at
         its view of the slot's spare mapping. ``None`` when some tensor is not on the CPU: the caller
         re-points or copies tensor by tensor, and nothing was changed here.
         """
-        model = self._model
-        held = model.holds(dst)
+        model = self.bound
         if slot == self._slot:
             storage = model.storage  # already holds this slot's mapping
         else:
@@ -89,7 +89,7 @@ class SharedMemTransport(MPTransport):
         """Give the storage the model was bound to private memory holding the same bytes (one copy, whatever
         the number of tensors), so that the slot can be unmapped. Tensors that read a slot otherwise (not bound
         when the model had tensors off the CPU, or re-pointed since) are the caller's to move."""
-        self._model.release()
+        self.bound.release()
         self._slot = None
 
     def close(self) -> None:

@@ -34,6 +34,8 @@ class BoundModel:
         self.storage: torch.UntypedStorage | None = None
         #: Typed views of :attr:`storage`, one per key: what the model's tensors are.
         self.views: dict[str, torch.Tensor] = {}
+        #: :attr:`storage` as one uint8 tensor: where an update is copied to, or published from, whole.
+        self.bytes = torch.empty(0, dtype=torch.uint8)
         self._keys: list[str] = []
         self._tensors: list[torch.Tensor] = []
         self._offsets: list[int] = []
@@ -71,13 +73,12 @@ class BoundModel:
         """Point every tensor of ``dst`` (all on the CPU, checked against ``layout``) at its view of ``storage``,
         which holds the weights as ``layout`` places them (``views``: those views, if the caller made them).
         Returns the storage bound before, if another."""
+        whole = self.bytes if storage is self.storage else torch.empty(0, dtype=torch.uint8).set_(storage)
         if views is None:
-            views = (
-                self.views if storage is self.storage else layout.views(torch.empty(0, dtype=torch.uint8).set_(storage))
-            )
+            views = self.views if storage is self.storage else layout.views(whole)
         write_into(dst, views, share=True)
         previous = self.storage if self.storage is not storage else None
-        self.storage, self.views = storage, views
+        self.storage, self.views, self.bytes = storage, views, whole
         base = storage.data_ptr()
         self._keys = list(dst)
         self._tensors = list(dst.values())
@@ -100,9 +101,9 @@ class BoundModel:
         if self.storage is not None:
             private = torch.UntypedStorage(self.storage.nbytes())
             private.copy_(self.storage)
-            self.storage._swap_data_ptr_(private)  # `private` now holds the old memory, freed with it
+            self.swap(private)  # `private` now holds the old memory, freed with it
         self.forget()
 
     def forget(self) -> None:
-        self.storage, self.views = None, {}
+        self.storage, self.views, self.bytes = None, {}, torch.empty(0, dtype=torch.uint8)
         self._keys, self._tensors, self._offsets, self._shapes, self._dtypes = [], [], [], [], []

@@ -149,7 +149,6 @@ class LocalScheme(WeightSyncScheme):
         self._next_version = 0
         self._authkey_file: str | None = None
         self._sender_model = BoundModel()  # flatten_sender: the trainer's weights as views of one storage
-        self._sender_bytes = torch.empty(0, dtype=torch.uint8)  # that storage, as bytes
         # Receiver side.
         self._key_file: str | None = None  # the sender's auth key file this receiver read, if any
         self._transport: MPTransport | None = None
@@ -345,7 +344,6 @@ class LocalScheme(WeightSyncScheme):
         views = self._layout.views(model_bytes)
         write_into(views, flat)
         self._sender_model.bind(flat, model_bytes.untyped_storage(), self._layout, views)
-        self._sender_bytes = model_bytes
 
     def _sender_whole(self, flat: dict[str, torch.Tensor], held: bool, registered: bool) -> torch.Tensor | None:
         """``flatten_sender``: the bytes of the storage the trainer's tensors ``flat`` view, all of them in
@@ -360,7 +358,7 @@ class LocalScheme(WeightSyncScheme):
                 "model %r: the trainer's weights changed since they were bound; binding them anew", self._model_id
             )
             self._bind_sender(flat)
-        return self._sender_bytes
+        return self._sender_model.bytes
 
     def _send_impl(self, weights: Any, targets: list[int], wait: bool) -> None:
         self.send_to(weights, targets, wait=wait)

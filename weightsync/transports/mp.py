@@ -65,7 +65,6 @@ class MPTransport(SenderBoundTransport, TransportBackend):
         self.closed_by_sender = False
         #: The model's tensors as views of one storage, once bound.
         self.bound = BoundModel()
-        self._model_bytes = torch.empty(0, dtype=torch.uint8)  # that storage, as bytes
         self._model_shared: bool | None = None  # whether the model was in shared memory at its first update
 
     # ------------------------------------------------------------ sender side
@@ -180,17 +179,15 @@ class MPTransport(SenderBoundTransport, TransportBackend):
         if buffer is None:
             return None
         if held:
-            copy_tensors([self._model_bytes], [buffer])
+            copy_tensors([self.bound.bytes], [buffer])
             return self.bound.views
         if self._model_shared is None:
             self._model_shared = in_shared_memory(dst)
         if self._model_shared or not all(tensor.is_cpu for tensor in dst.values()):
             return None
-        storage = torch.UntypedStorage(layout.nbytes)
-        model_bytes = torch.empty(0, dtype=torch.uint8).set_(storage)
+        model_bytes = torch.empty(layout.nbytes, dtype=torch.uint8)
         copy_tensors([model_bytes], [buffer])
-        self.bound.bind(dst, storage, layout)
-        self._model_bytes = model_bytes
+        self.bound.bind(dst, model_bytes.untyped_storage(), layout)
         return self.bound.views
 
     def release_model(self) -> None:
@@ -208,4 +205,3 @@ class MPTransport(SenderBoundTransport, TransportBackend):
         self.slot_buffers.clear()
         self.bad_slots.clear()
         self.bound.forget()
-        self._model_bytes = torch.empty(0, dtype=torch.uint8)

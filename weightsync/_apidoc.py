@@ -82,9 +82,13 @@ def _markdown(doc: str) -> str:
 
 def _signature(obj: Any) -> str:
     try:
-        text = str(inspect.signature(obj))
+        signature = inspect.signature(obj)
     except (TypeError, ValueError):
         return "(...)"
+    # `ray.remote(cls)` wraps the methods of `cls` itself (ModuleActor's, once a process used it) with
+    # tracing wrappers that add `_ray_trace_ctx`: not part of our API.
+    params = [p for p in signature.parameters.values() if p.name != "_ray_trace_ctx"]
+    text = str(signature.replace(parameters=params))
     return re.sub(
         r"'([^']*)'",
         lambda m: (

@@ -10,7 +10,8 @@ Per round, interleaved so that machine load hits both alike:
 - ``rpc``: one RPC carrying a tensor of the model's bytes to each worker (in parallel, the worker
   returns at once), then one ``send()`` of RPCWeightSyncScheme.
 - ``ray``: one ``ray.put`` of a tensor of the model's bytes fetched by each actor and copied into
-  its model, then one ``send()`` of RayWeightSyncScheme to the same actors.
+  its model, then one ``send()`` of RayWeightSyncScheme to the same actors. ``bench_ray_pair``
+  alternates the sends of two models instead (2000 tensors against 1).
 
 A send is timed until every worker applied and acked. Each engine runs in a
 fresh process (torch.distributed.rpc starts once per process).
@@ -160,28 +161,30 @@ def bench_rpc(mb: float, workers: int, rounds: int, tensors: int = 0) -> tuple[l
 
 
 # ------------------------------------------------------------------------ ray
-def bench_ray(mb: float, workers: int, rounds: int, tensors: int = 0) -> tuple[list[float], list[float]]:
+class _RayActor:
+    """An actor holding a model of the benchmark's shape, joined to a scheme (used as ``ray.remote(...)``)."""
+
+    def __init__(self, scheme, idx, mb, tensors):
+        torch.set_num_threads(1)
+        self.model = make_model(mb, tensors)
+        self.flat = torch.nn.utils.parameters_to_vector(self.model.parameters()).detach()
+        scheme.init_on_receiver(model_id="policy", model=self.model, worker_idx=idx)
+        scheme.connect()
+        self.scheme = scheme
+
+    def fetch_and_copy(self, array):
+        self.flat.copy_(torch.from_numpy(array))  # the raw floor: fetch the object, copy it into the model
+        return True
+
+
+def _ray_init(mb: float, workers: int, models: int = 1) -> None:
     import ray
-
-    @ray.remote(num_cpus=0)
-    class Actor:
-        def __init__(self, scheme, idx, mb, tensors):
-            torch.set_num_threads(1)
-            self.model = make_model(mb, tensors)
-            self.flat = torch.nn.utils.parameters_to_vector(self.model.parameters()).detach()
-            scheme.init_on_receiver(model_id="policy", model=self.model, worker_idx=idx)
-            scheme.connect()
-            self.scheme = scheme
-
-        def fetch_and_copy(self, array):
-            self.flat.copy_(torch.from_numpy(array))  # the raw floor: fetch the object, copy it into the model
-            return True
 
     # Up to 1 GiB, Ray's object store touches its pages once, at start-up, instead of whenever it first hands
     # them out: first-touching 100 MB of fresh memory costs 42 ms on this VM (250 ms on other days), and it
     # landed in whichever column drew fresh pages that round (docs/benchmarks.md, "Where the time goes").
     # Touching the 5 GB the 1000 MB case needs outlasts the raylet's start-up timeout.
-    store = max(1 << 30, int(5 * mb * 1e6))  # the floor's object, the scheme's, and room
+    store = max(1 << 30, int((3 * models + 2) * mb * 1e6))  # each scheme's objects, the floor's, and room
     ray.init(
         num_cpus=workers + 1,
         include_dashboard=False,
@@ -189,12 +192,29 @@ def bench_ray(mb: float, workers: int, rounds: int, tensors: int = 0) -> tuple[l
         object_store_memory=store,
         _system_config={"preallocate_plasma_memory": store <= 1 << 30},
     )
+
+
+def _ray_scheme(model: torch.nn.Module, mb: float, workers: int, tensors: int, **options: Any) -> tuple[Any, list]:
+    """A connected RayWeightSyncScheme for ``model``, and its actors (each with a model of the same shape)."""
+    import ray
+
+    actor_class = ray.remote(num_cpus=0)(_RayActor)
+    scheme = ws.RayWeightSyncScheme(timeout=120, **options)
+    actors = [actor_class.remote(scheme, i, mb, tensors) for i in range(workers)]
+    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    scheme.connect()
+    return scheme, actors
+
+
+def bench_ray(
+    mb: float, workers: int, rounds: int, tensors: int = 0, flatten_sender: bool = False
+) -> tuple[list[float], list[float]]:
+    import ray
+
+    _ray_init(mb, workers)
     try:
         model = make_model(mb, tensors)
-        scheme = ws.RayWeightSyncScheme(timeout=120)
-        actors = [Actor.remote(scheme, i, mb, tensors) for i in range(workers)]
-        scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
-        scheme.connect()
+        scheme, actors = _ray_scheme(model, mb, workers, tensors, flatten_sender=flatten_sender)
         payload = torch.randn(sum(p.numel() for p in model.parameters()))
         raw, sends = [], []
         for r in range(rounds + 1):
@@ -209,6 +229,31 @@ def bench_ray(mb: float, workers: int, rounds: int, tensors: int = 0) -> tuple[l
             sends.append(time.perf_counter() - start)
         scheme.shutdown()
         return raw[1:], sends[1:]
+    finally:
+        ray.shutdown()
+
+
+def bench_ray_pair(
+    mb: float, workers: int, rounds: int, tensors: tuple[int, int], **options: Any
+) -> tuple[list[float], list[float]]:
+    """Sends of two models of ``mb`` each (``tensors[i]`` tensors, 0: the MLP), each to actors of its own,
+    alternating in the same rounds (which goes first alternates too), so that load hits both alike."""
+    import ray
+
+    _ray_init(mb, 2 * workers, models=2)
+    try:
+        models = [make_model(mb, t) for t in tensors]
+        schemes = [_ray_scheme(model, mb, workers, t, **options)[0] for model, t in zip(models, tensors)]
+        sends: tuple[list[float], list[float]] = ([], [])
+        for r in range(rounds + 1):
+            for i in (0, 1) if r % 2 == 0 else (1, 0):
+                _perturb(models[i], r)
+                start = time.perf_counter()
+                schemes[i].send()
+                sends[i].append(time.perf_counter() - start)
+        for scheme in schemes:
+            scheme.shutdown()
+        return sends[0][1:], sends[1][1:]
     finally:
         ray.shutdown()
 

@@ -32,6 +32,41 @@ class Collector:
     def receive(self):
         return None if self.scheme.receive() is None else self.scheme.version
 
+    def placement(self) -> tuple[dict, dict, list]:
+        """Each tensor's address less the lowest one's, each address, and the Parameter objects' ids."""
+        flat = self.scheme.strategy.flat(self.model)
+        base = min(t.data_ptr() for t in flat.values())
+        return (
+            {k: t.data_ptr() - base for k, t in flat.items()},
+            {k: t.data_ptr() for k, t in flat.items()},
+            [id(p) for p in self.model.parameters()],
+        )
+
+    def count_writes(self) -> None:
+        """From now on, count the tensor-by-tensor writes of an update and the bindings of the model."""
+        import weightsync.binding
+        import weightsync.schemes.ray
+
+        self.writes = {"tensor_by_tensor": 0, "bind": 0}
+        for module, what in ((weightsync.schemes.ray, "tensor_by_tensor"), (weightsync.binding, "bind")):
+            real = module.write_into
+
+            def counted(dst, src, _real=real, _what=what, **kw):
+                self.writes[_what] += 1
+                return _real(dst, src, **kw)
+
+            module.write_into = counted
+
+    def written(self) -> dict:
+        return dict(self.writes)
+
+    def move_tensor(self) -> None:
+        """Move one tensor off the memory it had, as user code may."""
+        import torch
+
+        weight = self.model.body[0].weight
+        weight.data = torch.zeros_like(weight)
+
     def break_model(self) -> None:
         import torch.nn as nn
 

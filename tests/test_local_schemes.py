@@ -438,14 +438,16 @@ def test_flatten_sender_publishes_the_trainer_model_with_one_copy(monkeypatch, s
     objects kept; each send is then one copy (no tensor-by-tensor write on either side). A trainer tensor
     replaced since is bound anew at the next send; weights passed explicitly are copied tensor by tensor."""
     import weightsync.schemes.local
+    from weightsync.binding import BoundModel
 
-    writes = []
-    real_write_into = weightsync.schemes.local.write_into
+    writes, adopted = [], []  # tensor-by-tensor writes of a send; bindings of the trainer's weights
+    real_write_into, real_adopt = weightsync.schemes.local.write_into, BoundModel.adopt
     monkeypatch.setattr(
         weightsync.schemes.local,
         "write_into",
         lambda dst, src, **kw: writes.append(len(dst)) or real_write_into(dst, src, **kw),
     )
+    monkeypatch.setattr(BoundModel, "adopt", lambda self, *a, **kw: adopted.append(1) or real_adopt(self, *a, **kw))
     model = build("tiny")
     params = dict(model.named_parameters())
     before = {k: v.clone() for k, v in ws.WeightStrategy().flat(model).items()}
@@ -467,26 +469,26 @@ def test_flatten_sender_publishes_the_trainer_model_with_one_copy(monkeypatch, s
         assert receiver.receive(timeout=5) is not None and receiver.version == step
         scheme.wait_async()
 
-    writes.clear()
+    assert adopted == [1]
     for step in (1, 2, 3):
         send(step)
         assert checksum(replica) == checksum(model)
-    assert writes == []  # one copy per send: no tensor-by-tensor write, sender or worker
+    assert writes == [] and adopted == [1]  # one copy per send: no tensor-by-tensor write, sender or worker
 
     model.body[0].weight.data = torch.ones_like(model.body[0].weight)  # the trainer moves a tensor off the buffer
     send(4)
-    assert checksum(replica) == checksum(model) and len(writes) == 1  # bound anew (one copy into the new buffer)
+    assert checksum(replica) == checksum(model) and len(adopted) == 2  # bound anew (one copy into the new buffer)
     send(5)
-    assert checksum(replica) == checksum(model) and len(writes) == 1
+    assert checksum(replica) == checksum(model) and len(adopted) == 2
     weight = model.body[-1].weight
     with torch.no_grad():  # same shape, same first byte, read column-major: what the trainer reads is sent
         weight.as_strided_(weight.shape, (1, weight.shape[0]))
     send(6)
-    assert checksum(replica) == checksum(model) and len(writes) == 2
+    assert checksum(replica) == checksum(model) and len(adopted) == 3 and writes == []
 
     explicit = {k: v + 1 for k, v in scheme.strategy.flat(model).items()}
     send(7, explicit)
-    assert checksum(replica) == checksum(explicit) and len(writes) == 3  # copied tensor by tensor
+    assert checksum(replica) == checksum(explicit) and len(writes) == 1 and len(adopted) == 3  # tensor by tensor
     assert dict(model.named_parameters()) == params
     receiver.shutdown()
     scheme.shutdown()

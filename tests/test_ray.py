@@ -161,6 +161,95 @@ def test_one_object_per_send_whatever_the_number_of_actors(monkeypatch):
         ray.kill(a)
 
 
+@pytest.mark.parametrize("kind", ["bound", "keep_storage", "shared_model", "wire_dtype"])
+def test_actor_model_bound_once_then_updated_whole(kind):
+    """A CPU actor binds its model to one private storage laid out like the payload at the first update; each
+    later update is one copy per buffer into it (no tensor-by-tensor write), the memory staying put. A tensor
+    the user moved is bound anew. keep_storage, a model in shared memory and a wire_dtype are written into
+    tensor by tensor, the model never moved."""
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(
+        timeout=30, keep_storage=kind == "keep_storage", wire_dtype="bfloat16" if kind == "wire_dtype" else None
+    )
+    (actor,) = _joined(scheme, model, n=1, kinds=["tiny_shared" if kind == "shared_model" else "tiny"])
+    _, before, params = ray.get(actor.placement.remote())
+    ray.get(actor.count_writes.remote())
+    scheme.connect()
+    layout = scheme.layout
+    offsets = {s.key: s.offset for s in layout.slots}
+
+    def send_and_check(step: int) -> dict:
+        optimizer_step(model, step)
+        scheme.send()
+        expected = rounded(model, torch.bfloat16) if kind == "wire_dtype" else model
+        assert ray.get(actor.state.remote()) == (step + 1, checksum(expected, "state_dict"))
+        relative, addresses, now = ray.get(actor.placement.remote())
+        assert now == params  # the same Parameter objects
+        if kind == "bound":
+            assert relative == offsets  # every tensor in its place in one storage
+        else:
+            assert addresses == before  # never moved
+        return addresses
+
+    first = send_and_check(0)
+    assert all(send_and_check(step) == first for step in (1, 2, 3))  # the memory stays put
+    bound = kind == "bound"
+    assert ray.get(actor.written.remote()) == {"tensor_by_tensor": 0 if bound else 5, "bind": int(bound)}
+    if bound:
+        assert first != before
+        ray.get(actor.move_tensor.remote())
+        send_and_check(4)
+        send_and_check(5)
+        assert ray.get(actor.written.remote()) == {"tensor_by_tensor": 0, "bind": 2}  # bound anew, once
+    scheme.shutdown()
+    ray.kill(actor)
+
+
+def test_flatten_sender_puts_the_trainer_buffer_as_it_is(monkeypatch):
+    """flatten_sender moves the trainer's tensors into one buffer in the payload layout, values and Parameter
+    objects kept; each send puts that buffer in the store as it is (nothing packed). A trainer tensor moved
+    since is bound anew at the next send; weights passed explicitly are packed as usual."""
+    from weightsync.layout import FlatLayout
+
+    model = build("tiny")
+    params = dict(model.named_parameters())
+    before = checksum(model, "state_dict")
+    scheme = ws.RayWeightSyncScheme(timeout=30, flatten_sender=True)
+    actors = _joined(scheme, model, n=2)
+    layout = scheme.layout
+    flat = scheme.strategy.flat(model)
+    base = flat[layout.slots[0].key].data_ptr()
+    assert {s.key: flat[s.key].data_ptr() - base for s in layout.slots} == {s.key: s.offset for s in layout.slots}
+    assert dict(model.named_parameters()) == params and checksum(model, "state_dict") == before
+    packs, puts = [], []
+    real_pieces, real_put = FlatLayout.pieces, ray.put
+    monkeypatch.setattr(FlatLayout, "pieces", lambda *a, **kw: packs.append(1) or real_pieces(*a, **kw))
+    monkeypatch.setattr(ray, "put", lambda value, **kw: puts.append(value[0]) or real_put(value, **kw))
+    scheme.connect()
+
+    def send(step: int, weights=None) -> None:
+        if weights is None:
+            optimizer_step(model, step)
+        scheme.send(weights)
+        expected = checksum(model if weights is None else weights, "state_dict")
+        assert ray.get([a.state.remote() for a in actors]) == [(step, expected)] * 2
+
+    for step in (1, 2):
+        send(step)
+    model.body[0].weight.data = torch.ones_like(model.body[0].weight)  # the trainer moves a tensor off the buffer
+    send(3)
+    send(4)
+    assert packs == [] and puts == [[(0, len(layout.slots))]] * 5  # every send: the one buffer, as it is
+    send(5, {k: v + 1 for k, v in scheme.strategy.flat(model).items()})
+    assert packs == [1]  # explicit weights: packed
+    assert dict(model.named_parameters()) == params
+    scheme.shutdown()
+    for a in actors:
+        ray.kill(a)
+    with pytest.raises(ws.ConfigurationError, match="flatten_sender .* cannot be combined with wire_dtype='bfloat16'"):
+        ws.RayWeightSyncScheme(flatten_sender=True, wire_dtype="bfloat16")
+
+
 def test_killed_actor_is_named_and_the_others_are_updated():
     model = build("tiny")
     scheme = ws.RayWeightSyncScheme(timeout=20)

@@ -11,17 +11,21 @@ once, not at every update.
 
 from __future__ import annotations
 
+import logging
 import operator
 from typing import TYPE_CHECKING
 
 import torch
 
-from .strategy import write_into
+from .errors import ConfigurationError
+from .strategy import copy_tensors, in_shared_memory, write_into
 
 if TYPE_CHECKING:
     from .layout import FlatLayout
 
 __all__ = ["BoundModel"]
+
+log = logging.getLogger(__name__)
 
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
@@ -41,6 +45,7 @@ class BoundModel:
         self._offsets: list[int] = []
         self._shapes: list[torch.Size] = []
         self._dtypes: list[torch.dtype] = []
+        self._shared_at_first: bool | None = None  # :meth:`load`: whether the model was in shared memory
 
     def holds(self, dst: dict[str, torch.Tensor]) -> bool:
         """Whether ``dst`` (the model's tensors, as walked now) is exactly what was bound: the same keys in the
@@ -86,6 +91,68 @@ class BoundModel:
         self._shapes = [tensor.shape for tensor in self._tensors]
         self._dtypes = [tensor.dtype for tensor in self._tensors]
         return previous
+
+    def load(
+        self,
+        dst: dict[str, torch.Tensor],
+        pieces: list[tuple[int, torch.Tensor]],
+        layout: FlatLayout,
+        held: bool,
+    ) -> bool:
+        """Receiver: copy an update into the model's tensors ``dst`` (checked against ``layout``; ``held``: what
+        :meth:`holds` says of them), one copy per piece whatever the number of tensors. ``pieces``:
+        ``(byte offset in the layout, uint8 buffer)`` covering every tensor (:meth:`FlatLayout.placed`).
+
+        Unless ``held`` (the first update, or a model whose tensors were replaced, moved or reshaped since),
+        the model is first bound to one private storage laid out by ``layout`` (each tensor re-pointed at its
+        view, with the update's values); its memory then stays the same from update to update. Returns
+        ``False``, with nothing done, where the caller must copy tensor by tensor: a tensor off the CPU, a
+        layout that casts (``wire_dtype``), or a model in shared memory at its first update (processes of the
+        receiver's own may read it: it is written into, never moved).
+        """
+        if held:
+            copy_tensors([self.bytes[o : o + b.numel()] for o, b in pieces], [b for _, b in pieces])
+            return True
+        if self._shared_at_first is None:
+            self._shared_at_first = in_shared_memory(dst)
+        if self._shared_at_first or layout.casts or not all(tensor.is_cpu for tensor in dst.values()):
+            return False
+        whole = torch.empty(layout.nbytes, dtype=torch.uint8)  # padding between pieces is never read
+        copy_tensors([whole[o : o + b.numel()] for o, b in pieces], [b for _, b in pieces])
+        self.bind(dst, whole.untyped_storage(), layout)
+        return True
+
+    def adopt(self, flat: dict[str, torch.Tensor], layout: FlatLayout, model_id: str | None = None) -> None:
+        """Sender (``flatten_sender``): move the trainer's tensors ``flat`` (checked against ``layout``, which
+        must not cast) into one zeroed storage laid out by ``layout``, keeping their values and objects.
+
+        Raises:
+            ConfigurationError: a tensor is off the CPU (named); nothing moved.
+        """
+        off_cpu = [key for key, tensor in flat.items() if not tensor.is_cpu]
+        if off_cpu:
+            raise ConfigurationError(
+                f"flatten_sender needs every weight on the CPU; {off_cpu[:3]} are on {flat[off_cpu[0]].device}",
+                model_id=model_id,
+            )
+        whole = torch.zeros(layout.nbytes, dtype=torch.uint8)  # zeroed: padding reaches the workers
+        views = layout.views(whole)
+        write_into(views, flat)
+        self.bind(flat, whole.untyped_storage(), layout, views)
+
+    def published(
+        self, flat: dict[str, torch.Tensor], layout: FlatLayout, held: bool, registered: bool, model_id: str | None
+    ) -> torch.Tensor | None:
+        """Sender (``flatten_sender``): the bytes of the storage the trainer's tensors ``flat`` view, all of
+        them in their place (``held``: what :meth:`holds` says; else the registered model, changed since, is
+        adopted anew); ``None`` where the caller copies tensor by tensor: weights passed explicitly
+        (``registered`` false), or off the CPU."""
+        if not held:
+            if not registered or not all(tensor.is_cpu for tensor in flat.values()):
+                return None
+            log.debug("model %r: the trainer's weights changed since they were bound; binding them anew", model_id)
+            self.adopt(flat, layout, model_id)
+        return self.bytes
 
     def swap(self, storage: torch.UntypedStorage) -> None:
         """Give the bound tensors ``storage``'s memory, and ``storage`` theirs (same size): O(1).

@@ -219,12 +219,23 @@ class FlatLayout:
         copy_tensors(packed_dst, packed_src)  # every run at once: small tensors spread over torch's threads
         return buffers, ranges
 
-    def unpack(self, buffers: list[torch.Tensor], ranges: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
-        """Typed views of every tensor inside the buffers :meth:`pieces` made (checked to fit)."""
+    def whole(self, buffer: torch.Tensor) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+        """``buffer`` (uint8, at least :attr:`nbytes`), which holds every tensor in its place, as the one piece
+        of a payload: what :meth:`pieces` returns, with no copy."""
+        last = self.slots[-1] if self.slots else None
+        return [buffer[: last.offset + last.nbytes if last else 0]], [(0, len(self.slots))]
+
+    def placed(self, buffers: list[torch.Tensor], ranges: list[tuple[int, int]]) -> list[tuple[int, torch.Tensor]]:
+        """Where each buffer :meth:`pieces` made starts in the layout: ``(byte offset, buffer)`` pairs, each
+        buffer checked to hold exactly the bytes of its range of tensors, the ranges to cover every tensor once.
+
+        Raises:
+            ConfigurationError: the payload does not fit the layout.
+        """
         covered = [i for first, last in ranges for i in range(first, last)]
         if len(buffers) != len(ranges) or covered != list(range(len(self.slots))):
             raise ConfigurationError(f"a payload of {len(buffers)} buffers does not cover the layout's tensors")
-        views: dict[str, torch.Tensor] = {}
+        placed: list[tuple[int, torch.Tensor]] = []
         for buffer, (first, last) in zip(buffers, ranges):
             base = self.slots[first].offset
             end = self.slots[last - 1].offset + self.slots[last - 1].nbytes
@@ -232,6 +243,13 @@ class FlatLayout:
                 raise ConfigurationError(
                     f"a payload buffer holds {buffer.numel()} bytes where tensors {first}..{last - 1} need {end - base}"
                 )
+            placed.append((base, buffer))
+        return placed
+
+    def unpack(self, buffers: list[torch.Tensor], ranges: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+        """Typed views of every tensor inside the buffers :meth:`pieces` made (checked to fit: :meth:`placed`)."""
+        views: dict[str, torch.Tensor] = {}
+        for (_, buffer), (first, last) in zip(self.placed(buffers, ranges), ranges):
             views.update(self._views_in(buffer, first, last))
         return views
 

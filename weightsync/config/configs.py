@@ -134,6 +134,11 @@ class RaySchemeConfig(SchemeConfig):
         namespace: Ray namespace.
         wire_dtype: floating weights travel as this dtype (e.g. ``"bfloat16"``), cast back on apply.
         allow_pickle: run on a cluster of several machines, whose peers' messages Ray unpickles.
+        keep_storage: actors copy each update into their model's tensors one by one and never move them;
+            by default a CPU model moves, at its first update, into one buffer laid out like the payload.
+        flatten_sender: the trainer's weights move, at init, into one buffer laid out like the payload (each
+            tensor a view of it), put in the object store as it is: no packing copy. Off by default: it
+            changes the trainer's memory. Not with ``wire_dtype``.
     """
 
     _target_: str = "weightsync.schemes.ray.RayWeightSyncScheme"
@@ -143,6 +148,8 @@ class RaySchemeConfig(SchemeConfig):
     wire_dtype: Optional[str] = None  # noqa: UP045
     checksum: bool = False
     allow_pickle: bool = False
+    keep_storage: bool = False
+    flatten_sender: bool = False
 
 
 @dataclass

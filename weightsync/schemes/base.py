@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..binding import BoundModel
 from ..errors import (
     ConfigurationError,
     InvalidWeightsError,
@@ -35,7 +36,7 @@ from ..errors import (
 from ..layout import FlatLayout
 from ..metrics import SendMetrics, SendRecord
 from ..model_path import resolve_model
-from ..strategy import WeightStrategy, flatten_weights
+from ..strategy import WeightStrategy, check_spec, flatten_weights, weights_spec
 from ..transports.base import TransportBackend
 from ..transports.channel import deadline_after
 
@@ -740,6 +741,24 @@ class WeightSyncScheme:
                 raise InvalidWeightsError(f"weights given as path {weights!r} but no context to resolve it")
             weights = resolve_model(context if context is not None else self._context, weights)
         return strategy.flat(weights) if detach else flatten_weights(weights, strategy.extract_as)
+
+    def _weights_to_send(
+        self, weights: Any, layout: FlatLayout, bound: BoundModel | None = None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """Sender: ``weights`` (``None``: the registered model) as the source's own tensors, checked against
+        ``layout`` (for a caller that copies them out under ``no_grad``); and, with ``bound`` (the trainer's
+        model under ``flatten_sender``), the bytes of the one storage they view, every tensor in its place
+        (``None``: copy them tensor by tensor).
+
+        Raises:
+            WeightMismatchError: the weights do not match ``layout``.
+        """
+        flat = self._flat_weights(weights, detach=False)
+        held = bound is not None and bound.holds(flat)  # exactly as bound: keys, shapes and dtypes hold
+        if not held:
+            check_spec(weights_spec(flat), layout.spec, model_id=self._model_id)
+        whole = None if bound is None else bound.published(flat, layout, held, weights is None, self._model_id)
+        return flat, whole
 
     # ------------------------------------------------------------ the facade
     def get_sender(self) -> WeightSender:

@@ -195,7 +195,9 @@ class LocalScheme(WeightSyncScheme):
         super()._init_sender_impl(**kwargs)
         self._layout = self._sender_layout()
         if self.flatten_sender:
-            self._bind_sender(flatten_weights(self._model, self._strategy.extract_as))
+            self._sender_model.adopt(
+                flatten_weights(self._model, self._strategy.extract_as), self._layout, self._model_id
+            )
         self._authkey = secrets.token_bytes(32)
         self._listener = ChannelListener(self._authkey, address)
         log.debug("model %r: listening on %s for %d workers", self._model_id, self._listener.address, self._num_workers)
@@ -330,47 +332,13 @@ class LocalScheme(WeightSyncScheme):
         newest.readers.add(w)
         return newest
 
-    def _bind_sender(self, flat: dict[str, torch.Tensor]) -> None:
-        """``flatten_sender``: move the trainer's tensors ``flat`` (checked against the layout) into one zeroed
-        storage laid out like the slots, with their values, each tensor now a view of it."""
-        assert self._layout is not None
-        off_cpu = [key for key, tensor in flat.items() if not tensor.is_cpu]
-        if off_cpu:
-            raise ConfigurationError(
-                f"flatten_sender needs every weight on the CPU; {off_cpu[:3]} are on {flat[off_cpu[0]].device}",
-                model_id=self._model_id,
-            )
-        model_bytes = torch.zeros(self._layout.nbytes, dtype=torch.uint8)  # zeroed: padding reaches the workers
-        views = self._layout.views(model_bytes)
-        write_into(views, flat)
-        self._sender_model.bind(flat, model_bytes.untyped_storage(), self._layout, views)
-
-    def _sender_whole(self, flat: dict[str, torch.Tensor], held: bool, registered: bool) -> torch.Tensor | None:
-        """``flatten_sender``: the bytes of the storage the trainer's tensors ``flat`` view, all of them in
-        their place (``held``; else the registered model, changed since, is bound anew); ``None``: copy tensor
-        by tensor."""
-        if not self.flatten_sender:
-            return None
-        if not held:
-            if not registered or not all(tensor.is_cpu for tensor in flat.values()):
-                return None
-            log.debug(
-                "model %r: the trainer's weights changed since they were bound; binding them anew", self._model_id
-            )
-            self._bind_sender(flat)
-        return self._sender_model.bytes
-
     def _send_impl(self, weights: Any, targets: list[int], wait: bool) -> None:
         self.send_to(weights, targets, wait=wait)
 
     def send_to(self, weights: Any, targets: list[int], *, wait: bool) -> None:
         """Publish one new version to ``targets``; wait for their acks when ``wait``."""
-        flat = self._flat_weights(weights, detach=False)  # copied out under no_grad
         assert self._layout is not None
-        held = self.flatten_sender and self._sender_model.holds(flat)  # exactly as bound: keys, shapes, dtypes hold
-        if not held:
-            check_spec(weights_spec(flat), self._layout.spec, model_id=self._model_id)
-        whole = self._sender_whole(flat, held, registered=weights is None)
+        flat, whole = self._weights_to_send(weights, self._layout, self._sender_model if self.flatten_sender else None)
         failures = {w: self._failed[w] for w in targets if w in self._failed}
         live = [w for w in targets if w not in self._failed]
         deadline = deadline_after(self.timeout)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..binding import BoundModel
 from ..errors import (
     ConfigurationError,
     ReceiverError,
@@ -54,6 +55,11 @@ class RayWeightSyncScheme(AckedScheme):
     calls. Each actor copies the update into its own model; the call's
     completion is the ack. Updates to one actor are applied in the order sent.
 
+    An actor whose model is on the CPU moves its tensors, at the first
+    update, into one private buffer laid out like the payload (the Parameter
+    objects stay, each now a view of that buffer), so that every update is
+    one copy per buffer of the payload, whatever the number of tensors.
+
     An actor that died (or was dropped) is taken back with
     :meth:`rejoin`: a new actor for its index, or the same handle once Ray
     restarted it, gets the newest version published. The sender keeps that
@@ -78,6 +84,18 @@ class RayWeightSyncScheme(AckedScheme):
             how it calls functions and moves objects), so on a cluster whose nodes are not all on this
             machine, weights and acks cross the network as pickles: opt in only if every machine of the
             cluster is yours. Off, ``init_on_sender`` refuses a cluster with a node on another machine.
+        keep_storage: actors copy each update into their model's tensors one
+            by one, and never move them. Also what a model off the CPU, in
+            shared memory at its first update (``share_memory()``), or with
+            ``wire_dtype`` (cast back tensor by tensor) gets.
+        flatten_sender: at ``init_on_sender``, the trainer's weights (the
+            registered model; every tensor on the CPU) move into one buffer
+            laid out like the payload: each tensor becomes a view of it, with
+            its values, and the Parameter objects stay. A send then puts that
+            buffer in the object store as it is, where small tensors are
+            otherwise packed first (one more copy of their bytes). Off by
+            default, because it changes the trainer's memory (see the guide);
+            cannot be combined with ``wire_dtype``.
         Other arguments: see :class:`~weightsync.schemes.base.WeightSyncScheme`.
 
     Sender kwargs of ``init_on_sender``: ``remote_collectors=`` or ``actors=``
@@ -101,6 +119,8 @@ class RayWeightSyncScheme(AckedScheme):
         check_finite: bool = False,
         checksum: bool = False,
         allow_pickle: bool = False,
+        keep_storage: bool = False,
+        flatten_sender: bool = False,
     ) -> None:
         super().__init__(
             strategy=strategy,
@@ -116,9 +136,16 @@ class RayWeightSyncScheme(AckedScheme):
         self.address = address
         self.namespace = namespace
         self.allow_pickle = bool(allow_pickle)
+        self.keep_storage = bool(keep_storage)
+        self.flatten_sender = bool(flatten_sender)
+        if self.flatten_sender and wire_dtype is not None:
+            raise ConfigurationError(
+                f"flatten_sender publishes the trainer's weights in their own dtype; it cannot be combined with "
+                f"wire_dtype={wire_dtype!r}"
+            )
 
     def _config_fields(self) -> set[str]:
-        return super()._config_fields() | {"address", "namespace", "allow_pickle"}
+        return super()._config_fields() | {"address", "namespace", "allow_pickle", "keep_storage", "flatten_sender"}
 
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
@@ -126,6 +153,8 @@ class RayWeightSyncScheme(AckedScheme):
         self._staging: torch.Tensor | None = None
         self._staging_views: dict[str, torch.Tensor] = {}
         self._newest: tuple[int, Any] | None = None  # (version, object ref) of the last send, for rejoins
+        #: flatten_sender: the trainer's weights as views of one storage. Receiver: the model, once bound.
+        self._bound = BoundModel()
 
     @property
     def layout(self) -> FlatLayout | None:
@@ -148,6 +177,8 @@ class RayWeightSyncScheme(AckedScheme):
             )
         self._num_workers = len(actors)
         self._layout = self._sender_layout()  # before Ray starts: a missing model fails first
+        if self.flatten_sender:
+            self._bound.adopt(flatten_weights(self._model, self._strategy.extract_as), self._layout, self._model_id)
         self.join_ray()
         self._check_exposure()
         self._transports = {i: self.create_transport(actor=actor, worker_idx=i) for i, actor in enumerate(actors)}
@@ -193,19 +224,21 @@ class RayWeightSyncScheme(AckedScheme):
     def send_to(self, weights: Any, targets: list[int], *, wait: bool, timeout: float | None = None) -> None:
         """Publish one new version to ``targets`` through the object store; wait for their acks when ``wait``."""
         assert self._layout is not None
-        flat = self._flat_weights(weights)
-        check_spec(weights_spec(flat), self._layout.spec, model_id=self._model_id)
+        flat, whole = self._weights_to_send(weights, self._layout, self._bound if self.flatten_sender else None)
         ray = _ray()
         failures = {w: self._failed[w] for w in targets if w in self._failed}
         live = [w for w in targets if w not in self._failed]
         # Take in calls that already finished; failures of earlier async sends are reported with this one.
         self._errors.update(self._collect(list(self._transports), None, {}))
         version = self._next_version
-        if self._staging is None:  # reused by every send; ray.put copies out of it before returning
-            self._staging = torch.empty(self._layout.nbytes, dtype=torch.uint8)
-            self._staging_views = self._layout.views(self._staging)
-        # Large tensors go as they are, small ones packed: ray.put copies each byte once into the store.
-        buffers, ranges = self._layout.pieces(flat, self._staging, DIRECT_MIN_BYTES, self._staging_views)
+        if whole is not None:  # flatten_sender: the weights already lie in one buffer, in their places
+            buffers, ranges = self._layout.whole(whole)
+        else:
+            if self._staging is None:  # reused by every send; ray.put copies out of it before returning
+                self._staging = torch.empty(self._layout.nbytes, dtype=torch.uint8)
+                self._staging_views = self._layout.views(self._staging)
+            # Large tensors go as they are, small ones packed: ray.put copies each byte once into the store.
+            buffers, ranges = self._layout.pieces(flat, self._staging, DIRECT_MIN_BYTES, self._staging_views)
         payload = ray.put((ranges, [b.numpy() for b in buffers], digest(buffers) if self.checksum else None))
         for w in live:
             # The layout travels until the worker has acked once (its first update carries it).
@@ -339,10 +372,15 @@ class RayWeightSyncScheme(AckedScheme):
         if self._layout is None:
             raise ConfigurationError("received an update before the layout", **where)
         dst = flatten_weights(self._model, self._strategy.extract_as)
-        check_spec(self._layout.spec, weights_spec(dst), **where)
-        src = self._layout.unpack(buffers, [tuple(r) for r in ranges])
+        held = self._bound.holds(dst)  # the model exactly as bound: its keys, shapes, dtypes hold
+        if not held:
+            check_spec(self._layout.spec, weights_spec(dst), **where)
+        ranges = [tuple(r) for r in ranges]
+        pieces = self._layout.placed(buffers, ranges)
         with self.weights_lock:
-            write_into(dst, src)
+            # One copy per buffer into the model bound to one storage; tensor by tensor where it cannot be.
+            if self.keep_storage or not self._bound.load(dst, pieces, self._layout, held):
+                write_into(dst, self._layout.unpack(buffers, ranges))
             self._version = version
         return version
 
@@ -354,6 +392,7 @@ class RayWeightSyncScheme(AckedScheme):
             unregister_receiver(self._model_id or "", self)
         self._transports.clear()
         self._newest = None
+        self._bound.forget()
 
 
 class RayModuleTransformSender(WeightSender):

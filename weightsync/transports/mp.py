@@ -16,7 +16,6 @@ import torch
 
 from ..binding import BoundModel
 from ..errors import ConnectionClosedError, ReceiverError, TransportError, WorkerDiedError
-from ..strategy import copy_tensors, in_shared_memory
 from .base import SenderBoundTransport, TransportBackend
 from .channel import Channel
 from .slots import SharedSlot, map_fd
@@ -65,7 +64,6 @@ class MPTransport(SenderBoundTransport, TransportBackend):
         self.closed_by_sender = False
         #: The model's tensors as views of one storage, once bound.
         self.bound = BoundModel()
-        self._model_shared: bool | None = None  # whether the model was in shared memory at its first update
 
     # ------------------------------------------------------------ sender side
     def notify(self, slot: SharedSlot, version: int) -> None:
@@ -176,18 +174,8 @@ class MPTransport(SenderBoundTransport, TransportBackend):
         CPU, or in shared memory at its first update (processes of the worker's own may read it).
         """
         buffer = self.slot_buffers.get(slot)
-        if buffer is None:
+        if buffer is None or not self.bound.load(dst, [(0, buffer)], layout, held):
             return None
-        if held:
-            copy_tensors([self.bound.bytes], [buffer])
-            return self.bound.views
-        if self._model_shared is None:
-            self._model_shared = in_shared_memory(dst)
-        if self._model_shared or not all(tensor.is_cpu for tensor in dst.values()):
-            return None
-        model_bytes = torch.empty(layout.nbytes, dtype=torch.uint8)
-        copy_tensors([model_bytes], [buffer])
-        self.bound.bind(dst, model_bytes.untyped_storage(), layout)
         return self.bound.views
 
     def release_model(self) -> None:

@@ -90,10 +90,14 @@ def worker_storage_switches_unless_kept(scheme, workers, kind="tiny"):
             assert group.ask(w, "state")["policy"] == (step, checksum(model, scheme.strategy.extract_as))
             storages[w].append(group.ask(w, "storage", "policy"))
     for w, seen in storages.items():
+        memory, objects = [m for m, _ in seen], [o for _, o in seen]
         if scheme.keep_storage or kind == "tiny_shared":
             assert len(set(seen)) == 1, f"worker {w} moved its model: {seen}"
         else:  # the buffer of each update is new while the model still holds the one before
-            assert all(a != b for a, b in zip(seen, seen[1:])), f"worker {w} did not switch: {seen}"
+            assert all(a != b for a, b in zip(memory, memory[1:])), f"worker {w} did not switch: {seen}"
+            # ... and reaches the model as new memory behind the storage its tensors were bound to at the first
+            # update (O(1)), not by re-pointing every tensor at a new storage
+            assert len(set(objects)) == 1, f"worker {w} re-pointed its model: {seen}"
     group.stop()
     scheme.shutdown()
 

@@ -149,8 +149,9 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
                         with getattr(s, "weights_lock", None) or threading.RLock():
                             state[mid] = (s.version, checksum(models[mid], extract[mid]))
                     cmd.send(state)
-                elif op == "storage":  # where the model's first parameter lives now
-                    cmd.send(next(models[args[0]].parameters()).untyped_storage().data_ptr())
+                elif op == "storage":  # where the model's first parameter lives now, and its storage object
+                    storage = next(models[args[0]].parameters()).untyped_storage()
+                    cmd.send((storage.data_ptr(), storage._cdata))
                 elif op == "break_model":  # the worker's model changes shape after connect
                     models[args[0]].body[3] = nn.Linear(8, 3)
                     cmd.send("broken")

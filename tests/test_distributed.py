@@ -154,7 +154,16 @@ def test_bucket_size_must_be_positive():
 
 
 @pytest.mark.parametrize("keep", ["no", "keep_storage", "shared_memory"])
-def test_a_cpu_worker_switches_to_the_buffer_each_update_arrived_in_unless_its_storage_must_stay(keep):
+def test_a_cpu_worker_switches_to_the_buffer_each_update_arrived_in_unless_its_storage_must_stay(keep, monkeypatch):
+    """A switching worker's tensors become views of the buffer of its first update, once; later updates swap
+    the memory behind that storage (O(1), no tensor re-pointed), and a tensor the user moved is bound anew."""
+    import weightsync.binding
+
+    binds = []
+    real_write_into = weightsync.binding.write_into
+    monkeypatch.setattr(
+        weightsync.binding, "write_into", lambda dst, src, **kw: binds.append(1) or real_write_into(dst, src, **kw)
+    )
     model = build("tiny")
     scheme = _scheme(sync=False, keep_storage=keep == "keep_storage")
     scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
@@ -178,6 +187,15 @@ def test_a_cpu_worker_switches_to_the_buffer_each_update_arrived_in_unless_its_s
         # Switched: updates land in two buffers in turn, the model reading the newest; kept: never moved.
         assert len(set(storages)) == (2 if keep == "no" else 1)
         assert params["body.0.weight"].is_shared() == (keep == "shared_memory")
+        assert len(binds) == (1 if keep == "no" else 0)  # bound at version 0, then swapped: never re-pointed
+        params["body.3.bias"].data = torch.zeros_like(params["body.3.bias"])  # the user moves one tensor
+        for step in (6, 7):
+            optimizer_step(model, step)
+            scheme.send_async()
+            assert receiver.receive(timeout=10) is not None
+            scheme.wait_async()
+            assert checksum(replica) == checksum(model)
+        assert len(binds) == (2 if keep == "no" else 0)  # bound anew, once
     finally:
         receiver.shutdown()
         scheme.shutdown()

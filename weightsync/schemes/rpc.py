@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..binding import BoundModel
 from ..errors import (
     ConfigurationError,
     ConnectionClosedError,
@@ -74,9 +75,11 @@ class RPCWeightSyncScheme(AckedScheme):
             whose model is on the CPU (and whose weights travel in their own
             dtype) switches its tensors to the buffer the update arrived in
             (a fresh one per message), which saves a copy of the weights per
-            update. The Parameter objects stay; their storage changes. A
-            model in shared memory at ``init_on_receiver``
-            (``share_memory()``) is always copied into.
+            update. At the first update each tensor becomes a view of the
+            buffer (the Parameter objects stay); later updates swap the
+            memory behind that one storage with the new buffer's, O(1)
+            whatever the number of tensors. A model in shared memory at
+            ``init_on_receiver`` (``share_memory()``) is always copied into.
         allow_pickle: let ``master_addr`` be a network address. ``torch.distributed.rpc`` unpickles
             every message its peers send (that is how it calls functions), so an RPC world reachable
             from other machines runs whatever they send: opt in only if every machine that can reach
@@ -155,6 +158,7 @@ class RPCWeightSyncScheme(AckedScheme):
         # Receiver side.
         self._mailbox: Any = None
         self._switch = False  # whether this receiver's model takes each message's buffer (set at connect)
+        self._bound = BoundModel()  # a switching model, as views of one storage
         self._probed_at = 0.0  # when receive() last checked that the sender is still there
 
     @property
@@ -393,11 +397,21 @@ class RPCWeightSyncScheme(AckedScheme):
                 raise ConfigurationError("received an update before the layout", **where)
             check_digest([update.buffer], update.digest, **where)
             dst = flatten_weights(self._model, self._strategy.extract_as)
-            check_spec(self._layout.spec, weights_spec(dst), **where)
+            switch = self._switch and not self._layout.casts
+            held = switch and self._bound.holds(dst)  # the model exactly as bound: keys, shapes, dtypes hold
+            if not held:
+                check_spec(self._layout.spec, weights_spec(dst), **where)
             # A message's buffer is this process's alone (TensorPipe allocates one per message), so a CPU
-            # model can take its storage instead of a copy; the buffer it held before is freed.
+            # model can take its memory instead of a copy; the memory it held before is freed with the buffer.
+            buffer, storage = update.buffer, update.buffer.untyped_storage()
+            whole = buffer.storage_offset() == 0 and storage.nbytes() == buffer.numel() == self._bound.bytes.numel()
             with self.weights_lock:  # weights and version change together for readers holding the lock
-                write_into(dst, self._layout.views(update.buffer), share=self._switch and not self._layout.casts)
+                if held and whole:  # O(1): swap the memory behind the model's one storage with the buffer's
+                    self._bound.swap(storage)
+                elif switch:  # each tensor becomes a view of the buffer (about 1 us a tensor)
+                    self._bound.bind(dst, storage, self._layout, self._layout.views(buffer))
+                else:
+                    write_into(dst, self._layout.views(buffer))
                 self._version = update.version
         except Exception as exc:
             for delivery in taken:
@@ -425,6 +439,7 @@ class RPCWeightSyncScheme(AckedScheme):
     def _shutdown_impl(self) -> None:
         if self.is_receiver:
             drop_mailbox(self._model_id or "")
+            self._bound.forget()
         for w, transport in self._transports.items():
             if w not in self._failed and self._state == SENDER_CONNECTED:
                 transport.close(min(self.timeout, 5.0))

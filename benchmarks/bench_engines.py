@@ -10,8 +10,10 @@ Per round, interleaved so that machine load hits both alike:
 - ``rpc``: one RPC carrying a tensor of the model's bytes to each worker (in parallel, the worker
   returns at once), then one ``send()`` of RPCWeightSyncScheme.
 - ``ray``: one ``ray.put`` of a tensor of the model's bytes fetched by each actor and copied into
-  its model, then one ``send()`` of RayWeightSyncScheme to the same actors. ``bench_ray_pair``
-  alternates the sends of two models instead (2000 tensors against 1).
+  its model, then one ``send()`` of RayWeightSyncScheme to the same actors.
+
+``bench_<engine>_pair`` alternates the sends of two models instead (2000 tensors against 1), each
+scheme with workers of its own (rpc: the same workers, holding both models).
 
 A send is timed until every worker applied and acked. Each engine runs in a
 fresh process (torch.distributed.rpc starts once per process).
@@ -48,10 +50,11 @@ def _dist_worker(scheme, idx, mb, port, cmd, tensors=0) -> None:
     model = make_model(mb, tensors)
     scheme.init_on_receiver(model_id="policy", model=model, worker_idx=idx)
     scheme.connect()
-    store = dist.PrefixStore("raw", dist.TCPStore("127.0.0.1", port, is_master=False))
-    n = scheme.num_workers + 1
-    pg = new_group("gloo", store, idx + 1, n, 120, "127.0.0.1")
-    buf = torch.empty(sum(p.numel() for p in model.parameters()))
+    if port is not None:  # the raw engine's own group, for the floor
+        store = dist.PrefixStore("raw", dist.TCPStore("127.0.0.1", port, is_master=False))
+        n = scheme.num_workers + 1
+        pg = new_group("gloo", store, idx + 1, n, 120, "127.0.0.1")
+        buf = torch.empty(sum(p.numel() for p in model.parameters()))
     while True:
         op = cmd.recv()
         if op == "raw":
@@ -110,22 +113,58 @@ def bench_distributed(
     return raw[1:], sends[1:]  # the first round warms connections up
 
 
+def bench_distributed_pair(
+    mb: float, workers: int, rounds: int, tensors: tuple[int, int], **scheme_kw: Any
+) -> tuple[list[float], list[float]]:
+    """Sends of two models of ``mb`` each (``tensors[i]`` tensors), each scheme with worker processes of its
+    own, alternating in the same rounds (:func:`_alternate`)."""
+    ctx = mp.get_context("spawn")
+    models = [make_model(mb, t) for t in tensors]
+    schemes, pipes, procs = [], [], []
+    for model, t in zip(models, tensors):
+        scheme = ws.DistributedWeightSyncScheme(timeout=120, **scheme_kw)
+        scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
+        ends = [ctx.Pipe() for _ in range(workers)]
+        procs += [ctx.Process(target=_dist_worker, args=(scheme, i, mb, None, ends[i][1], t)) for i in range(workers)]
+        for p in procs[-workers:]:
+            p.start()
+        scheme.connect()
+        schemes.append(scheme)
+        pipes.append([parent for parent, _ in ends])
+
+    def tell(i: int) -> None:
+        for parent in pipes[i]:
+            parent.send("send")
+
+    sends = _alternate(models, schemes, rounds, tell)
+    for parent in pipes[0] + pipes[1]:
+        parent.send("stop")
+    for scheme in schemes:
+        scheme.shutdown()
+    for p in procs:
+        p.join(60)
+    return sends
+
+
 # ------------------------------------------------------------------------ rpc
 def _sink(tensor: torch.Tensor) -> int:
     return tensor.numel()
 
 
-def _rpc_worker(scheme, idx, mb, stop, tensors=0) -> None:
+def _rpc_worker(schemes, idx, mb, stop, tensors) -> None:
+    """Worker ``idx`` of every scheme in ``schemes`` (one RPC world), scheme ``i`` with a model of ``tensors[i]``."""
     torch.set_num_threads(1)
-    model = make_model(mb, tensors)
-    scheme.init_on_receiver(model_id="policy", model=model, worker_idx=idx)
-    scheme.connect()
+    for scheme, t in zip(schemes, tensors):
+        scheme.init_on_receiver(model=make_model(mb, t), worker_idx=idx)
+        scheme.connect()
     while not stop.is_set():
         try:
-            scheme.receive(timeout=0.05)
+            for scheme in schemes:
+                scheme.receive(timeout=0.05 / len(schemes))
         except ws.ConnectionClosedError:
             break
-    scheme.shutdown()
+    for scheme in schemes:
+        scheme.shutdown()
 
 
 def bench_rpc(mb: float, workers: int, rounds: int, tensors: int = 0) -> tuple[list[float], list[float]]:
@@ -138,7 +177,7 @@ def bench_rpc(mb: float, workers: int, rounds: int, tensors: int = 0) -> tuple[l
     scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
-    procs = [ctx.Process(target=_rpc_worker, args=(scheme, i, mb, stop, tensors)) for i in range(workers)]
+    procs = [ctx.Process(target=_rpc_worker, args=([scheme], i, mb, stop, [tensors])) for i in range(workers)]
     for p in procs:
         p.start()
     scheme.connect()
@@ -158,6 +197,31 @@ def bench_rpc(mb: float, workers: int, rounds: int, tensors: int = 0) -> tuple[l
     for p in procs:
         p.join(60)
     return raw[1:], sends[1:]
+
+
+def bench_rpc_pair(
+    mb: float, workers: int, rounds: int, tensors: tuple[int, int], **options: Any
+) -> tuple[list[float], list[float]]:
+    """Sends of two models of ``mb`` each (``tensors[i]`` tensors) to the same worker processes, each holding
+    both models (one RPC world per process), alternating in the same rounds (:func:`_alternate`)."""
+    models = [make_model(mb, t) for t in tensors]
+    schemes = [ws.RPCWeightSyncScheme(timeout=120, **options) for _ in tensors]
+    for i, (scheme, model) in enumerate(zip(schemes, models)):
+        scheme.init_on_sender(model_id=f"policy{i}", model=model, num_workers=workers)
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=_rpc_worker, args=(schemes, i, mb, stop, tensors)) for i in range(workers)]
+    for p in procs:
+        p.start()
+    for scheme in schemes:
+        scheme.connect()
+    sends = _alternate(models, schemes, rounds)
+    stop.set()
+    for scheme in schemes:
+        scheme.shutdown()
+    for p in procs:
+        p.join(60)
+    return sends
 
 
 # ------------------------------------------------------------------------ ray
@@ -206,15 +270,13 @@ def _ray_scheme(model: torch.nn.Module, mb: float, workers: int, tensors: int, *
     return scheme, actors
 
 
-def bench_ray(
-    mb: float, workers: int, rounds: int, tensors: int = 0, flatten_sender: bool = False
-) -> tuple[list[float], list[float]]:
+def bench_ray(mb: float, workers: int, rounds: int, tensors: int = 0) -> tuple[list[float], list[float]]:
     import ray
 
     _ray_init(mb, workers)
     try:
         model = make_model(mb, tensors)
-        scheme, actors = _ray_scheme(model, mb, workers, tensors, flatten_sender=flatten_sender)
+        scheme, actors = _ray_scheme(model, mb, workers, tensors)
         payload = torch.randn(sum(p.numel() for p in model.parameters()))
         raw, sends = [], []
         for r in range(rounds + 1):
@@ -244,21 +306,31 @@ def bench_ray_pair(
     try:
         models = [make_model(mb, t) for t in tensors]
         schemes = [_ray_scheme(model, mb, workers, t, **options)[0] for model, t in zip(models, tensors)]
-        sends: tuple[list[float], list[float]] = ([], [])
-        for r in range(rounds + 1):
-            for i in (0, 1) if r % 2 == 0 else (1, 0):
-                _perturb(models[i], r)
-                start = time.perf_counter()
-                schemes[i].send()
-                sends[i].append(time.perf_counter() - start)
+        sends = _alternate(models, schemes, rounds)
         for scheme in schemes:
             scheme.shutdown()
-        return sends[0][1:], sends[1][1:]
+        return sends
     finally:
         ray.shutdown()
 
 
 # ---------------------------------------------------------------------- main
+def _alternate(models: list, schemes: list, rounds: int, before_send: Any = None) -> tuple[list[float], list[float]]:
+    """Time ``schemes[i].send()`` of ``models[i]`` for both, alternating in every round (which goes first
+    alternates too) so that load hits both alike; ``before_send(i)`` runs untimed before each. The first
+    round warms connections up and is left out."""
+    sends: tuple[list[float], list[float]] = ([], [])
+    for r in range(rounds + 1):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
+            _perturb(models[i], r)
+            if before_send is not None:
+                before_send(i)
+            start = time.perf_counter()
+            schemes[i].send()
+            sends[i].append(time.perf_counter() - start)
+    return sends[0][1:], sends[1][1:]
+
+
 def _perturb(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for p in model.parameters():

@@ -40,7 +40,7 @@ PLOT = ROOT / "docs" / "benchmarks.png"
 BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
 LOCAL = ["shared_mem", "multiprocess"]
 ENGINES = ["distributed", "rpc", "ray"]
-FLATTEN_SENDER = ["shared_mem", "multiprocess", "ray"]  # the schemes with that option
+FLATTEN_SENDER = ["shared_mem", "multiprocess", "distributed", "rpc", "ray"]  # the schemes with that option
 CASES = ["floors", "tensors", "small", "scaling", "memory", "wire", "checksum", "plot"]
 
 
@@ -56,9 +56,8 @@ def local_run(
     return {"sends": sends, "floor": copies, "nbytes": nbytes, **memory}
 
 
-def engine_run(engine: str, mb: float, workers: int, rounds: int, tensors: int = 0, **options: Any) -> dict[str, Any]:
-    """``options``: the scheme's own (only where its ``bench_<engine>`` takes them)."""
-    raw, sends = getattr(bench_engines, f"bench_{engine}")(mb, workers, rounds, tensors, **options)
+def engine_run(engine: str, mb: float, workers: int, rounds: int, tensors: int = 0) -> dict[str, Any]:
+    raw, sends = getattr(bench_engines, f"bench_{engine}")(mb, workers, rounds, tensors)
     return {"sends": sends, "floor": raw}
 
 
@@ -154,25 +153,18 @@ def case_floors(args: argparse.Namespace) -> list[Row]:
 
 
 def tensors_row(args: argparse.Namespace, scheme: str, flatten_sender: bool = False) -> Row:
-    """A model of 2000 tensors against one of 1 tensor, ``args.mb`` each, both with ``flatten_sender`` or not."""
-    same = ", same option" if flatten_sender else ""
-    options = {"flatten_sender": True} if flatten_sender else {}
-    if scheme in LOCAL or scheme == "ray":  # the two models' sends alternate in one run
-        if scheme == "ray":
-            pair = (bench_engines.bench_ray_pair, args.mb, args.workers, args.rounds, (2000, 1))
-            many_sends, one_sends = isolated(*pair, **options)
-        else:
-            many_sends, one_sends = isolated(tensors_run, scheme, args.mb, args.workers, args.rounds, flatten_sender)
-        many, one = med(many_sends), med(one_sends)
-        ratio, how = many / one, f"1 tensor, same rounds{same}"
-    else:  # separate runs, each send taken against its own run's raw engine, so the loads cancel
-        got_many = isolated(engine_run, scheme, args.mb, args.workers, args.rounds, 2000, **options)
-        got_one = isolated(engine_run, scheme, args.mb, args.workers, args.rounds, 1, **options)
-        many, one = med(got_many["sends"]), med(got_one["sends"])
-        ratio = (many / med(got_many["floor"])) / (one / med(got_one["floor"]))
-        how = f"1 tensor; each against its own run's raw engine{same}"
+    """A model of 2000 tensors against one of 1 tensor, ``args.mb`` each, both with ``flatten_sender`` or not;
+    the two models' sends alternate in the same rounds (two schemes in one process)."""
+    if scheme in LOCAL:
+        pair = isolated(tensors_run, scheme, args.mb, args.workers, args.rounds, flatten_sender)
+    else:
+        options = {"flatten_sender": True} if flatten_sender else {}
+        bench = getattr(bench_engines, f"bench_{scheme}_pair")
+        pair = isolated(bench, args.mb, args.workers, args.rounds, (2000, 1), **options)
+    many, one = (med(sends) for sends in pair)
+    how = "1 tensor, same rounds" + (", same option" if flatten_sender else "")
     case = f"{scheme}, flatten_sender: 2000 tensors vs 1" if flatten_sender else f"{scheme}: 2000 tensors vs 1"
-    return Row(case, f"{many:.2f} ms", f"{one:.2f} ms ({how})", ratio, 1.2)
+    return Row(case, f"{many:.2f} ms", f"{one:.2f} ms ({how})", many / one, 1.2)
 
 
 def case_tensors(args: argparse.Namespace) -> list[Row]:

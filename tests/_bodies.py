@@ -102,6 +102,54 @@ def worker_storage_switches_unless_kept(scheme, workers, kind="tiny"):
     scheme.shutdown()
 
 
+def flatten_sender_copies_one_buffer(scheme, workers):
+    """flatten_sender: the trainer's weights move into one buffer at init (values and Parameter objects kept);
+    each send then copies that buffer whole, with no tensor-by-tensor write. A trainer tensor moved since is
+    bound anew at the next send; weights passed explicitly are copied tensor by tensor."""
+    import importlib
+
+    from weightsync.binding import BoundModel
+
+    module = importlib.import_module(type(scheme).__module__)
+    writes, adopted = [], []  # the sender's tensor-by-tensor writes; bindings of the trainer's weights
+    real_write_into, real_adopt = module.write_into, BoundModel.adopt
+    module.write_into = lambda dst, src, **kw: writes.append(len(dst)) or real_write_into(dst, src, **kw)
+    BoundModel.adopt = lambda self, *a, **kw: adopted.append(1) or real_adopt(self, *a, **kw)
+    try:
+        extract = scheme.strategy.extract_as
+        model = build("tiny")
+        params, before = dict(model.named_parameters()), checksum(model, extract)
+        scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+        layout, flat = scheme.layout, scheme.strategy.flat(model)
+        base = flat[layout.slots[0].key].data_ptr()
+        assert {s.key: flat[s.key].data_ptr() - base for s in layout.slots} == {s.key: s.offset for s in layout.slots}
+        assert adopted == [1] and dict(model.named_parameters()) == params and checksum(model, extract) == before
+        group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"})
+
+        def send(step: int, weights=None) -> None:
+            if weights is None:
+                optimizer_step(model, step)
+            scheme.send(weights)
+            expected = checksum(model if weights is None else weights, extract)
+            for w in range(2):
+                assert group.ask(w, "state")["policy"] == (step, expected), f"worker {w} after send {step}"
+
+        send(1)
+        send(2)
+        assert writes == [] and adopted == [1]  # each send: one copy of the one buffer
+        model.body[0].weight.data = torch.ones_like(model.body[0].weight)  # the trainer moves a tensor off it
+        send(3)
+        send(4)
+        assert writes == [] and adopted == [1, 1]  # bound anew, once
+        send(5, {k: v + 1 for k, v in scheme.strategy.flat(model).items()})
+        assert len(writes) >= 1 and adopted == [1, 1]  # explicit weights: tensor by tensor
+        assert dict(model.named_parameters()) == params
+        group.stop()
+        scheme.shutdown()
+    finally:
+        module.write_into, BoundModel.adopt = real_write_into, real_adopt
+
+
 def shared_memory_worker_is_written_into(scheme, workers):
     worker_storage_switches_unless_kept(scheme, workers, kind="tiny_shared")
 

@@ -27,6 +27,11 @@ def test_killed_rank_is_named_and_the_others_are_served(workers):
     bodies.killed_worker_is_named_and_the_others_are_served(_scheme(), workers)
 
 
+@pytest.mark.parametrize("bucket_mb", [None, 0.0003])
+def test_flatten_sender_copies_one_buffer_per_bucket(workers, bucket_mb):
+    bodies.flatten_sender_copies_one_buffer(_scheme(flatten_sender=True, bucket_mb=bucket_mb), workers)
+
+
 def test_mismatching_worker_is_refused_before_any_byte_moves(workers):
     bodies.mismatching_worker_is_refused_by_name(_scheme(), workers)
 

@@ -195,7 +195,8 @@ def test_benchmark_suite_prints_every_case_against_its_target_and_plots(tmp_path
         "| distributed, 1 MB |",
         "| shared_mem: 2000 tensors vs 1 |",  # two senders alternating in one process
         "| shared_mem, flatten_sender: 2000 tensors vs 1 |",
-        "| distributed: 2000 tensors vs 1 |",  # each run against its own raw engine
+        "| distributed: 2000 tensors vs 1 |",  # two schemes, each with its worker processes, alternating
+        "| distributed, flatten_sender: 2000 tensors vs 1 |",
         "| shared_mem, 1 MB, 1 -> 8 workers |",
         "| shared_mem: sender's extra memory, 2 workers |",
         "| distributed | ",

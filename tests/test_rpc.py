@@ -41,6 +41,7 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str
         "worker_storage_switches_unless_kept",
         "worker_storage_switches_unless_kept::keep_storage=1",
         "shared_memory_worker_is_written_into",
+        "flatten_sender_copies_one_buffer::flatten_sender=1",
         "bad_weights_fail_in_the_caller_and_send_nothing:tensordict",
         "killed_worker_is_named_and_the_others_are_served",
         "mismatching_worker_is_refused_by_name",

@@ -2,11 +2,13 @@
 
 Once every tensor of a model is a view of one storage, in the place the
 :class:`~weightsync.layout.FlatLayout` gives it, an update reaches all of them
-at once, whatever their number: one copy into that storage (multiprocess), or
-one swap of the memory behind it (shared_mem); and a sender bound that way
-(``flatten_sender``) publishes with one copy out of it. Binding re-points each tensor
-(``tensor.data = view``: about 1.2 us a tensor, 2.4 ms for 2000), which is paid
-once, not at every update.
+at once, whatever their number: one copy into that storage per buffer of the
+update (multiprocess workers, Ray actors), or one swap of the memory behind it
+with the buffer the update is in (shared_mem, and the distributed and rpc
+workers that take each update's buffer); and a sender bound that way
+(``flatten_sender``) publishes with one copy out of it, or none (Ray). Binding
+re-points each tensor (``tensor.data = view``: about 1.2 us a tensor, 2.4 ms
+for 2000), which is paid once, not at every update.
 """
 
 from __future__ import annotations

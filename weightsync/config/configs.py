@@ -172,6 +172,9 @@ class RPCSchemeConfig(SchemeConfig):
         keep_storage: workers copy each update into their model's own memory; by default a CPU model
             switches to the buffer the update arrived in (one copy fewer).
         allow_pickle: let ``master_addr`` be a network address, whose peers' messages RPC unpickles.
+        flatten_sender: the trainer's weights move, at init, into one buffer laid out like the payload (each
+            tensor a view of it), so a send copies one buffer into staging. Off by default: it changes the
+            trainer's memory. Not with ``wire_dtype``.
     """
 
     _target_: str = "weightsync.schemes.rpc.RPCWeightSyncScheme"
@@ -184,6 +187,7 @@ class RPCSchemeConfig(SchemeConfig):
     keep_storage: bool = False
     checksum: bool = False
     allow_pickle: bool = False
+    flatten_sender: bool = False
 
 
 @dataclass
@@ -201,6 +205,9 @@ class DistributedSchemeConfig(SchemeConfig):
             one is on the wire (``None``: one message).
         keep_storage: workers copy each update into their model's own memory; by default a CPU model
             switches to the buffer the update arrived in (one copy fewer, same memory).
+        flatten_sender: the trainer's weights move, at init, into one buffer laid out like the payload (each
+            tensor a view of it), so a send copies one buffer into staging. Off by default: it changes the
+            trainer's memory. CPU weights only, not with ``wire_dtype``.
     """
 
     _target_: str = "weightsync.schemes.distributed.DistributedWeightSyncScheme"
@@ -213,6 +220,7 @@ class DistributedSchemeConfig(SchemeConfig):
     bucket_mb: Optional[float] = None  # noqa: UP045
     keep_storage: bool = False
     checksum: bool = False
+    flatten_sender: bool = False
 
 
 # --------------------------------------------------------------- transports

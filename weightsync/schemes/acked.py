@@ -6,9 +6,10 @@ from typing import Any
 
 import torch
 
-from ..errors import WeightSyncError, raise_failures
+from ..binding import BoundModel
+from ..errors import ConfigurationError, WeightSyncError, raise_failures
 from ..layout import FlatLayout, wire_dtype_from_name
-from ..strategy import WeightStrategy
+from ..strategy import WeightStrategy, flatten_weights
 from ..transports.channel import deadline_after
 from .base import WeightSyncScheme
 
@@ -27,6 +28,14 @@ class AckedScheme(WeightSyncScheme):
             before applying; a corrupted or truncated payload is refused with
             :class:`~weightsync.errors.IntegrityError`. Off by default (see the
             benchmarks for its cost).
+        flatten_sender: at ``init_on_sender``, the trainer's weights (the
+            registered model; every tensor on the CPU) move into one buffer
+            laid out like the payload: each tensor becomes a view of it, with
+            its values, and the Parameter objects stay. A send then copies (or
+            puts) that one buffer, where copying the tensors one by one costs
+            dispatch and memory bandwidth per tensor. Off by default, because
+            it changes the trainer's memory (see the guide); cannot be
+            combined with ``wire_dtype``.
         Other arguments: see :class:`~weightsync.schemes.base.WeightSyncScheme`.
 
     Subclasses implement ``send_to(weights, targets, wait=..., timeout=...)`` and
@@ -46,6 +55,7 @@ class AckedScheme(WeightSyncScheme):
         max_staleness: int | None = None,
         check_finite: bool = False,
         checksum: bool = False,
+        flatten_sender: bool = False,
     ) -> None:
         super().__init__(
             strategy=strategy,
@@ -59,9 +69,15 @@ class AckedScheme(WeightSyncScheme):
         wire_dtype_from_name(wire_dtype)  # a bad name fails here, not at connect
         self.wire_dtype = wire_dtype
         self.checksum = bool(checksum)
+        self.flatten_sender = bool(flatten_sender)
+        if self.flatten_sender and wire_dtype is not None:
+            raise ConfigurationError(
+                f"flatten_sender publishes the trainer's weights in their own dtype; it cannot be combined with "
+                f"wire_dtype={wire_dtype!r}"
+            )
 
     def _config_fields(self) -> set[str]:
-        return super()._config_fields() | {"wire_dtype", "checksum"}
+        return super()._config_fields() | {"wire_dtype", "checksum", "flatten_sender"}
 
     def _sender_layout(self, wire_dtype: torch.dtype | None = None) -> FlatLayout:
         return super()._sender_layout(wire_dtype or wire_dtype_from_name(self.wire_dtype))
@@ -69,6 +85,18 @@ class AckedScheme(WeightSyncScheme):
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
         self._next_version = 0
+        #: Sender under flatten_sender: the trainer's weights as views of one storage. Receiver: its model, once
+        #: bound (each scheme says how it uses it).
+        self._bound = BoundModel()
+
+    def _adopt_sender_model(self, layout: FlatLayout) -> None:
+        """Sender, at init: ``flatten_sender`` moves the registered model into one buffer laid out by ``layout``."""
+        if self.flatten_sender:
+            self._bound.adopt(flatten_weights(self._model, self._strategy.extract_as), layout, self._model_id)
+
+    def _sender_weights(self, weights: Any, layout: FlatLayout) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """:meth:`_weights_to_send` with the trainer's bound model under ``flatten_sender``."""
+        return self._weights_to_send(weights, layout, self._bound if self.flatten_sender else None)
 
     def send_to(self, weights: Any, targets: list[int], *, wait: bool, timeout: float | None = None) -> None:
         raise NotImplementedError

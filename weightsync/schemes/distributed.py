@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..binding import BoundModel
 from ..errors import (
     ConfigurationError,
     ConnectionClosedError,
@@ -25,7 +24,15 @@ from ..errors import (
 )
 from ..integrity import check_digest, digest, digest_device_check
 from ..layout import FlatLayout
-from ..strategy import WeightStrategy, check_spec, flatten_weights, in_shared_memory, weights_spec, write_into
+from ..strategy import (
+    WeightStrategy,
+    check_spec,
+    copy_tensors,
+    flatten_weights,
+    in_shared_memory,
+    weights_spec,
+    write_into,
+)
 from ..transports.channel import deadline_after, process_identity, process_is_gone, remaining
 from ..transports.distributed import (
     ACK_OK,
@@ -120,6 +127,7 @@ class DistributedWeightSyncScheme(AckedScheme):
         max_staleness: int | None = None,
         check_finite: bool = False,
         checksum: bool = False,
+        flatten_sender: bool = False,
     ) -> None:
         super().__init__(
             strategy=strategy,
@@ -131,6 +139,7 @@ class DistributedWeightSyncScheme(AckedScheme):
             max_staleness=max_staleness,
             check_finite=check_finite,
             checksum=checksum,
+            flatten_sender=flatten_sender,
         )
         if backend not in ("gloo", "nccl"):
             raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -184,7 +193,6 @@ class DistributedWeightSyncScheme(AckedScheme):
         self._recv_views: list[dict[str, torch.Tensor]] = []
         self._recv_at = 0
         self._switch = False  # whether this receiver's model switches to the received buffer
-        self._bound = BoundModel()  # a switching model, as views of one storage
         self._closed = False
 
     def _check_backend(self) -> None:
@@ -218,6 +226,7 @@ class DistributedWeightSyncScheme(AckedScheme):
         if self._num_workers is None:
             raise ConfigurationError("DistributedWeightSyncScheme.init_on_sender needs num_workers=")
         self._layout = self._sender_layout()
+        self._adopt_sender_model(self._layout)
         self._buckets = self._layout.buckets(self._bucket_bytes)
         host, port = resolve_master(self.master_addr, self.master_port)
         self._base_store, port, _ = open_store(host, port, self.connect_timeout)
@@ -312,8 +321,7 @@ class DistributedWeightSyncScheme(AckedScheme):
     ) -> None:
         """Publish one new version to ``targets``: one copy into a staging buffer, one send per worker."""
         assert self._layout is not None
-        flat = self._flat_weights(weights, detach=False)  # copied out under no_grad
-        check_spec(weights_spec(flat), self._layout.spec, model_id=self._model_id)
+        flat, whole = self._sender_weights(weights, self._layout)  # copied out under no_grad
         deadline = deadline_after(self.timeout if timeout is None else timeout)
         version = self._next_version
         self._errors.update(self._collect(sorted(self._transports), None, {}))  # earlier async sends' outcomes
@@ -344,7 +352,10 @@ class DistributedWeightSyncScheme(AckedScheme):
         if staging.views is None:
             staging.views = self._layout.views(staging.tensor)
         for first, last, start, end in self._buckets:
-            write_into({s.key: staging.views[s.key] for s in self._layout.slots[first:last]}, flat)
+            if whole is not None:  # flatten_sender: the bucket's bytes already lie in one buffer, in place
+                copy_tensors([staging.tensor[start:end]], [whole[start:end]])
+            else:
+                write_into({s.key: staging.views[s.key] for s in self._layout.slots[first:last]}, flat)
             for w in list(sending):
                 try:
                     staging.readers[w].append(self._transports[w].send_part(staging.tensor[start:end]))

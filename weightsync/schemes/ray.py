@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from ..binding import BoundModel
 from ..errors import (
     ConfigurationError,
     ReceiverError,
@@ -132,20 +131,15 @@ class RayWeightSyncScheme(AckedScheme):
             max_staleness=max_staleness,
             check_finite=check_finite,
             checksum=checksum,
+            flatten_sender=flatten_sender,
         )
         self.address = address
         self.namespace = namespace
         self.allow_pickle = bool(allow_pickle)
         self.keep_storage = bool(keep_storage)
-        self.flatten_sender = bool(flatten_sender)
-        if self.flatten_sender and wire_dtype is not None:
-            raise ConfigurationError(
-                f"flatten_sender publishes the trainer's weights in their own dtype; it cannot be combined with "
-                f"wire_dtype={wire_dtype!r}"
-            )
 
     def _config_fields(self) -> set[str]:
-        return super()._config_fields() | {"address", "namespace", "allow_pickle", "keep_storage", "flatten_sender"}
+        return super()._config_fields() | {"address", "namespace", "allow_pickle", "keep_storage"}
 
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
@@ -153,8 +147,6 @@ class RayWeightSyncScheme(AckedScheme):
         self._staging: torch.Tensor | None = None
         self._staging_views: dict[str, torch.Tensor] = {}
         self._newest: tuple[int, Any] | None = None  # (version, object ref) of the last send, for rejoins
-        #: flatten_sender: the trainer's weights as views of one storage. Receiver: the model, once bound.
-        self._bound = BoundModel()
 
     @property
     def layout(self) -> FlatLayout | None:
@@ -177,8 +169,7 @@ class RayWeightSyncScheme(AckedScheme):
             )
         self._num_workers = len(actors)
         self._layout = self._sender_layout()  # before Ray starts: a missing model fails first
-        if self.flatten_sender:
-            self._bound.adopt(flatten_weights(self._model, self._strategy.extract_as), self._layout, self._model_id)
+        self._adopt_sender_model(self._layout)
         self.join_ray()
         self._check_exposure()
         self._transports = {i: self.create_transport(actor=actor, worker_idx=i) for i, actor in enumerate(actors)}
@@ -224,7 +215,7 @@ class RayWeightSyncScheme(AckedScheme):
     def send_to(self, weights: Any, targets: list[int], *, wait: bool, timeout: float | None = None) -> None:
         """Publish one new version to ``targets`` through the object store; wait for their acks when ``wait``."""
         assert self._layout is not None
-        flat, whole = self._weights_to_send(weights, self._layout, self._bound if self.flatten_sender else None)
+        flat, whole = self._sender_weights(weights, self._layout)
         ray = _ray()
         failures = {w: self._failed[w] for w in targets if w in self._failed}
         live = [w for w in targets if w not in self._failed]

@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from ..binding import BoundModel
 from ..errors import (
     ConfigurationError,
     ConnectionClosedError,
@@ -20,7 +19,15 @@ from ..errors import (
 )
 from ..integrity import check_digest, digest
 from ..layout import FlatLayout
-from ..strategy import WeightStrategy, check_spec, flatten_weights, in_shared_memory, weights_spec, write_into
+from ..strategy import (
+    WeightStrategy,
+    check_spec,
+    copy_tensors,
+    flatten_weights,
+    in_shared_memory,
+    weights_spec,
+    write_into,
+)
 from ..transports.channel import deadline_after, remaining
 from ..transports.distributed import first_line, is_loopback, resolve_master
 from ..transports.rpc import (
@@ -107,6 +114,7 @@ class RPCWeightSyncScheme(AckedScheme):
         check_finite: bool = False,
         checksum: bool = False,
         allow_pickle: bool = False,
+        flatten_sender: bool = False,
     ) -> None:
         super().__init__(
             strategy=strategy,
@@ -118,6 +126,7 @@ class RPCWeightSyncScheme(AckedScheme):
             max_staleness=max_staleness,
             check_finite=check_finite,
             checksum=checksum,
+            flatten_sender=flatten_sender,
         )
         if isinstance(max_buffers, bool) or not isinstance(max_buffers, int) or max_buffers < 1:
             raise ConfigurationError(f"max_buffers must be a positive int, got {max_buffers!r}")
@@ -158,7 +167,6 @@ class RPCWeightSyncScheme(AckedScheme):
         # Receiver side.
         self._mailbox: Any = None
         self._switch = False  # whether this receiver's model takes each message's buffer (set at connect)
-        self._bound = BoundModel()  # a switching model, as views of one storage
         self._probed_at = 0.0  # when receive() last checked that the sender is still there
 
     @property
@@ -189,6 +197,7 @@ class RPCWeightSyncScheme(AckedScheme):
         if self._num_workers is None:
             raise ConfigurationError("RPCWeightSyncScheme.init_on_sender needs num_workers= (or worker_names=)")
         self._layout = self._sender_layout()
+        self._adopt_sender_model(self._layout)
         if names is None:
             master = resolve_master(self.master_addr, self.master_port)
             self._check_exposure(master[0], model_id=self._model_id)
@@ -225,8 +234,7 @@ class RPCWeightSyncScheme(AckedScheme):
     def send_to(self, weights: Any, targets: list[int], *, wait: bool, timeout: float | None = None) -> None:
         """Publish one new version to ``targets``: one copy into a staging buffer, one RPC per worker."""
         assert self._layout is not None
-        flat = self._flat_weights(weights, detach=False)  # copied out under no_grad
-        check_spec(weights_spec(flat), self._layout.spec, model_id=self._model_id)
+        flat, whole = self._sender_weights(weights, self._layout)  # copied out under no_grad
         deadline = deadline_after(self.timeout if timeout is None else timeout)
         version = self._next_version
         self._errors.update(self._collect(sorted(self._transports), None, {}))
@@ -239,7 +247,10 @@ class RPCWeightSyncScheme(AckedScheme):
         staging = self._pool.acquire(deadline, model_id=self._model_id, version=version)
         if staging.views is None:  # typed views of a staging buffer are made once, not per send
             staging.views = self._layout.views(staging.tensor)
-        write_into(staging.views, flat)
+        if whole is not None:  # flatten_sender: the weights already lie in one buffer, in their places
+            copy_tensors([staging.tensor], [whole])
+        else:
+            write_into(staging.views, flat)
         payload_digest = digest([staging.tensor]) if self.checksum else None
         for w in live:
             transport = self._transports[w]

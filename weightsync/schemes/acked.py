@@ -6,10 +6,9 @@ from typing import Any
 
 import torch
 
-from ..binding import BoundModel
 from ..errors import ConfigurationError, WeightSyncError, raise_failures
 from ..layout import FlatLayout, wire_dtype_from_name
-from ..strategy import WeightStrategy, flatten_weights
+from ..strategy import WeightStrategy
 from ..transports.channel import deadline_after
 from .base import WeightSyncScheme
 
@@ -85,18 +84,6 @@ class AckedScheme(WeightSyncScheme):
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
         self._next_version = 0
-        #: Sender under flatten_sender: the trainer's weights as views of one storage. Receiver: its model, once
-        #: bound (each scheme says how it uses it).
-        self._bound = BoundModel()
-
-    def _adopt_sender_model(self, layout: FlatLayout) -> None:
-        """Sender, at init: ``flatten_sender`` moves the registered model into one buffer laid out by ``layout``."""
-        if self.flatten_sender:
-            self._bound.adopt(flatten_weights(self._model, self._strategy.extract_as), layout, self._model_id)
-
-    def _sender_weights(self, weights: Any, layout: FlatLayout) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-        """:meth:`_weights_to_send` with the trainer's bound model under ``flatten_sender``."""
-        return self._weights_to_send(weights, layout, self._bound if self.flatten_sender else None)
 
     def send_to(self, weights: Any, targets: list[int], *, wait: bool, timeout: float | None = None) -> None:
         raise NotImplementedError

@@ -80,6 +80,8 @@ class WeightSyncScheme:
     backend: ClassVar[str] = ""
     #: Receivers must say which worker they are before connecting.
     needs_worker_idx: ClassVar[bool] = True
+    #: The trainer's weights move into one buffer at init (the schemes that take the option set it).
+    flatten_sender = False
 
     def __init__(
         self,
@@ -133,6 +135,9 @@ class WeightSyncScheme:
         # Receiver side: readers holding weights_lock see weights and version change together.
         self._reported_version: int | None = None
         self.weights_lock = threading.RLock()
+        #: Sender under ``flatten_sender``: the trainer's weights as views of one storage. Receivers of the
+        #: network schemes: their model, once bound (each scheme says how it uses it).
+        self._bound = BoundModel()
 
     # ------------------------------------------------------------------ state
     @property
@@ -742,23 +747,26 @@ class WeightSyncScheme:
             weights = resolve_model(context if context is not None else self._context, weights)
         return strategy.flat(weights) if detach else flatten_weights(weights, strategy.extract_as)
 
-    def _weights_to_send(
-        self, weights: Any, layout: FlatLayout, bound: BoundModel | None = None
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    def _adopt_sender_model(self, layout: FlatLayout) -> None:
+        """Sender, at init: ``flatten_sender`` moves the registered model into one buffer laid out by ``layout``."""
+        if self.flatten_sender:
+            self._bound.adopt(flatten_weights(self._model, self._strategy.extract_as), layout, self._model_id)
+
+    def _sender_weights(self, weights: Any, layout: FlatLayout) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """Sender: ``weights`` (``None``: the registered model) as the source's own tensors, checked against
-        ``layout`` (for a caller that copies them out under ``no_grad``); and, with ``bound`` (the trainer's
-        model under ``flatten_sender``), the bytes of the one storage they view, every tensor in its place
-        (``None``: copy them tensor by tensor).
+        ``layout`` (for a caller that copies them out under ``no_grad``); and, under ``flatten_sender``, the
+        bytes of the one storage they view, every tensor in its place (``None``: copy them tensor by tensor).
 
         Raises:
             WeightMismatchError: the weights do not match ``layout``.
         """
         flat = self._flat_weights(weights, detach=False)
-        held = bound is not None and bound.holds(flat)  # exactly as bound: keys, shapes and dtypes hold
+        held = self.flatten_sender and self._bound.holds(flat)  # exactly as bound: keys, shapes and dtypes hold
         if not held:
             check_spec(weights_spec(flat), layout.spec, model_id=self._model_id)
-        whole = None if bound is None else bound.published(flat, layout, held, weights is None, self._model_id)
-        return flat, whole
+        if not self.flatten_sender:
+            return flat, None
+        return flat, self._bound.published(flat, layout, held, weights is None, self._model_id)
 
     # ------------------------------------------------------------ the facade
     def get_sender(self) -> WeightSender:

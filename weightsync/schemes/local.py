@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from ..binding import BoundModel
 from ..errors import (
     ConfigurationError,
     ConnectionClosedError,
@@ -148,7 +147,6 @@ class LocalScheme(WeightSyncScheme):
         self._pools: dict[int | None, SlotPool] = {}
         self._next_version = 0
         self._authkey_file: str | None = None
-        self._sender_model = BoundModel()  # flatten_sender: the trainer's weights as views of one storage
         # Receiver side.
         self._key_file: str | None = None  # the sender's auth key file this receiver read, if any
         self._transport: MPTransport | None = None
@@ -194,10 +192,7 @@ class LocalScheme(WeightSyncScheme):
         address = kwargs.pop("address", None)
         super()._init_sender_impl(**kwargs)
         self._layout = self._sender_layout()
-        if self.flatten_sender:
-            self._sender_model.adopt(
-                flatten_weights(self._model, self._strategy.extract_as), self._layout, self._model_id
-            )
+        self._adopt_sender_model(self._layout)
         self._authkey = secrets.token_bytes(32)
         self._listener = ChannelListener(self._authkey, address)
         log.debug("model %r: listening on %s for %d workers", self._model_id, self._listener.address, self._num_workers)
@@ -338,7 +333,7 @@ class LocalScheme(WeightSyncScheme):
     def send_to(self, weights: Any, targets: list[int], *, wait: bool) -> None:
         """Publish one new version to ``targets``; wait for their acks when ``wait``."""
         assert self._layout is not None
-        flat, whole = self._weights_to_send(weights, self._layout, self._sender_model if self.flatten_sender else None)
+        flat, whole = self._sender_weights(weights, self._layout)
         failures = {w: self._failed[w] for w in targets if w in self._failed}
         live = [w for w in targets if w not in self._failed]
         deadline = deadline_after(self.timeout)

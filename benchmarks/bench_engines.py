@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_local import make_model, passive_openmp  # noqa: E402
+from bench_local import make_model, passive_openmp, processes  # noqa: E402
 
 import weightsync as ws  # noqa: E402
 
@@ -82,7 +82,7 @@ def bench_distributed(
     store, port, _ = open_store("127.0.0.1", 0, 120)
     scheme = ws.DistributedWeightSyncScheme(timeout=120, **scheme_kw)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
-    ctx = mp.get_context("spawn")
+    ctx = processes()
     pipes = [ctx.Pipe() for _ in range(workers)]
     procs = [ctx.Process(target=_dist_worker, args=(scheme, i, mb, port, pipes[i][1], tensors)) for i in range(workers)]
     for p in procs:
@@ -118,7 +118,7 @@ def bench_distributed_pair(
 ) -> tuple[list[float], list[float]]:
     """Sends of two models of ``mb`` each (``tensors[i]`` tensors), each scheme with worker processes of its
     own, alternating in the same rounds (:func:`_alternate`)."""
-    ctx = mp.get_context("spawn")
+    ctx = processes()
     models = [make_model(mb, t) for t in tensors]
     schemes, pipes, procs = [], [], []
     for model, t in zip(models, tensors):
@@ -175,7 +175,7 @@ def bench_rpc(mb: float, workers: int, rounds: int, tensors: int = 0) -> tuple[l
     model = make_model(mb, tensors)
     scheme = ws.RPCWeightSyncScheme(timeout=120)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
-    ctx = mp.get_context("spawn")
+    ctx = processes()
     stop = ctx.Event()
     procs = [ctx.Process(target=_rpc_worker, args=([scheme], i, mb, stop, [tensors])) for i in range(workers)]
     for p in procs:
@@ -208,7 +208,7 @@ def bench_rpc_pair(
     schemes = [ws.RPCWeightSyncScheme(timeout=120, **options) for _ in tensors]
     for i, (scheme, model) in enumerate(zip(schemes, models)):
         scheme.init_on_sender(model_id=f"policy{i}", model=model, num_workers=workers)
-    ctx = mp.get_context("spawn")
+    ctx = processes()
     stop = ctx.Event()
     procs = [ctx.Process(target=_rpc_worker, args=(schemes, i, mb, stop, tensors)) for i in range(workers)]
     for p in procs:
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, default=None, help="write the table to this file")
     args = parser.parse_args(argv)
     policy = passive_openmp()  # each engine runs in a fresh process; OMP_WAIT_POLICY=ACTIVE: without
-    ctx = mp.get_context("spawn")
+    ctx = processes()
     rows = []
     for engine in args.engines:
         parent, child = ctx.Pipe()

@@ -44,8 +44,20 @@ def make_model(mb: float, tensors: int = 0) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
 
+def processes() -> mp.context.BaseContext:
+    """How the benchmarks start processes: forked from a server that imported torch, tensordict, weightsync and
+    these modules once. Spawning imports them in every process, 4.6 s of CPU apiece on this VM: a 2-worker run
+    spent more time starting than measuring. Each process is still fresh (the server runs no torch op), and the
+    server, like a spawned process, loads OpenMP with the environment of its first use in the process that
+    starts it (:func:`passive_openmp` before)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "tensordict", "weightsync", "bench_local", "bench_engines"])
+    return ctx
+
+
 def passive_openmp() -> str:
-    """Make processes started from now on (spawned: they load OpenMP afresh) let idle OpenMP threads sleep.
+    """Make processes started from now on let idle OpenMP threads sleep (OpenMP reads the policy when it loads: in
+    a spawned process, or in the server that :func:`processes` forks them from).
 
     With the default policy the trainer's OpenMP threads spin for a while after each parallel copy, on
     the cores its workers need: on 2 cores that delays the workers' wake-up by milliseconds (see
@@ -87,9 +99,9 @@ def worker(scheme: ws.WeightSyncScheme, idx: int, mb: float, stop, tensors: int 
 def connected(
     name: str, model: nn.Module, workers: int, mb: float, tensors: int = 0, **options: Any
 ) -> Iterator[ws.WeightSyncScheme]:
-    """A sender scheme for ``model`` (``options``: the scheme's own), connected to ``workers`` spawned worker
-    processes; shut down on exit."""
-    ctx = mp.get_context("spawn")
+    """A sender scheme for ``model`` (``options``: the scheme's own), connected to ``workers`` worker processes
+    (:func:`processes`); shut down on exit."""
+    ctx = processes()
     scheme = ws.WeightSyncScheme.from_backend(name, timeout=120, **options)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
     stop = ctx.Event()

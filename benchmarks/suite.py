@@ -90,8 +90,9 @@ def _child(fn: Callable, args: tuple, kwargs: dict, out: Any) -> None:
 
 
 def isolated(fn: Callable, *args: Any, timeout: float = 900, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` in a fresh spawned process; its result, or ``RuntimeError`` with its failure."""
-    ctx = mp.get_context("spawn")
+    """``fn(*args, **kwargs)`` in a fresh process (:func:`bench_local.processes`); its result, or ``RuntimeError``
+    with its failure."""
+    ctx = bench_local.processes()
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_child, args=(fn, args, kwargs, child))
     proc.start()

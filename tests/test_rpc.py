@@ -1,23 +1,22 @@
 """RPCWeightSyncScheme with real TensorPipe agents on loopback.
 
 torch.distributed.rpc can start only once per process (pytorch/pytorch#46491), so each test runs its
-trainer in a fresh process (which starts its own workers) and reports back.
+trainer in a fresh process (forked from the tests' server, which never starts RPC; it starts its own
+workers) and reports back.
 """
 
 from __future__ import annotations
-
-import multiprocessing as mp
 
 import pytest
 
 import weightsync as ws
 from tests import _rpc_trainer
+from tests.conftest import _CTX
 
 
 def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str | None = None) -> None:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_rpc_trainer.run, args=(scenario, child, host_address))
+    parent, child = _CTX.Pipe()
+    proc = _CTX.Process(target=_rpc_trainer.run, args=(scenario, child, host_address))
     proc.start()
     child.close()
     try:

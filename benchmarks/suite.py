@@ -279,7 +279,7 @@ def case_plot(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
     """Median send time of every scheme at each size (few rounds: the largest sizes take seconds)."""
     curves: dict[str, list[tuple[float, float]]] = {}
     for scheme in args.schemes:
-        for mb in args.sizes:
+        for mb in sorted(set(args.sizes)):  # the plot's lines and the table's columns go by size
             rounds = 3 if mb >= 500 else 5
             r = isolated(run, scheme, mb, args.workers, rounds)
             curves.setdefault(scheme, []).append((mb, med(r["sends"])))

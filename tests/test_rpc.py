@@ -1,8 +1,8 @@
 """RPCWeightSyncScheme with real TensorPipe agents on loopback.
 
 torch.distributed.rpc can start only once per process (pytorch/pytorch#46491), so each test runs its
-trainer in a fresh process (forked from the tests' server, which never starts RPC; it starts its own
-workers) and reports back.
+trainer in a process of its own, forked from the tests' forkserver (which never starts RPC). That trainer
+starts its own workers and reports back.
 """
 
 from __future__ import annotations

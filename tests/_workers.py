@@ -244,7 +244,7 @@ def until_sender_dies(cfg: dict, report: str) -> None:
 
     from weightsync.config import from_config
 
-    scheme = from_config(cfg)
+    scheme = from_config(cfg, allow_pickle=True)  # the trainer that wrote cfg is this process's parent
     scheme.init_on_receiver(model=build("tiny"))
     scheme.connect()
     versions = [scheme.version]

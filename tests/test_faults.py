@@ -354,10 +354,11 @@ def test_non_finite_weights_are_refused_in_the_caller_when_checked(workers, name
 
 
 def test_a_killed_senders_key_file_is_swept_but_not_another_namespaces():
-    from weightsync.transports.channel import _key_dir, _pid_namespace, remove_key_file, write_key_file
+    from weightsync.transports.keyfiles import key_dir, remove_key_file, write_key_file
+    from weightsync.transports.processes import pid_namespace
 
-    directory = _key_dir()
-    dead = os.path.join(directory, f"weightsync-999999999-{'ab' * 8}.{_pid_namespace()}.key")
+    directory = key_dir()
+    dead = os.path.join(directory, f"weightsync-999999999-{'ab' * 8}.{pid_namespace()}.key")
     foreign = os.path.join(directory, f"weightsync-999999999-{'cd' * 8}.1.key")  # a PID from another namespace
     for path in (dead, foreign):
         with open(path, "w") as f:

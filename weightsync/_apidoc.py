@@ -49,7 +49,7 @@ GROUPS = [
     ("Registry", ["available_backends", "get_backend", "register_backend"]),
     ("Errors", sorted(n for n in ws.__all__ if n.endswith("Error"))),
 ]
-CONFIG_NAMES = ["from_config", "make_receiver", "allow_targets", "allowed_targets"]
+CONFIG_NAMES = ["from_config", "check_receiver_config", "make_receiver", "allow_targets", "allowed_targets"]
 
 
 SECTIONS = ("Args:", "Attributes:", "Raises:", "Returns:")

@@ -27,8 +27,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _torch_dtype(name: Any) -> Any:
+    """``torch.<name>`` for a public name, else ``None`` (names arrive from peers: no private attribute)."""
+    if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+        return None
+    return getattr(torch, name, None)
+
+
 def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
+    dtype = _torch_dtype(name)
     if not isinstance(dtype, torch.dtype):
         raise ConfigurationError(f"unknown dtype {name!r} in layout")
     return dtype
@@ -42,7 +49,7 @@ def wire_dtype_from_name(name: str | None) -> torch.dtype | None:
     """
     if name is None:
         return None
-    dtype = getattr(torch, str(name), None)
+    dtype = _torch_dtype(name)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigurationError(f"wire_dtype must name a floating dtype such as 'bfloat16', got {name!r}")
     return dtype
@@ -126,10 +133,21 @@ class FlatLayout:
 
     @classmethod
     def from_plain(cls, plain: Mapping[str, Any]) -> FlatLayout:
-        return cls(
-            {key: (tuple(shape), dtype_from_name(dt)) for key, shape, dt in plain["entries"]},
-            wire_dtype_from_name(plain.get("wire_dtype")),
-        )
+        """The layout :meth:`to_plain` described (as a peer sent it).
+
+        Raises:
+            ConfigurationError: not such a description (keys, shapes of non-negative ints, dtype names).
+        """
+        try:
+            entries = {}
+            for key, shape, dt in plain["entries"]:
+                if not isinstance(key, str) or not all(type(n) is int and n >= 0 for n in shape):
+                    raise ValueError(f"entry {key!r:.80}")
+                entries[key] = (tuple(shape), dtype_from_name(dt))
+            wire = wire_dtype_from_name(plain.get("wire_dtype"))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigurationError(f"malformed layout from the sender ({exc})") from None
+        return cls(entries, wire)
 
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views (the wire dtype) of every tensor inside ``buffer`` (a uint8 tensor of at least ``nbytes``)."""

@@ -108,7 +108,8 @@ def _worker(idx: int, configs: dict, specs: dict, reports, stop) -> None:
     try:
         for model_id, cfg in configs.items():
             models[model_id] = build_model(specs[model_id])
-            schemes[model_id] = from_config(cfg)
+            # This process's parent, the trainer, wrote these configs: it is trusted with what rpc unpickles.
+            schemes[model_id] = from_config(cfg, allow_pickle=True)
             schemes[model_id].init_on_receiver(model=models[model_id])
         for model_id, scheme in schemes.items():
             scheme.connect()
@@ -254,7 +255,7 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
 
 
 def _instantiate_scheme(instantiate: Any, scheme_cfg: DictConfig, model_id: str) -> WeightSyncScheme:
-    check_available({"_target_": scheme_cfg._target_})
+    check_available(scheme_cfg._target_)
     try:
         return instantiate(scheme_cfg)
     except Exception as exc:  # Hydra wraps the target's error; surface ours as it is, name the model otherwise

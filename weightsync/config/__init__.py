@@ -22,7 +22,7 @@ from .configs import (
     SharedMemTransportConfig,
     WeightStrategyConfig,
 )
-from .receiver import allow_targets, allowed_targets, from_config, make_receiver
+from .receiver import allow_targets, allowed_targets, check_receiver_config, from_config, make_receiver
 from .store import SCHEMES, STRATEGIES, TRANSPORTS, register_configs
 
 register_configs()
@@ -49,6 +49,7 @@ __all__ = [
     "WeightStrategyConfig",
     "allow_targets",
     "allowed_targets",
+    "check_receiver_config",
     "from_config",
     "make_receiver",
     "register_configs",

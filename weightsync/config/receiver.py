@@ -3,115 +3,356 @@
 ``scheme.receiver_config(worker_idx)`` returns a dict like::
 
     _target_: weightsync.config.make_receiver
-    scheme: {_target_: weightsync.SharedMemWeightSyncScheme, timeout: 60.0, ...}
+    scheme: {_target_: weightsync.schemes.shared_mem.SharedMemWeightSyncScheme, timeout: 60.0, ...}
     model_id: policy
     worker_idx: 0
-    connection: {address: "@weightsync-...", authkey_file: /run/user/0/weightsync/....key}
+    connection: {address: "@weightsync-...", authkey_file: /run/user/0/weightsync-0/....key}
 
 It holds no live object and no secret: the auth key stays in a file readable
 only by its owner, named in ``authkey_file``, so the config can be logged or
 saved with Hydra's outputs. A worker turns it into a receiver-ready scheme
-with :func:`from_config` (no Hydra initialisation needed), which refuses any
-``_target_`` outside ``weightsync.`` unless the user allowed it.
+with :func:`from_config` (no Hydra initialisation needed).
+
+A receiver config may come from a file another host wrote, so
+:func:`from_config` treats it as data and checks the whole tree before
+anything in it is called (see the threat model in ``docs/reliability.md``):
+
+1. it becomes a plain tree (:func:`~weightsync.config.plain.plain_tree`: strict
+   YAML, no interpolation resolved, sizes bounded);
+2. the tree must have exactly the shape ``receiver_config()`` emits: the root
+   target is :func:`make_receiver`; ``scheme`` names a weightsync scheme class
+   (or one under a prefix the *caller* allowed) and holds only that class's
+   constructor options, each a plain value of the option's type; ``model_id``,
+   ``worker_idx`` and ``connection`` are checked field by field, the
+   connection by the scheme class itself (for the local schemes: an abstract
+   socket address and the key file the sender at that address writes);
+3. a scheme whose receiver unpickles what the peer named in ``connection``
+   sends (``rpc``) is built only if the caller passes ``allow_pickle=True``:
+   the config decides where a worker gets its weights, never whether it runs
+   what arrives.
+
+Only then is the scheme class constructed (its constructor checks values and
+starts nothing). Nothing in a config can widen the allowlist: it is an
+argument of the caller, or :func:`allow_targets` in the caller's code.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
+import sys
+import types
+import typing
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from .. import options
 from ..errors import ConfigurationError
 from ..schemes.base import WeightSyncScheme
-from ..schemes.registry import available_backends
+from ..schemes.registry import available_backends, builtin_scheme_paths
+from .plain import plain_tree
 
-__all__ = ["allow_targets", "allowed_targets", "check_available", "from_config", "make_receiver"]
+__all__ = [
+    "ReceiverSpec",
+    "allow_targets",
+    "allowed_targets",
+    "check_available",
+    "check_receiver_config",
+    "from_config",
+    "make_receiver",
+    "scheme_class",
+    "scheme_fields",
+]
 
-_ALLOWED: list[str] = ["weightsync."]
+#: The target of every receiver config.
+RECEIVER_TARGET = "weightsync.config.make_receiver"
+_RECEIVER_TARGETS = frozenset({RECEIVER_TARGET, "weightsync.config.receiver.make_receiver"})
+_ROOT_FIELDS = ("_target_", "connection", "model_id", "scheme", "worker_idx")
+
+#: Top-level packages a prefix may not open: the standard library and the packages weightsync runs on hold
+#: no third-party scheme, and plenty of callables that run code or read files.
+_CLOSED_PACKAGES = frozenset(sys.stdlib_module_names) | {
+    "builtins",
+    "cloudpickle",
+    "dill",
+    "hydra",
+    "numpy",
+    "omegaconf",
+    "pytest",
+    "ray",
+    "tensordict",
+    "torch",
+    "weightsync",
+    "xxhash",
+    "yaml",
+}
+_DOTTED = options.text(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", max_len=200, what="a dotted module path")
+
+_ALLOWED: list[str] = []
+
+WORKER_IDX = options.integer(0, 2**31 - 1)
+
+
+def _prefix(prefix: Any) -> str:
+    """A target prefix as a whole dotted module path (``"mypkg.schemes."`` -> ``"mypkg.schemes"``), checked."""
+    if type(prefix) is not str or not prefix.strip("."):
+        raise ConfigurationError(f"a target prefix must name a package or module, got {prefix!r}")
+    path = _DOTTED(prefix.rstrip("."), "target prefix")
+    if path.split(".")[0] in _CLOSED_PACKAGES:
+        raise ConfigurationError(
+            f"target prefix {prefix!r} is too broad: {path.split('.')[0]!r} is the standard library, weightsync "
+            "or a package it runs on, which hold no third-party scheme; name your own package's module"
+        )
+    return path
 
 
 def allow_targets(*prefixes: str) -> None:
-    """Also let receiver configs instantiate targets starting with these prefixes (``"mypkg.schemes."``)."""
-    for prefix in prefixes:
-        if not isinstance(prefix, str) or not prefix:
-            raise ConfigurationError(f"target prefixes must be non-empty strings, got {prefix!r}")
+    """Also let receiver configs name scheme classes under these packages or modules (``"mypkg.schemes"``).
+
+    A prefix matches whole module paths: ``"mypkg"`` allows ``mypkg.X`` and ``mypkg.sub.X``, never
+    ``mypkgx.X``. The class a config names there must still be a :class:`WeightSyncScheme` subclass, given
+    only its constructor's plain options.
+
+    Raises:
+        ConfigurationError: an empty prefix, one that is not a dotted module path, or one that opens the
+            standard library, weightsync itself or a package weightsync runs on.
+    """
+    checked = [_prefix(p) for p in prefixes]
+    for prefix in checked:
         if prefix not in _ALLOWED:
             _ALLOWED.append(prefix)
 
 
 def allowed_targets() -> list[str]:
-    """The prefixes receiver configs may instantiate."""
+    """The packages and modules, beyond weightsync's own schemes, whose scheme classes receiver configs may name."""
     return list(_ALLOWED)
 
 
-def _check_targets(node: Any, path: str, allowed: list[str]) -> None:
-    if isinstance(node, Mapping):
-        target = node.get("_target_")
-        if target is not None and not (isinstance(target, str) and any(target.startswith(p) for p in allowed)):
-            raise ConfigurationError(
-                f"receiver config refuses _target_ {target!r} at {path or '<root>'}: only targets under "
-                f"{allowed} may be instantiated in a worker (extend with weightsync.config.allow_targets(...))"
-            )
-        for key, value in node.items():
-            _check_targets(value, f"{path}.{key}" if path else str(key), allowed)
-    elif isinstance(node, (list, tuple)):
-        for i, value in enumerate(node):
-            _check_targets(value, f"{path}[{i}]", allowed)
+def _under(target: str, prefixes: list[str]) -> bool:
+    return any(target == p or target.startswith(p + ".") for p in prefixes)
 
 
-def from_config(cfg: Any, *, allow: tuple[str, ...] = ()) -> Any:
-    """Instantiate a receiver config (a dict, a DictConfig, or YAML text) after checking its targets.
+@functools.cache
+def _builtin_targets() -> dict[str, str]:
+    """Every spelling of a built-in scheme's target a receiver config may hold -> ``"module:Class"``."""
+    out = {}
+    for path in builtin_scheme_paths():
+        module, _, name = path.partition(":")
+        for target in (f"{module}.{name}", f"weightsync.schemes.{name}", f"weightsync.{name}"):
+            out[target] = path
+    return out
 
-    Args:
-        cfg: what ``scheme.receiver_config(i)`` returned, possibly after a trip through YAML.
-        allow: extra target prefixes allowed for this call only.
 
-    Returns:
-        What the config's ``_target_`` builds: for a receiver config, a scheme
-        ready for ``init_on_receiver(model=...)`` and ``connect()``.
+def _import(path: str, target: str) -> Any:
+    module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(
+            f"{target} is not available in this version of weightsync ({exc}); available schemes: "
+            f"{available_backends()}"
+        ) from exc
+
+
+def scheme_class(target: Any, allow: list[str], where: str = "scheme._target_") -> type[WeightSyncScheme]:
+    """The scheme class ``target`` names: a weightsync scheme, or a class under an allowed prefix.
+
+    Imports only weightsync's own scheme modules, or a module under a prefix the caller allowed.
 
     Raises:
-        ConfigurationError: a ``_target_`` outside the allowlist, or a backend that is not available.
+        ConfigurationError: naming ``where`` and the target, for anything else.
     """
-    from hydra.utils import instantiate
-    from omegaconf import DictConfig, OmegaConf
+    if type(target) is not str:
+        raise ConfigurationError(f"{where} must be a string, got {target!r:.80}")
+    builtin = _builtin_targets().get(target)
+    if builtin is not None:
+        return _import(builtin, target)
+    _DOTTED(target, where)
+    if target.startswith("weightsync."):
+        raise ConfigurationError(
+            f"receiver config refuses _target_ {target!r} at {where}: it is not a scheme of this version of "
+            f"weightsync (available: {available_backends()})"
+        )
+    if not _under(target, allow):
+        raise ConfigurationError(
+            f"receiver config refuses _target_ {target!r} at {where}: a receiver config builds weightsync "
+            f"schemes only ({sorted(_builtin_targets())[:3]}...), or scheme classes under the prefixes its "
+            f"caller allowed ({allow}; see weightsync.config.allow_targets)"
+        )
+    cls = _import(target, target)
+    if not (isinstance(cls, type) and issubclass(cls, WeightSyncScheme)):
+        raise ConfigurationError(f"receiver config refuses _target_ {target!r} at {where}: not a weightsync scheme")
+    return cls
 
-    if isinstance(cfg, str):
-        cfg = OmegaConf.create(cfg)
-    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
-    if not isinstance(plain, Mapping):
-        raise ConfigurationError(f"a receiver config is a mapping, got {type(plain).__name__}")
-    _check_targets(plain, "", [*_ALLOWED, *allow])
-    check_available(plain)
-    return instantiate(plain, _convert_="all")
+
+@functools.cache
+def scheme_fields(cls: type[WeightSyncScheme]) -> dict[str, options.Check]:
+    """The options a receiver config may give ``cls``: its constructor's arguments that take plain values,
+    each with the check of its type."""
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # noqa: BLE001 - annotations that do not evaluate: take any plain value
+        hints = {}
+    fields = {}
+    for param in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        check = _check_for_hint(hints.get(param.name, Any))
+        if check is not None:
+            fields[param.name] = check
+    if "strategy" in fields:  # a name here; a WeightStrategy object is for code, not configs
+        fields["strategy"] = options.one_of("tensordict", "state_dict")
+    return fields
 
 
-def check_available(node: Mapping) -> None:
-    """Fail with a clear message when a target names a scheme whose runtime is not installed."""
-    import importlib
+def _check_for_hint(hint: Any) -> options.Check | None:
+    """The check of the plain values an annotation admits (``None`` if it admits none)."""
+    if hint is Any:
+        kinds = {bool, int, float, str, type(None)}
+    elif typing.get_origin(hint) in (typing.Union, types.UnionType):
+        kinds = set(typing.get_args(hint))
+    else:
+        kinds = {hint}
+    kinds &= {bool, int, float, str, type(None)}
+    if not kinds - {type(None)}:
+        return None
+    if float in kinds:
+        kinds.add(int)
+    checks = {
+        bool: options.boolean,
+        int: options.integer(-(2**63), 2**63 - 1),
+        float: options.number(-1e300, 1e300),
+        str: options.text(),
+    }
 
-    stack = [node]
-    while stack:
-        item = stack.pop()
-        target = item.get("_target_")
-        if isinstance(target, str):
-            module, _, attr = target.rpartition(".")
-            try:
-                getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError) as exc:
-                raise ConfigurationError(
-                    f"{target} is not available in this version of weightsync ({exc}); "
-                    f"available schemes: {available_backends()}"
-                ) from exc
-        stack.extend(v for v in item.values() if isinstance(v, Mapping))
+    def check(value: Any, where: str) -> Any:
+        if value is None and type(None) in kinds:
+            return None
+        kind = type(value)
+        if kind not in kinds or kind is type(None):
+            wanted = " or ".join(sorted(k.__name__ for k in kinds))
+            raise ConfigurationError(f"{where} must be {wanted}, got {value!r:.80}")
+        return checks[kind](value, where)
+
+    return check
+
+
+@dataclass(frozen=True)
+class ReceiverSpec:
+    """A receiver config that passed every check: what :func:`from_config` builds, and from what."""
+
+    scheme_class: type[WeightSyncScheme]
+    scheme_options: dict[str, Any]
+    model_id: str
+    worker_idx: int
+    connection: dict[str, Any]
+    #: Why building it means unpickling what a peer sends (``None``: it does not).
+    unpickles: str | None
+
+
+def check_receiver_config(cfg: Any, *, allow: tuple[str, ...] = ()) -> ReceiverSpec:
+    """Check ``cfg`` against the receiver-config schema, calling and resolving nothing in it.
+
+    Args:
+        cfg: a dict, a ``DictConfig`` or YAML text.
+        allow: further packages or modules whose scheme classes the config may name (this call only).
+
+    Returns:
+        What the config asks for, checked.
+
+    Raises:
+        ConfigurationError: one message naming the first place in the tree that does not fit, and why.
+    """
+    prefixes = [*_ALLOWED, *(_prefix(p) for p in allow)]
+    tree = plain_tree(cfg, "receiver config")
+    if type(tree.get("_target_")) is not str or tree["_target_"] not in _RECEIVER_TARGETS:
+        raise ConfigurationError(
+            f"receiver config refuses _target_ {tree.get('_target_')!r:.120} at <root>: a receiver config's "
+            f"target is {RECEIVER_TARGET}"
+        )
+    options.fields(tree, dict.fromkeys(_ROOT_FIELDS, None), "receiver config", required=_ROOT_FIELDS)
+    model_id = options.model_id(tree["model_id"], "model_id")
+    worker_idx = WORKER_IDX(tree["worker_idx"], "worker_idx")
+    scheme = tree["scheme"]
+    if type(scheme) is not dict:
+        raise ConfigurationError(f"scheme must be a mapping, got {scheme!r:.80}")
+    cls = scheme_class(scheme.get("_target_"), prefixes)
+    given = {k: v for k, v in scheme.items() if k != "_target_"}
+    checked = options.fields(given, scheme_fields(cls), "scheme")
+    connection = tree["connection"]
+    if type(connection) is not dict:
+        raise ConfigurationError(f"connection must be a mapping, got {connection!r:.80}")
+    connection = cls.check_receiver_connection(connection, model_id)
+    return ReceiverSpec(cls, checked, model_id, worker_idx, connection, cls.receiver_unpickles(connection))
+
+
+def from_config(cfg: Any, *, allow: tuple[str, ...] = (), allow_pickle: bool = False) -> WeightSyncScheme:
+    """Build the receiver a receiver config describes, after checking the whole config as data.
+
+    Args:
+        cfg: what ``scheme.receiver_config(i)`` returned, possibly after a trip through YAML (a dict, a
+            ``DictConfig`` or YAML text).
+        allow: further packages or modules whose scheme classes the config may name, for this call only
+            (``("mypkg.schemes",)``); see :func:`allow_targets`.
+        allow_pickle: the caller trusts the peer the config names to send it pickles. Needed for the
+            schemes whose engine unpickles what peers send (``rpc``), and it is that receiver's
+            ``allow_pickle`` whatever the config says: a config never opts a worker in.
+
+    Returns:
+        A scheme ready for ``init_on_receiver(model=...)`` and ``connect()``, with ``model_id`` and
+        ``worker_idx`` set. Nothing was connected, read or started.
+
+    Raises:
+        ConfigurationError: the config is not a receiver config weightsync emits (the message names the
+            place and the target), a scheme that is not installed, or a pickling engine without
+            ``allow_pickle``. Nothing in the config was called.
+    """
+    spec = check_receiver_config(cfg, allow=allow)
+    if spec.unpickles is not None and not allow_pickle:
+        raise ConfigurationError(
+            f"this receiver config builds a {spec.scheme_class.__name__} receiver, which unpickles what "
+            f"{spec.unpickles} sends it (that is how its engine calls functions): pass "
+            "from_config(cfg, allow_pickle=True) if you trust that peer and whoever wrote the config",
+            model_id=spec.model_id,
+            worker_idx=spec.worker_idx,
+        )
+    kwargs = dict(spec.scheme_options)
+    if "allow_pickle" in scheme_fields(spec.scheme_class):
+        kwargs["allow_pickle"] = bool(allow_pickle)
+    try:
+        scheme = spec.scheme_class(**kwargs)
+    except TypeError as exc:  # a third-party constructor that does not take what its signature says
+        raise ConfigurationError(f"cannot build {spec.scheme_class.__qualname__} from this config: {exc}") from exc
+    scheme._prepare_receiver(model_id=spec.model_id, worker_idx=spec.worker_idx, connection=spec.connection)
+    return scheme
+
+
+def check_available(target: str) -> None:
+    """Fail with a clear message when a scheme target (a trainer's own config) names a runtime that is not
+    installed."""
+    path = _builtin_targets().get(target, target)
+    _import(path, target)
 
 
 def make_receiver(scheme: WeightSyncScheme, model_id: str, worker_idx: int, connection: Mapping[str, Any]) -> Any:
     """The target of receiver configs: ``scheme`` made receiver-ready for ``worker_idx``.
 
-    The caller then runs ``scheme.init_on_receiver(model=...)`` and ``scheme.connect()``;
-    ``model_id`` and ``worker_idx`` are already set.
+    :func:`from_config` builds the scheme itself once the config passed; ``hydra.utils.instantiate`` also
+    lands here, but calls whatever targets the config names on its way, so use it only on configs you wrote.
+    The caller then runs ``scheme.init_on_receiver(model=...)`` and ``scheme.connect()``.
+
+    Raises:
+        ConfigurationError: ``scheme`` is not a scheme, or a field does not fit the receiver-config schema.
     """
     if not isinstance(scheme, WeightSyncScheme):
         raise ConfigurationError(f"receiver config 'scheme' must build a WeightSyncScheme, got {type(scheme).__name__}")
-    scheme._prepare_receiver(model_id=model_id, worker_idx=worker_idx, connection=dict(connection))
+    plain = plain_tree({"connection": dict(connection)}, "receiver config")["connection"]
+    model_id = options.model_id(model_id, "model_id")
+    scheme._prepare_receiver(
+        model_id=model_id,
+        worker_idx=WORKER_IDX(worker_idx, "worker_idx"),
+        connection=type(scheme).check_receiver_connection(plain, model_id),
+    )
     return scheme

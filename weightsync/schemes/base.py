@@ -18,11 +18,12 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
 
+from .. import options
 from ..binding import BoundModel
 from ..errors import (
     ConfigurationError,
@@ -94,10 +95,6 @@ class WeightSyncScheme:
         check_finite: bool = False,
     ) -> None:
         self._strategy = strategy if isinstance(strategy, WeightStrategy) else WeightStrategy(strategy)
-        if not timeout or timeout <= 0:
-            raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if not connect_timeout or connect_timeout <= 0:
-            raise ConfigurationError(f"connect_timeout must be a positive number of seconds, got {connect_timeout!r}")
         if on_failure not in ("raise", "drop"):
             raise ConfigurationError(f"on_failure must be 'raise' or 'drop', got {on_failure!r}")
         if max_staleness is not None and (
@@ -105,8 +102,8 @@ class WeightSyncScheme:
         ):
             raise ConfigurationError(f"max_staleness must be a non-negative int or None, got {max_staleness!r}")
         self.sync = bool(sync)
-        self.timeout = float(timeout)
-        self.connect_timeout = float(connect_timeout)
+        self.timeout = options.seconds(timeout, "timeout")
+        self.connect_timeout = options.seconds(connect_timeout, "connect_timeout")
         self.on_failure = on_failure
         self.max_staleness = max_staleness
         self.check_finite = bool(check_finite)
@@ -358,7 +355,7 @@ class WeightSyncScheme:
                     "this scheme was unpickled from a sender: it can only be initialized as a receiver",
                     model_id=model_id,
                 )
-            self._model_id = model_id
+            self._model_id = options.model_id(model_id, "model_id")
             self._context = context
             model = kwargs.pop("model", None)
             weights = kwargs.pop("weights", None)
@@ -404,7 +401,7 @@ class WeightSyncScheme:
             self._model = model
             worker_idx = kwargs.pop("worker_idx", None)
             if worker_idx is not None:
-                self._worker_idx = self._check_worker_idx(worker_idx)
+                self._worker_idx = self._same_worker(worker_idx)
             self._init_receiver_impl(**kwargs)
             self._state = RECEIVER
 
@@ -422,6 +419,18 @@ class WeightSyncScheme:
                 f"worker_idx {worker_idx} out of range for {self._num_workers} workers", model_id=self._model_id
             )
         return worker_idx
+
+    def _same_worker(self, worker_idx: Any) -> int:
+        """``worker_idx``, checked, and the index a receiver config made this receiver for, if any."""
+        idx = self._check_worker_idx(worker_idx)
+        if self._handoff is not None and self._worker_idx is not None and idx != self._worker_idx:
+            raise ConfigurationError(
+                f"this receiver was made for worker {self._worker_idx} (its receiver config says so), "
+                f"not worker {idx}: give each worker its own receiver config",
+                model_id=self._model_id,
+                worker_idx=idx,
+            )
+        return idx
 
     def connect(self, *, worker_idx: int | None = None, weights: Any = None) -> None:
         """Rendez-vous. Sender: wait for every worker and give each the initial weights
@@ -447,7 +456,7 @@ class WeightSyncScheme:
                 self._state = SENDER_CONNECTED
             elif self._state == RECEIVER:
                 if worker_idx is not None:
-                    self._worker_idx = self._check_worker_idx(worker_idx)
+                    self._worker_idx = self._same_worker(worker_idx)
                 if self._worker_idx is None and self.needs_worker_idx:
                     raise ConfigurationError("a receiver needs worker_idx (in init_on_receiver or connect)")
                 self._connect_receiver_impl()
@@ -824,6 +833,26 @@ class WeightSyncScheme:
 
     def _receiver_connection(self) -> dict[str, Any]:
         return {}
+
+    @classmethod
+    def check_receiver_connection(cls, connection: Mapping[str, Any], model_id: str) -> dict[str, Any]:
+        """The ``connection`` of a receiver config for this class, checked as data: nothing is read or reached.
+
+        Each scheme checks exactly what its ``receiver_config()`` emits there (by default, nothing). A
+        third-party scheme that emits a connection overrides this.
+
+        Raises:
+            ConfigurationError: a field that is not this scheme's, a missing one, or one of the wrong shape.
+        """
+        return options.fields(connection, {}, "connection")
+
+    @classmethod
+    def receiver_unpickles(cls, connection: Mapping[str, Any]) -> str | None:
+        """The peer whose messages a receiver built from ``connection`` would unpickle (``None``: none).
+
+        :func:`weightsync.config.from_config` builds such a receiver only with the caller's ``allow_pickle``.
+        """
+        return None
 
     def _prepare_receiver(self, *, model_id: str, worker_idx: int, connection: dict[str, Any]) -> None:
         """Make a new scheme receiver-ready from a receiver config's fields."""

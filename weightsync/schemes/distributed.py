@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 import threading
 from concurrent.futures import wait as wait_futures
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import options
 from ..errors import (
     ConfigurationError,
     ConnectionClosedError,
@@ -33,7 +35,7 @@ from ..strategy import (
     weights_spec,
     write_into,
 )
-from ..transports.channel import deadline_after, process_identity, process_is_gone, remaining
+from ..transports.channel import deadline_after, remaining
 from ..transports.distributed import (
     ACK_OK,
     DistributedTransport,
@@ -43,11 +45,16 @@ from ..transports.distributed import (
     new_group,
     open_store,
     resolve_master,
+    store_json,
 )
+from ..transports.processes import process_identity, process_is_gone
 from ..transports.staging import StagingPool
 from .acked import AckedScheme
 
 log = logging.getLogger("weightsync.schemes")
+
+#: The size of a torch.distributed world a receiver config may name: the trainer and its workers.
+WORLD_SIZE = options.integer(2, 2**16)
 
 __all__ = ["DistributedWeightSyncScheme"]
 
@@ -256,6 +263,19 @@ class DistributedWeightSyncScheme(AckedScheme):
     def _receiver_connection(self) -> dict[str, Any]:
         return self._receiver_handoff()
 
+    @classmethod
+    def check_receiver_connection(cls, connection: Any, model_id: str) -> dict[str, Any]:
+        """The sender's store (host, port), the scheme's key prefix in it (for ``model_id``), the world size."""
+        fields = {"master_addr": options.host, "master_port": options.port, "prefix": None, "world_size": WORLD_SIZE}
+        checked = options.fields(connection, fields, "connection", required=tuple(fields))
+        prefix = checked["prefix"]
+        if type(prefix) is not str or not re.fullmatch(re.escape(f"weightsync/{model_id}/") + "[0-9a-f]{16}", prefix):
+            raise ConfigurationError(
+                f"connection.prefix must be weightsync/<model_id>/<16 hex digits> for model_id {model_id!r}, "
+                f"got {prefix!r:.120}"
+            )
+        return checked
+
     def _rendezvous_complete(self) -> bool:
         return self._pg is not None
 
@@ -279,7 +299,7 @@ class DistributedWeightSyncScheme(AckedScheme):
             holders = {_gpu_identity(): "the sender"} if self.backend == "nccl" else {}
             verdict = {}
             for w, key in enumerate(hellos):
-                hello = self._hellos[w] = json.loads(self._store.get(key))
+                hello = self._hellos[w] = store_json(self._store, key)
                 if not hello.get("ok"):
                     refused[w] = ReceiverError(
                         hello.get("type", "Error"), hello.get("message", ""), model_id=self._model_id, worker_idx=w
@@ -461,7 +481,7 @@ class DistributedWeightSyncScheme(AckedScheme):
                 for w in range(self._num_workers):
                     gen = int(store.add(f"gen/{w}", 0))
                     if gen > self._gens.get(w, 1) and store.check([f"rejoin/{w}/{gen}"]):
-                        found = w, gen, json.loads(store.get(f"rejoin/{w}/{gen}"))
+                        found = w, gen, store_json(store, f"rejoin/{w}/{gen}")
                         self._gens[w] = gen
                         break
                 self._rejoins_seen = self._rejoins_seen + 1 if found else asked
@@ -562,7 +582,7 @@ class DistributedWeightSyncScheme(AckedScheme):
         store = dist.PrefixStore(self._handoff["prefix"], base)
         try:
             store.wait(["layout"], as_timedelta(remaining(deadline)))
-            self._layout = FlatLayout.from_plain(json.loads(store.get("layout")))
+            self._layout = FlatLayout.from_plain(store_json(store, "layout"))
             refusal = None
             try:
                 check_spec(
@@ -586,14 +606,14 @@ class DistributedWeightSyncScheme(AckedScheme):
             if gen == 1:
                 store.set(f"hello/{w}", json.dumps(hello))
                 store.wait(["verdict"], as_timedelta(remaining(deadline)))
-                reason = json.loads(store.get("verdict")).get(str(w))
+                reason = store_json(store, "verdict").get(str(w))
                 # Every worker joins the group, even one that refused: the group forms only with all of them.
                 self._pg = new_group(self.backend, store, w + 1, world, self._group_timeout(deadline), host)
             else:  # a restart: a two-rank group of its own with the sender, if the sender lets it in
                 store.set(f"rejoin/{w}/{gen}", json.dumps(hello))
                 store.add("rejoins", 1)
                 store.wait([f"verdict/{w}/{gen}"], as_timedelta(remaining(deadline)))
-                reason = json.loads(store.get(f"verdict/{w}/{gen}")).get("refused")
+                reason = store_json(store, f"verdict/{w}/{gen}").get("refused")
                 if reason is None:
                     pair = dist.PrefixStore(f"pair/{w}/{gen}", store)
                     self._pg = new_group(self.backend, pair, 1, 2, self._group_timeout(deadline), host)

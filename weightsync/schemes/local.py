@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .. import options
 from ..errors import (
     ConfigurationError,
     ConnectionClosedError,
@@ -36,13 +37,10 @@ from ..errors import (
 from ..integrity import check_digest, digest
 from ..layout import FlatLayout
 from ..strategy import WeightStrategy, check_spec, copy_tensors, flatten_weights, weights_spec, write_into
-from ..transports.channel import (
-    ChannelListener,
-    connect_channel,
-    deadline_after,
+from ..transports.channel import ChannelListener, connect_channel, deadline_after, readable, remaining
+from ..transports.keyfiles import (
+    check_key_file_path,
     read_key_file,
-    readable,
-    remaining,
     remove_key_file,
     remove_key_file_if_orphaned,
     write_key_file,
@@ -54,6 +52,9 @@ from .base import WeightSyncScheme
 __all__ = ["LocalScheme"]
 
 log = logging.getLogger("weightsync.schemes.local")
+
+#: A listener's address as receiver configs name it: an abstract Unix socket (no file on disk).
+ABSTRACT_ADDRESS = options.text(r"@[A-Za-z0-9_.\-]{1,100}", what="an abstract socket address (@ and a name)")
 
 
 class LocalScheme(WeightSyncScheme):
@@ -207,6 +208,20 @@ class LocalScheme(WeightSyncScheme):
         if self._authkey_file is None:
             self._authkey_file = write_key_file(self._listener.address, self._authkey)
         return {"address": self._listener.address, "authkey_file": self._authkey_file}
+
+    @classmethod
+    def check_receiver_connection(cls, connection: Any, model_id: str) -> dict[str, Any]:
+        """An abstract socket address, and the path of the key file the sender listening there writes."""
+        checked = options.fields(
+            connection,
+            {"address": ABSTRACT_ADDRESS, "authkey_file": None},
+            "connection",
+            required=("address", "authkey_file"),
+        )
+        checked["authkey_file"] = check_key_file_path(
+            checked["authkey_file"], checked["address"], "connection.authkey_file"
+        )
+        return checked
 
     def _connect_sender_impl(self, weights: Any) -> None:
         assert self._listener is not None and self._num_workers is not None

@@ -18,7 +18,7 @@ from ..errors import ConfigurationError
 if TYPE_CHECKING:
     from .base import WeightSyncScheme
 
-__all__ = ["available_backends", "get_backend", "register_backend"]
+__all__ = ["available_backends", "builtin_scheme_paths", "get_backend", "register_backend"]
 
 log = logging.getLogger("weightsync.registry")
 
@@ -70,6 +70,11 @@ def _load_entry_points() -> None:
 def _table() -> dict[str, type[WeightSyncScheme] | str]:
     _load_entry_points()
     return {**_BUILTIN, **_registered}
+
+
+def builtin_scheme_paths() -> list[str]:
+    """``"module:Class"`` of every scheme weightsync ships."""
+    return list(_BUILTIN.values())
 
 
 def available_backends() -> list[str]:

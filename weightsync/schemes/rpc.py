@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .. import options
 from ..errors import (
     ConfigurationError,
     ConnectionClosedError,
@@ -47,6 +48,7 @@ from ..transports.rpc import (
 from ..transports.staging import StagingPool
 from .acked import AckedScheme
 from .base import SENDER_CONNECTED
+from .distributed import WORLD_SIZE
 
 __all__ = ["RPCWeightSyncScheme"]
 
@@ -221,6 +223,29 @@ class RPCWeightSyncScheme(AckedScheme):
 
     def _receiver_connection(self) -> dict[str, Any]:
         return self._receiver_handoff()
+
+    @classmethod
+    def check_receiver_connection(cls, connection: Any, model_id: str) -> dict[str, Any]:
+        """``{"external": true}`` (the worker runs its own RPC agent), or the session to join: its token,
+        the sender's store (host, port), the world size and the sender's ``init_rpc`` counter."""
+        if connection == {"external": True} and type(connection["external"]) is bool:
+            return dict(connection)
+        fields = {
+            "token": options.text(r"[0-9a-f]{16}", what="16 hex digits"),
+            "master_addr": options.host,
+            "master_port": options.port,
+            "world_size": WORLD_SIZE,
+            "counter": options.integer(0, 2**31 - 1),
+        }
+        return options.fields(connection, fields, "connection", required=tuple(fields))
+
+    @classmethod
+    def receiver_unpickles(cls, connection: Any) -> str | None:
+        """The RPC world the connection names (``None`` for an agent of the worker's own): TensorPipe unpickles
+        what its members send."""
+        if connection.get("external"):
+            return None
+        return f"the RPC world at {connection['master_addr']}:{connection['master_port']}"
 
     def _rendezvous_complete(self) -> bool:
         return self._session is None or self._session.started

@@ -21,8 +21,6 @@ import os
 import secrets
 import select
 import socket
-import stat
-import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -30,7 +28,6 @@ from typing import Any
 
 from ..errors import (
     AuthenticationError,
-    ConfigurationError,
     ConnectionClosedError,
     SyncTimeoutError,
     TransportError,
@@ -41,13 +38,8 @@ __all__ = [
     "ChannelListener",
     "connect_channel",
     "deadline_after",
-    "process_identity",
-    "process_is_gone",
-    "read_key_file",
     "readable",
     "remaining",
-    "remove_key_file",
-    "write_key_file",
 ]
 
 log = logging.getLogger("weightsync.transports.channel")
@@ -303,117 +295,3 @@ def connect_channel(address: str, authkey: bytes, hello: dict[str, Any], timeout
         channel.close()
         raise AuthenticationError(f"sender at {address!r} refused the auth key or failed to prove its own")
     return channel
-
-
-def _key_dir() -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    path = os.path.join(base, f"weightsync-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
-        raise ConfigurationError(f"{path} must be a directory owned by this user with mode 0700 (it holds auth keys)")
-    return path
-
-
-def write_key_file(address: str, authkey: bytes) -> str:
-    """Write ``authkey`` to a new owner-only file named after ``address``; return its path.
-
-    Receiver configs name this file instead of carrying the key, so they can be
-    logged and saved. The sender removes it at shutdown.
-    """
-    directory = _key_dir()
-    for name in os.listdir(directory):  # keys of senders that were killed before they could remove them
-        if _owner_is_gone(name):
-            remove_key_file(os.path.join(directory, name))
-    path = os.path.join(directory, f"{address.lstrip('@')}.{_pid_namespace()}.key")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(authkey.hex())
-    return path
-
-
-def read_key_file(path: str, **where: Any) -> str:
-    """The hex auth key stored at ``path``; a clear error if it is missing or readable by others."""
-    try:
-        info = os.stat(path)
-        if stat.S_IMODE(info.st_mode) & 0o077:
-            raise ConfigurationError(f"auth key file {path} is readable by other users; refusing it", **where)
-        with open(path) as key:
-            return key.read().strip()
-    except FileNotFoundError as exc:
-        raise ConfigurationError(
-            f"auth key file {path} does not exist: the sender has shut down, or runs on another host", **where
-        ) from exc
-
-
-def _pid_namespace() -> str:
-    """This process's PID namespace (its inode): a PID names a process only within its namespace."""
-    try:
-        return os.readlink("/proc/self/ns/pid").split("[")[-1].rstrip("]")
-    except OSError:
-        return "unknown"
-
-
-def _pid_exited(pid: int) -> bool:
-    """Whether process ``pid`` of this PID namespace has exited (a zombie not yet reaped counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat_file:
-            return stat_file.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
-def _owner_is_gone(name: str) -> bool:
-    """Whether the sender that wrote key file ``name`` (``weightsync-<pid>-<token>.<pid namespace>.key``) has
-    exited. Files from another PID namespace (a container sharing the directory) are never judged."""
-    stem, _, namespace = name.removesuffix(".key").rpartition(".")
-    parts = stem.split("-")
-    if not name.endswith(".key") or namespace != _pid_namespace() or namespace == "unknown":
-        return False
-    if len(parts) != 3 or parts[0] != "weightsync" or not parts[1].isdigit():
-        return False
-    return _pid_exited(int(parts[1]))
-
-
-def process_identity() -> dict[str, Any]:
-    """This process as another one on the same machine can check it: its PID, PID namespace and boot id."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot_file:
-            boot = boot_file.read().strip()
-    except OSError:
-        boot = "unknown"
-    return {"pid": os.getpid(), "pidns": _pid_namespace(), "boot": boot}
-
-
-def process_is_gone(identity: dict[str, Any] | None) -> bool | None:
-    """Whether the process ``identity`` (from :func:`process_identity`) has exited; ``None`` when this
-    process cannot tell (another machine or PID namespace)."""
-    mine = process_identity()
-    if not identity or "unknown" in (mine["boot"], mine["pidns"]):
-        return None
-    if (identity.get("boot"), identity.get("pidns")) != (mine["boot"], mine["pidns"]):
-        return None
-    return _pid_exited(int(identity["pid"]))
-
-
-def remove_key_file_if_orphaned(path: str, grace: float = 0.0) -> None:
-    """Remove the key file at ``path`` if the sender that wrote it has exited (a worker cleaning up after it).
-
-    A worker learns of a killed sender when the kernel closes the sender's sockets, a moment before the
-    process is marked exited: ``grace`` seconds are allowed for that.
-    """
-    deadline = deadline_after(grace)
-    while os.path.exists(path):
-        if _owner_is_gone(os.path.basename(path)):
-            remove_key_file(path)
-            return
-        if remaining(deadline) <= 0:
-            return
-        time.sleep(0.01)
-
-
-def remove_key_file(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -36,6 +36,7 @@ from ..errors import (
     ConnectionClosedError,
     LifecycleError,
     SyncTimeoutError,
+    TransportError,
     WorkerDiedError,
 )
 from .base import SenderBoundTransport
@@ -58,12 +59,36 @@ __all__ = [
     "open_store",
     "Waiter",
     "resolve_master",
+    "store_json",
 ]
 
 log = logging.getLogger("weightsync.transports.distributed")
 
 TAG_DATA, TAG_ACK = 1, 2
 ACK_OK, ACK_FAILED = 0, 1
+
+
+#: The largest store value read as JSON: a layout of some 100,000 tensors. Anyone who reaches the store can
+#: write its keys (it has no authentication), so what is read there is bounded and checked, never unpickled.
+MAX_STORE_JSON = 16 * 1024 * 1024
+
+
+def store_json(store: dist.Store, key: str) -> dict[str, Any]:
+    """The JSON object stored under ``key``, read as data (bounded, an object, nothing else).
+
+    Raises:
+        TransportError: the value is too large, not JSON, or not a JSON object.
+    """
+    raw = store.get(key)
+    if len(raw) > MAX_STORE_JSON:
+        raise TransportError(f"store key {key!r} holds {len(raw)} bytes, over {MAX_STORE_JSON}; refusing it")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise TransportError(f"store key {key!r} does not hold a JSON object; refusing it")
+    return value
 
 
 def as_timedelta(seconds: float) -> timedelta:
@@ -381,8 +406,9 @@ class DistributedTransport(SenderBoundTransport):
         _, store = self._group()
         try:
             if store.check([f"err/{self.worker_idx}/{seq}"]):
-                return json.loads(store.get(f"err/{self.worker_idx}/{seq}"))
-        except dist.DistError:
+                detail = store_json(store, f"err/{self.worker_idx}/{seq}")
+                return {"type": str(detail.get("type", "Error"))[:200], "message": str(detail.get("message", ""))}
+        except (dist.DistError, TransportError):
             pass
         return {"type": "UnknownError", "message": "the worker reported a failure without details"}
 
@@ -417,7 +443,7 @@ class DistributedTransport(SenderBoundTransport):
                     return None
                 time.sleep(min(pause, remaining(deadline)))
                 pause = min(pause * 2, 0.02)
-            msg = json.loads(store.get(key))
+            msg = store_json(store, key)
             store.delete_key(key)
         except dist.DistError as exc:
             raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None

@@ -1,0 +1,176 @@
+"""Auth key files: how a receiver config names a local sender's key without carrying it.
+
+The sender writes its random key, as hex, to an owner-only file (mode 0600)
+in an owner-only directory (``$XDG_RUNTIME_DIR/weightsync-<uid>/``, else
+``/tmp/weightsync-<uid>/``, mode 0700), named after its listening address
+and PID namespace, and removes it at shutdown. A receiver config carries the
+file's path; since that path may come from a file another host wrote, a
+receiver reads only a path shaped like one the sender writes, for the
+address the same config names (:func:`check_key_file_path`, pure), and only
+a plain file of its own user, not a link, holding a key and nothing else
+(:func:`read_key_file`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import tempfile
+import time
+from typing import Any
+
+from ..errors import ConfigurationError
+from .channel import deadline_after, remaining
+from .processes import pid_exited, pid_namespace
+
+__all__ = [
+    "KEY_BYTES",
+    "check_key_file_path",
+    "key_dir",
+    "read_key_file",
+    "remove_key_file",
+    "remove_key_file_if_orphaned",
+    "write_key_file",
+]
+
+#: Bytes of a local scheme's auth key (stored as twice as many hex digits).
+KEY_BYTES = 32
+_HEX_KEY = re.compile(rf"[0-9a-f]{{{2 * KEY_BYTES}}}")
+
+
+def _dir_name() -> str:
+    return f"weightsync-{os.getuid()}"
+
+
+def key_dir() -> str:
+    """This user's key directory, made if missing; refused unless it is a directory of this user's, mode 0700."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    path = os.path.join(base, _dir_name())
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    _check_dir(path)
+    return path
+
+
+def _check_dir(path: str, **where: Any) -> None:
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+        raise ConfigurationError(
+            f"{path} must be a directory owned by this user with mode 0700 (it holds auth keys)", **where
+        )
+
+
+def _file_name(address: str) -> str:
+    return f"{address.lstrip('@')}.{pid_namespace()}.key"
+
+
+def write_key_file(address: str, authkey: bytes) -> str:
+    """Write ``authkey`` to a new owner-only file named after ``address``; return its path.
+
+    Receiver configs name this file instead of carrying the key, so they can be
+    logged and saved. The sender removes it at shutdown.
+    """
+    directory = key_dir()
+    for name in os.listdir(directory):  # keys of senders that were killed before they could remove them
+        if _owner_is_gone(name):
+            remove_key_file(os.path.join(directory, name))
+    path = os.path.join(directory, _file_name(address))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(authkey.hex())
+    return path
+
+
+def check_key_file_path(path: Any, address: str, where: str) -> str:
+    """``path`` if it has the shape of the key file a sender listening at ``address`` writes; reads nothing.
+
+    Raises:
+        ConfigurationError: naming ``where``: not an absolute, normal path to a file named for ``address``
+            in a ``weightsync-<uid>`` directory of this user.
+    """
+    stem = re.escape(address.lstrip("@"))
+    if (
+        type(path) is not str
+        or not path.isprintable()
+        or not os.path.isabs(path)
+        or os.path.normpath(path) != path
+        or os.path.basename(os.path.dirname(path)) != _dir_name()
+        or not re.fullmatch(rf"{stem}\.([0-9]+|unknown)\.key", os.path.basename(path))
+    ):
+        raise ConfigurationError(
+            f"{where} must be the path of the auth key file the sender at {address!r} writes "
+            f"(<dir>/{_dir_name()}/{address.lstrip('@')}.<pid namespace>.key), got {path!r:.200}"
+        )
+    return path
+
+
+def read_key_file(path: str, **where: Any) -> str:
+    """The hex auth key stored at ``path``.
+
+    Reads only a plain file (not a link, a FIFO or a device) owned by this user and readable by no one else,
+    in a directory of this user's with mode 0700, that holds a key and nothing else.
+
+    Raises:
+        ConfigurationError: the file is missing (the sender shut down, or runs on another host), or fails
+            any of the conditions above (the message says which).
+    """
+    missing = f"auth key file {path} does not exist: the sender has shut down, or runs on another host"
+    try:
+        _check_dir(os.path.dirname(path), **where)
+        # O_NONBLOCK: a FIFO planted in place of the file must not block the open.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise ConfigurationError(missing, **where) from exc
+    except OSError as exc:  # ELOOP: a symbolic link
+        reason = f"auth key file {path} cannot be opened as a plain file ({exc.strerror})"
+        raise ConfigurationError(reason, **where) from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigurationError(f"auth key file {path} is not a plain file; refusing it", **where)
+        if info.st_uid != os.getuid():
+            raise ConfigurationError(f"auth key file {path} belongs to another user; refusing it", **where)
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            raise ConfigurationError(f"auth key file {path} is readable by other users; refusing it", **where)
+        data = os.read(fd, 2 * KEY_BYTES + 2)
+    finally:
+        os.close(fd)
+    key = data.decode("ascii", "replace").strip()
+    if not _HEX_KEY.fullmatch(key):
+        raise ConfigurationError(f"auth key file {path} does not hold a weightsync auth key; refusing it", **where)
+    return key
+
+
+def _owner_is_gone(name: str) -> bool:
+    """Whether the sender that wrote key file ``name`` (``weightsync-<pid>-<token>.<pid namespace>.key``) has
+    exited. Files from another PID namespace (a container sharing the directory) are never judged."""
+    stem, _, namespace = name.removesuffix(".key").rpartition(".")
+    parts = stem.split("-")
+    if not name.endswith(".key") or namespace != pid_namespace() or namespace == "unknown":
+        return False
+    if len(parts) != 3 or parts[0] != "weightsync" or not parts[1].isdigit():
+        return False
+    return pid_exited(int(parts[1]))
+
+
+def remove_key_file_if_orphaned(path: str, grace: float = 0.0) -> None:
+    """Remove the key file at ``path`` if the sender that wrote it has exited (a worker cleaning up after it).
+
+    A worker learns of a killed sender when the kernel closes the sender's sockets, a moment before the
+    process is marked exited: ``grace`` seconds are allowed for that.
+    """
+    deadline = deadline_after(grace)
+    while os.path.exists(path):
+        if _owner_is_gone(os.path.basename(path)):
+            remove_key_file(path)
+            return
+        if remaining(deadline) <= 0:
+            return
+        time.sleep(0.01)
+
+
+def remove_key_file(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -76,7 +76,8 @@ def bench_distributed(
     """``scheme_kw``: more arguments of the scheme (``wire_dtype``, ``bucket_mb``)."""
     import torch.distributed as dist
 
-    from weightsync.transports.distributed import new_group, open_store
+    from weightsync.transports.distributed import new_group
+    from weightsync.transports.store import open_store
 
     model = make_model(mb, tensors)
     store, port, _ = open_store("127.0.0.1", 0, 120)

@@ -137,23 +137,22 @@ def time_scheme(
     ``extra_bytes``: the sender's peak resident memory over its level before
     ``init_on_sender`` (the model and the floor's buffers already counted there), as
     :func:`held_memory` counts it.
-    ``checksum``: the floor is a send without checksum and the measured send one with it
-    (receivers check a checksum whenever the sender attached one, so the two alternate freely).
+    ``checksum``: the floor is a send without checksum and the measured send one with it: two schemes of the
+    same model, each with its workers, their sends alternating in the same rounds.
     """
+    if checksum:
+        return time_pair(
+            name, (model, model), (workers, workers), rounds, mb, (tensors, tensors), ({}, {"checksum": True})
+        )
     numel = sum(p.numel() for p in model.parameters())
     src, dst = torch.randn(numel), torch.randn(numel)
     base = peak = held_memory()
     with connected(name, model, workers, mb, tensors) as scheme:
         copies, sends = [], []
         for step in range(rounds + 2):
-            if checksum:
-                scheme.checksum = False
-                copy_s = timed_send(scheme, model)
-                scheme.checksum = True
-            else:
-                start = time.perf_counter()
-                dst.copy_(src)
-                copy_s = time.perf_counter() - start
+            start = time.perf_counter()
+            dst.copy_(src)
+            copy_s = time.perf_counter() - start
             send_s = timed_send(scheme, model)
             peak = max(peak, held_memory())
             if step >= 2:  # the first sends also map the slots in the workers
@@ -171,13 +170,15 @@ def time_pair(
     rounds: int,
     mb: float,
     tensors: tuple[int, int] = (0, 0),
+    each: tuple[dict, dict] = ({}, {}),
     **options: Any,
 ) -> tuple[list[float], list[float]]:
-    """Sends of ``models[i]`` to ``workers[i]`` workers (two schemes with ``options``, worker models of
-    ``tensors[i]`` tensors), alternating each round so both see the same load; the two lists of seconds."""
+    """Sends of ``models[i]`` to ``workers[i]`` workers (two schemes with ``options``, and ``each[i]`` for the
+    ``i``-th; worker models of ``tensors[i]`` tensors), alternating each round so both see the same load; the two
+    lists of seconds."""
     with (
-        connected(name, models[0], workers[0], mb, tensors[0], **options) as first,
-        connected(name, models[1], workers[1], mb, tensors[1], **options) as second,
+        connected(name, models[0], workers[0], mb, tensors[0], **options, **each[0]) as first,
+        connected(name, models[1], workers[1], mb, tensors[1], **options, **each[1]) as second,
     ):
         times: tuple[list[float], list[float]] = ([], [])
         for step in range(rounds + 2):

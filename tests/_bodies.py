@@ -102,15 +102,19 @@ def worker_storage_switches_unless_kept(scheme, workers, kind="tiny"):
     scheme.shutdown()
 
 
+_ENGINE = {"multiprocess": "local", "shared_mem": "local", "distributed": "distributed", "rpc": "rpc"}
+
+
 def flatten_sender_copies_one_buffer(scheme, workers):
     """flatten_sender: the trainer's weights move into one buffer at init (values and Parameter objects kept);
     each send then copies that buffer whole, with no tensor-by-tensor write. A trainer tensor moved since is
     bound anew at the next send; weights passed explicitly are copied tensor by tensor."""
     import importlib
 
-    from weightsync.binding import BoundModel
+    from weightsync.tensors.bound import BoundModel
 
-    module = importlib.import_module(type(scheme).__module__)
+    # The sender's engine stages each version: its tensor-by-tensor writes are counted there.
+    module = importlib.import_module(f"weightsync.transports.{_ENGINE[type(scheme).backend]}.sender")
     writes, adopted = [], []  # the sender's tensor-by-tensor writes; bindings of the trainer's weights
     real_write_into, real_adopt = module.write_into, BoundModel.adopt
     module.write_into = lambda dst, src, **kw: writes.append(len(dst)) or real_write_into(dst, src, **kw)
@@ -327,10 +331,11 @@ def wire_dtype_halves_the_bytes_and_workers_hold_the_rounded_weights(scheme, wor
 def corrupted_payload_is_refused_and_the_model_kept(scheme, workers):
     """With ``checksum=True``: a payload whose bytes do not match the sender's checksum is refused by every
     worker, named to the sender as an IntegrityError, and the workers keep the version they held."""
-    import inspect
+    import importlib
     from unittest import mock
 
     assert scheme.checksum
+    engine = importlib.import_module(f"weightsync.transports.{_ENGINE[type(scheme).backend]}.sender")
     model = build("tiny")
     scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
     group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"})
@@ -342,7 +347,7 @@ def corrupted_payload_is_refused_and_the_model_kept(scheme, workers):
             scheme.send()
             continue
         # The sender announces a checksum its bytes do not have: as if they were damaged on the way.
-        with mock.patch.object(inspect.getmodule(type(scheme).send_to), "digest", return_value="0" * 16):
+        with mock.patch.object(engine, "digest", return_value="0" * 16):
             with pytest.raises(ws.WeightSyncError) as info:
                 scheme.send()
     failures = getattr(info.value, "failures", None) or {info.value.worker_idx: info.value}

@@ -44,11 +44,11 @@ class Collector:
 
     def count_writes(self) -> None:
         """From now on, count the tensor-by-tensor writes of an update and the bindings of the model."""
-        import weightsync.binding
-        import weightsync.schemes.ray
+        import weightsync.core.receiver
+        import weightsync.tensors.bound
 
         self.writes = {"tensor_by_tensor": 0, "bind": 0}
-        for module, what in ((weightsync.schemes.ray, "tensor_by_tensor"), (weightsync.binding, "bind")):
+        for module, what in ((weightsync.core.receiver, "tensor_by_tensor"), (weightsync.tensors.bound, "bind")):
             real = module.write_into
 
             def counted(dst, src, _real=real, _what=what, **kw):

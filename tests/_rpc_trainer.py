@@ -5,6 +5,8 @@ from __future__ import annotations
 import inspect
 import traceback
 
+import yaml
+
 
 def resolve_host_name_to(address: str) -> None:
     """From now on, in this process and its children, the host's name resolves to ``address``: a private
@@ -42,7 +44,9 @@ def run(scenario: str, conn, host_address: str | None = None) -> None:
         # "body[:strategy[:key=value,...]]": scheme arguments after the strategy.
         name, _, rest = scenario.partition(":")
         strategy, _, extra = rest.partition(":")
-        kwargs = dict(item.split("=", 1) for item in extra.split(",") if item)
+        kwargs = {
+            key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in extra.split(",") if item)
+        }
         if strategy:
             kwargs["strategy"] = strategy
         scheme = ws.RPCWeightSyncScheme(timeout=20, connect_timeout=60, **kwargs)

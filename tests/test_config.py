@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import inspect
 import os
+import pickle
 import stat
 import subprocess
 import sys
@@ -30,7 +31,6 @@ ALL_CONFIGS = {
     **{f"scheme/{k}": v for k, v in wc.SCHEMES.items()},
     **{f"transport/{k}": v for k, v in wc.TRANSPORTS.items()},
 }
-RUNTIME_ARGS = {"actor", "channel", "scheme"}  # live handles given to instantiate(), never config fields
 
 
 def _target(cfg_cls):
@@ -49,19 +49,36 @@ def test_every_config_has_its_runtime():
     assert PLANNED == {}, f"configs whose target does not exist: {sorted(PLANNED)}"
 
 
-@pytest.mark.parametrize("name", sorted(AVAILABLE) + ["strategy"])
-def test_config_fields_mirror_the_constructor(name):
-    cfg_cls = wc.WeightStrategyConfig if name == "strategy" else AVAILABLE[name]
-    params = {
-        p.name: p.default
-        for p in inspect.signature(_target(cfg_cls)).parameters.values()
-        if p.name not in RUNTIME_ARGS and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-    }
-    fields = {f.name: f.default for f in dataclasses.fields(cfg_cls) if f.name != "_target_"}
+def _fields(cfg_cls, leave=("_target_", "_partial_")):
+    return {f.name: f.default for f in dataclasses.fields(cfg_cls) if f.name not in leave}
+
+
+@pytest.mark.parametrize("name", sorted(wc.SCHEMES))
+def test_a_scheme_config_and_its_transport_config_mirror_the_constructor(name):
+    """Each option once: the scheme's own in its config, its transport's settings in the transport's config;
+    together they are the constructor's arguments, with the same defaults."""
+    cfg_cls = wc.SCHEMES[name]
+    params = {p.name: p.default for p in inspect.signature(_target(cfg_cls)).parameters.values()}
+    fields = _fields(cfg_cls, leave=("_target_", "transport"))
+    transport = {f.name: f for f in dataclasses.fields(cfg_cls)}.get("transport")
+    if transport is not None:
+        fields.update(_fields(transport.default_factory))
+    fields["transport"] = None
     assert set(fields) == set(params), f"{name}: config {sorted(fields)} vs constructor {sorted(params)}"
     for key, default in params.items():
-        if default is not inspect.Parameter.empty:
-            assert fields[key] == default, f"{name}.{key}: config default {fields[key]!r} vs {default!r}"
+        assert fields[key] == default, f"{name}.{key}: config default {fields[key]!r} vs {default!r}"
+
+
+@pytest.mark.parametrize("name", sorted(wc.TRANSPORTS))
+def test_a_transport_config_holds_its_settings(name):
+    cfg_cls = wc.TRANSPORTS[name]
+    settings = {o.name: o.default for o in _target(cfg_cls).SETTINGS}
+    assert _fields(cfg_cls) == settings
+
+
+def test_the_strategy_config_mirrors_its_constructor():
+    params = {p.name: p.default for p in inspect.signature(ws.WeightStrategy).parameters.values()}
+    assert _fields(wc.WeightStrategyConfig) == params
 
 
 def test_a_target_missing_from_weightsync_fails_clearly_instead_of_silently():
@@ -104,8 +121,30 @@ def test_every_transport_and_strategy_option_composes(group, option):
     node = cfg.weightsync[group]
     if group == "strategy":
         assert instantiate(node) == ws.WeightStrategy(option)
-    else:
-        assert node._target_ == wc.TRANSPORTS[option]._target_ and node.worker_idx == 0
+    else:  # a transport's settings, bound to its class: its scheme makes one per worker
+        built = instantiate(node)
+        assert node._target_ == wc.TRANSPORTS[option]._target_ and built.func is _target(wc.TRANSPORTS[option])
+        assert built.keywords == _fields(wc.TRANSPORTS[option])
+
+
+@pytest.mark.parametrize(
+    "overrides, transport, settings",
+    [
+        ([], ws.MPTransport, {"max_slots": None}),
+        (["weightsync/scheme/transport=shared_mem"], ws.SharedMemTransport, {"max_slots": None}),
+        (["weightsync.scheme.transport.max_slots=3"], ws.MPTransport, {"max_slots": 3}),
+    ],
+)
+def test_a_scheme_composes_its_transport_and_the_command_line_swaps_or_tunes_it(overrides, transport, settings):
+    with initialize(version_base="1.3"):
+        cfg = compose(overrides=["+weightsync/scheme=multiprocess", *overrides])
+    scheme = instantiate(cfg.weightsync.scheme)
+    assert isinstance(scheme, ws.MultiProcessWeightSyncScheme) and scheme.transport_class is transport
+    assert scheme.max_slots == settings["max_slots"]
+    with pytest.raises(HydraException):  # a transport of another engine is not this scheme's
+        with initialize(version_base="1.3"):
+            bad = compose(overrides=["+weightsync/scheme=multiprocess", "weightsync/scheme/transport=rpc"])
+        instantiate(bad.weightsync.scheme)
 
 
 def test_top_level_from_config_is_the_hydra_layer_one():
@@ -161,7 +200,8 @@ def test_receiver_config_is_plain_and_secret_free():
     cfg = scheme.receiver_config(1)
     text = yaml.safe_dump(cfg)  # plain data: the strictest YAML dumper accepts it
     assert yaml.safe_load(text) == cfg
-    assert scheme._authkey.hex() not in text and "authkey:" not in text
+    authkey = pickle.loads(pickle.dumps(scheme))._handoff["authkey"]  # what a pickled scheme carries
+    assert authkey not in text and "authkey:" not in text
     key_file = cfg["connection"]["authkey_file"]
     assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
     assert cfg["scheme"]["per_worker_weights"] is True and cfg["worker_idx"] == 1

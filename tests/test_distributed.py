@@ -162,12 +162,14 @@ def test_bucket_size_must_be_positive():
 def test_a_cpu_worker_switches_to_the_buffer_each_update_arrived_in_unless_its_storage_must_stay(keep, monkeypatch):
     """A switching worker's tensors become views of the buffer of its first update, once; later updates swap
     the memory behind that storage (O(1), no tensor re-pointed), and a tensor the user moved is bound anew."""
-    import weightsync.binding
+    import weightsync.tensors.bound
 
     binds = []
-    real_write_into = weightsync.binding.write_into
+    real_write_into = weightsync.tensors.bound.write_into
     monkeypatch.setattr(
-        weightsync.binding, "write_into", lambda dst, src, **kw: binds.append(1) or real_write_into(dst, src, **kw)
+        weightsync.tensors.bound,
+        "write_into",
+        lambda dst, src, **kw: binds.append(1) or real_write_into(dst, src, **kw),
     )
     model = build("tiny")
     scheme = _scheme(sync=False, keep_storage=keep == "keep_storage")

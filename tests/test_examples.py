@@ -139,7 +139,7 @@ def test_main_job_help_lists_the_groups():
         ("num_workers=many", "num_workers"),
         ("start_method=pigeon", "start_method must be one of"),
         ("scheme.timeout=-1", "timeout must be a positive number"),
-        ("scheme=distributed scheme.backend=mpi", "backend must be 'gloo' or 'nccl'"),
+        ("scheme=distributed scheme.transport.backend=mpi", "backend must be 'gloo' or 'nccl'"),
         ("scheme=ray_module_transform", "hosts the module in ONE actor; run it with num_workers=1"),
     ],
 )

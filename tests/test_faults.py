@@ -306,7 +306,7 @@ def test_truncated_shared_segment_is_refused_not_mapped(workers):
     # Mapping past the end of a segment would kill the worker (SIGBUS): it must refuse the slot instead.
     from unittest import mock
 
-    from weightsync.transports.mp import MPTransport
+    from weightsync.transports.local.mp import MPTransport
 
     model, scheme, group = _connected("shared_mem", workers)
     real_notify = MPTransport.notify
@@ -354,7 +354,7 @@ def test_non_finite_weights_are_refused_in_the_caller_when_checked(workers, name
 
 
 def test_a_killed_senders_key_file_is_swept_but_not_another_namespaces():
-    from weightsync.transports.keyfiles import key_dir, remove_key_file, write_key_file
+    from weightsync.transports.local.keyfiles import key_dir, remove_key_file, write_key_file
     from weightsync.transports.processes import pid_namespace
 
     directory = key_dir()

@@ -351,12 +351,12 @@ def test_worker_model_bound_once_then_updated_whole(monkeypatch, scheme_name):
     update is one copy into it (multiprocess: the memory stays) or one swap of the memory behind it
     (shared_mem: the model reads the new slot), no tensor re-pointed. A tensor the user replaced is bound
     anew, and shutdown leaves the model the weights it held, in private memory."""
-    import weightsync.binding
+    import weightsync.tensors.bound
 
     binds = []
-    real_write_into = weightsync.binding.write_into
+    real_write_into = weightsync.tensors.bound.write_into
     monkeypatch.setattr(
-        weightsync.binding,
+        weightsync.tensors.bound,
         "write_into",
         lambda dst, src, **kw: binds.append(len(dst)) or real_write_into(dst, src, **kw),
     )
@@ -437,13 +437,13 @@ def test_flatten_sender_publishes_the_trainer_model_with_one_copy(monkeypatch, s
     """flatten_sender moves the trainer's tensors into one buffer in the slot layout, values and Parameter
     objects kept; each send is then one copy (no tensor-by-tensor write on either side). A trainer tensor
     replaced since is bound anew at the next send; weights passed explicitly are copied tensor by tensor."""
-    import weightsync.schemes.local
-    from weightsync.binding import BoundModel
+    import weightsync.transports.local.sender
+    from weightsync.tensors.bound import BoundModel
 
     writes, adopted = [], []  # tensor-by-tensor writes of a send; bindings of the trainer's weights
-    real_write_into, real_adopt = weightsync.schemes.local.write_into, BoundModel.adopt
+    real_write_into, real_adopt = weightsync.transports.local.sender.write_into, BoundModel.adopt
     monkeypatch.setattr(
-        weightsync.schemes.local,
+        weightsync.transports.local.sender,
         "write_into",
         lambda dst, src, **kw: writes.append(len(dst)) or real_write_into(dst, src, **kw),
     )

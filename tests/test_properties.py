@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import weightsync as ws
-from weightsync.layout import FlatLayout, wire_dtype_from_name
-from weightsync.strategy import flatten_weights, write_into
+from weightsync.tensors.copies import write_into
+from weightsync.tensors.layout import FlatLayout, wire_dtype_from_name
+from weightsync.tensors.strategy import flatten_weights
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8]
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -134,7 +135,7 @@ def test_any_mismatch_is_refused_by_name_and_nothing_is_written(structure, chang
 @SETTINGS
 @given(structure=structures(), tie=st.booleans())
 def test_the_model_walk_matches_torchs_named_parameters_and_buffers(structure, tie):
-    from weightsync.strategy import _module_tensors
+    from weightsync.tensors.strategy import _module_tensors
 
     model = build(structure, 7)
     if tie:  # one parameter under two names, and a module reached twice: each is listed once, first name

@@ -78,3 +78,35 @@ def test_api_reference_is_current():
 
     page = Path(__file__).resolve().parents[1] / "docs" / "api.md"
     assert page.read_text() == render(), "docs/api.md is stale: run python -m weightsync._apidoc docs/api.md"
+
+
+def test_import_weightsync_loads_no_engine_and_registers_nothing():
+    """``import weightsync`` loads the error tree only; a scheme class loads no engine; an engine loads on first
+    use, and only its own."""
+    import subprocess
+    import sys
+
+    probe = """
+import sys, json
+from torch.distributed.rendezvous import _rendezvous_handlers
+loaded = lambda: sorted(m for m in sys.modules if m.split(".")[0] in ("weightsync", "tensordict", "ray", "hydra"))
+import weightsync
+first = loaded()
+weightsync.MultiProcessWeightSyncScheme, weightsync.RPCWeightSyncScheme, weightsync.RayWeightSyncScheme
+classes = loaded()
+import torch
+scheme = weightsync.MultiProcessWeightSyncScheme()
+scheme.init_on_sender(model=torch.nn.Linear(2, 2), num_workers=1)
+used = loaded()
+scheme.shutdown()
+print(json.dumps([first, classes, used, "weightsync" in _rendezvous_handlers]))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    import json
+
+    first, classes, used, handler = json.loads(out.stdout.splitlines()[-1])
+    assert first == ["weightsync", "weightsync._lazy", "weightsync.errors"]
+    assert not [m for m in classes if m.startswith(("weightsync.transports", "tensordict", "ray", "hydra"))]
+    engines = {m.split(".")[2] for m in used if m.startswith("weightsync.transports.") and m.count(".") >= 2}
+    assert engines <= {"local", "base", "processes"}, engines
+    assert not handler, "an RPC rendezvous handler was registered by importing weightsync"

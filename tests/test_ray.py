@@ -92,7 +92,7 @@ def test_async_sends_arrive_in_order_and_are_awaited():
         scheme.send()  # sync=False: returns once submitted
     scheme.wait_async()
     assert scheme.acked_versions == {0: 5, 1: 5}
-    assert ray.get([a.state.remote() for a in actors]) == [(5, checksum(model, "state_dict"))] * 2
+    assert ray.get([a.state.remote() for a in actors]) == [(5, checksum(model, "tensordict"))] * 2
     scheme.shutdown()
     for a in actors:
         ray.kill(a)
@@ -117,7 +117,7 @@ def test_async_failure_is_reported_at_wait_async():
         errors.append(exc)
     assert errors, "the actor's failures were never reported"
     assert all(e.worker_idx == 1 and e.remote_type == "WeightMismatchError" for e in errors)
-    assert ray.get(actors[0].state.remote()) == (2, checksum(model, "state_dict"))
+    assert ray.get(actors[0].state.remote()) == (2, checksum(model, "tensordict"))
     scheme.shutdown()
     for a in actors:
         ray.kill(a)
@@ -133,8 +133,8 @@ def test_wire_dtype_halves_the_bytes_and_actors_hold_the_rounded_weights():
     scheme.connect()
     optimizer_step(model, 1)
     scheme.send()
-    expected = checksum(rounded(model, torch.bfloat16), "state_dict")
-    assert expected != checksum(model, "state_dict")
+    expected = checksum(rounded(model, torch.bfloat16), "tensordict")
+    assert expected != checksum(model, "tensordict")
     assert ray.get([a.state.remote() for a in actors]) == [(1, expected)] * 2
     scheme.shutdown()
     for a in actors:
@@ -182,7 +182,7 @@ def test_actor_model_bound_once_then_updated_whole(kind):
         optimizer_step(model, step)
         scheme.send()
         expected = rounded(model, torch.bfloat16) if kind == "wire_dtype" else model
-        assert ray.get(actor.state.remote()) == (step + 1, checksum(expected, "state_dict"))
+        assert ray.get(actor.state.remote()) == (step + 1, checksum(expected, "tensordict"))
         relative, addresses, now = ray.get(actor.placement.remote())
         assert now == params  # the same Parameter objects
         if kind == "bound":
@@ -209,18 +209,18 @@ def test_flatten_sender_puts_the_trainer_buffer_as_it_is(monkeypatch):
     """flatten_sender moves the trainer's tensors into one buffer in the payload layout, values and Parameter
     objects kept; each send puts that buffer in the store as it is (nothing packed). A trainer tensor moved
     since is bound anew at the next send; weights passed explicitly are packed as usual."""
-    from weightsync.layout import FlatLayout
+    from weightsync.tensors.layout import FlatLayout
 
     model = build("tiny")
     params = dict(model.named_parameters())
-    before = checksum(model, "state_dict")
+    before = checksum(model, "tensordict")
     scheme = ws.RayWeightSyncScheme(timeout=30, flatten_sender=True)
     actors = _joined(scheme, model, n=2)
     layout = scheme.layout
     flat = scheme.strategy.flat(model)
     base = flat[layout.slots[0].key].data_ptr()
     assert {s.key: flat[s.key].data_ptr() - base for s in layout.slots} == {s.key: s.offset for s in layout.slots}
-    assert dict(model.named_parameters()) == params and checksum(model, "state_dict") == before
+    assert dict(model.named_parameters()) == params and checksum(model, "tensordict") == before
     packs, puts = [], []
     real_pieces, real_put = FlatLayout.pieces, ray.put
     monkeypatch.setattr(FlatLayout, "pieces", lambda *a, **kw: packs.append(1) or real_pieces(*a, **kw))
@@ -231,7 +231,7 @@ def test_flatten_sender_puts_the_trainer_buffer_as_it_is(monkeypatch):
         if weights is None:
             optimizer_step(model, step)
         scheme.send(weights)
-        expected = checksum(model if weights is None else weights, "state_dict")
+        expected = checksum(model if weights is None else weights, "tensordict")
         assert ray.get([a.state.remote() for a in actors]) == [(step, expected)] * 2
 
     for step in (1, 2):
@@ -262,7 +262,7 @@ def test_killed_actor_is_named_and_the_others_are_updated():
         scheme.send()
     assert time.monotonic() - start < 20
     assert (info.value.worker_idx, info.value.model_id, info.value.version) == (1, "policy", 1)
-    assert ray.get(actors[0].state.remote()) == (1, checksum(model, "state_dict"))
+    assert ray.get(actors[0].state.remote()) == (1, checksum(model, "tensordict"))
     with pytest.raises(ws.WorkerDiedError):
         scheme.send()  # named again; the live actor is still served
     assert ray.get(actors[0].state.remote())[0] == 2
@@ -281,7 +281,7 @@ def test_drop_policy_goes_on_without_a_killed_actor():
     for step in (1, 2):
         optimizer_step(model, step)
         scheme.send()  # dropped at the first, skipped at the second
-        assert ray.get(actors[0].state.remote()) == (step, checksum(model, "state_dict"))
+        assert ray.get(actors[0].state.remote()) == (step, checksum(model, "tensordict"))
     assert list(scheme.stats()["dropped_workers"]) == [1] and scheme.acked_versions[0] == 2
     scheme.shutdown()
     ray.kill(actors[0])
@@ -301,7 +301,7 @@ def test_hung_actor_costs_one_timeout_then_is_raised_or_dropped(policy):
     os.kill(pid, signal.SIGSTOP)
     try:
         send_past_hung_worker_1(scheme, model, 2.0, 1.5)
-        assert ray.get(actors[0].state.remote()) == (1, checksum(model, "state_dict"))
+        assert ray.get(actors[0].state.remote()) == (1, checksum(model, "tensordict"))
     finally:
         os.kill(pid, signal.SIGCONT)
     if policy == "drop":  # the next send does not wait for it again
@@ -309,7 +309,7 @@ def test_hung_actor_costs_one_timeout_then_is_raised_or_dropped(policy):
         began = time.monotonic()
         scheme.send()
         assert time.monotonic() - began < 2.0
-        assert ray.get(actors[0].state.remote()) == (2, checksum(model, "state_dict"))
+        assert ray.get(actors[0].state.remote()) == (2, checksum(model, "tensordict"))
     scheme.shutdown()
     for a in actors:
         ray.kill(a)
@@ -328,7 +328,7 @@ def test_a_replaced_or_restarted_actor_rejoins_and_gets_the_current_version():
     ray.kill(actors[0], no_restart=True)
     optimizer_step(model, 1)
     scheme.send()  # worker 0 is dropped here; worker 1 holds version 1
-    latest = checksum(model, "state_dict")
+    latest = checksum(model, "tensordict")
     optimizer_step(model, 2)  # the trainer moves on without sending: the newcomer must get version 1
     newcomer = _collectors(1)[0]
     ray.get(newcomer.join.remote(scheme.receiver_config(0), 0))
@@ -341,10 +341,10 @@ def test_a_replaced_or_restarted_actor_rejoins_and_gets_the_current_version():
     # Calls fail while the actor restarts; Ray retries this one until the restart is over.
     ray.get(actors[1].join.options(max_task_retries=-1).remote(scheme, 1), timeout=60)
     assert scheme.rejoin(1) == 2
-    assert ray.get(actors[1].state.remote()) == (2, checksum(model, "state_dict"))
+    assert ray.get(actors[1].state.remote()) == (2, checksum(model, "tensordict"))
     optimizer_step(model, 3)
     scheme.send()
-    assert [ray.get(a.state.remote()) for a in (newcomer, actors[1])] == [(3, checksum(model, "state_dict"))] * 2
+    assert [ray.get(a.state.remote()) for a in (newcomer, actors[1])] == [(3, checksum(model, "tensordict"))] * 2
     assert scheme.acked_versions == {0: 3, 1: 3}
     with pytest.raises(ws.ConfigurationError, match="worker_idx 2 is not in 0..1"):
         scheme.rejoin(2, newcomer)
@@ -365,12 +365,12 @@ def test_actor_that_cannot_apply_reports_to_the_sender():
     assert err.worker_idx == 1 and err.remote_type == "WeightMismatchError" and "body.3.weight" in str(err)
     wrong = build("tiny_wrong")
     _scramble(wrong)
-    assert ray.get(actors[1].state.remote()) == (None, checksum(wrong, "state_dict"))
-    assert ray.get(actors[0].state.remote()) == (0, checksum(model, "state_dict"))
+    assert ray.get(actors[1].state.remote()) == (None, checksum(wrong, "tensordict"))
+    assert ray.get(actors[0].state.remote()) == (0, checksum(model, "tensordict"))
     optimizer_step(model, 2)
     with pytest.raises(ws.ReceiverError):
         scheme.send()
-    assert ray.get(actors[0].state.remote()) == (1, checksum(model, "state_dict"))
+    assert ray.get(actors[0].state.remote()) == (1, checksum(model, "tensordict"))
     scheme.shutdown()
     for a in actors:
         ray.kill(a)
@@ -388,7 +388,7 @@ def test_a_cluster_on_several_machines_needs_the_pickle_opt_in(monkeypatch):
     trusting = ws.RayWeightSyncScheme(timeout=20, allow_pickle=True)
     trusting.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
     trusting.connect()
-    assert ray.get(actors[0].state.remote()) == (0, checksum(model, "state_dict"))
+    assert ray.get(actors[0].state.remote()) == (0, checksum(model, "tensordict"))
     trusting.shutdown()
     ray.kill(actors[0])
 
@@ -468,14 +468,14 @@ def test_corrupted_payload_is_refused_and_the_actors_keep_their_weights():
     scheme.connect()
     optimizer_step(model, 1)
     scheme.send()
-    held = checksum(model, "state_dict")
+    held = checksum(model, "tensordict")
     optimizer_step(model, 2)
-    with mock.patch("weightsync.schemes.ray.digest", return_value="0" * 16):
+    with mock.patch("weightsync.transports.ray.sender.digest", return_value="0" * 16):
         with pytest.raises(ws.SendFailedError) as info:
             scheme.send()
     assert sorted(info.value.failures) == [0, 1]
     assert all(e.remote_type == "IntegrityError" for e in info.value.failures.values())
     assert ray.get([a.state.remote() for a in actors]) == [(1, held)] * 2
     scheme.send()
-    assert ray.get([a.state.remote() for a in actors]) == [(3, checksum(model, "state_dict"))] * 2
+    assert ray.get([a.state.remote() for a in actors]) == [(3, checksum(model, "tensordict"))] * 2
     scheme.shutdown()

@@ -9,6 +9,7 @@ from torch import nn
 
 import weightsync as ws
 from tests._workers import TinyNet
+from weightsync.tensors import copies
 
 
 def _values(model):
@@ -159,7 +160,7 @@ def test_layout_wire_dtype_casts_floating_tensors_only_and_travels_in_the_plain_
     buffers, ranges = layout.pieces(flat, torch.zeros(layout.nbytes, dtype=torch.uint8), direct_min=1)
     assert all(b.data_ptr() != flat["w"].data_ptr() for b in buffers)  # a cast tensor is always packed
     out = {k: torch.empty_like(v) for k, v in flat.items()}
-    ws.strategy.write_into(out, layout.unpack(buffers, ranges))
+    copies.write_into(out, layout.unpack(buffers, ranges))
     for key, tensor in flat.items():
         expected = tensor.to(torch.bfloat16).to(tensor.dtype) if tensor.is_floating_point() else tensor
         assert torch.equal(out[key], expected) and out[key].dtype == tensor.dtype
@@ -184,7 +185,7 @@ def test_layout_buckets_tile_the_buffer_at_tensor_boundaries():
 
 def _copy_on_threads(dst, src, threads):
     """``copy_tensors(dst, src)`` with torch set to ``threads`` threads, restored after."""
-    from weightsync import strategy
+    from weightsync.tensors import copies as strategy
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -198,7 +199,7 @@ def _copy_on_threads(dst, src, threads):
 def test_many_small_tensors_are_copied_on_every_thread_exactly(monkeypatch, threads):
     """Above 4 MB of small tensors, copy_tensors spreads them over torch's threads (and keeps the large ones
     on the caller's); every byte lands where it belongs, parameters that require grad included."""
-    from weightsync import strategy
+    from weightsync.tensors import copies as strategy
 
     started = []
 
@@ -224,7 +225,7 @@ def test_small_copies_stay_on_the_calling_thread_exactly(monkeypatch, threads):
     """Under 1 MiB in all, copy_tensors cuts every tensor torch would copy on several threads into pieces it
     copies on one (contiguous ones only); every byte lands where it belongs, casts included, and every
     written tensor's version counter moves (what autograd checks)."""
-    from weightsync import strategy
+    from weightsync.tensors import copies as strategy
 
     calls = []
     real = torch._foreach_copy_

@@ -5,107 +5,52 @@ Pick a scheme per model (``MultiProcessWeightSyncScheme``,
 ``DistributedWeightSyncScheme``, ...), call
 ``init_on_sender`` and ``connect`` in the trainer, ``init_on_receiver`` and
 ``connect`` in each worker, then ``send()`` and ``receive()``.
+
+``import weightsync`` loads the error tree only: every other name, each
+scheme's engine and the Hydra layer load on first use.
 """
 
-from .errors import (
-    AuthenticationError,
-    ConfigurationError,
-    ConnectionClosedError,
-    IntegrityError,
-    InvalidWeightsError,
-    LifecycleError,
-    ReceiverError,
-    SendFailedError,
-    SyncTimeoutError,
-    TransportError,
-    WeightMismatchError,
-    WeightSyncError,
-    WorkerDiedError,
-)
-from .layout import FlatLayout
-from .metrics import SendRecord
-from .model_path import resolve_model
-from .schemes import (
-    DistributedWeightSyncScheme,
-    ModuleActor,
-    MultiProcessWeightSyncScheme,
-    NoWeightSyncScheme,
-    RayModuleTransformReceiver,
-    RayModuleTransformScheme,
-    RayModuleTransformSender,
-    RayWeightSyncScheme,
-    RPCWeightSyncScheme,
-    SharedMemWeightSyncScheme,
-    WeightReceiver,
-    WeightSender,
-    WeightSyncScheme,
-    available_backends,
-    get_backend,
-    register_backend,
-)
-from .strategy import WeightStrategy
-from .transports import (
-    DistributedTransport,
-    MPTransport,
-    RayActorTransport,
-    RayTransport,
-    RPCTransport,
-    SharedMemTransport,
-    TransportBackend,
-)
+from __future__ import annotations
+
+from . import errors
+from ._lazy import lazy
+from .errors import *  # noqa: F403 - the error tree is public, and costs nothing to load
 
 __version__ = "0.1.0"
 
+# Where each public name lives (a module of this package), imported when the name is first asked for.
+_HOME = {
+    name: module
+    for module, names in {
+        "core.scheme": ("WeightSyncScheme",),
+        "core.facade": ("WeightReceiver", "WeightSender"),
+        "schemes.multiprocess": ("MultiProcessWeightSyncScheme",),
+        "schemes.shared_mem": ("SharedMemWeightSyncScheme",),
+        "schemes.no_sync": ("NoWeightSyncScheme",),
+        "schemes.distributed": ("DistributedWeightSyncScheme",),
+        "schemes.rpc": ("RPCWeightSyncScheme",),
+        "schemes.ray": (
+            "ModuleActor",
+            "RayModuleTransformReceiver",
+            "RayModuleTransformScheme",
+            "RayModuleTransformSender",
+            "RayWeightSyncScheme",
+        ),
+        "schemes.registry": ("available_backends", "get_backend", "register_backend"),
+        "transports.base": ("TransportBackend",),
+        "transports.local": ("MPTransport", "SharedMemTransport"),
+        "transports.distributed": ("DistributedTransport",),
+        "transports.rpc": ("RPCTransport",),
+        "transports.ray": ("RayActorTransport", "RayTransport"),
+        "tensors.strategy": ("WeightStrategy",),
+        "tensors.layout": ("FlatLayout",),
+        "metrics": ("SendRecord",),
+        "model_path": ("resolve_model",),
+        "config": ("from_config",),
+    }.items()
+    for name in names
+}
 
-def __getattr__(name: str):
-    # The Hydra layer is imported on first use, so `import weightsync` does not pay for Hydra.
-    if name == "from_config":
-        from .config import from_config
+__getattr__, __dir__ = lazy(__name__, _HOME)
 
-        return from_config
-    raise AttributeError(f"module 'weightsync' has no attribute {name!r}")
-
-
-__all__ = [
-    "AuthenticationError",
-    "ConfigurationError",
-    "ConnectionClosedError",
-    "DistributedTransport",
-    "DistributedWeightSyncScheme",
-    "FlatLayout",
-    "IntegrityError",
-    "InvalidWeightsError",
-    "LifecycleError",
-    "MPTransport",
-    "ModuleActor",
-    "MultiProcessWeightSyncScheme",
-    "NoWeightSyncScheme",
-    "RPCTransport",
-    "RPCWeightSyncScheme",
-    "RayActorTransport",
-    "RayModuleTransformReceiver",
-    "RayModuleTransformScheme",
-    "RayModuleTransformSender",
-    "RayTransport",
-    "RayWeightSyncScheme",
-    "ReceiverError",
-    "SendFailedError",
-    "SendRecord",
-    "SharedMemTransport",
-    "SharedMemWeightSyncScheme",
-    "SyncTimeoutError",
-    "TransportBackend",
-    "TransportError",
-    "WeightMismatchError",
-    "WeightReceiver",
-    "WeightSender",
-    "WeightStrategy",
-    "WeightSyncError",
-    "WeightSyncScheme",
-    "WorkerDiedError",
-    "available_backends",
-    "from_config",
-    "get_backend",
-    "register_backend",
-    "resolve_model",
-]
+__all__ = sorted([*errors.__all__, *_HOME])

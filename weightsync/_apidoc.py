@@ -126,6 +126,21 @@ def _members(cls: type) -> list[str]:
     return lines
 
 
+def _options(obj: Any) -> list[str]:
+    """A table of the options a class declares (a scheme's, with its transport's settings; a transport's)."""
+    declared = getattr(obj, "OPTIONS", None) if "OPTIONS" in getattr(obj, "__dict__", {}) else None
+    settings = getattr(obj, "SETTINGS", None) if "SETTINGS" in getattr(obj, "__dict__", {}) else None
+    rows = declared or settings
+    if not rows:
+        return []
+    transport = {o.name for o in getattr(obj, "TRANSPORT_SETTINGS", ())}
+    out = ["Options:", "", "| option | default | meaning |", "|---|---|---|"]
+    for o in rows:
+        where = " (a setting of its transport)" if o.name in transport else ""
+        out.append(f"| `{o.name}` | `{o.default!r}` | {_markdown(o.doc)}{where} |")
+    return [*out, ""]
+
+
 def _entry(name: str, obj: Any, prefix: str = "weightsync") -> list[str]:
     out = [f"### `{prefix}.{name}`", ""]
     if inspect.isclass(obj):
@@ -136,6 +151,7 @@ def _entry(name: str, obj: Any, prefix: str = "weightsync") -> list[str]:
     doc = _markdown(_doc(obj))
     if doc:
         out += [doc, ""]
+    out += _options(obj)
     if inspect.isclass(obj) and not issubclass(obj, BaseException):
         members = _members(obj)
         if members:

@@ -12,7 +12,8 @@ the keys involved, both in its message and as attributes::
     ├── TransportError                the data plane broke
     │   ├── AuthenticationError       a peer failed the auth-key challenge
     │   ├── ConnectionClosedError     the peer closed its end (sender shut down)
-    │   └── WorkerDiedError           a worker process exited while awaited
+    │   ├── WorkerDiedError           a worker process exited while awaited
+    │   └── IntegrityError            a payload failed its checksum, or is truncated
     ├── SyncTimeoutError              a bounded wait ran out (also TimeoutError)
     ├── ReceiverError                 a worker failed to apply an update and said why
     └── SendFailedError               several workers failed in one send
@@ -20,6 +21,7 @@ the keys involved, both in its message and as attributes::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -110,9 +112,7 @@ class WeightMismatchError(InvalidWeightsError):
         missing: Iterable[str] = (),
         extra: Iterable[str] = (),
         mismatched: Mapping[str, tuple[str, str]] | None = None,
-        model_id: str | None = None,
-        worker_idx: int | None = None,
-        version: int | None = None,
+        **where: Any,
     ) -> None:
         self.missing = sorted(missing)
         self.extra = sorted(extra)
@@ -125,12 +125,7 @@ class WeightMismatchError(InvalidWeightsError):
         if self.mismatched:
             shown = ", ".join(f"{k!r}: got {a}, expected {b}" for k, a, b in _triples(self.mismatched))
             parts.append(f"mismatched {{{shown}}}")
-        super().__init__(
-            "weights do not match the target: " + "; ".join(parts) + " (target left unchanged)",
-            model_id=model_id,
-            worker_idx=worker_idx,
-            version=version,
-        )
+        super().__init__("weights do not match the target: " + "; ".join(parts) + " (target left unchanged)", **where)
 
 
 def _triples(mismatched: Mapping[str, tuple[str, str]]) -> list[tuple[str, str, str]]:
@@ -170,23 +165,10 @@ class ReceiverError(WeightSyncError):
         remote_message: its message.
     """
 
-    def __init__(
-        self,
-        remote_type: str,
-        remote_message: str,
-        *,
-        model_id: str | None = None,
-        worker_idx: int | None = None,
-        version: int | None = None,
-    ) -> None:
+    def __init__(self, remote_type: str, remote_message: str, **where: Any) -> None:
         self.remote_type = remote_type
         self.remote_message = remote_message
-        super().__init__(
-            f"receiver failed to apply the update: {remote_type}: {remote_message}",
-            model_id=model_id,
-            worker_idx=worker_idx,
-            version=version,
-        )
+        super().__init__(f"receiver failed to apply the update: {remote_type}: {remote_message}", **where)
 
 
 class SendFailedError(WeightSyncError):
@@ -212,6 +194,8 @@ def raise_failures(failures: Mapping[int, WeightSyncError], *, model_id: str | N
     raise SendFailedError(failures, model_id=model_id, version=version)
 
 
-def describe(exc: BaseException) -> Any:
-    """Plain-data description of an exception, for acks that cross a process boundary."""
-    return {"type": type(exc).__name__, "message": str(exc)}
+def first_line(exc: BaseException) -> str:
+    """The gist of an engine's error: its first line, without the source location and the boilerplate advice."""
+    lines = str(exc).strip().splitlines()
+    text = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else type(exc).__name__
+    return text.split(". This is typically")[0][:300]

@@ -1,13 +1,14 @@
-"""Finding a model inside a context object by a path such as ``"env.transform[0].module"``."""
+"""Finding a model inside a context object by a path such as ``"env.transform[0].module"``, and the weights a
+caller means."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, InvalidWeightsError
 
-__all__ = ["resolve_model"]
+__all__ = ["resolve_model", "resolve_weights"]
 
 _TOKEN = re.compile(r"\s*(?:\.?([A-Za-z_][A-Za-z_0-9]*)|\[\s*(-?\d+|'[^']*'|\"[^\"]*\")\s*\])")
 
@@ -74,3 +75,22 @@ def resolve_model(context: Any, model_id: str) -> Any:
             ) from exc
         walked += f"[{token}]" if isinstance(token, int) else (f".{token}" if walked else token)
     return obj
+
+
+def resolve_weights(weights: Any, context: Any, model_id: str | None) -> Any:
+    """What ``weights`` stands for: itself (a module, a TensorDict or a dict), the model ``model_id`` names in
+    ``context`` (``None``), or the model a path names in ``context`` (a string).
+
+    Raises:
+        InvalidWeightsError: nothing to read the weights from.
+        ConfigurationError: the path does not exist in ``context``.
+    """
+    if weights is None:
+        if context is None or model_id is None:
+            raise InvalidWeightsError("no weights given and no model registered to read them from", model_id=model_id)
+        return resolve_model(context, model_id)
+    if isinstance(weights, str):
+        if context is None:
+            raise InvalidWeightsError(f"weights given as path {weights!r} but no context to resolve it")
+        return resolve_model(context, weights)
+    return weights

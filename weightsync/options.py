@@ -1,158 +1,271 @@
-"""Checks of plain option values, shared by the scheme constructors and the receiver-config schema.
+"""Every option of a scheme or a transport, declared once: name, default, type, check and meaning.
 
-A check takes a value and the place it came from (``"scheme.timeout"``) and
-returns the value as the option holds it, as a built-in ``bool``, ``int``,
-``float`` or ``str``, or raises :class:`~weightsync.errors.ConfigurationError`
-naming that place. ``True`` is not an int here, and no float is infinite or
-NaN. (Input from outside is made plain data first, by
-:func:`weightsync.config.plain.plain_tree`; the checks themselves also take
-numeric and string subclasses, as a constructor's caller may pass them.)
+A class lists the options it takes in ``OPTIONS`` (schemes) or ``SETTINGS``
+(a transport's own settings, which its scheme takes too). From that one list
+come the class's constructor signature and its argument checks
+(:class:`Configurable`), the Hydra dataclass configs and their YAML copies
+(:mod:`weightsync.config.configs`), what a pickled scheme carries, what
+``receiver_config()`` emits and what a receiver config may hold
+(:mod:`weightsync.config.receiver`), and the options tables of the docs.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
-import re
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
 
+from . import checks
 from .errors import ConfigurationError
 
-__all__ = [
-    "MAX_TEXT",
-    "MAX_WAIT_S",
-    "Check",
-    "boolean",
-    "fields",
-    "host",
-    "integer",
-    "model_id",
-    "number",
-    "one_of",
-    "optional",
-    "port",
-    "seconds",
-    "text",
-]
-
-#: The longest wait any option may ask for, in seconds (11.6 days). Longer ones are almost surely a
-#: mistake, and ``poll(2)`` counts milliseconds in a C int.
-MAX_WAIT_S = 1_000_000.0
-#: The longest string an option may hold.
-MAX_TEXT = 1024
-
-Check = Callable[[Any, str], Any]
+__all__ = ["Configurable", "Option"]
 
 
-def _refuse(where: str, wanted: str, value: Any) -> ConfigurationError:
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return ConfigurationError(f"{where} must be {wanted}, got {shown}")
+@dataclass(frozen=True)
+class Option:
+    """One option: what a constructor takes, a config holds and a receiver config carries.
+
+    Attributes:
+        name: the keyword argument, config field and attribute.
+        default: its value when not given (plain data).
+        annotation: its type in the Hydra config (``bool``, ``Optional[int]``, ...).
+        doc: what it does, in one or two sentences.
+        check: validates a given value (``check(value, where)``) and returns it as the option holds it.
+        plain: the value as plain data, from what ``check`` returned (default: as it is).
+    """
+
+    name: str
+    default: Any
+    annotation: Any
+    doc: str
+    check: checks.Check
+    plain: Callable[[Any], Any] | None = None
+
+    def to_plain(self, value: Any) -> Any:
+        return value if self.plain is None else self.plain(value)
 
 
-def boolean(value: Any, where: str) -> bool:
-    """``True`` or ``False``, nothing else (no ``0``, no ``"yes"``)."""
-    if not isinstance(value, bool):
-        raise _refuse(where, "true or false", value)
+def _strategy(value: Any, where: str) -> Any:
+    from .tensors.strategy import EXTRACT_FORMATS, WeightStrategy
+
+    if isinstance(value, WeightStrategy):
+        return value
+    if value not in EXTRACT_FORMATS:
+        raise ConfigurationError(f"{where} must be one of {EXTRACT_FORMATS}, got {value!r:.80}")
+    return WeightStrategy(value)
+
+
+def _wire_dtype(value: Any, where: str) -> str | None:
+    from .tensors.layout import wire_dtype_from_name
+
+    if value is not None:
+        wire_dtype_from_name(checks.text(max_len=40)(value, where))  # a bad name fails here, not at connect
     return value
 
 
-def integer(lo: int, hi: int) -> Check:
-    """An int (not a bool) in ``[lo, hi]``."""
-
-    def check(value: Any, where: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= value <= hi:
-            raise _refuse(where, f"an integer in [{lo}, {hi}]", value)
-        return int(value)
-
-    return check
+def _flag(name: str, default: bool, doc: str) -> Option:
+    return Option(name, default, bool, doc, checks.boolean)
 
 
-def number(lo: float, hi: float, *, above: bool = False) -> Check:
-    """A finite int or float in ``[lo, hi]`` (``(lo, hi]`` with ``above``), held as a float."""
-    low = "(" if above else "["
-
-    def check(value: Any, where: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise _refuse(where, f"a finite number in {low}{lo:g}, {hi:g}]", value)
-        if value < lo or (above and value == lo) or value > hi:
-            raise _refuse(where, f"a number in {low}{lo:g}, {hi:g}]", value)
-        return float(value)
-
-    return check
+def _positive(name: str, default: int | None, doc: str) -> Option:
+    check = checks.integer(1, 2**31 - 1, what="a positive int" + (" or None" if default is None else ""))
+    if default is None:
+        return Option(name, None, Optional[int], doc, checks.optional(check))  # noqa: UP045 - omegaconf 2.3
+    return Option(name, default, int, doc, check)
 
 
-def seconds(value: Any, where: str) -> float:
-    """A wait bound: a positive, finite number of seconds, at most :data:`MAX_WAIT_S`."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or not 0 < value <= MAX_WAIT_S
-    ):
-        raise _refuse(where, f"a positive number of seconds, finite and at most {MAX_WAIT_S:g}", value)
-    return float(value)
-
-
-def text(pattern: str | None = None, max_len: int = MAX_TEXT, what: str = "a string") -> Check:
-    """A string of at most ``max_len`` characters, printable, matching ``pattern`` (whole) if given."""
-    compiled = re.compile(pattern) if pattern is not None else None
-
-    def check(value: Any, where: str) -> str:
-        if not isinstance(value, str) or len(value) > max_len or not value.isprintable():
-            raise _refuse(where, f"{what} of at most {max_len} printable characters", value)
-        if compiled is not None and not compiled.fullmatch(value):
-            raise _refuse(where, what, value)
-        return str(value)
-
-    return check
-
-
-def one_of(*choices: Any) -> Check:
-    """One of ``choices`` (compared by type and value)."""
-
-    def check(value: Any, where: str) -> Any:
-        if not any(type(value) is type(c) and value == c for c in choices):
-            raise _refuse(where, "one of " + ", ".join(repr(c) for c in choices), value)
-        return value
-
-    return check
-
-
-def optional(inner: Check) -> Check:
-    """``None``, or what ``inner`` accepts."""
-
-    def check(value: Any, where: str) -> Any:
-        return None if value is None else inner(value, where)
-
-    return check
-
-
-#: A model's name or path inside a context (``"policy"``, ``"env.transform[0].module"``).
-model_id = text(
-    r"[A-Za-z0-9_.\[\]\-/:@+]{1,200}", max_len=200, what="a model name or path (letters, digits and . _ - / : @ + [ ])"
+# ------------------------------------------------------------- every scheme
+STRATEGY = Option(
+    "strategy",
+    "tensordict",
+    str,
+    '``"tensordict"`` (every parameter and buffer) or ``"state_dict"`` (persistent buffers only).',
+    _strategy,
+    plain=lambda strategy: strategy.extract_as,
 )
-#: A host name or IP address (``"10.0.0.1"``, ``"node-3.cluster"``, ``"::1"``).
-host = text(r"[A-Za-z0-9_.\-:%\[\]]{1,253}", max_len=253, what="a host name or IP address")
-#: A TCP port.
-port = integer(1, 65535)
+SYNC = _flag("sync", True, "``send()`` blocks until every targeted worker applied and acked.")
+TIMEOUT = Option(
+    "timeout", 60.0, float, "Seconds any single wait may last after connect (acks, receives, shutdown).", checks.seconds
+)
+CONNECT_TIMEOUT = Option(
+    "connect_timeout", 120.0, float, "Seconds the rendez-vous in ``connect()`` may last.", checks.seconds
+)
+ON_FAILURE = Option(
+    "on_failure",
+    "raise",
+    str,
+    '``"raise"``: a send raises an error naming a worker that died or did not ack in time; ``"drop"``: it logs '
+    "a warning, stops sending to that worker and goes on (a restarted worker may rejoin). A worker that refuses "
+    "an update raises in both modes.",
+    checks.one_of("raise", "drop"),
+)
+MAX_STALENESS = Option(
+    "max_staleness",
+    None,
+    Optional[int],  # noqa: UP045
+    "In asynchronous sends, how many versions a worker may lag behind the one being published; "
+    "``send_async`` first waits (at most ``timeout``) for workers further behind. ``None``: no bound.",
+    checks.optional(checks.integer(0, 2**31 - 1, what="a non-negative int or None")),
+)
+CHECK_FINITE = _flag(
+    "check_finite", False, "Refuse, in the caller and before any byte moves, weights holding NaN or Inf."
+)
+COMMON = (STRATEGY, SYNC, TIMEOUT, CONNECT_TIMEOUT, ON_FAILURE, MAX_STALENESS, CHECK_FINITE)
+
+# ------------------------------------------------------ schemes moving bytes
+CHECKSUM = _flag(
+    "checksum",
+    False,
+    "The sender hashes each version's bytes (XXH3-64) and receivers check them before applying; a corrupted or "
+    "truncated payload is refused with ``IntegrityError`` and the model keeps its weights.",
+)
+FLATTEN_SENDER = _flag(
+    "flatten_sender",
+    False,
+    "At ``init_on_sender``, the trainer's weights move into one buffer laid out like the payload (each tensor a "
+    "view of it, the Parameter objects kept), so a send is one copy whatever the number of tensors. Off by "
+    "default: it changes the trainer's memory.",
+)
+BYTES = (CHECKSUM, FLATTEN_SENDER)
+
+# ------------------------------------------------------- receivers' choices
+LATEST_WINS = _flag("latest_wins", True, "A worker that fell behind applies only the newest of its pending versions.")
+BACKGROUND_THREAD = _flag(
+    "background_thread", False, "Receivers apply updates in a thread of their own; ``receive()`` reports them."
+)
+KEEP_STORAGE = _flag(
+    "keep_storage",
+    False,
+    "Workers copy each update into their model's own tensors, whose memory never changes; by default a CPU "
+    "model is bound, at its first update, to one buffer laid out like the payload (or takes the buffer the "
+    "update arrived in), so that an update costs one copy, or none, whatever the number of tensors.",
+)
+PER_WORKER_WEIGHTS = _flag("per_worker_weights", False, "Every worker gets slots of its own (more memory).")
+ALLOW_PICKLE = _flag(
+    "allow_pickle",
+    False,
+    "Let peers on other machines reach the engine, which unpickles what they send: only if every machine that "
+    "can reach it is yours (see docs/multinode.md).",
+)
+
+# ----------------------------------------------------------------- networks
+MASTER_ADDR = Option(
+    "master_addr",
+    None,
+    Optional[str],  # noqa: UP045
+    "The trainer's host as workers reach it (``None``: ``MASTER_ADDR``, else 127.0.0.1).",
+    checks.optional(checks.host),
+)
+MASTER_PORT = Option(
+    "master_port",
+    None,
+    Optional[int],  # noqa: UP045
+    "The TCP store's port (``None``: ``MASTER_PORT``, else a free port).",
+    checks.optional(checks.integer(0, 65535, what="a port in 0..65535 or None")),
+)
+ADDRESS = Option(
+    "address",
+    None,
+    Optional[str],  # noqa: UP045
+    "Ray cluster to join when Ray is not initialized yet (``None``: ``RAY_ADDRESS``, else a new local cluster).",
+    checks.optional(checks.text()),
+)
+NAMESPACE = Option("namespace", None, Optional[str], "Ray namespace.", checks.optional(checks.text()))  # noqa: UP045
+
+# ------------------------------------------------------ transports' settings
+MAX_SLOTS = _positive(
+    "max_slots",
+    None,
+    "Shared weight slots the sender may allocate (``None``: ``num_workers + 2``, which no send "
+    "pattern exceeds); fewer make a send wait for lagging workers.",
+)
+MAX_BUFFERS = _positive(
+    "max_buffers",
+    2,
+    "Staging buffers the sender may hold while workers still take earlier versions; a send "
+    "waits (up to ``timeout``) for one to be free.",
+)
+WIRE_DTYPE = Option(
+    "wire_dtype",
+    None,
+    Optional[str],  # noqa: UP045
+    'Floating weights travel as this dtype (``"bfloat16"``: half the bytes of float32) and are cast back when '
+    "applied; ``None``: as they are.",
+    _wire_dtype,
+)
+BACKEND = Option(
+    "backend", "gloo", str, '``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA, GPU to GPU).', checks.one_of("gloo", "nccl")
+)
+BUCKET_MB = Option(
+    "bucket_mb",
+    None,
+    Optional[float],  # noqa: UP045
+    "Send the weights in buckets of at most this many MB, each copied while the previous one is on the wire "
+    "(``None``: one message).",
+    checks.optional(checks.number(0.0, 1e9, above=True, what="a positive number of megabytes or None")),
+)
+
+#: What the schemes over torch.distributed (its process groups, its RPC) take alike.
+NETWORK = (MASTER_ADDR, MASTER_PORT, LATEST_WINS, KEEP_STORAGE)
+
+#: Each transport's own settings (its scheme takes them too, as keyword arguments).
+LOCAL_SETTINGS = (MAX_SLOTS,)
+DISTRIBUTED_SETTINGS = (BACKEND, WIRE_DTYPE, BUCKET_MB, MAX_BUFFERS)
+RPC_SETTINGS = (WIRE_DTYPE, MAX_BUFFERS)
+RAY_SETTINGS = (WIRE_DTYPE,)
 
 
-def fields(
-    given: Mapping[str, Any], checks: Mapping[str, Check | None], where: str, required: Iterable[str] = ()
-) -> dict[str, Any]:
-    """``given`` checked field by field against ``checks`` (``None``: taken as it is).
+class Configurable:
+    """A class whose constructor takes its declared options (``OPTIONS``), checked, as attributes.
 
-    Raises:
-        ConfigurationError: a field ``checks`` does not name (all of them listed, with what ``where`` takes),
-            a ``required`` one missing, or the first value its check refuses.
+    The constructor's signature is derived from the options: the first ``POSITIONAL`` may be given by
+    position, the others by keyword, and ``EXTRA`` parameters (not options: live objects such as a
+    transport) follow. A value outside an option's type or range raises
+    :class:`~weightsync.errors.ConfigurationError` naming the option.
     """
-    unknown = sorted(str(k) for k in given if k not in checks)
-    if unknown:
-        raise ConfigurationError(f"{where} has unknown fields {unknown}; it takes {sorted(checks)}")
-    missing = [k for k in required if k not in given]
-    if missing:
-        raise ConfigurationError(f"{where} lacks fields {missing}")
-    return {k: v if checks[k] is None else checks[k](v, f"{where}.{k}") for k, v in given.items()}
+
+    OPTIONS: ClassVar[tuple[Option, ...]] = ()
+    POSITIONAL: ClassVar[int] = 4
+    EXTRA: ClassVar[tuple[inspect.Parameter, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        for i, option in enumerate(cls.OPTIONS):
+            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if i < cls.POSITIONAL else inspect.Parameter.KEYWORD_ONLY
+            params.append(inspect.Parameter(option.name, kind, default=option.default, annotation=option.annotation))
+        params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in cls.EXTRA]
+        cls.__signature__ = inspect.Signature(params[1:])  # type: ignore[attr-defined]
+
+    @classmethod
+    def option(cls, name: str) -> Option:
+        return next(o for o in cls.OPTIONS if o.name == name)
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [o.name for o in cls.OPTIONS]
+
+    def _bind_options(self, args: tuple, kwargs: dict[str, Any]) -> tuple[set[str], dict[str, Any]]:
+        """Check and set every option from a constructor call; return the options given, and the extras.
+
+        Raises:
+            TypeError: arguments the signature does not take (as any Python call would).
+            ConfigurationError: a value an option refuses, named.
+        """
+        bound = type(self).__signature__.bind(*args, **kwargs)  # type: ignore[attr-defined]
+        given = {name for name in bound.arguments if name in self.option_names()}
+        for option in self.OPTIONS:
+            value = bound.arguments.get(option.name, option.default)
+            setattr(self, _attr(option), option.check(value, option.name))
+        extras = {p.name: bound.arguments.get(p.name, p.default) for p in self.EXTRA}
+        return given, extras
+
+    def option_values(self) -> dict[str, Any]:
+        """Every option's value, as plain data (what a config or a receiver config holds)."""
+        return {o.name: o.to_plain(getattr(self, _attr(o))) for o in self.OPTIONS}
+
+
+def _attr(option: Option) -> str:
+    # The strategy is held as a WeightStrategy, behind the read-only `strategy` property.
+    return "_strategy" if option is STRATEGY else option.name

@@ -26,11 +26,11 @@ from torch import nn
 
 from ..config import SCHEMES, from_config
 from ..config.receiver import check_available
+from ..core.scheme import WeightSyncScheme
 from ..errors import ConfigurationError, ConnectionClosedError, WeightSyncError
-from ..schemes.base import WeightSyncScheme
 from ..schemes.no_sync import NoWeightSyncScheme
 from ..schemes.ray import RayWeightSyncScheme
-from ..strategy import WeightStrategy
+from ..tensors.strategy import WeightStrategy
 
 __all__ = ["JobConfig", "ModelSpec", "build_model", "resolve_schemes", "run_job"]
 

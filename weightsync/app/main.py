@@ -11,7 +11,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from ..config import SCHEMES
+from ..config.store import register_scheme_group
 from ..errors import WeightSyncError
 from .job import JobConfig, run_job
 from .report import RESULTS_FILE, markdown_table
@@ -20,10 +20,8 @@ __all__ = ["main"]
 
 
 def _register() -> None:
-    cs = ConfigStore.instance()
-    cs.store(name="job_schema", node=JobConfig)
-    for name, node in SCHEMES.items():  # the job's own `scheme` group, so `scheme=shared_mem` works
-        cs.store(group="scheme", name=name, node=node)
+    ConfigStore.instance().store(name="job_schema", node=JobConfig)
+    register_scheme_group("scheme")  # the job's own `scheme` group, so `scheme=shared_mem` works
 
 
 _register()

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from ..config import from_config
+from ..core.scheme import WeightSyncScheme
 from ..errors import ConfigurationError, WeightSyncError
-from ..schemes.base import WeightSyncScheme
 from ..schemes.ray import RayModuleTransformScheme
 from ..transports.ray import apply_in_actor
 

@@ -4,53 +4,30 @@ Importing this module registers every config in Hydra's ConfigStore (see
 :mod:`weightsync.config.store` for the group names).
 """
 
-from .configs import (
-    DistributedSchemeConfig,
-    DistributedTransportConfig,
-    LocalSchemeConfig,
-    MPTransportConfig,
-    MultiProcessSchemeConfig,
-    NoSyncSchemeConfig,
-    RayActorTransportConfig,
-    RayModuleTransformSchemeConfig,
-    RaySchemeConfig,
-    RayTransportConfig,
-    RPCSchemeConfig,
-    RPCTransportConfig,
-    SchemeConfig,
-    SharedMemSchemeConfig,
-    SharedMemTransportConfig,
-    WeightStrategyConfig,
+from . import configs
+from .configs import *  # noqa: F403 - every config class is public
+from .receiver import (  # noqa: F401 - public: listed in __all__
+    allow_targets,
+    allowed_targets,
+    check_receiver_config,
+    from_config,
+    make_receiver,
 )
-from .receiver import allow_targets, allowed_targets, check_receiver_config, from_config, make_receiver
-from .store import SCHEMES, STRATEGIES, TRANSPORTS, register_configs
+from .store import SCHEMES, STRATEGIES, TRANSPORTS, register_configs  # noqa: F401 - public: listed in __all__
 
 register_configs()
 
-__all__ = [
-    "SCHEMES",
-    "STRATEGIES",
-    "TRANSPORTS",
-    "DistributedSchemeConfig",
-    "DistributedTransportConfig",
-    "LocalSchemeConfig",
-    "MPTransportConfig",
-    "MultiProcessSchemeConfig",
-    "NoSyncSchemeConfig",
-    "RPCSchemeConfig",
-    "RPCTransportConfig",
-    "RayActorTransportConfig",
-    "RayModuleTransformSchemeConfig",
-    "RaySchemeConfig",
-    "RayTransportConfig",
-    "SchemeConfig",
-    "SharedMemSchemeConfig",
-    "SharedMemTransportConfig",
-    "WeightStrategyConfig",
-    "allow_targets",
-    "allowed_targets",
-    "check_receiver_config",
-    "from_config",
-    "make_receiver",
-    "register_configs",
-]
+__all__ = sorted(
+    [
+        *configs.__all__,
+        "SCHEMES",
+        "STRATEGIES",
+        "TRANSPORTS",
+        "allow_targets",
+        "allowed_targets",
+        "check_receiver_config",
+        "from_config",
+        "make_receiver",
+        "register_configs",
+    ]
+)

@@ -1,19 +1,33 @@
 """Structured configs: one dataclass per scheme, transport and strategy, each with a ``_target_``.
 
-Fields mirror the target's constructor arguments one to one (a test checks it),
-so ``hydra.utils.instantiate(cfg)`` builds the object and every timeout and
-backend setting can be overridden from the command line. Arguments that only
-exist at run time (a transport's channel, its scheme) are not fields; they are
-passed to ``instantiate`` as keyword arguments.
+They are made from the options each scheme and transport declares
+(:mod:`weightsync.options`), so a field, its type, its default and its
+documentation are written once, where the option is. A scheme's config holds
+its own options and composes its transport's config under ``transport``
+(Hydra's ``_partial_``: the scheme builds one transport per worker from it),
+which holds the transport's own settings (slots, buckets, wire dtype,
+backend): ``scheme.transport.bucket_mb=4`` sets one, and choosing another
+transport of the same engine (``scheme/transport=shared_mem``) takes effect.
+``hydra.utils.instantiate(cfg)`` builds the object.
 
 They use only what omegaconf 2.3 supports: no ``Literal``, no unions of
-dataclasses; choices are validated by the targets themselves.
+dataclasses; choices are checked by the options themselves.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import dataclasses
+from typing import Any
+
+from .. import options
+from ..options import Option
+from ..schemes.distributed import DistributedWeightSyncScheme
+from ..schemes.local import LocalScheme
+from ..schemes.multiprocess import MultiProcessWeightSyncScheme
+from ..schemes.no_sync import NoWeightSyncScheme
+from ..schemes.ray import RayModuleTransformScheme, RayWeightSyncScheme
+from ..schemes.rpc import RPCWeightSyncScheme
+from ..schemes.shared_mem import SharedMemWeightSyncScheme
 
 __all__ = [
     "DistributedSchemeConfig",
@@ -35,8 +49,35 @@ __all__ = [
 ]
 
 
+def _doc(summary: str, opts: tuple[Option, ...]) -> str:
+    lines = [summary]
+    if opts:
+        lines += ["", "Attributes:"] + [f"    {o.name}: {o.doc}" for o in opts]
+    return "\n".join(lines)
+
+
+def _config(
+    name: str, target: str, opts: tuple[Option, ...], summary: str, base: type | None = None, **extra: Any
+) -> type:
+    """A dataclass named ``name`` with ``_target_`` and one field per option not already in ``base``."""
+    inherited = {f.name for f in dataclasses.fields(base)} if base else set()
+    fields: list[Any] = [("_target_", str, dataclasses.field(default=target))]
+    fields += [(o.name, o.annotation, dataclasses.field(default=o.default)) for o in opts if o.name not in inherited]
+    fields += [(key, annotation, value) for key, (annotation, value) in extra.items()]
+    cls = dataclasses.make_dataclass(name, fields, bases=(base,) if base else ())
+    cls.__module__ = __name__
+    cls.__doc__ = _doc(summary, tuple(o for o in opts if o.name not in inherited))
+    return cls
+
+
+def _own(scheme: type) -> tuple[Option, ...]:
+    """A scheme's options that are not its transport's settings (those live in its transport's config)."""
+    settings = {o.name for o in scheme.TRANSPORT_SETTINGS}
+    return tuple(o for o in scheme.OPTIONS if o.name not in settings)
+
+
 # ----------------------------------------------------------------- strategy
-@dataclass
+@dataclasses.dataclass
 class WeightStrategyConfig:
     """How weights are extracted: ``"tensordict"`` (all parameters and buffers) or ``"state_dict"``."""
 
@@ -44,225 +85,134 @@ class WeightStrategyConfig:
     extract_as: str = "tensordict"
 
 
-# ------------------------------------------------------------------ schemes
-@dataclass
-class SchemeConfig:
-    """Fields every scheme has.
-
-    Attributes:
-        strategy: ``"tensordict"`` or ``"state_dict"``.
-        sync: ``send()`` blocks until every targeted worker applied and acked.
-        timeout: seconds any single wait may last after connect.
-        connect_timeout: seconds the rendez-vous may last.
-        on_failure: ``"raise"`` (default) or ``"drop"``: what a send does about a worker
-            that died or did not ack in time.
-        max_staleness: in asynchronous sends, how many versions a worker may lag
-            (``None``: no bound).
-        check_finite: refuse weights holding NaN or Inf before sending anything.
-    """
-
-    _target_: str = "weightsync.NoWeightSyncScheme"
-    strategy: str = "tensordict"
-    sync: bool = True
-    timeout: float = 60.0
-    connect_timeout: float = 120.0
-    on_failure: str = "raise"
-    max_staleness: Optional[int] = None  # noqa: UP045
-    check_finite: bool = False
-
-
-@dataclass
-class NoSyncSchemeConfig(SchemeConfig):
-    """Synchronization switched off: every call succeeds and nothing moves."""
-
-    _target_: str = "weightsync.NoWeightSyncScheme"
-
-
-@dataclass
-class LocalSchemeConfig(SchemeConfig):
-    """Fields the schemes reaching worker processes on this machine share.
-
-    Attributes:
-        background_thread: receivers apply updates in a thread of their own.
-        latest_wins: a worker that fell behind applies only the newest version.
-        max_slots: shared staging slots the sender may allocate (``None``: ``num_workers + 2``).
-        checksum: receivers check each version's XXH3-64 before applying it.
-        flatten_sender: the trainer's weights move, at init, into one buffer laid out like the slots (each
-            tensor a view of it), so a send is one copy whatever the number of tensors. Off by default: it
-            changes the trainer's memory.
-    """
-
-    _target_: str = "weightsync.MultiProcessWeightSyncScheme"
-    background_thread: bool = False
-    latest_wins: bool = True
-    max_slots: Optional[int] = None  # noqa: UP045 - omegaconf 2.3 reads typing.Optional, not `int | None`
-    checksum: bool = False
-    flatten_sender: bool = False
-
-
-@dataclass
-class MultiProcessSchemeConfig(LocalSchemeConfig):
-    """Local worker processes, each with a private copy.
-
-    Attributes:
-        keep_storage: workers copy each update into their model's tensors one by one and never move them;
-            by default a CPU model moves, at its first update, into one buffer laid out like the slot.
-    """
-
-    _target_: str = "weightsync.MultiProcessWeightSyncScheme"
-    keep_storage: bool = False
-
-
-@dataclass
-class SharedMemSchemeConfig(LocalSchemeConfig):
-    """Local worker processes reading the published weights in shared memory.
-
-    Attributes:
-        per_worker_weights: every worker gets slots of its own.
-    """
-
-    _target_: str = "weightsync.SharedMemWeightSyncScheme"
-    per_worker_weights: bool = False
-
-
-@dataclass
-class RaySchemeConfig(SchemeConfig):
-    """Workers are Ray actors.
-
-    Attributes:
-        address: Ray cluster address (``None``: ``RAY_ADDRESS`` or a local cluster).
-        namespace: Ray namespace.
-        wire_dtype: floating weights travel as this dtype (e.g. ``"bfloat16"``), cast back on apply.
-        allow_pickle: run on a cluster of several machines, whose peers' messages Ray unpickles.
-        keep_storage: actors copy each update into their model's tensors one by one and never move them;
-            by default a CPU model moves, at its first update, into one buffer laid out like the payload.
-        flatten_sender: the trainer's weights move, at init, into one buffer laid out like the payload (each
-            tensor a view of it), put in the object store as it is: no packing copy. Off by default: it
-            changes the trainer's memory. Not with ``wire_dtype``.
-    """
-
-    _target_: str = "weightsync.schemes.ray.RayWeightSyncScheme"
-    strategy: str = "state_dict"
-    address: Optional[str] = None  # noqa: UP045
-    namespace: Optional[str] = None  # noqa: UP045
-    wire_dtype: Optional[str] = None  # noqa: UP045
-    checksum: bool = False
-    allow_pickle: bool = False
-    keep_storage: bool = False
-    flatten_sender: bool = False
-
-
-@dataclass
-class RayModuleTransformSchemeConfig(RaySchemeConfig):
-    """A model hosted inside one Ray actor (`weightsync.ModuleActor` or an actor of your own)."""
-
-    _target_: str = "weightsync.schemes.ray.RayModuleTransformScheme"
-
-
-@dataclass
-class RPCSchemeConfig(SchemeConfig):
-    """``torch.distributed.rpc`` (TensorPipe) between the trainer and named workers.
-
-    Attributes:
-        master_addr: the trainer's host as workers reach it (``None``: ``MASTER_ADDR`` or 127.0.0.1).
-        master_port: rendez-vous port (``None``: ``MASTER_PORT`` or a free port).
-        latest_wins: a worker that fell behind applies only the newest update.
-        max_buffers: staging buffers the trainer may hold for updates not acked yet.
-        wire_dtype: floating weights travel as this dtype (e.g. ``"bfloat16"``), cast back on apply.
-        keep_storage: workers copy each update into their model's own memory; by default a CPU model
-            switches to the buffer the update arrived in (one copy fewer).
-        allow_pickle: let ``master_addr`` be a network address, whose peers' messages RPC unpickles.
-        flatten_sender: the trainer's weights move, at init, into one buffer laid out like the payload (each
-            tensor a view of it), so a send copies one buffer into staging. Off by default: it changes the
-            trainer's memory. Not with ``wire_dtype``.
-    """
-
-    _target_: str = "weightsync.schemes.rpc.RPCWeightSyncScheme"
-    strategy: str = "state_dict"
-    master_addr: Optional[str] = None  # noqa: UP045
-    master_port: Optional[int] = None  # noqa: UP045
-    latest_wins: bool = True
-    max_buffers: int = 2
-    wire_dtype: Optional[str] = None  # noqa: UP045
-    keep_storage: bool = False
-    checksum: bool = False
-    allow_pickle: bool = False
-    flatten_sender: bool = False
-
-
-@dataclass
-class DistributedSchemeConfig(SchemeConfig):
-    """A ``torch.distributed`` process group of the scheme's own (the default group is left alone).
-
-    Attributes:
-        backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA).
-        master_addr: the trainer's host as workers reach it (``None``: ``MASTER_ADDR`` or 127.0.0.1).
-        master_port: TCP store port (``None``: ``MASTER_PORT`` or a free port).
-        latest_wins: a worker that fell behind applies only the newest update.
-        max_buffers: staging buffers the trainer may hold while workers still receive earlier versions.
-        wire_dtype: floating weights travel as this dtype (e.g. ``"bfloat16"``), cast back on apply.
-        bucket_mb: send the weights in buckets of at most this many MB, each copied while the previous
-            one is on the wire (``None``: one message).
-        keep_storage: workers copy each update into their model's own memory; by default a CPU model
-            switches to the buffer the update arrived in (one copy fewer, same memory).
-        flatten_sender: the trainer's weights move, at init, into one buffer laid out like the payload (each
-            tensor a view of it), so a send copies one buffer into staging. Off by default: it changes the
-            trainer's memory. CPU weights only, not with ``wire_dtype``.
-    """
-
-    _target_: str = "weightsync.schemes.distributed.DistributedWeightSyncScheme"
-    backend: str = "gloo"
-    master_addr: Optional[str] = None  # noqa: UP045
-    master_port: Optional[int] = None  # noqa: UP045
-    latest_wins: bool = True
-    max_buffers: int = 2
-    wire_dtype: Optional[str] = None  # noqa: UP045
-    bucket_mb: Optional[float] = None  # noqa: UP045
-    keep_storage: bool = False
-    checksum: bool = False
-    flatten_sender: bool = False
-
-
 # --------------------------------------------------------------- transports
-@dataclass
-class MPTransportConfig:
-    """The channel to one local worker; ``channel`` (and ``scheme``) are given at instantiate time."""
+_PARTIAL = {"_partial_": (bool, dataclasses.field(default=True))}
 
-    _target_: str = "weightsync.MPTransport"
-    worker_idx: int = 0
+MPTransportConfig = _config(
+    "MPTransportConfig",
+    "weightsync.MPTransport",
+    options.LOCAL_SETTINGS,
+    "The channels to local workers that copy each update into their own model.",
+    **_PARTIAL,
+)
+SharedMemTransportConfig = _config(
+    "SharedMemTransportConfig",
+    "weightsync.SharedMemTransport",
+    options.LOCAL_SETTINGS,
+    "The channels to local workers that read their model from the shared slots.",
+    base=MPTransportConfig,
+)
+RayTransportConfig = _config(
+    "RayTransportConfig",
+    "weightsync.transports.ray.RayTransport",
+    options.RAY_SETTINGS,
+    "Updates as calls that run inside each Ray actor.",
+    **_PARTIAL,
+)
+RayActorTransportConfig = _config(
+    "RayActorTransportConfig",
+    "weightsync.transports.ray.RayActorTransport",
+    options.RAY_SETTINGS,
+    "Updates as calls to the ``update_weights_*`` methods of the one actor hosting a module.",
+    base=RayTransportConfig,
+)
+RPCTransportConfig = _config(
+    "RPCTransportConfig",
+    "weightsync.transports.rpc.RPCTransport",
+    options.RPC_SETTINGS,
+    "One RPC per worker and update, answered once applied.",
+    **_PARTIAL,
+)
+DistributedTransportConfig = _config(
+    "DistributedTransportConfig",
+    "weightsync.transports.distributed.DistributedTransport",
+    options.DISTRIBUTED_SETTINGS,
+    "Point-to-point sends over a torch.distributed group of the scheme's own, signalled through its store.",
+    **_PARTIAL,
+)
+
+#: Each transport's config, by the name a scheme's ``TRANSPORTS`` gives it.
+TRANSPORT_OF: dict[str, type] = {
+    "mp": MPTransportConfig,
+    "shared_mem": SharedMemTransportConfig,
+    "ray": RayTransportConfig,
+    "ray_actor": RayActorTransportConfig,
+    "rpc": RPCTransportConfig,
+    "distributed": DistributedTransportConfig,
+}
 
 
-@dataclass
-class SharedMemTransportConfig(MPTransportConfig):
-    _target_: str = "weightsync.SharedMemTransport"
+def _transport_field(scheme: type) -> dict[str, tuple[Any, Any]]:
+    default = TRANSPORT_OF[next(iter(scheme.TRANSPORTS))]
+    return {"transport": (Any, dataclasses.field(default_factory=default))}
 
 
-@dataclass
-class RayTransportConfig:
-    """Transport to one Ray actor (the `actor` handle is given at instantiate time)."""
-
-    _target_: str = "weightsync.transports.ray.RayTransport"
-    worker_idx: int = 0
-
-
-@dataclass
-class RayActorTransportConfig(RayTransportConfig):
-    _target_: str = "weightsync.transports.ray.RayActorTransport"
-
-
-@dataclass
-class RPCTransportConfig:
-    """Transport to one RPC worker (``worker_name``: its RPC name, default ``weightsync-worker-<idx>``)."""
-
-    _target_: str = "weightsync.transports.rpc.RPCTransport"
-    worker_idx: int = 0
-    worker_name: Optional[str] = None  # noqa: UP045
-
-
-@dataclass
-class DistributedTransportConfig:
-    """Transport to one torch.distributed rank (``worker_idx + 1``)."""
-
-    _target_: str = "weightsync.transports.distributed.DistributedTransport"
-    worker_idx: int = 0
-    sync: bool = True
+# ------------------------------------------------------------------ schemes
+SchemeConfig = _config(
+    "SchemeConfig",
+    "weightsync.NoWeightSyncScheme",
+    options.COMMON,
+    "Fields every scheme has.",
+)
+NoSyncSchemeConfig = _config(
+    "NoSyncSchemeConfig",
+    "weightsync.NoWeightSyncScheme",
+    NoWeightSyncScheme.OPTIONS,
+    "Synchronization switched off: every call succeeds and nothing moves.",
+    base=SchemeConfig,
+)
+LocalSchemeConfig = _config(
+    "LocalSchemeConfig",
+    "weightsync.MultiProcessWeightSyncScheme",
+    _own(LocalScheme),
+    "Fields the schemes reaching worker processes on this machine share.",
+    base=SchemeConfig,
+    **_transport_field(LocalScheme),
+)
+MultiProcessSchemeConfig = _config(
+    "MultiProcessSchemeConfig",
+    "weightsync.MultiProcessWeightSyncScheme",
+    _own(MultiProcessWeightSyncScheme),
+    "Local worker processes, each with a private copy.",
+    base=LocalSchemeConfig,
+)
+SharedMemSchemeConfig = _config(
+    "SharedMemSchemeConfig",
+    "weightsync.SharedMemWeightSyncScheme",
+    _own(SharedMemWeightSyncScheme),
+    "Local worker processes reading the published weights in shared memory.",
+    base=LocalSchemeConfig,
+    **_transport_field(SharedMemWeightSyncScheme),
+)
+RaySchemeConfig = _config(
+    "RaySchemeConfig",
+    "weightsync.schemes.ray.RayWeightSyncScheme",
+    _own(RayWeightSyncScheme),
+    "Workers are Ray actors.",
+    base=SchemeConfig,
+    **_transport_field(RayWeightSyncScheme),
+)
+RayModuleTransformSchemeConfig = _config(
+    "RayModuleTransformSchemeConfig",
+    "weightsync.schemes.ray.RayModuleTransformScheme",
+    _own(RayModuleTransformScheme),
+    "A model hosted inside one Ray actor (`weightsync.ModuleActor` or an actor of your own).",
+    base=RaySchemeConfig,
+    **_transport_field(RayModuleTransformScheme),
+)
+RPCSchemeConfig = _config(
+    "RPCSchemeConfig",
+    "weightsync.schemes.rpc.RPCWeightSyncScheme",
+    _own(RPCWeightSyncScheme),
+    "``torch.distributed.rpc`` (TensorPipe) between the trainer and named workers.",
+    base=SchemeConfig,
+    **_transport_field(RPCWeightSyncScheme),
+)
+DistributedSchemeConfig = _config(
+    "DistributedSchemeConfig",
+    "weightsync.schemes.distributed.DistributedWeightSyncScheme",
+    _own(DistributedWeightSyncScheme),
+    "A ``torch.distributed`` process group of the scheme's own (the default group is left alone).",
+    base=SchemeConfig,
+    **_transport_field(DistributedWeightSyncScheme),
+)

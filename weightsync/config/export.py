@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .store import SCHEMES, STRATEGIES, TRANSPORTS
+from .store import SCHEMES, STRATEGIES, TRANSPORTS, composed
 
 __all__ = ["export", "group_yaml"]
 
@@ -22,7 +22,13 @@ HEADER = "# Generated from weightsync.config by `python -m weightsync.config.exp
 def group_yaml() -> dict[str, str]:
     """``{"weightsync/scheme/multiprocess.yaml": text, ...}`` for every registered config."""
     out = {}
-    for group, options in (("scheme", SCHEMES), ("transport", TRANSPORTS), ("strategy", STRATEGIES)):
+    groups = (
+        ("scheme", {name: composed(node) for name, node in SCHEMES.items()}),
+        ("scheme/transport", TRANSPORTS),
+        ("transport", TRANSPORTS),
+        ("strategy", STRATEGIES),
+    )
+    for group, options in groups:
         for name, node in options.items():
             out[f"weightsync/{group}/{name}.yaml"] = HEADER + OmegaConf.to_yaml(OmegaConf.structured(node))
     return out

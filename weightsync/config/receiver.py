@@ -40,17 +40,14 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import sys
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .. import options
+from .. import checks
+from ..core.scheme import WeightSyncScheme
 from ..errors import ConfigurationError
-from ..schemes.base import WeightSyncScheme
 from ..schemes.registry import available_backends, builtin_scheme_paths
 from .plain import plain_tree
 
@@ -88,11 +85,11 @@ _CLOSED_PACKAGES = frozenset(sys.stdlib_module_names) | {
     "xxhash",
     "yaml",
 }
-_DOTTED = options.text(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", max_len=200, what="a dotted module path")
+_DOTTED = checks.text(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", max_len=200, what="a dotted module path")
 
 _ALLOWED: list[str] = []
 
-WORKER_IDX = options.integer(0, 2**31 - 1)
+WORKER_IDX = checks.integer(0, 2**31 - 1)
 
 
 def _prefix(prefix: Any) -> str:
@@ -113,7 +110,7 @@ def allow_targets(*prefixes: str) -> None:
 
     A prefix matches whole module paths: ``"mypkg"`` allows ``mypkg.X`` and ``mypkg.sub.X``, never
     ``mypkgx.X``. The class a config names there must still be a :class:`WeightSyncScheme` subclass, given
-    only its constructor's plain options.
+    only its constructor's plain checks.
 
     Raises:
         ConfigurationError: an empty prefix, one that is not a dotted module path, or one that opens the
@@ -188,55 +185,28 @@ def scheme_class(target: Any, allow: list[str], where: str = "scheme._target_") 
 
 
 @functools.cache
-def scheme_fields(cls: type[WeightSyncScheme]) -> dict[str, options.Check]:
-    """The options a receiver config may give ``cls``: its constructor's arguments that take plain values,
-    each with the check of its type."""
-    try:
-        hints = typing.get_type_hints(cls.__init__)
-    except Exception:  # noqa: BLE001 - annotations that do not evaluate: take any plain value
-        hints = {}
-    fields = {}
-    for param in list(inspect.signature(cls.__init__).parameters.values())[1:]:
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
-        check = _check_for_hint(hints.get(param.name, Any))
-        if check is not None:
-            fields[param.name] = check
+def scheme_fields(cls: type[WeightSyncScheme]) -> dict[str, checks.Check]:
+    """The options a receiver config may give ``cls``: its declared options (each with its own check, which
+    takes plain values only), and ``transport`` (the name of one of its transports)."""
+    fields: dict[str, checks.Check] = {}
+    for option in getattr(cls, "OPTIONS", ()):
+        fields[option.name] = _plain(option.check)
     if "strategy" in fields:  # a name here; a WeightStrategy object is for code, not configs
-        fields["strategy"] = options.one_of("tensordict", "state_dict")
+        fields["strategy"] = checks.one_of("tensordict", "state_dict")
+    if getattr(cls, "TRANSPORTS", None):
+        fields["transport"] = checks.one_of(*cls.TRANSPORTS)
     return fields
 
 
-def _check_for_hint(hint: Any) -> options.Check | None:
-    """The check of the plain values an annotation admits (``None`` if it admits none)."""
-    if hint is Any:
-        kinds = {bool, int, float, str, type(None)}
-    elif typing.get_origin(hint) in (typing.Union, types.UnionType):
-        kinds = set(typing.get_args(hint))
-    else:
-        kinds = {hint}
-    kinds &= {bool, int, float, str, type(None)}
-    if not kinds - {type(None)}:
-        return None
-    if float in kinds:
-        kinds.add(int)
-    checks = {
-        bool: options.boolean,
-        int: options.integer(-(2**63), 2**63 - 1),
-        float: options.number(-1e300, 1e300),
-        str: options.text(),
-    }
+def _plain(check: checks.Check) -> checks.Check:
+    """``check``, on a value that must be plain: a mapping or a list is refused before ``check`` sees it."""
 
-    def check(value: Any, where: str) -> Any:
-        if value is None and type(None) in kinds:
-            return None
-        kind = type(value)
-        if kind not in kinds or kind is type(None):
-            wanted = " or ".join(sorted(k.__name__ for k in kinds))
-            raise ConfigurationError(f"{where} must be {wanted}, got {value!r:.80}")
-        return checks[kind](value, where)
+    def plain(value: Any, where: str) -> Any:
+        if type(value) in (dict, list):
+            raise ConfigurationError(f"{where} must be a plain value, got a {type(value).__name__}")
+        return check(value, where)
 
-    return check
+    return plain
 
 
 @dataclass(frozen=True)
@@ -272,15 +242,15 @@ def check_receiver_config(cfg: Any, *, allow: tuple[str, ...] = ()) -> ReceiverS
             f"receiver config refuses _target_ {tree.get('_target_')!r:.120} at <root>: a receiver config's "
             f"target is {RECEIVER_TARGET}"
         )
-    options.fields(tree, dict.fromkeys(_ROOT_FIELDS, None), "receiver config", required=_ROOT_FIELDS)
-    model_id = options.model_id(tree["model_id"], "model_id")
+    checks.fields(tree, dict.fromkeys(_ROOT_FIELDS, None), "receiver config", required=_ROOT_FIELDS)
+    model_id = checks.model_id(tree["model_id"], "model_id")
     worker_idx = WORKER_IDX(tree["worker_idx"], "worker_idx")
     scheme = tree["scheme"]
     if type(scheme) is not dict:
         raise ConfigurationError(f"scheme must be a mapping, got {scheme!r:.80}")
     cls = scheme_class(scheme.get("_target_"), prefixes)
     given = {k: v for k, v in scheme.items() if k != "_target_"}
-    checked = options.fields(given, scheme_fields(cls), "scheme")
+    checked = checks.fields(given, scheme_fields(cls), "scheme")
     connection = tree["connection"]
     if type(connection) is not dict:
         raise ConfigurationError(f"connection must be a mapping, got {connection!r:.80}")
@@ -349,7 +319,7 @@ def make_receiver(scheme: WeightSyncScheme, model_id: str, worker_idx: int, conn
     if not isinstance(scheme, WeightSyncScheme):
         raise ConfigurationError(f"receiver config 'scheme' must build a WeightSyncScheme, got {type(scheme).__name__}")
     plain = plain_tree({"connection": dict(connection)}, "receiver config")["connection"]
-    model_id = options.model_id(model_id, "model_id")
+    model_id = checks.model_id(model_id, "model_id")
     scheme._prepare_receiver(
         model_id=model_id,
         worker_idx=WORKER_IDX(worker_idx, "worker_idx"),

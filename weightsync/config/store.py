@@ -3,37 +3,39 @@
 Groups (each option is the dataclass of the same name in :mod:`weightsync.config.configs`)::
 
     weightsync/scheme/{multiprocess,shared_mem,no_sync,ray,ray_module_transform,rpc,distributed}
+    weightsync/scheme/transport/{mp,shared_mem,ray,ray_actor,rpc,distributed}   (a scheme's transport)
     weightsync/transport/{mp,shared_mem,ray,ray_actor,rpc,distributed}
     weightsync/strategy/{tensordict,state_dict}
 
 In an app's defaults list: ``- weightsync/scheme: multiprocess`` puts the
 scheme at ``cfg.weightsync.scheme``; ``- weightsync/scheme@sync.policy: shared_mem``
 puts it wherever you like. Swap it from the command line with
-``weightsync/scheme=ray`` (or ``weightsync/scheme@sync.policy=ray``).
+``weightsync/scheme=ray`` (or ``weightsync/scheme@sync.policy=ray``). A scheme
+composes its transport with a defaults entry: ``weightsync/scheme/transport=shared_mem``
+swaps it, ``weightsync.scheme.transport.max_slots=4`` sets one of its settings.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
 
 from .configs import (
+    TRANSPORT_OF,
     DistributedSchemeConfig,
-    DistributedTransportConfig,
-    MPTransportConfig,
     MultiProcessSchemeConfig,
     NoSyncSchemeConfig,
-    RayActorTransportConfig,
     RayModuleTransformSchemeConfig,
     RaySchemeConfig,
-    RayTransportConfig,
     RPCSchemeConfig,
-    RPCTransportConfig,
     SharedMemSchemeConfig,
-    SharedMemTransportConfig,
     WeightStrategyConfig,
 )
 
-__all__ = ["SCHEMES", "STRATEGIES", "TRANSPORTS", "register_configs"]
+__all__ = ["SCHEMES", "STRATEGIES", "TRANSPORTS", "composed", "register_configs", "register_scheme_group"]
 
 SCHEMES: dict[str, type] = {
     "multiprocess": MultiProcessSchemeConfig,
@@ -44,18 +46,45 @@ SCHEMES: dict[str, type] = {
     "rpc": RPCSchemeConfig,
     "distributed": DistributedSchemeConfig,
 }
-TRANSPORTS: dict[str, type] = {
-    "mp": MPTransportConfig,
-    "shared_mem": SharedMemTransportConfig,
-    "ray": RayTransportConfig,
-    "ray_actor": RayActorTransportConfig,
-    "rpc": RPCTransportConfig,
-    "distributed": DistributedTransportConfig,
-}
+TRANSPORTS: dict[str, type] = dict(TRANSPORT_OF)
 STRATEGIES: dict[str, WeightStrategyConfig] = {
     "tensordict": WeightStrategyConfig(extract_as="tensordict"),
     "state_dict": WeightStrategyConfig(extract_as="state_dict"),
 }
+
+
+def _transport_name(cls: type) -> str | None:
+    field = {f.name: f for f in dataclasses.fields(cls)}.get("transport")
+    if field is None:
+        return None
+    kind = field.default_factory  # type: ignore[misc]
+    return next(name for name, node in TRANSPORTS.items() if node is kind)
+
+
+def composed(cls: type) -> Any:
+    """``cls`` as its group stores it: with a defaults entry that composes its transport from the
+    ``transport`` group beside it, so that the command line can swap the transport."""
+    name = _transport_name(cls)
+    if name is None:
+        return cls
+    entries = [{"transport": name}, "_self_"]
+    fields = [
+        ("defaults", list[Any], dataclasses.field(default_factory=lambda: list(entries))),
+        # Left to the group: a default of a transport's own type would refuse another transport's config.
+        ("transport", Any, dataclasses.field(default=MISSING)),
+    ]
+    return dataclasses.make_dataclass(cls.__name__, fields, bases=(cls,))
+
+
+def register_scheme_group(group: str) -> None:
+    """Store every scheme config in ``group`` and every transport config in ``<group>/transport`` (the main job
+    has its own ``scheme`` group; apps use ``weightsync/scheme``)."""
+    cs = ConfigStore.instance()
+    for name, node in SCHEMES.items():
+        cs.store(group=group, name=name, node=composed(node))
+    for name, node in TRANSPORTS.items():
+        cs.store(group=f"{group}/transport", name=name, node=node)
+
 
 _registered = False
 
@@ -65,9 +94,8 @@ def register_configs() -> None:
     global _registered
     if _registered:
         return
+    register_scheme_group("weightsync/scheme")
     cs = ConfigStore.instance()
-    for name, node in SCHEMES.items():
-        cs.store(group="weightsync/scheme", name=name, node=node)
     for name, node in TRANSPORTS.items():
         cs.store(group="weightsync/transport", name=name, node=node)
     for name, node in STRATEGIES.items():

@@ -1,35 +1,29 @@
-"""Schemes: the lifecycle of one model across workers, one backend a module."""
+"""Schemes: the lifecycle of one model across workers, one backend a module (loaded on first use)."""
 
-from .base import WeightReceiver, WeightSender, WeightSyncScheme
-from .distributed import DistributedWeightSyncScheme
-from .multiprocess import MultiProcessWeightSyncScheme
-from .no_sync import NoWeightSyncScheme
-from .ray import (
-    ModuleActor,
-    RayModuleTransformReceiver,
-    RayModuleTransformScheme,
-    RayModuleTransformSender,
-    RayWeightSyncScheme,
-)
-from .registry import available_backends, get_backend, register_backend
-from .rpc import RPCWeightSyncScheme
-from .shared_mem import SharedMemWeightSyncScheme
+from __future__ import annotations
 
-__all__ = [
-    "DistributedWeightSyncScheme",
-    "ModuleActor",
-    "MultiProcessWeightSyncScheme",
-    "NoWeightSyncScheme",
-    "RPCWeightSyncScheme",
-    "RayModuleTransformReceiver",
-    "RayModuleTransformScheme",
-    "RayModuleTransformSender",
-    "RayWeightSyncScheme",
-    "SharedMemWeightSyncScheme",
-    "WeightReceiver",
-    "WeightSender",
-    "WeightSyncScheme",
-    "available_backends",
-    "get_backend",
-    "register_backend",
-]
+from .._lazy import lazy
+
+_HOME = {
+    name: module
+    for module, names in {
+        "multiprocess": ("MultiProcessWeightSyncScheme",),
+        "shared_mem": ("SharedMemWeightSyncScheme",),
+        "no_sync": ("NoWeightSyncScheme",),
+        "distributed": ("DistributedWeightSyncScheme",),
+        "rpc": ("RPCWeightSyncScheme",),
+        "ray": (
+            "ModuleActor",
+            "RayModuleTransformReceiver",
+            "RayModuleTransformScheme",
+            "RayModuleTransformSender",
+            "RayWeightSyncScheme",
+        ),
+        "registry": ("available_backends", "get_backend", "register_backend"),
+    }.items()
+    for name in names
+}
+
+__all__ = sorted(_HOME)
+
+__getattr__, __dir__ = lazy(__name__, _HOME)

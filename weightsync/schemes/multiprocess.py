@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from ..strategy import WeightStrategy
-from ..transports.mp import MPTransport
+from .. import options
 from .local import LocalScheme
 
 __all__ = ["MultiProcessWeightSyncScheme"]
@@ -22,14 +21,10 @@ class MultiProcessWeightSyncScheme(LocalScheme):
     objects stay, each now a view of that buffer), so that every update is
     one copy whatever the number of tensors; their memory then stays the same
     from update to update. With 2000 tensors, copying them one by one costs
-    about 1.5 us of dispatch each.
-
-    Args:
-        keep_storage: workers copy each update into their model's tensors one
-            by one, and never move them. Also what a model off the CPU, or in
-            shared memory at its first update (``share_memory()``: processes of
-            the worker's own may read it), gets.
-        Other arguments: see :class:`~weightsync.schemes.local.LocalScheme`.
+    about 1.5 us of dispatch each. ``keep_storage`` copies tensor by tensor
+    instead, and so does a model off the CPU, or in shared memory at its
+    first update (``share_memory()``: processes of the worker's own may read
+    it).
 
     Example::
 
@@ -42,39 +37,4 @@ class MultiProcessWeightSyncScheme(LocalScheme):
     """
 
     backend = "multiprocess"
-    transport_class = MPTransport
-
-    def __init__(
-        self,
-        strategy: str | WeightStrategy = "tensordict",
-        sync: bool = True,
-        timeout: float = 60.0,
-        connect_timeout: float = 120.0,
-        background_thread: bool = False,
-        latest_wins: bool = True,
-        max_slots: int | None = None,
-        keep_storage: bool = False,
-        on_failure: str = "raise",
-        max_staleness: int | None = None,
-        check_finite: bool = False,
-        checksum: bool = False,
-        flatten_sender: bool = False,
-    ) -> None:
-        super().__init__(
-            strategy=strategy,
-            sync=sync,
-            timeout=timeout,
-            connect_timeout=connect_timeout,
-            background_thread=background_thread,
-            latest_wins=latest_wins,
-            max_slots=max_slots,
-            on_failure=on_failure,
-            max_staleness=max_staleness,
-            check_finite=check_finite,
-            checksum=checksum,
-            flatten_sender=flatten_sender,
-        )
-        self.keep_storage = bool(keep_storage)
-
-    def _config_fields(self) -> set[str]:
-        return super()._config_fields() | {"keep_storage"}
+    OPTIONS = (*LocalScheme.OPTIONS, options.KEEP_STORAGE)

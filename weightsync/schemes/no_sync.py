@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .base import WeightSyncScheme
+from ..core.scheme import WeightSyncScheme
 
 __all__ = ["NoWeightSyncScheme"]
 
@@ -24,33 +24,35 @@ class NoWeightSyncScheme(WeightSyncScheme):
     backend = "no_sync"
     needs_worker_idx = False
 
-    def _init_sender_impl(self, **kwargs: Any) -> None:
-        pass  # handles meant for other schemes (pipes=, actors=, ...) are accepted and ignored
-
-    def _init_receiver_impl(self, **kwargs: Any) -> None:
-        pass
-
-    def _connect_sender_impl(self, weights: Any) -> None:
-        self._version = 0
-
-    def _connect_receiver_impl(self) -> None:
-        pass
-
-    def _send_impl(self, weights: Any, targets: list[int], wait: bool) -> None:
-        self._version = (self._version or 0) + 1
-
-    def _wait_impl(self, timeout: float) -> None:
-        pass
-
-    def _receive_impl(self, timeout: float) -> Any:
-        self._closing.wait(timeout)
-        return None
-
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
         self._closing = threading.Event()
+        self._count: int | None = None
 
-    def _shutdown_impl(self) -> None:
+    @property
+    def version(self) -> int | None:
+        return self._count
+
+    def _open_sender(self, kwargs: dict[str, Any]) -> None:
+        pass  # handles meant for other schemes (pipes=, actors=, ...) are accepted and ignored
+
+    def _open_receiver(self, kwargs: dict[str, Any]) -> None:
+        pass
+
+    def _connect_sender(self, weights: Any) -> None:
+        self._count = 0
+
+    def _connect_receiver(self) -> None:
+        pass
+
+    def _send(self, weights: Any, targets: list[int], wait: bool) -> None:
+        self._count = (self._count or 0) + 1
+
+    def _receive(self, timeout: float) -> Any:
+        self._closing.wait(timeout)
+        return None
+
+    def _close(self, timeout: float) -> None:
         self._closing.set()
 
     def _targets(self, worker_ids: Any) -> list[int]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from .base import WeightSyncScheme
+    from ..core.scheme import WeightSyncScheme
 
 __all__ = ["available_backends", "builtin_scheme_paths", "get_backend", "register_backend"]
 

@@ -1,18 +1,27 @@
-"""Transports: the data plane to one receiver, one backend a module."""
+"""Transports: each engine's data plane, one package an engine (loaded on first use).
 
-from .base import TransportBackend
-from .distributed import DistributedTransport
-from .mp import MPTransport
-from .ray import RayActorTransport, RayTransport
-from .rpc import RPCTransport
-from .shared_mem import SharedMemTransport
+``local`` (worker processes on this machine), ``distributed`` (a torch.distributed
+process group), ``rpc`` (torch.distributed.rpc) and ``ray`` (Ray actors); the
+helpers they share sit beside them (``network``, ``store``, ``staging``,
+``processes``).
+"""
 
-__all__ = [
-    "DistributedTransport",
-    "MPTransport",
-    "RPCTransport",
-    "RayActorTransport",
-    "RayTransport",
-    "SharedMemTransport",
-    "TransportBackend",
-]
+from __future__ import annotations
+
+from .._lazy import lazy
+
+_HOME = {
+    name: module
+    for module, names in {
+        "base": ("PeerTransport", "TransportBackend"),
+        "local": ("MPTransport", "SharedMemTransport"),
+        "distributed": ("DistributedTransport",),
+        "rpc": ("RPCTransport",),
+        "ray": ("RayActorTransport", "RayTransport"),
+    }.items()
+    for name in names
+}
+
+__all__ = sorted(_HOME)
+
+__getattr__, __dir__ = lazy(__name__, _HOME)

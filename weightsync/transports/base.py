@@ -1,11 +1,16 @@
-"""The protocol every transport implements: :class:`TransportBackend`."""
+"""What every transport is: :class:`TransportBackend`, and the sender's transport to one worker."""
 
 from __future__ import annotations
 
-import time
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-__all__ = ["SenderBoundTransport", "TransportBackend"]
+from ..errors import LifecycleError
+
+if TYPE_CHECKING:
+    from ..core.engine import Sink
+    from ..options import Option
+
+__all__ = ["PeerTransport", "TransportBackend"]
 
 
 @runtime_checkable
@@ -32,39 +37,29 @@ class TransportBackend(Protocol):
     def check_connection(self) -> bool: ...
 
 
-class SenderBoundTransport:
-    """Sender-side methods of a per-worker transport, carried out by the scheme that owns it.
+class PeerTransport:
+    """The sender's transport to one worker. Its engine moves the bytes; what the older API asks of it
+    (``send_weights`` and the like) goes through the sender's pipeline, the ``sink`` it was given.
 
-    The scheme keeps versions and payloads; the transport publishes to its one
-    worker through it.
+    ``SETTINGS`` are the transport's own options: its scheme takes them, and its Hydra config holds them.
     """
 
-    worker_idx: int
-    _scheme: Any
-    #: ``time.perf_counter()`` when :attr:`acked` last moved (per-worker ack times in send metrics).
-    acked_at: float = float("-inf")
+    SETTINGS: ClassVar[tuple[Option, ...]] = ()
+    #: Waits for the ack in ``send_weights``.
+    sync: bool = True
 
-    @property
-    def acked(self) -> int | None:
-        """The last version this worker acked (``None`` before any)."""
-        return self.__dict__.get("_acked")
+    def __init__(self, worker_idx: int, sink: Sink | None = None) -> None:
+        self.worker_idx = worker_idx
+        self._sink = sink
 
-    @acked.setter
-    def acked(self, version: int | None) -> None:
-        if version != self.__dict__.get("_acked"):
-            self.acked_at = time.perf_counter()
-        self.__dict__["_acked"] = version
-
-    def _sender(self) -> Any:
-        if self._scheme is None:
-            from ..errors import LifecycleError
-
+    def _sender(self) -> Sink:
+        if self._sink is None:
             raise LifecycleError("this transport is a receiver's; sender methods need the sender side")
-        return self._scheme
+        return self._sink
 
     def send_weights(self, weights: Any) -> None:
         """Publish ``weights`` to this worker only and wait for its ack (bounded by the scheme's timeout)."""
-        self._sender().send_to(weights, [self.worker_idx], wait=True)
+        self._sender().send_to(weights, [self.worker_idx], wait=self.sync)
 
     def send_weights_async(self, weights: Any) -> None:
         """Publish ``weights`` to this worker only; :meth:`wait_ack` waits for the ack."""
@@ -73,3 +68,13 @@ class SenderBoundTransport:
     def wait_ack(self, timeout: float | None = None) -> None:
         """Wait until this worker acked the last version sent to it (bounded by ``timeout``)."""
         self._sender().wait_for([self.worker_idx], timeout)
+
+    def receive_weights(self, timeout: float | None = None, **kwargs: Any) -> Any:
+        raise LifecycleError(f"{type(self).__name__} is a sender's transport; a worker receives with scheme.receive()")
+
+    def send_ack(self, version: int, error: BaseException | None = None, held: int | None = None) -> None:
+        raise LifecycleError(f"{type(self).__name__} is a sender's transport; its worker acks by applying")
+
+    def check_connection(self) -> bool:
+        """``False`` once the worker is known gone (a receiver's transport: ``True``)."""
+        return self._sink is None or not self._sink.is_dead(self.worker_idx)

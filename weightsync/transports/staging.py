@@ -7,10 +7,13 @@ from typing import Any
 
 import torch
 
+from ..core.timing import remaining
 from ..errors import SyncTimeoutError
-from .channel import remaining
 
 __all__ = ["Staging", "StagingPool"]
+
+#: Seconds a send waiting for a free buffer gives each in-flight send at a time before it looks again.
+SETTLE_S = 0.05
 
 
 class Staging:
@@ -71,13 +74,10 @@ class StagingPool:
                     **where,
                 )
             for w, op in list(oldest.readers.items()):
-                if self._settle(w, op, min(remaining(deadline), 0.05)):
+                if self._settle(w, op, min(remaining(deadline), SETTLE_S)):
                     oldest.readers.pop(w, None)
 
     def forget(self, worker: int) -> None:
         """A worker is gone: its sends no longer hold any buffer."""
         for staging in self.buffers:
             staging.readers.pop(worker, None)
-
-    def clear(self) -> None:
-        self.buffers.clear()

@@ -20,9 +20,9 @@ import tempfile
 import time
 from typing import Any
 
-from ..errors import ConfigurationError
-from .channel import deadline_after, remaining
-from .processes import pid_exited, pid_namespace
+from ...core.timing import deadline_after, remaining
+from ...errors import ConfigurationError
+from ..processes import pid_exited, pid_namespace
 
 __all__ = [
     "KEY_BYTES",

@@ -26,7 +26,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..errors import (
+from ...core.timing import deadline_after, remaining
+from ...errors import (
     AuthenticationError,
     ConnectionClosedError,
     SyncTimeoutError,
@@ -37,22 +38,15 @@ __all__ = [
     "Channel",
     "ChannelListener",
     "connect_channel",
-    "deadline_after",
     "readable",
-    "remaining",
 ]
 
 log = logging.getLogger("weightsync.transports.channel")
 
+#: Bytes of each side's random challenge.
 _NONCE = 32
-
-
-def deadline_after(timeout: float) -> float:
-    return time.monotonic() + timeout
-
-
-def remaining(deadline: float) -> float:
-    return max(0.0, deadline - time.monotonic())
+#: The most a peer may send before it proved it holds the key (a challenge or its answer).
+_HANDSHAKE_MAX = 256
 
 
 def _poll_ms(timeout: float) -> int:
@@ -227,7 +221,7 @@ class ChannelListener:
             conn.send_bytes(nonce)
             if not conn.poll(remaining(deadline)):
                 raise AuthenticationError("peer did not answer the auth challenge in time")
-            answer = conn.recv_bytes(256)
+            answer = conn.recv_bytes(_HANDSHAKE_MAX)
             if not hmac.compare_digest(answer, _digest(self._authkey, nonce, b"worker")):
                 conn.send_bytes(b"denied")
                 raise AuthenticationError("peer failed the auth-key challenge")
@@ -278,13 +272,13 @@ def connect_channel(address: str, authkey: bytes, hello: dict[str, Any], timeout
     try:
         if not conn.poll(remaining(deadline)):
             raise SyncTimeoutError(f"sender at {address!r} sent no auth challenge within {timeout:.1f}s")
-        nonce = conn.recv_bytes(256)
+        nonce = conn.recv_bytes(_HANDSHAKE_MAX)
         conn.send_bytes(_digest(authkey, nonce, b"worker"))
         my_nonce = secrets.token_bytes(_NONCE)
         channel.send({**hello, "op": "hello", "nonce": my_nonce.hex()})
         if not conn.poll(remaining(deadline)):
             raise SyncTimeoutError(f"sender at {address!r} did not answer the handshake within {timeout:.1f}s")
-        proof = conn.recv_bytes(256)
+        proof = conn.recv_bytes(_HANDSHAKE_MAX)
     except (EOFError, OSError, ConnectionClosedError) as exc:
         channel.close()
         raise AuthenticationError(f"sender at {address!r} closed the handshake (wrong auth key?)") from exc

@@ -1,14 +1,10 @@
-"""``RPCTransport``: weight updates to ONE ``torch.distributed.rpc`` worker, as RPCs the worker answers once applied.
+"""This process's ``torch.distributed.rpc`` world: one agent per process, shared by its RPC schemes.
 
-One RPC agent runs per process, so every RPC scheme of a process shares one
-*session*: the world of the sender (``weightsync-trainer``, rank 0) and its
-workers (``weightsync-worker-<i>``, rank ``i + 1``), formed over a TCP store
-the sender serves on ``master_addr:master_port``. A user who already runs
-RPC passes ``worker_names=`` and the scheme uses that agent as it is.
-
-An update is one RPC per worker carrying the flat weights (one tensor,
-whatever the model's); the worker keeps it until its loop calls
-``receive()``, applies it, and only then answers: the answer is the ack.
+Every RPC scheme of a process shares one *session*: the world of the sender
+(``weightsync-trainer``, rank 0) and its workers (``weightsync-worker-<i>``,
+rank ``i + 1``), formed over a TCP store the sender serves on
+``master_addr:master_port``. A user who already runs RPC passes
+``worker_names=`` and the scheme uses that agent as it is.
 """
 
 from __future__ import annotations
@@ -18,27 +14,34 @@ import logging
 import os
 import threading
 import warnings
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlparse
 
-import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
-from torch.distributed.rendezvous import register_rendezvous_handler
 
-from ..errors import ConfigurationError, LifecycleError, SyncTimeoutError
-from .base import SenderBoundTransport
-from .distributed import connect_store, first_line, interface_for, local_address, open_store
+from ...errors import ConfigurationError, SyncTimeoutError, first_line
+from ..network import interface_for, local_address
+from ..store import connect_store, open_store
 
-if TYPE_CHECKING:
-    from ..schemes.rpc import RPCWeightSyncScheme
-
-__all__ = ["RPCTransport", "Session", "default_worker_name", "deliver", "sender_gone", "session"]
+__all__ = [
+    "SENDER_NAME",
+    "Session",
+    "agent_running",
+    "default_worker_name",
+    "join_worker_session",
+    "leave_session",
+    "open_sender_session",
+    "sender_gone",
+    "session",
+    "start_agent",
+]
 
 log = logging.getLogger("weightsync.transports.rpc")
+#: The scheme of the rendezvous URL this module hands ``init_rpc``.
+RENDEZVOUS_SCHEME = "weightsync"
 
 SENDER_NAME = "weightsync-trainer"
 
@@ -61,7 +64,17 @@ def _rendezvous(url: Any, **kwargs: Any):
     yield store, kwargs.get("rank", -1), kwargs.get("world_size", -1)
 
 
-register_rendezvous_handler("weightsync", _rendezvous)
+_handler_registered = False
+
+
+def _register_handler() -> None:
+    """Teach ``init_rpc`` our rendezvous URLs, once, on first use (never at import: nothing happens at import)."""
+    global _handler_registered
+    from torch.distributed.rendezvous import _rendezvous_handlers, register_rendezvous_handler
+
+    if not _handler_registered and RENDEZVOUS_SCHEME not in _rendezvous_handlers:
+        register_rendezvous_handler(RENDEZVOUS_SCHEME, _rendezvous)
+    _handler_registered = True
 
 
 @dataclass
@@ -114,7 +127,7 @@ def open_sender_session(master: tuple[str, int], world_size: int, timeout: float
             return _SESSION
         if _SPENT:
             raise ConfigurationError(_ONCE)
-        if rpc.is_available() and _agent_running():
+        if rpc.is_available() and agent_running():
             raise ConfigurationError(
                 "RPC is already initialized in this process: pass worker_names= (the RPC names of the workers) "
                 "to init_on_sender to use that agent"
@@ -163,12 +176,15 @@ def start_agent(sess: Session, name: str, rank: int, timeout: float, **where: An
                 "workers, or use a scheme whose workers can rejoin (multiprocess, shared_mem, distributed, ray)",
                 **where,
             )
+        _register_handler()
         _STORES[sess.token] = sess.store
         try:
             # init_rpc prefixes its keys with a per-process counter: both sides must use the sender's.
             with rpc._init_counter_lock:
                 rpc._init_counter = sess.counter
-            options = rpc.TensorPipeRpcBackendOptions(init_method=f"weightsync://{sess.token}", rpc_timeout=timeout)
+            options = rpc.TensorPipeRpcBackendOptions(
+                init_method=f"{RENDEZVOUS_SCHEME}://{sess.token}", rpc_timeout=timeout
+            )
             # TensorPipe listens on the address the host name resolves to, unless told an interface: name the
             # one that reaches the sender (loopback for a local sender), so a single-host run stays on 127.0.0.1.
             ifname = os.environ.get("TP_SOCKET_IFNAME") or interface_for(local_address(sess.host))
@@ -229,7 +245,7 @@ def leave_session(sess: Session) -> None:
             _SESSION = None
 
 
-def _agent_running() -> bool:
+def agent_running() -> bool:
     try:
         rpc.get_worker_info()
         return True
@@ -240,116 +256,3 @@ def _agent_running() -> bool:
 def _init_counter() -> int:
     with rpc._init_counter_lock:
         return rpc._init_counter
-
-
-# ----------------------------------------------------------------- receivers
-@dataclass
-class Delivery:
-    """An update that reached a worker: answered (acked) once applied or superseded."""
-
-    version: int
-    buffer: torch.Tensor
-    layout: dict | None
-    digest: str | None = None  # the sender's checksum of ``buffer``, when it computes one
-    future: torch.futures.Future = field(default_factory=torch.futures.Future)
-
-
-class Mailbox:
-    """Updates for one model in this worker, waiting for its ``receive()``."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.queue: deque[Delivery] = deque()
-        self.closed = False
-
-
-_MAILBOXES: dict[str, Mailbox] = {}
-_MAILBOX_LOCK = threading.Lock()
-
-
-def mailbox(model_id: str) -> Mailbox:
-    with _MAILBOX_LOCK:
-        return _MAILBOXES.setdefault(model_id, Mailbox())
-
-
-def drop_mailbox(model_id: str) -> None:
-    with _MAILBOX_LOCK:
-        box = _MAILBOXES.pop(model_id, None)
-    if box is not None:
-        with box.cond:
-            for delivery in box.queue:
-                delivery.future.set_result(
-                    {"held": None, "error": {"type": "ConnectionClosedError", "message": "the worker shut down"}}
-                )
-            box.queue.clear()
-
-
-@rpc.functions.async_execution
-def deliver(
-    model_id: str, version: int, buffer: torch.Tensor, layout: dict | None, digest: str | None = None
-) -> torch.futures.Future:
-    """Runs in the worker's RPC agent: queue the update; the answer comes once the worker applied it."""
-    delivery = Delivery(version, buffer, layout, digest)
-    box = mailbox(model_id)
-    with box.cond:
-        box.queue.append(delivery)
-        box.cond.notify_all()
-    return delivery.future
-
-
-def close_mailbox(model_id: str) -> bool:
-    """Runs in the worker: the sender shut down."""
-    box = mailbox(model_id)
-    with box.cond:
-        box.closed = True
-        box.cond.notify_all()
-    return True
-
-
-# ----------------------------------------------------------------- transport
-class RPCTransport(SenderBoundTransport):
-    """Data plane to ONE RPC worker of :class:`~weightsync.schemes.rpc.RPCWeightSyncScheme` (sender side).
-
-    Args:
-        worker_idx: the worker this transport reaches.
-        worker_name: its RPC name (default ``weightsync-worker-<worker_idx>``).
-        scheme: the sender scheme that owns versions and staging buffers.
-    """
-
-    def __init__(
-        self, worker_idx: int = 0, worker_name: str | None = None, scheme: RPCWeightSyncScheme | None = None
-    ) -> None:
-        self.worker_idx = worker_idx
-        self.worker_name = worker_name or default_worker_name(worker_idx)
-        self._scheme = scheme
-        self.acked: int | None = None
-        self.sent: int | None = None
-        self.dead: BaseException | None = None
-        self.in_flight: dict[int, torch.futures.Future] = {}  # version -> the RPC's future
-
-    def submit(
-        self, version: int, buffer: torch.Tensor, layout: dict | None, timeout: float, digest: str | None = None
-    ) -> torch.futures.Future:
-        """Send ``version`` to the worker; the returned future completes with its answer (the ack)."""
-        model_id = self._sender().model_id
-        future = rpc.rpc_async(
-            self.worker_name, deliver, args=(model_id, version, buffer, layout, digest), timeout=timeout
-        )
-        self.in_flight[version] = future
-        self.sent = version
-        return future
-
-    def close(self, timeout: float) -> None:
-        """Tell the worker the sender is gone (best effort, bounded)."""
-        with contextlib.suppress(RuntimeError):
-            rpc.rpc_async(self.worker_name, close_mailbox, args=(self._sender().model_id,), timeout=timeout).wait()
-        self.in_flight.clear()
-
-    def receive_weights(self, timeout: float | None = None, **kwargs: Any) -> Any:
-        raise LifecycleError("RPC workers receive updates with scheme.receive() in the worker")
-
-    def send_ack(self, version: int, error: BaseException | None = None, held: int | None = None) -> None:
-        raise LifecycleError("an RPC worker acks by answering the sender's call; there is nothing to send")
-
-    def check_connection(self) -> bool:
-        return self.dead is None

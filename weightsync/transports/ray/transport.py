@@ -15,25 +15,27 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..errors import LifecycleError
-from .base import SenderBoundTransport
+from ... import options
+from ...errors import LifecycleError
+from ..base import PeerTransport
 
 if TYPE_CHECKING:
-    from ..schemes.ray import RayWeightSyncScheme
+    from ...core.engine import Sink
 
 __all__ = ["RayActorTransport", "RayTransport", "apply_in_actor", "register_receiver", "unregister_receiver"]
 
-# The receivers living in this process (an actor's worker process), by model id.
-_RECEIVERS: dict[str, RayWeightSyncScheme] = {}
+# The receivers living in this process (an actor's worker process), by model id: each takes
+# ``(version, buffers, ranges, layout, checksum)`` and returns the version it holds.
+_RECEIVERS: dict[str, Any] = {}
 
 
-def register_receiver(model_id: str, scheme: RayWeightSyncScheme) -> None:
-    """Make ``scheme`` the receiver of ``model_id`` in this process (the actor's)."""
-    _RECEIVERS[model_id] = scheme
+def register_receiver(model_id: str, receiver: Any) -> None:
+    """Make ``receiver`` (its ``push``) the receiver of ``model_id`` in this process (the actor's)."""
+    _RECEIVERS[model_id] = receiver
 
 
-def unregister_receiver(model_id: str, scheme: RayWeightSyncScheme) -> None:
-    if _RECEIVERS.get(model_id) is scheme:
+def unregister_receiver(model_id: str, receiver: Any) -> None:
+    if _RECEIVERS.get(model_id) is receiver:
         del _RECEIVERS[model_id]
 
 
@@ -44,8 +46,8 @@ def apply_in_actor(actor: Any, model_id: str, version: int, payload: tuple, layo
     :class:`~weightsync.schemes.ray.RayModuleTransformScheme` calls this from
     its ``update_weights_tensordict`` / ``update_weights_state_dict`` methods.
     """
-    scheme = _RECEIVERS.get(model_id)
-    if scheme is None:
+    receiver = _RECEIVERS.get(model_id)
+    if receiver is None:
         raise LifecycleError(
             f"this actor has no receiver for model {model_id!r}: call scheme.init_on_receiver(model_id="
             f"{model_id!r}, model=..., worker_idx=...) in the actor before the sender connects",
@@ -56,41 +58,41 @@ def apply_in_actor(actor: Any, model_id: str, version: int, payload: tuple, layo
         # The object store hands out read-only arrays; we only read from them.
         warnings.simplefilter("ignore", UserWarning)
         buffers = [torch.from_numpy(np.asarray(a)) for a in arrays]
-    return scheme._apply_payload(version, buffers, ranges, layout, expected)
+    return receiver.push(version, buffers, ranges, layout, expected)
 
 
-class RayTransport(SenderBoundTransport):
+class RayTransport(PeerTransport):
     """Data plane to ONE Ray actor of :class:`~weightsync.schemes.ray.RayWeightSyncScheme` (sender side).
 
     Args:
         actor: the actor's handle.
         worker_idx: the worker this actor is.
-        scheme: the sender scheme that owns versions and payloads.
+        model_id: the model the updates are for.
+        extract_as: the scheme's strategy (``"tensordict"`` or ``"state_dict"``).
+        sink: where the older API's calls go (the sender's pipeline).
     """
 
-    def __init__(self, actor: Any, worker_idx: int, scheme: RayWeightSyncScheme | None = None) -> None:
+    SETTINGS = options.RAY_SETTINGS
+
+    def __init__(
+        self,
+        actor: Any,
+        worker_idx: int,
+        model_id: str | None = None,
+        extract_as: str = "tensordict",
+        sink: Sink | None = None,
+    ) -> None:
+        super().__init__(worker_idx, sink)
         self.actor = actor
-        self.worker_idx = worker_idx
-        self._scheme = scheme
-        self.acked: int | None = None
-        self.sent: int | None = None
-        self.dead: BaseException | None = None
+        self.model_id = model_id
+        self.extract_as = extract_as
         self.in_flight: dict[int, Any] = {}  # version -> ObjectRef of the call applying it
 
     def submit(self, version: int, payload_ref: Any, layout: dict | None) -> None:
         """Ask the actor to apply ``version`` (queued after its earlier calls, in order)."""
-        model_id = self._sender().model_id
-        self.in_flight[version] = self.actor.__ray_call__.remote(apply_in_actor, model_id, version, payload_ref, layout)
-        self.sent = version
-
-    def receive_weights(self, timeout: float | None = None, **kwargs: Any) -> Any:
-        raise LifecycleError("Ray actors receive updates as calls from the sender; use scheme.receive() in the actor")
-
-    def send_ack(self, version: int, error: BaseException | None = None, held: int | None = None) -> None:
-        raise LifecycleError("a Ray actor acks by completing the sender's call; there is nothing to send")
-
-    def check_connection(self) -> bool:
-        return self.dead is None
+        self.in_flight[version] = self.actor.__ray_call__.remote(
+            apply_in_actor, self.model_id, version, payload_ref, layout
+        )
 
 
 class RayActorTransport(RayTransport):
@@ -102,7 +104,5 @@ class RayActorTransport(RayTransport):
     """
 
     def submit(self, version: int, payload_ref: Any, layout: dict | None) -> None:
-        scheme = self._sender()
-        method = getattr(self.actor, f"update_weights_{scheme.strategy.extract_as}")
-        self.in_flight[version] = method.remote(scheme.model_id, version, payload_ref, layout)
-        self.sent = version
+        method = getattr(self.actor, f"update_weights_{self.extract_as}")
+        self.in_flight[version] = method.remote(self.model_id, version, payload_ref, layout)

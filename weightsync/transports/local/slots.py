@@ -21,8 +21,8 @@ from collections.abc import Iterable
 
 import torch
 
-from ..errors import ConfigurationError
-from ..layout import FlatLayout
+from ...errors import ConfigurationError
+from ...tensors.layout import FlatLayout
 
 __all__ = ["SharedSlot", "SlotPool", "map_fd", "map_storage"]
 
@@ -82,10 +82,6 @@ class SlotPool:
         self.pinning = pinning
         self.tag = tag
         self.slots: list[SharedSlot] = []
-
-    @property
-    def allocated_bytes(self) -> int:
-        return sum(s.nbytes for s in self.slots)
 
     def acquire(self) -> SharedSlot | None:
         """A slot nobody reads, allocating one if allowed; ``None`` when all are busy."""

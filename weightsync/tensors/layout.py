@@ -8,6 +8,7 @@ starts on a 64-byte boundary, so any dtype view of the buffer is aligned.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -15,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigurationError
-from .strategy import copy_tensors
+from ..errors import ConfigurationError
+from .copies import copy_tensors
 
 __all__ = ["FlatLayout", "TensorSlot"]
 
@@ -107,6 +108,7 @@ class FlatLayout:
         self.nbytes = max(offset, ALIGN)
         self._spec = {s.key: (s.shape, s.dtype) for s in slots}
         self._strides = [_contiguous_strides(s.shape) for s in slots]
+        self._offsets = [s.offset for s in slots]
         #: Whether some tensor travels in a dtype of its own (``wire_dtype``): it must be cast back, not shared.
         self.casts = any(s.wire != s.dtype for s in slots)
 
@@ -175,6 +177,18 @@ class FlatLayout:
                 views[slot.key] = typed.as_strided(slot.shape, stride, origin + (slot.offset - start) // size)
             i = j
         return views
+
+    def views_at(self, buffer: torch.Tensor, offset: int) -> dict[str, torch.Tensor]:
+        """Typed views of the tensors wholly inside ``buffer`` (uint8), which holds the layout's bytes from byte
+        ``offset`` on (a piece of a payload: :meth:`placed`)."""
+        end = offset + buffer.numel()
+        first = bisect.bisect_left(self._offsets, offset)
+        last = first
+        while last < len(self.slots) and self.slots[last].offset + self.slots[last].nbytes <= end:
+            last += 1
+        if first == last:
+            return {}
+        return self._views_in(buffer[self.slots[first].offset - offset :], first, last)
 
     def buckets(self, max_bytes: int | None) -> list[tuple[int, int, int, int]]:
         """Split the buffer at tensor boundaries into runs of at most ``max_bytes`` (a larger tensor is a

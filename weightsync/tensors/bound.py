@@ -1,7 +1,7 @@
 """A model bound to one storage laid out like the weights buffer: :class:`BoundModel`.
 
 Once every tensor of a model is a view of one storage, in the place the
-:class:`~weightsync.layout.FlatLayout` gives it, an update reaches all of them
+:class:`~weightsync.tensors.layout.FlatLayout` gives it, an update reaches all of them
 at once, whatever their number: one copy into that storage per buffer of the
 update (multiprocess workers, Ray actors), or one swap of the memory behind it
 with the buffer the update is in (shared_mem, and the distributed and rpc
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import ConfigurationError
-from .strategy import copy_tensors, in_shared_memory, write_into
+from ..errors import ConfigurationError
+from .copies import copy_tensors, in_shared_memory, write_into
 
 if TYPE_CHECKING:
     from .layout import FlatLayout

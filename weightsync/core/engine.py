@@ -1,0 +1,234 @@
+"""What the core asks of an engine, and what an engine may ask of the core.
+
+The core owns versions, acks, deadlines, the failure policy and metrics; an
+engine moves bytes to workers and reports what came back. On the sender, the
+core (:class:`~weightsync.core.sender.Sender`) calls a :class:`SenderEngine`
+and the engine reports to a :class:`Sink`. On a worker, the core
+(:class:`~weightsync.core.receiver.Receiver`) takes :class:`Delivery` objects
+from a :class:`ReceiverEngine`, applies them, and has the engine ack them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from ..errors import WeightMismatchError, WeightSyncError
+    from ..tensors.layout import FlatLayout
+
+__all__ = ["Delivery", "Outgoing", "ReceiverEngine", "SenderEngine", "Sink"]
+
+
+class Sink(Protocol):
+    """The sender core, as an engine sees it: where it reports what came back from each worker."""
+
+    model_id: str | None
+
+    def acked(self, worker: int, held: int) -> None:
+        """``worker`` holds version ``held`` (applied, or kept after refusing a later one)."""
+
+    def failed(self, worker: int, error: WeightSyncError) -> None:
+        """``worker`` is alive but failed: it refused an update (its error), or did not answer in time."""
+
+    def died(self, worker: int, error: WeightSyncError | str) -> None:
+        """``worker`` is gone; a string is the cause, and the core names the worker and the version."""
+
+    def is_dead(self, worker: int) -> bool: ...
+
+    def rejoining(self, worker: int) -> None:
+        """``worker`` is coming back (:meth:`SenderEngine.admit`): from here on, a failure is the new process's."""
+
+    def send_to(self, weights: Any, workers: list[int], *, wait: bool) -> None:
+        """Publish ``weights`` to ``workers`` through the whole pipeline (the older transport API)."""
+
+    def wait_for(self, workers: list[int], timeout: float | None) -> None:
+        """Wait until each of ``workers`` acked the last version sent to it (the older transport API)."""
+
+
+@dataclass
+class Outgoing:
+    """One version on its way out: what a sender's engine stages once and submits to each worker.
+
+    Attributes:
+        version: the version it is.
+        flat: the trainer's tensors, checked against the layout (copied out under ``no_grad``).
+        whole: their one buffer, every tensor in its place (``flatten_sender``), else ``None``.
+        workers: the live targeted workers.
+        initial: version 0, sent during ``connect()``.
+    """
+
+    version: int
+    flat: dict[str, torch.Tensor]
+    whole: torch.Tensor | None
+    workers: list[int]
+    initial: bool = False
+
+
+class SenderEngine(ABC):
+    """The trainer's side of an engine: one object per scheme, holding one transport per worker.
+
+    Every method that may wait takes a deadline and returns (or raises :class:`~weightsync.errors.SyncTimeoutError`)
+    by then. Acks, refusals and deaths are reported to the :class:`Sink` as they are found, from any method.
+    """
+
+    #: Whether a worker that died or was dropped can come back under its index on its own (the engine then
+    #: implements :meth:`poll_rejoin` and :meth:`admit`).
+    rejoins: ClassVar[bool] = False
+
+    def __init__(self, sink: Sink, layout: FlatLayout, num_workers: int) -> None:
+        self.sink = sink
+        self.layout = layout
+        self.num_workers = num_workers
+        #: One transport per worker (the older API's ``sender_transports``).
+        self.transports: dict[int, Any] = {}
+
+    def handoff(self) -> dict[str, Any]:
+        """What a scheme pickled for a worker carries so the worker can reach this sender (may hold a secret)."""
+        return {}
+
+    def connection(self) -> dict[str, Any]:
+        """What a receiver config carries so a worker can reach this sender: plain data, no secret."""
+        return {}
+
+    @abstractmethod
+    def rendezvous(self, deadline: float, timeout: float) -> dict[int, WeightSyncError]:
+        """Wait until every worker joined (``timeout``: the seconds from the start to ``deadline``, for messages);
+        return those that refused at joining (their model does not fit).
+
+        Raises:
+            SyncTimeoutError: workers missing at ``deadline`` (named).
+        """
+
+    def rendezvous_complete(self) -> bool:
+        """Whether every worker has joined, even if some refused the initial weights."""
+        return bool(self.transports)
+
+    @abstractmethod
+    def stage(self, out: Outgoing, deadline: float) -> Any:
+        """Put ``out``'s bytes where its workers will read them, and return what :meth:`submit` needs. May wait,
+        until ``deadline``, for a buffer no worker still reads.
+
+        Raises:
+            SyncTimeoutError: no free buffer in time; nothing was published.
+        """
+
+    @abstractmethod
+    def submit(self, out: Outgoing, staged: Any) -> None:
+        """Tell each of ``out.workers`` that ``out.version`` is there (a worker found gone is reported dead)."""
+
+    @abstractmethod
+    def poll(self, workers: list[int]) -> None:
+        """Report what came back from ``workers`` already, without waiting."""
+
+    @abstractmethod
+    def wait(self, workers: list[int], deadline: float) -> None:
+        """Block until something may have come back from one of ``workers``, or until ``deadline``."""
+
+    def lost(self, worker: int) -> None:
+        """``worker`` is gone: release what it held."""
+        return None
+
+    def poll_rejoin(self) -> Any:
+        """A worker asking to come back, or ``None`` after a short wait (about 0.1 s); ``EOFError`` at the end.
+
+        Runs in the core's rejoin thread, without the core's lock."""
+        raise EOFError
+
+    def admit(self, candidate: Any) -> tuple[int, int] | None:
+        """Under the core's lock: take ``candidate`` back and send it the newest version published.
+
+        Returns ``(worker, version sent)``, or ``None`` when it was turned away (reported as needed)."""
+        return None
+
+    def discard(self, candidate: Any) -> None:
+        """Turn ``candidate`` away (the core is shutting down)."""
+        return None
+
+    def payload_bytes(self) -> int:
+        """Bytes of one copy of a version as it travels."""
+        return self.layout.nbytes
+
+    @abstractmethod
+    def close(self, timeout: float) -> None:
+        """Tell the workers, and release every socket, buffer, thread and handle. ``timeout``: the most it may
+        wait for a peer (0: no wait at all, as from a finalizer)."""
+
+
+@dataclass
+class Delivery:
+    """One update as it reached a worker: the bytes, where they sit, and what the model may do with them.
+
+    Attributes:
+        version: the version it holds.
+        pieces: ``(byte offset in the layout, uint8 buffer)`` covering every tensor (one buffer, mostly).
+        digest: the sender's checksum of the pieces (``None``: not checked).
+        views: typed views of the pieces by key, when the engine keeps them (made by the core otherwise).
+        storage: memory the model may take as its own (swap, or bind) instead of copying (``"take"`` and
+            ``"share"`` placements); ``None``: it copies.
+        storage_views: the typed views of ``storage`` the model's tensors would become (``None``: made
+            when binding).
+        whole: ``storage`` is exactly the layout's bytes: the model's own storage can swap memory with it.
+        refusal: what the engine found wrong on arrival (a truncated segment): applying it fails with this.
+        token: the engine's own, for its ack.
+    """
+
+    version: int
+    pieces: list[tuple[int, torch.Tensor]]
+    digest: str | None = None
+    views: dict[str, torch.Tensor] | None = None
+    storage: torch.UntypedStorage | None = None
+    storage_views: dict[str, torch.Tensor] | None = None
+    whole: bool = True
+    refusal: BaseException | None = None
+    token: Any = None
+
+
+class ReceiverEngine(ABC):
+    """A worker's side of an engine: joins the sender, delivers updates, acks them.
+
+    ``placement`` says what the model does with an update: ``"write"`` it into its own tensors one by one,
+    ``"load"`` it with one copy per piece into a buffer the model is bound to, ``"take"`` the memory it
+    arrived in, or ``"share"`` it (read-only, with the other workers).
+    """
+
+    placement: str = "write"
+    #: Updates arrive as calls into this process (Ray) instead of being taken in ``receive()``.
+    pushes: ClassVar[bool] = False
+    #: The layout of the updates, once the engine knows it (at join, or with the first update).
+    layout: FlatLayout | None = None
+
+    def attach(self, apply: Callable[[list[Delivery]], int]) -> None:
+        """An engine whose updates arrive as calls (``pushes``) applies them with ``apply`` (the core's)."""
+        return None
+
+    @abstractmethod
+    def join(self, deadline: float, check: Callable[[FlatLayout], WeightMismatchError | None]) -> None:
+        """Join the sender by ``deadline``; call ``check`` with the layout once it is known (its result: why this
+        worker's model does not fit, or ``None``)."""
+
+    def take(self, timeout: float, newest: bool) -> list[Delivery]:
+        """The updates waiting (all, oldest first, when ``newest``; else the oldest alone), waiting up to
+        ``timeout`` for the first; ``[]`` if none came. The core applies the last one and acks them all.
+
+        Raises:
+            ConnectionClosedError: the sender shut down or died, and nothing is left to apply.
+        """
+        return []
+
+    def ack(self, taken: list[Delivery], held: int | None, error: BaseException | None = None) -> None:
+        """Tell the sender the updates ``taken`` were applied (``held`` is the version now held), or failed."""
+        return None
+
+    def taken(self, delivery: Delivery, left: torch.UntypedStorage | None, swapped: bool) -> None:
+        """The model took ``delivery.storage``: by a swap (``delivery.storage`` now holds the memory the model
+        had), or by binding (``left``: the storage the model was bound to before, if another)."""
+        return None
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every socket, buffer and handle (the model keeps its weights)."""

@@ -1,0 +1,86 @@
+"""The older facade, for code written against it: ``get_sender()``/``WeightSender``, ``get_receiver()``/
+``WeightReceiver``, ``create_transport(...)``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from ..errors import ConfigurationError, LifecycleError
+
+__all__ = ["FacadeMixin", "WeightReceiver", "WeightSender"]
+
+
+class _Facade:
+    def __init__(self, scheme: Any) -> None:
+        self._scheme = scheme
+
+    @property
+    def scheme(self) -> Any:
+        """The scheme this facade calls."""
+        return self._scheme
+
+
+class WeightSender(_Facade):
+    """Older facade over a sender scheme: ``send``, ``send_async``, ``wait_async``, ``update_weights``."""
+
+    def send(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
+        self._scheme.send(weights, worker_ids)
+
+    def send_async(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
+        self._scheme.send_async(weights, worker_ids)
+
+    def wait_async(self, timeout: float | None = None) -> None:
+        self._scheme.wait_async(timeout)
+
+    def update_weights(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
+        """Send and wait for every targeted worker, whatever the scheme's ``sync``."""
+        self._scheme.send_async(weights, worker_ids)
+        self._scheme.wait_async()
+
+
+class WeightReceiver(_Facade):
+    """Older facade over a receiver scheme: ``receive(timeout) -> bool`` and ``apply_weights``."""
+
+    def receive(self, timeout: float | None = 0.0) -> bool:
+        """Apply a pending update; ``True`` if one was applied."""
+        return self._scheme.receive(timeout) is not None
+
+    def apply_weights(self, weights: Any, inplace: bool = True) -> None:
+        self._scheme.apply_weights(weights, inplace)
+
+    @property
+    def weights(self) -> Any:
+        return self._scheme.weights
+
+
+class FacadeMixin:
+    """The facade accessors of every scheme; a scheme names its own facade classes."""
+
+    sender_facade: ClassVar[type] = WeightSender
+    receiver_facade: ClassVar[type] = WeightReceiver
+    _facades: dict[str, Any]
+
+    def get_sender(self) -> Any:
+        """The sender facade. Raises :class:`LifecycleError` before ``init_on_sender``."""
+        if not self.is_sender:  # type: ignore[attr-defined]
+            raise LifecycleError(f"get_sender() needs init_on_sender() first; scheme is {self.state}")  # type: ignore[attr-defined]
+        return self._facades.setdefault("sender", self.sender_facade(self))
+
+    def get_receiver(self) -> Any:
+        """The receiver facade. Raises :class:`LifecycleError` before ``init_on_receiver``."""
+        if not self.is_receiver:  # type: ignore[attr-defined]
+            raise LifecycleError(f"get_receiver() needs init_on_receiver() first; scheme is {self.state}")  # type: ignore[attr-defined]
+        return self._facades.setdefault("receiver", self.receiver_facade(self))
+
+    def create_sender(self) -> Any:
+        """A sender facade bound to this scheme (usable once ``init_on_sender`` ran)."""
+        return self.sender_facade(self)
+
+    def create_receiver(self) -> Any:
+        """A receiver facade bound to this scheme (usable once ``init_on_receiver`` ran)."""
+        return self.receiver_facade(self)
+
+    def create_transport(self, **kwargs: Any) -> Any:
+        """Build the transport for one peer; see each scheme for its arguments."""
+        raise ConfigurationError(f"{type(self).__name__} has no transport to create")

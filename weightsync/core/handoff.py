@@ -1,0 +1,108 @@
+"""How a scheme reaches its workers: as plain data (``receiver_config``) or pickled, and how it is rebuilt."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from .. import checks
+from ..errors import LifecycleError
+from .states import NEW, SENDING
+
+__all__ = ["HandoffMixin"]
+
+
+class HandoffMixin:
+    """Receiver configs and pickling of :class:`~weightsync.core.scheme.WeightSyncScheme`."""
+
+    TRANSPORTS: dict[str, str]
+    transport_name: str | None
+    _state: str
+    _model_id: str | None
+    _worker_idx: int | None
+    _num_workers: int | None
+    _handoff: dict[str, Any] | None
+    _sending: Any
+
+    def receiver_config(self, worker_idx: int) -> dict[str, Any]:
+        """Plain data (YAML-able, no live objects, no secrets) from which worker ``worker_idx`` builds its side.
+
+        In the worker: ``scheme = weightsync.config.from_config(cfg)`` (or
+        ``hydra.utils.instantiate``, for configs you wrote), then
+        ``scheme.init_on_receiver(model=...)`` and ``scheme.connect()``.
+        Works in any process of this host, also one started by hand.
+
+        Raises:
+            LifecycleError: called before ``init_on_sender``.
+        """
+        self._require(*SENDING, action="receiver_config")
+        idx = self._check_worker_idx(worker_idx)
+        cls = type(self)
+        scheme = {"_target_": f"{cls.__module__}.{cls.__qualname__}", **self.option_values()}
+        if self.TRANSPORTS and self.transport_name != next(iter(self.TRANSPORTS)):
+            scheme["transport"] = self.transport_name
+        assert self._sending is not None and self._sending.engine is not None
+        return {
+            "_target_": "weightsync.config.make_receiver",
+            "scheme": scheme,
+            "model_id": self._model_id,
+            "worker_idx": idx,
+            "connection": self._sending.engine.connection(),
+        }
+
+    @classmethod
+    def check_receiver_connection(cls, connection: Mapping[str, Any], model_id: str) -> dict[str, Any]:
+        """The ``connection`` of a receiver config for this class, checked as data: nothing is read or reached.
+
+        Each scheme checks exactly what its ``receiver_config()`` emits there (by default, nothing). A
+        third-party scheme that emits a connection overrides this.
+
+        Raises:
+            ConfigurationError: a field that is not this scheme's, a missing one, or one of the wrong shape.
+        """
+        return checks.fields(connection, {}, "connection")
+
+    @classmethod
+    def receiver_unpickles(cls, connection: Mapping[str, Any]) -> str | None:
+        """The peer whose messages a receiver built from ``connection`` would unpickle (``None``: none).
+
+        :func:`weightsync.config.from_config` builds such a receiver only with the caller's ``allow_pickle``.
+        """
+        return None
+
+    def _prepare_receiver(self, *, model_id: str, worker_idx: int, connection: dict[str, Any]) -> None:
+        """Make a new scheme receiver-ready from a receiver config's fields."""
+        self._require(NEW, action="prepare a receiver")
+        self._model_id = model_id
+        self._worker_idx = self._check_worker_idx(worker_idx)
+        self._handoff = dict(connection)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Options plus, for a sender, what a worker needs to reach it; never runtime state."""
+        state: dict[str, Any] = {"options": self.option_values(), "transport": self.transport_name}
+        if self._sending is not None and self._sending.engine is not None and self._state in SENDING:
+            state["handoff"] = self._sending.engine.handoff()
+        elif self._handoff is not None:
+            state["handoff"] = self._handoff
+        if "handoff" in state:
+            state.update(model_id=self._model_id, num_workers=self._num_workers)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._bind_options((), state["options"])
+        self.transport_name = state["transport"]
+        self._reset_runtime()
+        self._handoff = state.get("handoff")
+        self._model_id = state.get("model_id")
+        self._num_workers = state.get("num_workers")
+
+    def __copy__(self) -> Any:
+        raise LifecycleError("schemes are not copied; build a new one from the same arguments")
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        if self._state != NEW:
+            raise LifecycleError("only a new (uninitialized) scheme can be deep-copied")
+        clone = type(self).__new__(type(self))
+        clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return clone

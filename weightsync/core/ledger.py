@@ -1,0 +1,77 @@
+"""What the sender knows of each worker: the last version sent and acked (and when), and whether it is gone."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..errors import SyncTimeoutError, WeightSyncError
+
+__all__ = ["Ledger", "Peer"]
+
+
+@dataclass
+class Peer:
+    """One worker, as the sender sees it."""
+
+    sent: int | None = None
+    acked: int | None = None
+    #: ``time.perf_counter()`` when :attr:`acked` last moved (the per-worker ack times of send metrics).
+    acked_at: float = float("-inf")
+
+
+@dataclass
+class Ledger:
+    """Per worker: versions sent and acked; the workers found gone (with the error that showed it); the
+    failures found outside any wait, reported by the next call that targets the worker."""
+
+    model_id: str | None
+    peers: dict[int, Peer] = field(default_factory=dict)
+    dead: dict[int, WeightSyncError] = field(default_factory=dict)
+    errors: dict[int, WeightSyncError] = field(default_factory=dict)
+
+    def ack(self, worker: int, held: int) -> None:
+        peer = self.peers[worker]
+        if peer.acked is None or held > peer.acked:
+            peer.acked = held
+            peer.acked_at = time.perf_counter()
+
+    def has_acked(self, worker: int, version: int) -> bool:
+        """``worker`` acked ``version`` or a later one."""
+        acked = self.peers[worker].acked
+        return acked is not None and acked >= version
+
+    def live(self, workers: list[int]) -> list[int]:
+        return [w for w in workers if w not in self.dead]
+
+    def take_errors(self, workers: list[int] | dict[int, int]) -> dict[int, WeightSyncError]:
+        """The failures found earlier for ``workers`` (each reported once)."""
+        return {w: self.errors.pop(w) for w in list(self.errors) if w in workers}
+
+    def missing(self, expected: dict[int, int], failures: dict[int, WeightSyncError]) -> list[int]:
+        """Live workers of ``expected`` (none of ``failures``) that have not acked their version yet."""
+        return [w for w, v in expected.items() if w not in failures and w not in self.dead and not self.has_acked(w, v)]
+
+    def gone_before_acking(
+        self, expected: dict[int, int], failures: dict[int, WeightSyncError]
+    ) -> dict[int, WeightSyncError]:
+        """Workers of ``expected`` recorded as gone without acking their version (one that acked, then left,
+        did its part), with the error that named them."""
+        return {
+            w: self.dead[w]
+            for w, v in expected.items()
+            if w in self.dead and w not in failures and not self.has_acked(w, v)
+        }
+
+    def timeouts(self, workers: list[int], expected: dict[int, int], within: str) -> dict[int, WeightSyncError]:
+        """A :class:`SyncTimeoutError` for each of ``workers`` still without its ack of ``expected``."""
+        return {
+            w: SyncTimeoutError(
+                f"no ack for version {expected[w]} within {within} (last acked: {self.peers[w].acked})",
+                model_id=self.model_id,
+                worker_idx=w,
+                version=expected[w],
+            )
+            for w in workers
+            if not self.has_acked(w, expected[w])
+        }

@@ -1,0 +1,119 @@
+"""What a scheme tells about itself: its role and state, its model, versions, acks, transports, metrics."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..errors import LifecycleError, WeightSyncError
+from ..metrics import SendMetrics, SendRecord
+from .states import RECEIVING, SENDING
+
+if TYPE_CHECKING:
+    from ..tensors.layout import FlatLayout
+    from ..tensors.strategy import WeightStrategy
+    from .receiver import Receiver
+    from .sender import Sender
+
+__all__ = ["SchemeProperties"]
+
+
+def _read(attr: str, doc: str) -> property:
+    return property(lambda self: getattr(self, attr), doc=doc)
+
+
+class SchemeProperties:
+    """The read-only properties of :class:`~weightsync.core.scheme.WeightSyncScheme`."""
+
+    _state: str
+    _strategy: WeightStrategy
+    _sending: Sender | None
+    _receiving: Receiver | None
+    _model_id: str | None
+    _worker_idx: int | None
+    _lock: Any
+
+    state = _read("_state", "Where the scheme is in its lifecycle (``'new'``, ``'connected sender'``, ...).")
+    strategy = _read("_strategy", "How weights are extracted from the model and put back.")
+    model_id = _read("_model_id", "The model's name (or path inside the context).")
+    context = _read("_context", "The object the model was found in, if any.")
+    model = _read("_model", "The registered model (sender: or its weights).")
+    worker_idx = _read("_worker_idx", "Receiver: which worker this is.")
+    num_workers = _read("_num_workers", "How many workers the sender serves.")
+
+    @property
+    def is_sender(self) -> bool:
+        return self._state in SENDING
+
+    @property
+    def is_receiver(self) -> bool:
+        return self._state in RECEIVING
+
+    def _require(self, *states: str, action: str) -> None:
+        if self._state not in states:
+            raise LifecycleError(
+                f"cannot {action}: scheme is {self._state}; {action} needs it {' or '.join(states)}",
+                model_id=self._model_id,
+                worker_idx=self._worker_idx,
+            )
+
+    @property
+    def version(self) -> int | None:
+        """Sender: the last version published. Receiver: the version it holds. ``None`` before any."""
+        if self._sending is not None:
+            return self._sending.version
+        return self._receiving.version if self._receiving is not None else None
+
+    @property
+    def layout(self) -> FlatLayout | None:
+        """Where each tensor sits in the bytes of a version (``None`` before it is known)."""
+        if self._sending is not None:
+            return self._sending.layout
+        return self._receiving.engine.layout if self._receiving is not None else None
+
+    @property
+    def acked_versions(self) -> dict[int, int | None]:
+        """Sender only: the last version each worker acked (``None`` if none yet)."""
+        peers = self._sending.ledger.peers if self._sending is not None else {}
+        return {w: p.acked for w, p in sorted(peers.items())}
+
+    @property
+    def failed_workers(self) -> dict[int, WeightSyncError]:
+        """Sender only: workers found dead, with the error that revealed it."""
+        return dict(self._sending.ledger.dead) if self._sending is not None else {}
+
+    @property
+    def weights(self) -> Any:
+        """The weights of the registered model, in the strategy's format (no copy)."""
+        model = getattr(self, "_model", None)
+        return None if model is None else self._strategy.extract_weights(model)
+
+    @property
+    def sender_transports(self) -> dict[int, Any]:
+        """Sender: the transport to each worker."""
+        engine = self._sending.engine if self._sending is not None else None
+        return dict(engine.transports) if engine is not None else {}
+
+    @property
+    def receiver_transport(self) -> Any:
+        """Receiver: its transport from the sender (``None`` where the engine has none)."""
+        return getattr(self._receiving.engine, "transport", None) if self._receiving is not None else None
+
+    @property
+    def shared_transport(self) -> Any:
+        """Sender: the buffer every worker reads (the local schemes' slot pool), or ``None``."""
+        engine = self._sending.engine if self._sending is not None else None
+        return getattr(engine, "shared", None)
+
+    @property
+    def last_send(self) -> SendRecord | None:
+        """Sender: what the last send did (version, workers, bytes, seconds, per-worker ack times, failures)."""
+        return self._sending.metrics.last if self._sending is not None else None
+
+    def stats(self) -> dict[str, Any]:
+        """Sender: a summary of every send so far: counts, bytes, send-time and ack-time medians and
+        maxima, failures, dropped workers (with the cause), rejoins, staleness, and each worker's
+        last acked version and lag."""
+        with self._lock:  # a rejoin may be admitted from the listener's thread meanwhile
+            if self._sending is None:
+                return SendMetrics().summary(version=self.version, acked={}, failed={})
+            return self._sending.stats()

@@ -1,0 +1,219 @@
+"""A worker's side of every scheme: one apply path, one owner of the bound model, whatever the engine.
+
+An update is checked (checksum, then the model against the layout, unless it
+is exactly as bound), then placed as the engine's placement says — the model
+swaps memory with, or binds to, the buffer the update arrived in; is loaded
+with one copy per piece into the buffer it is bound to; or is written tensor
+by tensor — and acked. Weights and version change together under
+``weights_lock``; a failure changes nothing and is acked with its cause.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from ..errors import ConfigurationError, ConnectionClosedError, SyncTimeoutError, WeightMismatchError
+from ..integrity import check_digest
+from ..tensors.bound import BoundModel
+from ..tensors.copies import write_into
+from ..tensors.layout import FlatLayout
+from ..tensors.strategy import check_spec, flatten_weights, weights_spec
+from .engine import Delivery, ReceiverEngine
+from .rejoin import stop_thread
+from .timing import deadline_after, remaining
+
+__all__ = ["Receiver"]
+
+log = logging.getLogger("weightsync.core")
+
+#: Seconds the background thread waits for an update before it looks again whether it must stop.
+THREAD_POLL_S = 0.05
+
+
+class Receiver:
+    """The worker's model, the version it holds, and the updates the engine delivers to it.
+
+    Args:
+        scheme: the worker's scheme: its ``model``, ``strategy``, ``weights_lock`` and ``latest_wins`` (apply
+            only the newest of the updates waiting).
+        engine: delivers the updates and acks them.
+        where: ``model_id`` and ``worker_idx``, for errors (the index may be set at connect).
+    """
+
+    def __init__(self, scheme: Any, engine: ReceiverEngine, where: dict[str, Any]) -> None:
+        self.engine, self.where = engine, where
+        self.model, self.strategy, self.weights_lock = scheme.model, scheme.strategy, scheme.weights_lock
+        self.latest_wins = getattr(scheme, "latest_wins", True)
+        self.bound = BoundModel()
+        self.version: int | None = None
+        self.reported: int | None = None
+        self._refusal: WeightMismatchError | None = None  # the model does not fit the sender's layout
+        # The model's tensors the last update went to, and the views they now are, if they read them.
+        self._written: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None] = ({}, None)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._applied = threading.Condition()
+        self._thread_error: BaseException | None = None
+        engine.attach(self.apply)
+
+    # ---------------------------------------------------------------- joining
+    def _check(self, layout: FlatLayout) -> WeightMismatchError | None:
+        """Whether the model fits ``layout``; a misfit is remembered, and the first update fails with it."""
+        try:
+            check_spec(layout.spec, weights_spec(flatten_weights(self.model, self.strategy.extract_as)), **self.where)
+        except WeightMismatchError as exc:
+            self._refusal = exc
+        return self._refusal
+
+    def connect(self, timeout: float, background_thread: bool = False) -> None:
+        """Join the sender and apply the initial version (engines that push: it arrives as a call)."""
+        deadline = deadline_after(timeout)
+        self.engine.join(deadline, self._check)
+        if not self.engine.pushes:
+            while self.version is None:
+                if remaining(deadline) <= 0:
+                    raise SyncTimeoutError("no initial weights from the sender in time", **self.where)
+                self.poll_and_apply(remaining(deadline))
+        self.reported = self.version  # connect() itself delivered version 0
+        if background_thread:
+            self._thread = threading.Thread(
+                target=self._thread_loop, name=f"weightsync-{self.where['model_id']}-receiver", daemon=True
+            )
+            self._thread.start()
+
+    # ---------------------------------------------------------------- applying
+    def poll_and_apply(self, timeout: float) -> int | None:
+        """Apply what the engine delivers within ``timeout``; return the version now held if it changed."""
+        taken = self.engine.take(timeout, self.latest_wins)
+        if not taken:
+            return None
+        self.apply(taken)
+        return self.version
+
+    def apply(self, taken: list[Delivery]) -> int:
+        """Apply the last of ``taken`` (the others are superseded), then ack them all; return its version.
+
+        Raises:
+            IntegrityError, WeightMismatchError, ConfigurationError: the update was refused (and acked so);
+                the model kept its weights.
+        """
+        update = taken[-1]
+        where = {**self.where, "version": update.version}
+        try:
+            if self._refusal is not None:
+                raise self._refusal
+            if update.refusal is not None:
+                raise update.refusal
+            layout = self.engine.layout
+            if layout is None:
+                raise ConfigurationError("received an update before the layout", **where)
+            check_digest([piece for _, piece in update.pieces], update.digest, **where)
+            dst = flatten_weights(self.model, self.strategy.extract_as)
+            held = self.engine.placement != "write" and self.bound.holds(dst)  # exactly as bound: checks hold
+            if not held:
+                check_spec(layout.spec, weights_spec(dst), **where)
+            with self.weights_lock:  # weights and version change together for readers holding the lock
+                self._written = (dst, self._place(dst, update, layout, held))
+                self.version = update.version
+        except Exception as exc:
+            self.engine.ack(taken, self.version, exc)
+            raise
+        self.engine.ack(taken, update.version)
+        return update.version
+
+    def _place(
+        self, dst: dict[str, torch.Tensor], update: Delivery, layout: FlatLayout, held: bool
+    ) -> dict[str, torch.Tensor] | None:
+        """Put ``update`` into the model; return the views its tensors now are, or ``None`` (their own memory)."""
+        placement = self.engine.placement
+        if placement in ("take", "share") and update.storage is not None:
+            if held and update.whole:
+                # O(1): the model's storage takes the delivered memory, the delivery the memory the model had.
+                self.bound.swap(update.storage)
+                self.engine.taken(update, None, swapped=True)
+                return self.bound.views
+            if all(tensor.is_cpu for tensor in dst.values()):
+                views = update.storage_views
+                if views is None and not update.whole:  # the pieces sit inside the storage: their views
+                    views = self._views_of(update, layout)
+                left = self.bound.bind(dst, update.storage, layout, views)
+                self.engine.taken(update, left, swapped=False)
+                return self.bound.views
+        if placement == "load" and self.bound.load(dst, update.pieces, layout, held):
+            return self.bound.views
+        views = self._views_of(update, layout)
+        return views if write_into(dst, views, share=placement == "share") else None
+
+    def _views_of(self, update: Delivery, layout: FlatLayout) -> dict[str, torch.Tensor]:
+        """Typed views of the update's bytes: the engine's (it keeps those of buffers it reuses), else made now."""
+        if update.views is not None:
+            return update.views
+        views: dict[str, torch.Tensor] = {}
+        for offset, buffer in update.pieces:
+            views.update(layout.views_at(buffer, offset))
+        return views
+
+    # ------------------------------------------------------------- reporting
+    def receive(self, timeout: float) -> Any:
+        """Apply the pending update (or report what the background thread applied); the weights, or ``None``."""
+        if self._thread is None:
+            if not self.engine.pushes:
+                self.poll_and_apply(timeout)
+        else:
+            with self._applied:
+                self._applied.wait_for(lambda: self._thread_error is not None or self.version != self.reported, timeout)
+                if self.version == self.reported and self._thread_error is not None:
+                    error = self._thread_error
+                    if not isinstance(error, ConnectionClosedError):
+                        self._thread_error = None  # an apply failure is reported once; a closed channel stays
+                    raise error
+        if self.version == self.reported:
+            return None
+        with self.weights_lock:  # the tensors the update was written to: no second walk of the model
+            self.reported = self.version
+            dst, views = self._written
+            if views is not None:  # the model reads them: plain tensors, no detach (0.5 us each)
+                return self.strategy.format({k: views[k] for k in dst})
+            return self.strategy.format({k: v.detach() for k, v in dst.items()})
+
+    def _thread_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                changed = self.poll_and_apply(THREAD_POLL_S)
+            except ConnectionClosedError as exc:
+                with self._applied:
+                    self._thread_error = exc
+                    self._applied.notify_all()
+                return
+            except Exception as exc:  # noqa: BLE001 - reported to the worker at its next receive()
+                log.error(
+                    "model %r worker %s: update failed: %s", self.where["model_id"], self.where["worker_idx"], exc
+                )
+                with self._applied:
+                    self._thread_error = exc
+                    self._applied.notify_all()
+                continue
+            if changed is not None:
+                with self._applied:
+                    self._applied.notify_all()
+
+    # ------------------------------------------------------------- shutdown
+    def close(self, timeout: float) -> None:
+        """Stop the background thread (waiting at most ``timeout``), give the model memory of its own if it
+        shares the engine's, and close the engine."""
+        stop_thread(self._thread, self._stop, timeout, "receiver")
+        self._thread = None
+        if self.engine.placement == "share":
+            # The model still reads shared memory: give it private memory so the engine can unmap it.
+            with self.weights_lock:
+                self.bound.release()
+                for tensor in flatten_weights(self.model, self.strategy.extract_as).values():
+                    if tensor.is_cpu and tensor.is_shared():  # (a model the user shared is moved too)
+                        tensor.data = tensor.data.clone()
+        self._written = ({}, None)
+        self.bound.forget()
+        self.engine.close()

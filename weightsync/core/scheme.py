@@ -1,0 +1,499 @@
+"""The scheme lifecycle shared by every backend: :class:`WeightSyncScheme`.
+
+A scheme object plays one role. In the trainer it is a *sender*:
+``init_on_sender`` → ``connect`` → ``send``/``send_async``/``wait_async`` →
+``shutdown``. In a worker it is a *receiver*: ``init_on_receiver`` →
+``connect(worker_idx=...)`` → ``receive`` → ``shutdown``. A sender pickled
+after ``init_on_sender`` arrives in the worker as a fresh, receiver-ready
+scheme that knows how to reach the sender.
+
+This module owns the state machine, argument checking and model resolution;
+the sender's pipeline is :class:`~weightsync.core.sender.Sender`, the
+receiver's apply path :class:`~weightsync.core.receiver.Receiver`, and each
+scheme class supplies its engine (``_sender_engine``, ``_receiver_engine``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from .. import checks, options
+from ..errors import ConfigurationError, LifecycleError, WeightSyncError
+from ..model_path import resolve_model, resolve_weights
+from ..tensors.layout import FlatLayout, wire_dtype_from_name
+from ..tensors.strategy import WeightStrategy, flatten_weights
+from .choice import choose_transport
+from .engine import ReceiverEngine, SenderEngine, Sink
+from .facade import FacadeMixin
+from .handoff import HandoffMixin
+from .properties import SchemeProperties
+from .receiver import Receiver
+from .sender import Sender
+from .states import CLOSED, NEW, RECEIVER, RECEIVER_CONNECTED, SENDER, SENDER_CONNECTED
+
+__all__ = ["WeightSyncScheme"]
+
+
+class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Configurable):
+    """Base class of every scheme: the lifecycle of one model across workers.
+
+    Every scheme takes its options as keyword arguments (the first four also by position); each is declared
+    once, in :mod:`weightsync.options`, and listed with its meaning in the API reference and the Hydra
+    configs. A scheme that runs over several transports also takes ``transport``: the transport's name, its
+    class, or the class with its settings bound (as Hydra's ``_partial_`` makes it); the transport's
+    settings may be given as keyword arguments of the scheme too. A value an option refuses raises
+    :class:`~weightsync.errors.ConfigurationError` naming the option.
+    """
+
+    OPTIONS = options.COMMON
+    EXTRA = (inspect.Parameter("transport", inspect.Parameter.KEYWORD_ONLY, default=None),)
+    #: Name under which the scheme is registered (see :func:`weightsync.register_backend`).
+    backend: ClassVar[str] = ""
+    #: Receivers must say which worker they are before connecting.
+    needs_worker_idx: ClassVar[bool] = True
+    #: The transports this scheme can run over, by name (``"module:Class"``); the first is its own.
+    TRANSPORTS: ClassVar[dict[str, str]] = {}
+    #: The settings of those transports (options of the transport, taken by the scheme too).
+    TRANSPORT_SETTINGS: ClassVar[tuple[options.Option, ...]] = ()
+    #: The scheme-specific keyword arguments ``init_on_sender`` and ``init_on_receiver`` take (handles).
+    SENDER_HANDLES: ClassVar[tuple[str, ...]] = ()
+    RECEIVER_HANDLES: ClassVar[tuple[str, ...]] = ()
+    #: Defaults of options this scheme does not take (read by the shared code).
+    flatten_sender = False
+    wire_dtype = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        given, extras = self._bind_options(args, kwargs)
+        self.transport_name = choose_transport(self, extras["transport"], given)
+        self._check_options()
+        self._reset_runtime()
+
+    def _check_options(self) -> None:
+        """Checks across options, once every option holds its value (a subclass adds its own)."""
+        if self.flatten_sender and self.wire_dtype is not None:
+            raise ConfigurationError(
+                f"flatten_sender publishes the trainer's weights in their own dtype; it cannot be combined with "
+                f"wire_dtype={self.wire_dtype!r}"
+            )
+
+    def _reset_runtime(self) -> None:
+        self._state = NEW
+        self._model_id: str | None = None
+        self._context: Any = None
+        self._model: Any = None
+        self._worker_idx: int | None = None
+        self._num_workers: int | None = None
+        self._lock = threading.RLock()
+        self._handoff: dict[str, Any] | None = None
+        self._sending: Sender | None = None
+        self._receiving: Receiver | None = None
+        self._facades: dict[str, Any] = {}
+        #: Held while a receiver writes or switches its model's weights; a worker whose forward pass runs
+        #: beside a background receiver thread holds it too.
+        self.weights_lock = threading.RLock()
+
+    # -------------------------------------------------------------- lifecycle
+    def init_on_sender(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
+        """Register the trainer side: the model (or weights) and the workers. Sends nothing.
+
+        Args:
+            model_id: the model's name, also a path inside ``context``
+                (``"policy"``, ``"env.transform[0].module"``).
+            context: an object that holds the model (``get_model(model_id)`` or by
+                path) and may provide ``num_workers``.
+            **kwargs: ``model=`` or ``weights=``, ``num_workers=``, and scheme-specific handles.
+
+        Raises:
+            LifecycleError: the scheme was already initialized.
+            ConfigurationError: a required argument is missing or invalid.
+        """
+        with self._lock:
+            self._require(NEW, action="init_on_sender")
+            if self._handoff is not None:
+                raise LifecycleError(
+                    "this scheme was unpickled from a sender: it can only be initialized as a receiver",
+                    model_id=model_id,
+                )
+            self._model_id = checks.model_id(model_id, "model_id")
+            self._context = context
+            model = kwargs.pop("model", None)
+            weights = kwargs.pop("weights", None)
+            if model is None and weights is None and context is not None:
+                model = resolve_model(context, model_id)
+            self._model = model if model is not None else weights
+            num_workers = kwargs.pop("num_workers", None)
+            if num_workers is None and context is not None:
+                num_workers = getattr(context, "num_workers", None)
+            self._num_workers = self._check_num_workers(num_workers)
+            self._open_sender(kwargs)
+            self._state = SENDER
+
+    def _open_sender(self, kwargs: dict[str, Any]) -> None:
+        """Build the sender core and its engine (which takes the scheme-specific ``kwargs``)."""
+        _no_extra(kwargs, self.SENDER_HANDLES, "init_on_sender")
+        num_workers = self._count_workers(kwargs)
+        layout = self._sender_layout()
+        sending = Sender(
+            self,
+            model_id=self._model_id,
+            num_workers=num_workers,
+            layout=layout,
+            flat_weights=lambda weights: self._flat_weights(weights, detach=False),
+            lock=self._lock,
+        )
+        if self.flatten_sender:
+            sending.adopt(self._model)
+        sending.engine = self._sender_engine(sending, layout, num_workers, kwargs)
+        self._num_workers = num_workers
+        self._sending = sending
+
+    def _count_workers(self, kwargs: dict[str, Any]) -> int:
+        """How many workers this sender serves (``num_workers``, unless the engine's handles say so)."""
+        if self._num_workers is None:
+            raise ConfigurationError(
+                f"{type(self).__name__}.init_on_sender needs num_workers=", model_id=self._model_id
+            )
+        return self._num_workers
+
+    def _sender_layout(self) -> FlatLayout:
+        """The flat layout of the registered model's weights (sender side, at init)."""
+        if self._model is None:
+            raise ConfigurationError(
+                "init_on_sender needs model= or weights= (or a context holding the model)", model_id=self._model_id
+            )
+        flat = self._strategy.flat(self._model)
+        if not flat:
+            raise ConfigurationError("the model has no weights to synchronize", model_id=self._model_id)
+        return FlatLayout.from_weights(flat, wire_dtype_from_name(self.wire_dtype))
+
+    def _check_num_workers(self, num_workers: Any) -> int | None:
+        if num_workers is None:
+            return None
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ConfigurationError(
+                f"num_workers must be a positive int, got {num_workers!r}", model_id=self._model_id
+            )
+        return num_workers
+
+    def init_on_receiver(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
+        """Register the worker side: its model and index. Receives nothing yet.
+
+        Args:
+            model_id: the model's name or path inside ``context`` (default: the one
+                the scheme was handed with, else ``"policy"``).
+            context: an object holding the worker's model.
+            **kwargs: ``model=``, ``worker_idx=`` and scheme-specific handles.
+
+        Raises:
+            LifecycleError: the scheme was already initialized (for example as a sender).
+            ConfigurationError: no model, or ``worker_idx`` is not the one a receiver config made this for.
+        """
+        with self._lock:
+            self._require(NEW, action="init_on_receiver")
+            model_id = model_id or self._model_id or "policy"
+            self._model_id = model_id
+            self._context = context
+            model = kwargs.pop("model", None)
+            if model is None and context is not None:
+                model = resolve_model(context, model_id)
+            self._model = model
+            worker_idx = kwargs.pop("worker_idx", None)
+            if worker_idx is not None:
+                self._worker_idx = self._same_worker(worker_idx)
+            self._open_receiver(kwargs)
+            self._state = RECEIVER
+
+    def _open_receiver(self, kwargs: dict[str, Any]) -> None:
+        if self._model is None:
+            raise ConfigurationError(
+                "init_on_receiver needs model= (or a context holding the model)", model_id=self._model_id
+            )
+        _no_extra(kwargs, self.RECEIVER_HANDLES, "init_on_receiver")
+        where = {"model_id": self._model_id, "worker_idx": self._worker_idx}  # the index may come at connect
+        engine = self._receiver_engine(dict(self._handoff or {}), kwargs, where)
+        self._receiving = Receiver(self, engine, where)
+
+    def init_on_worker(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
+        """Older name of :meth:`init_on_receiver`."""
+        self.init_on_receiver(model_id, context, **kwargs)
+
+    def _check_worker_idx(self, worker_idx: Any) -> int:
+        if isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or worker_idx < 0:
+            raise ConfigurationError(
+                f"worker_idx must be a non-negative int, got {worker_idx!r}", model_id=self._model_id
+            )
+        if self._num_workers is not None and worker_idx >= self._num_workers:
+            raise ConfigurationError(
+                f"worker_idx {worker_idx} out of range for {self._num_workers} workers", model_id=self._model_id
+            )
+        return worker_idx
+
+    def _same_worker(self, worker_idx: Any) -> int:
+        """``worker_idx``, checked, and the index a receiver config made this receiver for, if any."""
+        idx = self._check_worker_idx(worker_idx)
+        if self._handoff is not None and self._worker_idx is not None and idx != self._worker_idx:
+            raise ConfigurationError(
+                f"this receiver was made for worker {self._worker_idx} (its receiver config says so), "
+                f"not worker {idx}: give each worker its own receiver config",
+                model_id=self._model_id,
+                worker_idx=idx,
+            )
+        return idx
+
+    def connect(self, *, worker_idx: int | None = None, weights: Any = None) -> None:
+        """Rendez-vous. Sender: wait for every worker and give each the initial weights
+        (``weights`` overrides the registered model's). Receiver: join the sender,
+        receive and apply the initial weights. Blocks for at most ``connect_timeout``.
+
+        Raises:
+            LifecycleError: called before init, or twice.
+            SyncTimeoutError: a peer did not show up in time (named in the message).
+        """
+        with self._lock:
+            if self._state == SENDER:
+                if worker_idx is not None:
+                    raise LifecycleError("connect(worker_idx=...) is the receiver's call; this scheme is a sender")
+                try:
+                    self._connect_sender(weights)
+                except WeightSyncError:
+                    # Workers that failed the initial sync are named in the error; once every
+                    # worker has joined, the others are served and the sender is connected.
+                    if self._rendezvous_complete():
+                        self._state = SENDER_CONNECTED
+                    raise
+                self._state = SENDER_CONNECTED
+            elif self._state == RECEIVER:
+                if worker_idx is not None:
+                    self._worker_idx = self._same_worker(worker_idx)
+                if self._worker_idx is None and self.needs_worker_idx:
+                    raise ConfigurationError("a receiver needs worker_idx (in init_on_receiver or connect)")
+                self._connect_receiver()
+                self._state = RECEIVER_CONNECTED
+            else:
+                self._require(SENDER, RECEIVER, action="connect")
+
+    def _connect_sender(self, weights: Any) -> None:
+        assert self._sending is not None
+        self._sending.connect(weights, self.connect_timeout)
+
+    def _rendezvous_complete(self) -> bool:
+        engine = self._sending.engine if self._sending is not None else None
+        return engine is not None and engine.rendezvous_complete()
+
+    def _connect_receiver(self) -> None:
+        assert self._receiving is not None
+        self._receiving.where["worker_idx"] = self._worker_idx
+        try:
+            self._receiving.connect(self.connect_timeout, getattr(self, "background_thread", False))
+        except BaseException:
+            self._receiving.engine.close()
+            raise
+
+    def setup_connection_and_weights(self, **kwargs: Any) -> None:
+        """Older name of :meth:`connect`."""
+        self.connect(**kwargs)
+
+    def synchronize_weights(self, **kwargs: Any) -> None:
+        """Older name of :meth:`connect`."""
+        self.connect(**kwargs)
+
+    def _targets(self, worker_ids: int | Iterable[int] | None) -> list[int]:
+        n = self._num_workers or 0
+        if worker_ids is None:
+            return list(range(n))
+        ids = [worker_ids] if isinstance(worker_ids, int) and not isinstance(worker_ids, bool) else worker_ids
+        try:
+            ids = list(ids)
+        except TypeError:
+            raise ConfigurationError(f"worker_ids must be None, an int or a list of ints, got {worker_ids!r}") from None
+        bad = [w for w in ids if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < n]
+        if bad:
+            raise ConfigurationError(
+                f"worker_ids {bad} are not workers of this scheme (valid: 0..{n - 1})", model_id=self._model_id
+            )
+        if len(set(ids)) != len(ids):
+            raise ConfigurationError(f"worker_ids has duplicates: {ids}", model_id=self._model_id)
+        return sorted(ids)
+
+    def send(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
+        """Publish a new version to ``worker_ids`` (all by default).
+
+        ``weights`` may be ``None`` (read the registered model now), an
+        ``nn.Module``, a ``TensorDict`` or a dict. With ``sync=True`` this blocks
+        until every targeted worker applied and acked (at most ``timeout`` s);
+        with ``sync=False`` it returns once the update is published.
+
+        Raises:
+            LifecycleError: the scheme is not a connected sender.
+            InvalidWeightsError: weights that cannot be sent (nothing was sent).
+            WeightSyncError: a worker failed, died or timed out; the message names it.
+                The other targeted workers hold the new version.
+        """
+        with self._lock:
+            self._require(SENDER_CONNECTED, action="send")
+            self._send(weights, self._targets(worker_ids), self.sync)
+
+    def send_async(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
+        """Publish a new version without waiting; pair with :meth:`wait_async`.
+
+        With ``max_staleness=k``, first waits (at most ``timeout``) until every targeted
+        worker acked at least the version ``k`` behind the one about to be published.
+        """
+        with self._lock:
+            self._require(SENDER_CONNECTED, action="send_async")
+            self._send(weights, self._targets(worker_ids), False)
+
+    def _send(self, weights: Any, targets: list[int], wait: bool) -> None:
+        assert self._sending is not None
+        self._sending.publish(weights, targets, wait)
+
+    def wait_async(self, timeout: float | None = None) -> None:
+        """Wait until every worker acked the last version sent to it (at most ``timeout``, default the scheme's).
+
+        Raises:
+            SyncTimeoutError: naming the workers that did not ack in time (with ``on_failure="drop"``,
+                they are dropped instead).
+        """
+        with self._lock:
+            self._require(SENDER_CONNECTED, action="wait_async")
+            if self._sending is not None:
+                self._sending.wait(self.timeout if timeout is None else timeout)
+
+    def send_to(self, weights: Any, targets: list[int], *, wait: bool) -> None:
+        """Publish one new version to ``targets`` (no failure policy, no metrics): the older transport API."""
+        self._require(SENDER_CONNECTED, action="send_to")
+        assert self._sending is not None
+        self._sending.send_to(weights, targets, wait=wait)
+
+    def wait_for(self, workers: list[int], timeout: float | None) -> None:
+        """Wait until each of ``workers`` acked the last version sent to it (at most ``timeout``)."""
+        self._require(SENDER_CONNECTED, action="wait_for")
+        assert self._sending is not None
+        self._sending.wait_for(workers, timeout)
+
+    def receive(self, timeout: float | None = 0.0) -> Any:
+        """Apply a pending update, if any; return the weights applied, or ``None``.
+
+        Args:
+            timeout: seconds to wait for an update: ``0`` (default) only checks,
+                ``None`` waits up to the scheme's ``timeout``.
+
+        Raises:
+            LifecycleError: the scheme is not a connected receiver.
+            WeightMismatchError: the update did not fit this worker's model; the
+                model kept its weights and the sender was told.
+            ConnectionClosedError: the sender shut down or died.
+        """
+        self._require(RECEIVER_CONNECTED, action="receive")
+        return self._receive(self.timeout if timeout is None else timeout)
+
+    def _receive(self, timeout: float) -> Any:
+        assert self._receiving is not None
+        return self._receiving.receive(timeout)
+
+    def apply_weights(self, weights: Any, inplace: bool = True) -> None:
+        """Write ``weights`` into this side's registered model, whole or not at all."""
+        if not inplace:
+            raise ConfigurationError(
+                "apply_weights(inplace=False) is not supported: weights are always written in place"
+            )
+        if self._model is None:
+            raise LifecycleError("apply_weights needs a registered model (init_on_sender/init_on_receiver)")
+        self._strategy.apply_weights(self._model, weights, model_id=self._model_id, worker_idx=self._worker_idx)
+
+    def shutdown(self) -> None:
+        """Release every process, thread, socket and shared-memory slot this side holds. Idempotent."""
+        with self._lock:
+            self._shutdown(self.timeout)
+
+    def _shutdown(self, timeout: float) -> None:
+        if self._state in (NEW, CLOSED):
+            self._state = CLOSED
+            return
+        try:
+            self._close(timeout)
+        finally:
+            self._state = CLOSED
+
+    def _close(self, timeout: float) -> None:
+        if self._sending is not None:
+            self._sending.close(timeout)
+        if self._receiving is not None:
+            self._receiving.close(timeout)
+
+    def __enter__(self) -> WeightSyncScheme:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        # A finalizer only releases: it waits for no thread and no peer (and takes no lock a thread may hold).
+        try:
+            if self._state not in (NEW, CLOSED):
+                self._shutdown(0.0)
+        except Exception:  # noqa: BLE001 - nothing may escape a finalizer
+            pass
+
+    # ---------------------------------------------------------------- weights
+    def prepare_weights(
+        self, weights: Any, model_id: str | None = None, strategy: WeightStrategy | None = None, context: Any = None
+    ) -> Any:
+        """Resolve ``weights`` to the strategy's format (no copy).
+
+        ``None`` reads the model registered for ``model_id`` (or found in
+        ``context``); a module, TensorDict or dict is converted.
+
+        Raises:
+            InvalidWeightsError: nothing to send, or non-tensor values.
+        """
+        strategy = strategy or self._strategy
+        return strategy.format(self._flat_weights(weights, model_id, context, strategy))
+
+    def _flat_weights(
+        self,
+        weights: Any,
+        model_id: str | None = None,
+        context: Any = None,
+        strategy: Any = None,
+        *,
+        detach: bool = True,
+    ) -> dict:
+        """``{dotted_key: tensor}`` of ``weights`` (``None``: the registered model). ``detach=False`` keeps the
+        source's own tensors, for callers that only copy them out under ``no_grad`` (no per-tensor alias)."""
+        strategy = strategy or self._strategy
+        context = context if context is not None else self._context
+        if weights is None and self._model is not None and (model_id or self._model_id) == self._model_id:
+            weights = self._model
+        source = resolve_weights(weights, context, model_id or self._model_id)
+        return strategy.flat(source) if detach else flatten_weights(source, strategy.extract_as)
+
+    # ---------------------------------------------------------------- engines
+    def _sender_engine(self, sink: Sink, layout: FlatLayout, num_workers: int, kwargs: dict[str, Any]) -> SenderEngine:
+        """This scheme's engine on the sender, taking the scheme-specific ``kwargs`` of ``init_on_sender``."""
+        raise NotImplementedError
+
+    def _receiver_engine(
+        self, handoff: dict[str, Any], kwargs: dict[str, Any], where: dict[str, Any]
+    ) -> ReceiverEngine:
+        """This scheme's engine on a receiver: from the ``handoff`` (pickled scheme or receiver config) and the
+        scheme-specific ``kwargs`` of ``init_on_receiver``; ``where`` names the model and the worker (for errors;
+        the worker index may be set at connect)."""
+        raise NotImplementedError
+
+    # --------------------------------------------------------------- registry
+    @classmethod
+    def from_backend(cls, name: str, **kwargs: Any) -> WeightSyncScheme:
+        """Build the scheme registered under ``name`` (``"multiprocess"``, ``"shared_mem"``, ...)."""
+        from ..schemes.registry import get_backend
+
+        return get_backend(name)(**kwargs)
+
+
+def _no_extra(kwargs: dict[str, Any], handles: tuple[str, ...], where: str) -> None:
+    extra = sorted(set(kwargs) - set(handles))
+    if extra:
+        raise ConfigurationError(f"{where} got unexpected arguments: {extra}")

@@ -1,0 +1,377 @@
+"""The trainer's side of every scheme: one pipeline, whatever the engine.
+
+A send checks the weights, takes in what came back since the last call, has
+the engine stage the version once and submit it to each live targeted worker,
+then collects acks against one deadline, applies the failure policy and
+records the metrics. The engine (:class:`~weightsync.core.engine.SenderEngine`)
+only moves bytes and reports acks, refusals and deaths to this object, its
+:class:`~weightsync.core.engine.Sink`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import (
+    InvalidWeightsError,
+    SyncTimeoutError,
+    TransportError,
+    WeightSyncError,
+    WorkerDiedError,
+    raise_failures,
+)
+from ..metrics import SendMetrics, SendRecord
+from ..tensors.bound import BoundModel
+from ..tensors.layout import FlatLayout
+from ..tensors.strategy import check_spec, flatten_weights, weights_spec
+from .engine import Outgoing, SenderEngine
+from .ledger import Ledger, Peer
+from .rejoin import Admitter
+from .timing import deadline_after, remaining
+
+__all__ = ["Sender", "by_worker"]
+
+log = logging.getLogger("weightsync.core")
+
+
+def by_worker(exc: WeightSyncError) -> dict[int, WeightSyncError]:
+    """The per-worker failures an error stands for (none if it names no worker)."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        return dict(failures)
+    return {} if exc.worker_idx is None else {exc.worker_idx: exc}
+
+
+class Sender:
+    """Versions, the ack ledger, deadlines, the failure policy, staleness, metrics and rejoins of one scheme.
+
+    Args:
+        scheme: the scheme's options (``timeout``, ``on_failure``, ``max_staleness``, ``check_finite``,
+            ``flatten_sender``, ``strategy``), read as attributes.
+        model_id: the model's name.
+        num_workers: how many workers.
+        layout: where each tensor sits in a version's bytes.
+        flat_weights: ``flat_weights(weights)``: the tensors of ``weights`` (``None``: the registered model) as
+            the source's own objects.
+        lock: the scheme's lock, held by every call that sends (and by the rejoin thread when it admits).
+    """
+
+    def __init__(
+        self,
+        scheme: Any,
+        *,
+        model_id: str | None,
+        num_workers: int,
+        layout: FlatLayout,
+        flat_weights: Callable[[Any], dict[str, torch.Tensor]],
+        lock: threading.RLock,
+    ) -> None:
+        self.options = scheme
+        self.model_id = model_id
+        self.layout = layout
+        self._flat_weights = flat_weights
+        self._lock = lock
+        self.ledger = Ledger(model_id, {w: Peer() for w in range(num_workers)})
+        self.metrics = SendMetrics()
+        #: Under ``flatten_sender``: the trainer's weights as views of one storage.
+        self.bound = BoundModel()
+        self.engine: SenderEngine | None = None
+        self.version: int | None = None
+        self.next_version = 0
+        self._naming: int | None = None  # the version deaths found now are named with (the one being sent)
+        self._admitter: Admitter | None = None
+
+    # --------------------------------------------------------------- the sink
+    def acked(self, worker: int, held: int) -> None:
+        self.ledger.ack(worker, held)
+
+    def failed(self, worker: int, error: WeightSyncError) -> None:
+        self.ledger.errors[worker] = error
+
+    def died(self, worker: int, error: WeightSyncError | str) -> None:
+        if isinstance(error, str):
+            version = self._naming if self._naming is not None else self.ledger.peers[worker].sent
+            error = WorkerDiedError(error, model_id=self.model_id, worker_idx=worker, version=version)
+        self.mark_dead(worker, error)
+
+    def is_dead(self, worker: int) -> bool:
+        return worker in self.ledger.dead
+
+    def rejoining(self, worker: int) -> None:
+        """``worker`` is coming back: from here on, a failure is the new process's."""
+        self.ledger.dead.pop(worker, None)
+        self.ledger.errors.pop(worker, None)
+
+    def send_to(self, weights: Any, workers: list[int], *, wait: bool) -> None:
+        with self._lock:
+            self.send_version(weights, workers, wait=wait)
+
+    def wait_for(self, workers: list[int], timeout: float | None) -> None:
+        """Wait until each of ``workers`` acked the last version sent to it (at most ``timeout``, default the
+        scheme's); raise what failed."""
+        with self._lock:
+            deadline = deadline_after(self.options.timeout if timeout is None else timeout)
+            peers = self.ledger.peers
+            expected = {w: peers[w].sent for w in workers if peers[w].sent is not None}
+            failures = {w: self.ledger.dead[w] for w in workers if w in self.ledger.dead}
+            failures.update(self.collect(expected, deadline))  # type: ignore[arg-type]
+            raise_failures(failures, model_id=self.model_id, version=self.version)
+
+    # ----------------------------------------------------------- the workers
+    def mark_dead(self, worker: int, exc: WeightSyncError) -> WeightSyncError:
+        """Record ``worker`` as gone (once); later sends name it with ``exc``."""
+        if worker not in self.ledger.dead:
+            log.warning("model %r: worker %d is gone: %s", self.model_id, worker, exc)
+            self.ledger.dead[worker] = exc
+            if self.engine is not None:
+                self.engine.lost(worker)
+        return self.ledger.dead[worker]
+
+    def mark_named_dead(self, exc: WeightSyncError) -> None:
+        """Record every worker ``exc`` names as gone: one that failed the initial weights gave up on its side."""
+        for w, failure in by_worker(exc).items():
+            self.mark_dead(w, failure)
+
+    def rejoined(self, worker: int, version: int | None) -> None:
+        """``worker`` is back, and was sent ``version``: it counts as live again."""
+        self.rejoining(worker)
+        self.ledger.peers[worker].sent = version
+        self.metrics.dropped.pop(worker, None)
+        self.metrics.rejoins[worker] = self.metrics.rejoins.get(worker, 0) + 1
+        log.info("model %r: worker %d rejoined and was sent version %s", self.model_id, worker, version)
+
+    def _admit(self, candidate: Any) -> None:
+        assert self.engine is not None
+        admitted = self.engine.admit(candidate)
+        if admitted is not None:
+            self.rejoined(*admitted)
+
+    # ----------------------------------------------------------------- weights
+    def adopt(self, model: Any) -> None:
+        """``flatten_sender``, at init: move the registered model into one buffer laid out like the payload."""
+        self.bound.adopt(flatten_weights(model, self.options.strategy.extract_as), self.layout, self.model_id)
+
+    def weights(self, weights: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """``weights`` (``None``: the registered model) as the source's own tensors, checked against the layout
+        (for a caller that copies them out under ``no_grad``); and, under ``flatten_sender``, the bytes of the
+        one storage they view, every tensor in its place (``None``: copy them tensor by tensor).
+
+        Raises:
+            WeightMismatchError: the weights do not match the layout.
+        """
+        flat = self._flat_weights(weights)
+        flatten = self.options.flatten_sender
+        held = flatten and self.bound.holds(flat)  # exactly as bound: keys, shapes and dtypes hold
+        if not held:
+            check_spec(weights_spec(flat), self.layout.spec, model_id=self.model_id)
+        if not flatten:
+            return flat, None
+        return flat, self.bound.published(flat, self.layout, held, weights is None, self.model_id)
+
+    # -------------------------------------------------------------- pipeline
+    def connect(self, weights: Any, timeout: float) -> None:
+        """The rendez-vous, then version 0 to every worker that joined; raise naming those that failed."""
+        assert self.engine is not None
+        deadline = deadline_after(timeout)
+        refused = self.engine.rendezvous(deadline, timeout)
+        if self.engine.rejoins:
+            self._admitter = Admitter(
+                f"weightsync-{self.model_id}-admitter", self._lock, self.engine.poll_rejoin, self._admit,
+                self.engine.discard,
+            )  # fmt: skip
+        for w, exc in refused.items():
+            self.mark_dead(w, exc)
+        failures = dict(refused)
+        joined = [w for w in sorted(self.ledger.peers) if w not in refused]
+        try:
+            if joined:
+                self.send_version(weights, joined, wait=True, deadline=deadline, initial=True)
+        except WeightSyncError as exc:
+            self.mark_named_dead(exc)  # a worker whose model does not fit is out for good
+            if not by_worker(exc):
+                raise
+            failures.update(by_worker(exc))
+        raise_failures(failures, model_id=self.model_id, version=0)
+
+    def send_version(
+        self, weights: Any, targets: list[int], *, wait: bool, deadline: float | None = None, initial: bool = False
+    ) -> None:
+        """Publish one new version to ``targets``; wait for their acks when ``wait`` (until ``deadline``).
+
+        Raises:
+            WeightMismatchError: the weights do not fit; nothing was sent.
+            SyncTimeoutError: no free buffer before ``deadline``; nothing was sent.
+            WeightSyncError: workers that failed (the others hold the new version).
+        """
+        assert self.engine is not None
+        flat, whole = self.weights(weights)
+        deadline = deadline_after(self.options.timeout) if deadline is None else deadline
+        version = self.next_version
+        ledger = self.ledger
+        self._naming = version
+        try:
+            self.engine.poll(ledger.live(sorted(ledger.peers)))  # what came back since: acks, deaths
+            failures = {w: ledger.dead[w] for w in targets if w in ledger.dead}
+            live = ledger.live(targets)
+            out = Outgoing(version, flat, whole, live, initial)
+            self.engine.submit(out, self.engine.stage(out, deadline))
+            for w in live:
+                ledger.peers[w].sent = version
+            failures.update({w: ledger.dead[w] for w in live if w in ledger.dead})  # found gone just now
+            self.next_version += 1
+            self.version = version
+        finally:
+            self._naming = None
+        if wait:
+            failures.update(self.collect({w: version for w in live if w not in failures}, deadline))
+        failures.update(ledger.take_errors([w for w in targets if w not in failures]))
+        raise_failures(failures, model_id=self.model_id, version=version)
+
+    def collect(self, expected: dict[int, int], deadline: float) -> dict[int, WeightSyncError]:
+        """Wait until each worker of ``expected`` acked at least its version, or ``deadline``; return failures."""
+        assert self.engine is not None
+        ledger = self.ledger
+        failures: dict[int, WeightSyncError] = {}
+        while True:
+            self.engine.poll(ledger.live(sorted(ledger.peers)))
+            failures.update(ledger.gone_before_acking(expected, failures))
+            failures.update(ledger.take_errors([w for w in expected if w not in failures]))
+            pending = ledger.missing(expected, failures)
+            if not pending:
+                return failures
+            if remaining(deadline) <= 0:
+                failures.update(ledger.timeouts(pending, expected, within=f"{self.options.timeout:.1f}s"))
+                return failures
+            self.engine.wait(pending, deadline)
+
+    # ---------------------------------------------------------------- policy
+    def publish(self, weights: Any, targets: list[int], wait: bool) -> None:
+        """One send under the failure policy, measured: bound staleness, publish, then raise or drop."""
+        started = time.perf_counter()
+        if self.options.check_finite:
+            self._refuse_non_finite(weights)
+        stale_wait = 0.0
+        if not wait and self.options.max_staleness is not None:
+            stale_wait = self._bound_staleness(targets)
+        before = self.version
+        failure: WeightSyncError | None = None
+        try:
+            self.send_version(weights, targets, wait=wait)
+        except WeightSyncError as exc:
+            if self.version == before:  # nothing was published (bad weights, no free buffer): always raised
+                raise
+            failure = exc
+        failures = by_worker(failure) if failure is not None else {}
+        peers = self.ledger.peers
+        record = SendRecord(
+            version=self.version,
+            workers=list(targets),
+            nbytes=self.engine.payload_bytes() if self.engine is not None else 0,
+            seconds=time.perf_counter() - started,
+            acks={
+                w: round(peers[w].acked_at - started, 6)
+                for w in targets
+                if w not in failures and self.ledger.has_acked(w, self.version) and peers[w].acked_at >= started
+            },
+            failed={w: f"{type(e).__name__}: {e.detail}" for w, e in failures.items()},
+            staleness_wait=stale_wait,
+        )
+        self.metrics.add(record)
+        log.debug("model %r: send %s", self.model_id, record)
+        if failure is not None:
+            self.handle_failures(failure, self.version)
+
+    def wait(self, timeout: float) -> None:
+        """``wait_async``: every worker's ack of the last version sent to it, under the failure policy."""
+        try:
+            self.wait_for(sorted(self.ledger.peers), timeout)
+        except WeightSyncError as exc:
+            self.handle_failures(exc, self.version)
+
+    def _refuse_non_finite(self, weights: Any) -> None:
+        flat = self._flat_weights(weights)
+        bad = sorted(
+            key for key, t in flat.items() if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all())
+        )
+        if bad:
+            raise InvalidWeightsError(
+                f"weights hold NaN or Inf in {bad} (check_finite=True); nothing was sent", model_id=self.model_id
+            )
+
+    def handle_failures(self, exc: WeightSyncError, version: int | None) -> None:
+        """Raise ``exc`` (``on_failure="raise"``), or drop the workers it names as dead or late and raise
+        only what is left (a worker that refused the update, an error that names no worker)."""
+        failures = by_worker(exc)
+        if self.options.on_failure == "raise" or not failures:
+            raise exc
+        kept = {}
+        for w, error in failures.items():
+            if isinstance(error, (TransportError, SyncTimeoutError)):
+                if w not in self.metrics.dropped:
+                    log.warning(
+                        "model %r: dropped worker %d at version %s: %s", self.model_id, w, version, error.detail
+                    )
+                    self.metrics.dropped[w] = f"{type(error).__name__}: {error.detail}"
+                self.mark_dead(w, error)
+            else:
+                kept[w] = error
+        raise_failures(kept, model_id=self.model_id, version=version)
+
+    def _bound_staleness(self, targets: list[int]) -> float:
+        """Wait until no targeted worker lags more than ``max_staleness`` behind the next version."""
+        limit = self.options.max_staleness
+        upcoming = (self.version if self.version is not None else -1) + 1
+        expected = {}
+        for w in self.ledger.live(targets):
+            acked = self.ledger.peers[w].acked
+            lag = upcoming - (acked if acked is not None else -1)
+            self.metrics.max_lag = max(self.metrics.max_lag, lag - 1)
+            if lag > limit:
+                expected[w] = upcoming - limit
+        if not expected:
+            return 0.0
+        started = time.perf_counter()
+        failures = self.collect(expected, deadline_after(self.options.timeout))
+        waited = time.perf_counter() - started
+        self.metrics.staleness_waits += 1
+        if failures:
+            late = {
+                w: SyncTimeoutError(
+                    f"lags more than max_staleness={limit} versions and did not catch up within "
+                    f"{self.options.timeout:.1f}s ({e.detail})",
+                    model_id=self.model_id,
+                    worker_idx=w,
+                    version=upcoming,
+                )
+                if isinstance(e, SyncTimeoutError)
+                else e
+                for w, e in failures.items()
+            }
+            try:
+                raise_failures(late, model_id=self.model_id, version=upcoming)
+            except WeightSyncError as exc:
+                self.handle_failures(exc, upcoming)
+        return waited
+
+    # --------------------------------------------------------------- reports
+    def stats(self) -> dict[str, Any]:
+        return self.metrics.summary(
+            version=self.version,
+            acked={w: p.acked for w, p in sorted(self.ledger.peers.items())},
+            failed={w: f"{type(e).__name__}: {e.detail}" for w, e in self.ledger.dead.items()},
+        )
+
+    def close(self, timeout: float) -> None:
+        """End the rejoin thread, then the engine (waiting at most ``timeout`` for either; 0: not at all)."""
+        if self._admitter is not None:
+            self._admitter.stop(timeout)
+            self._admitter = None
+        if self.engine is not None:
+            self.engine.close(timeout)
+        self.bound.forget()

@@ -1,0 +1,105 @@
+"""torch.distributed process groups of weightsync's own, and completing their operations on a thread."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...errors import ConfigurationError
+from ..network import local_address
+from ..store import as_timedelta
+
+__all__ = ["Waiter", "gpu_identity", "is_timeout", "new_group"]
+
+
+def gpu_identity() -> str:
+    """This process's current GPU, by UUID: two processes on one GPU compare equal whatever their device indices."""
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
+def new_group(backend: str, store: dist.Store, rank: int, size: int, timeout: float, master_addr: str) -> Any:
+    """A standalone process group (not the default one, not registered with torch.distributed's world).
+
+    gloo binds the interface that routes to ``master_addr`` (loopback for a
+    local sender; ``GLOO_SOCKET_IFNAME`` overrides), so a single-host run
+    never opens a socket outside 127.0.0.1.
+    """
+    if backend == "gloo":
+        if not dist.is_gloo_available():
+            raise ConfigurationError("backend='gloo' but this torch build has no gloo")
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+        device = (
+            dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])
+            if ifname
+            else dist.ProcessGroupGloo.create_device(hostname=local_address(master_addr))
+        )
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [device]
+        options._timeout = as_timedelta(timeout)
+        return dist.ProcessGroupGloo(store, rank, size, options)
+    if backend == "nccl":
+        if not (dist.is_nccl_available() and torch.cuda.is_available()):
+            raise ConfigurationError("backend='nccl' needs CUDA and a torch build with NCCL; use backend='gloo' on CPU")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = as_timedelta(timeout)
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """A gloo/NCCL wait that ran out of time, as opposed to a peer that went away."""
+    return "timed out" in str(exc).lower() or "timeout" in type(exc).__name__.lower()
+
+
+class Waiter:
+    """Completes one peer's gloo/NCCL operations, in order, on a thread of its own.
+
+    gloo offers no non-blocking completion test for point-to-point operations,
+    and a wait with a timeout closes the connection to the peer: a slow worker
+    would be cut off. The thread waits without a timeout (the group's own
+    operation timeout still applies); callers wait on the returned futures
+    with theirs. A dead peer fails the pending operations at once.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: deque[tuple[Any, Future]] = deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def watch(self, work: Any) -> Future:
+        future: Future = Future()
+        with self._cond:
+            self._queue.append((work, future))
+            self._cond.notify()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._stop)
+                if self._stop:
+                    for _, future in self._queue:
+                        future.cancel()
+                    return
+                work, future = self._queue.popleft()
+            try:
+                work.wait()
+                future.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+
+    def close(self, timeout: float) -> bool:
+        """Stop after the operation in progress; ``False`` if it is still blocked after ``timeout``."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()

@@ -1,0 +1,203 @@
+"""A worker's side of the torch.distributed engine: join the store and the group, receive into buffers of
+its own, ack over the group.
+
+A worker receives every bucket of a message into a buffer its model does not
+read, and the update is applied only once all of it arrived. A CPU model (in
+its own dtype, not in shared memory) then takes that buffer as its memory and
+the next message lands in the other buffer, which holds the memory the model
+left: the model's buffer and the one in flight, two in all.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...core.engine import Delivery, ReceiverEngine
+from ...core.timing import deadline_after, remaining
+from ...errors import ConfigurationError, ConnectionClosedError, SyncTimeoutError, first_line
+from ...tensors.layout import FlatLayout
+from ..processes import process_identity
+from ..store import as_timedelta, connect_store, store_json
+from .group import gpu_identity, new_group
+from .sender import GROUP_TIMEOUT_FACTOR
+from .transport import MAX_ERROR_TEXT, DistributedTransport, Link
+
+__all__ = ["DistributedReceiver"]
+
+
+class DistributedReceiver(ReceiverEngine):
+    """The worker's store client, group, receive buffers and transport.
+
+    Args:
+        handoff: ``master_addr``, ``master_port``, ``prefix``, ``world_size``.
+        backend: ``"gloo"`` or ``"nccl"``.
+        device: where the buffers live.
+        bucket_bytes: the most bytes a bucket holds (``None``: one message).
+        take: the model may take the buffer an update arrived in (a CPU model, not in shared memory, and no
+            ``keep_storage``); decided once the layout says whether weights travel in their own dtype.
+        checksum: check each update against the sender's checksum.
+        timeout: the longest one update may take to arrive.
+        where: ``model_id`` and ``worker_idx``.
+    """
+
+    def __init__(
+        self,
+        handoff: dict[str, Any],
+        *,
+        backend: str,
+        device: torch.device,
+        bucket_bytes: int | None,
+        take: bool,
+        checksum: bool,
+        timeout: float,
+        where: dict[str, Any],
+    ) -> None:
+        if not handoff.get("prefix"):
+            raise ConfigurationError(
+                "this receiver does not know its sender: hand it the scheme pickled after init_on_sender(), "
+                "or its receiver_config(worker_idx)",
+                model_id=where["model_id"],
+            )
+        self.handoff = handoff
+        self.backend, self.device, self.bucket_bytes = backend, device, bucket_bytes
+        self._take, self.checksum, self.timeout, self.where = take, checksum, timeout, where
+        self.transport: DistributedTransport | None = None
+        self.num_workers: int | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._views: list[dict[str, torch.Tensor]] = []
+        self._at = 0  # the buffer the next message lands in
+        self._buckets: list[tuple[int, int, int, int]] = []
+        self._initial = True  # the initial weights come without an announcement
+        self._closed = False
+        self._stores: tuple[dist.Store, dist.Store] | None = None
+
+    @classmethod
+    def handoff_from(cls, handoff: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``handoff`` with what ``init_on_receiver`` named (``master_addr=``, ``master_port=``, ``prefix=``,
+        ``world_size=``)."""
+        handoff = dict(handoff)
+        for key in ("master_addr", "master_port", "prefix", "world_size"):
+            value = kwargs.pop(key, None)
+            if value is not None:
+                handoff[key] = value
+        return handoff
+
+    def _group_timeout(self, deadline: float) -> float:
+        return max(remaining(deadline), GROUP_TIMEOUT_FACTOR * self.timeout)
+
+    def join(self, deadline: float, check: Callable[[FlatLayout], Any]) -> None:
+        where = self.where
+        host, port = self.handoff["master_addr"], int(self.handoff["master_port"])
+        base = connect_store(host, port, remaining(deadline), **where)
+        store = dist.PrefixStore(self.handoff["prefix"], base)
+        try:
+            store.wait(["layout"], as_timedelta(remaining(deadline)))
+            self.layout = FlatLayout.from_plain(store_json(store, "layout"))
+            refusal = check(self.layout)
+            hello: dict[str, Any] = {"ok": True}
+            if refusal is not None:
+                hello = {"ok": False, "type": type(refusal).__name__, "message": str(refusal)[:MAX_ERROR_TEXT]}
+            hello["process"] = process_identity()
+            if self.backend == "nccl":
+                hello["gpu"] = gpu_identity()
+            world = int(self.handoff["world_size"])
+            self.num_workers = world - 1
+            w = where["worker_idx"]
+            gen = int(store.add(f"gen/{w}", 1))  # how many processes have connected as worker w, this one included
+            link = Link(store=store)
+            if gen == 1:
+                store.set(f"hello/{w}", json.dumps(hello))
+                store.wait(["verdict"], as_timedelta(remaining(deadline)))
+                reason = store_json(store, "verdict").get(str(w))
+                # Every worker joins the group, even one that refused: the group forms only with all of them.
+                link.pg = new_group(self.backend, store, w + 1, world, self._group_timeout(deadline), host)
+            else:  # a restart: a two-rank group of its own with the sender, if the sender lets it in
+                store.set(f"rejoin/{w}/{gen}", json.dumps(hello))
+                store.add("rejoins", 1)
+                store.wait([f"verdict/{w}/{gen}"], as_timedelta(remaining(deadline)))
+                reason = store_json(store, f"verdict/{w}/{gen}").get("refused")
+                if reason is None:
+                    link.store = dist.PrefixStore(f"pair/{w}/{gen}", store)
+                    link.pg = new_group(self.backend, link.store, 1, 2, self._group_timeout(deadline), host)
+                elif refusal is None:
+                    reason = f"the sender refused this worker: {reason}"
+            if reason is not None and refusal is None:
+                refusal = ConfigurationError(str(reason), **where)
+        except dist.DistError as exc:
+            raise SyncTimeoutError(f"could not join the sender's group: {first_line(exc)}", **where) from None
+        self._stores = (base, store)
+        if refusal is not None:
+            raise refusal
+        self.transport = DistributedTransport(
+            w, link=link, device=self.device, timeout=self.timeout, model_id=where["model_id"]
+        )
+        self.placement = "take" if self._take and not self.layout.casts and self.device.type == "cpu" else "write"
+        # A model that takes the buffer an update arrived in leaves the other one for the next update.
+        for _ in range(2 if self.placement == "take" else 1):
+            self._buffers.append(torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.device))
+            self._views.append(self.layout.views(self._buffers[-1]))
+        self._buckets = self.layout.buckets(self.bucket_bytes)
+
+    def _parts(self) -> list[torch.Tensor]:
+        buffer = self._buffers[self._at]
+        return [buffer[start:end] for _, _, start, end in self._buckets]
+
+    def take(self, timeout: float, newest: bool) -> list[Delivery]:
+        transport = self.transport
+        assert transport is not None
+        if self._closed:
+            raise ConnectionClosedError("the sender shut down", **self.where)
+        if self._initial:
+            transport.receive_into(self._parts(), timeout, 0)
+            self._initial = False
+            version = int(transport.store.get("initial"))
+            return [self._delivery(version, [0], self._digest(0, timeout))]
+        deadline = deadline_after(timeout)
+        seqs: list[int] = []
+        version, expected = None, None
+        while True:
+            msg = transport.next_message(0.0 if seqs else remaining(deadline))
+            if msg is None:
+                break
+            if msg.get("closed"):
+                self._closed = True
+                break
+            version = int(msg["version"])
+            transport.receive_into(self._parts(), self.timeout, version)
+            seqs.append(transport.seq)
+            expected = self._digest(transport.seq, self.timeout)
+            if not newest:
+                break
+        if seqs:
+            assert version is not None
+            return [self._delivery(version, seqs, expected)]
+        if self._closed:
+            raise ConnectionClosedError("the sender shut down", **self.where)
+        return []
+
+    def _digest(self, seq: int, timeout: float) -> str | None:
+        assert self.transport is not None
+        return self.transport.expected_digest(seq, timeout) if self.checksum else None
+
+    def _delivery(self, version: int, seqs: list[int], digest: str | None) -> Delivery:
+        buffer, views = self._buffers[self._at], self._views[self._at]
+        storage = buffer.untyped_storage() if self.placement == "take" else None
+        return Delivery(version, [(0, buffer)], digest, views, storage, views, token=seqs)
+
+    def ack(self, taken: list[Delivery], held: int | None, error: BaseException | None = None) -> None:
+        assert self.transport is not None
+        self.transport.send_ack(taken[-1].version, error=error, held=held, seqs=tuple(taken[-1].token))
+
+    def taken(self, delivery: Delivery, left: Any, swapped: bool) -> None:
+        if not swapped:  # the model is bound to this buffer now: the next message lands in the other one
+            self._at = 1 - self._at
+
+    def close(self) -> None:
+        self.transport = None
+        self._buffers, self._views = [], []  # a model that took one keeps it: it is the model's memory now
+        self._stores = None

@@ -1,0 +1,375 @@
+"""The trainer's side of the torch.distributed engine: a TCP store, a group of our own, staging buffers.
+
+``init_on_sender`` serves the store (or joins the job's own under a prefix of
+its own) and leaves the layout there; the rendez-vous collects each worker's
+hello (a worker whose model does not fit says so, by name) and forms the
+group, rank 0 the sender. A version is staged in a flat buffer no send still
+reads; submitting it announces it in the store and sends it to each worker
+bucket by bucket, each bucket copied while the previous one is on the wire.
+A restarted worker forms a two-rank group of its own with the sender and is
+sent the newest version published.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...core.engine import Outgoing, SenderEngine, Sink
+from ...core.timing import remaining
+from ...errors import ConfigurationError, ReceiverError, SyncTimeoutError, WeightSyncError, first_line
+from ...integrity import digest
+from ...tensors.copies import copy_tensors, write_into
+from ...tensors.layout import FlatLayout
+from ..processes import process_is_gone
+from ..staging import Staging, StagingPool
+from ..store import connect_store, open_store, store_json
+from .group import gpu_identity, new_group
+from .transport import ACK_OK, DistributedTransport, Link
+
+__all__ = ["DistributedSender"]
+
+log = logging.getLogger("weightsync.transports.distributed")
+
+#: A group's own operation timeout is never less than this many times the scheme's ``timeout``: past it, gloo
+#: disconnects a peer that stalled in the middle of an update.
+GROUP_TIMEOUT_FACTOR = 4
+#: Seconds the sender's goodbye to each worker may take at shutdown.
+CLOSE_WAIT_S = 5.0
+#: Seconds between two looks at the store while workers join, or ask to rejoin.
+STORE_POLL_S = 0.01
+REJOIN_POLL_S = 0.05
+
+
+class DistributedSender(SenderEngine):
+    """The sender's store, group, staging buffers and one :class:`DistributedTransport` per worker.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``.
+        master: the store's host and port (port 0: a free one).
+        bucket_bytes: the most bytes a bucket holds (``None``: one message).
+        max_buffers: the most staging buffers held at once.
+        checksum: hash each version's bytes for the workers to check.
+        timeout, connect_timeout: the scheme's.
+        sync: the transports' ``send_weights`` waits for the ack.
+    """
+
+    rejoins = True
+
+    def __init__(
+        self,
+        sink: Sink,
+        layout: FlatLayout,
+        num_workers: int,
+        *,
+        backend: str,
+        device: torch.device,
+        master: tuple[str, int],
+        bucket_bytes: int | None,
+        max_buffers: int,
+        checksum: bool,
+        timeout: float,
+        connect_timeout: float,
+        sync: bool,
+    ) -> None:
+        super().__init__(sink, layout, num_workers)
+        self.backend, self.device, self.checksum = backend, device, checksum
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.max_buffers = max_buffers
+        self.buckets = layout.buckets(bucket_bytes)
+        host, port = master
+        self._base_store: dist.Store | None
+        self._base_store, port, _ = open_store(host, port, connect_timeout)
+        self.address = (host, port)
+        # A prefix of our own: several models (or the job's own store) share nothing.
+        self.prefix = f"weightsync/{sink.model_id}/{secrets.token_hex(8)}"
+        self.store: dist.Store | None = dist.PrefixStore(self.prefix, self._base_store)
+        self.store.set("layout", json.dumps(layout.to_plain()))
+        if backend == "nccl":
+            self.store.set("gpu", gpu_identity())
+        self.link = Link()
+        self.transports = {
+            w: DistributedTransport(
+                w, link=self.link, device=device, timeout=timeout, sync=sync, model_id=sink.model_id, sink=sink
+            )
+            for w in range(num_workers)
+        }
+        self.pool: StagingPool | None = None
+        self.newest: tuple[Staging, int, str | None] | None = None  # (staging, version, checksum) of the last send
+        self.hellos: dict[int, dict[str, Any]] = {}  # what each worker said when it (re)joined
+        self._gens: dict[int, int] = {}  # worker -> the generation (connection count) admitted last
+        self._rejoins_seen = 0
+        self._admit_store: dist.Store | None = None  # the rejoin thread's own client of the store
+
+    def handoff(self) -> dict[str, Any]:
+        return {
+            "master_addr": self.address[0],
+            "master_port": self.address[1],
+            "prefix": self.prefix,
+            "world_size": self.num_workers + 1,
+        }
+
+    connection = handoff
+
+    def _group_timeout(self, deadline: float) -> float:
+        return max(remaining(deadline), GROUP_TIMEOUT_FACTOR * self.timeout)
+
+    # ------------------------------------------------------------ rendez-vous
+    def rendezvous(self, deadline: float, timeout: float) -> dict[int, WeightSyncError]:
+        assert self.store is not None
+        hellos = [f"hello/{w}" for w in range(self.num_workers)]
+        model_id = self.sink.model_id
+        try:
+            while not self.store.check(hellos):
+                if remaining(deadline) <= 0:
+                    missing = [w for w, key in enumerate(hellos) if not self.store.check([key])]
+                    raise SyncTimeoutError(
+                        f"workers {missing} did not join within {timeout:.0f}s "
+                        f"(store at {self.address[0]}:{self.address[1]})",
+                        model_id=model_id,
+                        worker_idx=missing[0] if len(missing) == 1 else None,
+                    )
+                threading.Event().wait(min(STORE_POLL_S, remaining(deadline)))
+            refused: dict[int, WeightSyncError] = {}
+            # NCCL refuses two ranks on one GPU, and only at the first transfer: name it now, by worker.
+            holders = {gpu_identity(): "the sender"} if self.backend == "nccl" else {}
+            verdict = {}
+            for w, key in enumerate(hellos):
+                hello = self.hellos[w] = store_json(self.store, key)
+                if not hello.get("ok"):
+                    refused[w] = ReceiverError(
+                        str(hello.get("type", "Error")), str(hello.get("message", "")), model_id=model_id, worker_idx=w
+                    )
+                elif hello.get("gpu") in holders:
+                    verdict[str(w)] = (
+                        f"worker {w} is on the same GPU as {holders[hello['gpu']]} ({hello['gpu']}), and NCCL needs "
+                        "one GPU per rank: give each worker a GPU of its own (CUDA_VISIBLE_DEVICES or "
+                        "torch.cuda.set_device) or use backend='gloo'"
+                    )
+                    refused[w] = ConfigurationError(verdict[str(w)], model_id=model_id, worker_idx=w)
+                elif hello.get("gpu"):
+                    holders[hello["gpu"]] = f"worker {w}"
+            self.store.set("verdict", json.dumps(verdict))
+            self.link.pg = new_group(
+                self.backend, self.store, 0, self.num_workers + 1, self._group_timeout(deadline), self.address[0]
+            )
+            self.link.store = self.store
+            self._admit_store = dist.PrefixStore(
+                self.prefix, connect_store(*self.address, remaining(deadline), model_id=model_id)
+            )
+        except dist.DistError as exc:
+            raise SyncTimeoutError(
+                f"the process group did not form within {timeout:.0f}s: {first_line(exc)}", model_id=model_id
+            ) from None
+        return refused
+
+    def rendezvous_complete(self) -> bool:
+        return self.link.pg is not None
+
+    # ---------------------------------------------------------------- sending
+    def stage(self, out: Outgoing, deadline: float) -> Staging:
+        if self.pool is None:
+            done = lambda works: all(work.done() for work in works)  # noqa: E731
+            self.pool = StagingPool(self.layout.nbytes, self.device, self.max_buffers, done, self._settle)
+        staging = self.pool.acquire(deadline, model_id=self.sink.model_id, version=out.version)
+        self.newest = None  # until the whole version is in the buffer
+        if out.initial:
+            assert self.store is not None
+            self.store.set("initial", str(out.version))
+        return staging
+
+    def submit(self, out: Outgoing, staging: Staging) -> None:
+        sending = []
+        for w in out.workers:
+            try:
+                self.transports[w].announce(out.version, initial=out.initial)
+            except RuntimeError as exc:  # the store or the peer is gone
+                self.sink.died(w, f"its rank {w + 1} went away ({first_line(exc)})")
+                continue
+            sending.append(w)
+            staging.readers[w] = []
+        # Bucket by bucket: while gloo sends one, the next is copied into the staging buffer.
+        if staging.views is None:
+            staging.views = self.layout.views(staging.tensor)
+        for first, last, start, end in self.buckets:
+            if out.whole is not None:  # flatten_sender: the bucket's bytes already lie in one buffer, in place
+                copy_tensors([staging.tensor[start:end]], [out.whole[start:end]])
+            else:
+                write_into({s.key: staging.views[s.key] for s in self.layout.slots[first:last]}, out.flat)
+            for w in list(sending):
+                try:
+                    staging.readers[w].append(self.transports[w].send_part(staging.tensor[start:end]))
+                except RuntimeError as exc:  # the peer is gone: gloo refuses to send to it
+                    self.sink.died(w, f"its rank {w + 1} went away ({first_line(exc)})")
+                    sending.remove(w)
+        payload_digest = digest([staging.tensor]) if self.checksum else None  # once every bucket is written
+        for w in sending:
+            if payload_digest is not None:  # the workers check it before applying
+                self.transports[w].set_digest(payload_digest)
+            self.transports[w].expect_ack(out.version)
+        self.newest = (staging, out.version, payload_digest)  # what a worker that rejoins is sent
+
+    def _settle(self, w: int, works: list, seconds: float) -> bool:
+        """Wait a little on the sends to worker ``w``; ``True`` once none reads its buffer any more."""
+        wait_futures(works, timeout=seconds)
+        if not all(work.done() for work in works):
+            return False
+        for work in works:
+            if work.cancelled() or work.exception() is not None:
+                self.sink.died(
+                    w, f"its rank {w + 1} went away ({first_line(work.exception() or RuntimeError('cancelled'))})"
+                )
+                break
+        return True
+
+    # ------------------------------------------------------------------ acks
+    def poll(self, workers: list[int]) -> None:
+        for w in workers:
+            transport = self.transports[w]
+            while not self.sink.is_dead(w):
+                try:
+                    got = transport.take_ack()
+                except WeightSyncError as exc:
+                    self.sink.died(w, exc)
+                    break
+                if got is None:
+                    break
+                pending, held, status = got
+                if status == ACK_OK:
+                    self.sink.acked(w, held)
+                    continue
+                detail = transport.error_detail(pending.seq)
+                self.sink.failed(
+                    w,
+                    ReceiverError(
+                        detail["type"], detail["message"], model_id=self.sink.model_id, worker_idx=w,
+                        version=pending.version,
+                    ),
+                )  # fmt: skip
+                if held >= 0:
+                    self.sink.acked(w, held)
+
+    def wait(self, workers: list[int], deadline: float) -> None:
+        heads = [f for f in (self.transports[w].waiting_on() for w in workers) if f is not None]
+        if heads:
+            wait_futures(heads, timeout=remaining(deadline), return_when=FIRST_COMPLETED)
+        else:  # nothing on its way from them: nothing can come before the deadline
+            time.sleep(remaining(deadline))
+
+    def lost(self, worker: int) -> None:
+        self.transports[worker].stop_waiting(0.0)
+        if self.pool is not None:
+            self.pool.forget(worker)
+
+    # ----------------------------------------------------------------- rejoin
+    def poll_rejoin(self) -> tuple[int, int, dict[str, Any], Any, dist.Store] | None:
+        """A worker connecting again, answered and with its two-rank group formed.
+
+        A restarted worker announces itself by bumping ``gen/<w>`` and ``rejoins``; it is refused if its
+        earlier process is still alive.
+        """
+        store = self._admit_store
+        if store is None:
+            raise EOFError
+        try:
+            asked = int(store.add("rejoins", 0))
+            found = None
+            if asked > self._rejoins_seen:
+                for w in range(self.num_workers):
+                    gen = int(store.add(f"gen/{w}", 0))
+                    if gen > self._gens.get(w, 1) and store.check([f"rejoin/{w}/{gen}"]):
+                        found = w, gen, store_json(store, f"rejoin/{w}/{gen}")
+                        self._gens[w] = gen
+                        break
+                self._rejoins_seen = self._rejoins_seen + 1 if found else asked
+            if found is None:
+                time.sleep(REJOIN_POLL_S)
+                return None
+            w, gen, hello = found
+            problem = self._rejoin_problem(w, hello)
+            store.set(f"verdict/{w}/{gen}", json.dumps({"ok": True} if problem is None else {"refused": problem}))
+            if problem is not None:
+                log.warning("model %r: refused worker %d connecting again: %s", self.sink.model_id, w, problem)
+                return None
+            pair = dist.PrefixStore(f"pair/{w}/{gen}", store)
+            timeout = max(self.connect_timeout, GROUP_TIMEOUT_FACTOR * self.timeout)
+            pg = new_group(self.backend, pair, 0, 2, timeout, self.address[0])
+        except (dist.DistError, WeightSyncError) as exc:
+            if self._admit_store is None:
+                raise EOFError from None
+            log.warning("model %r: a worker connecting again could not join: %s", self.sink.model_id, first_line(exc))
+            return None
+        return w, gen, hello, pg, pair
+
+    def _rejoin_problem(self, w: int, hello: dict[str, Any]) -> str | None:
+        """Why worker ``w`` may not come back with ``hello`` (``None``: it may)."""
+        if not hello.get("ok"):
+            return f"{hello.get('type', 'Error')}: {hello.get('message', '')}"
+        earlier = self.hellos.get(w, {}).get("process")
+        gone = True if self.sink.is_dead(w) else process_is_gone(earlier)
+        if gone is False:
+            return f"worker {w} is already connected (its process {earlier['pid']} is alive)"  # type: ignore[index]
+        if gone is None:
+            log.warning(
+                "model %r: worker %d connected again from another machine; it replaces the earlier process",
+                self.sink.model_id,
+                w,
+            )
+        gpu = hello.get("gpu")
+        if gpu is not None:
+            live = {v.get("gpu") for u, v in self.hellos.items() if u != w and not self.sink.is_dead(u)}
+            if gpu == gpu_identity() or gpu in live:
+                return f"its GPU {gpu} is already used by another rank, and NCCL needs one GPU per rank"
+        return None
+
+    def admit(self, candidate: tuple[int, int, dict[str, Any], Any, dist.Store]) -> tuple[int, int] | None:
+        """Make the rejoined worker's transport current and send it the newest version published (the bytes
+        the others got, even if the trainer's model has moved on)."""
+        w, gen, hello, pg, pair = candidate
+        old = self.transports.get(w)
+        if old is not None and not self.sink.is_dead(w):
+            old.close(0.0)  # its process is gone: nothing to wait for
+        transport = self.transports[w] = DistributedTransport(
+            w, device=self.device, timeout=self.timeout, sync=old.sync if old else True, model_id=self.sink.model_id,
+            sink=self.sink,
+        ).use_pair(pg, pair)  # fmt: skip
+        self.sink.rejoining(w)  # from here on, a failure is this new process's
+        self.hellos[w] = hello
+        if self.pool is not None:
+            self.pool.forget(w)
+        if self.newest is None:
+            self.sink.died(w, "failed to rejoin: no whole version to send")
+            return None
+        staging, version, payload_digest = self.newest
+        try:
+            pair.set("initial", str(version))
+            transport.announce(version, initial=True)
+            staging.readers[w] = [transport.send_part(staging.tensor[start:end]) for *_, start, end in self.buckets]
+            if payload_digest is not None:
+                transport.set_digest(payload_digest)
+            transport.expect_ack(version)
+        except (RuntimeError, dist.DistError) as exc:
+            self.sink.died(w, f"its rank {w + 1} went away ({first_line(exc)})")
+            return None
+        return w, version
+
+    # --------------------------------------------------------------- shutdown
+    def close(self, timeout: float) -> None:
+        self._admit_store = None
+        for w, transport in self.transports.items():
+            if not self.sink.is_dead(w):
+                transport.close(min(timeout, CLOSE_WAIT_S))
+        self.transports.clear()
+        self.pool = None
+        self.newest = None
+        self.link.pg = self.link.store = None
+        self.store = self._base_store = None

@@ -1,0 +1,290 @@
+"""``DistributedTransport``: weight updates to ONE torch.distributed rank, over a process group of our own.
+
+The engine never touches the default process group a training job may have
+set up: it opens (or joins, under a prefix of its own) a TCP store and builds a
+standalone gloo or NCCL group on it, rank 0 the sender and rank ``i + 1``
+worker ``i``. Updates are flat byte buffers (one point-to-point send per worker
+per version and bucket, whatever the number of tensors); the store carries the
+signalling (which version comes next, checksums, error details) and the group
+carries the bytes and the acks, so a rank that dies fails the pending ack at
+once instead of being waited on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ... import options
+from ...core.timing import deadline_after, remaining
+from ...errors import (
+    ConnectionClosedError,
+    LifecycleError,
+    SyncTimeoutError,
+    TransportError,
+    WorkerDiedError,
+    first_line,
+)
+from ..base import PeerTransport
+from ..store import as_timedelta, store_json
+from .group import Waiter, is_timeout
+
+if TYPE_CHECKING:
+    from ...core.engine import Sink
+
+__all__ = ["ACK_FAILED", "ACK_OK", "DistributedTransport", "Link"]
+
+log = logging.getLogger("weightsync.transports.distributed")
+
+TAG_DATA, TAG_ACK = 1, 2
+ACK_OK, ACK_FAILED = 0, 1
+#: The longest error message a worker leaves in the store for the sender.
+MAX_ERROR_TEXT = 4000
+#: A worker waiting for the next announcement looks at the store again after this long, doubling up to the
+#: longest pause: it answers within microseconds when updates come back to back, and costs little when idle.
+FIRST_PAUSE_S, LONGEST_PAUSE_S = 0.0005, 0.02
+
+
+@dataclass
+class Link:
+    """The group and store a transport talks over: the engine's, filled in once the group formed, or a pair
+    of a transport's own (a worker that rejoined)."""
+
+    pg: Any = None
+    store: dist.Store | None = None
+
+
+@dataclass
+class _Pending:
+    """An update on its way to one worker: its sequence number, version and the ack being received."""
+
+    seq: int
+    version: int
+    ack: torch.Tensor
+    done: Future
+
+
+class DistributedTransport(PeerTransport):
+    """The data plane to ONE rank of :class:`~weightsync.schemes.distributed.DistributedWeightSyncScheme`.
+
+    On the sender, one per worker: the engine announces each update, sends its buckets and posts the receive
+    of its ack here; ``send_weights`` / ``send_weights_async`` / ``wait_ack`` go through the sender's pipeline.
+    On a worker, its own: announcements, buckets and acks the other way.
+
+    Args:
+        worker_idx: the worker this transport reaches (its rank is ``worker_idx + 1``).
+        link: the group and store to talk over.
+        device: where acks live (the GPU with NCCL).
+        timeout: the longest a worker's ack may take to leave.
+        sync: ``send_weights`` waits for the ack (``send_weights_async`` never does).
+        model_id: the model, for errors.
+        sink: on the sender, where the older API's calls go.
+    """
+
+    SETTINGS = options.DISTRIBUTED_SETTINGS
+
+    def __init__(
+        self,
+        worker_idx: int = 0,
+        *,
+        link: Link | None = None,
+        device: torch.device | None = None,
+        timeout: float = 60.0,
+        sync: bool = True,
+        model_id: str | None = None,
+        sink: Sink | None = None,
+    ) -> None:
+        super().__init__(worker_idx, sink)
+        self.model_id = model_id
+        self.rank = worker_idx + 1  # the worker's rank in the group this transport uses
+        self.link = link if link is not None else Link()
+        self.device = device or torch.device("cpu")
+        self.timeout = timeout
+        self.sync = sync
+        self.seq = 0  # sequence number of the last message to this worker (the initial weights are 0)
+        self.pending: deque[_Pending] = deque()
+        self._waiter: Waiter | None = None
+
+    def _group(self) -> tuple[Any, dist.Store]:
+        if self.link.pg is None or self.link.store is None:
+            raise LifecycleError("this transport's group has not formed yet", worker_idx=self.worker_idx)
+        return self.link.pg, self.link.store
+
+    def use_pair(self, pg: Any, store: dist.Store) -> DistributedTransport:
+        """Use a group and store of this transport's own: the two-rank group (sender rank 0, worker rank 1)
+        formed when a restarted worker rejoins, and its store prefix. Returns ``self``."""
+        self.link = Link(pg, store)
+        self.rank = 1
+        return self
+
+    @property
+    def store(self) -> dist.Store:
+        """The store carrying this worker's signalling (announcements, checksums, error details)."""
+        return self._group()[1]
+
+    def _where(self, version: int | None = None) -> dict[str, Any]:
+        return {"model_id": self.model_id, "worker_idx": self.worker_idx, "version": version}
+
+    # ----------------------------------------------------------------- sender
+    def announce(self, version: int, *, initial: bool = False) -> None:
+        """Start message ``version``: announce it in the store (the parts follow over the group).
+
+        The initial weights are sent without an announcement: the worker is in ``connect()`` waiting for
+        exactly them.
+        """
+        _, store = self._group()
+        seq = 0 if initial else self.seq + 1
+        if not initial:
+            store.set(f"msg/{self.worker_idx}/{seq}", json.dumps({"version": version}))
+        self.seq = seq
+        if self._waiter is None:
+            self._waiter = Waiter(f"weightsync-{self.model_id}-rank{self.rank}")
+
+    def send_part(self, part: torch.Tensor) -> Future:
+        """Send one bucket of the message announced last; its future completes once ``part`` is no longer read."""
+        pg, _ = self._group()
+        assert self._waiter is not None
+        return self._waiter.watch(pg.send([part], self.rank, TAG_DATA))
+
+    def set_digest(self, digest: str) -> None:
+        """The checksum of the message announced last, for the worker to check before applying it."""
+        self.store.set(f"digest/{self.worker_idx}/{self.seq}", digest)
+
+    def expect_ack(self, version: int) -> None:
+        """Post the receive of the ack of the message announced last (every part of it sent)."""
+        pg, _ = self._group()
+        assert self._waiter is not None
+        ack = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self.pending.append(_Pending(self.seq, version, ack, self._waiter.watch(pg.recv([ack], self.rank, TAG_ACK))))
+
+    def take_ack(self) -> tuple[_Pending, int, int] | None:
+        """The oldest pending ack as (pending, held version, status), if it arrived already.
+
+        Raises:
+            WorkerDiedError: the worker's rank went away.
+            ConnectionClosedError: an ack out of order.
+        """
+        if not self.pending or not self.pending[0].done.done():
+            return None
+        head = self.pending.popleft()
+        try:
+            head.done.result()
+        except (RuntimeError, CancelledError) as exc:
+            raise WorkerDiedError(
+                f"its rank {self.rank} went away ({first_line(exc)})", **self._where(head.version)
+            ) from None
+        seq, held, status = (int(x) for x in head.ack.tolist())
+        if seq != head.seq:
+            raise ConnectionClosedError(
+                f"ack out of order: expected message {head.seq}, got {seq}", **self._where(head.version)
+            )
+        return head, held, status
+
+    def waiting_on(self) -> Future | None:
+        """The future of the oldest ack still awaited, if any."""
+        return self.pending[0].done if self.pending else None
+
+    def error_detail(self, seq: int) -> dict[str, str]:
+        """What the worker wrote about its failure to apply message ``seq``."""
+        try:
+            store = self.store
+            if store.check([f"err/{self.worker_idx}/{seq}"]):
+                detail = store_json(store, f"err/{self.worker_idx}/{seq}")
+                return {"type": str(detail.get("type", "Error"))[:200], "message": str(detail.get("message", ""))}
+        except (dist.DistError, TransportError, LifecycleError):
+            pass
+        return {"type": "UnknownError", "message": "the worker reported a failure without details"}
+
+    def close(self, timeout: float) -> None:
+        """Tell the worker the sender is gone (its next ``receive`` raises ConnectionClosedError)."""
+        with contextlib.suppress(LifecycleError, dist.DistError):
+            self.store.set(f"msg/{self.worker_idx}/{self.seq + 1}", json.dumps({"closed": True}))
+        self.stop_waiting(timeout)
+
+    def stop_waiting(self, timeout: float) -> None:
+        """End the waiter thread; one still blocked on a stalled peer ends at gloo's operation timeout."""
+        if self._waiter is not None and not self._waiter.close(timeout):
+            log.warning(
+                "worker %d (rank %d) has not answered an operation in progress; its waiter thread ends when the "
+                "process group times it out",
+                self.worker_idx,
+                self.rank,
+            )
+        self._waiter = None
+        self.pending.clear()
+
+    # --------------------------------------------------------------- receiver
+    def next_message(self, timeout: float) -> dict[str, Any] | None:
+        """The next announcement for this worker, waiting up to ``timeout``; ``None`` if none came."""
+        _, store = self._group()
+        key = f"msg/{self.worker_idx}/{self.seq + 1}"
+        deadline, pause = deadline_after(timeout), FIRST_PAUSE_S
+        try:
+            while not store.check([key]):
+                if remaining(deadline) <= 0:
+                    return None
+                time.sleep(min(pause, remaining(deadline)))
+                pause = min(pause * 2, LONGEST_PAUSE_S)
+            msg = store_json(store, key)
+            store.delete_key(key)
+        except dist.DistError as exc:
+            raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
+        self.seq += 1
+        return msg
+
+    def receive_into(self, parts: list[torch.Tensor], timeout: float, version: int | None) -> None:
+        """Receive the parts of the message just announced (or the initial weights), in order, within ``timeout``."""
+        pg, _ = self._group()
+        deadline = deadline_after(timeout)
+        try:
+            works = [pg.recv([part], 0, TAG_DATA) for part in parts]  # posted at once: parts arrive in order
+            for work in works:
+                work.wait(as_timedelta(max(remaining(deadline), 0.001)))
+        except RuntimeError as exc:
+            if is_timeout(exc):
+                raise SyncTimeoutError("the announced update did not arrive in time", **self._where(version)) from None
+            raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where(version)) from None
+
+    def expected_digest(self, seq: int, timeout: float) -> str:
+        """The sender's checksum of message ``seq``: set once every bucket was written, it may follow the data."""
+        key, store = f"digest/{self.worker_idx}/{seq}", self.store
+        try:
+            store.wait([key], as_timedelta(timeout))
+            value = store.get(key).decode()
+            store.delete_key(key)
+        except dist.DistError as exc:
+            raise ConnectionClosedError(f"no checksum from the sender ({first_line(exc)})", **self._where()) from None
+        return value
+
+    def receive_weights(self, timeout: float | None = None, **kwargs: Any) -> Any:
+        raise LifecycleError("a distributed worker receives with scheme.receive()")
+
+    def send_ack(
+        self, version: int, error: BaseException | None = None, held: int | None = None, *, seqs: tuple[int, ...] = ()
+    ) -> None:
+        """Ack messages ``seqs`` (the last one received when empty): ``held`` is the version now held."""
+        pg, store = self._group()
+        for seq in seqs or (self.seq,):
+            status = ACK_OK if error is None else ACK_FAILED
+            if error is not None:
+                detail = {"type": type(error).__name__, "message": str(error)[:MAX_ERROR_TEXT]}
+                store.set(f"err/{self.worker_idx}/{seq}", json.dumps(detail))
+            ack = torch.tensor([seq, -1 if held is None else held, status], dtype=torch.int64, device=self.device)
+            try:
+                pg.send([ack], 0, TAG_ACK).wait(as_timedelta(self.timeout))
+            except RuntimeError as exc:
+                raise ConnectionClosedError(
+                    f"the sender went away ({first_line(exc)})", **self._where(version)
+                ) from None
+
+    def check_connection(self) -> bool:
+        return super().check_connection() and self.link.pg is not None

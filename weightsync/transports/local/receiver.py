@@ -1,0 +1,158 @@
+"""A worker's side of the local engine: join the sender's listener, map its slots, deliver the updates."""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from ...core.engine import Delivery, ReceiverEngine
+from ...core.timing import remaining
+from ...errors import ConfigurationError, ConnectionClosedError, IntegrityError, LifecycleError
+from ...tensors.layout import FlatLayout
+from .channel import connect_channel
+from .keyfiles import read_key_file, remove_key_file_if_orphaned
+from .mp import MPTransport, Update
+
+__all__ = ["LocalReceiver"]
+
+#: Seconds a worker that saw its sender's channel close gives the sender's process to be marked exited,
+#: before it judges whether the sender's key file is orphaned.
+ORPHAN_GRACE_S = 1.0
+
+
+class LocalReceiver(ReceiverEngine):
+    """The worker's channel to its sender, the slots it mapped, and the updates not applied yet.
+
+    Args:
+        address: the sender's abstract address.
+        authkey: the sender's auth key (hex).
+        key_file: the key file it was read from, if any (removed at close once its sender is gone).
+        transport_class: the transport of this scheme (``pinning``: the model reads the slots).
+        placement: ``"load"``, ``"write"`` or ``"share"`` (see :class:`~weightsync.core.engine.ReceiverEngine`).
+        where: ``model_id`` and ``worker_idx`` (this dict is the receiver core's: it knows the index at connect).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        authkey: str,
+        key_file: str | None,
+        *,
+        transport_class: type[MPTransport],
+        placement: str,
+        where: dict[str, Any],
+    ) -> None:
+        self.address, self._authkey, self.key_file = address, authkey, key_file
+        self.transport_class = transport_class
+        self.placement = placement
+        self.where = where
+        self.transport: MPTransport | None = None
+        self.num_workers: int | None = None
+        self._pending: deque[Update] = deque()
+        self._views: dict[int, tuple[Any, dict[str, Any]]] = {}  # slot -> (its buffer, typed views), made once
+
+    @classmethod
+    def from_handoff(cls, handoff: dict[str, Any], kwargs: dict[str, Any], **options: Any) -> LocalReceiver:
+        """From what a pickled scheme or a receiver config carries, and ``init_on_receiver``'s ``address=``,
+        ``authkey=`` or ``authkey_file=``.
+
+        Raises:
+            ConfigurationError: the key file cannot be read (the message says why).
+            LifecycleError: nothing says where the sender is.
+        """
+        address = kwargs.pop("address", None) or handoff.get("address")
+        authkey = kwargs.pop("authkey", None)
+        authkey_file = kwargs.pop("authkey_file", None) or handoff.get("authkey_file")
+        key_file = None
+        if authkey is not None:
+            authkey = authkey.hex() if isinstance(authkey, bytes) else authkey
+        elif authkey_file is not None:
+            authkey = read_key_file(authkey_file, model_id=options["where"]["model_id"])
+            key_file = authkey_file
+        else:
+            authkey = handoff.get("authkey")
+        if not address or not authkey:
+            raise LifecycleError(
+                "this receiver does not know where its sender is: hand it the scheme pickled after "
+                "init_on_sender(), or pass address= and authkey=",
+                model_id=options["where"]["model_id"],
+            )
+        return cls(address, authkey, key_file, **options)
+
+    def join(self, deadline: float, check: Callable[[FlatLayout], Any]) -> None:
+        hello = {"worker_idx": self.where["worker_idx"], "pid": os.getpid(), "model_id": self.where["model_id"]}
+        channel = connect_channel(self.address, bytes.fromhex(self._authkey), hello, remaining(deadline))
+        try:
+            welcome = channel.recv_until(deadline, "the sender's welcome")
+            if welcome["op"] == "refused":
+                raise ConfigurationError(f"the sender refused this worker: {welcome.get('reason')}", **self.where)
+            self.layout = FlatLayout.from_plain(welcome["layout"])
+            self.num_workers = int(welcome["num_workers"])
+            self.transport = self.transport_class(channel, self.where["worker_idx"])
+        except BaseException:
+            channel.close()
+            raise
+        check(self.layout)  # a misfit is remembered: the first update is refused with it, and the sender told
+
+    def take(self, timeout: float, newest: bool) -> list[Delivery]:
+        assert self.transport is not None
+        try:
+            self._pending.extend(self.transport.receive_weights(0.0 if self._pending else timeout))
+        except ConnectionClosedError:
+            if not self._pending:
+                raise
+        if not self._pending:
+            return []
+        if newest:
+            taken = list(self._pending)
+            self._pending.clear()
+        else:
+            taken = [self._pending.popleft()]  # one version per call: the worker's loop sees each
+        # Only the last is applied: the others are superseded, and acked by its ack.
+        return [Delivery(u.version, [], token=u) for u in taken[:-1]] + [self._delivery(taken[-1])]
+
+    def _delivery(self, update: Update) -> Delivery:
+        assert self.transport is not None
+        where = {**self.where, "version": update.version}
+        buffer = self.transport.slot_buffers.get(update.slot)
+        refusal: BaseException | None = None
+        if update.slot in self.transport.bad_slots:
+            refusal = IntegrityError(self.transport.bad_slots[update.slot], **where)
+        elif buffer is None:
+            refusal = LifecycleError(f"update names slot {update.slot}, which was never shared", **where)
+        views = None
+        if buffer is not None and self.layout is not None:
+            cached = self._views.get(update.slot)
+            if cached is None or cached[0] is not buffer:  # a slot's typed views are made once
+                cached = self._views[update.slot] = (buffer, self.layout.views(buffer))
+            views = cached[1]
+        return Delivery(
+            update.version,
+            [] if buffer is None else [(0, buffer)],
+            digest=update.digest,
+            views=views,
+            storage=self.transport.spare(update.slot),
+            refusal=refusal,
+            token=update,
+        )
+
+    def ack(self, taken: list[Delivery], held: int | None, error: BaseException | None = None) -> None:
+        assert self.transport is not None
+        self.transport.send_ack(taken[-1].version, error=error, held=held)
+
+    def taken(self, delivery: Delivery, left: Any, swapped: bool) -> None:
+        assert self.transport is not None
+        self.transport.took(delivery.token.slot, delivery.storage if swapped else left)
+
+    def close(self) -> None:
+        self._views.clear()  # they hold the slots' mappings
+        sender_closed = self.transport is not None and self.transport.closed_by_sender
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        if self.key_file is not None:
+            # A sender that shut down removed its key file before closing; one that was killed could not.
+            remove_key_file_if_orphaned(self.key_file, grace=ORPHAN_GRACE_S if sender_closed else 0.0)
+            self.key_file = None

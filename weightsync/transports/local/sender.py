@@ -1,0 +1,326 @@
+"""The trainer's side of the local engine (``multiprocess``, ``shared_mem``): a listener, slots, channels.
+
+``init_on_sender`` opens an authenticated listener on an abstract Unix
+socket; the rendez-vous accepts every worker and sends each the layout. A
+version is staged by writing the weights once into a free shared slot (one
+per pool: shared by all workers, or one pool per worker), and submitted by
+telling each targeted worker which slot holds it. A slot is written only
+when no worker still reads it: that rule is what makes torn reads impossible.
+The listener stays open after the rendez-vous, for workers that come back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from typing import Any
+
+from ...core.engine import Outgoing, SenderEngine, Sink
+from ...core.timing import remaining
+from ...errors import SyncTimeoutError, WeightSyncError, WorkerDiedError
+from ...integrity import digest
+from ...tensors.copies import copy_tensors, write_into
+from ...tensors.layout import FlatLayout
+from .channel import Channel, ChannelListener, readable
+from .keyfiles import KEY_BYTES, remove_key_file, write_key_file
+from .mp import MPTransport
+from .slots import SharedSlot, SlotPool
+
+__all__ = ["LocalSender"]
+
+log = logging.getLogger("weightsync.transports.local")
+
+#: Seconds the rejoin thread waits for a connection before it looks again whether it must stop.
+REJOIN_POLL_S = 0.1
+
+
+class LocalSender(SenderEngine):
+    """The sender's listener, slot pools and one :class:`MPTransport` (or subclass) per worker.
+
+    Args:
+        transport_class: the transport of each worker (its ``pinning`` says whether workers keep reading the slot
+            of the version they hold).
+        max_slots: the most slots a pool may hold (``None``: ``num_workers + 2``).
+        per_worker: every worker has a pool of its own.
+        checksum: hash each version's bytes for the workers to check.
+        address: the listener's abstract address (``None``: a random one).
+    """
+
+    rejoins = True
+
+    def __init__(
+        self,
+        sink: Sink,
+        layout: FlatLayout,
+        num_workers: int,
+        *,
+        transport_class: type[MPTransport],
+        max_slots: int | None,
+        per_worker: bool,
+        checksum: bool,
+        address: str | None = None,
+    ) -> None:
+        super().__init__(sink, layout, num_workers)
+        self.transport_class = transport_class
+        self.max_slots = max_slots or num_workers + 2
+        self.per_worker = per_worker
+        self.checksum = checksum
+        self.pools: dict[int | None, SlotPool] = {}
+        self._authkey = secrets.token_bytes(KEY_BYTES)
+        self._key_file: str | None = None
+        self.listener: ChannelListener | None = ChannelListener(self._authkey, address)
+        log.debug("model %r: listening on %s for %d workers", sink.model_id, self.listener.address, num_workers)
+
+    @property
+    def shared(self) -> SlotPool | None:
+        """The pool of slots every worker reads (``None`` with a pool per worker)."""
+        return self.pools.get(None)
+
+    def handoff(self) -> dict[str, Any]:
+        assert self.listener is not None
+        return {"address": self.listener.address, "authkey": self._authkey.hex()}
+
+    def connection(self) -> dict[str, Any]:
+        assert self.listener is not None
+        if self._key_file is None:
+            self._key_file = write_key_file(self.listener.address, self._authkey)
+        return {"address": self.listener.address, "authkey_file": self._key_file}
+
+    # ------------------------------------------------------------ rendez-vous
+    def rendezvous(self, deadline: float, timeout: float) -> dict[int, WeightSyncError]:
+        assert self.listener is not None
+        n = self.num_workers
+        while len(self.transports) < n:
+            left = remaining(deadline)
+            if left <= 0:
+                missing = sorted(set(range(n)) - set(self.transports))
+                for transport in self.transports.values():
+                    transport.close()
+                self.transports.clear()
+                raise SyncTimeoutError(
+                    f"workers {missing} did not connect within {timeout:.1f}s", model_id=self.sink.model_id
+                )
+            try:
+                accepted = self.listener.accept(left)
+            except WeightSyncError as exc:  # a stranger or a broken peer: keep waiting for the real workers
+                log.warning("model %r: %s", self.sink.model_id, exc)
+                continue
+            if accepted is not None:
+                self._welcome(*accepted)
+        return {}
+
+    def rendezvous_complete(self) -> bool:
+        return len(self.transports) == self.num_workers
+
+    def _hello_problem(self, hello: dict[str, Any]) -> str | None:
+        w = hello.get("worker_idx")
+        if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < self.num_workers:
+            return f"worker_idx {w!r} is not in 0..{self.num_workers - 1}"
+        if w in self.transports and not self.sink.is_dead(w):
+            return f"worker {w} is already connected"
+        if hello.get("model_id") != self.sink.model_id:
+            return f"model_id {hello.get('model_id')!r} does not match {self.sink.model_id!r}"
+        return None
+
+    def _welcome(self, channel: Channel, hello: dict[str, Any]) -> None:
+        """Take ``channel`` as its worker's, or turn it away with the reason."""
+        problem = self._hello_problem(hello)
+        if problem is not None:
+            self.discard((channel, hello), problem)
+        else:
+            self._take_over(channel, int(hello["worker_idx"]))
+
+    def _take_over(self, channel: Channel, w: int) -> MPTransport:
+        """Make ``channel`` worker ``w``'s (sending it the layout), closing any channel ``w`` had."""
+        channel.send({"op": "welcome", "layout": self.layout.to_plain(), "num_workers": self.num_workers})
+        old = self.transports.get(w)
+        if old is not None:
+            old.close()
+        transport = self.transports[w] = self.transport_class(channel, w, self.sink)
+        return transport
+
+    def discard(self, candidate: Any, problem: str = "the sender is shutting down") -> None:
+        """Tell a connecting process why it is turned away, and close its channel."""
+        channel = candidate[0]
+        log.warning("model %r: refused %s: %s", self.sink.model_id, channel.peer, problem)
+        try:
+            channel.send({"op": "refused", "reason": problem})
+        except WeightSyncError:
+            pass
+        channel.close()
+
+    # ------------------------------------------------------------------ acks
+    def poll(self, workers: list[int]) -> None:
+        for w in workers:
+            transport = self.transports.get(w)
+            if transport is None or self.sink.is_dead(w):
+                continue
+            acks, closed = transport.acks(self.sink.model_id)
+            for ack in acks:
+                self._on_ack(w, ack)
+            if closed is not None:
+                # A worker that reported a failure and then left is remembered for that failure.
+                self.sink.died(w, transport.last_error or f"its channel closed ({closed.detail})")
+
+    def _on_ack(self, w: int, ack: Any) -> None:
+        for pool in self.pools.values():
+            pool.on_ack(w, ack.version, ack.held)
+        if ack.error is not None:
+            self.sink.failed(w, ack.error)
+        if ack.held is not None:
+            self.sink.acked(w, ack.held)
+
+    def wait(self, workers: list[int], deadline: float) -> None:
+        channels = [self.transports[w].channel for w in workers if w in self.transports and not self.sink.is_dead(w)]
+        fds = [c.fileno() for c in channels if not c.connection.closed]
+        if fds:
+            readable(fds, remaining(deadline))
+
+    def lost(self, worker: int) -> None:
+        for pool in self.pools.values():
+            pool.drop_worker(worker)
+        # A worker given up on (dead, or dropped after a timeout) finds its channel closed if it comes back
+        # to life, and may rejoin.
+        transport = self.transports.get(worker)
+        if transport is not None:
+            transport.channel.close()
+
+    # ---------------------------------------------------------------- sending
+    def _pool_key(self, worker: int) -> int | None:
+        return worker if self.per_worker else None
+
+    def _pool(self, key: int | None) -> SlotPool:
+        pool = self.pools.get(key)
+        if pool is None:
+            pool = self.pools[key] = SlotPool(
+                self.layout, self.max_slots, pinning=self.transport_class.pinning, tag=f"{os.getpid()}-{key}"
+            )
+        return pool
+
+    def _acquire(self, pool: SlotPool, deadline: float, version: int) -> SharedSlot:
+        """A slot of ``pool`` no worker reads, waiting (until ``deadline``) for workers to ack newer versions."""
+        slot = pool.acquire()
+        while slot is None:
+            busy = sorted(pool.busy_workers())
+            if remaining(deadline) <= 0:
+                raise SyncTimeoutError(
+                    f"no free weight slot in time: workers {busy} still hold or read older versions "
+                    f"(max_slots={pool.max_slots})",
+                    model_id=self.sink.model_id,
+                    version=version,
+                )
+            self.wait(busy, deadline)
+            self.poll(busy)
+            slot = pool.acquire()
+        return slot
+
+    def stage(self, out: Outgoing, deadline: float) -> dict[int, SharedSlot]:
+        by_pool: dict[int | None, list[int]] = {}
+        for w in out.workers:
+            by_pool.setdefault(self._pool_key(w), []).append(w)
+        # Every slot is secured before anything is written, so a send that times out here publishes nothing.
+        slots = {key: self._acquire(self._pool(key), deadline, out.version) for key in by_pool}
+        staged: dict[int, SharedSlot] = {}
+        payload_digest = None  # every pool gets the same bytes: hashed once
+        for key, members in by_pool.items():
+            slot = slots[key]
+            slot.version = None  # until the write completes, the slot holds no version (rejoins read it)
+            if out.whole is not None:
+                copy_tensors([slot.buffer], [out.whole])
+            else:
+                write_into(slot.views, out.flat)
+            if self.checksum and payload_digest is None:
+                payload_digest = digest([slot.buffer])
+            slot.digest = payload_digest
+            self.pools[key].publish(slot, out.version, members)
+            staged.update(dict.fromkeys(members, slot))
+        return staged
+
+    def submit(self, out: Outgoing, staged: dict[int, SharedSlot]) -> None:
+        for w in out.workers:
+            try:
+                self.transports[w].notify(staged[w], out.version)
+            except WorkerDiedError as exc:
+                self.sink.died(w, exc.detail)
+
+    # ----------------------------------------------------------------- rejoin
+    def poll_rejoin(self) -> tuple[Channel, dict[str, Any]] | None:
+        """A worker connecting after the rendez-vous (or ``None`` after :data:`REJOIN_POLL_S`)."""
+        listener = self.listener
+        if listener is None:
+            raise EOFError
+        try:
+            return listener.accept(REJOIN_POLL_S)
+        except WeightSyncError as exc:  # a stranger, a wrong key: refused, and logged without the key
+            log.warning("model %r: refused a connection: %s", self.sink.model_id, exc)
+        except OSError:  # the listener was closed under us: shutting down
+            raise EOFError from None
+        return None
+
+    def admit(self, candidate: tuple[Channel, dict[str, Any]]) -> tuple[int, int] | None:
+        """A worker connecting after the rendez-vous: one that died (or was dropped) comes back under its
+        index and gets the newest version published; anyone else is refused with the reason."""
+        channel, hello = candidate
+        w = hello.get("worker_idx")
+        if isinstance(w, int) and w in self.transports and not self.sink.is_dead(w):
+            self.poll([w])  # a worker killed since the last send is noticed now
+        newest = self._newest_slot()
+        if newest is None:
+            self.discard(candidate, "the sender has not published any version yet")
+            return None
+        problem = self._hello_problem(hello)
+        if problem is not None:
+            self.discard(candidate, problem)
+            return None
+        w = int(hello["worker_idx"])
+        self.sink.rejoining(w)  # from here on, a failure is this new process's
+        try:
+            transport = self._take_over(channel, w)
+            slot = self._slot_for(w, newest)
+            transport.notify(slot, slot.version)  # type: ignore[arg-type]
+        except WeightSyncError as exc:
+            log.warning("model %r: worker %d could not rejoin: %s", self.sink.model_id, w, exc)
+            self.sink.died(w, f"failed to rejoin ({exc})")
+            return None
+        return w, slot.version  # type: ignore[return-value]
+
+    def _newest_slot(self) -> SharedSlot | None:
+        """The slot holding the newest version published to anyone (``None`` before any)."""
+        slots = [slot for pool in self.pools.values() for slot in pool.slots if slot.version is not None]
+        return max(slots, key=lambda slot: slot.version) if slots else None  # type: ignore[arg-type,return-value]
+
+    def _slot_for(self, w: int, newest: SharedSlot) -> SharedSlot:
+        """A slot of ``w``'s pool holding ``newest``'s version, now read by ``w``."""
+        pool = self._pool(self._pool_key(w))
+        if newest in pool.slots:
+            newest.readers.add(w)
+            return newest
+        slot = pool.acquire()  # a pool per worker: copy the newest version into this worker's pool
+        if slot is None:
+            raise SyncTimeoutError(f"no free weight slot to rejoin worker {w}", model_id=self.sink.model_id)
+        slot.version = None
+        slot.buffer.copy_(newest.buffer)
+        slot.digest = newest.digest
+        pool.publish(slot, newest.version, [w])  # type: ignore[arg-type]
+        return slot
+
+    # --------------------------------------------------------------- shutdown
+    def close(self, timeout: float) -> None:
+        if self._key_file is not None:  # first: a worker that sees the channel close may look for it
+            remove_key_file(self._key_file)
+            self._key_file = None
+        for w, transport in self.transports.items():
+            if not self.sink.is_dead(w):
+                try:
+                    transport.channel.send({"op": "bye"})
+                except WeightSyncError:
+                    pass
+            transport.close()
+        self.transports.clear()
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()

@@ -1,0 +1,70 @@
+"""Addresses on the network: the sender's host and port, this host's interfaces, loopback or not."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from ..errors import ConfigurationError
+
+__all__ = ["interface_for", "is_loopback", "local_address", "local_interfaces", "resolve_master"]
+
+#: A port no packet is sent to: connecting a UDP socket only asks the kernel which interface routes there.
+_PROBE_PORT = 9
+
+
+def resolve_master(master_addr: str | None, master_port: int | None) -> tuple[str, int]:
+    """Address and port of the sender's TCP store: the arguments, else ``MASTER_ADDR``/``MASTER_PORT``,
+    else loopback and a free port (``0``)."""
+    host = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    port: Any = master_port if master_port is not None else os.environ.get("MASTER_PORT", 0)
+    try:
+        port = int(port)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"master_port must be an int, got {port!r}") from None
+    if not 0 <= port < 65536:
+        raise ConfigurationError(f"master_port must be in 0..65535, got {port}")
+    return host, port
+
+
+def local_address(toward: str) -> str:
+    """The address of this host's interface that routes to ``toward`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(toward), _PROBE_PORT))
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback: only local processes reach it."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def local_interfaces() -> dict[str, str]:
+    """This machine's network interfaces that have an IPv4 address: {address: interface name}."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                request = struct.pack("256s", name[:15].encode())
+                found[socket.inet_ntoa(fcntl.ioctl(probe.fileno(), siocgifaddr, request)[20:24])] = name
+            except OSError:  # no IPv4 address on this interface
+                continue
+    return found
+
+
+def interface_for(address: str) -> str | None:
+    """The name of this machine's network interface that holds IPv4 ``address`` (``None``: none does)."""
+    return local_interfaces().get(address)

@@ -1,0 +1,56 @@
+"""An actor's side of the Ray engine: updates arrive as calls into the actor, and are applied there."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...core.engine import Delivery, ReceiverEngine
+from ...errors import ConfigurationError
+from ...tensors.layout import FlatLayout
+from .transport import register_receiver, unregister_receiver
+
+__all__ = ["RayReceiver"]
+
+
+class RayReceiver(ReceiverEngine):
+    """The receiver of one model in this actor, found by :func:`~weightsync.transports.ray.apply_in_actor`.
+
+    An actor cannot share the object store's memory with its model (the store hands out read-only buffers,
+    and the object must be freed), so it copies: ``placement`` is ``"load"`` (one copy per buffer into the
+    model bound at its first update) or ``"write"`` (``keep_storage``: tensor by tensor).
+    """
+
+    pushes = True
+
+    def __init__(self, *, placement: str, where: dict[str, Any]) -> None:
+        self.placement = placement
+        self.where = where
+        self._apply: Callable[[list[Delivery]], int] | None = None
+        register_receiver(where["model_id"], self)
+
+    def attach(self, apply: Callable[[list[Delivery]], int]) -> None:
+        self._apply = apply
+
+    def join(self, deadline: float, check: Callable[[FlatLayout], Any]) -> None:
+        pass  # nothing to join: the sender's connect() delivers version 0 as a call to this actor
+
+    def push(
+        self, version: int, buffers: list[torch.Tensor], ranges: list, layout: dict | None, digest: str | None
+    ) -> int:
+        """Called inside the actor by the sender's call: apply the update; return the version held."""
+        refusal, pieces = None, []
+        try:
+            if layout is not None:
+                self.layout = FlatLayout.from_plain(layout)
+            if self.layout is not None:
+                pieces = self.layout.placed(buffers, [tuple(r) for r in ranges])
+        except ConfigurationError as exc:
+            refusal = exc
+        assert self._apply is not None
+        return self._apply([Delivery(version, pieces, digest, refusal=refusal)])
+
+    def close(self) -> None:
+        unregister_receiver(self.where["model_id"] or "", self)

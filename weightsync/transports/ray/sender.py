@@ -1,0 +1,143 @@
+"""The trainer's side of the Ray engine: one object in the store per version, one call per actor."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ...core.engine import Outgoing, SenderEngine, Sink
+from ...core.timing import remaining
+from ...errors import ReceiverError, WeightSyncError
+from ...integrity import digest
+from ...tensors.layout import FlatLayout
+from .transport import RayTransport
+
+__all__ = ["DIRECT_MIN_BYTES", "RaySender", "ray"]
+
+# A tensor of at least this many bytes is put in the object store straight from its own memory; smaller
+# ones are packed together first (one object store buffer costs about as much as copying 100 KB).
+DIRECT_MIN_BYTES = 256 * 1024
+#: The longest error text an actor's failure is reported with.
+MAX_ERROR_TEXT = 2000
+
+
+def ray() -> Any:
+    """The ``ray`` module (imported on first use: a missing Ray costs nothing until a Ray scheme is used)."""
+    from ...errors import ConfigurationError
+
+    try:
+        import ray as module
+    except ImportError as exc:  # pragma: no cover - needs an install without the ray extra
+        raise ConfigurationError("the Ray schemes need Ray: pip install 'weightsync[ray]'") from exc
+    return module
+
+
+class RaySender(SenderEngine):
+    """The sender's staging buffer, the newest version's object (for rejoins), one transport per actor.
+
+    Args:
+        actors: the actors' handles; worker ``i`` is the ``i``-th.
+        transport_class: :class:`RayTransport` (calls into any actor) or :class:`RayActorTransport` (calls the
+            actor's own ``update_weights_*`` methods).
+        extract_as: the strategy's format, for the actor's method.
+        checksum: hash each version's bytes for the actors to check.
+    """
+
+    def __init__(
+        self,
+        sink: Sink,
+        layout: FlatLayout,
+        num_workers: int,
+        *,
+        actors: list[Any],
+        transport_class: type[RayTransport],
+        extract_as: str,
+        checksum: bool,
+    ) -> None:
+        super().__init__(sink, layout, num_workers)
+        self.transport_class, self.extract_as, self.checksum = transport_class, extract_as, checksum
+        self.transports = {i: self._transport(actor, i) for i, actor in enumerate(actors)}
+        self._staging: torch.Tensor | None = None
+        self._staging_views: dict[str, torch.Tensor] = {}
+        self.newest: tuple[int, Any] | None = None  # (version, object ref) of the last send, for rejoins
+        self._has_layout: set[int] = set()  # actors that applied once: they hold the layout
+
+    def _transport(self, actor: Any, worker: int) -> RayTransport:
+        return self.transport_class(actor, worker, self.sink.model_id, self.extract_as, self.sink)
+
+    def rendezvous(self, deadline: float, timeout: float) -> dict[int, WeightSyncError]:
+        return {}  # nothing to join: version 0 reaches each actor as a call
+
+    def stage(self, out: Outgoing, deadline: float) -> Any:
+        if out.whole is not None:  # flatten_sender: the weights already lie in one buffer, in their places
+            buffers, ranges = self.layout.whole(out.whole)
+        else:
+            if self._staging is None:  # reused by every send; ray.put copies out of it before returning
+                self._staging = torch.empty(self.layout.nbytes, dtype=torch.uint8)
+                self._staging_views = self.layout.views(self._staging)
+            # Large tensors go as they are, small ones packed: ray.put copies each byte once into the store.
+            buffers, ranges = self.layout.pieces(out.flat, self._staging, DIRECT_MIN_BYTES, self._staging_views)
+        return ray().put((ranges, [b.numpy() for b in buffers], digest(buffers) if self.checksum else None))
+
+    def submit(self, out: Outgoing, staged: Any) -> None:
+        for w in out.workers:
+            # The layout travels until the actor has applied once (its first update carries it).
+            self.transports[w].submit(out.version, staged, None if w in self._has_layout else self.layout.to_plain())
+        self.newest = (out.version, staged)
+
+    def resubmit(self, worker: int, actor: Any = None) -> int:
+        """A new actor for ``worker`` (``None``: the same handle, restarted by Ray) is sent the newest version
+        published; return that version."""
+        assert self.newest is not None  # connect() published version 0
+        version, payload = self.newest
+        old = self.transports[worker]
+        self.transports[worker] = self._transport(old.actor if actor is None else actor, worker)
+        self._has_layout.discard(worker)
+        self.sink.rejoining(worker)  # from here on, a failure is this actor's
+        self.transports[worker].submit(version, payload, self.layout.to_plain())
+        return version
+
+    def _refs(self, workers: list[int]) -> dict[Any, tuple[int, int]]:
+        return {ref: (w, v) for w in workers for v, ref in self.transports[w].in_flight.items()}
+
+    def poll(self, workers: list[int]) -> None:
+        refs = self._refs([w for w in workers if not self.sink.is_dead(w)])
+        if not refs:
+            return
+        ray_ = ray()
+        ready, _ = ray_.wait(list(refs), num_returns=len(refs), timeout=0)
+        for ref in ready:
+            w, v = refs[ref]
+            self.transports[w].in_flight.pop(v, None)
+            try:
+                held = ray_.get(ref)
+            except ray_.exceptions.RayActorError as exc:
+                what = (
+                    "is unavailable (restarting, or out of reach)"
+                    if isinstance(exc, ray_.exceptions.ActorUnavailableError)
+                    else "died"
+                )
+                self.sink.died(w, f"its actor {what} ({type(exc).__name__})")
+                continue
+            except Exception as exc:  # noqa: BLE001 - the actor's failure, as Ray delivers it
+                cause = getattr(exc, "cause", None) or exc
+                text = str(cause).splitlines()[-1][:MAX_ERROR_TEXT] if str(cause) else repr(cause)
+                self.sink.failed(
+                    w, ReceiverError(type(cause).__name__, text, model_id=self.sink.model_id, worker_idx=w, version=v)
+                )
+                continue
+            self._has_layout.add(w)
+            self.sink.acked(w, held)
+
+    def wait(self, workers: list[int], deadline: float) -> None:
+        refs = list(self._refs(workers))
+        if refs:
+            ray().wait(refs, num_returns=len(refs), timeout=remaining(deadline))
+        else:  # no call on its way to them: nothing can come before the deadline
+            time.sleep(remaining(deadline))
+
+    def close(self, timeout: float) -> None:
+        self.transports.clear()
+        self.newest = None

@@ -1,0 +1,80 @@
+"""Updates that reached an RPC worker, waiting for its ``receive()``: each is answered once applied.
+
+The sender's RPC runs :func:`deliver` in the worker's agent, which queues the
+update in the model's mailbox and returns a future; the worker's ``receive()``
+applies the update and completes that future: the answer is the ack.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed.rpc as rpc
+
+__all__ = ["Arrival", "Mailbox", "close_mailbox", "deliver", "drop_mailbox", "mailbox"]
+
+
+@dataclass
+class Arrival:
+    """An update that reached a worker: answered (acked) once applied or superseded."""
+
+    version: int
+    buffer: torch.Tensor
+    layout: dict | None
+    digest: str | None = None  # the sender's checksum of ``buffer``, when it computes one
+    future: torch.futures.Future = field(default_factory=torch.futures.Future)
+
+
+class Mailbox:
+    """Updates for one model in this worker, waiting for its ``receive()``."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.queue: deque[Arrival] = deque()
+        self.closed = False
+
+
+_MAILBOXES: dict[str, Mailbox] = {}
+_MAILBOX_LOCK = threading.Lock()
+
+
+def mailbox(model_id: str) -> Mailbox:
+    with _MAILBOX_LOCK:
+        return _MAILBOXES.setdefault(model_id, Mailbox())
+
+
+def drop_mailbox(model_id: str) -> None:
+    with _MAILBOX_LOCK:
+        box = _MAILBOXES.pop(model_id, None)
+    if box is not None:
+        with box.cond:
+            for arrival in box.queue:
+                arrival.future.set_result(
+                    {"held": None, "error": {"type": "ConnectionClosedError", "message": "the worker shut down"}}
+                )
+            box.queue.clear()
+
+
+@rpc.functions.async_execution
+def deliver(
+    model_id: str, version: int, buffer: torch.Tensor, layout: dict | None, digest: str | None = None
+) -> torch.futures.Future:
+    """Runs in the worker's RPC agent: queue the update; the answer comes once the worker applied it."""
+    arrival = Arrival(version, buffer, layout, digest)
+    box = mailbox(model_id)
+    with box.cond:
+        box.queue.append(arrival)
+        box.cond.notify_all()
+    return arrival.future
+
+
+def close_mailbox(model_id: str) -> bool:
+    """Runs in the worker: the sender shut down."""
+    box = mailbox(model_id)
+    with box.cond:
+        box.closed = True
+        box.cond.notify_all()
+    return True

@@ -1,0 +1,120 @@
+"""A worker's side of the RPC engine: join the sender's RPC world, take updates from the model's mailbox."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ...core.engine import Delivery, ReceiverEngine
+from ...core.timing import remaining
+from ...errors import ConfigurationError, ConnectionClosedError
+from ...tensors.layout import FlatLayout
+from .mailbox import Arrival, drop_mailbox, mailbox
+from .session import Session, default_worker_name, join_worker_session, leave_session, sender_gone, start_agent
+
+__all__ = ["RPCReceiver"]
+
+#: A worker that got no update checks, at most this often (seconds), that its sender is still there: RPC
+#: tells a process about a dead peer only when a call to it is pending.
+SENDER_PROBE_EVERY = 0.5
+#: The longest error message a worker answers the sender with.
+MAX_ERROR_TEXT = 4000
+
+
+class RPCReceiver(ReceiverEngine):
+    """The worker's RPC session (unless it runs RPC itself) and its mailbox for one model.
+
+    Args:
+        handoff: the session to join, or ``{"external": True}``.
+        take: the model may take the buffer an update arrived in (TensorPipe allocates one per message).
+        check_exposure: refuses an RPC world reachable from other machines unless the worker opted in.
+        where: ``model_id`` and ``worker_idx``.
+    """
+
+    def __init__(
+        self, handoff: dict[str, Any], *, take: bool, check_exposure: Callable[..., None], where: dict[str, Any]
+    ) -> None:
+        if not handoff:
+            raise ConfigurationError(
+                "this receiver does not know its sender: hand it the scheme pickled after init_on_sender(), "
+                "or its receiver_config(worker_idx)",
+                model_id=where["model_id"],
+            )
+        self.handoff, self._take, self._check_exposure, self.where = handoff, take, check_exposure, where
+        self.placement = "take" if take else "write"
+        self.session: Session | None = None
+        self.mailbox = mailbox(where["model_id"])  # updates that arrive before connect() wait here
+        self._probed_at = 0.0
+
+    def join(self, deadline: float, check: Callable[[FlatLayout], Any]) -> None:
+        if self.handoff.get("external"):
+            return
+        w = self.where["worker_idx"]
+        self._check_exposure(self.handoff["master_addr"], **self.where)
+        self.session = join_worker_session(self.handoff, remaining(deadline), **self.where)
+        try:
+            start_agent(self.session, default_worker_name(w), w + 1, remaining(deadline), **self.where)
+        except BaseException:
+            leave_session(self.session)
+            self.session = None
+            raise
+
+    def take(self, timeout: float, newest: bool) -> list[Delivery]:
+        box = self.mailbox
+        with box.cond:
+            box.cond.wait_for(lambda: box.queue or box.closed, timeout)
+            if not box.queue:
+                if box.closed:
+                    raise ConnectionClosedError("the sender shut down", **self.where)
+                self._probe()
+                return []
+            if newest:
+                arrived = list(box.queue)
+                box.queue.clear()
+            else:
+                arrived = [box.queue.popleft()]
+        return [Delivery(a.version, [], token=a) for a in arrived[:-1]] + [self._delivery(arrived)]
+
+    def _probe(self) -> None:
+        """No update came: is the sender still there? (At most every :data:`SENDER_PROBE_EVERY` seconds.)"""
+        now = time.monotonic()
+        if self.session is None or now - self._probed_at < SENDER_PROBE_EVERY:
+            return
+        self._probed_at = now
+        reason = sender_gone(self.session)
+        if reason is not None:
+            raise ConnectionClosedError(f"the sender went away ({reason})", **self.where)
+
+    def _delivery(self, arrived: list[Arrival]) -> Delivery:
+        update, refusal = arrived[-1], None
+        try:
+            for arrival in arrived:
+                if arrival.layout is not None:
+                    self.layout = FlatLayout.from_plain(arrival.layout)
+        except ConfigurationError as exc:
+            refusal = exc
+        if self.layout is None:
+            return Delivery(update.version, [], refusal=refusal, token=update)
+        self.placement = "take" if self._take and not self.layout.casts else "write"
+        # A message's buffer is this process's alone, so a CPU model can take its memory instead of a copy; the
+        # memory it held before is freed with the buffer.
+        buffer, storage = update.buffer, update.buffer.untyped_storage()
+        whole = buffer.storage_offset() == 0 and storage.nbytes() == buffer.numel() == self.layout.nbytes
+        take = storage if self.placement == "take" else None
+        return Delivery(
+            update.version, [(0, buffer)], update.digest, storage=take, whole=whole, refusal=refusal, token=update
+        )
+
+    def ack(self, taken: list[Delivery], held: int | None, error: BaseException | None = None) -> None:
+        answer: dict[str, Any] = {"held": held}
+        if error is not None:
+            answer["error"] = {"type": type(error).__name__, "message": str(error)[:MAX_ERROR_TEXT]}
+        for delivery in taken:
+            delivery.token.future.set_result(answer)
+
+    def close(self) -> None:
+        drop_mailbox(self.where["model_id"] or "")
+        if self.session is not None:
+            leave_session(self.session)
+            self.session = None

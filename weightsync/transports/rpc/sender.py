@@ -1,0 +1,185 @@
+"""The trainer's side of the RPC engine: this process's RPC world, staging buffers, one RPC per worker."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from ...core.engine import Outgoing, SenderEngine, Sink
+from ...core.timing import remaining
+from ...errors import ReceiverError, SyncTimeoutError, WeightSyncError, first_line
+from ...integrity import digest
+from ...tensors.copies import copy_tensors, write_into
+from ...tensors.layout import FlatLayout
+from ..staging import Staging, StagingPool
+from .session import SENDER_NAME, Session, leave_session, open_sender_session, start_agent
+from .transport import RPCTransport
+
+__all__ = ["RPCSender"]
+
+#: Seconds the sender's goodbye to each worker may take at shutdown.
+CLOSE_WAIT_S = 5.0
+
+
+class RPCSender(SenderEngine):
+    """The sender's RPC session (unless the caller runs RPC), staging buffers and one :class:`RPCTransport` per
+    worker.
+
+    Args:
+        names: the workers' RPC names in an agent the caller started (``None``: the engine runs the world).
+        master: the store's host and port, for a world the engine runs.
+        max_buffers: the most staging buffers held at once.
+        checksum: hash each version's bytes for the workers to check.
+        timeout, connect_timeout: the scheme's.
+    """
+
+    def __init__(
+        self,
+        sink: Sink,
+        layout: FlatLayout,
+        num_workers: int,
+        *,
+        names: list[str] | None,
+        master: tuple[str, int] | None,
+        max_buffers: int,
+        checksum: bool,
+        timeout: float,
+        connect_timeout: float,
+    ) -> None:
+        super().__init__(sink, layout, num_workers)
+        self.max_buffers, self.checksum, self.timeout, self.connect_timeout = (
+            max_buffers,
+            checksum,
+            timeout,
+            connect_timeout,
+        )
+        self.session: Session | None = None
+        if names is None:
+            assert master is not None
+            self.session = open_sender_session(master, num_workers + 1, connect_timeout)
+        self.transports = {
+            w: RPCTransport(w, names[w] if names else None, model_id=sink.model_id, sink=sink)
+            for w in range(num_workers)
+        }
+        self.pool: StagingPool | None = None
+        self._answered = threading.Event()  # set by every answer's future
+        self._has_layout: set[int] = set()  # workers that answered once: they hold the layout
+        self._connected = False
+
+    def handoff(self) -> dict[str, Any]:
+        sess = self.session
+        if sess is None:
+            return {"external": True}
+        return {
+            "token": sess.token,
+            "master_addr": sess.host,
+            "master_port": sess.port,
+            "world_size": sess.world_size,
+            "counter": sess.counter,
+        }
+
+    connection = handoff
+
+    def rendezvous(self, deadline: float, timeout: float) -> dict[int, WeightSyncError]:
+        if self.session is not None:
+            start_agent(self.session, SENDER_NAME, 0, remaining(deadline), model_id=self.sink.model_id)
+        self._connected = True
+        return {}
+
+    def rendezvous_complete(self) -> bool:
+        return self.session is None or self.session.started
+
+    def stage(self, out: Outgoing, deadline: float) -> tuple[Staging, str | None]:
+        if self.pool is None:
+            done = lambda future: future.done()  # noqa: E731
+            self.pool = StagingPool(self.layout.nbytes, torch.device("cpu"), self.max_buffers, done, self._settle)
+        staging = self.pool.acquire(deadline, model_id=self.sink.model_id, version=out.version)
+        if staging.views is None:  # typed views of a staging buffer are made once, not per send
+            staging.views = self.layout.views(staging.tensor)
+        if out.whole is not None:  # flatten_sender: the weights already lie in one buffer, in their places
+            copy_tensors([staging.tensor], [out.whole])
+        else:
+            write_into(staging.views, out.flat)
+        return staging, digest([staging.tensor]) if self.checksum else None
+
+    def submit(self, out: Outgoing, staged: tuple[Staging, str | None]) -> None:
+        staging, payload_digest = staged
+        for w in out.workers:
+            transport = self.transports[w]
+            layout = None if w in self._has_layout else self.layout.to_plain()  # until the worker has it
+            try:
+                future = transport.submit(out.version, staging.tensor, layout, self.timeout, payload_digest)
+            except RuntimeError as exc:
+                self.sink.died(w, f"RPC peer {transport.worker_name} went away ({first_line(exc)})")
+                continue
+            future.add_done_callback(lambda _: self._answered.set())
+            staging.readers[w] = future
+
+    def _settle(self, w: int, future: Any, seconds: float) -> bool:
+        self._answered.wait(seconds)
+        self._answered.clear()
+        return future.done()
+
+    def poll(self, workers: list[int]) -> None:
+        self._answered.clear()  # before looking: an answer that lands after the look sets it again
+        for w in workers:
+            transport = self.transports[w]
+            for version, future in sorted(transport.in_flight.items()):
+                if not future.done():
+                    break
+                del transport.in_flight[version]
+                self._answer(w, version, future)
+                if self.sink.is_dead(w):
+                    break
+
+    def _answer(self, w: int, version: int, future: Any) -> None:
+        """Read one worker's answer: its ack, its failure, or that it is gone."""
+        transport = self.transports[w]
+        try:
+            answer = future.wait()
+        except RuntimeError as exc:
+            if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+                self.sink.failed(
+                    w,
+                    SyncTimeoutError(
+                        f"no ack for version {version} within {self.timeout:.1f}s",
+                        model_id=self.sink.model_id,
+                        worker_idx=w,
+                        version=version,
+                    ),
+                )
+            else:
+                self.sink.died(w, f"RPC peer {transport.worker_name} went away ({first_line(exc)})")
+            return
+        if answer.get("held") is not None:
+            self._has_layout.add(w)
+            self.sink.acked(w, int(answer["held"]))
+        if answer.get("error"):
+            error = answer["error"]
+            self.sink.failed(
+                w,
+                ReceiverError(
+                    str(error.get("type", "Error")), str(error.get("message", "")), model_id=self.sink.model_id,
+                    worker_idx=w, version=version,
+                ),
+            )  # fmt: skip
+
+    def wait(self, workers: list[int], deadline: float) -> None:
+        self._answered.wait(remaining(deadline))
+
+    def lost(self, worker: int) -> None:
+        self.transports[worker].in_flight.clear()
+        if self.pool is not None:
+            self.pool.forget(worker)
+
+    def close(self, timeout: float) -> None:
+        for w, transport in self.transports.items():
+            if self._connected and not self.sink.is_dead(w):
+                transport.close(min(timeout, CLOSE_WAIT_S))
+        self.transports.clear()
+        self.pool = None
+        if self.session is not None:
+            leave_session(self.session)
+            self.session = None

@@ -1,0 +1,63 @@
+"""``RPCTransport``: weight updates to ONE ``torch.distributed.rpc`` worker, as RPCs the worker answers once
+applied.
+
+An update is one RPC per worker carrying the flat weights (one tensor,
+whatever the model's); the worker keeps it until its loop calls
+``receive()``, applies it, and only then answers: the answer is the ack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed.rpc as rpc
+
+from ... import options
+from ..base import PeerTransport
+from .mailbox import close_mailbox, deliver
+from .session import default_worker_name
+
+if TYPE_CHECKING:
+    from ...core.engine import Sink
+
+__all__ = ["RPCTransport"]
+
+
+class RPCTransport(PeerTransport):
+    """Data plane to ONE RPC worker of :class:`~weightsync.schemes.rpc.RPCWeightSyncScheme` (sender side).
+
+    Args:
+        worker_idx: the worker this transport reaches.
+        worker_name: its RPC name (default ``weightsync-worker-<worker_idx>``).
+        model_id: the model the updates are for (the worker's mailbox).
+        sink: where the older API's calls go (the sender's pipeline).
+    """
+
+    SETTINGS = options.RPC_SETTINGS
+
+    def __init__(
+        self, worker_idx: int = 0, worker_name: str | None = None, model_id: str | None = None, sink: Sink | None = None
+    ) -> None:
+        super().__init__(worker_idx, sink)
+        self.worker_name = worker_name or default_worker_name(worker_idx)
+        self.model_id = model_id
+        self.in_flight: dict[int, torch.futures.Future] = {}  # version -> the RPC's future
+
+    def submit(
+        self, version: int, buffer: torch.Tensor, layout: dict | None, timeout: float, digest: str | None = None
+    ) -> torch.futures.Future:
+        """Send ``version`` to the worker; the returned future completes with its answer (the ack)."""
+        future = rpc.rpc_async(
+            self.worker_name, deliver, args=(self.model_id, version, buffer, layout, digest), timeout=timeout
+        )
+        self.in_flight[version] = future
+        return future
+
+    def close(self, timeout: float) -> None:
+        """Tell the worker the sender is gone (best effort, bounded; ``timeout`` 0: not at all)."""
+        if timeout > 0:
+            with contextlib.suppress(RuntimeError):
+                rpc.rpc_async(self.worker_name, close_mailbox, args=(self.model_id,), timeout=timeout).wait()
+        self.in_flight.clear()

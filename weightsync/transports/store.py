@@ -1,0 +1,81 @@
+"""TCP stores: served by the sender, joined by workers; what is read there is data, bounded and checked."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import ConfigurationError, SyncTimeoutError, TransportError
+
+__all__ = ["MAX_STORE_JSON", "as_timedelta", "connect_store", "open_store", "store_json"]
+
+log = logging.getLogger("weightsync.transports.store")
+
+#: Connections a served store queues before it accepts them (workers, rejoins, the sender's own clients).
+BACKLOG = 1024
+#: The largest store value read as JSON: a layout of some 100,000 tensors. Anyone who reaches the store can
+#: write its keys (it has no authentication), so what is read there is bounded and checked, never unpickled.
+MAX_STORE_JSON = 16 * 1024 * 1024
+
+
+def as_timedelta(seconds: float) -> timedelta:
+    """``seconds`` as torch.distributed wants a timeout (never zero, which some of its waits read as "none")."""
+    return timedelta(seconds=max(float(seconds), 0.001))
+
+
+def store_json(store: dist.Store, key: str) -> dict[str, Any]:
+    """The JSON object stored under ``key``, read as data (bounded, an object, nothing else).
+
+    Raises:
+        TransportError: the value is too large, not JSON, or not a JSON object.
+    """
+    raw = store.get(key)
+    if len(raw) > MAX_STORE_JSON:
+        raise TransportError(f"store key {key!r} holds {len(raw)} bytes, over {MAX_STORE_JSON}; refusing it")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise TransportError(f"store key {key!r} does not hold a JSON object; refusing it")
+    return value
+
+
+def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, bool]:
+    """Serve a TCP store bound to ``host:port`` (only that address); return (store, port, owned).
+
+    If the port is taken (typically by the training job's own store at
+    ``MASTER_PORT``), join that store as a client instead: the scheme then
+    works under a key prefix of its own and leaves the job's keys alone.
+    """
+    try:
+        sock = socket.create_server((host, port), backlog=BACKLOG)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE or port == 0:
+            raise ConfigurationError(f"cannot serve a TCP store on {host}:{port}: {exc}") from exc
+        log.info("%s:%d is taken; joining the store there under weightsync's own prefix", host, port)
+        return connect_store(host, port, timeout), port, False
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=as_timedelta(timeout),
+        master_listen_fd=sock.detach(),
+    )
+    return store, port, True
+
+
+def connect_store(host: str, port: int, timeout: float, **where: Any) -> dist.Store:
+    """A client of the TCP store at ``host:port``, waiting at most ``timeout`` for it to answer."""
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=as_timedelta(timeout))
+    except dist.DistError as exc:
+        raise SyncTimeoutError(f"no TCP store answered at {host}:{port} within {timeout:.0f}s", **where) from exc

@@ -31,17 +31,22 @@ import weightsync as ws
 SCHEMES = ["no_sync", "shared_mem", "multiprocess"]
 
 
-def make_model(mb: float, tensors: int = 0) -> nn.Module:
-    """About ``mb`` megabytes of float32: an MLP of square layers, or ``tensors`` equal tensors when given.
+def make_model(mb: float, tensors: int = 0, device: str = "cpu", dtype: str = "float32") -> nn.Module:
+    """About ``mb`` megabytes of ``dtype``: an MLP of square layers, or ``tensors`` equal tensors when given, on
+    ``device``.
 
-    The MLP is 2048 wide (4.2 MB a layer) from 4 MB up, narrower below, so small models stay MLPs too.
+    The MLP is 2048 wide (4.2 MB a layer in float32) from 4 MB up, narrower below, so small models stay MLPs too.
     """
+    kind = getattr(torch, dtype)
+    size = torch.empty((), dtype=kind).element_size()
     if tensors:
-        numel = max(1, round(mb * 1e6 / 4 / tensors))
-        return nn.ParameterList([nn.Parameter(torch.randn(numel)) for _ in range(tensors)])
-    width = 2048 if mb >= 4 else max(8, round((mb * 1e6 / 4 / 3) ** 0.5))
-    layers = max(1, round(mb * 1e6 / 4 / (width * width + width)))
-    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+        numel = max(1, round(mb * 1e6 / size / tensors))
+        model: nn.Module = nn.ParameterList([nn.Parameter(torch.randn(numel)) for _ in range(tensors)])
+    else:
+        width = 2048 if mb >= 4 else max(8, round((mb * 1e6 / size / 3) ** 0.5))
+        layers = max(1, round(mb * 1e6 / size / (width * width + width)))
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    return model.to(device=device, dtype=kind)
 
 
 def processes() -> mp.context.BaseContext:
@@ -82,9 +87,17 @@ def held_memory() -> int:
     return sum(fields.values())
 
 
-def worker(scheme: ws.WeightSyncScheme, idx: int, mb: float, stop, tensors: int = 0) -> None:
+def worker(
+    scheme: ws.WeightSyncScheme,
+    idx: int,
+    mb: float,
+    stop,
+    tensors: int = 0,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> None:
     torch.set_num_threads(1)
-    model = make_model(mb, tensors)
+    model = make_model(mb, tensors, device, dtype)
     scheme.init_on_receiver(model_id="policy", model=model, worker_idx=idx)
     scheme.connect()
     while not stop.is_set():  # no_sync has no channel to say the trainer is done
@@ -97,15 +110,23 @@ def worker(scheme: ws.WeightSyncScheme, idx: int, mb: float, stop, tensors: int 
 
 @contextlib.contextmanager
 def connected(
-    name: str, model: nn.Module, workers: int, mb: float, tensors: int = 0, **options: Any
+    name: str,
+    model: nn.Module,
+    workers: int,
+    mb: float,
+    tensors: int = 0,
+    device: str = "cpu",
+    dtype: str = "float32",
+    **options: Any,
 ) -> Iterator[ws.WeightSyncScheme]:
     """A sender scheme for ``model`` (``options``: the scheme's own), connected to ``workers`` worker processes
-    (:func:`processes`); shut down on exit."""
+    (:func:`processes`) whose models are on ``device``; shut down on exit."""
     ctx = processes()
     scheme = ws.WeightSyncScheme.from_backend(name, timeout=120, **options)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
     stop = ctx.Event()
-    procs = [ctx.Process(target=worker, args=(scheme, i, mb, stop, tensors)) for i in range(workers)]
+    args = [(scheme, i, mb, stop, tensors, device, dtype) for i in range(workers)]
+    procs = [ctx.Process(target=worker, args=a) for a in args]
     for proc in procs:
         proc.start()
     try:

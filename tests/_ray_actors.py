@@ -48,14 +48,17 @@ class Collector:
         import weightsync.tensors.bound
 
         self.writes = {"tensor_by_tensor": 0, "bind": 0}
-        for module, what in ((weightsync.core.receiver, "tensor_by_tensor"), (weightsync.tensors.bound, "bind")):
-            real = module.write_into
+        for module, name, what in (
+            (weightsync.core.receiver, "write_into", "tensor_by_tensor"),
+            (weightsync.tensors.bound, "point_at", "bind"),
+        ):
+            real = getattr(module, name)
 
             def counted(dst, src, _real=real, _what=what, **kw):
                 self.writes[_what] += 1
                 return _real(dst, src, **kw)
 
-            module.write_into = counted
+            setattr(module, name, counted)
 
     def written(self) -> dict:
         return dict(self.writes)

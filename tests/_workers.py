@@ -236,7 +236,7 @@ def in_process_receiver(sender, model, worker_idx: int = 0):
     return receiver
 
 
-def until_sender_dies(cfg: dict, report: str) -> None:
+def until_sender_dies(cfg: dict, report: str, kind: str = "tiny") -> None:
     """A worker built from a receiver config: apply updates until the sender goes away, then shut down
     and write what it noticed (and what it still holds) to ``report``."""
     import json
@@ -245,7 +245,7 @@ def until_sender_dies(cfg: dict, report: str) -> None:
     from weightsync.config import from_config
 
     scheme = from_config(cfg, allow_pickle=True)  # the trainer that wrote cfg is this process's parent
-    scheme.init_on_receiver(model=build("tiny"))
+    scheme.init_on_receiver(model=build(kind))
     scheme.connect()
     versions = [scheme.version]
     while True:
@@ -260,16 +260,18 @@ def until_sender_dies(cfg: dict, report: str) -> None:
         json.dump({"noticed": noticed, "versions": versions, "leftovers": leftovers()}, out)
 
 
-def doomed_trainer(name: str, n: int, reports: list, cmd) -> None:
+def doomed_trainer(name: str, n: int, reports: list, cmd, device: str = "") -> None:
     """A trainer that starts ``n`` workers from receiver configs, sends two versions, reports, then waits
-    (the test kills it)."""
+    (the test kills it). ``device``: the GPU the trainer's and the workers' models are on (``""``: the CPU)."""
     import multiprocessing as mp
 
     scheme = ws.WeightSyncScheme.from_backend(name, timeout=5, connect_timeout=60)
-    model = build("tiny")
+    kind = f"tiny@{device}" if device else "tiny"
+    model = build(kind)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=n)
     configs = [scheme.receiver_config(w) for w in range(n)]
-    procs = [mp.get_context("fork").Process(target=until_sender_dies, args=(configs[w], reports[w])) for w in range(n)]
+    start = mp.get_context("spawn" if device else "fork")  # CUDA, once started here, does not survive a fork
+    procs = [start.Process(target=until_sender_dies, args=(configs[w], reports[w], kind)) for w in range(n)]
     for proc in procs:
         proc.start()
     scheme.connect()

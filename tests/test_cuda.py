@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 
 import weightsync as ws
+from tests import _bodies as bodies
 from tests._bodies import optimizer_step, start
 from tests._workers import build, checksum, serve
 
@@ -30,12 +35,17 @@ def _sends_arrive_then_stop(scheme, model, group) -> None:
 
 
 @pytest.mark.parametrize("name", ["multiprocess", "shared_mem", "distributed"])
-def test_cuda_models_on_both_sides_over_a_cpu_engine(workers, name):
+def test_cuda_models_on_both_sides(workers, name):
     model = build("tiny").cuda()
     scheme = _cpu_engine(name)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
     group, ready = start(workers, {"policy": scheme}, {"policy": "tiny@cuda:0"}, n=1)
     assert ready[0][2] == {} and ready[0][1] == [("policy", 0, checksum(model))]
+    if name != "distributed":  # the local schemes' slots are in the trainer's GPU memory
+        slots = scheme.shared_transport.slots
+        assert slots and all(
+            slot.buffer.is_cuda and slot.buffer.device == model.body[0].weight.device for slot in slots
+        )
     _sends_arrive_then_stop(scheme, model, group)
 
 
@@ -85,3 +95,104 @@ def test_checksum_and_check_finite_with_cuda_models(workers, name):
     with torch.no_grad():
         model.body[0].weight[0, 0] = 0.25
     _sends_arrive_then_stop(scheme, model, group)
+
+
+# ----------------------------------------------------------------- the local schemes' device slots
+LOCAL = ["multiprocess", "shared_mem"]
+
+
+def _local(name: str, **kw) -> ws.WeightSyncScheme:
+    return ws.WeightSyncScheme.from_backend(name, timeout=20, connect_timeout=60, **kw)
+
+
+@pytest.mark.parametrize("name", LOCAL)
+def test_a_trainer_step_on_the_gpu_is_invisible_before_send(workers, name):
+    bodies.trainer_changes_are_invisible_until_send(_local(name), workers, device="cuda:0")
+
+
+@pytest.mark.parametrize("name", LOCAL)
+def test_no_torn_reads_on_the_gpu_under_alternating_async_sends(workers, name):
+    bodies.no_torn_reads_under_alternating_sends(_local(name, sync=False), workers, 200, device="cuda:0")
+
+
+@pytest.mark.parametrize("name", LOCAL)
+def test_a_mismatching_gpu_worker_is_refused_with_nothing_applied(workers, name):
+    bodies.mismatching_worker_is_refused_by_name(_local(name), workers, device="cuda:0")
+
+
+@pytest.mark.parametrize("name", LOCAL)
+def test_a_killed_gpu_worker_is_named(workers, name):
+    bodies.killed_worker_is_named_and_the_others_are_served(_local(name), workers, device="cuda:0")
+
+
+@pytest.mark.parametrize("name", LOCAL)
+def test_a_hung_gpu_worker_costs_one_timeout(workers, name):
+    bodies.hung_worker_costs_one_timeout(_local(name), workers, device="cuda:0")
+
+
+@pytest.mark.parametrize("name", LOCAL)
+def test_a_gpu_worker_killed_and_started_again_rejoins_with_the_newest_version(workers, name):
+    model = build("tiny@cuda:0")
+    scheme = _local(name)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = start(workers, {"policy": scheme}, {"policy": "tiny@cuda:0"})
+    os.kill(group.procs[1].pid, signal.SIGKILL)
+    group.procs[1].join(10)
+    optimizer_step(model, 1)
+    with pytest.raises(ws.WorkerDiedError):
+        scheme.send()
+    again = workers(serve, 1, lambda i, conn: ({"policy": scheme}, 1, {"policy": "tiny@cuda:0"}, conn))
+    _, log, errors = again.recv(0)
+    assert errors == {} and log == [("policy", 1, checksum(model))]  # the newest version, at once
+    optimizer_step(model, 2)
+    scheme.send()
+    assert again.ask(0, "state")["policy"] == (2, checksum(model))
+    assert group.ask(0, "state")["policy"] == (2, checksum(model))
+    again.stop()
+    group.stop()
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("name", LOCAL)
+@pytest.mark.parametrize(("trainer", "worker"), [("cuda:0", "cpu"), ("cpu", "cuda:0")])
+def test_mixed_devices_go_through_pinned_host_slots(workers, name, trainer, worker):
+    model = build(bodies.on("tiny", "" if trainer == "cpu" else trainer))
+    scheme = _local(name)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    group, ready = start(
+        workers, {"policy": scheme}, {"policy": bodies.on("tiny", "" if worker == "cpu" else worker)}, n=1
+    )
+    assert ready[0][2] == {}
+    slots = scheme.shared_transport.slots
+    assert slots and not any(slot.buffer.is_cuda for slot in slots)
+    if trainer != "cpu":
+        assert all(slot.pinned is not None and slot.pinned.pinned for slot in slots)
+    _sends_arrive_then_stop(scheme, model, group)
+
+
+@pytest.mark.parametrize("name", LOCAL)
+def test_gpu_slots_leave_no_device_memory_behind(workers, name):
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()
+    free_before, _ = torch.cuda.mem_get_info()
+    allocated_before = torch.cuda.memory_allocated()
+    model = build("flat4@cuda:0")
+    scheme = _local(name)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = start(workers, {"policy": scheme}, {"policy": "flat4@cuda:0"})
+    for step in range(1, 6):
+        optimizer_step(model, step)
+        scheme.send()
+    for w in range(2):
+        status, _, left = group.ask(w, "stop")
+        assert status == "stopped" and not left["threads"], left
+    group.stop()
+    scheme.shutdown()
+    del model
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()
+    assert torch.cuda.memory_allocated() == allocated_before
+    deadline = time.monotonic() + 10  # the workers' contexts go when their processes have exited
+    while torch.cuda.mem_get_info()[0] < free_before - (64 << 20) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert torch.cuda.mem_get_info()[0] >= free_before - (64 << 20)

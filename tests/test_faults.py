@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 import weightsync as ws
 from tests import _bodies as bodies
@@ -264,8 +265,17 @@ def test_policy_and_staleness_settings_are_checked():
         ws.DistributedWeightSyncScheme(max_staleness=-1)
 
 
-@pytest.mark.parametrize("name", ["multiprocess", "shared_mem", "distributed", "rpc"])
-def test_workers_exit_cleanly_when_the_trainer_is_killed(ctx, tmp_path, name):
+_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; this machine has none")
+
+
+@pytest.mark.parametrize(
+    ("name", "device"),
+    [
+        *((name, "") for name in ("multiprocess", "shared_mem", "distributed", "rpc")),
+        *(pytest.param(name, "cuda:0", marks=_GPU) for name in ("multiprocess", "shared_mem")),
+    ],
+)
+def test_workers_exit_cleanly_when_the_trainer_is_killed(ctx, tmp_path, name, device):
     import json
 
     import psutil
@@ -274,7 +284,8 @@ def test_workers_exit_cleanly_when_the_trainer_is_killed(ctx, tmp_path, name):
 
     reports = [str(tmp_path / f"worker{w}.json") for w in range(2)]
     parent, child = ctx.Pipe()
-    trainer = ctx.Process(target=doomed_trainer, args=(name, 2, reports, child))  # not a daemon: it has children
+    # not a daemon: it has children
+    trainer = ctx.Process(target=doomed_trainer, args=(name, 2, reports, child, device))
     trainer.start()
     try:
         assert parent.poll(60), "the trainer did not start its workers"

@@ -174,6 +174,8 @@ class Delivery:
             when binding).
         whole: ``storage`` is exactly the layout's bytes: the model's own storage can swap memory with it.
         refusal: what the engine found wrong on arrival (a truncated segment): applying it fails with this.
+        fence: the bytes are in GPU memory another process writes: the event its stream records after writing
+            (:class:`~weightsync.tensors.cuda.SlotEvent`), which the model's stream waits on before reading them.
         token: the engine's own, for its ack.
     """
 
@@ -185,6 +187,7 @@ class Delivery:
     storage_views: dict[str, torch.Tensor] | None = None
     whole: bool = True
     refusal: BaseException | None = None
+    fence: Any = None
     token: Any = None
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ..errors import LifecycleError, WeightSyncError
 from ..metrics import SendMetrics, SendRecord
+from ..tensors.bound import one_device
 from .states import RECEIVING, SENDING
 
 if TYPE_CHECKING:
@@ -39,6 +42,18 @@ class SchemeProperties:
     model = _read("_model", "The registered model (sender: or its weights).")
     worker_idx = _read("_worker_idx", "Receiver: which worker this is.")
     num_workers = _read("_num_workers", "How many workers the sender serves.")
+
+    @property
+    def model_device(self) -> torch.device | None:
+        """The device every weight of the registered model is on (``None``: no model yet, or several devices)."""
+        model = getattr(self, "_model", None)
+        return None if model is None else one_device(list(self._strategy.flat(model).values()))
+
+    @property
+    def _model_gpu(self) -> torch.device | None:
+        """The GPU every weight of the registered model is on, if one."""
+        device = self.model_device
+        return device if device is not None and device.type == "cuda" else None
 
     @property
     def is_sender(self) -> bool:

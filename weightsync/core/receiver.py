@@ -18,7 +18,8 @@ import torch
 
 from ..errors import ConfigurationError, ConnectionClosedError, SyncTimeoutError, WeightMismatchError
 from ..integrity import check_digest
-from ..tensors.bound import BoundModel
+from ..tensors import cuda
+from ..tensors.bound import BoundModel, one_device
 from ..tensors.copies import write_into
 from ..tensors.layout import FlatLayout
 from ..tensors.strategy import check_spec, flatten_weights, weights_spec
@@ -117,7 +118,12 @@ class Receiver:
             if not held:
                 check_spec(layout.spec, weights_spec(dst), **where)
             with self.weights_lock:  # weights and version change together for readers holding the lock
+                gpus = self._gpus(dst, held)
+                if update.fence is not None:  # bytes another process's GPU stream wrote: read them after it
+                    cuda.wait_event(update.fence, gpus)
                 self._written = (dst, self._place(dst, update, layout, held))
+                if gpus:  # the copies are queued on the model's stream: done before the ack says so
+                    cuda.settle(gpus)
                 self.version = update.version
         except Exception as exc:
             self.engine.ack(taken, self.version, exc)
@@ -125,23 +131,35 @@ class Receiver:
         self.engine.ack(taken, update.version)
         return update.version
 
+    def _gpus(self, dst: dict[str, torch.Tensor], held: bool) -> set[torch.device]:
+        """The GPUs the model's tensors ``dst`` are on (``held``: all in the bound storage, whose device says)."""
+        if held:
+            assert self.bound.storage is not None
+            device = self.bound.storage.device
+            return {device} if device.type == "cuda" else set()
+        return cuda.cuda_devices(dst.values())
+
     def _place(
         self, dst: dict[str, torch.Tensor], update: Delivery, layout: FlatLayout, held: bool
     ) -> dict[str, torch.Tensor] | None:
         """Put ``update`` into the model; return the views its tensors now are, or ``None`` (their own memory)."""
         placement = self.engine.placement
         if placement in ("take", "share") and update.storage is not None:
-            if held and update.whole:
+            if held and update.whole and self.bound.can_swap and self.bound.storage.device == update.storage.device:
                 # O(1): the model's storage takes the delivered memory, the delivery the memory the model had.
                 self.bound.swap(update.storage)
                 self.engine.taken(update, None, swapped=True)
                 return self.bound.views
-            if all(tensor.is_cpu for tensor in dst.values()):
+            if one_device(list(dst.values())) == update.storage.device:
                 views = update.storage_views
                 if views is None and not update.whole:  # the pieces sit inside the storage: their views
                     views = self._views_of(update, layout)
                 left = self.bound.bind(dst, update.storage, layout, views)
                 self.engine.taken(update, left, swapped=False)
+                return self.bound.views
+            # The model is on another device than the update's memory (a GPU model, bytes in host memory): it
+            # keeps memory of its own, and each update is one copy per piece into it.
+            if self.bound.load(dst, update.pieces, layout, held):
                 return self.bound.views
         if placement == "load" and self.bound.load(dst, update.pieces, layout, held):
             return self.bound.views

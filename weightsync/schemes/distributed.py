@@ -12,6 +12,7 @@ from ..core.engine import ReceiverEngine, SenderEngine, Sink
 from ..core.scheme import WeightSyncScheme
 from ..errors import ConfigurationError
 from ..integrity import digest_device_check
+from ..tensors.bound import one_device
 from ..tensors.copies import in_shared_memory
 from ..tensors.layout import FlatLayout
 from ..tensors.strategy import flatten_weights
@@ -110,6 +111,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             timeout=self.timeout,
             connect_timeout=self.connect_timeout,
             sync=self.sync,
+            pin=device.type == "cpu" and self._model_gpu is not None,
         )
 
     def _receiver_engine(
@@ -119,8 +121,9 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
 
         handoff = DistributedReceiver.handoff_from(handoff, kwargs)
         device = self._check_backend()
+        flat = flatten_weights(self._model, self._strategy.extract_as)
         # A model in shared memory may be read by processes of the worker's own: written into, never moved.
-        shared = in_shared_memory(flatten_weights(self._model, self._strategy.extract_as))
+        shared = in_shared_memory(flat)
         return DistributedReceiver(
             handoff,
             backend=self.backend,
@@ -130,6 +133,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             checksum=self.checksum,
             timeout=self.timeout,
             where=where,
+            model_device=one_device(list(flat.values())),
         )
 
     @classmethod

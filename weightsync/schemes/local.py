@@ -70,6 +70,7 @@ class LocalScheme(WeightSyncScheme):
             per_worker=self.per_worker_weights,
             checksum=self.checksum,
             address=kwargs.get("address"),
+            gpu=self._model_gpu,
         )
 
     def _receiver_engine(
@@ -79,7 +80,10 @@ class LocalScheme(WeightSyncScheme):
 
         cls = self.transport_class
         placement = "share" if cls.pinning else ("write" if self.keep_storage else "load")
-        return LocalReceiver.from_handoff(handoff, kwargs, transport_class=cls, placement=placement, where=where)
+        device = self.model_device
+        return LocalReceiver.from_handoff(
+            handoff, kwargs, transport_class=cls, placement=placement, where=where, device=device and str(device)
+        )
 
     @classmethod
     def check_receiver_connection(cls, connection: Any, model_id: str) -> dict[str, Any]:

@@ -161,6 +161,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
             transport_class=self._transport_class,
             extract_as=self._strategy.extract_as,
             checksum=self.checksum,
+            pin=self._model_gpu is not None,
         )
 
     def _receiver_engine(

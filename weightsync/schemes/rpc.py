@@ -116,6 +116,7 @@ class RPCWeightSyncScheme(WeightSyncScheme):
             checksum=self.checksum,
             timeout=self.timeout,
             connect_timeout=self.connect_timeout,
+            pin=self._model_gpu is not None,
         )
 
     def _receiver_engine(

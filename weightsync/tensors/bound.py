@@ -9,6 +9,12 @@ workers that take each update's buffer); and a sender bound that way
 (``flatten_sender``) publishes with one copy out of it, or none (Ray). Binding
 re-points each tensor (``tensor.data = view``: about 1.2 us a tensor, 2.4 ms
 for 2000), which is paid once, not at every update.
+
+The storage may be on any one device: the CPU, or the GPU all the model's
+tensors are on. The swap needs ``UntypedStorage._swap_data_ptr_`` (torch 2.12
+and later); with an older torch, :attr:`BoundModel.can_swap` is false and
+callers bind the new storage instead (re-pointing every tensor), which gives
+the same result at the cost of binding.
 """
 
 from __future__ import annotations
@@ -20,21 +26,44 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ConfigurationError
-from .copies import copy_tensors, in_shared_memory, write_into
+from .copies import copy_tensors, in_shared_memory, point_at, write_into
 
 if TYPE_CHECKING:
     from .layout import FlatLayout
 
-__all__ = ["BoundModel"]
+__all__ = ["CAN_SWAP", "BoundModel", "one_device"]
 
 log = logging.getLogger(__name__)
+
+#: Whether this torch can swap the memory behind two storages (``UntypedStorage._swap_data_ptr_``).
+CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def one_device(tensors: list[torch.Tensor]) -> torch.device | None:
+    """The device every tensor of ``tensors`` is on (``None``: none, or several)."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    if all(t.is_cpu for t in tensors):  # the common case, without building a device per tensor
+        return first.device
+    device = first.device
+    return device if all(t.device == device for t in tensors) else None
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """``storage`` as one uint8 tensor on its device."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
 
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 
 
 class BoundModel:
-    """A model's tensors as views of one CPU storage (``storage``), or nothing bound yet."""
+    """A model's tensors as views of one storage (``storage``, on their device), or nothing bound yet."""
+
+    #: Whether :meth:`swap` works with this torch (else callers :meth:`bind` the other storage).
+    can_swap = CAN_SWAP
 
     def __init__(self) -> None:
         self.storage: torch.UntypedStorage | None = None
@@ -77,13 +106,13 @@ class BoundModel:
         layout: FlatLayout,
         views: dict[str, torch.Tensor] | None = None,
     ) -> torch.UntypedStorage | None:
-        """Point every tensor of ``dst`` (all on the CPU, checked against ``layout``) at its view of ``storage``,
-        which holds the weights as ``layout`` places them (``views``: those views, if the caller made them).
-        Returns the storage bound before, if another."""
-        whole = self.bytes if storage is self.storage else torch.empty(0, dtype=torch.uint8).set_(storage)
+        """Point every tensor of ``dst`` (all on ``storage``'s device, checked against ``layout``) at its view of
+        ``storage``, which holds the weights as ``layout`` places them (``views``: those views, if the caller made
+        them). Returns the storage bound before, if another."""
+        whole = self.bytes if storage is self.storage else _bytes_of(storage)
         if views is None:
             views = self.views if storage is self.storage else layout.views(whole)
-        write_into(dst, views, share=True)
+        point_at(dst, views)
         previous = self.storage if self.storage is not storage else None
         self.storage, self.views, self.bytes = storage, views, whole
         base = storage.data_ptr()
@@ -106,9 +135,10 @@ class BoundModel:
         ``(byte offset in the layout, uint8 buffer)`` covering every tensor (:meth:`FlatLayout.placed`).
 
         Unless ``held`` (the first update, or a model whose tensors were replaced, moved or reshaped since),
-        the model is first bound to one private storage laid out by ``layout`` (each tensor re-pointed at its
-        view, with the update's values); its memory then stays the same from update to update. Returns
-        ``False``, with nothing done, where the caller must copy tensor by tensor: a tensor off the CPU, a
+        the model is first bound to one private storage on its device, laid out by ``layout`` (each tensor
+        re-pointed at its view, with the update's values); its memory then stays the same from update to
+        update. The pieces may be on another device (a host slot for a GPU model): each is one copy. Returns
+        ``False``, with nothing done, where the caller must copy tensor by tensor: tensors on several devices, a
         layout that casts (``wire_dtype``), or a model in shared memory at its first update (processes of the
         receiver's own may read it: it is written into, never moved).
         """
@@ -117,27 +147,29 @@ class BoundModel:
             return True
         if self._shared_at_first is None:
             self._shared_at_first = in_shared_memory(dst)
-        if self._shared_at_first or layout.casts or not all(tensor.is_cpu for tensor in dst.values()):
+        device = one_device(list(dst.values()))
+        if self._shared_at_first or layout.casts or device is None:
             return False
-        whole = torch.empty(layout.nbytes, dtype=torch.uint8)  # padding between pieces is never read
+        whole = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)  # padding between pieces is never read
         copy_tensors([whole[o : o + b.numel()] for o, b in pieces], [b for _, b in pieces])
         self.bind(dst, whole.untyped_storage(), layout)
         return True
 
     def adopt(self, flat: dict[str, torch.Tensor], layout: FlatLayout, model_id: str | None = None) -> None:
         """Sender (``flatten_sender``): move the trainer's tensors ``flat`` (checked against ``layout``, which
-        must not cast) into one zeroed storage laid out by ``layout``, keeping their values and objects.
+        must not cast) into one zeroed storage on their device, laid out by ``layout``, keeping their values and
+        objects.
 
         Raises:
-            ConfigurationError: a tensor is off the CPU (named); nothing moved.
+            ConfigurationError: the tensors are on several devices (named); nothing moved.
         """
-        off_cpu = [key for key, tensor in flat.items() if not tensor.is_cpu]
-        if off_cpu:
+        device = one_device(list(flat.values()))
+        if device is None:
+            devices = sorted({str(tensor.device) for tensor in flat.values()})
             raise ConfigurationError(
-                f"flatten_sender needs every weight on the CPU; {off_cpu[:3]} are on {flat[off_cpu[0]].device}",
-                model_id=model_id,
+                f"flatten_sender needs every weight on one device; they are on {devices}", model_id=model_id
             )
-        whole = torch.zeros(layout.nbytes, dtype=torch.uint8)  # zeroed: padding reaches the workers
+        whole = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)  # zeroed: padding reaches the workers
         views = layout.views(whole)
         write_into(views, flat)
         self.bind(flat, whole.untyped_storage(), layout, views)
@@ -148,9 +180,9 @@ class BoundModel:
         """Sender (``flatten_sender``): the bytes of the storage the trainer's tensors ``flat`` view, all of
         them in their place (``held``: what :meth:`holds` says; else the registered model, changed since, is
         adopted anew); ``None`` where the caller copies tensor by tensor: weights passed explicitly
-        (``registered`` false), or off the CPU."""
+        (``registered`` false), or on several devices."""
         if not held:
-            if not registered or not all(tensor.is_cpu for tensor in flat.values()):
+            if not registered or one_device(list(flat.values())) is None:
                 return None
             log.debug("model %r: the trainer's weights changed since they were bound; binding them anew", model_id)
             self.adopt(flat, layout, model_id)
@@ -160,17 +192,24 @@ class BoundModel:
         """Give the bound tensors ``storage``'s memory, and ``storage`` theirs (same size): O(1).
 
         ``UntypedStorage._swap_data_ptr_`` is what torch's own FSDP and CUDA-graph trees use to move tensors
-        between buffers; the tensors, their views and the storage object stay, only the memory changes."""
-        assert self.storage is not None
+        between buffers; the tensors, their views and the storage object stay, only the memory changes. Only
+        where :attr:`can_swap` (torch 2.12 and later)."""
+        assert self.storage is not None and self.can_swap
         self.storage._swap_data_ptr_(storage)
 
     def release(self) -> None:
-        """Give the bound storage private memory holding the same bytes (one copy), and forget it: the memory it
-        had (a shared slot) is then held only by whoever else holds it."""
+        """Give the bound tensors private memory holding the same bytes (one copy), and forget them: the memory
+        they had (a shared slot) is then held only by whoever else holds it."""
         if self.storage is not None:
-            private = torch.UntypedStorage(self.storage.nbytes())
-            private.copy_(self.storage)
-            self.swap(private)  # `private` now holds the old memory, freed with it
+            private = torch.empty(self.storage.nbytes(), dtype=torch.uint8, device=self.storage.device)
+            private.copy_(self.bytes)
+            if self.can_swap:
+                self.swap(private.untyped_storage())  # `private` now holds the old memory, freed with it
+            else:
+                with torch.no_grad():
+                    for tensor, offset in zip(self._tensors, self._offsets):
+                        nbytes = tensor.numel() * tensor.element_size()
+                        tensor.data = private[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
         self.forget()
 
     def forget(self) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["copy_tensors", "in_shared_memory", "write_into"]
+__all__ = ["copy_tensors", "in_shared_memory", "point_at", "write_into"]
 
 #: torch copies a CPU tensor of this many elements or more on all its threads (``at::internal::GRAIN_SIZE``).
 PARALLEL_MIN_NUMEL = 32768
@@ -133,3 +133,11 @@ def write_into(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor],
         if copies_dst:
             copy_tensors(copies_dst, copies_src)
         return not copies_dst
+
+
+def point_at(dst: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tensor]) -> None:
+    """Make every tensor of ``dst`` the view ``views[k]`` (same device, shape and dtype, checked by the caller):
+    the tensor objects stay, their memory becomes the views'."""
+    with torch.no_grad():
+        for key, tensor in dst.items():
+            tensor.data = views[key]

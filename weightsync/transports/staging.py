@@ -17,10 +17,11 @@ SETTLE_S = 0.05
 
 
 class Staging:
-    """One flat send buffer and, per worker, the send still reading it."""
+    """One flat send buffer and, per worker, the send still reading it (``pin``: in page-locked host memory,
+    which a GPU copies into at the bus's speed)."""
 
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    def __init__(self, nbytes: int, device: torch.device, pin: bool = False) -> None:
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
         self.readers: dict[int, Any] = {}  # worker -> its in-flight send(s) (Works or Futures)
         self.views: dict[str, torch.Tensor] | None = None  # typed views of the buffer, made once by its user
 
@@ -39,6 +40,7 @@ class StagingPool:
         limit: most buffers held at once; peak extra memory is ``limit`` x ``nbytes``.
         done: whether an in-flight send has finished.
         settle: waits a little on one in-flight send; ``False`` if still running.
+        pin: host buffers are page-locked (the trainer's weights are on a GPU).
     """
 
     def __init__(
@@ -48,8 +50,9 @@ class StagingPool:
         limit: int,
         done: Callable[[Any], bool],
         settle: Callable[[int, Any, float], bool],
+        pin: bool = False,
     ) -> None:
-        self.nbytes, self.device, self.limit = nbytes, device, limit
+        self.nbytes, self.device, self.limit, self.pin = nbytes, device, limit, pin and device.type == "cpu"
         self._done, self._settle = done, settle
         self.buffers: list[Staging] = []
 
@@ -64,7 +67,7 @@ class StagingPool:
                 if not staging.busy(self._done):
                     return staging
             if len(self.buffers) < self.limit:
-                self.buffers.append(Staging(self.nbytes, self.device))
+                self.buffers.append(Staging(self.nbytes, self.device, self.pin))
                 return self.buffers[-1]
             oldest = self.buffers[0]
             if remaining(deadline) <= 0:

@@ -38,8 +38,11 @@ class DistributedReceiver(ReceiverEngine):
         backend: ``"gloo"`` or ``"nccl"``.
         device: where the buffers live.
         bucket_bytes: the most bytes a bucket holds (``None``: one message).
-        take: the model may take the buffer an update arrived in (a CPU model, not in shared memory, and no
-            ``keep_storage``); decided once the layout says whether weights travel in their own dtype.
+        take: the model may be moved to memory of weightsync's (not in shared memory, and no ``keep_storage``):
+            it takes the buffer an update arrived in where that buffer is on the model's device, else it is bound
+            to one buffer on its device that each update is copied into, one copy per bucket; decided once the
+            layout says whether weights travel in their own dtype.
+        model_device: the device every weight of the worker's model is on (``None``: several).
         checksum: check each update against the sender's checksum.
         timeout: the longest one update may take to arrive.
         where: ``model_id`` and ``worker_idx``.
@@ -56,6 +59,7 @@ class DistributedReceiver(ReceiverEngine):
         checksum: bool,
         timeout: float,
         where: dict[str, Any],
+        model_device: torch.device | None = None,
     ) -> None:
         if not handoff.get("prefix"):
             raise ConfigurationError(
@@ -66,6 +70,7 @@ class DistributedReceiver(ReceiverEngine):
         self.handoff = handoff
         self.backend, self.device, self.bucket_bytes = backend, device, bucket_bytes
         self._take, self.checksum, self.timeout, self.where = take, checksum, timeout, where
+        self.model_device = model_device
         self.transport: DistributedTransport | None = None
         self.num_workers: int | None = None
         self._buffers: list[torch.Tensor] = []
@@ -136,12 +141,20 @@ class DistributedReceiver(ReceiverEngine):
         self.transport = DistributedTransport(
             w, link=link, device=self.device, timeout=self.timeout, model_id=where["model_id"]
         )
-        self.placement = "take" if self._take and not self.layout.casts and self.device.type == "cpu" else "write"
+        self.placement = self._placement()
         # A model that takes the buffer an update arrived in leaves the other one for the next update.
         for _ in range(2 if self.placement == "take" else 1):
             self._buffers.append(torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.device))
             self._views.append(self.layout.views(self._buffers[-1]))
         self._buckets = self.layout.buckets(self.bucket_bytes)
+
+    def _placement(self) -> str:
+        """``take`` where the model is on the device updates arrive on (the CPU with gloo, the GPU with NCCL);
+        ``load`` where it is on another one device (a GPU model over gloo: one host-to-device copy per bucket);
+        ``write``, tensor by tensor, where it must keep its storage or the layout casts."""
+        if not self._take or self.layout is None or self.layout.casts or self.model_device is None:
+            return "write"
+        return "take" if self.model_device == self.device else "load"
 
     def _parts(self) -> list[torch.Tensor]:
         buffer = self._buffers[self._at]

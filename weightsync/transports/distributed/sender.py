@@ -61,6 +61,7 @@ class DistributedSender(SenderEngine):
         checksum: hash each version's bytes for the workers to check.
         timeout, connect_timeout: the scheme's.
         sync: the transports' ``send_weights`` waits for the ack.
+        pin: staging buffers in host memory are page-locked (the trainer's weights are on a GPU).
     """
 
     rejoins = True
@@ -80,9 +81,10 @@ class DistributedSender(SenderEngine):
         timeout: float,
         connect_timeout: float,
         sync: bool,
+        pin: bool = False,
     ) -> None:
         super().__init__(sink, layout, num_workers)
-        self.backend, self.device, self.checksum = backend, device, checksum
+        self.backend, self.device, self.checksum, self.pin = backend, device, checksum, pin
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.max_buffers = max_buffers
         self.buckets = layout.buckets(bucket_bytes)
@@ -179,7 +181,7 @@ class DistributedSender(SenderEngine):
     def stage(self, out: Outgoing, deadline: float) -> Staging:
         if self.pool is None:
             done = lambda works: all(work.done() for work in works)  # noqa: E731
-            self.pool = StagingPool(self.layout.nbytes, self.device, self.max_buffers, done, self._settle)
+            self.pool = StagingPool(self.layout.nbytes, self.device, self.max_buffers, done, self._settle, self.pin)
         staging = self.pool.acquire(deadline, model_id=self.sink.model_id, version=out.version)
         self.newest = None  # until the whole version is in the buffer
         if out.initial:

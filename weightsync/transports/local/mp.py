@@ -1,7 +1,8 @@
 """``MPTransport``: the channel to one local worker process that copies each update into its own model.
 
 Sender side, it tells its worker which shared slot holds a new version (the
-slot's descriptor goes along the first time) and reads the worker's acks.
+slot's descriptor goes along the first time, or for a slot in GPU memory its
+CUDA IPC share and event, as plain data) and reads the worker's acks.
 Receiver side, it maps the slots it is given and yields pending updates; the
 receiver copies them into the worker's own model and acks.
 """
@@ -9,16 +10,25 @@ receiver copies them into the worker's own model and acks.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ... import options
-from ...errors import ConnectionClosedError, ReceiverError, TransportError, WorkerDiedError
+from ...errors import (
+    ConnectionClosedError,
+    IntegrityError,
+    ReceiverError,
+    TransportError,
+    WeightSyncError,
+    WorkerDiedError,
+)
+from ...tensors import cuda
 from ..base import PeerTransport, TransportBackend
 from .channel import Channel
-from .slots import SharedSlot, map_fd
+from .slots import DeviceSlot, SharedSlot, map_fd, map_storage
 
 if TYPE_CHECKING:
     from ...core.engine import Sink
@@ -65,28 +75,45 @@ class MPTransport(PeerTransport, TransportBackend):
         self.channel = channel
         # Sender side.
         self.slots_sent: set[int] = set()
+        self.shares: list[dict[str, Any]] = []  # the CUDA IPC shares handed to this worker
         self.last_error: ReceiverError | None = None  # the worker's last failure, until a later success
         # Receiver side.
         self.slot_buffers: dict[int, torch.Tensor] = {}
-        self.bad_slots: dict[int, str] = {}  # slots refused on arrival, with the reason
+        self.bad_slots: dict[int, tuple[type[WeightSyncError], str]] = {}  # slots refused on arrival, and why
+        self.events: dict[int, cuda.SlotEvent] = {}  # device slots: the event the sender records after a write
+        self.pin_host = False  # the model is on a GPU: pin the host slots it copies from
+        self._pins: list[cuda.Pinned] = []
         self.closed_by_sender = False
 
     # ------------------------------------------------------------ sender side
-    def notify(self, slot: SharedSlot, version: int) -> None:
-        """Tell the worker that ``slot`` holds ``version``; ship the slot's descriptor on first use.
+    def notify(self, slot: SharedSlot | DeviceSlot, version: int) -> None:
+        """Tell the worker that ``slot`` holds ``version``; ship the slot's descriptor (or CUDA share) on first use.
 
         Raises:
             WorkerDiedError: the channel is closed.
         """
         try:
             if slot.id not in self.slots_sent:
-                self.channel.send_with_fds({"op": "slot", "slot": slot.id, "nbytes": slot.nbytes}, [slot.fd])
+                announce = {"op": "slot", "slot": slot.id, "nbytes": slot.nbytes}
+                if isinstance(slot, DeviceSlot):
+                    self.channel.send({**announce, "cuda": self._device_share(slot)})
+                else:
+                    self.channel.send_with_fds(announce, [slot.fd])
                 self.slots_sent.add(slot.id)
             self.channel.send({"op": "update", "version": version, "slot": slot.id, "digest": slot.digest})
         except ConnectionClosedError as exc:
             raise WorkerDiedError(
                 f"channel closed while sending ({exc.detail})", worker_idx=self.worker_idx, version=version
             ) from exc
+
+    def _device_share(self, slot: DeviceSlot) -> dict[str, Any]:
+        """Shares of ``slot``'s memory for this worker (two where the model takes a slot's memory as its own: one
+        to read it, one to take) and its event's handle."""
+        storage = slot.buffer.untyped_storage()
+        shares = [cuda.share(storage) for _ in range(2 if self.pinning else 1)]
+        self.shares.extend(shares)
+        assert slot.event is not None
+        return {"shares": shares, "event": slot.event.handle()}
 
     def acks(self, model_id: str | None) -> tuple[list[Ack], ConnectionClosedError | None]:
         """The acks already received, without waiting, and how the channel closed if it did (after them)."""
@@ -147,7 +174,7 @@ class MPTransport(PeerTransport, TransportBackend):
         while msg is not None:
             op = msg["op"]
             if op == "slot":
-                self._map_slot(int(msg["slot"]), int(msg["nbytes"]))
+                self._map_slot(msg)
             elif op == "update":
                 updates.append(Update(int(msg["version"]), int(msg["slot"]), msg.get("digest")))
             elif op == "bye":
@@ -164,20 +191,51 @@ class MPTransport(PeerTransport, TransportBackend):
             raise ConnectionClosedError("the sender has shut down", worker_idx=self.worker_idx)
         return updates
 
-    def _map_slot(self, slot: int, nbytes: int) -> None:
+    def _map_slot(self, msg: dict[str, Any]) -> None:
+        slot, nbytes = int(msg["slot"]), int(msg["nbytes"])
+        if "cuda" in msg:
+            self._map_device_slot(slot, nbytes, msg["cuda"])
+            return
         (fd,) = self.channel.recv_fds(1, timeout=FD_WAIT_S)
         try:
             size = os.fstat(fd).st_size
             if size < nbytes:  # mapping past the end of a segment would kill this process (SIGBUS)
-                self.bad_slots[slot] = f"slot {slot} holds {size} bytes, not the {nbytes} announced: truncated"
+                self.bad_slots[slot] = (
+                    IntegrityError,
+                    f"slot {slot} holds {size} bytes, not the {nbytes} announced: truncated",
+                )
             else:
-                self.slot_buffers[slot] = map_fd(fd, nbytes)
-                self._slot_mapped(slot, fd, nbytes)
+                buffer = self.slot_buffers[slot] = map_fd(fd, nbytes)
+                if self.pin_host:
+                    self._pins.append(cuda.Pinned(buffer))
+                self._slot_mapped(slot, lambda: map_storage(fd, nbytes))
         finally:
             os.close(fd)
 
-    def _slot_mapped(self, slot: int, fd: int, nbytes: int) -> None:
-        """A slot was just mapped into :attr:`slot_buffers` (``fd`` is open until this returns)."""
+    def _map_device_slot(self, slot: int, nbytes: int, info: Any) -> None:
+        """Map a slot in the sender's GPU memory (its CUDA IPC shares and event); a slot that cannot be mapped
+        is refused when an update names it, with the reason."""
+        try:
+            if not isinstance(info, dict) or set(info) != {"shares", "event"} or not isinstance(info["shares"], list):
+                raise TransportError("a device slot is announced with its shares and its event")
+            if not isinstance(info["event"], str):
+                raise TransportError("a device slot is announced with an event handle")
+            if len(info["shares"]) != (2 if self.pinning else 1):  # one to read, and one to take where it takes
+                raise TransportError(f"a device slot is announced with {len(info['shares'])} shares")
+            shares = [cuda.check_share(share, f"slot {slot}'s share") for share in info["shares"]]
+            storage = cuda.open_share(shares[0])
+            if storage.nbytes() < nbytes:
+                raise TransportError(f"slot {slot} holds {storage.nbytes()} bytes, not the {nbytes} announced")
+            self.events[slot] = cuda.SlotEvent.open(shares[0]["device"], info["event"])
+        except TransportError as exc:
+            self.bad_slots[slot] = (TransportError, str(exc))
+            return
+        self.slot_buffers[slot] = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,))
+        spare = shares[-1]
+        self._slot_mapped(slot, lambda: cuda.open_share(spare))
+
+    def _slot_mapped(self, slot: int, second: Callable[[], torch.UntypedStorage]) -> None:
+        """A slot was just mapped into :attr:`slot_buffers`; ``second()`` maps it once more (while this runs)."""
 
     def spare(self, slot: int) -> torch.UntypedStorage | None:
         """Memory of ``slot`` the model may take as its own (none: this transport's receivers copy)."""
@@ -195,5 +253,9 @@ class MPTransport(PeerTransport, TransportBackend):
 
     def close(self) -> None:
         self.channel.close()
+        for pin in self._pins:  # before the mappings go
+            pin.release()
+        self._pins.clear()
         self.slot_buffers.clear()
         self.bad_slots.clear()
+        self.events.clear()

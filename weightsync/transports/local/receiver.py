@@ -9,7 +9,7 @@ from typing import Any
 
 from ...core.engine import Delivery, ReceiverEngine
 from ...core.timing import remaining
-from ...errors import ConfigurationError, ConnectionClosedError, IntegrityError, LifecycleError
+from ...errors import ConfigurationError, ConnectionClosedError, LifecycleError
 from ...tensors.layout import FlatLayout
 from .channel import connect_channel
 from .keyfiles import read_key_file, remove_key_file_if_orphaned
@@ -32,6 +32,8 @@ class LocalReceiver(ReceiverEngine):
         transport_class: the transport of this scheme (``pinning``: the model reads the slots).
         placement: ``"load"``, ``"write"`` or ``"share"`` (see :class:`~weightsync.core.engine.ReceiverEngine`).
         where: ``model_id`` and ``worker_idx`` (this dict is the receiver core's: it knows the index at connect).
+        device: the device of the worker's model (``"cuda:0"``, ``"cpu"``; ``None``: several), which the sender
+            reads to choose where this worker's slots live.
     """
 
     def __init__(
@@ -43,11 +45,13 @@ class LocalReceiver(ReceiverEngine):
         transport_class: type[MPTransport],
         placement: str,
         where: dict[str, Any],
+        device: str | None = None,
     ) -> None:
         self.address, self._authkey, self.key_file = address, authkey, key_file
         self.transport_class = transport_class
         self.placement = placement
         self.where = where
+        self.device = device
         self.transport: MPTransport | None = None
         self.num_workers: int | None = None
         self._pending: deque[Update] = deque()
@@ -82,7 +86,12 @@ class LocalReceiver(ReceiverEngine):
         return cls(address, authkey, key_file, **options)
 
     def join(self, deadline: float, check: Callable[[FlatLayout], Any]) -> None:
-        hello = {"worker_idx": self.where["worker_idx"], "pid": os.getpid(), "model_id": self.where["model_id"]}
+        hello = {
+            "worker_idx": self.where["worker_idx"],
+            "pid": os.getpid(),
+            "model_id": self.where["model_id"],
+            "device": self.device,
+        }
         channel = connect_channel(self.address, bytes.fromhex(self._authkey), hello, remaining(deadline))
         try:
             welcome = channel.recv_until(deadline, "the sender's welcome")
@@ -91,6 +100,7 @@ class LocalReceiver(ReceiverEngine):
             self.layout = FlatLayout.from_plain(welcome["layout"])
             self.num_workers = int(welcome["num_workers"])
             self.transport = self.transport_class(channel, self.where["worker_idx"])
+            self.transport.pin_host = self.device is not None and self.device.startswith("cuda")
         except BaseException:
             channel.close()
             raise
@@ -119,7 +129,8 @@ class LocalReceiver(ReceiverEngine):
         buffer = self.transport.slot_buffers.get(update.slot)
         refusal: BaseException | None = None
         if update.slot in self.transport.bad_slots:
-            refusal = IntegrityError(self.transport.bad_slots[update.slot], **where)
+            error, reason = self.transport.bad_slots[update.slot]
+            refusal = error(reason, **where)
         elif buffer is None:
             refusal = LifecycleError(f"update names slot {update.slot}, which was never shared", **where)
         views = None
@@ -135,6 +146,7 @@ class LocalReceiver(ReceiverEngine):
             views=views,
             storage=self.transport.spare(update.slot),
             refusal=refusal,
+            fence=self.transport.events.get(update.slot),
             token=update,
         )
 

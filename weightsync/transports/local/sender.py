@@ -7,6 +7,14 @@ per pool: shared by all workers, or one pool per worker), and submitted by
 telling each targeted worker which slot holds it. A slot is written only
 when no worker still reads it: that rule is what makes torn reads impossible.
 The listener stays open after the rendez-vous, for workers that come back.
+
+Where the slots live depends on the devices. The trainer's weights on a GPU
+and a worker's model on a GPU: the worker's pool is in the trainer's GPU
+memory (one device-to-device copy per send, then an event; no host memory on
+the way). Otherwise, host memory (pinned when the trainer's weights are on a
+GPU), so a CUDA trainer with CPU workers and a CPU trainer with CUDA workers
+both copy through page-locked memory. A ``checksum`` keeps every pool in host
+memory, where it is computed.
 """
 
 from __future__ import annotations
@@ -16,16 +24,23 @@ import os
 import secrets
 from typing import Any
 
+import torch
+
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import remaining
 from ...errors import SyncTimeoutError, WeightSyncError, WorkerDiedError
 from ...integrity import digest
+from ...tensors import cuda
 from ...tensors.copies import copy_tensors, write_into
 from ...tensors.layout import FlatLayout
 from .channel import Channel, ChannelListener, readable
 from .keyfiles import KEY_BYTES, remove_key_file, write_key_file
 from .mp import MPTransport
-from .slots import SharedSlot, SlotPool
+from .slots import DeviceSlot, SharedSlot, SlotPool
+
+Slot = SharedSlot | DeviceSlot
+#: A pool's key: the kind of memory (``"host"``, ``"cuda"``) and the worker it serves (``None``: every worker).
+PoolKey = tuple[str, int | None]
 
 __all__ = ["LocalSender"]
 
@@ -45,6 +60,7 @@ class LocalSender(SenderEngine):
         per_worker: every worker has a pool of its own.
         checksum: hash each version's bytes for the workers to check.
         address: the listener's abstract address (``None``: a random one).
+        gpu: the GPU every weight of the trainer is on, if one: workers on a GPU read slots in its memory.
     """
 
     rejoins = True
@@ -60,13 +76,17 @@ class LocalSender(SenderEngine):
         per_worker: bool,
         checksum: bool,
         address: str | None = None,
+        gpu: torch.device | None = None,
     ) -> None:
         super().__init__(sink, layout, num_workers)
         self.transport_class = transport_class
         self.max_slots = max_slots or num_workers + 2
         self.per_worker = per_worker
         self.checksum = checksum
-        self.pools: dict[int | None, SlotPool] = {}
+        self.gpu = gpu
+        self.pools: dict[PoolKey, SlotPool] = {}
+        self.kinds: dict[int, str] = {}  # where each worker's slots live, from the device its hello names
+        self._orphaned: list[dict[str, Any]] = []  # CUDA shares of worker processes that are gone
         self._authkey = secrets.token_bytes(KEY_BYTES)
         self._key_file: str | None = None
         self.listener: ChannelListener | None = ChannelListener(self._authkey, address)
@@ -74,8 +94,8 @@ class LocalSender(SenderEngine):
 
     @property
     def shared(self) -> SlotPool | None:
-        """The pool of slots every worker reads (``None`` with a pool per worker)."""
-        return self.pools.get(None)
+        """The pool of slots every worker reads (``None`` with a pool per worker): the GPU's, if workers read one."""
+        return self.pools.get(("cuda", None)) or self.pools.get(("host", None))
 
     def handoff(self) -> dict[str, Any]:
         assert self.listener is not None
@@ -129,14 +149,19 @@ class LocalSender(SenderEngine):
         if problem is not None:
             self.discard((channel, hello), problem)
         else:
-            self._take_over(channel, int(hello["worker_idx"]))
+            self._take_over(channel, hello)
 
-    def _take_over(self, channel: Channel, w: int) -> MPTransport:
-        """Make ``channel`` worker ``w``'s (sending it the layout), closing any channel ``w`` had."""
+    def _take_over(self, channel: Channel, hello: dict[str, Any]) -> MPTransport:
+        """Make ``channel`` its worker's (sending it the layout), closing any channel the worker had."""
+        w = int(hello["worker_idx"])
         channel.send({"op": "welcome", "layout": self.layout.to_plain(), "num_workers": self.num_workers})
         old = self.transports.get(w)
         if old is not None:
             old.close()
+            self._orphaned += old.shares  # that process is gone: it will never let its mappings go
+        device = hello.get("device")
+        on_gpu = isinstance(device, str) and device.startswith("cuda")
+        self.kinds[w] = "cuda" if self.gpu is not None and on_gpu and not self.checksum else "host"
         transport = self.transports[w] = self.transport_class(channel, w, self.sink)
         return transport
 
@@ -187,18 +212,33 @@ class LocalSender(SenderEngine):
             transport.channel.close()
 
     # ---------------------------------------------------------------- sending
-    def _pool_key(self, worker: int) -> int | None:
-        return worker if self.per_worker else None
+    def _pool_key(self, worker: int) -> PoolKey:
+        return self.kinds.get(worker, "host"), worker if self.per_worker else None
 
-    def _pool(self, key: int | None) -> SlotPool:
+    def _pool(self, key: PoolKey) -> SlotPool:
         pool = self.pools.get(key)
         if pool is None:
+            kind, worker = key
             pool = self.pools[key] = SlotPool(
-                self.layout, self.max_slots, pinning=self.transport_class.pinning, tag=f"{os.getpid()}-{key}"
+                self.layout,
+                self.max_slots,
+                pinning=self.transport_class.pinning,
+                tag=f"{os.getpid()}-{worker}",
+                device=self.gpu if kind == "cuda" else None,
+                pin=self.gpu is not None,
             )
         return pool
 
-    def _acquire(self, pool: SlotPool, deadline: float, version: int) -> SharedSlot:
+    def _written(self, slot: Slot) -> None:
+        """``slot`` was just written on the trainer's stream: mark the end of the write for the workers' streams
+        (a device slot), or wait for it (a host slot a GPU wrote into: its readers read it from the host)."""
+        if isinstance(slot, DeviceSlot):
+            assert slot.event is not None
+            slot.event.record()
+        elif self.gpu is not None:
+            torch.cuda.current_stream(self.gpu).synchronize()
+
+    def _acquire(self, pool: SlotPool, deadline: float, version: int) -> Slot:
         """A slot of ``pool`` no worker reads, waiting (until ``deadline``) for workers to ack newer versions."""
         slot = pool.acquire()
         while slot is None:
@@ -215,13 +255,13 @@ class LocalSender(SenderEngine):
             slot = pool.acquire()
         return slot
 
-    def stage(self, out: Outgoing, deadline: float) -> dict[int, SharedSlot]:
-        by_pool: dict[int | None, list[int]] = {}
+    def stage(self, out: Outgoing, deadline: float) -> dict[int, Slot]:
+        by_pool: dict[PoolKey, list[int]] = {}
         for w in out.workers:
             by_pool.setdefault(self._pool_key(w), []).append(w)
         # Every slot is secured before anything is written, so a send that times out here publishes nothing.
         slots = {key: self._acquire(self._pool(key), deadline, out.version) for key in by_pool}
-        staged: dict[int, SharedSlot] = {}
+        staged: dict[int, Slot] = {}
         payload_digest = None  # every pool gets the same bytes: hashed once
         for key, members in by_pool.items():
             slot = slots[key]
@@ -230,6 +270,7 @@ class LocalSender(SenderEngine):
                 copy_tensors([slot.buffer], [out.whole])
             else:
                 write_into(slot.views, out.flat)
+            self._written(slot)
             if self.checksum and payload_digest is None:
                 payload_digest = digest([slot.buffer])
             slot.digest = payload_digest
@@ -237,7 +278,7 @@ class LocalSender(SenderEngine):
             staged.update(dict.fromkeys(members, slot))
         return staged
 
-    def submit(self, out: Outgoing, staged: dict[int, SharedSlot]) -> None:
+    def submit(self, out: Outgoing, staged: dict[int, Slot]) -> None:
         for w in out.workers:
             try:
                 self.transports[w].notify(staged[w], out.version)
@@ -276,7 +317,7 @@ class LocalSender(SenderEngine):
         w = int(hello["worker_idx"])
         self.sink.rejoining(w)  # from here on, a failure is this new process's
         try:
-            transport = self._take_over(channel, w)
+            transport = self._take_over(channel, hello)
             slot = self._slot_for(w, newest)
             transport.notify(slot, slot.version)  # type: ignore[arg-type]
         except WeightSyncError as exc:
@@ -285,22 +326,23 @@ class LocalSender(SenderEngine):
             return None
         return w, slot.version  # type: ignore[return-value]
 
-    def _newest_slot(self) -> SharedSlot | None:
+    def _newest_slot(self) -> Slot | None:
         """The slot holding the newest version published to anyone (``None`` before any)."""
         slots = [slot for pool in self.pools.values() for slot in pool.slots if slot.version is not None]
         return max(slots, key=lambda slot: slot.version) if slots else None  # type: ignore[arg-type,return-value]
 
-    def _slot_for(self, w: int, newest: SharedSlot) -> SharedSlot:
+    def _slot_for(self, w: int, newest: Slot) -> Slot:
         """A slot of ``w``'s pool holding ``newest``'s version, now read by ``w``."""
         pool = self._pool(self._pool_key(w))
         if newest in pool.slots:
             newest.readers.add(w)
             return newest
-        slot = pool.acquire()  # a pool per worker: copy the newest version into this worker's pool
+        slot = pool.acquire()  # another pool (per worker, or other memory): copy the newest version into it
         if slot is None:
             raise SyncTimeoutError(f"no free weight slot to rejoin worker {w}", model_id=self.sink.model_id)
         slot.version = None
-        slot.buffer.copy_(newest.buffer)
+        slot.buffer.copy_(newest.buffer)  # on the stream the newest version was written on: after that write
+        self._written(slot)
         slot.digest = newest.digest
         pool.publish(slot, newest.version, [w])  # type: ignore[arg-type]
         return slot
@@ -316,11 +358,20 @@ class LocalSender(SenderEngine):
                     transport.channel.send({"op": "bye"})
                 except WeightSyncError:
                     pass
+            else:
+                self._orphaned += transport.shares
             transport.close()
         self.transports.clear()
         if self.listener is not None:
             self.listener.close()
             self.listener = None
+        # The dead never let their mappings of device slots go: let go for them, so freeing the slots frees the
+        # memory. A live worker's mapping keeps its slot's memory until it lets go (torch frees it then).
+        for share in self._orphaned:
+            cuda.release_share(share)
+        self._orphaned.clear()
         for pool in self.pools.values():
             pool.close()
+        if any(pool.device is not None for pool in self.pools.values()):
+            torch.cuda.ipc_collect()
         self.pools.clear()

@@ -6,24 +6,26 @@ that holds the new version instead of copying out of it, and keeps reading
 that slot until it switches again. The sender therefore never reuses a slot
 while a worker holds its version.
 
-The switch costs the same whatever the number of tensors. The receiver maps
-every slot twice: once to check and read it, and once as a spare storage,
-which the model takes (the receiver core swaps the memory behind the model's
-one storage with it, ``UntypedStorage._swap_data_ptr_``); the mapping the
-model leaves becomes the spare of the slot it left. Re-pointing each tensor
-instead (``tensor.data = view``) cost about 1.2 us a tensor: 2.4 ms per worker
-and per update for a model of 2000 tensors.
+The switch costs the same whatever the number of tensors, for a slot in host
+memory or in GPU memory (the model then lives in the trainer's GPU memory,
+on the trainer's GPU). The receiver maps every slot twice: once to check and
+read it, and once as a spare storage, which the model takes (the receiver core
+swaps the memory behind the model's one storage with it,
+``UntypedStorage._swap_data_ptr_``); the mapping the model leaves becomes the
+spare of the slot it left. Re-pointing each tensor instead (``tensor.data =
+view``, what a torch older than 2.12 must do) cost about 1.2 us a tensor: 2.4
+ms per worker and per update for a model of 2000 tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from .channel import Channel
 from .mp import MPTransport
-from .slots import map_storage
 
 if TYPE_CHECKING:
     from ...core.engine import Sink
@@ -42,8 +44,8 @@ class SharedMemTransport(MPTransport):
         self._spares: dict[int, torch.UntypedStorage] = {}
         self._slot: int | None = None
 
-    def _slot_mapped(self, slot: int, fd: int, nbytes: int) -> None:
-        self._spares[slot] = map_storage(fd, nbytes)
+    def _slot_mapped(self, slot: int, second: Callable[[], torch.UntypedStorage]) -> None:
+        self._spares[slot] = second()
 
     def spare(self, slot: int) -> torch.UntypedStorage | None:
         """The second mapping of ``slot``, for the model to take (``None``: the model reads it already)."""

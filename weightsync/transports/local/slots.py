@@ -12,6 +12,12 @@ a slot's readers when it acks a newer version, or, for copying receivers, as
 soon as it acked the slot's own version. Receivers that map their model onto
 the slot (shared-memory scheme) stay readers of the version they hold. That
 rule is what makes torn reads impossible.
+
+When the trainer's weights are on a GPU, workers whose models are on a GPU of
+this machine read :class:`DeviceSlot` s instead: device memory on the trainer's
+GPU, shared once per worker through CUDA IPC, each with an interprocess event
+recorded after every write (see :mod:`weightsync.tensors.cuda`). Host slots a
+GPU writes into are pinned, so the copy out of the GPU runs at the bus's speed.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from collections.abc import Iterable
 import torch
 
 from ...errors import ConfigurationError
+from ...tensors import cuda
 from ...tensors.layout import FlatLayout
 
-__all__ = ["SharedSlot", "SlotPool", "map_fd", "map_storage"]
+__all__ = ["DeviceSlot", "SharedSlot", "SlotPool", "map_fd", "map_storage"]
 
 
 def map_storage(fd: int, nbytes: int) -> torch.UntypedStorage:
@@ -38,9 +45,16 @@ def map_fd(fd: int, nbytes: int) -> torch.Tensor:
 
 
 class SharedSlot:
-    """One shared buffer: its descriptor, its typed views and the version it holds."""
+    """One shared buffer in host memory: its descriptor, its typed views and the version it holds.
 
-    def __init__(self, slot_id: int, layout: FlatLayout, tag: str) -> None:
+    ``pin``: register it with CUDA as page-locked (the trainer's weights are on a GPU)."""
+
+    #: What kind of memory the slot is (the key of its pool, with the worker it serves, if one).
+    kind = "host"
+    #: Interprocess event recorded after each write (device slots only).
+    event: cuda.SlotEvent | None = None
+
+    def __init__(self, slot_id: int, layout: FlatLayout, tag: str, pin: bool = False) -> None:
         self.id = slot_id
         self.nbytes = layout.nbytes
         self.fd = os.memfd_create(f"weightsync-{tag}-{slot_id}", os.MFD_CLOEXEC)
@@ -50,17 +64,43 @@ class SharedSlot:
         except BaseException:
             os.close(self.fd)
             raise
+        self.pinned = cuda.Pinned(self.buffer) if pin else None
         self.views = layout.views(self.buffer)
         self.version: int | None = None
         self.digest: str | None = None  # checksum of the version it holds, when the scheme computes one
         self.readers: set[int] = set()
 
     def close(self) -> None:
+        if self.pinned is not None:  # before the mapping goes
+            self.pinned.release()
+            self.pinned = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
         self.views = {}
         self.buffer = torch.empty(0, dtype=torch.uint8)
+
+
+class DeviceSlot:
+    """One buffer in the trainer's GPU memory, shared with workers through CUDA IPC, and its event."""
+
+    kind = "cuda"
+
+    def __init__(self, slot_id: int, layout: FlatLayout, device: torch.device) -> None:
+        self.id = slot_id
+        self.nbytes = layout.nbytes
+        self.device = device
+        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.views = layout.views(self.buffer)
+        self.event: cuda.SlotEvent | None = cuda.SlotEvent.create(device)
+        self.version: int | None = None
+        self.digest: str | None = None  # (never set: a checksum keeps the payload in host memory)
+        self.readers: set[int] = set()
+
+    def close(self) -> None:
+        self.views = {}
+        self.event = None
+        self.buffer = torch.empty(0, dtype=torch.uint8)  # freed once every worker's mapping is gone
 
 
 class SlotPool:
@@ -72,29 +112,46 @@ class SlotPool:
         pinning: receivers keep reading the slot of the version they hold
             (shared-memory receivers) instead of copying out of it.
         tag: a label in the memfd names, for ``/proc/<pid>/fd`` readers.
+        device: a GPU: the slots are :class:`DeviceSlot` s on it; ``None``: host memory.
+        pin: host slots are pinned (a GPU writes into them).
     """
 
-    def __init__(self, layout: FlatLayout, max_slots: int, *, pinning: bool, tag: str = "w") -> None:
+    def __init__(
+        self,
+        layout: FlatLayout,
+        max_slots: int,
+        *,
+        pinning: bool,
+        tag: str = "w",
+        device: torch.device | None = None,
+        pin: bool = False,
+    ) -> None:
         if max_slots < 1:
             raise ConfigurationError(f"max_slots must be >= 1, got {max_slots}")
         self.layout = layout
         self.max_slots = max_slots
         self.pinning = pinning
         self.tag = tag
-        self.slots: list[SharedSlot] = []
+        self.device, self.pin = device, pin
+        self.slots: list[SharedSlot | DeviceSlot] = []
 
-    def acquire(self) -> SharedSlot | None:
+    def acquire(self) -> SharedSlot | DeviceSlot | None:
         """A slot nobody reads, allocating one if allowed; ``None`` when all are busy."""
         for slot in self.slots:
             if not slot.readers:
                 return slot
         if len(self.slots) < self.max_slots:
-            slot = SharedSlot(len(self.slots), self.layout, self.tag)
+            n = len(self.slots)
+            slot: SharedSlot | DeviceSlot = (
+                DeviceSlot(n, self.layout, self.device)
+                if self.device is not None
+                else SharedSlot(n, self.layout, self.tag, pin=self.pin)
+            )
             self.slots.append(slot)
             return slot
         return None
 
-    def publish(self, slot: SharedSlot, version: int, readers: Iterable[int]) -> None:
+    def publish(self, slot: SharedSlot | DeviceSlot, version: int, readers: Iterable[int]) -> None:
         slot.version = version
         slot.readers = set(readers)
 

@@ -43,6 +43,7 @@ class RaySender(SenderEngine):
             actor's own ``update_weights_*`` methods).
         extract_as: the strategy's format, for the actor's method.
         checksum: hash each version's bytes for the actors to check.
+        pin: the staging buffer is page-locked (the trainer's weights are on a GPU: they are copied into it).
     """
 
     def __init__(
@@ -55,9 +56,10 @@ class RaySender(SenderEngine):
         transport_class: type[RayTransport],
         extract_as: str,
         checksum: bool,
+        pin: bool = False,
     ) -> None:
         super().__init__(sink, layout, num_workers)
-        self.transport_class, self.extract_as, self.checksum = transport_class, extract_as, checksum
+        self.transport_class, self.extract_as, self.checksum, self.pin = transport_class, extract_as, checksum, pin
         self.transports = {i: self._transport(actor, i) for i, actor in enumerate(actors)}
         self._staging: torch.Tensor | None = None
         self._staging_views: dict[str, torch.Tensor] = {}
@@ -70,15 +72,24 @@ class RaySender(SenderEngine):
     def rendezvous(self, deadline: float, timeout: float) -> dict[int, WeightSyncError]:
         return {}  # nothing to join: version 0 reaches each actor as a call
 
+    def _staged(self) -> torch.Tensor:
+        """The staging buffer, made at first use and reused by every send (ray.put copies out of it)."""
+        if self._staging is None:
+            self._staging = torch.empty(self.layout.nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            self._staging_views = self.layout.views(self._staging)
+        return self._staging
+
     def stage(self, out: Outgoing, deadline: float) -> Any:
-        if out.whole is not None:  # flatten_sender: the weights already lie in one buffer, in their places
+        if out.whole is not None and out.whole.is_cpu:  # flatten_sender: the weights lie in one buffer, in place
             buffers, ranges = self.layout.whole(out.whole)
+        elif out.whole is not None:  # ... on a GPU: one copy out of it
+            staging = self._staged()
+            staging.copy_(out.whole)
+            buffers, ranges = self.layout.whole(staging)
         else:
-            if self._staging is None:  # reused by every send; ray.put copies out of it before returning
-                self._staging = torch.empty(self.layout.nbytes, dtype=torch.uint8)
-                self._staging_views = self.layout.views(self._staging)
-            # Large tensors go as they are, small ones packed: ray.put copies each byte once into the store.
-            buffers, ranges = self.layout.pieces(out.flat, self._staging, DIRECT_MIN_BYTES, self._staging_views)
+            # Large CPU tensors go as they are, the rest is packed: ray.put copies each byte once into the store.
+            staging = self._staged()
+            buffers, ranges = self.layout.pieces(out.flat, staging, DIRECT_MIN_BYTES, self._staging_views)
         return ray().put((ranges, [b.numpy() for b in buffers], digest(buffers) if self.checksum else None))
 
     def submit(self, out: Outgoing, staged: Any) -> None:

@@ -20,6 +20,9 @@ __all__ = ["RPCReceiver"]
 SENDER_PROBE_EVERY = 0.5
 #: The longest error message a worker answers the sender with.
 MAX_ERROR_TEXT = 4000
+#: Seconds a worker leaving the RPC world gives its last answer to reach the sender: the agent stops without
+#: waiting for its peers (a dead one would hold it up), which drops an answer still on its way.
+ANSWER_FLUSH_S = 0.5
 
 
 class RPCReceiver(ReceiverEngine):
@@ -46,6 +49,7 @@ class RPCReceiver(ReceiverEngine):
         self.session: Session | None = None
         self.mailbox = mailbox(where["model_id"])  # updates that arrive before connect() wait here
         self._probed_at = 0.0
+        self._answered_at: float | None = None
 
     def join(self, deadline: float, check: Callable[[FlatLayout], Any]) -> None:
         if self.handoff.get("external"):
@@ -112,9 +116,12 @@ class RPCReceiver(ReceiverEngine):
             answer["error"] = {"type": type(error).__name__, "message": str(error)[:MAX_ERROR_TEXT]}
         for delivery in taken:
             delivery.token.future.set_result(answer)
+        self._answered_at = time.monotonic()
 
     def close(self) -> None:
         drop_mailbox(self.where["model_id"] or "")
         if self.session is not None:
+            if self._answered_at is not None:  # (a refusal at connect, answered just before this)
+                time.sleep(max(0.0, ANSWER_FLUSH_S - (time.monotonic() - self._answered_at)))
             leave_session(self.session)
             self.session = None

@@ -33,6 +33,7 @@ class RPCSender(SenderEngine):
         max_buffers: the most staging buffers held at once.
         checksum: hash each version's bytes for the workers to check.
         timeout, connect_timeout: the scheme's.
+        pin: staging buffers are page-locked (the trainer's weights are on a GPU).
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class RPCSender(SenderEngine):
         checksum: bool,
         timeout: float,
         connect_timeout: float,
+        pin: bool = False,
     ) -> None:
         super().__init__(sink, layout, num_workers)
         self.max_buffers, self.checksum, self.timeout, self.connect_timeout = (
@@ -55,6 +57,7 @@ class RPCSender(SenderEngine):
             timeout,
             connect_timeout,
         )
+        self.pin = pin
         self.session: Session | None = None
         if names is None:
             assert master is not None
@@ -94,7 +97,8 @@ class RPCSender(SenderEngine):
     def stage(self, out: Outgoing, deadline: float) -> tuple[Staging, str | None]:
         if self.pool is None:
             done = lambda future: future.done()  # noqa: E731
-            self.pool = StagingPool(self.layout.nbytes, torch.device("cpu"), self.max_buffers, done, self._settle)
+            cpu = torch.device("cpu")
+            self.pool = StagingPool(self.layout.nbytes, cpu, self.max_buffers, done, self._settle, self.pin)
         staging = self.pool.acquire(deadline, model_id=self.sink.model_id, version=out.version)
         if staging.views is None:  # typed views of a staging buffer are made once, not per send
             staging.views = self.layout.views(staging.tensor)

@@ -26,11 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_local  # noqa: E402
+from _doc import replace_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 PLOT = ROOT / "docs" / "benchmarks_gpu.png"
-BEGIN, END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
 DEVICE = "cuda:0"
 WORKERS = (1, 2, 4)
 
@@ -236,9 +236,7 @@ def main() -> None:
     print(text)
     if args.write:
         plot(lines, PLOT)
-        doc = DOC.read_text()
-        start, end = doc.index(BEGIN) + len(BEGIN), doc.index(END)
-        DOC.write_text(doc[:start] + "\n" + text + f"\n\n![GPU sends]({PLOT.name})\n" + doc[end:])
+        replace_section(DOC, "gpu", text + f"\n\n![GPU sends]({PLOT.name})")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import multiprocessing as mp
@@ -94,6 +95,32 @@ def is_ray_cluster(proc: psutil.Process) -> bool:
         )
     except psutil.Error:
         return False
+
+
+@contextlib.contextmanager
+def local_ray_cluster(**init_kwargs):
+    """A Ray cluster of this test run on loopback only, shut down at the end; its stragglers ended, bounded."""
+    import ray
+
+    from tests._netns import loopback_only_network
+
+    with loopback_only_network():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, **init_kwargs)
+        try:
+            assert ray.nodes()[0]["NodeManagerAddress"] == "127.0.0.1"
+            yield
+        finally:
+            ray.shutdown()
+    left = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if is_ray_cluster(p) and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    ]
+    # Ray's workers exit on their own after shutdown, at their own pace; end any straggler, bounded in time.
+    _, alive = psutil.wait_procs(left, timeout=15)
+    for proc in alive:
+        proc.kill()
+    psutil.wait_procs(alive, timeout=10)
 
 
 def _is_leak(proc: psutil.Process) -> bool:

@@ -26,6 +26,20 @@ def test_local_sync_example_verifies_every_version(scheme):
     assert "verified: yes" in out.stdout
 
 
+def test_torchrl_example_learns_with_every_batch_on_the_sent_weights():
+    pytest.importorskip("torchrl")
+    out = subprocess.run(
+        [sys.executable, "examples/torchrl_collector.py", "--iters", "30"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "learned: yes" in out.stdout
+    assert "scheme shut down" in out.stdout
+
+
 def test_benchmark_runs_and_writes_its_table(tmp_path):
     md = tmp_path / "bench.md"
     out = subprocess.run(

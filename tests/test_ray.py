@@ -9,7 +9,6 @@ import torch
 
 import weightsync as ws
 from tests._bodies import optimizer_step, rounded, send_past_hung_worker_1, wire_nbytes
-from tests._netns import loopback_only_network
 from tests._workers import _scramble, build, checksum
 
 ray = pytest.importorskip("ray", reason="Ray is an optional engine; `pip install -e .[test]` installs it")
@@ -17,25 +16,10 @@ ray = pytest.importorskip("ray", reason="Ray is an optional engine; `pip install
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    import psutil
+    from tests.conftest import local_ray_cluster
 
-    from tests.conftest import is_ray_cluster
-
-    with loopback_only_network():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="weightsync-tests")
-        assert ray.nodes()[0]["NodeManagerAddress"] == "127.0.0.1"
+    with local_ray_cluster(namespace="weightsync-tests"):
         yield
-        ray.shutdown()
-    left = [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if is_ray_cluster(p) and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    ]
-    # Ray's workers exit on their own after shutdown, at their own pace; end any straggler, bounded in time.
-    _, alive = psutil.wait_procs(left, timeout=15)
-    for proc in alive:
-        proc.kill()
-    psutil.wait_procs(alive, timeout=10)
 
 
 def _collectors(n=2, kinds=None):

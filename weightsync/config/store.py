@@ -13,6 +13,10 @@ puts it wherever you like. Swap it from the command line with
 ``weightsync/scheme=ray`` (or ``weightsync/scheme@sync.policy=ray``). A scheme
 composes its transport with a defaults entry: ``weightsync/scheme/transport=shared_mem``
 swaps it, ``weightsync.scheme.transport.max_slots=4`` sets one of its settings.
+
+TorchRL's trainer configs choose a scheme from TorchRL's group ``weight_sync_scheme``; weightsync's schemes are
+there too, as ``weightsync_<name>``, so that one override switches a TorchRL app to weightsync
+(``weight_sync_scheme@collector.weight_sync_schemes.policy=weightsync_shared_mem``; docs/torchrl.md).
 """
 
 from __future__ import annotations
@@ -76,12 +80,17 @@ def composed(cls: type) -> Any:
     return dataclasses.make_dataclass(cls.__name__, fields, bases=(cls,))
 
 
-def register_scheme_group(group: str) -> None:
-    """Store every scheme config in ``group`` and every transport config in ``<group>/transport`` (the main job
-    has its own ``scheme`` group; apps use ``weightsync/scheme``)."""
+#: TorchRL's group of scheme configs (``torchrl.trainers.algorithms.configs``), and the prefix of weightsync's
+#: options in it.
+TORCHRL_GROUP, TORCHRL_PREFIX = "weight_sync_scheme", "weightsync_"
+
+
+def register_scheme_group(group: str, prefix: str = "") -> None:
+    """Store every scheme config in ``group`` (named ``prefix + name``) and every transport config in
+    ``<group>/transport`` (the main job has its own ``scheme`` group; apps use ``weightsync/scheme``)."""
     cs = ConfigStore.instance()
     for name, node in SCHEMES.items():
-        cs.store(group=group, name=name, node=composed(node))
+        cs.store(group=group, name=prefix + name, node=composed(node))
     for name, node in TRANSPORTS.items():
         cs.store(group=f"{group}/transport", name=name, node=node)
 
@@ -95,6 +104,7 @@ def register_configs() -> None:
     if _registered:
         return
     register_scheme_group("weightsync/scheme")
+    register_scheme_group(TORCHRL_GROUP, TORCHRL_PREFIX)
     cs = ConfigStore.instance()
     for name, node in TRANSPORTS.items():
         cs.store(group="weightsync/transport", name=name, node=node)

@@ -23,6 +23,7 @@ class HandoffMixin:
     _worker_idx: int | None
     _num_workers: int | None
     _handoff: dict[str, Any] | None
+    _client: dict[str, Any] | None
     _sending: Any
 
     def receiver_config(self, worker_idx: int) -> dict[str, Any]:
@@ -86,7 +87,7 @@ class HandoffMixin:
         elif self._handoff is not None:
             state["handoff"] = self._handoff
         if "handoff" in state:
-            state.update(model_id=self._model_id, num_workers=self._num_workers)
+            state.update(model_id=self._model_id, num_workers=self._num_workers, client=self._client)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -96,6 +97,7 @@ class HandoffMixin:
         self._handoff = state.get("handoff")
         self._model_id = state.get("model_id")
         self._num_workers = state.get("num_workers")
+        self._client = state.get("client")
 
     def __copy__(self) -> Any:
         raise LifecycleError("schemes are not copied; build a new one from the same arguments")

@@ -38,8 +38,6 @@ class SchemeProperties:
     state = _read("_state", "Where the scheme is in its lifecycle (``'new'``, ``'connected sender'``, ...).")
     strategy = _read("_strategy", "How weights are extracted from the model and put back.")
     model_id = _read("_model_id", "The model's name (or path inside the context).")
-    context = _read("_context", "The object the model was found in, if any.")
-    model = _read("_model", "The registered model (sender: or its weights).")
     worker_idx = _read("_worker_idx", "Receiver: which worker this is.")
     num_workers = _read("_num_workers", "How many workers the sender serves.")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,7 +60,16 @@ class Receiver:
         self._stop = threading.Event()
         self._applied = threading.Condition()
         self._thread_error: BaseException | None = None
+        #: Called after each update applied (a TorchRL worker bumps its policy version).
+        self.on_applied: Callable[[], None] | None = None
         engine.attach(self.apply)
+
+    def set_model(self, model: Any) -> None:
+        """Apply later updates to ``model`` instead (the caller holds ``weights_lock``); it is checked and bound
+        afresh at the next update."""
+        self.model = model
+        self.bound.forget()
+        self._written = ({}, None)
 
     # ---------------------------------------------------------------- joining
     def _check(self, layout: FlatLayout) -> WeightMismatchError | None:
@@ -117,6 +127,7 @@ class Receiver:
             held = self.engine.placement != "write" and self.bound.holds(dst)  # exactly as bound: checks hold
             if not held:
                 check_spec(layout.spec, weights_spec(dst), **where)
+                _materialize(dst, update)
             with self.weights_lock:  # weights and version change together for readers holding the lock
                 gpus = self._gpus(dst, held)
                 if update.fence is not None:  # bytes another process's GPU stream wrote: read them after it
@@ -129,6 +140,8 @@ class Receiver:
             self.engine.ack(taken, self.version, exc)
             raise
         self.engine.ack(taken, update.version)
+        if self.on_applied is not None:
+            self.on_applied()
         return update.version
 
     def _gpus(self, dst: dict[str, torch.Tensor], held: bool) -> set[torch.device]:
@@ -235,3 +248,17 @@ class Receiver:
         self._written = ({}, None)
         self.bound.forget()
         self.engine.close()
+
+
+def _materialize(dst: dict[str, torch.Tensor], update: Delivery) -> None:
+    """Give every tensor of ``dst`` on the meta device (a policy TorchRL sent its worker without its weights) real
+    memory, on the device the update's bytes are on, for the update to be placed into."""
+    if not any(t.is_meta for t in dst.values()):
+        return
+    device = update.pieces[0][1].device if update.pieces else torch.device("cpu")
+    for tensor in dst.values():
+        if tensor.is_meta:
+            real = torch.empty_like(tensor, device=device)
+            if isinstance(tensor, torch.nn.Parameter):
+                real = torch.nn.Parameter(real, requires_grad=tensor.requires_grad)
+            torch.utils.swap_tensors(tensor, real)  # the same tensor objects (Parameters stay Parameters), now real

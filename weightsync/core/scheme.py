@@ -26,6 +26,15 @@ from ..model_path import resolve_model, resolve_weights
 from ..tensors.layout import FlatLayout, wire_dtype_from_name
 from ..tensors.strategy import WeightStrategy, flatten_weights
 from .choice import choose_transport
+from .clients import (
+    ClientMixin,
+    check_receiver_context,
+    client_of,
+    collector_model,
+    follow_collector,
+    hold_policy,
+    in_process_engine,
+)
 from .engine import ReceiverEngine, SenderEngine, Sink
 from .facade import FacadeMixin
 from .handoff import HandoffMixin
@@ -33,11 +42,12 @@ from .properties import SchemeProperties
 from .receiver import Receiver
 from .sender import Sender
 from .states import CLOSED, NEW, RECEIVER, RECEIVER_CONNECTED, SENDER, SENDER_CONNECTED
+from .workers import WorkersMixin
 
 __all__ = ["WeightSyncScheme"]
 
 
-class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Configurable):
+class WeightSyncScheme(ClientMixin, SchemeProperties, WorkersMixin, HandoffMixin, FacadeMixin, options.Configurable):
     """Base class of every scheme: the lifecycle of one model across workers.
 
     Every scheme takes its options as keyword arguments (the first four also by position); each is declared
@@ -91,6 +101,8 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Conf
         self._sending: Sender | None = None
         self._receiving: Receiver | None = None
         self._facades: dict[str, Any] = {}
+        self._client: dict[str, Any] | None = None  # a TorchRL collector drives this scheme (see core/clients.py)
+        self._hooks: list[Any] = []
         #: Held while a receiver writes or switches its model's weights; a worker whose forward pass runs
         #: beside a background receiver thread holds it too.
         self.weights_lock = threading.RLock()
@@ -103,8 +115,10 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Conf
             model_id: the model's name, also a path inside ``context``
                 (``"policy"``, ``"env.transform[0].module"``).
             context: an object that holds the model (``get_model(model_id)`` or by
-                path) and may provide ``num_workers``.
-            **kwargs: ``model=`` or ``weights=``, ``num_workers=``, and scheme-specific handles.
+                path) and may provide ``num_workers``; a TorchRL collector (see
+                :mod:`weightsync.core.clients`).
+            **kwargs: ``model=`` or ``weights=``, ``num_workers=``, and scheme-specific handles;
+                ``ctx=`` (TorchRL's multiprocessing context) is taken and not needed.
 
         Raises:
             LifecycleError: the scheme was already initialized.
@@ -119,17 +133,20 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Conf
                 )
             self._model_id = checks.model_id(model_id, "model_id")
             self._context = context
+            kwargs.pop("ctx", None)  # weightsync's channels are its own
+            self._client = client_of(context)
             model = kwargs.pop("model", None)
             weights = kwargs.pop("weights", None)
             if model is None and weights is None and context is not None:
-                model = resolve_model(context, model_id)
+                model = collector_model(context, model_id) if self._client else resolve_model(context, model_id)
             self._model = model if model is not None else weights
             num_workers = kwargs.pop("num_workers", None)
             if num_workers is None and context is not None:
-                num_workers = getattr(context, "num_workers", None)
+                num_workers = getattr(context, "num_workers", 1 if self._client else None)
             self._num_workers = self._check_num_workers(num_workers)
             self._open_sender(kwargs)
             self._state = SENDER
+            follow_collector(self, context)
 
     def _open_sender(self, kwargs: dict[str, Any]) -> None:
         """Build the sender core and its engine (which takes the scheme-specific ``kwargs``)."""
@@ -146,7 +163,9 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Conf
         )
         if self.flatten_sender:
             sending.adopt(self._model)
-        sending.engine = self._sender_engine(sending, layout, num_workers, kwargs)
+        sending.engine = in_process_engine(self, sending, layout) or self._sender_engine(
+            sending, layout, num_workers, kwargs
+        )
         self._num_workers = num_workers
         self._sending = sending
 
@@ -168,15 +187,6 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Conf
         if not flat:
             raise ConfigurationError("the model has no weights to synchronize", model_id=self._model_id)
         return FlatLayout.from_weights(flat, wire_dtype_from_name(self.wire_dtype))
-
-    def _check_num_workers(self, num_workers: Any) -> int | None:
-        if num_workers is None:
-            return None
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-            raise ConfigurationError(
-                f"num_workers must be a positive int, got {num_workers!r}", model_id=self._model_id
-            )
-        return num_workers
 
     def init_on_receiver(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
         """Register the worker side: its model and index. Receives nothing yet.
@@ -202,9 +212,11 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Conf
             self._model = model
             worker_idx = kwargs.pop("worker_idx", None)
             if worker_idx is not None:
-                self._worker_idx = self._same_worker(worker_idx)
+                self._worker_idx = self._same_worker(self._from_collector(worker_idx))
+            check_receiver_context(self, context)
             self._open_receiver(kwargs)
             self._state = RECEIVER
+            follow_collector(self, context)
 
     def _open_receiver(self, kwargs: dict[str, Any]) -> None:
         if self._model is None:
@@ -219,29 +231,6 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Conf
     def init_on_worker(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
         """Older name of :meth:`init_on_receiver`."""
         self.init_on_receiver(model_id, context, **kwargs)
-
-    def _check_worker_idx(self, worker_idx: Any) -> int:
-        if isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or worker_idx < 0:
-            raise ConfigurationError(
-                f"worker_idx must be a non-negative int, got {worker_idx!r}", model_id=self._model_id
-            )
-        if self._num_workers is not None and worker_idx >= self._num_workers:
-            raise ConfigurationError(
-                f"worker_idx {worker_idx} out of range for {self._num_workers} workers", model_id=self._model_id
-            )
-        return worker_idx
-
-    def _same_worker(self, worker_idx: Any) -> int:
-        """``worker_idx``, checked, and the index a receiver config made this receiver for, if any."""
-        idx = self._check_worker_idx(worker_idx)
-        if self._handoff is not None and self._worker_idx is not None and idx != self._worker_idx:
-            raise ConfigurationError(
-                f"this receiver was made for worker {self._worker_idx} (its receiver config says so), "
-                f"not worker {idx}: give each worker its own receiver config",
-                model_id=self._model_id,
-                worker_idx=idx,
-            )
-        return idx
 
     def connect(self, *, worker_idx: int | None = None, weights: Any = None) -> None:
         """Rendez-vous. Sender: wait for every worker and give each the initial weights
@@ -267,7 +256,7 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Conf
                 self._state = SENDER_CONNECTED
             elif self._state == RECEIVER:
                 if worker_idx is not None:
-                    self._worker_idx = self._same_worker(worker_idx)
+                    self._worker_idx = self._same_worker(self._from_collector(worker_idx))
                 if self._worker_idx is None and self.needs_worker_idx:
                     raise ConfigurationError("a receiver needs worker_idx (in init_on_receiver or connect)")
                 self._connect_receiver()
@@ -286,11 +275,15 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Conf
     def _connect_receiver(self) -> None:
         assert self._receiving is not None
         self._receiving.where["worker_idx"] = self._worker_idx
+        applies_itself = self._applies_itself
+        self._receiving.bound.move_shared = applies_itself  # a collector shared the trainer's policy, not the user
         try:
-            self._receiving.connect(self.connect_timeout, getattr(self, "background_thread", False))
+            self._receiving.connect(self.connect_timeout, getattr(self, "background_thread", False) or applies_itself)
         except BaseException:
             self._receiving.engine.close()
             raise
+        if applies_itself:
+            hold_policy(self)
 
     def setup_connection_and_weights(self, **kwargs: Any) -> None:
         """Older name of :meth:`connect`."""
@@ -299,24 +292,6 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Conf
     def synchronize_weights(self, **kwargs: Any) -> None:
         """Older name of :meth:`connect`."""
         self.connect(**kwargs)
-
-    def _targets(self, worker_ids: int | Iterable[int] | None) -> list[int]:
-        n = self._num_workers or 0
-        if worker_ids is None:
-            return list(range(n))
-        ids = [worker_ids] if isinstance(worker_ids, int) and not isinstance(worker_ids, bool) else worker_ids
-        try:
-            ids = list(ids)
-        except TypeError:
-            raise ConfigurationError(f"worker_ids must be None, an int or a list of ints, got {worker_ids!r}") from None
-        bad = [w for w in ids if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < n]
-        if bad:
-            raise ConfigurationError(
-                f"worker_ids {bad} are not workers of this scheme (valid: 0..{n - 1})", model_id=self._model_id
-            )
-        if len(set(ids)) != len(ids):
-            raise ConfigurationError(f"worker_ids has duplicates: {ids}", model_id=self._model_id)
-        return sorted(ids)
 
     def send(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
         """Publish a new version to ``worker_ids`` (all by default).
@@ -419,6 +394,9 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Conf
             self._state = CLOSED
 
     def _close(self, timeout: float) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         if self._sending is not None:
             self._sending.close(timeout)
         if self._receiving is not None:

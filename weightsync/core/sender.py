@@ -127,7 +127,8 @@ class Sender:
     def mark_dead(self, worker: int, exc: WeightSyncError) -> WeightSyncError:
         """Record ``worker`` as gone (once); later sends name it with ``exc``."""
         if worker not in self.ledger.dead:
-            log.warning("model %r: worker %d is gone: %s", self.model_id, worker, exc)
+            # The message, not the exception: a log handler that keeps records must not keep its traceback's frames.
+            log.warning("model %r: worker %d is gone: %s", self.model_id, worker, str(exc))
             self.ledger.dead[worker] = exc
             if self.engine is not None:
                 self.engine.lost(worker)

@@ -13,7 +13,6 @@ from ..core.scheme import WeightSyncScheme
 from ..errors import ConfigurationError
 from ..integrity import digest_device_check
 from ..tensors.bound import one_device
-from ..tensors.copies import in_shared_memory
 from ..tensors.layout import FlatLayout
 from ..tensors.strategy import flatten_weights
 
@@ -123,7 +122,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         device = self._check_backend()
         flat = flatten_weights(self._model, self._strategy.extract_as)
         # A model in shared memory may be read by processes of the worker's own: written into, never moved.
-        shared = in_shared_memory(flat)
+        shared = self._kept_shared(flat)
         return DistributedReceiver(
             handoff,
             backend=self.backend,

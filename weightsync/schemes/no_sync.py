@@ -6,6 +6,7 @@ import threading
 from typing import Any
 
 from ..core.scheme import WeightSyncScheme
+from ..errors import ConfigurationError
 
 __all__ = ["NoWeightSyncScheme"]
 
@@ -43,7 +44,15 @@ class NoWeightSyncScheme(WeightSyncScheme):
         self._count = 0
 
     def _connect_receiver(self) -> None:
-        pass
+        weights = self._strategy.flat(self._model) if self._model is not None else {}
+        if any(tensor.is_meta for tensor in weights.values()):
+            raise ConfigurationError(
+                "no_sync moves no weights, and this worker's model has none (its tensors are on the meta device, "
+                "as TorchRL's collectors send a policy to their workers): build the policy in the worker "
+                "(policy_factory=), or use a scheme that moves weights",
+                model_id=self._model_id,
+                worker_idx=self._worker_idx,
+            )
 
     def _send(self, weights: Any, targets: list[int], wait: bool) -> None:
         self._count = (self._count or 0) + 1

@@ -8,7 +8,6 @@ from .. import checks, options
 from ..core.engine import ReceiverEngine, SenderEngine, Sink
 from ..core.scheme import WeightSyncScheme
 from ..errors import ConfigurationError
-from ..tensors.copies import in_shared_memory
 from ..tensors.layout import FlatLayout
 from ..tensors.strategy import flatten_weights
 from .distributed import WORLD_SIZE
@@ -125,7 +124,7 @@ class RPCWeightSyncScheme(WeightSyncScheme):
         from ..transports.rpc.receiver import RPCReceiver
 
         # A model in shared memory may be read by processes of the worker's own: written into, never moved.
-        shared = in_shared_memory(flatten_weights(self._model, self._strategy.extract_as))
+        shared = self._kept_shared(flatten_weights(self._model, self._strategy.extract_as))
         return RPCReceiver(
             handoff, take=not (self.keep_storage or shared), check_exposure=self._check_exposure, where=where
         )

@@ -64,6 +64,9 @@ class BoundModel:
 
     #: Whether :meth:`swap` works with this torch (else callers :meth:`bind` the other storage).
     can_swap = CAN_SWAP
+    #: :meth:`load` moves a model in shared memory to memory of its own too (its sharing is not the user's: a
+    #: TorchRL collector pickled the trainer's policy into the worker).
+    move_shared = False
 
     def __init__(self) -> None:
         self.storage: torch.UntypedStorage | None = None
@@ -146,7 +149,7 @@ class BoundModel:
             copy_tensors([self.bytes[o : o + b.numel()] for o, b in pieces], [b for _, b in pieces])
             return True
         if self._shared_at_first is None:
-            self._shared_at_first = in_shared_memory(dst)
+            self._shared_at_first = not self.move_shared and in_shared_memory(dst)
         device = one_device(list(dst.values()))
         if self._shared_at_first or layout.casts or device is None:
             return False

@@ -1,0 +1,284 @@
+"""TorchRL's own collectors, fed by weightsync schemes (``weight_sync_schemes={"policy": scheme}``).
+
+Every test builds a real collector with worker processes and reads what the workers did from the batches they
+collected: the policy's weight is zero, so each action equals the bias the worker held (tests/_torchrl_env.py).
+For each collector and scheme: before ``update_policy_weights_()`` a trainer step is invisible to the workers;
+after it every worker acts with the trainer's weights; collection goes on; a killed worker is a named error;
+``collector.shutdown()`` shuts the scheme down and leaves no process, thread or segment behind (the autouse leak
+check of conftest.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("torchrl")
+
+from tensordict import TensorDict  # noqa: E402
+from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector  # noqa: E402
+from torchrl.collectors.distributed import DistributedCollector  # noqa: E402
+
+import weightsync as ws  # noqa: E402
+from tests._torchrl_env import actions, factory_policy, make_env, make_policy  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+MULTI = {"MultiSyncCollector": MultiSyncCollector, "MultiAsyncCollector": MultiAsyncCollector}
+
+
+def trainer_step(policy, bias: float) -> None:
+    """What an optimizer step does to the trainer's policy, in place."""
+    with torch.no_grad():
+        policy.module.bias.fill_(bias)
+
+
+def rows(batch) -> list[set[float]]:
+    """The actions of each worker of a ``MultiSyncCollector`` batch (dimension 0 is the worker)."""
+    return [actions(batch[i]) for i in range(batch.shape[0])]
+
+
+def multi(cls_name: str, scheme, **kwargs):
+    policy = kwargs.pop("policy", None)
+    return MULTI[cls_name](
+        [make_env, make_env],
+        policy=policy,
+        frames_per_batch=8,
+        total_frames=-1,
+        weight_sync_schemes={"policy": scheme},
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("backend", ["multiprocess", "shared_mem"])
+@pytest.mark.parametrize("cls_name", sorted(MULTI))
+def test_multi_collector_isolates_updates_and_names_a_dead_worker(cls_name, backend):
+    policy = make_policy(0.0)
+    scheme = ws.WeightSyncScheme.from_backend(backend, timeout=30)
+    collector = multi(cls_name, scheme, policy=policy)
+    try:
+        assert isinstance(scheme, __import__("torchrl.weight_update").weight_update.WeightSyncScheme)
+        assert scheme.num_workers == 2
+        batches = iter(collector)
+        assert actions(next(batches)) == {0.0}
+        trainer_step(policy, 1.0)
+        # Invisible until sent: the workers hold their own copy (TorchRL's schemes share the trainer's tensors).
+        assert [actions(next(batches)) for _ in range(4)] == [{0.0}] * 4
+        collector.update_policy_weights_()
+        assert scheme.version == 1
+        seen = [actions(next(batches)) for _ in range(8)]
+        # A sync collector's next batch is collected after the update; an async one may hand over up to one batch
+        # per worker begun before it (and a batch it was in the middle of).
+        fresh = seen if cls_name == "MultiSyncCollector" else seen[4:]
+        assert fresh == [{1.0}] * len(fresh), seen
+        if cls_name == "MultiSyncCollector":
+            trainer_step(policy, 2.0)
+            collector.update_policy_weights_(worker_ids=[0])
+            assert rows(next(batches)) == [{2.0}, {1.0}]
+            collector.update_policy_weights_()
+            assert rows(next(batches)) == [{2.0}, {2.0}]
+        # A killed worker is an error naming it, not a hang; the survivor still takes updates.
+        collector.procs[1].kill()
+        collector.procs[1].join(30)
+        trainer_step(policy, 3.0)
+        with pytest.raises(ws.WorkerDiedError, match="worker 1") as err:
+            collector.update_policy_weights_()
+        assert err.value.worker_idx == 1
+        collector.update_policy_weights_(worker_ids=[0])
+    finally:
+        collector.shutdown()
+    assert scheme.state == "shut down"
+    assert not any(p.is_alive() for p in collector.procs)
+
+
+def test_single_collector_applies_weights_it_is_sent():
+    """``Collector`` runs its policy in the trainer's process. Given the trainer's own module it runs those very
+    tensors (as with TorchRL's schemes: nothing to isolate); given a copy, the copy changes only when sent."""
+    trainer = make_policy(0.0)
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=30)
+    collector = Collector(
+        make_env,
+        policy=copy.deepcopy(trainer),
+        frames_per_batch=8,
+        total_frames=-1,
+        weight_sync_schemes={"policy": scheme},
+    )
+    try:
+        batches = iter(collector)
+        assert actions(next(batches)) == {0.0}
+        trainer_step(trainer, 1.0)
+        assert actions(next(batches)) == {0.0}
+        collector.update_policy_weights_(TensorDict.from_module(trainer))
+        assert actions(next(batches)) == {1.0}
+        assert scheme.version == 1
+        wrong = TensorDict.from_module(torch.nn.Linear(3, 1))
+        with pytest.raises(ws.WeightSyncError):
+            collector.update_policy_weights_(wrong)
+        assert actions(next(batches)) == {1.0}, "a refused update must leave the policy as it was"
+    finally:
+        collector.shutdown()
+    assert scheme.state == "shut down"
+
+
+def test_no_sync_keeps_the_factory_weights():
+    scheme = ws.NoWeightSyncScheme()
+    collector = MultiSyncCollector(
+        [make_env, make_env],
+        policy_factory=factory_policy,
+        frames_per_batch=8,
+        total_frames=-1,
+        weight_sync_schemes={"policy": scheme},
+    )
+    try:
+        batches = iter(collector)
+        assert rows(next(batches)) == [{9.0}, {9.0}]
+        collector.update_policy_weights_(TensorDict.from_module(make_policy(1.0)))
+        assert rows(next(batches)) == [{9.0}, {9.0}]
+    finally:
+        collector.shutdown()
+
+
+def test_no_sync_refuses_a_policy_it_cannot_fill():
+    """TorchRL hands workers a policy with its weights on the meta device; no_sync would never give them any."""
+    with pytest.raises(Exception, match="no_sync|NoWeightSyncScheme") as err:
+        multi("MultiSyncCollector", ws.NoWeightSyncScheme(), policy=make_policy(0.0)).shutdown()
+    assert "policy_factory" in str(err.value)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_distributed_collector(sync):
+    policy = make_policy(0.0)
+    scheme = ws.DistributedWeightSyncScheme(timeout=30, connect_timeout=90)
+    collector = DistributedCollector(
+        [make_env] * 2,
+        policy,
+        frames_per_batch=8,
+        total_frames=10**6,
+        launcher="mp",
+        backend="gloo",
+        tcp_port=_free_port(),
+        sync=sync,
+        weight_sync_schemes={"policy": scheme},
+    )
+    try:
+        batches = iter(collector)
+        assert actions(next(batches)) == {0.0}
+        trainer_step(policy, 1.0)
+        assert [actions(next(batches)) for _ in range(3)] == [{0.0}] * 3
+        collector.update_policy_weights_()
+        seen = [actions(next(batches)) for _ in range(6)]
+        assert seen[3:] == [{1.0}] * 3, seen
+        if sync:  # a killed node is an error naming its worker
+            collector.jobs[1].kill()
+            collector.jobs[1].join(30)
+            with pytest.raises(ws.WorkerDiedError, match="worker 1") as err:
+                collector.update_policy_weights_()
+            assert err.value.worker_idx == 1
+    finally:
+        try:
+            collector.shutdown()
+        except RuntimeError:
+            if not sync:
+                raise
+            # After a node was killed, TorchRL's own shutdown waits for its answer in the store, says so
+            # (DistStoreError) and stops there: the other node and the process group are left to us.
+            _end_torchrl_nodes(collector.jobs)
+    assert scheme.state == "shut down"
+
+
+def _end_torchrl_nodes(jobs) -> None:
+    import psutil
+
+    procs = []
+    for job in jobs:
+        with contextlib.suppress(psutil.Error):
+            node = psutil.Process(job.pid)
+            procs += [node, *node.children(recursive=True)]
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(procs, timeout=30)
+    for job in jobs:
+        job.join(30)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def test_ray_collector():
+    ray = pytest.importorskip("ray")
+    from torchrl.collectors.distributed import RayCollector
+
+    from tests.conftest import local_ray_cluster
+
+    tests_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with local_ray_cluster(runtime_env={"env_vars": {"PYTHONPATH": tests_root}}):
+        policy = make_policy(0.0)
+        scheme = ws.RayWeightSyncScheme(timeout=60)
+        collector = RayCollector(
+            [make_env] * 2,
+            policy,
+            frames_per_batch=8,
+            total_frames=10**6,
+            sync=True,
+            remote_configs={"num_cpus": 1, "memory": 512 * 1024**2},
+            weight_sync_schemes={"policy": scheme},
+        )
+        try:
+            collector.update_policy_weights_()  # RayCollector connects its scheme at the first update
+            batches = iter(collector)
+            assert actions(next(batches)) == {0.0}
+            trainer_step(policy, 1.0)
+            assert actions(next(batches)) == {0.0}
+            collector.update_policy_weights_()
+            assert [actions(next(batches)) for _ in range(2)] == [{1.0}] * 2
+            ray.kill(collector.remote_collectors[1])
+            trainer_step(policy, 2.0)
+            with pytest.raises(ws.WorkerDiedError, match="worker 1") as err:
+                collector.update_policy_weights_()
+            assert err.value.worker_idx == 1
+        finally:
+            collector.shutdown()
+        assert scheme.state == "shut down"
+
+
+def test_one_override_switches_a_torchrl_hydra_app_to_weightsync():
+    """A TorchRL app picks its scheme from TorchRL's group ``weight_sync_scheme``; ``weightsync_<name>`` there
+    is weightsync's, so one override on the command line switches it."""
+    from hydra import compose, initialize
+    from hydra.core.config_store import ConfigStore
+    from hydra.utils import instantiate
+
+    pytest.importorskip("torchrl.trainers.algorithms.configs")  # registers TorchRL's groups
+    import weightsync.config  # noqa: F401 - registers weightsync's
+
+    where = "weight_sync_scheme@collector.weight_sync_schemes.policy"
+    app = {"defaults": [{where: "multiprocess"}, "_self_"], "collector": {"frames_per_batch": 8}}
+    ConfigStore.instance().store(name="torchrl_app", node=app)
+    with initialize(version_base=None):
+        theirs = compose("torchrl_app")
+        ours = compose("torchrl_app", overrides=[f"{where}=weightsync_shared_mem", f"{where.split('@')[1]}.timeout=30"])
+    assert theirs.collector.weight_sync_schemes.policy._target_.startswith("torchrl.")
+    schemes = instantiate(ours.collector.weight_sync_schemes, _convert_="all")
+    assert type(schemes["policy"]) is ws.SharedMemWeightSyncScheme
+    assert schemes["policy"].timeout == 30
+    policy = make_policy(0.0)
+    collector = multi("MultiSyncCollector", schemes["policy"], policy=policy)
+    try:
+        batches = iter(collector)
+        trainer_step(policy, 1.0)
+        assert rows(next(batches)) == [{0.0}, {0.0}]
+        collector.update_policy_weights_()
+        assert rows(next(batches)) == [{1.0}, {1.0}]
+    finally:
+        collector.shutdown()

@@ -96,11 +96,12 @@ def test_multi_collector_isolates_updates_and_names_a_dead_worker(cls_name, back
     assert not any(p.is_alive() for p in collector.procs)
 
 
-def test_single_collector_applies_weights_it_is_sent():
+@pytest.mark.parametrize("backend", ["multiprocess", "shared_mem"])
+def test_single_collector_applies_weights_it_is_sent(backend):
     """``Collector`` runs its policy in the trainer's process. Given the trainer's own module it runs those very
     tensors (as with TorchRL's schemes: nothing to isolate); given a copy, the copy changes only when sent."""
     trainer = make_policy(0.0)
-    scheme = ws.MultiProcessWeightSyncScheme(timeout=30)
+    scheme = ws.WeightSyncScheme.from_backend(backend, timeout=30)
     collector = Collector(
         make_env,
         policy=copy.deepcopy(trainer),
@@ -123,6 +124,22 @@ def test_single_collector_applies_weights_it_is_sent():
     finally:
         collector.shutdown()
     assert scheme.state == "shut down"
+
+
+def test_single_collector_with_no_sync_keeps_its_policy():
+    collector = Collector(
+        make_env,
+        policy=make_policy(0.0),
+        frames_per_batch=8,
+        total_frames=-1,
+        weight_sync_schemes={"policy": ws.NoWeightSyncScheme()},
+    )
+    try:
+        batches = iter(collector)
+        collector.update_policy_weights_(TensorDict.from_module(make_policy(1.0)))
+        assert actions(next(batches)) == {0.0}
+    finally:
+        collector.shutdown()
 
 
 def test_no_sync_keeps_the_factory_weights():

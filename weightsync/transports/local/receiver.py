@@ -12,7 +12,7 @@ from ...core.timing import remaining
 from ...errors import ConfigurationError, ConnectionClosedError, LifecycleError
 from ...tensors.layout import FlatLayout
 from .channel import connect_channel
-from .keyfiles import read_key_file, remove_key_file_if_orphaned
+from .keyfiles import check_same_network, read_key_file, remove_key_file_if_orphaned
 from .mp import MPTransport, Update
 
 __all__ = ["LocalReceiver"]
@@ -92,6 +92,8 @@ class LocalReceiver(ReceiverEngine):
             "model_id": self.where["model_id"],
             "device": self.device,
         }
+        if self.key_file is not None:
+            check_same_network(self.key_file, **self.where)
         channel = connect_channel(self.address, bytes.fromhex(self._authkey), hello, remaining(deadline))
         try:
             welcome = channel.recv_until(deadline, "the sender's welcome")

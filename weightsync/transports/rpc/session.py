@@ -24,7 +24,7 @@ import torch.distributed.rpc as rpc
 
 from ...errors import ConfigurationError, SyncTimeoutError, first_line
 from ..network import interface_for, local_address
-from ..store import connect_store, open_store
+from ..store import as_timedelta, connect_store, open_store
 
 __all__ = [
     "SENDER_NAME",
@@ -176,6 +176,7 @@ def start_agent(sess: Session, name: str, rank: int, timeout: float, **where: An
                 "workers, or use a scheme whose workers can rejoin (multiprocess, shared_mem, distributed, ray)",
                 **where,
             )
+        _await_world(sess, timeout, **where)
         _register_handler()
         _STORES[sess.token] = sess.store
         try:
@@ -185,10 +186,12 @@ def start_agent(sess: Session, name: str, rank: int, timeout: float, **where: An
             options = rpc.TensorPipeRpcBackendOptions(
                 init_method=f"{RENDEZVOUS_SCHEME}://{sess.token}", rpc_timeout=timeout
             )
-            # TensorPipe listens on the address the host name resolves to, unless told an interface: name the
-            # one that reaches the sender (loopback for a local sender), so a single-host run stays on 127.0.0.1.
+            # TensorPipe, and the gloo group init_rpc forms for itself, listen on the address the host name
+            # resolves to, unless told an interface: name the one that reaches the sender (loopback for a local
+            # sender), so a single-host run stays on 127.0.0.1 and a worker on another host is reachable.
             ifname = os.environ.get("TP_SOCKET_IFNAME") or interface_for(local_address(sess.host))
-            with warnings.catch_warnings(), _environment(TP_SOCKET_IFNAME=ifname):
+            gloo_ifname = os.environ.get("GLOO_SOCKET_IFNAME") or ifname
+            with warnings.catch_warnings(), _environment(TP_SOCKET_IFNAME=ifname, GLOO_SOCKET_IFNAME=gloo_ifname):
                 warnings.simplefilter("ignore")  # init_rpc's own use of a gloo group warns about torch internals
                 rpc.init_rpc(name, rank=rank, world_size=sess.world_size, rpc_backend_options=options)
         except RuntimeError as exc:
@@ -199,6 +202,22 @@ def start_agent(sess: Session, name: str, rank: int, timeout: float, **where: An
         finally:
             _STORES.pop(sess.token, None)
         sess.started = True
+
+
+def _await_world(sess: Session, timeout: float, **where: Any) -> None:
+    """Wait, at most ``timeout``, until every process of the world has said it is joining (``init_rpc`` itself
+    would wait for an absent one as long as torch's own process-group timeout, 30 minutes)."""
+    keys = [f"weightsync-joined/{rank}" for rank in range(sess.world_size)]
+    try:
+        sess.store.wait(keys, as_timedelta(timeout))
+    except (RuntimeError, dist.DistError):
+        absent = [rank for rank, key in enumerate(keys) if not sess.store.check([key])]
+        names = ["the sender" if rank == 0 else f"worker {rank - 1}" for rank in absent] or ["a process"]
+        raise SyncTimeoutError(
+            f"the RPC world ({sess.world_size} processes) did not form within {timeout:.1f}s: "
+            f"{', '.join(names)} never joined",
+            **where,
+        ) from None
 
 
 @contextlib.contextmanager

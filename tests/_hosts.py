@@ -1,0 +1,149 @@
+"""Hosts for multi-host tests: network namespaces this test run makes, joined through a switch of its own.
+
+Each host is a network namespace with ``lo`` and ``eth0``, an address from 198.18.0.0/15 (the range set aside for
+network tests, RFC 2544) and nothing else; the hosts' links meet in a bridge inside one more namespace, the
+switch, so no interface, address or route of the machine changes and no packet leaves the namespaces the test
+made. Processes run inside a host with :meth:`Host.spawn` (``ip netns exec``); :func:`hosts` ends every one of
+them and deletes the namespaces, bounded in time. Without root (or without ``ip``), tests that ask for hosts are
+skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+SUBNET = "198.18.0"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], check=check, timeout=10, capture_output=True, text=True)
+
+
+@dataclass
+class Host:
+    """One namespace: ``name`` (for ``ip netns exec``), ``addr`` (on ``eth0``), the switch port it is plugged in."""
+
+    name: str
+    addr: str
+    port: str
+    switch: str
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def spawn(self, args: list[str], *, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+        """Start ``args`` (``python`` means this interpreter) inside this host, in a process group of its own."""
+        if args[0] == "python":
+            args = [sys.executable, *args[1:]]
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.name, *args],
+            env=full_env,
+            cwd=ROOT,
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            **kwargs,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def run(self, args: list[str], timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+        """Run ``args`` inside this host to the end."""
+        proc = self.spawn(args, **kwargs)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _end(proc)
+            raise
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def link(self, up: bool) -> None:
+        """Plug this host's cable in or pull it out (its switch port goes up or down)."""
+        _ip("-n", self.switch, "link", "set", self.port, "up" if up else "down")
+
+    def shape(self, rate: str) -> None:
+        """Limit what this host sends to ``rate`` (``"1gbit"``): a token bucket on its ``eth0``."""
+        _ip("-n", self.name, "link", "set", "eth0", "mtu", "1500")
+        subprocess.run(
+            ["tc", "-n", self.name, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate,
+             "burst", "1mb", "latency", "50ms"],
+            check=True, timeout=10, capture_output=True,
+        )  # fmt: skip
+
+    def listening(self) -> list[tuple[str, int, str]]:
+        """The TCP sockets listening in this host: (address, port, program)."""
+        out = subprocess.run(
+            ["ip", "netns", "exec", self.name, "ss", "-Htlnp"], check=True, timeout=10, capture_output=True, text=True
+        ).stdout
+        found = []
+        for line in out.splitlines():
+            cols = line.split()
+            local = cols[3]
+            addr, _, port = local.rpartition(":")
+            program = cols[5] if len(cols) > 5 else ""
+            found.append((addr.strip("[]"), int(port), program))
+        return found
+
+
+def _end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.communicate(timeout=10)
+
+
+def _can_make_hosts() -> str | None:
+    if os.geteuid() != 0:
+        return "multi-host tests make network namespaces, which needs root"
+    if shutil.which("ip") is None or shutil.which("ss") is None:
+        return "multi-host tests need iproute2 (ip, ss)"
+    return None
+
+
+@contextlib.contextmanager
+def hosts(n: int = 2) -> Iterator[list[Host]]:
+    """``n`` hosts on one switch (addresses 198.18.0.1, .2, ...), ended with everything started in them."""
+    reason = _can_make_hosts()
+    if reason:
+        pytest.skip(reason)
+    token = secrets.token_hex(3)
+    switch = f"ws-{token}-sw"
+    made: list[str] = []
+    group: list[Host] = []
+    try:
+        _ip("netns", "add", switch)
+        made.append(switch)
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "br0", "up")
+        for i in range(n):
+            name, port = f"ws-{token}-{'abc'[i] if i < 3 else i}", f"p{i}"
+            _ip("netns", "add", name)
+            made.append(name)
+            _ip("-n", name, "link", "set", "lo", "up")
+            _ip("-n", switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", name)
+            _ip("-n", switch, "link", "set", port, "master", "br0")
+            _ip("-n", switch, "link", "set", port, "up")
+            addr = f"{SUBNET}.{i + 1}"
+            _ip("-n", name, "addr", "add", f"{addr}/24", "dev", "eth0")
+            _ip("-n", name, "link", "set", "eth0", "up")
+            group.append(Host(name, addr, port, switch))
+        yield group
+    finally:
+        for host in group:
+            for proc in host.procs:
+                _end(proc)
+        for name in reversed(made):
+            _ip("netns", "del", name, check=False)

@@ -206,10 +206,9 @@ def test_distributed_collector(sync):
         try:
             collector.shutdown()
         except RuntimeError:
-            if not sync:
-                raise
-            # After a node was killed, TorchRL's own shutdown waits for its answer in the store, says so
-            # (DistStoreError) and stops there: the other node and the process group are left to us.
+            # TorchRL's own shutdown waits 10 s for each node's answer in its store: after a node was killed, or
+            # a busy async node on a loaded machine, it says so (DistStoreError) and stops there, leaving the
+            # other nodes and the process group to us. (weightsync's scheme is shut down all the same.)
             _end_torchrl_nodes(collector.jobs)
     assert scheme.state == "shut down"
 

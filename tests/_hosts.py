@@ -47,7 +47,9 @@ class Host:
             args = [sys.executable, *args[1:]]
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.name, *args],
+            # A PID namespace of the host's own as well: its processes cannot reach another host's memory
+            # (TensorPipe would otherwise move tensors between "hosts" with process_vm_readv, past the link).
+            ["ip", "netns", "exec", self.name, "unshare", "--pid", "--fork", "--mount-proc", *args],
             env=full_env,
             cwd=ROOT,
             start_new_session=True,
@@ -73,12 +75,13 @@ class Host:
         """Plug this host's cable in or pull it out (its switch port goes up or down)."""
         _ip("-n", self.switch, "link", "set", self.port, "up" if up else "down")
 
-    def shape(self, rate: str) -> None:
-        """Limit what this host sends to ``rate`` (``"1gbit"``): a token bucket on its ``eth0``."""
-        _ip("-n", self.name, "link", "set", "eth0", "mtu", "1500")
+    def shape(self, bits_per_s: float) -> None:
+        """Limit what this host sends to ``bits_per_s``: a token bucket (``tbf``) on its ``eth0``, whose bucket
+        holds 10 ms of the rate (at least 1 MB) so that the timer's granularity does not lower the rate."""
+        burst = max(2**20, int(bits_per_s / 8 / 100))
         subprocess.run(
-            ["tc", "-n", self.name, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate,
-             "burst", "1mb", "latency", "50ms"],
+            ["tc", "-n", self.name, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", f"{int(bits_per_s)}bit",
+             "burst", str(burst), "latency", "100ms"],
             check=True, timeout=10, capture_output=True,
         )  # fmt: skip
 

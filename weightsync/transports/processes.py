@@ -16,14 +16,6 @@ def pid_namespace() -> str:
         return "unknown"
 
 
-def network_namespace(pid: int | str = "self") -> str | None:
-    """The network namespace of process ``pid`` of this PID namespace (``None``: not known)."""
-    try:
-        return os.readlink(f"/proc/{pid}/ns/net")
-    except OSError:
-        return None
-
-
 def pid_exited(pid: int) -> bool:
     """Whether process ``pid`` of this PID namespace has exited (a zombie not yet reaped counts as exited)."""
     try:

@@ -244,13 +244,18 @@ class ChannelListener:
             pass
 
 
-def connect_channel(address: str, authkey: bytes, hello: dict[str, Any], timeout: float) -> Channel:
+def connect_channel(
+    address: str, authkey: bytes, hello: dict[str, Any], timeout: float, *, wait_for_listener: bool = True
+) -> Channel:
     """Connect to a :class:`ChannelListener`, authenticate both ways, and send ``hello``.
 
-    Retries while the listener does not exist yet, up to ``timeout`` seconds.
+    Retries while the listener does not exist yet, up to ``timeout`` seconds; with ``wait_for_listener=False``
+    (the caller knows it was listening), a refused connection is raised at once.
 
     Raises:
         SyncTimeoutError: no listener answered in time.
+        ConnectionRefusedError, FileNotFoundError: nothing listens at ``address`` here (``wait_for_listener``
+            false).
         AuthenticationError: the key was refused, or the listener could not prove it holds it.
     """
     deadline = deadline_after(timeout)
@@ -262,6 +267,8 @@ def connect_channel(address: str, authkey: bytes, hello: dict[str, Any], timeout
             break
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             sock.close()
+            if not wait_for_listener:
+                raise
             if remaining(deadline) <= 0:
                 raise SyncTimeoutError(f"no sender listening at {address!r} after {timeout:.1f}s") from exc
             # The sender may not have bound yet: back off briefly (bounded by the deadline).

@@ -22,12 +22,11 @@ from typing import Any
 
 from ...core.timing import deadline_after, remaining
 from ...errors import ConfigurationError
-from ..processes import network_namespace, pid_exited, pid_namespace
+from ..processes import pid_exited, pid_namespace
 
 __all__ = [
     "KEY_BYTES",
     "check_key_file_path",
-    "check_same_network",
     "key_dir",
     "read_key_file",
     "remove_key_file",
@@ -142,42 +141,16 @@ def read_key_file(path: str, **where: Any) -> str:
     return key
 
 
-def _owner(name: str) -> int | None:
-    """The PID of the sender that wrote key file ``name`` (``weightsync-<pid>-<token>.<pid namespace>.key``), if
-    it is a PID of this PID namespace (files from another one, a container sharing the directory, name none)."""
+def _owner_is_gone(name: str) -> bool:
+    """Whether the sender that wrote key file ``name`` (``weightsync-<pid>-<token>.<pid namespace>.key``) has
+    exited. Files from another PID namespace (a container sharing the directory) are never judged."""
     stem, _, namespace = name.removesuffix(".key").rpartition(".")
     parts = stem.split("-")
     if not name.endswith(".key") or namespace != pid_namespace() or namespace == "unknown":
-        return None
+        return False
     if len(parts) != 3 or parts[0] != "weightsync" or not parts[1].isdigit():
-        return None
-    return int(parts[1])
-
-
-def _owner_is_gone(name: str) -> bool:
-    """Whether the sender that wrote key file ``name`` has exited (never judged for another PID namespace)."""
-    pid = _owner(name)
-    return pid is not None and pid_exited(pid)
-
-
-def check_same_network(path: str, **where: Any) -> None:
-    """Refuse at once a worker whose sender, the writer of key file ``path``, runs in another network namespace:
-    its abstract socket cannot be reached from here, and waiting for it would only time out. (A sender on another
-    machine has left no key file here at all: :func:`read_key_file` says so.)
-
-    Raises:
-        ConfigurationError: the sender's network namespace is known and is not this process's.
-    """
-    pid = _owner(os.path.basename(path))
-    theirs = network_namespace(pid) if pid is not None else None
-    ours = network_namespace()
-    if theirs is not None and ours is not None and theirs != ours:
-        raise ConfigurationError(
-            f"the sender (pid {pid}) runs in another network namespace ({theirs}) than this worker ({ours}): the "
-            "local schemes connect the processes of one host over its abstract sockets. Across hosts or "
-            "namespaces use distributed, rpc or ray (docs/multinode.md)",
-            **where,
-        )
+        return False
+    return pid_exited(int(parts[1]))
 
 
 def remove_key_file_if_orphaned(path: str, grace: float = 0.0) -> None:

@@ -12,7 +12,7 @@ from ...core.timing import remaining
 from ...errors import ConfigurationError, ConnectionClosedError, LifecycleError
 from ...tensors.layout import FlatLayout
 from .channel import connect_channel
-from .keyfiles import check_same_network, read_key_file, remove_key_file_if_orphaned
+from .keyfiles import read_key_file, remove_key_file_if_orphaned
 from .mp import MPTransport, Update
 
 __all__ = ["LocalReceiver"]
@@ -92,9 +92,23 @@ class LocalReceiver(ReceiverEngine):
             "model_id": self.where["model_id"],
             "device": self.device,
         }
-        if self.key_file is not None:
-            check_same_network(self.key_file, **self.where)
-        channel = connect_channel(self.address, bytes.fromhex(self._authkey), hello, remaining(deadline))
+        try:
+            # A sender writes its key file once it listens: with one read, a refused connection will not heal.
+            channel = connect_channel(
+                self.address,
+                bytes.fromhex(self._authkey),
+                hello,
+                remaining(deadline),
+                wait_for_listener=self.key_file is None,
+            )
+        except (ConnectionRefusedError, FileNotFoundError) as exc:
+            raise ConfigurationError(
+                f"nothing listens at {self.address!r} from here, though its sender wrote the key file "
+                f"{self.key_file}: the sender runs on another host or in another network namespace (the local "
+                "schemes connect the processes of one host: across hosts use distributed, rpc or ray; "
+                "docs/multinode.md), or it was killed",
+                **self.where,
+            ) from exc
         try:
             welcome = channel.recv_until(deadline, "the sender's welcome")
             if welcome["op"] == "refused":

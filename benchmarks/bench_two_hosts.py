@@ -1,0 +1,160 @@
+"""Sends across a shaped link between two hosts: ``distributed`` and ``rpc`` at 100 MB, fp32 and
+``wire_dtype="bfloat16"``, against the link's floor (bytes / rate).
+
+    python benchmarks/bench_two_hosts.py                 # 1 and 10 Gbit/s, prints the table (needs root)
+    python benchmarks/bench_two_hosts.py --write         # ... and rewrites its section of docs/benchmarks.md
+    python benchmarks/bench_two_hosts.py --mb 10 --rounds 3 --rates 1e9
+
+The hosts are network namespaces joined by a switch of their own (tests/_hosts.py); the trainer's host sends
+through a token bucket (``tbf``) at the rate. The trainer runs on host A, one worker on host B built from the
+receiver config's YAML; each send is ``sync=True`` and timed until the worker applied and acknowledged it. The
+floor is the bytes on the wire (half for bf16) over the rate: what no protocol can beat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def trainer(args: argparse.Namespace) -> None:
+    import torch
+    from omegaconf import OmegaConf
+
+    import weightsync as ws
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, int(args.mb * 2**20 / 4 / 1024), bias=False)
+    kwargs = {"master_addr": args.addr, "master_port": 29612, "timeout": 120, "wire_dtype": args.wire_dtype}
+    if args.engine == "rpc":
+        kwargs["allow_pickle"] = True
+    scheme = ws.WeightSyncScheme.from_backend(args.engine, **kwargs)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    out = Path(args.out)
+    (out / "w.part").write_text(OmegaConf.to_yaml(scheme.receiver_config(0)))
+    (out / "w.part").rename(out / "worker0.yaml")
+    try:
+        scheme.connect()
+        times = []
+        for _ in range(args.rounds):
+            with torch.no_grad():
+                model.weight.add_(1e-3)
+            began = time.perf_counter()
+            scheme.send()
+            times.append(time.perf_counter() - began)
+        nbytes = model.weight.numel() * (2 if args.wire_dtype == "bfloat16" else 4)
+        print(json.dumps({"median": statistics.median(times), "wire_bytes": nbytes}), flush=True)
+    finally:
+        scheme.shutdown()
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    from omegaconf import OmegaConf
+
+    import weightsync as ws
+
+    model = torch.nn.Linear(1024, int(args.mb * 2**20 / 4 / 1024), bias=False)
+    scheme = ws.from_config(OmegaConf.load(args.config), allow_pickle=args.engine == "rpc")
+    scheme.init_on_receiver(model=model)
+    scheme.connect()
+    try:
+        while True:
+            scheme.receive(timeout=1.0)
+    except ws.ConnectionClosedError:
+        pass
+    finally:
+        scheme.shutdown()
+
+
+def one(a, b, engine: str, wire_dtype: str, mb: float, rounds: int) -> dict:
+    out = Path(tempfile.mkdtemp())
+    common = ["--engine", engine, "--wire-dtype", wire_dtype, "--mb", str(mb)]
+    t = a.spawn(["python", __file__, "--role", "trainer", "--out", str(out), "--addr", a.addr, "--rounds",
+                 str(rounds), *common])  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (out / "worker0.yaml").exists():
+        if t.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the trainer wrote no receiver config: {t.stderr.read()}")
+        time.sleep(0.1)
+    w = b.spawn(["python", __file__, "--role", "worker", "--config", str(out / "worker0.yaml"), *common])
+    stdout, stderr = t.communicate(timeout=900)
+    w.communicate(timeout=120)
+    if t.returncode != 0:
+        raise SystemExit(f"{engine} {wire_dtype}: the trainer failed:\n{stderr}")
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def rate_name(bits: float) -> str:
+    return f"{bits / 1e9:g} Gbit/s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--role", choices=["main", "trainer", "worker"], default="main", help=argparse.SUPPRESS)
+    parser.add_argument("--engine", default="distributed", help=argparse.SUPPRESS)
+    parser.add_argument("--wire-dtype", default="float32", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--addr", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--mb", type=float, default=100.0)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rates", type=float, nargs="*", default=[1e9, 10e9], help="link rates, bits/s")
+    parser.add_argument("--write", action="store_true", help="rewrite the two-host section of docs/benchmarks.md")
+    args = parser.parse_args()
+    if args.role == "trainer":
+        return trainer(args)
+    if args.role == "worker":
+        return worker(args)
+
+    from _doc import replace_section
+
+    from tests._hosts import hosts
+
+    if os.geteuid() != 0:
+        sys.exit("bench_two_hosts.py makes network namespaces: run it as root")
+    began = time.perf_counter()
+    lines = [
+        "| link | engine | wire dtype | median send (s) | link floor (s) | x floor |",
+        "|---|---|---|---|---|---|",
+    ]
+    for rate in args.rates:
+        for engine in ("distributed", "rpc"):
+            for wire_dtype in ("float32", "bfloat16"):
+                with hosts(2) as (a, b):
+                    a.shape(rate)
+                    row = one(a, b, engine, wire_dtype, args.mb, args.rounds)
+                floor = row["wire_bytes"] * 8 / rate
+                lines.append(
+                    f"| {rate_name(rate)} | {engine} | {wire_dtype} | {row['median']:.3f} | {floor:.3f} | "
+                    f"{row['median'] / floor:.2f} |"
+                )
+                print(lines[-1], flush=True)
+    import torch
+
+    text = "\n".join(
+        [
+            f"A {args.mb:g} MB float32 model, trainer on host A, one worker on host B, median of {args.rounds} "
+            f"sync sends per row, one run of `benchmarks/bench_two_hosts.py` ({time.perf_counter() - began:.0f} s, "
+            f"torch {torch.__version__}, {os.cpu_count()} cores).",
+            "",
+            *lines,
+        ]
+    )
+    print(text)
+    if args.write:
+        replace_section(ROOT / "docs" / "benchmarks.md", "two-hosts", text)
+
+
+if __name__ == "__main__":
+    main()

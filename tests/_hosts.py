@@ -17,10 +17,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 
 SUBNET = "198.18.0"
@@ -39,6 +41,7 @@ class Host:
     addr: str
     port: str
     switch: str
+    init: int = 0  # the host's first process (PID 1 of its PID namespace), as this machine numbers it
     procs: list[subprocess.Popen] = field(default_factory=list)
 
     def spawn(self, args: list[str], *, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
@@ -47,9 +50,7 @@ class Host:
             args = [sys.executable, *args[1:]]
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         proc = subprocess.Popen(
-            # A PID namespace of the host's own as well: its processes cannot reach another host's memory
-            # (TensorPipe would otherwise move tensors between "hosts" with process_vm_readv, past the link).
-            ["ip", "netns", "exec", self.name, "unshare", "--pid", "--fork", "--mount-proc", *args],
+            ["nsenter", f"--target={self.init}", "--net", "--pid", "--mount", f"--wd={ROOT}", *args],
             env=full_env,
             cwd=ROOT,
             start_new_session=True,
@@ -108,6 +109,25 @@ def _end(proc: subprocess.Popen) -> None:
         proc.communicate(timeout=10)
 
 
+def _boot(host: Host) -> Host:
+    """Give ``host`` a PID namespace (and a /proc for it) of its own, held by a first process that every later
+    process of the host joins: a host's processes see one another (Ray finds its raylet by listing them) and
+    cannot reach another host's memory (TensorPipe would otherwise move tensors between "hosts" with
+    process_vm_readv, past the link)."""
+    holder = subprocess.Popen(
+        ["ip", "netns", "exec", host.name, "unshare", "--pid", "--fork", "--mount-proc", "sleep", "infinity"],
+        start_new_session=True,
+    )
+    host.procs.append(holder)
+    deadline = time.monotonic() + 10
+    while not (children := psutil.Process(holder.pid).children()):
+        if holder.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"could not start host {host.name}'s first process")
+        time.sleep(0.01)
+    host.init = children[0].pid
+    return host
+
+
 def _can_make_hosts() -> str | None:
     if os.geteuid() != 0:
         return "multi-host tests make network namespaces, which needs root"
@@ -142,11 +162,11 @@ def hosts(n: int = 2) -> Iterator[list[Host]]:
             addr = f"{SUBNET}.{i + 1}"
             _ip("-n", name, "addr", "add", f"{addr}/24", "dev", "eth0")
             _ip("-n", name, "link", "set", "eth0", "up")
-            group.append(Host(name, addr, port, switch))
+            group.append(_boot(Host(name, addr, port, switch)))
         yield group
     finally:
         for host in group:
-            for proc in host.procs:
+            for proc in reversed(host.procs):  # the first process last: its end ends every process of the host
                 _end(proc)
         for name in reversed(made):
             _ip("netns", "del", name, check=False)

@@ -15,11 +15,15 @@ class Collector:
         _scramble(self.model)
         self.scheme = None
 
-    def join(self, scheme, worker_idx: int) -> None:
-        """``scheme``: a scheme object (pickled by Ray) or a receiver config (plain data)."""
-        self.scheme = ws.from_config(scheme) if isinstance(scheme, dict) else scheme
+    def join(self, scheme, worker_idx: int, allow_pickle: bool = False) -> None:
+        """``scheme``: a scheme object (pickled by Ray) or a receiver config (plain data; ``allow_pickle``: this
+        actor opts in to a Ray cluster with nodes on other hosts)."""
+        self.scheme = ws.from_config(scheme, allow_pickle=allow_pickle) if isinstance(scheme, dict) else scheme
         self.scheme.init_on_receiver(model_id="policy", model=self.model, worker_idx=worker_idx)
         self.scheme.connect()
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
 
     def pid(self) -> int:
         import os

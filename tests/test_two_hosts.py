@@ -5,6 +5,7 @@ receiver configs the trainer wrote, and nothing else (examples/two_hosts/)."""
 from __future__ import annotations
 
 import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -177,3 +178,23 @@ def test_the_shaped_link_benchmark_runs(tmp_path):
     assert out.returncode == 0, out.stderr
     table = out.stdout.split("| link |")[-1]
     assert table.count("| 1 Gbit/s |") == 4, out.stdout
+
+
+def test_ray_actors_on_another_node_hold_every_version():
+    """A Ray head on host A, a worker node on host B (``ray start --address``), actors placed on B; Ray's token
+    authentication on, the token shared by the nodes and the trainer as Ray asks."""
+    import secrets
+
+    pytest.importorskip("ray")
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    common = ["--num-cpus", "1", "--disable-usage-stats", "--block"]
+    with tempfile.TemporaryDirectory(prefix="wsray", dir="/tmp") as tmp, hosts(2) as (a, b):
+        tmp_path = Path(tmp)  # short: Ray's socket paths live under it
+        a.spawn(["ray", "start", "--head", "--node-ip-address", a.addr, "--port", "6379", "--include-dashboard",
+                 "false", "--temp-dir", str(tmp_path / "a"), *common], env=env)  # fmt: skip
+        b.spawn(["ray", "start", "--address", f"{a.addr}:6379", "--node-ip-address", b.addr, "--resources",
+                 '{"hostB": 2}', "--temp-dir", str(tmp_path / "b"), *common], env=env)  # fmt: skip
+        trainer = a.run(["python", "-m", "tests._ray_two_hosts", f"{a.addr}:6379"], timeout=180, env=env)
+        assert trainer.returncode == 0, trainer.stderr[-3000:]
+        assert trainer.stdout.count("held by both: True") == 3, trainer.stdout
+        assert "actors on ['198.18.0.2']" in trainer.stdout

@@ -1,0 +1,53 @@
+"""The trainer side of the Ray two-host test, run on host A: joins the cluster whose head runs there, places two
+actors on host B (its custom resource), hands each its receiver config (the actor opts in to pickles), sends
+three versions and prints, for each, whether both actors hold the trainer's weights; then where the actors ran.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import ray
+import torch
+
+import weightsync as ws
+from tests._ray_actors import Collector
+from tests._workers import build, checksum
+
+
+def main(address: str) -> None:
+    deadline = time.monotonic() + 90  # the nodes start beside this process: wait for them, bounded
+    while True:
+        try:
+            ray.init(address=address, namespace="two-hosts", log_to_driver=False)
+            break
+        except ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+    while ray.cluster_resources().get("hostB", 0) < 2:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"host B's node did not join within 90 s: {ray.cluster_resources()}")
+        time.sleep(0.5)
+    actors = [Collector.options(resources={"hostB": 1}).remote("tiny") for _ in range(2)]
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(allow_pickle=True, timeout=60)
+    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
+    ray.get([a.join.remote(scheme.receiver_config(i), i, allow_pickle=True) for i, a in enumerate(actors)])
+    scheme.connect()
+    for _ in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        scheme.send()
+        states = ray.get([a.state.remote() for a in actors])
+        same = all(state == (scheme.version, checksum(model, "tensordict")) for state in states)
+        print(f"version {scheme.version} held by both: {same}", flush=True)
+    print("actors on", sorted(set(ray.get([a.node_ip.remote() for a in actors]))), flush=True)
+    scheme.shutdown()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

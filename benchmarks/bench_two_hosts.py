@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=100.0)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--rates", type=float, nargs="*", default=[1e9, 10e9], help="link rates, bits/s")
+    parser.add_argument("--engines", nargs="*", default=["distributed", "rpc"], choices=["distributed", "rpc"])
     parser.add_argument("--write", action="store_true", help="rewrite the two-host section of docs/benchmarks.md")
     args = parser.parse_args()
     if args.role == "trainer":
@@ -129,7 +130,7 @@ def main() -> None:
         "|---|---|---|---|---|---|",
     ]
     for rate in args.rates:
-        for engine in ("distributed", "rpc"):
+        for engine in args.engines:
             for wire_dtype in ("float32", "bfloat16"):
                 with hosts(2) as (a, b):
                     a.shape(rate)

@@ -126,6 +126,33 @@ def test_restarted_worker_rejoins_and_gets_the_current_version(workers, name):
     scheme.shutdown()
 
 
+def test_a_dropped_distributed_worker_that_lives_rejoins_by_itself(workers):
+    """gloo: a worker dropped for an ack it never sent (here it hung; across hosts, its link went down) reads
+    that it was dropped once it runs again, asks to rejoin, and holds the newest version; the next send reaches
+    it as before."""
+    model, scheme, group = _connected("distributed-gloo", workers, on_failure="drop")
+    scheme.timeout = TIMEOUT
+    os.kill(group.procs[1].pid, signal.SIGSTOP)
+    try:
+        optimizer_step(model, 1)
+        scheme.send()  # worker 1 is dropped after TIMEOUT
+        assert list(scheme.stats()["dropped_workers"]) == [1]
+    finally:
+        os.kill(group.procs[1].pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while scheme.stats()["rejoins"] != {1: 1}:
+        assert time.monotonic() < deadline, scheme.stats()
+        time.sleep(0.05)
+    assert group.ask(1, "state")["policy"] == (1, checksum(model))
+    assert scheme.stats()["dropped_workers"] == {}
+    optimizer_step(model, 2)
+    scheme.send()
+    assert scheme.acked_versions == {0: 2, 1: 2}
+    assert [group.ask(i, "state")["policy"] for i in (0, 1)] == [(2, checksum(model))] * 2
+    group.stop()
+    scheme.shutdown()
+
+
 @pytest.mark.parametrize("name", ["multiprocess", "shared_mem", "distributed-gloo"])
 def test_a_live_worker_index_cannot_be_taken_and_a_stranger_is_refused(workers, name):
     model, scheme, group = _connected(name, workers)

@@ -4,8 +4,13 @@ receiver configs the trainer wrote, and nothing else (examples/two_hosts/)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import queue
 import re
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,11 +36,8 @@ def start_trainer(host: Host, out: Path, *overrides: str):
     return trainer
 
 
-def start_workers(host: Host, out: Path, *flags: str):
-    return [
-        host.spawn(["python", "examples/two_hosts/worker.py", str(out / f"worker{i}.yaml"), *flags])
-        for i in range(WORKERS)
-    ]
+def start_workers(host: Host, out: Path, *flags: str, which=range(WORKERS)):
+    return [host.spawn(["python", "examples/two_hosts/worker.py", str(out / f"worker{i}.yaml"), *flags]) for i in which]
 
 
 def versions(text: str, pattern: str) -> dict[int, str]:
@@ -158,6 +160,88 @@ def test_a_link_that_goes_down_mid_send_is_a_named_error_with_nothing_half_appli
             # acknowledged, or the failed one if its bytes arrived and only the ack was lost.
             assert all(held[v] == tried[v] for v in held), (held, tried)
             assert max(held) in (max(acked), max(acked) + 1)
+
+
+class Lines:
+    """What a process prints, line by line as it comes (a thread reads it): waited for with a bound."""
+
+    def __init__(self, proc) -> None:
+        self.proc, self.seen, self._new = proc, [], queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.seen.append(line)
+            self._new.put(line)
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        """The first line holding ``text`` printed since the last call (or since :meth:`skip`)."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(queue.Empty):
+                if text in (line := self._new.get(timeout=min(left, 1.0))):
+                    return line
+            if self.proc.poll() is not None and self._new.empty():
+                pytest.fail(f"it exited before printing {text!r}:\n{self.proc.stderr.read()[-3000:]}")
+        pytest.fail(f"no {text!r} within {timeout} s; last lines: {self.seen[-5:]}")
+
+    def skip(self) -> None:
+        """Forget the lines printed so far: the next wait is for what comes after."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._new.get_nowait()
+
+
+def test_dropped_workers_rejoin_when_the_link_returns_restarted_ones_too_and_all_exit_when_the_trainer_host_goes(
+    tmp_path,
+):
+    """distributed, ``on_failure=drop``: the worker host's cable is pulled (the trainer drops both workers
+    after its ``timeout`` and goes on); plugged back, the same worker processes connect again by themselves and
+    hold the newest version. A worker killed and started again from its YAML rejoins too. Then the trainer's
+    host vanishes (cable out, processes gone, no reset sent): the workers exit cleanly within four timeouts."""
+    timeout = 3
+    with hosts(2) as (a, b):
+        trainer = start_trainer(
+            a,
+            tmp_path,
+            "weightsync.scheme.master_addr=198.18.0.1",
+            "weightsync.scheme.on_failure=drop",
+            f"weightsync.scheme.timeout={timeout}",
+            "versions=100000",
+            "every=0.3",
+        )
+        sent = Lines(trainer)
+        workers = start_workers(b, tmp_path)
+        sent.wait_for("held by [0, 1]", 60)
+        b.link(False)
+        pulled = time.monotonic()
+        sent.skip()
+        sent.wait_for("held by []", 30)
+        dropped_after = time.monotonic() - pulled
+        assert timeout * 0.9 <= dropped_after < timeout + 3, dropped_after
+        b.link(True)
+        sent.skip()
+        sent.wait_for("held by [0, 1]", 60)  # the same processes, connected again
+        assert all(w.poll() is None for w in workers)
+
+        os.killpg(workers[0].pid, signal.SIGKILL)
+        sent.skip()
+        sent.wait_for("held by [1]", 30)
+        workers[0] = start_workers(b, tmp_path, which=[0])[0]
+        sent.wait_for("held by [0, 1]", 60)
+
+        a.link(False)  # the trainer's host vanishes: no packet from it again, not even a reset
+        os.killpg(trainer.pid, signal.SIGKILL)
+        gone = time.monotonic()
+        results = [finish(w, timeout=4 * timeout + 30) for w in workers]
+        assert time.monotonic() - gone < 4 * timeout + 10
+        trainer.wait(10)
+    digests = versions("".join(sent.seen), r"sen(?:t|ding) version (\d+) (\w+)")
+    for i, (code, out, err) in enumerate(results):
+        assert code == 0, err[-2000:]
+        assert f"worker {i} done" in err and "store went away" in err, out + err[-3000:]
+        held = versions(out, rf"worker {i} version (\d+) (\w+)")
+        assert held and all(digests[v] == held[v] for v in held), (held, digests)  # each one whole, as named
 
 
 def test_the_shaped_link_benchmark_runs(tmp_path):

@@ -39,6 +39,7 @@ class TwoHosts:
     workers: int = 2
     versions: int = 5
     hidden: int = 256
+    every: float = 0.0  # seconds between two versions
     linger: float = 0.0  # seconds to stay connected after the last send (to look at the sockets of a run)
 
 
@@ -73,7 +74,9 @@ def main(cfg: Any) -> None:
             except ws.WeightSyncError as exc:  # a worker died, hung or could not be reached: named in exc
                 print(f"send of version {version} failed after {time.monotonic() - began:.1f} s: {exc!r}", flush=True)
                 raise
-            print(f"sent version {version} {checksum(policy)}", flush=True)
+            held = sorted(w for w, v in scheme.acked_versions.items() if v == version)  # on_failure=drop: who has it
+            print(f"sent version {version} {checksum(policy)} held by {held}", flush=True)
+            time.sleep(cfg.every)
         time.sleep(cfg.linger)
     finally:
         scheme.shutdown()

@@ -2,7 +2,9 @@
 
     python examples/two_hosts/worker.py run1/worker0.yaml [--allow-pickle] [--hidden 256]
 
-Prints each version it holds with the checksum of its weights; exits when the trainer shuts down.
+Prints each version it holds with the checksum of its weights; exits (0) when the trainer shuts down, or when its
+host stops answering (after four times the scheme's ``timeout``). A worker the trainer dropped (``on_failure=drop``:
+its link was down, it stalled) connects again by itself with ``distributed``.
 """
 
 from __future__ import annotations
@@ -35,9 +37,13 @@ def main() -> int:
     print(f"worker {scheme.worker_idx} version {scheme.version} {checksum(policy)}", flush=True)
     try:
         while True:
-            if scheme.receive(timeout=1.0) is not None:
-                print(f"worker {scheme.worker_idx} version {scheme.version} {checksum(policy)}", flush=True)
-    except ws.ConnectionClosedError:  # the trainer shut down: done
+            try:
+                if scheme.receive(timeout=1.0) is not None:
+                    print(f"worker {scheme.worker_idx} version {scheme.version} {checksum(policy)}", flush=True)
+            except ws.SyncTimeoutError as exc:  # an update begun did not arrive whole in time: nothing applied
+                print(f"worker {scheme.worker_idx} keeps version {scheme.version}: {exc}", file=sys.stderr, flush=True)
+    except ws.ConnectionClosedError as exc:  # the trainer shut down, or its host is gone: done
+        print(f"worker {scheme.worker_idx} done: {exc}", file=sys.stderr, flush=True)
         return 0
     finally:
         scheme.shutdown()

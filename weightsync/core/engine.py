@@ -129,7 +129,7 @@ class SenderEngine(ABC):
     def wait(self, workers: list[int], deadline: float) -> None:
         """Block until something may have come back from one of ``workers``, or until ``deadline``."""
 
-    def lost(self, worker: int) -> None:
+    def lost(self, worker: int, reason: str) -> None:
         """``worker`` is gone: release what it held."""
         return None
 

@@ -131,7 +131,7 @@ class Sender:
             log.warning("model %r: worker %d is gone: %s", self.model_id, worker, str(exc))
             self.ledger.dead[worker] = exc
             if self.engine is not None:
-                self.engine.lost(worker)
+                self.engine.lost(worker, str(exc))
         return self.ledger.dead[worker]
 
     def mark_named_dead(self, exc: WeightSyncError) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import socket
 from datetime import timedelta
 from typing import Any
@@ -73,9 +74,59 @@ def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, b
     return store, port, True
 
 
-def connect_store(host: str, port: int, timeout: float, **where: Any) -> dist.Store:
-    """A client of the TCP store at ``host:port``, waiting at most ``timeout`` for it to answer."""
+def connect_store(host: str, port: int, timeout: float, silence: float | None = None, **where: Any) -> dist.Store:
+    """A client of the TCP store at ``host:port``, waiting at most ``timeout`` for it to answer.
+
+    ``silence``: the longest the store may leave a call unanswered once connected. A store whose host vanished
+    (powered off, cut off) sends no reset, and torch's client would wait for its answer forever, past any
+    timeout it was given; with ``silence``, the connection's kernel gives up (TCP keepalive and
+    ``TCP_USER_TIMEOUT``, Linux) and the call fails with ``DistError``. A link down for less heals unseen.
+    """
+    before = _open_fds() if silence is not None else set()
     try:
-        return dist.TCPStore(host, port, is_master=False, timeout=as_timedelta(timeout))
+        store = dist.TCPStore(host, port, is_master=False, timeout=as_timedelta(timeout))
     except dist.DistError as exc:
         raise SyncTimeoutError(f"no TCP store answered at {host}:{port} within {timeout:.0f}s", **where) from exc
+    if silence is not None and not _bound_silence(before, port, silence):
+        log.debug("could not bound the silence of the store at %s:%d on this platform", host, port)
+    return store
+
+
+def _open_fds() -> set[tuple[int, str]]:
+    """This process's descriptors, each with what it refers to (a number is reused once closed: listing them
+    takes one)."""
+    found = set()
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:  # not Linux: no bound
+        return found
+    for fd in fds:
+        try:
+            found.add((int(fd), os.readlink(f"/proc/self/fd/{fd}")))
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+    return found
+
+
+def _bound_silence(before: set[tuple[int, str]], port: int, seconds: float) -> int:
+    """Give the TCP connections to ``port`` opened since ``before`` (the store client's, made by torch, which
+    does not expose them) keepalive probes and a user timeout of ``seconds``; return how many there were."""
+    found = 0
+    for fd, _what in sorted(_open_fds() - before):
+        try:
+            sock = socket.socket(fileno=os.dup(fd))  # a second descriptor of the same socket
+        except OSError:  # not a socket, or closed meanwhile
+            continue
+        with sock:
+            try:
+                if sock.type != socket.SOCK_STREAM or sock.getpeername()[1] != port:
+                    continue
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(seconds / 3)))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(seconds / 6)))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))
+            except (OSError, AttributeError, IndexError):  # not TCP, or an option this platform lacks
+                continue
+            found += 1
+    return found

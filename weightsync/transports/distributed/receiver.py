@@ -11,6 +11,8 @@ left: the model's buffer and the one in flight, two in all.
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,10 +26,12 @@ from ...tensors.layout import FlatLayout
 from ..processes import process_identity
 from ..store import as_timedelta, connect_store, store_json
 from .group import gpu_identity, new_group
-from .sender import GROUP_TIMEOUT_FACTOR
+from .sender import GROUP_TIMEOUT_FACTOR, REJOIN_POLL_S
 from .transport import MAX_ERROR_TEXT, DistributedTransport, Link
 
 __all__ = ["DistributedReceiver"]
+
+log = logging.getLogger("weightsync.transports.distributed")
 
 
 class DistributedReceiver(ReceiverEngine):
@@ -80,6 +84,8 @@ class DistributedReceiver(ReceiverEngine):
         self._initial = True  # the initial weights come without an announcement
         self._closed = False
         self._stores: tuple[dist.Store, dist.Store] | None = None
+        self._dropped: str | None = None  # why the sender dropped this worker, until it rejoined
+        self._hello: dict[str, Any] = {}  # what this worker told the sender, said again when it rejoins
 
     @classmethod
     def handoff_from(cls, handoff: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -98,7 +104,8 @@ class DistributedReceiver(ReceiverEngine):
     def join(self, deadline: float, check: Callable[[FlatLayout], Any]) -> None:
         where = self.where
         host, port = self.handoff["master_addr"], int(self.handoff["master_port"])
-        base = connect_store(host, port, remaining(deadline), **where)
+        # A sender's host that vanishes fails the worker's next store call instead of blocking it for good.
+        base = connect_store(host, port, remaining(deadline), silence=GROUP_TIMEOUT_FACTOR * self.timeout, **where)
         store = dist.PrefixStore(self.handoff["prefix"], base)
         try:
             store.wait(["layout"], as_timedelta(remaining(deadline)))
@@ -114,27 +121,22 @@ class DistributedReceiver(ReceiverEngine):
             self.num_workers = world - 1
             w = where["worker_idx"]
             gen = int(store.add(f"gen/{w}", 1))  # how many processes have connected as worker w, this one included
-            link = Link(store=store)
             if gen == 1:
+                link = Link(store=store)
                 store.set(f"hello/{w}", json.dumps(hello))
                 store.wait(["verdict"], as_timedelta(remaining(deadline)))
                 reason = store_json(store, "verdict").get(str(w))
                 # Every worker joins the group, even one that refused: the group forms only with all of them.
                 link.pg = new_group(self.backend, store, w + 1, world, self._group_timeout(deadline), host)
             else:  # a restart: a two-rank group of its own with the sender, if the sender lets it in
-                store.set(f"rejoin/{w}/{gen}", json.dumps(hello))
-                store.add("rejoins", 1)
-                store.wait([f"verdict/{w}/{gen}"], as_timedelta(remaining(deadline)))
-                reason = store_json(store, f"verdict/{w}/{gen}").get("refused")
-                if reason is None:
-                    link.store = dist.PrefixStore(f"pair/{w}/{gen}", store)
-                    link.pg = new_group(self.backend, link.store, 1, 2, self._group_timeout(deadline), host)
-                elif refusal is None:
+                link, reason = self._pair(store, gen, hello, deadline)
+                if reason is not None and refusal is None:
                     reason = f"the sender refused this worker: {reason}"
             if reason is not None and refusal is None:
                 refusal = ConfigurationError(str(reason), **where)
         except dist.DistError as exc:
             raise SyncTimeoutError(f"could not join the sender's group: {first_line(exc)}", **where) from None
+        self._hello = hello
         self._stores = (base, store)
         if refusal is not None:
             raise refusal
@@ -147,6 +149,51 @@ class DistributedReceiver(ReceiverEngine):
             self._buffers.append(torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.device))
             self._views.append(self.layout.views(self._buffers[-1]))
         self._buckets = self.layout.buckets(self.bucket_bytes)
+
+    def _pair(self, store: dist.Store, gen: int, hello: dict[str, Any], deadline: float) -> tuple[Link, str | None]:
+        """Ask the sender to take this process back as generation ``gen`` of its worker; the two-rank group
+        formed with it, or why it refused."""
+        w = self.where["worker_idx"]
+        store.set(f"rejoin/{w}/{gen}", json.dumps(hello))
+        store.add("rejoins", 1)
+        verdict = f"verdict/{w}/{gen}"
+        while not store.check([verdict]):
+            if store.check(["shutdown"]):
+                return Link(store=store), "the sender shut down"
+            if remaining(deadline) <= 0:
+                raise SyncTimeoutError("the sender did not answer this request to rejoin in time", **self.where)
+            time.sleep(min(REJOIN_POLL_S, remaining(deadline)))
+        reason = store_json(store, verdict).get("refused")
+        if reason is not None:
+            return Link(store=store), str(reason)
+        pair = dist.PrefixStore(f"pair/{w}/{gen}", store)
+        pg = new_group(self.backend, pair, 1, 2, self._group_timeout(deadline), self.handoff["master_addr"])
+        return Link(pg, pair), None
+
+    def _rejoin(self, timeout: float) -> list[Delivery]:
+        """The sender dropped this worker (an ack it never got: a link down, a stall) and it is still alive:
+        connect again as a new generation and receive the newest version, as a restarted worker does."""
+        assert self._stores is not None and self._dropped is not None
+        store, w, why = self._stores[1], self.where["worker_idx"], self._dropped
+        deadline = deadline_after(self.timeout * GROUP_TIMEOUT_FACTOR)
+        log.warning("model %r worker %d: the sender dropped it (%s); connecting again", self.where["model_id"], w, why)
+        try:
+            gen = int(store.add(f"gen/{w}", 1))
+            link, reason = self._pair(store, gen, self._hello, deadline)
+        except dist.DistError as exc:
+            raise ConnectionClosedError(
+                f"the sender dropped this worker ({why}) and could not be reached again: {first_line(exc)}",
+                **self.where,
+            ) from None
+        if reason is not None:
+            raise ConnectionClosedError(
+                f"the sender dropped this worker ({why}) and refused it back: {reason}", **self.where
+            )
+        self.transport = DistributedTransport(
+            w, link=link, device=self.device, timeout=self.timeout, model_id=self.where["model_id"]
+        )
+        self._dropped = None
+        return self._take_initial(timeout)  # the newest version comes as the initial weights did
 
     def _placement(self) -> str:
         """``take`` where the model is on the device updates arrive on (the CPU with gloo, the GPU with NCCL);
@@ -166,10 +213,9 @@ class DistributedReceiver(ReceiverEngine):
         if self._closed:
             raise ConnectionClosedError("the sender shut down", **self.where)
         if self._initial:
-            transport.receive_into(self._parts(), timeout, 0)
-            self._initial = False
-            version = int(transport.store.get("initial"))
-            return [self._delivery(version, [0], self._digest(0, timeout))]
+            return self._take_initial(timeout)
+        if self._dropped is not None:
+            return self._rejoin(max(timeout, self.timeout))
         deadline = deadline_after(timeout)
         seqs: list[int] = []
         version, expected = None, None
@@ -180,8 +226,16 @@ class DistributedReceiver(ReceiverEngine):
             if msg.get("closed"):
                 self._closed = True
                 break
+            if "dropped" in msg:
+                self._dropped = str(msg["dropped"])
+                if seqs:  # what arrived before it is applied first
+                    break
+                return self._rejoin(max(remaining(deadline), self.timeout))
             version = int(msg["version"])
             transport.receive_into(self._parts(), self.timeout, version)
+            if transport.was_dropped():  # its bytes may be a later version's: never applied
+                self._dropped = "it did not ack in time"
+                return self._rejoin(max(remaining(deadline), self.timeout))
             seqs.append(transport.seq)
             expected = self._digest(transport.seq, self.timeout)
             if not newest:
@@ -192,6 +246,17 @@ class DistributedReceiver(ReceiverEngine):
         if self._closed:
             raise ConnectionClosedError("the sender shut down", **self.where)
         return []
+
+    def _take_initial(self, timeout: float) -> list[Delivery]:
+        """The initial weights (at connect, or once this worker rejoined): they come without an announcement."""
+        assert self.transport is not None
+        self.transport.receive_into(self._parts(), timeout, 0)
+        if self.transport.was_dropped():  # dropped again while the newest version was on its way
+            self._dropped = "it did not ack in time"
+            return self._rejoin(max(timeout, self.timeout))
+        self._initial = False
+        version = int(self.transport.store.get("initial"))
+        return [self._delivery(version, [0], self._digest(0, timeout))]
 
     def _digest(self, seq: int, timeout: float) -> str | None:
         assert self.transport is not None

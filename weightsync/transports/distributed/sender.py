@@ -12,6 +12,7 @@ sent the newest version published.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -267,8 +268,8 @@ class DistributedSender(SenderEngine):
         else:  # nothing on its way from them: nothing can come before the deadline
             time.sleep(remaining(deadline))
 
-    def lost(self, worker: int) -> None:
-        self.transports[worker].stop_waiting(0.0)
+    def lost(self, worker: int, reason: str) -> None:
+        self.transports[worker].drop(reason)
         if self.pool is not None:
             self.pool.forget(worker)
 
@@ -367,6 +368,9 @@ class DistributedSender(SenderEngine):
     # --------------------------------------------------------------- shutdown
     def close(self, timeout: float) -> None:
         self._admit_store = None
+        if self.store is not None:  # a dropped worker asking to rejoin stops waiting for an answer
+            with contextlib.suppress(dist.DistError):
+                self.store.set("shutdown", "1")
         for w, transport in self.transports.items():
             if not self.sink.is_dead(w):
                 transport.close(min(timeout, CLOSE_WAIT_S))

@@ -206,9 +206,25 @@ class DistributedTransport(PeerTransport):
 
     def close(self, timeout: float) -> None:
         """Tell the worker the sender is gone (its next ``receive`` raises ConnectionClosedError)."""
-        with contextlib.suppress(LifecycleError, dist.DistError):
-            self.store.set(f"msg/{self.worker_idx}/{self.seq + 1}", json.dumps({"closed": True}))
+        self._last_word({"closed": True})
         self.stop_waiting(timeout)
+
+    def drop(self, reason: str) -> None:
+        """Tell the worker it was dropped, and why: a worker still alive (its link was down, it stalled) asks to
+        rejoin when it reads this, and is sent the newest version.
+
+        Set before the staging buffers it was sent from may be reused: a send still posted to it (a link down)
+        may deliver a later version's bytes once the link is back, and the worker that finds itself dropped after
+        receiving a message discards it (:meth:`was_dropped`)."""
+        with contextlib.suppress(LifecycleError, dist.DistError):
+            self.store.set(f"dropped/{self.worker_idx}", "1")
+        self._last_word({"dropped": reason[:MAX_ERROR_TEXT]})
+        self.stop_waiting(0.0)
+
+    def _last_word(self, msg: dict[str, Any]) -> None:
+        # The store is the sender's own (or its job's): writing to it does not depend on the worker's link.
+        with contextlib.suppress(LifecycleError, dist.DistError):
+            self.store.set(f"msg/{self.worker_idx}/{self.seq + 1}", json.dumps(msg))
 
     def stop_waiting(self, timeout: float) -> None:
         """End the waiter thread; one still blocked on a stalled peer ends at gloo's operation timeout."""
@@ -253,6 +269,14 @@ class DistributedTransport(PeerTransport):
             if is_timeout(exc):
                 raise SyncTimeoutError("the announced update did not arrive in time", **self._where(version)) from None
             raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where(version)) from None
+
+    def was_dropped(self) -> bool:
+        """Whether the sender dropped this worker: asked once a message arrived whole, so that bytes sent from a
+        buffer the sender reused after dropping it are never applied."""
+        try:
+            return self.store.check([f"dropped/{self.worker_idx}"])
+        except dist.DistError as exc:
+            raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
 
     def expected_digest(self, seq: int, timeout: float) -> str:
         """The sender's checksum of message ``seq``: set once every bucket was written, it may follow the data."""

@@ -202,7 +202,7 @@ class LocalSender(SenderEngine):
         if fds:
             readable(fds, remaining(deadline))
 
-    def lost(self, worker: int) -> None:
+    def lost(self, worker: int, reason: str) -> None:
         for pool in self.pools.values():
             pool.drop_worker(worker)
         # A worker given up on (dead, or dropped after a timeout) finds its channel closed if it comes back

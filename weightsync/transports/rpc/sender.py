@@ -173,7 +173,7 @@ class RPCSender(SenderEngine):
     def wait(self, workers: list[int], deadline: float) -> None:
         self._answered.wait(remaining(deadline))
 
-    def lost(self, worker: int) -> None:
+    def lost(self, worker: int, reason: str) -> None:
         self.transports[worker].in_flight.clear()
         if self.pool is not None:
             self.pool.forget(worker)

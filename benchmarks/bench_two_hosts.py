@@ -1,4 +1,4 @@
-"""Sends across a shaped link between two hosts: ``distributed`` and ``rpc`` at 100 MB, fp32 and
+"""Sends across a shaped link between two hosts: ``distributed``, ``rpc`` and ``ray`` at 100 MB, fp32 and
 ``wire_dtype="bfloat16"``, against the link's floor (bytes / rate).
 
     python benchmarks/bench_two_hosts.py                 # 1 and 10 Gbit/s, prints the table (needs root)
@@ -8,7 +8,8 @@
 The hosts are network namespaces joined by a switch of their own (tests/_hosts.py); the trainer's host sends
 through a token bucket (``tbf``) at the rate. The trainer runs on host A, one worker on host B built from the
 receiver config's YAML; each send is ``sync=True`` and timed until the worker applied and acknowledged it. The
-floor is the bytes on the wire (half for bf16) over the rate: what no protocol can beat.
+floor is the bytes on the wire (half for bf16) over the rate: what no protocol can beat. For ``ray``, a head node
+runs on host A and a worker node on host B (token authentication on), and the worker is an actor placed on B.
 """
 
 from __future__ import annotations
@@ -45,15 +46,7 @@ def trainer(args: argparse.Namespace) -> None:
     (out / "w.part").rename(out / "worker0.yaml")
     try:
         scheme.connect()
-        times = []
-        for _ in range(args.rounds):
-            with torch.no_grad():
-                model.weight.add_(1e-3)
-            began = time.perf_counter()
-            scheme.send()
-            times.append(time.perf_counter() - began)
-        nbytes = model.weight.numel() * (2 if args.wire_dtype == "bfloat16" else 4)
-        print(json.dumps({"median": statistics.median(times), "wire_bytes": nbytes}), flush=True)
+        timed_sends(scheme, model, args.rounds, args.wire_dtype)
     finally:
         scheme.shutdown()
 
@@ -77,7 +70,86 @@ def worker(args: argparse.Namespace) -> None:
         scheme.shutdown()
 
 
+def timed_sends(scheme, model, rounds: int, wire_dtype: str) -> None:
+    """``rounds`` sync sends of ``model`` (a step between each); prints their median and the bytes on the wire."""
+    import torch
+
+    times = []
+    for _ in range(rounds):
+        with torch.no_grad():
+            model.weight.add_(1e-3)
+        began = time.perf_counter()
+        scheme.send()
+        times.append(time.perf_counter() - began)
+    nbytes = model.weight.numel() * (2 if wire_dtype == "bfloat16" else 4)
+    print(json.dumps({"median": statistics.median(times), "wire_bytes": nbytes}), flush=True)
+
+
+def ray_trainer(args: argparse.Namespace) -> None:
+    import ray
+    import torch
+
+    import weightsync as ws
+
+    deadline = time.monotonic() + 120
+    while True:  # the nodes start beside this process
+        try:
+            ray.init(address=args.addr, log_to_driver=False)
+            break
+        except ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+    while ray.cluster_resources().get("hostB", 0) < 1:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"host B's node did not join: {ray.cluster_resources()}")
+        time.sleep(0.5)
+
+    @ray.remote(num_cpus=0, resources={"hostB": 1})
+    class Worker:
+        def __init__(self, mb: float) -> None:
+            self.model = torch.nn.Linear(1024, int(mb * 2**20 / 4 / 1024), bias=False)
+
+        def join(self, cfg, worker_idx: int) -> None:
+            self.scheme = ws.from_config(cfg, allow_pickle=True)
+            self.scheme.init_on_receiver(model_id="policy", model=self.model, worker_idx=worker_idx)
+            self.scheme.connect()
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, int(args.mb * 2**20 / 4 / 1024), bias=False)
+    actor = Worker.remote(args.mb)
+    scheme = ws.RayWeightSyncScheme(allow_pickle=True, timeout=120, wire_dtype=args.wire_dtype)
+    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=[actor])
+    ray.get(actor.join.remote(scheme.receiver_config(0), 0))
+    scheme.connect()
+    try:
+        timed_sends(scheme, model, args.rounds, args.wire_dtype)
+    finally:
+        scheme.shutdown()
+        ray.shutdown()
+
+
+def one_ray(a, b, wire_dtype: str, mb: float, rounds: int) -> dict:
+    import secrets
+
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    common = ["--num-cpus", "1", "--disable-usage-stats", "--block", "--include-dashboard", "false"]
+    with tempfile.TemporaryDirectory(prefix="wsray", dir="/tmp") as tmp:
+        a.spawn(["ray", "start", "--head", "--node-ip-address", a.addr, "--port", "6379", "--temp-dir",
+                 f"{tmp}/a", *common], env=env)  # fmt: skip
+        b.spawn(["ray", "start", "--address", f"{a.addr}:6379", "--node-ip-address", b.addr, "--resources",
+                 '{"hostB": 1}', "--temp-dir", f"{tmp}/b", *common], env=env)  # fmt: skip
+        t = a.spawn(["python", __file__, "--role", "ray-trainer", "--addr", f"{a.addr}:6379", "--rounds", str(rounds),
+                     "--wire-dtype", wire_dtype, "--mb", str(mb)], env=env)  # fmt: skip
+        stdout, stderr = t.communicate(timeout=900)
+    if t.returncode != 0:
+        raise SystemExit(f"ray {wire_dtype}: the trainer failed:\n{stderr[-3000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
 def one(a, b, engine: str, wire_dtype: str, mb: float, rounds: int) -> dict:
+    if engine == "ray":
+        return one_ray(a, b, wire_dtype, mb, rounds)
     out = Path(tempfile.mkdtemp())
     common = ["--engine", engine, "--wire-dtype", wire_dtype, "--mb", str(mb)]
     t = a.spawn(["python", __file__, "--role", "trainer", "--out", str(out), "--addr", a.addr, "--rounds",
@@ -101,7 +173,9 @@ def rate_name(bits: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--role", choices=["main", "trainer", "worker"], default="main", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--role", choices=["main", "trainer", "worker", "ray-trainer"], default="main", help=argparse.SUPPRESS
+    )
     parser.add_argument("--engine", default="distributed", help=argparse.SUPPRESS)
     parser.add_argument("--wire-dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -110,13 +184,16 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=100.0)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--rates", type=float, nargs="*", default=[1e9, 10e9], help="link rates, bits/s")
-    parser.add_argument("--engines", nargs="*", default=["distributed", "rpc"], choices=["distributed", "rpc"])
+    engines = ["distributed", "rpc", "ray"]
+    parser.add_argument("--engines", nargs="*", default=engines, choices=engines)
     parser.add_argument("--write", action="store_true", help="rewrite the two-host section of docs/benchmarks.md")
     args = parser.parse_args()
     if args.role == "trainer":
         return trainer(args)
     if args.role == "worker":
         return worker(args)
+    if args.role == "ray-trainer":
+        return ray_trainer(args)
 
     from _doc import replace_section
 

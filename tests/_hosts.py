@@ -105,7 +105,7 @@ def _end(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
+    with contextlib.suppress(subprocess.TimeoutExpired, ValueError):  # ValueError: its input was closed already
         proc.communicate(timeout=10)
 
 

@@ -1,6 +1,9 @@
 """The trainer side of the Ray two-host test, run on host A: joins the cluster whose head runs there, places two
 actors on host B (its custom resource), hands each its receiver config (the actor opts in to pickles), sends
 three versions and prints, for each, whether both actors hold the trainer's weights; then where the actors ran.
+
+With ``--faults``, it then waits for a line on its input (the test pulls host B's cable), times one more send
+(it fails, naming the actors), waits for another line (the cable is back) and sends again.
 """
 
 from __future__ import annotations
@@ -16,7 +19,13 @@ from tests._ray_actors import Collector
 from tests._workers import build, checksum
 
 
-def main(address: str) -> None:
+def _bump(model) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+
+
+def main(address: str, faults: bool = False) -> None:
     deadline = time.monotonic() + 90  # the nodes start beside this process: wait for them, bounded
     while True:
         try:
@@ -32,22 +41,36 @@ def main(address: str) -> None:
         time.sleep(0.5)
     actors = [Collector.options(resources={"hostB": 1}).remote("tiny") for _ in range(2)]
     model = build("tiny")
-    scheme = ws.RayWeightSyncScheme(allow_pickle=True, timeout=60)
+    scheme = ws.RayWeightSyncScheme(allow_pickle=True, timeout=5 if faults else 60)
     scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
     ray.get([a.join.remote(scheme.receiver_config(i), i, allow_pickle=True) for i, a in enumerate(actors)])
     scheme.connect()
     for _ in range(3):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.01)
+        _bump(model)
         scheme.send()
         states = ray.get([a.state.remote() for a in actors])
         same = all(state == (scheme.version, checksum(model, "tensordict")) for state in states)
         print(f"version {scheme.version} held by both: {same}", flush=True)
     print("actors on", sorted(set(ray.get([a.node_ip.remote() for a in actors]))), flush=True)
+    if faults:
+        for phase in ("cable out", "cable back"):
+            print(f"ready for: {phase}", flush=True)
+            sys.stdin.readline()
+            _bump(model)
+            began = time.monotonic()
+            try:
+                scheme.send()
+                print(f"{phase}: sent version {scheme.version} in {time.monotonic() - began:.1f} s", flush=True)
+            except ws.WeightSyncError as exc:
+                print(f"{phase}: send failed after {time.monotonic() - began:.1f} s: {exc!r}", flush=True)
+            try:
+                states = ray.get([a.state.remote() for a in actors], timeout=5)
+                print(f"{phase}: actors hold {[v for v, _ in states]}, trainer {scheme.version}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - what Ray says is the finding
+                print(f"{phase}: actors unreachable: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
     scheme.shutdown()
     ray.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--faults" in sys.argv)

@@ -6,6 +6,7 @@ The shared bodies (every send, isolation, bad weights) run over it from test_loc
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 
 import psutil
@@ -130,7 +131,17 @@ def test_receiver_config_carries_what_a_worker_on_another_host_needs(monkeypatch
     listening = [c for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"]
     store_sockets = [c for c in listening if c.laddr.port == conn["master_port"]]
     assert store_sockets and all(c.laddr.ip in ("127.0.0.1", "::ffff:127.0.0.1") for c in store_sockets)
+    # The run key travels apart: the config names an owner-only file, and holds neither the key nor the prefix
+    # drawn from it; a worker without the file is told to copy it.
+    key_file = conn["authkey_file"]
+    assert os.stat(key_file).st_mode & 0o777 == 0o600
+    key = open(key_file).read()
+    assert key not in repr(cfg) and scheme._sending.engine.prefix not in repr(cfg)
+    elsewhere = os.path.join(os.path.dirname(key_file), "not-copied-here.key")
+    with pytest.raises(ws.ConfigurationError, match="copy the run key file from the trainer's host"):
+        ws.from_config(cfg).init_on_receiver(model=build("tiny"), authkey_file=elsewhere)
     scheme.shutdown()
+    assert not os.path.exists(key_file)  # removed with the run
     with pytest.raises(ws.ConfigurationError, match="backend must be"):
         ws.DistributedWeightSyncScheme(backend="mpi")
     with pytest.raises(ws.ConfigurationError, match="num_workers"):

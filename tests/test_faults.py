@@ -392,7 +392,7 @@ def test_non_finite_weights_are_refused_in_the_caller_when_checked(workers, name
 
 
 def test_a_killed_senders_key_file_is_swept_but_not_another_namespaces():
-    from weightsync.transports.local.keyfiles import key_dir, remove_key_file, write_key_file
+    from weightsync.transports.keyfiles import key_dir, remove_key_file, write_key_file
     from weightsync.transports.processes import pid_namespace
 
     directory = key_dir()

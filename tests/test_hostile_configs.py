@@ -366,22 +366,22 @@ def test_pickling_engines_are_built_only_with_the_callers_opt_in(tripwires):
             wc.from_config({**_rpc_config(), "connection": bad}, allow_pickle=True)
 
 
-def test_a_distributed_prefix_is_bound_to_its_model(tripwires):
+def test_a_distributed_config_names_a_run_key_file_and_carries_no_key(tripwires):
+    key_file = f"/run/user/0/weightsync-{os.getuid()}/weightsync-12-{'ab' * 12}.4026531836.key"
     cfg = {
         "_target_": RECEIVER_TARGET,
         "scheme": {"_target_": "weightsync.DistributedWeightSyncScheme"},
         "model_id": "policy",
         "worker_idx": 0,
-        "connection": {
-            "master_addr": "127.0.0.1",
-            "master_port": 29500,
-            "prefix": "weightsync/policy/0123456789abcdef",
-            "world_size": 3,
-        },
+        "connection": {"master_addr": "127.0.0.1", "master_port": 29500, "world_size": 3, "authkey_file": key_file},
     }
-    assert wc.from_config(cfg).model_id == "policy"
-    with pytest.raises(ws.ConfigurationError, match="connection.prefix must be weightsync/<model_id>"):
-        wc.from_config(_with(cfg, "connection.prefix", "weightsync/value/0123456789abcdef"))
+    assert wc.from_config(cfg).model_id == "policy"  # nothing is read before init_on_receiver
+    local_key = f"/run/user/0/weightsync-{os.getuid()}/weightsync-12-{'ab' * 8}.4026531836.key"
+    for bad in ("/etc/shadow", local_key, "relative/weightsync-12-x.key", key_file + "/../x"):
+        with pytest.raises(ws.ConfigurationError, match="connection.authkey_file must be the path"):
+            wc.from_config(_with(cfg, "connection.authkey_file", bad))
+    with pytest.raises(ws.ConfigurationError, match="authkey"):  # the key itself never travels in a config
+        wc.from_config(_with(cfg, "connection.authkey", "ab" * 32))
     with pytest.raises(ws.ConfigurationError, match="master_port must be an integer in"):
         wc.from_config(_with(cfg, "connection.master_port", 70000))
     with pytest.raises(ws.ConfigurationError, match="master_addr must be a host name"):

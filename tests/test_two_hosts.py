@@ -275,10 +275,50 @@ def test_the_shaped_link_benchmark_runs(tmp_path):
     assert table.count("| 1 Gbit/s | distributed |") == 2, out.stdout
 
 
-def test_ray_actors_on_another_node_hold_every_version():
+def test_a_stranger_on_a_third_host_finds_no_run_and_cannot_claim_a_worker(tmp_path):
+    """distributed: a process on host C knows the trainer's address and store port and holds worker 0's YAML,
+    not the run key file it names. It reaches the store (torch's TCP store has no authentication) but cannot
+    name the run's keys; posing as worker 0 with a key of its own it finds no run; and one that learned the
+    run's prefix (sniffed off the wire: the test derives it from the key) is refused when it claims worker 0,
+    while the real workers go on receiving."""
+    from omegaconf import OmegaConf
+
+    from weightsync.transports.distributed.auth import run_prefix
+
+    port = "29613"
+    with hosts(3) as (a, b, c):
+        trainer = start_trainer(
+            a, tmp_path, "weightsync.scheme.master_addr=198.18.0.1", f"weightsync.scheme.master_port={port}",
+            "versions=100000", "every=0.3",
+        )  # fmt: skip
+        sent = Lines(trainer)
+        workers = start_workers(b, tmp_path)
+        sent.wait_for("held by [0, 1]", 60)
+        reach = c.run(["python", "-m", "tests._stranger", "store", a.addr, port], timeout=60)
+        assert "store reached" in reach.stdout and "holds the layout: False" in reach.stdout, reach
+        posing = c.run(["python", "-m", "tests._stranger", "worker", str(tmp_path / "worker0.yaml")], timeout=60)
+        assert "not joined after" in posing.stdout, posing
+        key_file = OmegaConf.load(tmp_path / "worker0.yaml").connection.authkey_file
+        prefix = run_prefix("policy", bytes.fromhex(Path(key_file).read_text()))
+        claim = c.run(["python", "-m", "tests._stranger", "rejoin", a.addr, port, prefix], timeout=60)
+        assert "did not prove it holds the run key" in claim.stdout, claim
+        sent.skip()
+        sent.wait_for("held by [0, 1]", 30)  # the real workers still hold every version
+        assert all(w.poll() is None for w in workers)
+
+
+#: The processes of a Ray node (2.60): what may listen on a host of a Ray cluster.
+RAY_PROGRAMS = ("gcs_server", "raylet", "ray::", "python")
+
+
+def test_ray_actors_on_another_node_hold_every_version_and_ride_out_a_short_cable_pull():
     """A Ray head on host A, a worker node on host B (``ray start --address``), actors placed on B; Ray's token
-    authentication on, the token shared by the nodes and the trainer as Ray asks."""
+    authentication on, the token shared by the nodes and the trainer as Ray asks. Then host B's cable is pulled
+    for a send (it fails after the scheme's ``timeout``, naming both actors) and plugged back: the next send
+    reaches the same actors. What listens: only Ray's processes, on every address (Ray 2.60 binds its gRPC
+    servers to all of them: docs/multinode.md)."""
     import secrets
+    import subprocess
 
     pytest.importorskip("ray")
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
@@ -289,7 +329,32 @@ def test_ray_actors_on_another_node_hold_every_version():
                  "false", "--temp-dir", str(tmp_path / "a"), *common], env=env)  # fmt: skip
         b.spawn(["ray", "start", "--address", f"{a.addr}:6379", "--node-ip-address", b.addr, "--resources",
                  '{"hostB": 2}', "--temp-dir", str(tmp_path / "b"), *common], env=env)  # fmt: skip
-        trainer = a.run(["python", "-m", "tests._ray_two_hosts", f"{a.addr}:6379"], timeout=180, env=env)
-        assert trainer.returncode == 0, trainer.stderr[-3000:]
-        assert trainer.stdout.count("held by both: True") == 3, trainer.stdout
-        assert "actors on ['198.18.0.2']" in trainer.stdout
+        trainer = a.spawn(
+            ["python", "-m", "tests._ray_two_hosts", f"{a.addr}:6379", "--faults"], env=env, stdin=subprocess.PIPE
+        )
+        said = Lines(trainer)
+        said.wait_for("ready for: cable out", 180)
+        listening = {"A": a.listening(), "B": b.listening()}
+        b.link(False)
+        trainer.stdin.write("\n")
+        trainer.stdin.flush()
+        failed = said.wait_for("cable out:", 60)
+        said.wait_for("ready for: cable back", 60)
+        b.link(True)
+        trainer.stdin.write("\n")
+        trainer.stdin.flush()
+        back = said.wait_for("cable back:", 60)
+        held = said.wait_for("cable back:", 60)
+        code = trainer.wait(60)
+    out = "".join(said.seen)
+    assert code == 0, trainer.stderr.read()[-3000:]
+    assert out.count("held by both: True") == 3, out
+    assert "actors on ['198.18.0.2']" in out
+    took = re.search(r"send failed after ([\d.]+) s: SendFailedError.*worker 0.*worker 1", failed)
+    assert took and 4.5 <= float(took[1]) < 8, failed
+    assert re.search(r"sent version 5 in", back), back
+    assert "actors hold [5, 5], trainer 5" in held, held
+    assert any(port == 6379 for _addr, port, _p in listening["A"]), listening
+    for host, found in listening.items():
+        for _addr, _port, program in found:
+            assert any(f'"{name}' in program for name in RAY_PROGRAMS), (host, program)

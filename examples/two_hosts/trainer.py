@@ -2,14 +2,15 @@
 
     # host A (reachable from host B as 10.0.0.1)
     python examples/two_hosts/trainer.py out=run1 weightsync.scheme.master_addr=10.0.0.1
-    # copy run1/worker0.yaml, run1/worker1.yaml to host B, then there:
-    python examples/two_hosts/worker.py run1/worker0.yaml
+    # copy run1/worker0.yaml, run1/worker1.yaml and the run key file they name to host B, then there:
+    python examples/two_hosts/worker.py run1/worker0.yaml [--key where/B/keeps/the/key/file]
     python examples/two_hosts/worker.py run1/worker1.yaml
 
 ``weightsync/scheme=rpc`` (with ``weightsync.scheme.allow_pickle=true``, and ``--allow-pickle`` on the workers)
 swaps the engine. Each version the trainer sends is printed with its checksum, as each worker prints what it
 received: the two lists must agree. The YAML holds the scheme's options and where to connect, no secret and
-nothing to unpickle (docs/multinode.md).
+nothing to unpickle; the run key travels apart, as a file (docs/multinode.md). ``weightsync.scheme.on_failure=drop``
+lets the trainer go on without a worker whose link is down; it connects again by itself once the link is back.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -46,9 +45,17 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
 
     A worker that died (or was dropped) may be started again under its index:
     it forms a two-rank group with the sender and gets the newest version
-    published, while the others go on in the first group. A worker whose
-    process is still alive keeps its index (checked when both run on one
-    machine; from another machine the newcomer replaces it).
+    published, while the others go on in the first group; a worker dropped
+    while alive (its link was down) does so by itself at its next
+    ``receive()``. A worker whose process is still alive keeps its index
+    (checked when both run on one machine; from another machine the
+    newcomer replaces it).
+
+    Each run draws a random key. ``receiver_config(i)`` names the file it is
+    in (``authkey_file``, owner-only), never the key: copy that file to each
+    worker's host with the config. The run's keys in the store live under a
+    prefix drawn from it, and a worker's hello carries an HMAC made with it:
+    no process without the key finds the run or is admitted as a worker.
 
     ``init_on_sender`` needs ``num_workers=``; workers get the scheme pickled
     or as ``receiver_config(i)`` and call ``init_on_receiver(model=...,
@@ -64,7 +71,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     )
     TRANSPORTS = {"distributed": "weightsync.transports.distributed.transport:DistributedTransport"}
     TRANSPORT_SETTINGS = options.DISTRIBUTED_SETTINGS
-    RECEIVER_HANDLES = ("master_addr", "master_port", "prefix", "world_size")
+    RECEIVER_HANDLES = ("master_addr", "master_port", "world_size", "authkey", "authkey_file")
 
     @property
     def _device(self) -> torch.device:
@@ -137,13 +144,16 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
 
     @classmethod
     def check_receiver_connection(cls, connection: Any, model_id: str) -> dict[str, Any]:
-        """The sender's store (host, port), the scheme's key prefix in it (for ``model_id``), the world size."""
-        fields = {"master_addr": checks.host, "master_port": checks.port, "prefix": None, "world_size": WORLD_SIZE}
+        """The sender's store (host, port), the world size, and the path of the run key's file (copied to the
+        worker's host out of band; the key prefixes the run's keys in the store and proves the worker's hello)."""
+        from ..transports.keyfiles import check_run_key_path
+
+        fields = {
+            "master_addr": checks.host,
+            "master_port": checks.port,
+            "world_size": WORLD_SIZE,
+            "authkey_file": None,
+        }
         checked = checks.fields(connection, fields, "connection", required=tuple(fields))
-        prefix = checked["prefix"]
-        if type(prefix) is not str or not re.fullmatch(re.escape(f"weightsync/{model_id}/") + "[0-9a-f]{16}", prefix):
-            raise ConfigurationError(
-                f"connection.prefix must be weightsync/<model_id>/<16 hex digits> for model_id {model_id!r}, "
-                f"got {prefix!r:.120}"
-            )
+        checked["authkey_file"] = check_run_key_path(checked["authkey_file"], "connection.authkey_file")
         return checked

@@ -88,7 +88,7 @@ class LocalScheme(WeightSyncScheme):
     @classmethod
     def check_receiver_connection(cls, connection: Any, model_id: str) -> dict[str, Any]:
         """An abstract socket address, and the path of the key file the sender listening there writes."""
-        from ..transports.local.keyfiles import check_key_file_path
+        from ..transports.keyfiles import check_key_file_path
 
         checked = checks.fields(
             connection,

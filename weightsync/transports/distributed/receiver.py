@@ -23,13 +23,21 @@ from ...core.engine import Delivery, ReceiverEngine
 from ...core.timing import deadline_after, remaining
 from ...errors import ConfigurationError, ConnectionClosedError, SyncTimeoutError, first_line
 from ...tensors.layout import FlatLayout
+from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphaned
 from ..processes import process_identity
 from ..store import as_timedelta, connect_store, store_json
+from .auth import proof, run_prefix
 from .group import gpu_identity, new_group
 from .sender import GROUP_TIMEOUT_FACTOR, REJOIN_POLL_S
 from .transport import MAX_ERROR_TEXT, DistributedTransport, Link
 
 __all__ = ["DistributedReceiver"]
+
+#: What a worker without the run key file is told.
+NO_KEY = (
+    'copy the run key file from the trainer\'s host, with the receiver config (docs/multinode.md, "The run key"), '
+    "or name where this host keeps it: init_on_receiver(authkey_file=...); or the trainer has shut down"
+)
 
 log = logging.getLogger("weightsync.transports.distributed")
 
@@ -65,13 +73,16 @@ class DistributedReceiver(ReceiverEngine):
         where: dict[str, Any],
         model_device: torch.device | None = None,
     ) -> None:
-        if not handoff.get("prefix"):
+        if not (handoff.get("authkey") or handoff.get("authkey_file")) or not handoff.get("master_addr"):
             raise ConfigurationError(
                 "this receiver does not know its sender: hand it the scheme pickled after init_on_sender(), "
-                "or its receiver_config(worker_idx)",
+                "or its receiver_config(worker_idx) and the run key file it names",
                 model_id=where["model_id"],
             )
         self.handoff = handoff
+        self._key = bytes.fromhex(handoff.get("authkey") or read_key_file(handoff["authkey_file"], NO_KEY, **where))
+        self._key_file = None if handoff.get("authkey") else handoff["authkey_file"]  # swept once its sender died
+        self.prefix = run_prefix(where["model_id"], self._key)
         self.backend, self.device, self.bucket_bytes = backend, device, bucket_bytes
         self._take, self.checksum, self.timeout, self.where = take, checksum, timeout, where
         self.model_device = model_device
@@ -89,10 +100,10 @@ class DistributedReceiver(ReceiverEngine):
 
     @classmethod
     def handoff_from(cls, handoff: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """``handoff`` with what ``init_on_receiver`` named (``master_addr=``, ``master_port=``, ``prefix=``,
-        ``world_size=``)."""
+        """``handoff`` with what ``init_on_receiver`` named (``master_addr=``, ``master_port=``, ``world_size=``,
+        ``authkey_file=``: a copy of the run key file kept elsewhere on this host)."""
         handoff = dict(handoff)
-        for key in ("master_addr", "master_port", "prefix", "world_size"):
+        for key in ("master_addr", "master_port", "world_size", "authkey_file"):
             value = kwargs.pop(key, None)
             if value is not None:
                 handoff[key] = value
@@ -106,7 +117,7 @@ class DistributedReceiver(ReceiverEngine):
         host, port = self.handoff["master_addr"], int(self.handoff["master_port"])
         # A sender's host that vanishes fails the worker's next store call instead of blocking it for good.
         base = connect_store(host, port, remaining(deadline), silence=GROUP_TIMEOUT_FACTOR * self.timeout, **where)
-        store = dist.PrefixStore(self.handoff["prefix"], base)
+        store = dist.PrefixStore(self.prefix, base)
         try:
             store.wait(["layout"], as_timedelta(remaining(deadline)))
             self.layout = FlatLayout.from_plain(store_json(store, "layout"))
@@ -123,7 +134,7 @@ class DistributedReceiver(ReceiverEngine):
             gen = int(store.add(f"gen/{w}", 1))  # how many processes have connected as worker w, this one included
             if gen == 1:
                 link = Link(store=store)
-                store.set(f"hello/{w}", json.dumps(hello))
+                store.set(f"hello/{w}", json.dumps({**hello, "proof": proof(self._key, w, gen, hello)}))
                 store.wait(["verdict"], as_timedelta(remaining(deadline)))
                 reason = store_json(store, "verdict").get(str(w))
                 # Every worker joins the group, even one that refused: the group forms only with all of them.
@@ -154,7 +165,7 @@ class DistributedReceiver(ReceiverEngine):
         """Ask the sender to take this process back as generation ``gen`` of its worker; the two-rank group
         formed with it, or why it refused."""
         w = self.where["worker_idx"]
-        store.set(f"rejoin/{w}/{gen}", json.dumps(hello))
+        store.set(f"rejoin/{w}/{gen}", json.dumps({**hello, "proof": proof(self._key, w, gen, hello)}))
         store.add("rejoins", 1)
         verdict = f"verdict/{w}/{gen}"
         while not store.check([verdict]):
@@ -220,7 +231,11 @@ class DistributedReceiver(ReceiverEngine):
         seqs: list[int] = []
         version, expected = None, None
         while True:
-            msg = transport.next_message(0.0 if seqs else remaining(deadline))
+            try:
+                msg = transport.next_message(0.0 if seqs else remaining(deadline))
+            except ConnectionClosedError:
+                self._closed = True  # the sender's store went away: its process, or its host
+                raise
             if msg is None:
                 break
             if msg.get("closed"):
@@ -276,6 +291,9 @@ class DistributedReceiver(ReceiverEngine):
             self._at = 1 - self._at
 
     def close(self) -> None:
+        if self._key_file is not None and self._closed:
+            # A sender that shut down removed its key file; one that was killed could not (on its own host).
+            remove_key_file_if_orphaned(self._key_file, grace=ORPHAN_GRACE_S)
         self.transport = None
         self._buffers, self._views = [], []  # a model that took one keeps it: it is the model's memory now
         self._stores = None

@@ -31,9 +31,11 @@ from ...errors import ConfigurationError, ReceiverError, SyncTimeoutError, Weigh
 from ...integrity import digest
 from ...tensors.copies import copy_tensors, write_into
 from ...tensors.layout import FlatLayout
+from ..keyfiles import KEY_BYTES, key_name, remove_key_file, write_key_file
 from ..processes import process_is_gone
 from ..staging import Staging, StagingPool
 from ..store import connect_store, open_store, store_json
+from .auth import proven, run_prefix
 from .group import gpu_identity, new_group
 from .transport import ACK_OK, DistributedTransport, Link
 
@@ -49,6 +51,8 @@ CLOSE_WAIT_S = 5.0
 #: Seconds between two looks at the store while workers join, or ask to rejoin.
 STORE_POLL_S = 0.01
 REJOIN_POLL_S = 0.05
+#: Why a hello without a valid proof is refused.
+UNPROVEN = "the process did not prove it holds the run key (the receiver config's authkey_file)"
 
 
 class DistributedSender(SenderEngine):
@@ -93,8 +97,11 @@ class DistributedSender(SenderEngine):
         self._base_store: dist.Store | None
         self._base_store, port, _ = open_store(host, port, connect_timeout)
         self.address = (host, port)
-        # A prefix of our own: several models (or the job's own store) share nothing.
-        self.prefix = f"weightsync/{sink.model_id}/{secrets.token_hex(8)}"
+        # The run key, which workers get out of band, and the prefix drawn from it: several models (or the job's
+        # own store) share nothing, and only a holder of the key knows where the run's keys are.
+        self.authkey = secrets.token_bytes(KEY_BYTES)
+        self._key_file: str | None = None
+        self.prefix = run_prefix(sink.model_id, self.authkey)
         self.store: dist.Store | None = dist.PrefixStore(self.prefix, self._base_store)
         self.store.set("layout", json.dumps(layout.to_plain()))
         if backend == "nccl":
@@ -114,14 +121,16 @@ class DistributedSender(SenderEngine):
         self._admit_store: dist.Store | None = None  # the rejoin thread's own client of the store
 
     def handoff(self) -> dict[str, Any]:
-        return {
-            "master_addr": self.address[0],
-            "master_port": self.address[1],
-            "prefix": self.prefix,
-            "world_size": self.num_workers + 1,
-        }
+        return {**self._where_to(), "authkey": self.authkey.hex()}
 
-    connection = handoff
+    def connection(self) -> dict[str, Any]:
+        """Where to connect, and the path of the run key's file (written now): never the key itself."""
+        if self._key_file is None:
+            self._key_file = write_key_file(key_name(), self.authkey)
+        return {**self._where_to(), "authkey_file": self._key_file}
+
+    def _where_to(self) -> dict[str, Any]:
+        return {"master_addr": self.address[0], "master_port": self.address[1], "world_size": self.num_workers + 1}
 
     def _group_timeout(self, deadline: float) -> float:
         return max(remaining(deadline), GROUP_TIMEOUT_FACTOR * self.timeout)
@@ -148,7 +157,11 @@ class DistributedSender(SenderEngine):
             verdict = {}
             for w, key in enumerate(hellos):
                 hello = self.hellos[w] = store_json(self.store, key)
-                if not hello.get("ok"):
+                if not proven(self.authkey, w, 1, hello):
+                    verdict[str(w)] = UNPROVEN
+                    refused[w] = ConfigurationError(f"{UNPROVEN}: refused", model_id=model_id, worker_idx=w)
+                    log.warning("model %r: refused worker %d at the rendez-vous: %s", model_id, w, UNPROVEN)
+                elif not hello.get("ok"):
                     refused[w] = ReceiverError(
                         str(hello.get("type", "Error")), str(hello.get("message", "")), model_id=model_id, worker_idx=w
                     )
@@ -298,7 +311,7 @@ class DistributedSender(SenderEngine):
                 time.sleep(REJOIN_POLL_S)
                 return None
             w, gen, hello = found
-            problem = self._rejoin_problem(w, hello)
+            problem = self._rejoin_problem(w, hello) if proven(self.authkey, w, gen, hello) else UNPROVEN
             store.set(f"verdict/{w}/{gen}", json.dumps({"ok": True} if problem is None else {"refused": problem}))
             if problem is not None:
                 log.warning("model %r: refused worker %d connecting again: %s", self.sink.model_id, w, problem)
@@ -368,6 +381,9 @@ class DistributedSender(SenderEngine):
     # --------------------------------------------------------------- shutdown
     def close(self, timeout: float) -> None:
         self._admit_store = None
+        if self._key_file is not None:
+            remove_key_file(self._key_file)
+            self._key_file = None
         if self.store is not None:  # a dropped worker asking to rejoin stops waiting for an answer
             with contextlib.suppress(dist.DistError):
                 self.store.set("shutdown", "1")

@@ -11,15 +11,11 @@ from ...core.engine import Delivery, ReceiverEngine
 from ...core.timing import remaining
 from ...errors import ConfigurationError, ConnectionClosedError, LifecycleError
 from ...tensors.layout import FlatLayout
+from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphaned
 from .channel import connect_channel
-from .keyfiles import read_key_file, remove_key_file_if_orphaned
 from .mp import MPTransport, Update
 
 __all__ = ["LocalReceiver"]
-
-#: Seconds a worker that saw its sender's channel close gives the sender's process to be marked exited,
-#: before it judges whether the sender's key file is orphaned.
-ORPHAN_GRACE_S = 1.0
 
 
 class LocalReceiver(ReceiverEngine):

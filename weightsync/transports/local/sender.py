@@ -33,8 +33,8 @@ from ...integrity import digest
 from ...tensors import cuda
 from ...tensors.copies import copy_tensors, write_into
 from ...tensors.layout import FlatLayout
+from ..keyfiles import KEY_BYTES, remove_key_file, write_key_file
 from .channel import Channel, ChannelListener, readable
-from .keyfiles import KEY_BYTES, remove_key_file, write_key_file
 from .mp import MPTransport
 from .slots import DeviceSlot, SharedSlot, SlotPool
 

@@ -1,4 +1,5 @@
-"""Auth key files: how a receiver config names a local sender's key without carrying it.
+"""Auth key files: how a receiver config names its sender's key without carrying it (the local schemes' socket
+key, the ``distributed`` scheme's run key).
 
 The sender writes its random key, as hex, to an owner-only file (mode 0600)
 in an owner-only directory (``$XDG_RUNTIME_DIR/weightsync-<uid>/``, else
@@ -15,18 +16,22 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import stat
 import tempfile
 import time
 from typing import Any
 
-from ...core.timing import deadline_after, remaining
-from ...errors import ConfigurationError
-from ..processes import pid_exited, pid_namespace
+from ..core.timing import deadline_after, remaining
+from ..errors import ConfigurationError
+from .processes import pid_exited, pid_namespace
 
 __all__ = [
     "KEY_BYTES",
+    "ORPHAN_GRACE_S",
     "check_key_file_path",
+    "check_run_key_path",
+    "key_name",
     "key_dir",
     "read_key_file",
     "remove_key_file",
@@ -34,6 +39,9 @@ __all__ = [
     "write_key_file",
 ]
 
+#: Seconds a worker that saw its sender go gives the sender's process to be marked exited, before it judges
+#: whether the sender's key file is orphaned.
+ORPHAN_GRACE_S = 1.0
 #: Bytes of a local scheme's auth key (stored as twice as many hex digits).
 KEY_BYTES = 32
 _HEX_KEY = re.compile(rf"[0-9a-f]{{{2 * KEY_BYTES}}}")
@@ -88,7 +96,26 @@ def check_key_file_path(path: Any, address: str, where: str) -> str:
         ConfigurationError: naming ``where``: not an absolute, normal path to a file named for ``address``
             in a ``weightsync-<uid>`` directory of this user.
     """
-    stem = re.escape(address.lstrip("@"))
+    return _check_path(path, re.escape(address.lstrip("@")), where, f"the sender at {address!r} writes", address)
+
+
+def check_run_key_path(path: Any, where: str) -> str:
+    """``path`` if it has the shape of a run key file (:func:`write_key_file` for a name from :func:`key_name`),
+    in any ``weightsync-<uid>`` directory: a worker on another host keeps the copy it was given there.
+
+    Raises:
+        ConfigurationError: naming ``where``.
+    """
+    return _check_path(path, r"weightsync-[0-9]+-[0-9a-f]{24}", where, "a sender writes", "weightsync-<pid>-<token>")
+
+
+def key_name() -> str:
+    """A name for a run key file of this process's: ``weightsync-<pid>-<token>`` (swept once the pid exited), its
+    token longer than a local socket's, so that no local scheme's key file passes for a run key."""
+    return f"weightsync-{os.getpid()}-{secrets.token_hex(12)}"
+
+
+def _check_path(path: Any, stem: str, where: str, whose: str, shown: str) -> str:
     if (
         type(path) is not str
         or not path.isprintable()
@@ -98,14 +125,14 @@ def check_key_file_path(path: Any, address: str, where: str) -> str:
         or not re.fullmatch(rf"{stem}\.([0-9]+|unknown)\.key", os.path.basename(path))
     ):
         raise ConfigurationError(
-            f"{where} must be the path of the auth key file the sender at {address!r} writes "
-            f"(<dir>/{_dir_name()}/{address.lstrip('@')}.<pid namespace>.key), got {path!r:.200}"
+            f"{where} must be the path of the auth key file {whose} "
+            f"(<dir>/{_dir_name()}/{shown.lstrip('@')}.<pid namespace>.key), got {path!r:.200}"
         )
     return path
 
 
-def read_key_file(path: str, **where: Any) -> str:
-    """The hex auth key stored at ``path``.
+def read_key_file(path: str, missing: str | None = None, **where: Any) -> str:
+    """The hex auth key stored at ``path`` (``missing``: what to say if there is no file there).
 
     Reads only a plain file (not a link, a FIFO or a device) owned by this user and readable by no one else,
     in a directory of this user's with mode 0700, that holds a key and nothing else.
@@ -114,7 +141,8 @@ def read_key_file(path: str, **where: Any) -> str:
         ConfigurationError: the file is missing (the sender shut down, or runs on another host), or fails
             any of the conditions above (the message says which).
     """
-    missing = f"auth key file {path} does not exist: the sender has shut down, or runs on another host"
+    why = missing or "the sender has shut down, or runs on another host"
+    missing = f"auth key file {path} does not exist: {why}"
     try:
         _check_dir(os.path.dirname(path), **where)
         # O_NONBLOCK: a FIFO planted in place of the file must not block the open.

@@ -3,7 +3,7 @@
 
     python benchmarks/bench_two_hosts.py                 # 1 and 10 Gbit/s, prints the table (needs root)
     python benchmarks/bench_two_hosts.py --write         # ... and rewrites its section of docs/benchmarks.md
-    python benchmarks/bench_two_hosts.py --mb 10 --rounds 3 --rates 1e9
+    python benchmarks/bench_two_hosts.py --mb 10 --rounds 3 --rates 1e9 --engines ray --wire-dtypes float32
 
 The hosts are network namespaces joined by a switch of their own (tests/_hosts.py); the trainer's host sends
 through a token bucket (``tbf``) at the rate. The trainer runs on host A, one worker on host B built from the
@@ -133,10 +133,10 @@ def one_ray(a, b, wire_dtype: str, mb: float, rounds: int) -> dict:
     import secrets
 
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    common = ["--num-cpus", "1", "--disable-usage-stats", "--block", "--include-dashboard", "false"]
+    common = ["--num-cpus", "1", "--disable-usage-stats", "--block"]
     with tempfile.TemporaryDirectory(prefix="wsray", dir="/tmp") as tmp:
-        a.spawn(["ray", "start", "--head", "--node-ip-address", a.addr, "--port", "6379", "--temp-dir",
-                 f"{tmp}/a", *common], env=env)  # fmt: skip
+        a.spawn(["ray", "start", "--head", "--node-ip-address", a.addr, "--port", "6379", "--include-dashboard",
+                 "false", "--temp-dir", f"{tmp}/a", *common], env=env)  # fmt: skip
         b.spawn(["ray", "start", "--address", f"{a.addr}:6379", "--node-ip-address", b.addr, "--resources",
                  '{"hostB": 1}', "--temp-dir", f"{tmp}/b", *common], env=env)  # fmt: skip
         t = a.spawn(["python", __file__, "--role", "ray-trainer", "--addr", f"{a.addr}:6379", "--rounds", str(rounds),
@@ -186,6 +186,8 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="*", default=[1e9, 10e9], help="link rates, bits/s")
     engines = ["distributed", "rpc", "ray"]
     parser.add_argument("--engines", nargs="*", default=engines, choices=engines)
+    dtypes = ["float32", "bfloat16"]
+    parser.add_argument("--wire-dtypes", nargs="*", default=dtypes, choices=dtypes)
     parser.add_argument("--write", action="store_true", help="rewrite the two-host section of docs/benchmarks.md")
     args = parser.parse_args()
     if args.role == "trainer":
@@ -208,7 +210,7 @@ def main() -> None:
     ]
     for rate in args.rates:
         for engine in args.engines:
-            for wire_dtype in ("float32", "bfloat16"):
+            for wire_dtype in args.wire_dtypes:
                 with hosts(2) as (a, b):
                     a.shape(rate)
                     row = one(a, b, engine, wire_dtype, args.mb, args.rounds)

@@ -36,7 +36,7 @@ def main(mode: str, *args: str) -> None:
     elif mode == "worker":
         cfg = OmegaConf.to_container(OmegaConf.load(args[0]))
         cfg["connection"]["authkey_file"] = write_key_file(key_name(), secrets.token_bytes(32))  # its own key
-        cfg["scheme"]["connect_timeout"] = 10
+        cfg["scheme"]["connect_timeout"] = 4
         scheme = ws.from_config(cfg)
         import torch
 

@@ -65,8 +65,20 @@ def finish(proc, timeout=120) -> tuple[int, str, str]:
     ],
 )
 def test_workers_on_another_host_hold_every_version_from_yaml_alone(tmp_path, engine, trainer_args, worker_flags):
+    """rpc off loopback also needs the pickle opt-in on both sides: a trainer without it is refused, and so is a
+    worker whose own code does not opt in (the config's field is never taken for it)."""
     with hosts(2) as (a, b):
+        if engine == "rpc":
+            refused = a.run(
+                ["python", "examples/two_hosts/trainer.py", f"out={tmp_path}", f"hydra.run.dir={tmp_path}",
+                 *[arg for arg in trainer_args if "allow_pickle" not in arg]],
+                timeout=120,
+            )  # fmt: skip
+            assert refused.returncode != 0 and "allow_pickle" in refused.stderr, refused.stderr[-2000:]
         trainer = start_trainer(a, tmp_path, "weightsync.scheme.master_port=29611", "linger=2", *trainer_args)
+        if engine == "rpc":
+            worker = b.run(["python", "examples/two_hosts/worker.py", str(tmp_path / "worker0.yaml")], timeout=60)
+            assert worker.returncode != 0 and "allow_pickle=True" in worker.stderr, worker.stderr[-2000:]
         workers = start_workers(b, tmp_path, *worker_flags)
         lines = []
         while not lines or not lines[-1].startswith("sent version 5 "):  # then it lingers 2 s: look at the sockets
@@ -91,55 +103,44 @@ def test_workers_on_another_host_hold_every_version_from_yaml_alone(tmp_path, en
         assert any(port == 29611 for _a, port, _p in listening["A"]), listening
 
 
-def test_rpc_off_loopback_needs_the_pickle_opt_in_on_both_sides(tmp_path):
+def test_a_local_scheme_refuses_a_worker_on_another_host_at_once(tmp_path):
     with hosts(2) as (a, b):
-        refused = a.run(
-            ["python", "examples/two_hosts/trainer.py", f"out={tmp_path}", f"hydra.run.dir={tmp_path}",
-             "weightsync/scheme=rpc", "weightsync.scheme.master_addr=198.18.0.1"],
-            timeout=120,
-        )  # fmt: skip
-        assert refused.returncode != 0
-        assert "allow_pickle" in refused.stderr
-        trainer = start_trainer(
-            a,
-            tmp_path,
-            "weightsync/scheme=rpc",
-            "weightsync.scheme.master_addr=198.18.0.1",
-            "weightsync.scheme.allow_pickle=true",
-            "weightsync.scheme.connect_timeout=15",
-        )
-        worker = b.run(["python", "examples/two_hosts/worker.py", str(tmp_path / "worker0.yaml")], timeout=60)
-        assert worker.returncode != 0
-        assert "allow_pickle=True" in worker.stderr
-        assert trainer.poll() is None  # still waiting for its workers: the hosts' end stops it
+        for scheme in ("multiprocess", "shared_mem"):
+            out = tmp_path / scheme
+            # A connect timeout longer than the worker is given: a worker that waited for a sender it can never
+            # reach would be ended by run()'s timeout, not refused.
+            start_trainer(a, out, f"weightsync/scheme={scheme}", "weightsync.scheme.connect_timeout=300")
+            worker = b.run(["python", "examples/two_hosts/worker.py", str(out / "worker0.yaml")], timeout=60)
+            assert worker.returncode != 0
+            assert "another host or in another network namespace" in worker.stderr, (scheme, worker.stderr)
+            assert "distributed, rpc or ray" in worker.stderr
 
 
-@pytest.mark.parametrize("scheme", ["multiprocess", "shared_mem"])
-def test_a_local_scheme_refuses_a_worker_on_another_host_at_once(tmp_path, scheme):
-    with hosts(2) as (a, b):
-        # A connect timeout longer than the worker is given: a worker that waited for a sender it can never reach
-        # would be ended by run()'s timeout, not refused.
-        start_trainer(a, tmp_path, f"weightsync/scheme={scheme}", "weightsync.scheme.connect_timeout=300")
-        worker = b.run(["python", "examples/two_hosts/worker.py", str(tmp_path / "worker0.yaml")], timeout=60)
-        assert worker.returncode != 0
-        assert "another host or in another network namespace" in worker.stderr, worker.stderr
-        assert "distributed, rpc or ray" in worker.stderr
-
-
-def test_a_link_that_goes_down_mid_send_is_a_named_error_with_nothing_half_applied(tmp_path):
-    """distributed, 16 MB a version: the worker host's cable is pulled while the trainer sends. The send ends
-    with the scheme's error naming both workers (no ack within ``timeout``); each worker holds the last version it
+@pytest.mark.parametrize(
+    "trainer_args, worker_flags",
+    [
+        ([], []),
+        (["weightsync/scheme=rpc", "weightsync.scheme.allow_pickle=true"], ["--allow-pickle"]),
+    ],
+    ids=["distributed", "rpc"],
+)
+def test_a_link_that_goes_down_mid_send_is_a_named_error_with_nothing_half_applied(
+    tmp_path, trainer_args, worker_flags
+):
+    """16 MB a version: the worker host's cable is pulled while the trainer sends. The send ends after the
+    scheme's ``timeout`` with its error naming both workers (no ack); each worker holds the last version it
     acknowledged, whole; once the cable is back the workers see the trainer gone and exit cleanly."""
     with hosts(2) as (a, b):
         trainer = start_trainer(
             a,
             tmp_path,
+            *trainer_args,
             "weightsync.scheme.master_addr=198.18.0.1",
             "weightsync.scheme.timeout=5",
             "versions=100000",
             "hidden=2048",
         )
-        workers = start_workers(b, tmp_path, "--hidden", "2048")
+        workers = start_workers(b, tmp_path, "--hidden", "2048", *worker_flags)
         lines = [trainer.stdout.readline() for _ in range(5)]  # connected, versions 1 and 2 sent and acknowledged
         b.link(False)
         code, out, err = finish(trainer)
@@ -148,6 +149,7 @@ def test_a_link_that_goes_down_mid_send_is_a_named_error_with_nothing_half_appli
         failed = re.search(r"send of version (\d+) failed after ([\d.]+) s: (.*)", out)
         assert failed, out + err
         assert "SendFailedError" in failed[3] and "worker 0" in failed[3] and "worker 1" in failed[3], failed[3]
+        assert 4.5 <= float(failed[2]) < 8, failed[0]  # the scheme's timeout
         log = "".join(lines) + out
         acked = versions(log, r"sent version (\d+) (\w+)")
         tried = {**acked, **versions(log, r"sending version (\d+) (\w+)")}
@@ -264,6 +266,8 @@ def test_the_shaped_link_benchmark_runs(tmp_path):
             "1e9",
             "--engines",
             "distributed",
+            "--wire-dtypes",
+            "float32",
         ],  # fmt: skip
         cwd=ROOT,
         capture_output=True,
@@ -272,7 +276,7 @@ def test_the_shaped_link_benchmark_runs(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     table = out.stdout.split("| link |")[-1]
-    assert table.count("| 1 Gbit/s | distributed |") == 2, out.stdout
+    assert table.count("| 1 Gbit/s | distributed | float32 |") == 1, out.stdout
 
 
 def test_a_stranger_on_a_third_host_finds_no_run_and_cannot_claim_a_worker(tmp_path):

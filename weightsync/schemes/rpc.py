@@ -126,7 +126,11 @@ class RPCWeightSyncScheme(WeightSyncScheme):
         # A model in shared memory may be read by processes of the worker's own: written into, never moved.
         shared = self._kept_shared(flatten_weights(self._model, self._strategy.extract_as))
         return RPCReceiver(
-            handoff, take=not (self.keep_storage or shared), check_exposure=self._check_exposure, where=where
+            handoff,
+            take=not (self.keep_storage or shared),
+            check_exposure=self._check_exposure,
+            timeout=self.timeout,
+            where=where,
         )
 
     @classmethod

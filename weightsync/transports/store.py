@@ -14,12 +14,15 @@ import torch.distributed as dist
 
 from ..errors import ConfigurationError, SyncTimeoutError, TransportError
 
-__all__ = ["MAX_STORE_JSON", "as_timedelta", "connect_store", "open_store", "store_json"]
+__all__ = ["MAX_STORE_JSON", "SILENT_TIMEOUTS", "as_timedelta", "connect_store", "open_store", "store_json"]
 
 log = logging.getLogger("weightsync.transports.store")
 
 #: Connections a served store queues before it accepts them (workers, rejoins, the sender's own clients).
 BACKLOG = 1024
+#: A worker gives up on its sender's store once a call to it has gone unanswered for this many times the scheme's
+#: ``timeout``: the sender's host vanished, or the link stayed down that long.
+SILENT_TIMEOUTS = 4
 #: The largest store value read as JSON: a layout of some 100,000 tensors. Anyone who reaches the store can
 #: write its keys (it has no authentication), so what is read there is bounded and checked, never unpickled.
 MAX_STORE_JSON = 16 * 1024 * 1024

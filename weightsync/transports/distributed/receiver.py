@@ -25,7 +25,7 @@ from ...errors import ConfigurationError, ConnectionClosedError, SyncTimeoutErro
 from ...tensors.layout import FlatLayout
 from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphaned
 from ..processes import process_identity
-from ..store import as_timedelta, connect_store, store_json
+from ..store import SILENT_TIMEOUTS, as_timedelta, connect_store, store_json
 from .auth import proof, run_prefix
 from .group import gpu_identity, new_group
 from .sender import GROUP_TIMEOUT_FACTOR, REJOIN_POLL_S
@@ -116,7 +116,7 @@ class DistributedReceiver(ReceiverEngine):
         where = self.where
         host, port = self.handoff["master_addr"], int(self.handoff["master_port"])
         # A sender's host that vanishes fails the worker's next store call instead of blocking it for good.
-        base = connect_store(host, port, remaining(deadline), silence=GROUP_TIMEOUT_FACTOR * self.timeout, **where)
+        base = connect_store(host, port, remaining(deadline), silence=SILENT_TIMEOUTS * self.timeout, **where)
         store = dist.PrefixStore(self.prefix, base)
         try:
             store.wait(["layout"], as_timedelta(remaining(deadline)))

@@ -10,6 +10,7 @@ from ...core.engine import Delivery, ReceiverEngine
 from ...core.timing import remaining
 from ...errors import ConfigurationError, ConnectionClosedError
 from ...tensors.layout import FlatLayout
+from ..store import SILENT_TIMEOUTS
 from .mailbox import Arrival, drop_mailbox, mailbox
 from .session import Session, default_worker_name, join_worker_session, leave_session, sender_gone, start_agent
 
@@ -32,11 +33,19 @@ class RPCReceiver(ReceiverEngine):
         handoff: the session to join, or ``{"external": True}``.
         take: the model may take the buffer an update arrived in (TensorPipe allocates one per message).
         check_exposure: refuses an RPC world reachable from other machines unless the worker opted in.
+        timeout: the scheme's; a sender whose store leaves a call unanswered for four times it is gone (its host
+            vanished).
         where: ``model_id`` and ``worker_idx``.
     """
 
     def __init__(
-        self, handoff: dict[str, Any], *, take: bool, check_exposure: Callable[..., None], where: dict[str, Any]
+        self,
+        handoff: dict[str, Any],
+        *,
+        take: bool,
+        check_exposure: Callable[..., None],
+        timeout: float,
+        where: dict[str, Any],
     ) -> None:
         if not handoff:
             raise ConfigurationError(
@@ -45,6 +54,7 @@ class RPCReceiver(ReceiverEngine):
                 model_id=where["model_id"],
             )
         self.handoff, self._take, self._check_exposure, self.where = handoff, take, check_exposure, where
+        self.timeout = timeout
         self.placement = "take" if take else "write"
         self.session: Session | None = None
         self.mailbox = mailbox(where["model_id"])  # updates that arrive before connect() wait here
@@ -56,7 +66,9 @@ class RPCReceiver(ReceiverEngine):
             return
         w = self.where["worker_idx"]
         self._check_exposure(self.handoff["master_addr"], **self.where)
-        self.session = join_worker_session(self.handoff, remaining(deadline), **self.where)
+        self.session = join_worker_session(
+            self.handoff, remaining(deadline), SILENT_TIMEOUTS * self.timeout, **self.where
+        )
         try:
             start_agent(self.session, default_worker_name(w), w + 1, remaining(deadline), **self.where)
         except BaseException:

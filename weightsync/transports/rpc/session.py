@@ -137,8 +137,9 @@ def open_sender_session(master: tuple[str, int], world_size: int, timeout: float
         return _SESSION
 
 
-def join_worker_session(handoff: dict[str, Any], timeout: float, **where: Any) -> Session:
-    """A worker's session, from what its sender handed it (shared with its other RPC schemes)."""
+def join_worker_session(handoff: dict[str, Any], timeout: float, silence: float, **where: Any) -> Session:
+    """A worker's session, from what its sender handed it (shared with its other RPC schemes); ``silence``: how
+    long its store may leave a call unanswered before the sender counts as gone (:func:`sender_gone`)."""
     global _SESSION
     with _SESSION_LOCK:
         if session() is not None:
@@ -150,7 +151,7 @@ def join_worker_session(handoff: dict[str, Any], timeout: float, **where: Any) -
             return _SESSION
         if _SPENT:
             raise ConfigurationError(_ONCE, **where)
-        store = connect_store(handoff["master_addr"], int(handoff["master_port"]), timeout, **where)
+        store = connect_store(handoff["master_addr"], int(handoff["master_port"]), timeout, silence, **where)
         _SESSION = Session(
             handoff["token"],
             handoff["master_addr"],

@@ -299,14 +299,15 @@ def test_ray_actors_on_another_node_hold_every_version_and_ride_out_a_short_cabl
     authentication on, the token shared by the nodes and the trainer as Ray asks. Then host B's cable is pulled
     for a send (it fails after the scheme's ``timeout``, naming both actors) and plugged back: the next send
     reaches the same actors. What listens: only Ray's processes, on every address (Ray 2.60 binds its gRPC
-    servers to all of them: docs/multinode.md)."""
+    servers to all of them: docs/multinode.md). A stranger on host C that reaches the head, with a wrong token
+    or none, is refused by Ray's token authentication."""
     import secrets
     import subprocess
 
     pytest.importorskip("ray")
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     common = ["--num-cpus", "1", "--disable-usage-stats", "--block"]
-    with tempfile.TemporaryDirectory(prefix="wsray", dir="/tmp") as tmp, hosts(2) as (a, b):
+    with tempfile.TemporaryDirectory(prefix="wsray", dir="/tmp") as tmp, hosts(3) as (a, b, c):
         tmp_path = Path(tmp)  # short: Ray's socket paths live under it
         a.spawn(["ray", "start", "--head", "--node-ip-address", a.addr, "--port", "6379", "--include-dashboard",
                  "false", "--temp-dir", str(tmp_path / "a"), *common], env=env)  # fmt: skip
@@ -318,6 +319,11 @@ def test_ray_actors_on_another_node_hold_every_version_and_ride_out_a_short_cabl
         said = Lines(trainer)
         said.wait_for("ready for: cable out", 180)
         listening = {"A": a.listening(), "B": b.listening()}
+        # Meanwhile a stranger on host C reaches the head, with a wrong token and with none (Ray retries ~20 s).
+        strangers = [
+            c.spawn(["python", "-m", "tests._ray_stranger", f"{a.addr}:6379"], env=stranger_env)
+            for stranger_env in ({**env, "RAY_AUTH_TOKEN": secrets.token_hex(32)}, {"RAY_AUTH_MODE": "disabled"})
+        ]
         b.link(False)
         trainer.stdin.write("\n")
         trainer.stdin.flush()
@@ -329,6 +335,7 @@ def test_ray_actors_on_another_node_hold_every_version_and_ride_out_a_short_cabl
         back = said.wait_for("cable back:", 60)
         held = said.wait_for("cable back:", 60)
         code = trainer.wait(60)
+        strangers = [finish(stranger, timeout=90) for stranger in strangers]
     out = "".join(said.seen)
     assert code == 0, trainer.stderr.read()[-3000:]
     assert out.count("held by both: True") == 3, out
@@ -338,6 +345,8 @@ def test_ray_actors_on_another_node_hold_every_version_and_ride_out_a_short_cabl
     assert re.search(r"sent version 5 in", back), back
     assert "actors hold [5, 5], trainer 5" in held, held
     assert any(port == 6379 for _addr, port, _p in listening["A"]), listening
+    for _code, out, err in strangers:
+        assert "refused after" in out and "InvalidAuthToken" in out + err and "joined" not in out, (out, err[-2000:])
     for host, found in listening.items():
         for _addr, _port, program in found:
             assert any(f'"{name}' in program for name in RAY_PROGRAMS), (host, program)

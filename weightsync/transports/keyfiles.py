@@ -4,7 +4,8 @@ key, the ``distributed`` scheme's run key).
 The sender writes its random key, as hex, to an owner-only file (mode 0600)
 in an owner-only directory (``$XDG_RUNTIME_DIR/weightsync-<uid>/``, else
 ``/tmp/weightsync-<uid>/``, mode 0700), named after its listening address
-and PID namespace, and removes it at shutdown. A receiver config carries the
+(a run key: after :func:`key_name`) and PID namespace, and removes it at
+shutdown. A receiver config carries the
 file's path; since that path may come from a file another host wrote, a
 receiver reads only a path shaped like one the sender writes, for the
 address the same config names (:func:`check_key_file_path`, pure), and only
@@ -42,7 +43,7 @@ __all__ = [
 #: Seconds a worker that saw its sender go gives the sender's process to be marked exited, before it judges
 #: whether the sender's key file is orphaned.
 ORPHAN_GRACE_S = 1.0
-#: Bytes of a local scheme's auth key (stored as twice as many hex digits).
+#: Bytes of an auth key, a local scheme's or a run's (stored as twice as many hex digits).
 KEY_BYTES = 32
 _HEX_KEY = re.compile(rf"[0-9a-f]{{{2 * KEY_BYTES}}}")
 

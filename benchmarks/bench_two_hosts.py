@@ -90,20 +90,9 @@ def ray_trainer(args: argparse.Namespace) -> None:
     import torch
 
     import weightsync as ws
+    from tests._ray_two_hosts import join_cluster
 
-    deadline = time.monotonic() + 120
-    while True:  # the nodes start beside this process
-        try:
-            ray.init(address=args.addr, log_to_driver=False)
-            break
-        except ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1)
-    while ray.cluster_resources().get("hostB", 0) < 1:
-        if time.monotonic() > deadline:
-            raise SystemExit(f"host B's node did not join: {ray.cluster_resources()}")
-        time.sleep(0.5)
+    join_cluster(args.addr, "hostB", 1, within=120)
 
     @ray.remote(num_cpus=0, resources={"hostB": 1})
     class Worker:

@@ -25,8 +25,11 @@ def _bump(model) -> None:
             p.add_(0.01)
 
 
-def main(address: str, faults: bool = False) -> None:
-    deadline = time.monotonic() + 90  # the nodes start beside this process: wait for them, bounded
+def join_cluster(address: str, resource: str, count: float, within: float = 90.0) -> None:
+    """``ray.init`` the cluster at ``address`` once its head answers, and wait until it offers ``count`` of the
+    custom ``resource`` (the other host's node joined): both start beside this process, so both are waited for,
+    within ``within`` seconds."""
+    deadline = time.monotonic() + within
     while True:
         try:
             ray.init(address=address, namespace="two-hosts", log_to_driver=False)
@@ -35,10 +38,14 @@ def main(address: str, faults: bool = False) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(1)
-    while ray.cluster_resources().get("hostB", 0) < 2:
+    while ray.cluster_resources().get(resource, 0) < count:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"host B's node did not join within 90 s: {ray.cluster_resources()}")
+            raise TimeoutError(f"no node offering {resource} joined within {within:.0f} s: {ray.cluster_resources()}")
         time.sleep(0.5)
+
+
+def main(address: str, faults: bool = False) -> None:
+    join_cluster(address, "hostB", 2)
     actors = [Collector.options(resources={"hostB": 1}).remote("tiny") for _ in range(2)]
     model = build("tiny")
     scheme = ws.RayWeightSyncScheme(allow_pickle=True, timeout=5 if faults else 60)

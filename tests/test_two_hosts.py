@@ -263,8 +263,8 @@ def test_the_shaped_link_benchmark_runs(tmp_path):
 
     from tests._hosts import ROOT, _can_make_hosts
 
-    if _can_make_hosts():
-        pytest.skip(_can_make_hosts())
+    if reason := _can_make_hosts():  # no root, or no iproute2
+        pytest.skip(reason)
     out = subprocess.run(
         [
             sys.executable,

@@ -248,8 +248,7 @@ class DistributedReceiver(ReceiverEngine):
                 return self._rejoin(max(remaining(deadline), self.timeout))
             version = int(msg["version"])
             transport.receive_into(self._parts(), self.timeout, version)
-            if transport.was_dropped():  # its bytes may be a later version's: never applied
-                self._dropped = "it did not ack in time"
+            if self._dropped_meanwhile():
                 return self._rejoin(max(remaining(deadline), self.timeout))
             seqs.append(transport.seq)
             expected = self._digest(transport.seq, self.timeout)
@@ -266,12 +265,20 @@ class DistributedReceiver(ReceiverEngine):
         """The initial weights (at connect, or once this worker rejoined): they come without an announcement."""
         assert self.transport is not None
         self.transport.receive_into(self._parts(), timeout, 0)
-        if self.transport.was_dropped():  # dropped again while the newest version was on its way
-            self._dropped = "it did not ack in time"
+        if self._dropped_meanwhile():  # dropped again while the newest version was on its way
             return self._rejoin(max(timeout, self.timeout))
         self._initial = False
         version = int(self.transport.store.get("initial"))
         return [self._delivery(version, [0], self._digest(0, timeout))]
+
+    def _dropped_meanwhile(self) -> bool:
+        """Whether the sender dropped this worker while the message just received was on its way: its bytes may
+        then be a later version's (the sender reused the buffer), and it is never applied."""
+        assert self.transport is not None
+        if not self.transport.was_dropped():
+            return False
+        self._dropped = "it did not ack in time"
+        return True
 
     def _digest(self, seq: int, timeout: float) -> str | None:
         assert self.transport is not None

@@ -105,3 +105,75 @@ def test_a_network_address_needs_the_pickle_opt_in_on_both_sides():
     with pytest.raises(ws.ConfigurationError, match="allow_pickle=True") as info:
         worker.connect()
     assert info.value.worker_idx == 0
+
+
+class _Sink:
+    model_id = "policy"
+
+    def __init__(self) -> None:
+        self.failures: list[tuple[int, ws.WeightSyncError]] = []
+
+    def acked(self, worker, held) -> None:
+        pass
+
+    def failed(self, worker, error) -> None:
+        self.failures.append((worker, error))
+
+    def is_dead(self, worker) -> bool:
+        return False
+
+
+def test_a_buffer_an_rpc_may_still_write_is_never_reused():
+    """TensorPipe cannot cancel a send: an RPC that timed out (or whose worker was dropped) is still written to
+    the wire if the link comes back, from the staging buffer itself. Reusing that buffer for a later version
+    would put the later version's bytes under the earlier one's number; the buffer is retired instead."""
+    import torch
+
+    from weightsync.core.engine import Outgoing
+    from weightsync.tensors.layout import FlatLayout
+    from weightsync.transports.rpc.sender import RPCSender
+
+    weights = {"w": torch.zeros(8)}
+    sink = _Sink()
+    sender = RPCSender(
+        sink, FlatLayout.from_weights(weights), 2, names=["a", "b"], master=None, max_buffers=1, checksum=False,
+        timeout=1.0, connect_timeout=1.0,
+    )  # fmt: skip
+    futures: list[torch.futures.Future] = []
+
+    def submitter(transport):
+        def submit(version, buffer, layout, timeout, digest=None):
+            futures.append(torch.futures.Future())
+            transport.in_flight[version] = futures[-1]
+            return futures[-1]
+
+        return submit
+
+    for transport in sender.transports.values():
+        transport.submit = submitter(transport)
+
+    def send(version: int, workers: list[int]) -> torch.Tensor:
+        out = Outgoing(version, {"w": torch.full((8,), float(version))}, None, workers)
+        staged = sender.stage(out, deadline=float("inf"))
+        sender.submit(out, staged)
+        return staged[0].tensor
+
+    first = send(1, [0])
+    futures[0].set_exception(
+        RuntimeError("RPC ran for more than set timeout (1000 ms) and will now be marked with an error")
+    )
+    sender.poll([0])
+    assert [(w, type(e).__name__) for w, e in sink.failures] == [(0, "SyncTimeoutError")]
+    second = send(2, [1])
+    assert second.data_ptr() != first.data_ptr()
+    assert first.view(torch.float32)[:8].tolist() == [1.0] * 8  # what the late write sends is still version 1
+
+    sender.lost(1, "dropped")  # worker 1's RPC is still in flight
+    third = send(3, [0])
+    assert third.data_ptr() not in (first.data_ptr(), second.data_ptr())
+    assert second.view(torch.float32)[:8].tolist() == [2.0] * 8
+
+    futures[-1].set_result({"held": 3})  # an answered RPC releases its buffer: the next send reuses it
+    sender.poll([0])
+    assert send(4, [0]).data_ptr() == third.data_ptr()
+    sender.close(0.0)

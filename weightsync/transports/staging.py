@@ -81,6 +81,13 @@ class StagingPool:
                     oldest.readers.pop(w, None)
 
     def forget(self, worker: int) -> None:
-        """A worker is gone: its sends no longer hold any buffer."""
+        """A worker is gone and its sends were cancelled: they no longer hold any buffer."""
         for staging in self.buffers:
             staging.readers.pop(worker, None)
+
+    def retire(self, worker: int) -> None:
+        """A send to ``worker`` gave up while its engine may still read the buffer (an RPC that timed out is
+        still written to the wire if the link comes back): the buffers it read leave the pool for good, so no
+        later version is written into bytes that may yet be sent under an earlier one. The engine's own
+        reference keeps each alive until it is done with it; the pool makes new ones in their place."""
+        self.buffers = [staging for staging in self.buffers if worker not in staging.readers]

@@ -23,6 +23,23 @@ __all__ = ["RPCSender"]
 CLOSE_WAIT_S = 5.0
 
 
+def _timed_out(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timeout" in text or "timed out" in text
+
+
+def _released(future: Any) -> bool:
+    """Whether an RPC no longer reads its staging buffer: it was answered, or its peer is gone. One that timed
+    out is not: TensorPipe goes on writing its bytes if the link comes back (the buffer is then retired)."""
+    if not future.done():
+        return False
+    try:
+        future.wait()
+    except RuntimeError as exc:
+        return not _timed_out(exc)
+    return True
+
+
 class RPCSender(SenderEngine):
     """The sender's RPC session (unless the caller runs RPC), staging buffers and one :class:`RPCTransport` per
     worker.
@@ -96,9 +113,8 @@ class RPCSender(SenderEngine):
 
     def stage(self, out: Outgoing, deadline: float) -> tuple[Staging, str | None]:
         if self.pool is None:
-            done = lambda future: future.done()  # noqa: E731
             cpu = torch.device("cpu")
-            self.pool = StagingPool(self.layout.nbytes, cpu, self.max_buffers, done, self._settle, self.pin)
+            self.pool = StagingPool(self.layout.nbytes, cpu, self.max_buffers, _released, self._settle, self.pin)
         staging = self.pool.acquire(deadline, model_id=self.sink.model_id, version=out.version)
         if staging.views is None:  # typed views of a staging buffer are made once, not per send
             staging.views = self.layout.views(staging.tensor)
@@ -124,7 +140,7 @@ class RPCSender(SenderEngine):
     def _settle(self, w: int, future: Any, seconds: float) -> bool:
         self._answered.wait(seconds)
         self._answered.clear()
-        return future.done()
+        return _released(future)
 
     def poll(self, workers: list[int]) -> None:
         self._answered.clear()  # before looking: an answer that lands after the look sets it again
@@ -144,7 +160,9 @@ class RPCSender(SenderEngine):
         try:
             answer = future.wait()
         except RuntimeError as exc:
-            if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+            if _timed_out(exc):
+                if self.pool is not None:
+                    self.pool.retire(w)  # its bytes may still go out once the link is back
                 self.sink.failed(
                     w,
                     SyncTimeoutError(
@@ -176,7 +194,7 @@ class RPCSender(SenderEngine):
     def lost(self, worker: int, reason: str) -> None:
         self.transports[worker].in_flight.clear()
         if self.pool is not None:
-            self.pool.forget(worker)
+            self.pool.retire(worker)  # RPC cannot cancel a send: what it still writes must not change
 
     def close(self, timeout: float) -> None:
         for w, transport in self.transports.items():

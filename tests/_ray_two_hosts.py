@@ -3,7 +3,9 @@ actors on host B (its custom resource), hands each its receiver config (the acto
 three versions and prints, for each, whether both actors hold the trainer's weights; then where the actors ran.
 
 With ``--faults``, it then waits for a line on its input (the test pulls host B's cable), times one more send
-(it fails, naming the actors), waits for another line (the cable is back) and sends again.
+(it fails, naming the actors), waits for another line (the cable is back) and sends again; then waits for a
+last line (the test killed the actors' processes on host B), sends (it fails, naming them), starts two new
+actors on B and has each rejoin in its place.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ def _bump(model) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01)
+
+
+def _hold(actors, scheme, model) -> bool:
+    """Whether every actor holds the scheme's version with the trainer's weights."""
+    states = ray.get([a.state.remote() for a in actors])
+    return all(state == (scheme.version, checksum(model, "tensordict")) for state in states)
 
 
 def join_cluster(address: str, resource: str, count: float, within: float = 90.0) -> None:
@@ -55,9 +63,7 @@ def main(address: str, faults: bool = False) -> None:
     for _ in range(3):
         _bump(model)
         scheme.send()
-        states = ray.get([a.state.remote() for a in actors])
-        same = all(state == (scheme.version, checksum(model, "tensordict")) for state in states)
-        print(f"version {scheme.version} held by both: {same}", flush=True)
+        print(f"version {scheme.version} held by both: {_hold(actors, scheme, model)}", flush=True)
     print("actors on", sorted(set(ray.get([a.node_ip.remote() for a in actors]))), flush=True)
     if faults:
         for phase in ("cable out", "cable back"):
@@ -75,6 +81,20 @@ def main(address: str, faults: bool = False) -> None:
                 print(f"{phase}: actors hold {[v for v, _ in states]}, trainer {scheme.version}", flush=True)
             except Exception as exc:  # noqa: BLE001 - what Ray says is the finding
                 print(f"{phase}: actors unreachable: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    if faults:
+        print("ready for: actors killed", flush=True)
+        sys.stdin.readline()
+        _bump(model)
+        try:
+            scheme.send()
+            print(f"actors killed: sent version {scheme.version}", flush=True)
+        except ws.WeightSyncError as exc:
+            print(f"actors killed: send failed: {exc!r}", flush=True)
+        actors = [Collector.options(resources={"hostB": 1}).remote("tiny") for _ in range(2)]
+        ray.get([a.join.remote(scheme.receiver_config(i), i, allow_pickle=True) for i, a in enumerate(actors)])
+        held = [scheme.rejoin(i, actor) for i, actor in enumerate(actors)]
+        same = _hold(actors, scheme, model)
+        print(f"new actors rejoined at versions {held}: hold the trainer's weights: {same}", flush=True)
     scheme.shutdown()
     ray.shutdown()
 

@@ -298,9 +298,10 @@ def test_ray_actors_on_another_node_hold_every_version_and_ride_out_a_short_cabl
     """A Ray head on host A, a worker node on host B (``ray start --address``), actors placed on B; Ray's token
     authentication on, the token shared by the nodes and the trainer as Ray asks. Then host B's cable is pulled
     for a send (it fails after the scheme's ``timeout``, naming both actors) and plugged back: the next send
-    reaches the same actors. What listens: only Ray's processes, on every address (Ray 2.60 binds its gRPC
-    servers to all of them: docs/multinode.md). A stranger on host C that reaches the head, with a wrong token
-    or none, is refused by Ray's token authentication."""
+    reaches the same actors. Then the actors' processes on B are killed: the next send names both, and two new
+    actors started on B rejoin in their place with the current version. What listens: only Ray's processes, on
+    every address (Ray 2.60 binds its gRPC servers to all of them: docs/multinode.md). A stranger on host C that
+    reaches the head, with a wrong token or none, is refused by Ray's token authentication."""
     import secrets
     import subprocess
 
@@ -334,6 +335,12 @@ def test_ray_actors_on_another_node_hold_every_version_and_ride_out_a_short_cabl
         trainer.stdin.flush()
         back = said.wait_for("cable back:", 60)
         held = said.wait_for("cable back:", 60)
+        said.wait_for("ready for: actors killed", 60)
+        b.run(["pkill", "-9", "-f", "ray::Collector"])
+        trainer.stdin.write("\n")
+        trainer.stdin.flush()
+        killed = said.wait_for("actors killed:", 60)
+        rejoined = said.wait_for("new actors rejoined", 90)
         code = trainer.wait(60)
         strangers = [finish(stranger, timeout=90) for stranger in strangers]
     out = "".join(said.seen)
@@ -344,6 +351,8 @@ def test_ray_actors_on_another_node_hold_every_version_and_ride_out_a_short_cabl
     assert took and 4.5 <= float(took[1]) < 8, failed
     assert re.search(r"sent version 5 in", back), back
     assert "actors hold [5, 5], trainer 5" in held, held
+    assert re.search(r"send failed: SendFailedError.*worker 0.*worker 1", killed), killed
+    assert "rejoined at versions [6, 6]: hold the trainer's weights: True" in rejoined, rejoined
     assert any(port == 6379 for _addr, port, _p in listening["A"]), listening
     for _code, out, err in strangers:
         assert "refused after" in out and "InvalidAuthToken" in out + err and "joined" not in out, (out, err[-2000:])

@@ -87,9 +87,11 @@ def test_engine_benchmark_runs_against_the_raw_engine(tmp_path):
 
 
 def test_main_job_single_run_verifies_and_keeps_secrets_out_of_its_outputs(tmp_path):
-    out = _run(["-m", "weightsync", *SMALL, "schemes.value=shared_mem", f"hydra.run.dir={tmp_path}"])
+    # bfloat16 on the wire rounds by design: the job checks the workers hold the trainer's weights so rounded
+    run = ["scheme=distributed", "scheme.transport.wire_dtype=bfloat16", "schemes.value=shared_mem"]
+    out = _run(["-m", "weightsync", *SMALL, *run, f"hydra.run.dir={tmp_path}"])
     assert out.returncode == 0, out.stderr
-    assert "| multiprocess | policy |" in out.stdout and "| shared_mem | value |" in out.stdout
+    assert "| distributed | policy |" in out.stdout and "| shared_mem | value |" in out.stdout
     assert out.stdout.count("| yes |") == 2
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert any(p.name == "results.json" for p in files)
@@ -118,6 +120,26 @@ def test_main_job_multirun_writes_a_combined_table_csv_and_plot(tmp_path):
         assert f"| {scheme} | policy |" in table and f"| {scheme} | value |" in table
     assert (tmp_path / "results.csv").read_text().count("\n") == 11
     assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
+
+
+_FAILING_JOB = """
+import weightsync.app.main as main
+row = dict(scheme="multiprocess", model_mb=1.0, workers=1, sync=True, rounds=2, median_ms=1.0, p95_ms=1.0, gb_s=1.0)
+verdicts = iter(["yes", "NO [(0, 2)]", "no reports", "yes"])
+main.run_job = lambda cfg, progress=None: [{**row, "model": m, "verified": next(verdicts)} for m in ("a", "b")]
+main.main()
+"""
+
+
+def test_main_job_exits_1_on_a_failed_verification_after_every_sweep_job_ran(tmp_path):
+    """The job's verdict is its exit status: a run (or a sweep) that printed a failed verification exits 1."""
+    single = _run(["-c", _FAILING_JOB, "progress=false", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert single.returncode == 1, single.stderr
+    assert "| b | " in single.stdout and "the workers' weights did not match the trainer's for b\n" in single.stderr
+    sweep = _run(["-c", _FAILING_JOB, "-m", "seed=1,2", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    assert sweep.returncode == 1, sweep.stderr
+    assert (tmp_path / "sweep" / "results.md").read_text().count("| multiprocess |") == 4  # both jobs ran
+    assert "did not match the trainer's for 0:b, 1:a\n" in sweep.stderr
 
 
 def test_main_job_runs_ray_actors_beside_worker_processes(tmp_path):

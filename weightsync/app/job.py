@@ -30,6 +30,7 @@ from ..core.scheme import WeightSyncScheme
 from ..errors import ConfigurationError, ConnectionClosedError, WeightSyncError
 from ..schemes.no_sync import NoWeightSyncScheme
 from ..schemes.ray import RayWeightSyncScheme
+from ..tensors.layout import wire_dtype_from_name
 from ..tensors.strategy import WeightStrategy
 
 __all__ = ["JobConfig", "ModelSpec", "build_model", "resolve_schemes", "run_job"]
@@ -70,9 +71,13 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
     return nn.ParameterList([nn.Parameter(torch.zeros(numel)) for _ in range(tensors)])
 
 
-def checksum(model: nn.Module) -> str:
+def checksum(model: nn.Module, wire_dtype: torch.dtype | None = None) -> str:
+    """A digest of the model's weights; with ``wire_dtype``, of what a worker holds after they crossed the wire
+    in that dtype (each floating tensor rounded to it and cast back), which is what the scheme promises."""
     digest = hashlib.blake2b(digest_size=16)
     for key, tensor in sorted(WeightStrategy().flat(model).items()):
+        if wire_dtype is not None and tensor.dtype.is_floating_point:
+            tensor = tensor.to(wire_dtype).to(tensor.dtype)
         digest.update(key.encode())
         digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
@@ -214,7 +219,7 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
         collector = _Collector(reports, procs, float(cfg.worker_timeout), expected)
         for model_id, scheme in schemes.items():
             scheme.connect()
-            expected[model_id][scheme.version] = checksum(models[model_id])
+            expected[model_id][scheme.version] = _promised(scheme, models[model_id])
         moving = {m for m, s in schemes.items() if not isinstance(s, NoWeightSyncScheme)}
         if actors is not None:  # an actor's update is applied when the send returns: ask for its state
             for report in actors.reports():
@@ -226,7 +231,7 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
             for model_id, scheme in schemes.items():
                 _perturb(models[model_id], gen)
                 times[model_id].append(_timed_send(scheme))
-                expected[model_id][scheme.version] = checksum(models[model_id])
+                expected[model_id][scheme.version] = _promised(scheme, models[model_id])
                 if model_id in moving:  # workers check this version before the next send is timed
                     for report in actors.reports(model_id) if model_id in on_ray else []:
                         collector.record(report)
@@ -252,6 +257,11 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
         )
         for model_id in schemes
     ]
+
+
+def _promised(scheme: WeightSyncScheme, model: nn.Module) -> str:
+    """The checksum every worker must report for what ``scheme`` just sent of ``model``."""
+    return checksum(model, wire_dtype_from_name(scheme.wire_dtype))
 
 
 def _instantiate_scheme(instantiate: Any, scheme_cfg: DictConfig, model_id: str) -> WeightSyncScheme:

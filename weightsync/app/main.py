@@ -9,12 +9,13 @@ from pathlib import Path
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ..config.store import register_scheme_group
 from ..errors import WeightSyncError
 from .job import JobConfig, run_job
-from .report import RESULTS_FILE, markdown_table
+from .report import RESULTS_FILE, failed_models, markdown_table, verification_error
 
 __all__ = ["main"]
 
@@ -44,6 +45,10 @@ def _app(cfg: DictConfig) -> None:
     rows = [{**row, "overrides": overrides} for row in rows]
     (Path(hydra_cfg.runtime.output_dir) / RESULTS_FILE).write_text(json.dumps(rows, indent=1))
     print(markdown_table(rows))
+    failed = failed_models(rows)
+    if failed and hydra_cfg.mode != RunMode.MULTIRUN:  # a sweep's jobs all run; its end says what failed
+        print(verification_error(failed), file=sys.stderr)
+        sys.exit(1)
 
 
 def main() -> None:

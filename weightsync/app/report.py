@@ -5,13 +5,14 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-__all__ = ["COLUMNS", "SweepReport", "markdown_table", "write_sweep_report"]
+__all__ = ["COLUMNS", "SweepReport", "failed_models", "markdown_table", "write_sweep_report"]
 
 log = logging.getLogger("weightsync.app")
 
@@ -23,6 +24,20 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str] = COLUMNS) -> 
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(str(row.get(c, "")) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def failed_models(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows whose verification failed (a report that did not match, or none at all), as ``job:model``
+    (``model`` for a single run). A row passes with ``yes``, or ``n/a`` where the scheme moves nothing."""
+    return [
+        f"{row['job']}:{row['model']}" if "job" in row else str(row["model"])
+        for row in rows
+        if not (row["verified"] == "yes" or str(row["verified"]).startswith("n/a"))
+    ]
+
+
+def verification_error(failed: list[str]) -> str:
+    return f"weightsync: error: the workers' weights did not match the trainer's for {', '.join(failed)}"
 
 
 def write_sweep_report(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -80,3 +95,7 @@ class SweepReport(Callback):
         if rows:
             print(f"\nAll jobs ({sweep_dir}/results.md, results.csv, results.png):\n")
             print(markdown_table(rows, ["job", *COLUMNS, "overrides"]))
+        failed = failed_models(rows)
+        if failed:  # after every job ran and the table is written: a sweep exits 1 as a single run does
+            print(verification_error(failed), file=sys.stderr)
+            sys.exit(1)

@@ -5,6 +5,7 @@ not the run key file that config names. Each mode prints what it could do.
     python -m tests._stranger store ADDR PORT            # reach the store; read what it can name
     python -m tests._stranger worker YAML                # be worker 0 with a key of its own
     python -m tests._stranger rejoin ADDR PORT PREFIX    # knows the run's prefix (it sniffed it): claim worker 0
+    python -m tests._stranger rpc YAML                   # an rpc run: read the world's keys, join as worker 0
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
@@ -38,8 +40,6 @@ def main(mode: str, *args: str) -> None:
         cfg["connection"]["authkey_file"] = write_key_file(key_name(), secrets.token_bytes(32))  # its own key
         cfg["scheme"]["connect_timeout"] = 4
         scheme = ws.from_config(cfg)
-        import torch
-
         scheme.init_on_receiver(model=torch.nn.Linear(2, 2))
         began = time.monotonic()
         try:
@@ -47,6 +47,20 @@ def main(mode: str, *args: str) -> None:
             print("joined as worker 0", flush=True)
         except ws.WeightSyncError as exc:
             print(f"not joined after {time.monotonic() - began:.0f} s: {type(exc).__name__}: {exc}", flush=True)
+    elif mode == "rpc":  # rpc has no run key: its world's keys have fixed names, and the YAML says the rest
+        cfg = OmegaConf.to_container(OmegaConf.load(args[0]))
+        where = cfg["connection"]
+        s = store(where["master_addr"], int(where["master_port"]))
+        print(f"store reached: {s.num_keys()} keys, worker 0 joined: {s.check(['weightsync-joined/1'])}", flush=True)
+        scheme = ws.from_config(cfg, allow_pickle=True)
+        scheme.init_on_receiver(model=torch.nn.Linear(2, 2))
+        try:
+            scheme.connect()
+            print("joined as worker 0", flush=True)
+        except ws.WeightSyncError as exc:
+            print(f"not joined: {type(exc).__name__}: {exc}", flush=True)
+        finally:
+            scheme.shutdown()
     elif mode == "rejoin":
         s = dist.PrefixStore(args[2], store(args[0], int(args[1])))
         gen = int(s.add("gen/0", 1))

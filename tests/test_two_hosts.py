@@ -66,8 +66,10 @@ def finish(proc, timeout=120) -> tuple[int, str, str]:
 )
 def test_workers_on_another_host_hold_every_version_from_yaml_alone(tmp_path, engine, trainer_args, worker_flags):
     """rpc off loopback also needs the pickle opt-in on both sides: a trainer without it is refused, and so is a
-    worker whose own code does not opt in (the config's field is never taken for it)."""
-    with hosts(2) as (a, b):
+    worker whose own code does not opt in (the config's field is never taken for it). And rpc has no run key: a
+    stranger on host C with worker 0's YAML reads the world's keys in the store, but cannot join the world once
+    it formed (its membership is fixed), and the real workers go on receiving."""
+    with hosts(3) as (a, b, c):
         if engine == "rpc":
             refused = a.run(
                 ["python", "examples/two_hosts/trainer.py", f"out={tmp_path}", f"hydra.run.dir={tmp_path}",
@@ -75,7 +77,8 @@ def test_workers_on_another_host_hold_every_version_from_yaml_alone(tmp_path, en
                 timeout=120,
             )  # fmt: skip
             assert refused.returncode != 0 and "allow_pickle" in refused.stderr, refused.stderr[-2000:]
-        trainer = start_trainer(a, tmp_path, "weightsync.scheme.master_port=29611", "linger=2", *trainer_args)
+        linger = 8 if engine == "rpc" else 2  # the stranger's time to try its luck
+        trainer = start_trainer(a, tmp_path, "weightsync.scheme.master_port=29611", f"linger={linger}", *trainer_args)
         if engine == "rpc":
             worker = b.run(["python", "examples/two_hosts/worker.py", str(tmp_path / "worker0.yaml")], timeout=60)
             assert worker.returncode != 0 and "allow_pickle=True" in worker.stderr, worker.stderr[-2000:]
@@ -86,6 +89,10 @@ def test_workers_on_another_host_hold_every_version_from_yaml_alone(tmp_path, en
             assert line, f"the trainer stopped early:\n{trainer.stderr.read()}"
             lines.append(line)
         listening = {"A": a.listening(), "B": b.listening()}
+        if engine == "rpc":
+            stranger = finish(c.spawn(["python", "-m", "tests._stranger", "rpc", str(tmp_path / "worker0.yaml")]))
+            assert "store reached" in stranger[1] and "worker 0 joined: True" in stranger[1], stranger
+            assert "not joined: ConfigurationError" in stranger[1] and "already joined" in stranger[1], stranger
         code, out, err = finish(trainer)
         assert code == 0, err
         sent = versions("".join(lines) + out, r"sent version (\d+) (\w+)")

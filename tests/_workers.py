@@ -281,3 +281,9 @@ def doomed_trainer(name: str, n: int, reports: list, cmd, device: str = "") -> N
         scheme.send()
     cmd.send(([p.pid for p in procs], configs[0]["connection"].get("authkey_file")))
     cmd.poll(600)  # the test kills this process; a message (or the test's end closing the pipe) ends it too
+
+
+def fails_at_start(*args) -> None:
+    """A worker process that fails before it reaches the scheme (as a spawned child of a script without a
+    ``__main__`` guard does)."""
+    raise SystemExit(3)

@@ -42,6 +42,20 @@ __all__ = [
 ]
 
 
+def context(model_id: str | None = None, worker_idx: int | None = None, version: int | None = None) -> str:
+    """``"[model 'policy', worker 0] "``: what a message is about, as every error and log line names it."""
+    where = [
+        text
+        for text, known in (
+            (f"model {model_id!r}", model_id is not None),
+            (f"worker {worker_idx}", worker_idx is not None),
+            (f"version {version}", version is not None),
+        )
+        if known
+    ]
+    return f"[{', '.join(where)}] " if where else ""
+
+
 class WeightSyncError(Exception):
     """Root of every error weightsync raises.
 
@@ -63,14 +77,7 @@ class WeightSyncError(Exception):
         self.worker_idx = worker_idx
         self.version = version
         self.detail = message
-        where = []
-        if model_id is not None:
-            where.append(f"model {model_id!r}")
-        if worker_idx is not None:
-            where.append(f"worker {worker_idx}")
-        if version is not None:
-            where.append(f"version {version}")
-        super().__init__(f"[{', '.join(where)}] {message}" if where else message)
+        super().__init__(context(model_id, worker_idx, version) + message)
 
     def __reduce__(self) -> tuple:
         # Subclasses take keyword-only arguments, which the default exception pickling cannot replay;

@@ -11,7 +11,7 @@ from a :class:`ReceiverEngine`, applies them, and has the engine ack them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -39,6 +39,11 @@ class Sink(Protocol):
         """``worker`` is gone; a string is the cause, and the core names the worker and the version."""
 
     def is_dead(self, worker: int) -> bool: ...
+
+    def waiting(self, joined: Callable[[], Collection[int]]) -> None:
+        """The rendez-vous is waiting (call it at least twice a second; ``joined()``: the workers there so far):
+        the core says what is missing now and then, and raises ``WorkerDiedError`` when a worker process it
+        knows of has exited."""
 
     def rejoining(self, worker: int) -> None:
         """``worker`` is coming back (:meth:`SenderEngine.admit`): from here on, a failure is the new process's."""

@@ -84,6 +84,7 @@ class HandoffMixin:
         state: dict[str, Any] = {"options": self.option_values(), "transport": self.transport_name}
         if self._sending is not None and self._sending.engine is not None and self._state in SENDING:
             state["handoff"] = self._sending.engine.handoff()
+            self._sending.processes.note_spawning()  # a worker process starting with it: connect() watches it
         elif self._handoff is not None:
             state["handoff"] = self._handoff
         if "handoff" in state:

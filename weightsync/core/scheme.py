@@ -232,19 +232,31 @@ class WeightSyncScheme(ClientMixin, SchemeProperties, WorkersMixin, HandoffMixin
         """Older name of :meth:`init_on_receiver`."""
         self.init_on_receiver(model_id, context, **kwargs)
 
-    def connect(self, *, worker_idx: int | None = None, weights: Any = None) -> None:
+    def connect(
+        self, *, worker_idx: int | None = None, weights: Any = None, processes: Iterable[Any] | None = None
+    ) -> None:
         """Rendez-vous. Sender: wait for every worker and give each the initial weights
         (``weights`` overrides the registered model's). Receiver: join the sender,
-        receive and apply the initial weights. Blocks for at most ``connect_timeout``.
+        receive and apply the initial weights. Blocks for at most ``connect_timeout``,
+        saying at INFO (``logging``) which workers it still waits for when that lasts.
+
+        A sender watches the worker processes it knows of while it waits: those
+        ``multiprocessing`` started with this scheme among their arguments, and
+        ``processes`` (``multiprocessing`` processes or ``subprocess.Popen`` objects,
+        such as workers started from receiver configs). One that exits before it
+        connected is named at once.
 
         Raises:
             LifecycleError: called before init, or twice.
             SyncTimeoutError: a peer did not show up in time (named in the message).
+            WorkerDiedError: a worker process the sender knows of exited before it connected.
         """
         with self._lock:
             if self._state == SENDER:
                 if worker_idx is not None:
                     raise LifecycleError("connect(worker_idx=...) is the receiver's call; this scheme is a sender")
+                if self._sending is not None:  # no_sync has no workers to wait for
+                    self._sending.processes.hand(processes or ())
                 try:
                     self._connect_sender(weights)
                 except WeightSyncError:
@@ -255,6 +267,8 @@ class WeightSyncScheme(ClientMixin, SchemeProperties, WorkersMixin, HandoffMixin
                     raise
                 self._state = SENDER_CONNECTED
             elif self._state == RECEIVER:
+                if processes is not None:
+                    raise LifecycleError("connect(processes=...) is the sender's call; this scheme is a receiver")
                 if worker_idx is not None:
                     self._worker_idx = self._same_worker(self._from_collector(worker_idx))
                 if self._worker_idx is None and self.needs_worker_idx:

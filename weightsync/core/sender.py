@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -30,10 +30,11 @@ from ..metrics import SendMetrics, SendRecord
 from ..tensors.bound import BoundModel
 from ..tensors.layout import FlatLayout
 from ..tensors.strategy import check_spec, flatten_weights, weights_spec
+from .children import KnownProcesses
 from .engine import Outgoing, SenderEngine
 from .ledger import Ledger, Peer
 from .rejoin import Admitter
-from .timing import deadline_after, remaining
+from .timing import Progress, deadline_after, remaining
 
 __all__ = ["Sender", "by_worker"]
 
@@ -86,6 +87,9 @@ class Sender:
         self.next_version = 0
         self._naming: int | None = None  # the version deaths found now are named with (the one being sent)
         self._admitter: Admitter | None = None
+        #: The worker processes this sender knows of: one that exits before it connected is named at once.
+        self.processes = KnownProcesses()
+        self._progress: Progress | None = None
 
     # --------------------------------------------------------------- the sink
     def acked(self, worker: int, held: int) -> None:
@@ -102,6 +106,28 @@ class Sender:
 
     def is_dead(self, worker: int) -> bool:
         return worker in self.ledger.dead
+
+    def waiting(self, joined: Callable[[], Collection[int]]) -> None:
+        """The engine's rendez-vous is waiting (it calls this at least twice a second): say now and then which
+        workers are missing, and raise at once when a worker process this process started has exited.
+
+        Raises:
+            WorkerDiedError: a worker process it knows of (:class:`~weightsync.core.children.KnownProcesses`)
+                exited.
+        """
+        n = len(self.ledger.peers)
+
+        def missing() -> list[int]:
+            return sorted(set(self.ledger.peers) - set(joined()))
+
+        exited = self.processes.exited()
+        if exited:
+            raise WorkerDiedError(
+                f"{'; '.join(exited)} before it connected (workers {missing()} have not connected)",
+                model_id=self.model_id,
+            )
+        if self._progress is not None:
+            self._progress.tick(lambda: f"{n - len(missing())} of {n} connected, missing {missing()}")
 
     def rejoining(self, worker: int) -> None:
         """``worker`` is coming back: from here on, a failure is the new process's."""
@@ -180,7 +206,12 @@ class Sender:
         """The rendez-vous, then version 0 to every worker that joined; raise naming those that failed."""
         assert self.engine is not None
         deadline = deadline_after(timeout)
-        refused = self.engine.rendezvous(deadline, timeout)
+        n = len(self.ledger.peers)
+        self._progress = Progress(log, f"{n} worker{'s' if n != 1 else ''} to connect", timeout, model_id=self.model_id)
+        try:
+            refused = self.engine.rendezvous(deadline, timeout)
+        finally:
+            self._progress = None
         if self.engine.rejoins:
             self._admitter = Admitter(
                 f"weightsync-{self.model_id}-admitter", self._lock, self.engine.poll_rejoin, self._admit,

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["deadline_after", "remaining"]
+from ..errors import context
+
+__all__ = ["WAIT_TICK_S", "Progress", "deadline_after", "remaining"]
 
 
 def deadline_after(timeout: float) -> float:
@@ -15,3 +19,38 @@ def deadline_after(timeout: float) -> float:
 def remaining(deadline: float) -> float:
     """Seconds left until ``deadline`` (never negative)."""
     return max(0.0, deadline - time.monotonic())
+
+
+#: How often a rendez-vous that blocks looks up from its wait (to see whether a worker process exited).
+WAIT_TICK_S = 0.25
+#: The longest a wait stays silent between two of its progress lines.
+PROGRESS_EVERY_S = 10.0
+
+
+class Progress:
+    """What a long wait waits for, said at INFO: once when it has lasted a moment, then at intervals (every
+    :data:`PROGRESS_EVERY_S`, or a quarter of a shorter timeout), so a user sees what is missing.
+
+    Args:
+        log: the logger to say it with.
+        what: what is waited for ("the TCP store at 10.0.0.1:29500", "2 workers to connect").
+        timeout: how long the wait may last.
+        where: the model, worker: the context of the lines.
+    """
+
+    def __init__(self, log: Any, what: str, timeout: float, **where: Any) -> None:
+        self.log, self.what, self.timeout = log, what, timeout
+        self.prefix = context(**where)
+        self.began = time.monotonic()
+        self.every = min(PROGRESS_EVERY_S, max(timeout / 4, 0.25))
+        self.next = self.began + min(1.0, self.every)
+
+    def tick(self, status: str | Callable[[], str]) -> None:
+        """Say ``status`` (a string, or a function making it, called only when due) if a line is due."""
+        now = time.monotonic()
+        if now < self.next:
+            return
+        self.next = now + self.every
+        text = status() if callable(status) else status
+        waited = now - self.began
+        self.log.info("%swaiting for %s: %s (%.0fs of %.0fs)", self.prefix, self.what, text, waited, self.timeout)

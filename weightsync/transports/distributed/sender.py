@@ -150,6 +150,7 @@ class DistributedSender(SenderEngine):
                         model_id=model_id,
                         worker_idx=missing[0] if len(missing) == 1 else None,
                     )
+                self.sink.waiting(lambda: [w for w, key in enumerate(hellos) if self.store.check([key])])
                 threading.Event().wait(min(STORE_POLL_S, remaining(deadline)))
             refused: dict[int, WeightSyncError] = {}
             # NCCL refuses two ranks on one GPU, and only at the first transfer: name it now, by worker.

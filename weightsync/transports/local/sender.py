@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ...core.engine import Outgoing, SenderEngine, Sink
-from ...core.timing import remaining
+from ...core.timing import WAIT_TICK_S, remaining
 from ...errors import SyncTimeoutError, WeightSyncError, WorkerDiedError
 from ...integrity import digest
 from ...tensors import cuda
@@ -121,8 +121,9 @@ class LocalSender(SenderEngine):
                 raise SyncTimeoutError(
                     f"workers {missing} did not connect within {timeout:.1f}s", model_id=self.sink.model_id
                 )
+            self.sink.waiting(lambda: list(self.transports))
             try:
-                accepted = self.listener.accept(left)
+                accepted = self.listener.accept(min(left, WAIT_TICK_S))
             except WeightSyncError as exc:  # a stranger or a broken peer: keep waiting for the real workers
                 log.warning("model %r: %s", self.sink.model_id, exc)
                 continue

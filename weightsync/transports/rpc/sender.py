@@ -104,7 +104,8 @@ class RPCSender(SenderEngine):
 
     def rendezvous(self, deadline: float, timeout: float) -> dict[int, WeightSyncError]:
         if self.session is not None:
-            start_agent(self.session, SENDER_NAME, 0, remaining(deadline), model_id=self.sink.model_id)
+            where = {"model_id": self.sink.model_id}
+            start_agent(self.session, SENDER_NAME, 0, remaining(deadline), self.sink.waiting, **where)
         self._connected = True
         return {}
 

@@ -13,8 +13,9 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -22,9 +23,10 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from ...core.timing import WAIT_TICK_S, Progress, deadline_after, remaining
 from ...errors import ConfigurationError, SyncTimeoutError, first_line
 from ..network import interface_for, local_address
-from ..store import as_timedelta, connect_store, open_store
+from ..store import connect_store, open_store
 
 __all__ = [
     "SENDER_NAME",
@@ -164,8 +166,16 @@ def join_worker_session(handoff: dict[str, Any], timeout: float, silence: float,
         return _SESSION
 
 
-def start_agent(sess: Session, name: str, rank: int, timeout: float, **where: Any) -> None:
-    """Start this process's agent for ``sess`` once (blocks until the whole world joined, at most ``timeout``)."""
+#: What a sender's rendez-vous calls while it waits, with a function naming the workers there so far.
+Waiting = Callable[[Callable[[], list[int]]], None]
+
+
+def start_agent(
+    sess: Session, name: str, rank: int, timeout: float, waiting: Waiting | None = None, **where: Any
+) -> None:
+    """Start this process's agent for ``sess`` once (blocks until the whole world joined, at most ``timeout``;
+    ``waiting(joined)`` is called meanwhile, with the workers there so far: the sender core's
+    :meth:`~weightsync.core.engine.Sink.waiting`)."""
     with _SESSION_LOCK:
         if sess.started:
             return
@@ -177,7 +187,7 @@ def start_agent(sess: Session, name: str, rank: int, timeout: float, **where: An
                 "workers, or use a scheme whose workers can rejoin (multiprocess, shared_mem, distributed, ray)",
                 **where,
             )
-        _await_world(sess, timeout, **where)
+        _await_world(sess, timeout, waiting, **where)
         _register_handler()
         _STORES[sess.token] = sess.store
         try:
@@ -205,20 +215,34 @@ def start_agent(sess: Session, name: str, rank: int, timeout: float, **where: An
         sess.started = True
 
 
-def _await_world(sess: Session, timeout: float, **where: Any) -> None:
+def _await_world(sess: Session, timeout: float, waiting: Waiting | None, **where: Any) -> None:
     """Wait, at most ``timeout``, until every process of the world has said it is joining (``init_rpc`` itself
     would wait for an absent one as long as torch's own process-group timeout, 30 minutes)."""
     keys = [f"weightsync-joined/{rank}" for rank in range(sess.world_size)]
+    deadline = deadline_after(timeout)
+    progress = Progress(log, f"the RPC world of {sess.host}:{sess.port} to form", timeout, **where)
+
+    def joined() -> list[int]:
+        return [rank - 1 for rank, key in enumerate(keys) if rank > 0 and sess.store.check([key])]
+
     try:
-        sess.store.wait(keys, as_timedelta(timeout))
-    except (RuntimeError, dist.DistError):
-        absent = [rank for rank, key in enumerate(keys) if not sess.store.check([key])]
-        names = ["the sender" if rank == 0 else f"worker {rank - 1}" for rank in absent] or ["a process"]
-        raise SyncTimeoutError(
-            f"the RPC world ({sess.world_size} processes) did not form within {timeout:.1f}s: "
-            f"{', '.join(names)} never joined",
-            **where,
-        ) from None
+        while not sess.store.check(keys):
+            if remaining(deadline) <= 0:
+                absent = [rank for rank, key in enumerate(keys) if not sess.store.check([key])]
+                names = ["the sender" if rank == 0 else f"worker {rank - 1}" for rank in absent] or ["a process"]
+                raise SyncTimeoutError(
+                    f"the RPC world ({sess.world_size} processes) did not form within {timeout:.1f}s: "
+                    f"{', '.join(names)} never joined",
+                    **where,
+                )
+            if waiting is not None:
+                waiting(joined)
+            else:  # a worker: it says what it waits for itself
+                progress.tick(lambda: f"{len(joined())} of {sess.world_size - 1} workers there")
+            time.sleep(min(WAIT_TICK_S / 5, remaining(deadline)))
+    except (RuntimeError, dist.DistError) as exc:
+        gone = first_line(exc)
+        raise SyncTimeoutError(f"the sender's store went away while the RPC world formed: {gone}", **where) from None
 
 
 @contextlib.contextmanager

@@ -49,7 +49,7 @@ def run(scenario: str, conn, host_address: str | None = None) -> None:
         }
         if strategy:
             kwargs["strategy"] = strategy
-        scheme = ws.RPCWeightSyncScheme(timeout=20, connect_timeout=60, **kwargs)
+        scheme = ws.RPCWeightSyncScheme(**{"timeout": 20, "connect_timeout": 60, **kwargs})
         body = getattr(bodies, name)
         if "strategy" in inspect.signature(body).parameters:
             body(scheme, workers, strategy)

@@ -7,11 +7,13 @@ import json
 import logging
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from ..core.timing import Progress, deadline_after, remaining
 from ..errors import ConfigurationError, SyncTimeoutError, TransportError
 
 __all__ = ["MAX_STORE_JSON", "SILENT_TIMEOUTS", "as_timedelta", "connect_store", "open_store", "store_json"]
@@ -78,21 +80,47 @@ def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, b
 
 
 def connect_store(host: str, port: int, timeout: float, silence: float | None = None, **where: Any) -> dist.Store:
-    """A client of the TCP store at ``host:port``, waiting at most ``timeout`` for it to answer.
+    """A client of the TCP store at ``host:port``, waiting at most ``timeout`` for it to answer (saying at INFO
+    what it waits for, when that takes more than a moment).
 
     ``silence``: the longest the store may leave a call unanswered once connected. A store whose host vanished
     (powered off, cut off) sends no reset, and torch's client would wait for its answer forever, past any
     timeout it was given; with ``silence``, the connection's kernel gives up (TCP keepalive and
     ``TCP_USER_TIMEOUT``, Linux) and the call fails with ``DistError``. A link down for less heals unseen.
+
+    Raises:
+        SyncTimeoutError: nothing answered within ``timeout``.
     """
+    deadline = deadline_after(timeout)
+    _await_listener(host, port, deadline, timeout, **where)
     before = _open_fds() if silence is not None else set()
     try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=as_timedelta(timeout))
+        store = dist.TCPStore(host, port, is_master=False, timeout=as_timedelta(remaining(deadline)))
     except dist.DistError as exc:
         raise SyncTimeoutError(f"no TCP store answered at {host}:{port} within {timeout:.0f}s", **where) from exc
     if silence is not None and not _bound_silence(before, port, silence):
         log.debug("could not bound the silence of the store at %s:%d on this platform", host, port)
     return store
+
+
+def _await_listener(host: str, port: int, deadline: float, timeout: float, **where: Any) -> None:
+    """Wait until something accepts TCP connections at ``host:port``, at most until ``deadline``. torch's client
+    would retry a refused connection for its whole timeout, then wait as long again before a second try, and log
+    each try as an error with a C++ stack: a store that is not there must fail within its timeout, quietly."""
+    progress = Progress(log, f"the TCP store at {host}:{port}", timeout, **where)
+    pause = 0.02
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(remaining(deadline), 5.0))):
+                return
+        except OSError as exc:
+            if remaining(deadline) <= 0:
+                raise SyncTimeoutError(
+                    f"no TCP store answered at {host}:{port} within {timeout:.0f}s ({exc.strerror or exc})", **where
+                ) from None
+            progress.tick(f"not there yet ({exc.strerror or exc})")
+            time.sleep(min(pause, remaining(deadline)))
+            pause = min(2 * pause, 0.5)
 
 
 def _open_fds() -> set[tuple[int, str]]:

@@ -26,7 +26,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ...core.timing import deadline_after, remaining
+from ...core.timing import Progress, deadline_after, remaining
 from ...errors import (
     AuthenticationError,
     ConnectionClosedError,
@@ -276,9 +276,15 @@ def connect_channel(
             delay = min(delay * 2, 0.2)
     conn = Connection(sock.detach())
     channel = Channel(conn, f"sender at {address}")
+    progress = Progress(log, f"the sender at {address!r} to take this worker in", timeout)
     try:
-        if not conn.poll(remaining(deadline)):
-            raise SyncTimeoutError(f"sender at {address!r} sent no auth challenge within {timeout:.1f}s")
+        while not conn.poll(min(remaining(deadline), 1.0)):
+            if remaining(deadline) <= 0:
+                raise SyncTimeoutError(
+                    f"the sender at {address!r} did not take this worker in within {timeout:.1f}s (its connect() "
+                    "did not run, or ended)"
+                )
+            progress.tick("its connect() has not taken this worker in yet")
         nonce = conn.recv_bytes(_HANDSHAKE_MAX)
         conn.send_bytes(_digest(authkey, nonce, b"worker"))
         my_nonce = secrets.token_bytes(_NONCE)
@@ -286,6 +292,9 @@ def connect_channel(
         if not conn.poll(remaining(deadline)):
             raise SyncTimeoutError(f"sender at {address!r} did not answer the handshake within {timeout:.1f}s")
         proof = conn.recv_bytes(_HANDSHAKE_MAX)
+    except SyncTimeoutError:  # a TimeoutError, hence an OSError: not a closed handshake
+        channel.close()
+        raise
     except (EOFError, OSError, ConnectionClosedError) as exc:
         channel.close()
         raise AuthenticationError(f"sender at {address!r} closed the handshake (wrong auth key?)") from exc

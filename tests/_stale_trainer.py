@@ -1,0 +1,23 @@
+"""A trainer that writes worker 0's receiver config as YAML for each engine named on its command line, says so,
+and waits to be killed (tests/test_timeouts.py): what its workers find is a config whose sender is gone."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from omegaconf import OmegaConf
+from torch import nn
+
+import weightsync as ws
+
+if __name__ == "__main__":
+    out, backends = sys.argv[1], sys.argv[2:]
+    schemes = []
+    for backend in backends:
+        scheme = ws.WeightSyncScheme.from_backend(backend)
+        scheme.init_on_sender(model_id=backend, model=nn.Linear(2, 2), num_workers=1)
+        OmegaConf.save(OmegaConf.create(scheme.receiver_config(0)), f"{out}/{backend}.yaml")
+        schemes.append(scheme)
+    print("written", flush=True)
+    time.sleep(300)

@@ -1,0 +1,95 @@
+"""Every documented bound holds: a wait given ``T`` seconds ends between 0.9 ``T`` and 1.1 ``T`` + 1 s, with an
+error that says what it waited for (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from torch import nn
+
+import weightsync as ws
+from tests._bodies import within_its_timeout
+from tests._workers import connect_pair
+
+T = 2.0
+LOCAL_AND_GLOO = ["multiprocess", "shared_mem", "distributed"]
+
+
+def timed(call) -> tuple[float, ws.WeightSyncError | None]:
+    began = time.monotonic()
+    try:
+        call()
+    except ws.WeightSyncError as exc:
+        return time.monotonic() - began, exc
+    return time.monotonic() - began, None
+
+
+@pytest.mark.parametrize("backend", LOCAL_AND_GLOO)
+def test_a_sender_waits_its_connect_timeout_for_absent_workers(backend):
+    scheme = ws.WeightSyncScheme.from_backend(backend, connect_timeout=T)
+    scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=2)
+    took, error = timed(scheme.connect)
+    scheme.shutdown()
+    assert isinstance(error, ws.SyncTimeoutError) and "workers [0, 1] did not" in str(error), error
+    assert within_its_timeout(took, T), took
+
+
+@pytest.mark.parametrize("backend", LOCAL_AND_GLOO)
+def test_a_worker_waits_its_connect_timeout_for_a_sender_that_does_not_connect(backend):
+    sender = ws.WeightSyncScheme.from_backend(backend, connect_timeout=60)
+    sender.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    cfg = sender.receiver_config(0)
+    cfg["scheme"]["connect_timeout"] = T
+    worker = ws.from_config(cfg)
+    worker.init_on_receiver(model=nn.Linear(2, 2))
+    took, error = timed(worker.connect)
+    worker.shutdown()
+    sender.shutdown()
+    assert isinstance(error, ws.SyncTimeoutError), error
+    assert within_its_timeout(took, T), (took, error)
+
+
+@pytest.mark.parametrize("backend", LOCAL_AND_GLOO)
+def test_receive_waits_its_timeout_when_nothing_comes(backend):
+    sender = ws.WeightSyncScheme.from_backend(backend, connect_timeout=30)
+    sender.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    worker = ws.from_config(sender.receiver_config(0))
+    worker.init_on_receiver(model=nn.Linear(2, 2))
+    connect_pair(sender, worker)
+    began = time.monotonic()
+    assert worker.receive(timeout=T) is None
+    took = time.monotonic() - began
+    worker.shutdown()
+    sender.shutdown()
+    assert within_its_timeout(took, T), took
+
+
+def test_a_worker_whose_trainer_was_killed_waits_its_connect_timeout_quietly(tmp_path: Path):
+    """A receiver config left by a trainer that was SIGKILLed: the store it names is gone. The worker fails
+    within its connect_timeout (torch's client would try twice as long, and print C++ stacks), saying so."""
+    backends = ["distributed", "rpc"]
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "tests._stale_trainer", str(tmp_path), *backends],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    try:
+        assert trainer.stdout.readline().strip() == "written"
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(30)
+    for backend in backends:
+        cfg = OmegaConf.to_container(OmegaConf.load(tmp_path / f"{backend}.yaml"))
+        cfg["scheme"]["connect_timeout"] = T
+        worker = ws.from_config(cfg, allow_pickle=True)
+        worker.init_on_receiver(model=nn.Linear(2, 2))
+        took, error = timed(worker.connect)
+        worker.shutdown()
+        assert isinstance(error, ws.SyncTimeoutError) and "no TCP store answered" in str(error), (backend, error)
+        assert f"within {T:.0f}s (Connection refused)" in str(error), error
+        assert within_its_timeout(took, T), (backend, took)

@@ -1,6 +1,6 @@
 """Train a small policy with a TorchRL collector whose workers get their weights from a weightsync scheme.
 
-    pip install -e ".[torchrl]"
+    pip install -e ".[examples]"     # or ".[torchrl]": TorchRL is all this one needs
     python examples/torchrl_collector.py                          # shared_mem, 2 worker processes
     python examples/torchrl_collector.py --scheme multiprocess --iters 60
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,9 @@ def test_main_job_single_run_verifies_and_keeps_secrets_out_of_its_outputs(tmp_p
     assert out.returncode == 0, out.stderr
     assert "| distributed | policy |" in out.stdout and "| shared_mem | value |" in out.stdout
     assert out.stdout.count("| yes |") == 2
+    story = (tmp_path / "weightsync.log").read_text()  # Hydra's job log holds what the job did
+    assert "model 'policy' (1 MB in 8 tensors): DistributedWeightSyncScheme to 2 workers" in story, story
+    assert "'wire_dtype': 'bfloat16'" in story and story.count("verified: yes") == 2, story
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert any(p.name == "results.json" for p in files)
     for path in files:
@@ -142,6 +146,14 @@ def test_main_job_exits_1_on_a_failed_verification_after_every_sweep_job_ran(tmp
     assert "did not match the trainer's for 0:b, 1:a\n" in sweep.stderr
 
 
+def test_main_job_without_ray_says_which_extra_to_install(tmp_path):
+    hidden = "import sys; sys.modules['ray'] = None; import weightsync.app.main as m; m.main()"  # as if not installed
+    out = _run(["-c", hidden, "scheme=ray", "num_workers=1", *SMALL, f"hydra.run.dir={tmp_path}"], timeout=60)
+    assert out.returncode == 2
+    one_line = "weightsync: error: the Ray schemes need Ray: pip install 'weightsync[ray]'"
+    assert out.stderr.strip() == one_line, out.stderr
+
+
 def test_main_job_runs_ray_actors_beside_worker_processes(tmp_path):
     # One model on a Ray-hosted module (one actor), the other on shared memory (one process).
     with loopback_only_network():
@@ -161,11 +173,17 @@ def test_main_job_runs_ray_actors_beside_worker_processes(tmp_path):
     assert out.stdout.count("| yes |") == 2
 
 
-def test_main_job_help_lists_the_groups():
+def test_main_job_help_lists_the_groups_it_takes_and_only_those():
+    from weightsync.config import SCHEMES, TRANSPORTS
+
     out = _run(["-m", "weightsync", "--help"])
     assert out.returncode == 0
-    assert "scheme: distributed, multiprocess, no_sync, ray, ray_module_transform, rpc, shared_mem" in out.stdout
-    assert "weightsync/scheme:" in out.stdout
+    listed = out.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    groups = dict(re.findall(r"^([\w/]+): (.+)$", listed, re.M))
+    assert groups == {"scheme": ", ".join(sorted(SCHEMES)), "scheme/transport": ", ".join(sorted(TRANSPORTS))}
+    # each works on this job's command line
+    works = _run(["-m", "weightsync", "scheme=shared_mem", "scheme/transport=mp", "--cfg", "job"])
+    assert works.returncode == 0 and "_target_: weightsync.MPTransport" in works.stdout, works.stderr
 
 
 @pytest.mark.parametrize(
@@ -191,6 +209,8 @@ def test_hydra_app_example_trains_with_synced_workers(tmp_path, override):
     out = _run(["examples/hydra_app/train.py", "iterations=3", *override, f"hydra.run.dir={tmp_path}"])
     assert out.returncode == 0, out.stderr
     assert "best mean return" in out.stdout
+    story = (tmp_path / "train.log").read_text()  # the overrides can be seen to take effect, in the job's log
+    assert "'sync': False" in story if override else "MultiProcessWeightSyncScheme, 2 workers" in story, story
 
 
 def test_sweep_example_runs_every_job(tmp_path):
@@ -213,6 +233,20 @@ def test_sweep_example_runs_every_job(tmp_path):
 
 
 @pytest.mark.timeout(300)  # about 2 minutes: every case but the engines' in small
+def test_sweep_plot_draws_one_line_per_combination_of_every_swept_setting():
+    from weightsync.app.report import series_labels
+
+    def row(overrides, workers=1):
+        return {"scheme": "shared_mem", "workers": workers, "overrides": overrides}
+
+    swept = [
+        row("scheme=shared_mem scheme.background_thread=false num_workers=1 rounds=2 models.policy.size_mb=4"),
+        row("scheme=shared_mem scheme.background_thread=true num_workers=1 rounds=2 models.policy.size_mb=8"),
+    ]
+    assert series_labels(swept) == ["scheme.background_thread=false", "scheme.background_thread=true"]
+    assert series_labels([row(""), row("", 2)]) == ["shared_mem (1 worker)", "shared_mem (2 workers)"]
+
+
 def test_benchmark_suite_prints_every_case_against_its_target_and_plots(tmp_path):
     md, png = tmp_path / "suite.md", tmp_path / "suite.png"
     out = _run(

@@ -11,6 +11,7 @@ the version they played). The trainer keeps the candidate if it did better.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import statistics
 
@@ -24,6 +25,9 @@ from torch import nn
 import weightsync.config  # noqa: F401 - registers the weightsync/... config groups
 from weightsync import ConnectionClosedError
 from weightsync.config import from_config
+
+# Hydra sends what is logged to the console and to the run's train.log.
+log = logging.getLogger("train")
 
 
 def make_policy() -> nn.Module:
@@ -73,6 +77,7 @@ def main(cfg: DictConfig) -> None:
     best = {k: v.clone() for k, v in policy.state_dict().items()}
     scheme = instantiate(cfg.weightsync.scheme)
     scheme.init_on_sender(model_id="policy", model=policy, num_workers=cfg.num_workers)
+    log.info("%s, %d workers, options %s", type(scheme).__name__, cfg.num_workers, scheme.option_values())
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     pipes, procs = [], []
@@ -84,7 +89,7 @@ def main(cfg: DictConfig) -> None:
         pipes.append(mine)
     best_score = -1.0
     try:
-        scheme.connect()
+        scheme.connect(processes=procs)  # a worker that dies before it connects is named at once
         for it in range(cfg.iterations):
             with torch.no_grad():
                 for name, p in policy.named_parameters():
@@ -100,14 +105,14 @@ def main(cfg: DictConfig) -> None:
             if score > best_score:
                 best_score = score
                 best = {k: v.clone() for k, v in policy.state_dict().items()}
-            print(f"iteration {it:2d}  version {scheme.version:2d}  mean return {score:6.1f}  best {best_score:6.1f}")
+            log.info("iteration %2d  version %2d  mean return %6.1f  best %6.1f", it, scheme.version, score, best_score)
     finally:
         for pipe in pipes:
             pipe.send("stop")
         scheme.shutdown()
         for proc in procs:
             proc.join(30)
-    print(f"scheme={type(scheme).__name__} workers={cfg.num_workers} best mean return {best_score:.1f}")
+    log.info("scheme=%s workers=%d best mean return %.1f", type(scheme).__name__, cfg.num_workers, best_score)
 
 
 if __name__ == "__main__":

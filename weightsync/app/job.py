@@ -194,6 +194,11 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
     schemes: dict[str, WeightSyncScheme] = {}
     for model_id, scheme_cfg in scheme_cfgs.items():
         schemes[model_id] = _instantiate_scheme(instantiate, scheme_cfg, model_id)
+        log.info(
+            "model %r (%g MB in %d tensors): %s to %d workers, %d rounds, options %s", model_id,
+            specs[model_id]["size_mb"], specs[model_id]["tensors"], type(schemes[model_id]).__name__, n,
+            int(cfg.rounds), schemes[model_id].option_values(),
+        )  # fmt: skip
     # Ray schemes' workers are Ray actors the job starts; every other scheme's are processes.
     on_ray = {m for m, s in schemes.items() if isinstance(s, RayWeightSyncScheme)}
     in_procs = {m: s for m, s in schemes.items() if m not in on_ray}
@@ -218,7 +223,7 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
         times = {m: [] for m in schemes}
         collector = _Collector(reports, procs, float(cfg.worker_timeout), expected)
         for model_id, scheme in schemes.items():
-            scheme.connect()
+            scheme.connect(processes=procs if model_id in in_procs else None)  # a worker that dies is named at once
             expected[model_id][scheme.version] = _promised(scheme, models[model_id])
         moving = {m for m, s in schemes.items() if not isinstance(s, NoWeightSyncScheme)}
         if actors is not None:  # an actor's update is applied when the send returns: ask for its state

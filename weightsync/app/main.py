@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from .report import RESULTS_FILE, failed_models, markdown_table, verification_er
 
 __all__ = ["main"]
 
+log = logging.getLogger("weightsync.app")
+
 
 def _register() -> None:
     ConfigStore.instance().store(name="job_schema", node=JobConfig)
@@ -33,11 +36,13 @@ def _app(cfg: DictConfig) -> None:
     from tqdm import tqdm
 
     def progress(rounds):
-        return tqdm(rounds, desc="rounds", unit="round", disable=not cfg.progress, leave=False)
+        # disable=None: no bar where stderr is not a terminal (a file, a pipe), where it would run into the table
+        return tqdm(rounds, desc="rounds", unit="round", disable=None if cfg.progress else True, leave=False)
 
     try:
         rows = run_job(cfg, progress=progress)
     except WeightSyncError as exc:
+        log.error("%s", exc)
         print(f"weightsync: error: {exc}", file=sys.stderr)
         sys.exit(2)
     hydra_cfg = HydraConfig.get()
@@ -45,8 +50,14 @@ def _app(cfg: DictConfig) -> None:
     rows = [{**row, "overrides": overrides} for row in rows]
     (Path(hydra_cfg.runtime.output_dir) / RESULTS_FILE).write_text(json.dumps(rows, indent=1))
     print(markdown_table(rows))
+    for row in rows:
+        log.info(
+            "model %r: median send %s ms, p95 %s ms, %s GB/s over %d rounds; verified: %s", row["model"],
+            row["median_ms"], row["p95_ms"], row["gb_s"], row["rounds"], row["verified"],
+        )  # fmt: skip
     failed = failed_models(rows)
     if failed and hydra_cfg.mode != RunMode.MULTIRUN:  # a sweep's jobs all run; its end says what failed
+        log.error("%s", verification_error(failed))
         print(verification_error(failed), file=sys.stderr)
         sys.exit(1)
 

@@ -19,6 +19,7 @@ from ..core.scheme import WeightSyncScheme
 from ..errors import ConfigurationError, WeightSyncError
 from ..schemes.ray import RayModuleTransformScheme
 from ..transports.ray import apply_in_actor
+from ..transports.ray.sender import ray as ray_module
 
 __all__ = ["RayWorkers"]
 
@@ -76,7 +77,7 @@ class RayWorkers:
                     f"run it with num_workers=1 (got {num_workers})",
                     model_id=model_id,
                 )
-        import ray
+        ray = ray_module()  # a one-line error naming the extra where Ray is not installed
 
         self.ray, self.timeout = ray, timeout
         self.started = next(iter(schemes.values())).join_ray(include_dashboard=False, log_to_driver=False)

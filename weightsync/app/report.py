@@ -60,30 +60,59 @@ def write_sweep_report(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Median send time against model size, one line per job setting (:func:`series_labels`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     series: dict[str, list[tuple[float, float]]] = {}
-    for row in rows:
-        series.setdefault(f"{row['scheme']} ({row['workers']} workers)", []).append(
-            (float(row["model_mb"]), float(row["median_ms"]))
-        )
+    for row, label in zip(rows, series_labels(rows)):
+        series.setdefault(label, []).append((float(row["model_mb"]), float(row["median_ms"])))
     for label, points in sorted(series.items()):
         xs, ys = zip(*sorted(points))
         ax.plot(xs, ys, marker="o", label=label)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    sizes = sorted({float(row["model_mb"]) for row in rows})
+    ax.set_xticks(sizes)  # every size measured, labelled as it is (no 2x10^0)
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("model size (MB)")
     ax.set_ylabel("median send (ms)")
     ax.set_title("weightsync: send time until every worker applied and acked")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the lines, not over them
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def series_labels(rows: list[dict[str, Any]]) -> list[str]:
+    """Each row's line in the plot: the overrides its job was run with that differ between jobs (what the sweep
+    varied, every key of it), less those that set model sizes (the x axis); the scheme and worker count where
+    nothing else tells the jobs apart."""
+
+    def settings(row: dict[str, Any]) -> dict[str, str]:
+        pairs = (item.split("=", 1) for item in str(row.get("overrides", "")).split() if "=" in item)
+        return {key: value for key, value in pairs if not key.startswith(("models.", "hydra."))}
+
+    every = [settings(row) for row in rows]
+    varied = sorted({key for one in every for key in one if len({str(s.get(key)) for s in every}) > 1})
+    labels = []
+    for row, one in zip(rows, every):
+        if varied:
+            labels.append(", ".join(f"{key}={one.get(key, '-')}" for key in varied))
+        else:
+            n = int(row["workers"])
+            labels.append(f"{row['scheme']} ({n} worker{'' if n == 1 else 's'})")
+    return labels
 
 
 class SweepReport(Callback):

@@ -189,11 +189,10 @@ def test_prepare_weights_resolves_models_and_paths():
 
 @pytest.mark.parametrize("backend", ["multiprocess", "shared_mem", "distributed"])
 @pytest.mark.parametrize("handed", ["scheme", "receiver_config"])
-def test_connect_names_a_worker_process_that_exited_before_it_connected_at_once(backend, handed, caplog):
+def test_connect_names_a_worker_process_that_exited_before_it_connected_at_once(backend, handed):
     """A worker process started with the scheme (pickled for it), or handed to connect(processes=...) (started
     with a receiver config), that exits before it connects is named by connect() at once, not after
-    connect_timeout; meanwhile connect() says at INFO what it waits for."""
-    import logging
+    connect_timeout."""
     import multiprocessing as mp
     import time
 
@@ -205,7 +204,7 @@ def test_connect_names_a_worker_process_that_exited_before_it_connected_at_once(
     proc = mp.get_context("spawn").Process(target=fails_at_start, args=(arg, 1), name="doomed")
     proc.start()
     began = time.monotonic()
-    with caplog.at_level(logging.INFO, logger="weightsync"), pytest.raises(ws.WorkerDiedError) as caught:
+    with pytest.raises(ws.WorkerDiedError) as caught:
         scheme.connect(processes=[proc] if handed == "receiver_config" else None)
     took = time.monotonic() - began
     proc.join(10)
@@ -213,5 +212,3 @@ def test_connect_names_a_worker_process_that_exited_before_it_connected_at_once(
     assert f"worker process doomed (pid {proc.pid}) exited with code 3 before it connected" in str(caught.value)
     assert "workers [0, 1] have not connected" in str(caught.value)
     assert took < 30  # spawning takes seconds; the timeout is 60 s
-    if took > 1.5:  # a wait that lasts says what it waits for
-        assert "[model 'policy'] waiting for 2 workers to connect: 0 of 2 connected, missing [0, 1]" in caplog.text

@@ -3,6 +3,7 @@ error that says what it waited for (docs/reliability.md)."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
@@ -31,28 +32,38 @@ def timed(call) -> tuple[float, ws.WeightSyncError | None]:
 
 
 @pytest.mark.parametrize("backend", LOCAL_AND_GLOO)
-def test_a_sender_waits_its_connect_timeout_for_absent_workers(backend):
+def test_a_sender_waits_its_connect_timeout_for_absent_workers(backend, caplog):
     scheme = ws.WeightSyncScheme.from_backend(backend, connect_timeout=T)
     scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=2)
-    took, error = timed(scheme.connect)
+    with caplog.at_level(logging.INFO, logger="weightsync"):
+        took, error = timed(scheme.connect)
     scheme.shutdown()
     assert isinstance(error, ws.SyncTimeoutError) and "workers [0, 1] did not" in str(error), error
     assert within_its_timeout(took, T), took
+    # meanwhile it said what it waits for
+    assert "[model 'policy'] waiting for 2 workers to connect: 0 of 2 connected, missing [0, 1]" in caplog.text
 
 
 @pytest.mark.parametrize("backend", LOCAL_AND_GLOO)
-def test_a_worker_waits_its_connect_timeout_for_a_sender_that_does_not_connect(backend):
+def test_a_worker_waits_its_connect_timeout_for_a_sender_that_does_not_connect(backend, caplog):
     sender = ws.WeightSyncScheme.from_backend(backend, connect_timeout=60)
     sender.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
     cfg = sender.receiver_config(0)
     cfg["scheme"]["connect_timeout"] = T
     worker = ws.from_config(cfg)
     worker.init_on_receiver(model=nn.Linear(2, 2))
-    took, error = timed(worker.connect)
+    with caplog.at_level(logging.INFO, logger="weightsync"):
+        took, error = timed(worker.connect)
     worker.shutdown()
     sender.shutdown()
     assert isinstance(error, ws.SyncTimeoutError), error
     assert within_its_timeout(took, T), (took, error)
+    said = {
+        "distributed": "waiting for the sender's rendez-vous with every worker: not yet",
+        "multiprocess": "it listens, but its connect() has not taken this worker in yet",
+        "shared_mem": "it listens, but its connect() has not taken this worker in yet",
+    }
+    assert said[backend] in caplog.text, caplog.text
 
 
 @pytest.mark.parametrize("backend", LOCAL_AND_GLOO)

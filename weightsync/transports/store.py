@@ -16,7 +16,15 @@ import torch.distributed as dist
 from ..core.timing import Progress, deadline_after, remaining
 from ..errors import ConfigurationError, SyncTimeoutError, TransportError
 
-__all__ = ["MAX_STORE_JSON", "SILENT_TIMEOUTS", "as_timedelta", "connect_store", "open_store", "store_json"]
+__all__ = [
+    "MAX_STORE_JSON",
+    "SILENT_TIMEOUTS",
+    "as_timedelta",
+    "await_key",
+    "connect_store",
+    "open_store",
+    "store_json",
+]
 
 log = logging.getLogger("weightsync.transports.store")
 
@@ -25,6 +33,8 @@ BACKLOG = 1024
 #: A worker gives up on its sender's store once a call to it has gone unanswered for this many times the scheme's
 #: ``timeout``: the sender's host vanished, or the link stayed down that long.
 SILENT_TIMEOUTS = 4
+#: How often a worker looks for a key it waits for in its sender's store.
+KEY_POLL_S = 0.02
 #: The largest store value read as JSON: a layout of some 100,000 tensors. Anyone who reaches the store can
 #: write its keys (it has no authentication), so what is read there is bounded and checked, never unpickled.
 MAX_STORE_JSON = 16 * 1024 * 1024
@@ -101,6 +111,22 @@ def connect_store(host: str, port: int, timeout: float, silence: float | None = 
     if silence is not None and not _bound_silence(before, port, silence):
         log.debug("could not bound the silence of the store at %s:%d on this platform", host, port)
     return store
+
+
+def await_key(store: dist.Store, key: str, deadline: float, timeout: float, what: str, **where: Any) -> None:
+    """Wait until ``store`` holds ``key``, at most until ``deadline``, saying at INFO what for (``what``) while
+    it lasts (torch's own ``wait`` says nothing).
+
+    Raises:
+        SyncTimeoutError: it did not come within ``timeout``.
+        torch.distributed.DistError: the store went away.
+    """
+    progress = Progress(log, what, timeout, **where)
+    while not store.check([key]):
+        if remaining(deadline) <= 0:
+            raise SyncTimeoutError(f"gave up waiting for {what} after {timeout:.0f}s", **where)
+        progress.tick("not yet")
+        time.sleep(min(KEY_POLL_S, remaining(deadline)))
 
 
 def _await_listener(host: str, port: int, deadline: float, timeout: float, **where: Any) -> None:

@@ -25,7 +25,7 @@ from ...errors import ConfigurationError, ConnectionClosedError, SyncTimeoutErro
 from ...tensors.layout import FlatLayout
 from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphaned
 from ..processes import process_identity
-from ..store import SILENT_TIMEOUTS, as_timedelta, connect_store, store_json
+from ..store import SILENT_TIMEOUTS, await_key, connect_store, store_json
 from .auth import proof, run_prefix
 from .group import gpu_identity, new_group
 from .sender import GROUP_TIMEOUT_FACTOR, REJOIN_POLL_S
@@ -119,7 +119,8 @@ class DistributedReceiver(ReceiverEngine):
         base = connect_store(host, port, remaining(deadline), silence=SILENT_TIMEOUTS * self.timeout, **where)
         store = dist.PrefixStore(self.prefix, base)
         try:
-            store.wait(["layout"], as_timedelta(remaining(deadline)))
+            total = remaining(deadline)
+            await_key(store, "layout", deadline, total, f"the sender's store at {host}:{port} to hold its run", **where)
             self.layout = FlatLayout.from_plain(store_json(store, "layout"))
             refusal = check(self.layout)
             hello: dict[str, Any] = {"ok": True}
@@ -135,7 +136,7 @@ class DistributedReceiver(ReceiverEngine):
             if gen == 1:
                 link = Link(store=store)
                 store.set(f"hello/{w}", json.dumps({**hello, "proof": proof(self._key, w, gen, hello)}))
-                store.wait(["verdict"], as_timedelta(remaining(deadline)))
+                await_key(store, "verdict", deadline, total, "the sender's rendez-vous with every worker", **where)
                 reason = store_json(store, "verdict").get(str(w))
                 # Every worker joins the group, even one that refused: the group forms only with all of them.
                 link.pg = new_group(self.backend, store, w + 1, world, self._group_timeout(deadline), host)

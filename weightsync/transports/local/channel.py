@@ -259,6 +259,7 @@ def connect_channel(
         AuthenticationError: the key was refused, or the listener could not prove it holds it.
     """
     deadline = deadline_after(timeout)
+    progress = Progress(log, f"the sender at {address!r}", timeout)
     delay = 0.01
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -272,11 +273,11 @@ def connect_channel(
             if remaining(deadline) <= 0:
                 raise SyncTimeoutError(f"no sender listening at {address!r} after {timeout:.1f}s") from exc
             # The sender may not have bound yet: back off briefly (bounded by the deadline).
+            progress.tick("nothing listens there yet")
             time.sleep(min(delay, remaining(deadline)))
             delay = min(delay * 2, 0.2)
     conn = Connection(sock.detach())
     channel = Channel(conn, f"sender at {address}")
-    progress = Progress(log, f"the sender at {address!r} to take this worker in", timeout)
     try:
         while not conn.poll(min(remaining(deadline), 1.0)):
             if remaining(deadline) <= 0:
@@ -284,7 +285,7 @@ def connect_channel(
                     f"the sender at {address!r} did not take this worker in within {timeout:.1f}s (its connect() "
                     "did not run, or ended)"
                 )
-            progress.tick("its connect() has not taken this worker in yet")
+            progress.tick("it listens, but its connect() has not taken this worker in yet")
         nonce = conn.recv_bytes(_HANDSHAKE_MAX)
         conn.send_bytes(_digest(authkey, nonce, b"worker"))
         my_nonce = secrets.token_bytes(_NONCE)

@@ -76,6 +76,26 @@ def test_worker_killed_after_a_send_is_found_by_the_next_one(workers, name):
     scheme.shutdown()
 
 
+@pytest.mark.parametrize("checksum_on", [False, True])
+def test_a_gloo_peer_found_gone_as_its_ack_is_posted_is_named_dead(workers, monkeypatch, checksum_on):
+    """gloo may notice a dead peer between the last part sent and the ack's receive posted (under load it
+    did, and the raw RuntimeError escaped send()): that worker is named dead like any other, the others served."""
+    model, scheme, group = _connected("distributed-gloo", workers, checksum=checksum_on)
+    transport = scheme._sending.engine.transports[0]
+
+    def gone(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:55191.")
+
+    monkeypatch.setattr(transport, "set_digest" if checksum_on else "expect_ack", gone)
+    optimizer_step(model, 1)
+    with pytest.raises(ws.WorkerDiedError, match="its rank 1 went away") as info:
+        scheme.send()
+    assert (info.value.worker_idx, info.value.version) == (0, 1)
+    assert group.ask(1, "state")["policy"] == (1, checksum(model))
+    group.stop()
+    scheme.shutdown()
+
+
 @pytest.mark.parametrize("name", REJOINING)
 @pytest.mark.parametrize("policy", ["raise", "drop"])
 def test_hung_worker_costs_one_timeout_then_is_raised_or_dropped(workers, name, policy):

@@ -230,9 +230,12 @@ class DistributedSender(SenderEngine):
                     sending.remove(w)
         payload_digest = digest([staging.tensor]) if self.checksum else None  # once every bucket is written
         for w in sending:
-            if payload_digest is not None:  # the workers check it before applying
-                self.transports[w].set_digest(payload_digest)
-            self.transports[w].expect_ack(out.version)
+            try:
+                if payload_digest is not None:  # the workers check it before applying
+                    self.transports[w].set_digest(payload_digest)
+                self.transports[w].expect_ack(out.version)
+            except RuntimeError as exc:  # the peer died since its parts went out: gloo refuses the receive
+                self.sink.died(w, f"its rank {w + 1} went away ({first_line(exc)})")
         self.newest = (staging, out.version, payload_digest)  # what a worker that rejoins is sent
 
     def _settle(self, w: int, works: list, seconds: float) -> bool:

@@ -12,7 +12,15 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-__all__ = ["COLUMNS", "SweepReport", "failed_models", "markdown_table", "write_sweep_report"]
+__all__ = [
+    "COLUMNS",
+    "SweepReport",
+    "failed_models",
+    "markdown_table",
+    "series_labels",
+    "verification_error",
+    "write_sweep_report",
+]
 
 log = logging.getLogger("weightsync.app")
 

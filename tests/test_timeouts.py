@@ -87,13 +87,15 @@ def test_a_worker_whose_trainer_was_killed_waits_its_connect_timeout_quietly(tmp
     backends = ["distributed", "rpc"]
     trainer = subprocess.Popen(
         [sys.executable, "-m", "tests._stale_trainer", str(tmp_path), *backends],
-        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent,
     )  # fmt: skip
     try:
         assert trainer.stdout.readline().strip() == "written"
     finally:
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(30)
+        trainer.stdin.close()
+        trainer.stdout.close()
     for backend in backends:
         cfg = OmegaConf.to_container(OmegaConf.load(tmp_path / f"{backend}.yaml"))
         cfg["scheme"]["connect_timeout"] = T

@@ -141,16 +141,20 @@ class DistributedSender(SenderEngine):
         hellos = [f"hello/{w}" for w in range(self.num_workers)]
         model_id = self.sink.model_id
         try:
+
+            def joined() -> list[int]:
+                return [w for w, key in enumerate(hellos) if self.store.check([key])]
+
             while not self.store.check(hellos):
                 if remaining(deadline) <= 0:
-                    missing = [w for w, key in enumerate(hellos) if not self.store.check([key])]
+                    missing = sorted(set(range(self.num_workers)) - set(joined()))
                     raise SyncTimeoutError(
                         f"workers {missing} did not join within {timeout:.0f}s "
                         f"(store at {self.address[0]}:{self.address[1]})",
                         model_id=model_id,
                         worker_idx=missing[0] if len(missing) == 1 else None,
                     )
-                self.sink.waiting(lambda: [w for w, key in enumerate(hellos) if self.store.check([key])])
+                self.sink.waiting(joined)
                 threading.Event().wait(min(STORE_POLL_S, remaining(deadline)))
             refused: dict[int, WeightSyncError] = {}
             # NCCL refuses two ranks on one GPU, and only at the first transfer: name it now, by worker.
@@ -210,7 +214,7 @@ class DistributedSender(SenderEngine):
             try:
                 self.transports[w].announce(out.version, initial=out.initial)
             except RuntimeError as exc:  # the store or the peer is gone
-                self.sink.died(w, f"its rank {w + 1} went away ({first_line(exc)})")
+                self._gone(w, exc)
                 continue
             sending.append(w)
             staging.readers[w] = []
@@ -226,7 +230,7 @@ class DistributedSender(SenderEngine):
                 try:
                     staging.readers[w].append(self.transports[w].send_part(staging.tensor[start:end]))
                 except RuntimeError as exc:  # the peer is gone: gloo refuses to send to it
-                    self.sink.died(w, f"its rank {w + 1} went away ({first_line(exc)})")
+                    self._gone(w, exc)
                     sending.remove(w)
         payload_digest = digest([staging.tensor]) if self.checksum else None  # once every bucket is written
         for w in sending:
@@ -235,8 +239,12 @@ class DistributedSender(SenderEngine):
                     self.transports[w].set_digest(payload_digest)
                 self.transports[w].expect_ack(out.version)
             except RuntimeError as exc:  # the peer died since its parts went out: gloo refuses the receive
-                self.sink.died(w, f"its rank {w + 1} went away ({first_line(exc)})")
+                self._gone(w, exc)
         self.newest = (staging, out.version, payload_digest)  # what a worker that rejoins is sent
+
+    def _gone(self, w: int, exc: BaseException) -> None:
+        """Worker ``w``'s rank went away (gloo or the store refused, or a send to it failed): it is dead."""
+        self.sink.died(w, f"its rank {w + 1} went away ({first_line(exc)})")
 
     def _settle(self, w: int, works: list, seconds: float) -> bool:
         """Wait a little on the sends to worker ``w``; ``True`` once none reads its buffer any more."""
@@ -245,9 +253,7 @@ class DistributedSender(SenderEngine):
             return False
         for work in works:
             if work.cancelled() or work.exception() is not None:
-                self.sink.died(
-                    w, f"its rank {w + 1} went away ({first_line(work.exception() or RuntimeError('cancelled'))})"
-                )
+                self._gone(w, work.exception() or RuntimeError("cancelled"))
                 break
         return True
 
@@ -378,7 +384,7 @@ class DistributedSender(SenderEngine):
                 transport.set_digest(payload_digest)
             transport.expect_ack(version)
         except (RuntimeError, dist.DistError) as exc:
-            self.sink.died(w, f"its rank {w + 1} went away ({first_line(exc)})")
+            self._gone(w, exc)
             return None
         return w, version
 

@@ -131,9 +131,10 @@ class RPCReceiver(ReceiverEngine):
         self._answered_at = time.monotonic()
 
     def close(self) -> None:
+        said_goodbye = self.mailbox.closed  # the sender is shutting down the world: leave with it
         drop_mailbox(self.where["model_id"] or "")
         if self.session is not None:
             if self._answered_at is not None:  # (a refusal at connect, answered just before this)
                 time.sleep(max(0.0, ANSWER_FLUSH_S - (time.monotonic() - self._answered_at)))
-            leave_session(self.session)
+            leave_session(self.session, clean=said_goodbye)
             self.session = None

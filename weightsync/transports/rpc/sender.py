@@ -198,11 +198,12 @@ class RPCSender(SenderEngine):
             self.pool.retire(worker)  # RPC cannot cancel a send: what it still writes must not change
 
     def close(self, timeout: float) -> None:
+        clean = self._connected  # every worker alive heard the goodbye: the whole world is shutting down
         for w, transport in self.transports.items():
-            if self._connected and not self.sink.is_dead(w):
-                transport.close(min(timeout, CLOSE_WAIT_S))
+            alive = self._connected and not self.sink.is_dead(w)
+            clean = alive and transport.close(min(timeout, CLOSE_WAIT_S)) and clean
         self.transports.clear()
         self.pool = None
         if self.session is not None:
-            leave_session(self.session)
+            leave_session(self.session, clean=clean)
             self.session = None

@@ -10,6 +10,7 @@ rank ``i + 1``), formed over a TCP store the sender serves on
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import threading
@@ -46,6 +47,8 @@ log = logging.getLogger("weightsync.transports.rpc")
 RENDEZVOUS_SCHEME = "weightsync"
 
 SENDER_NAME = "weightsync-trainer"
+#: Seconds a clean shutdown waits for the other processes of the RPC world to shut down too.
+GRACEFUL_S = 3.0
 
 
 def default_worker_name(worker_idx: int) -> str:
@@ -93,6 +96,7 @@ class Session:
     owned: bool = True  # weightsync started the agent (and stops it)
     users: int = 0
     pid: int = field(default_factory=os.getpid)  # the process it belongs to (a forked child inherits a copy)
+    clean: bool = True  # every scheme that left it so far left cleanly (the whole world is shutting down)
 
 
 _SESSION: Session | None = None
@@ -272,21 +276,36 @@ def sender_gone(sess: Session) -> str | None:
     return None
 
 
-def leave_session(sess: Session) -> None:
-    """One scheme is done with the session; the last one stops the agent and the store."""
+def leave_session(sess: Session, clean: bool = False) -> None:
+    """One scheme is done with the session; the last one stops the agent and the store.
+
+    ``clean``: the whole world is shutting down with it (the sender said goodbye to every worker, all alive; a
+    worker got that goodbye). When every scheme of the session left cleanly, the agent stops with TensorPipe's
+    graceful shutdown, a barrier of the world's processes, bounded by :data:`GRACEFUL_S`; else, or past that
+    bound, it stops on its own. (On its own, each TensorPipe agent logs a warning for every connection the
+    other end closes.)"""
     global _SESSION, _SPENT
     with _SESSION_LOCK:
         sess.users -= 1
+        sess.clean = sess.clean and clean
         if sess.users > 0:
             return
         if sess.started and sess.owned:
-            with contextlib.suppress(RuntimeError):
-                # Not graceful: a graceful shutdown waits for every peer, and a dead one would hold it up.
-                rpc.shutdown(graceful=False)
+            _stop_agent(sess)
             _SPENT = True
         sess.store = None
         if _SESSION is sess:
             _SESSION = None
+
+
+def _stop_agent(sess: Session) -> None:
+    graceful = sess.clean and sess.store is not None
+    if graceful:
+        # The barrier's second half waits on the store: bound it too.
+        sess.store.set_timeout(datetime.timedelta(seconds=GRACEFUL_S))
+    # If the barrier fails (a peer did not come), torch still stops this agent, on its own.
+    with contextlib.suppress(RuntimeError, dist.DistError):
+        rpc.shutdown(graceful=graceful, timeout=GRACEFUL_S)
 
 
 def agent_running() -> bool:

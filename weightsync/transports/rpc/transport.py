@@ -55,9 +55,14 @@ class RPCTransport(PeerTransport):
         self.in_flight[version] = future
         return future
 
-    def close(self, timeout: float) -> None:
-        """Tell the worker the sender is gone (best effort, bounded; ``timeout`` 0: not at all)."""
+    def close(self, timeout: float) -> bool:
+        """Tell the worker the sender is gone (best effort, bounded; ``timeout`` 0: not at all). Returns whether
+        the worker heard it."""
+        heard = False
         if timeout > 0:
             with contextlib.suppress(RuntimeError):
-                rpc.rpc_async(self.worker_name, close_mailbox, args=(self.model_id,), timeout=timeout).wait()
+                heard = bool(
+                    rpc.rpc_async(self.worker_name, close_mailbox, args=(self.model_id,), timeout=timeout).wait()
+                )
         self.in_flight.clear()
+        return heard

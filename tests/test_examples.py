@@ -118,6 +118,7 @@ def test_main_job_multirun_writes_a_combined_table_csv_and_plot(tmp_path):
             ]
         )
     assert out.returncode == 0, out.stderr
+    assert "encountered error" not in out.stderr, out.stderr  # TensorPipe's, at an RPC world's unclean end
     table = (tmp_path / "results.md").read_text()
     assert table.count("| yes |") == 10, table
     for scheme in ("multiprocess", "shared_mem", "ray", "rpc", "distributed"):
@@ -204,35 +205,16 @@ def test_main_job_bad_overrides_fail_before_any_worker_starts(tmp_path, override
     assert not (tmp_path / "results.json").exists()
 
 
-@pytest.mark.parametrize("override", [[], ["weightsync/scheme=shared_mem", "weightsync.scheme.sync=false"]])
-def test_hydra_app_example_trains_with_synced_workers(tmp_path, override):
+def test_hydra_app_example_shows_its_overrides_take_effect(tmp_path):
+    # (Its README's commands run in tests/test_docs.py.)
+    override = ["weightsync/scheme=shared_mem", "weightsync.scheme.sync=false", "weightsync.scheme.timeout=10"]
     out = _run(["examples/hydra_app/train.py", "iterations=3", *override, f"hydra.run.dir={tmp_path}"])
     assert out.returncode == 0, out.stderr
     assert "best mean return" in out.stdout
     story = (tmp_path / "train.log").read_text()  # the overrides can be seen to take effect, in the job's log
-    assert "'sync': False" in story if override else "MultiProcessWeightSyncScheme, 2 workers" in story, story
+    assert "SharedMemWeightSyncScheme, 2 workers" in story and "'sync': False, 'timeout': 10.0" in story, story
 
 
-def test_sweep_example_runs_every_job(tmp_path):
-    out = _run(
-        [
-            "-m",
-            "weightsync",
-            "--config-dir",
-            "examples/sweep",
-            "--config-name",
-            "sweep",
-            "-m",
-            "rounds=2",
-            f"hydra.sweep.dir={tmp_path}",
-        ],
-        timeout=400,
-    )
-    assert out.returncode == 0, out.stderr
-    assert (tmp_path / "results.md").read_text().count("| yes |") == 16
-
-
-@pytest.mark.timeout(300)  # about 2 minutes: every case but the engines' in small
 def test_sweep_plot_draws_one_line_per_combination_of_every_swept_setting():
     from weightsync.app.report import series_labels
 
@@ -247,6 +229,7 @@ def test_sweep_plot_draws_one_line_per_combination_of_every_swept_setting():
     assert series_labels([row(""), row("", 2)]) == ["shared_mem (1 worker)", "shared_mem (2 workers)"]
 
 
+@pytest.mark.timeout(300)  # about 2 minutes: every case but the engines' in small
 def test_benchmark_suite_prints_every_case_against_its_target_and_plots(tmp_path):
     md, png = tmp_path / "suite.md", tmp_path / "suite.png"
     out = _run(

@@ -46,11 +46,13 @@ def rollout_worker(receiver_cfg: dict, episodes: int, seed: int, requests, resul
     env = gym.make("CartPole-v1")
     try:
         while True:
+            # A synchronous send returns once this worker applied the update: wait for one, and for the
+            # trainer's request, by turns, a few milliseconds each.
             try:
-                scheme.receive(timeout=0.0)
+                scheme.receive(timeout=0.02)
             except ConnectionClosedError:
                 return
-            if requests.poll(1.0):
+            if requests.poll(0.02):
                 if requests.recv() == "stop":
                     return
                 returns = []

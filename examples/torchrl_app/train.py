@@ -1,5 +1,6 @@
 """A TorchRL app whose collector takes its weight sync scheme from TorchRL's Hydra group ``weight_sync_scheme``.
 
+    pip install "torch==2.13.0" -e ".[torchrl]"   # in the clone: TorchRL (or ".[examples]")
     python examples/torchrl_app/train.py       # TorchRL's own SharedMemWeightSyncScheme (the defaults list's)
     python examples/torchrl_app/train.py weight_sync_scheme@collector.weight_sync_schemes.policy=weightsync_shared_mem
 

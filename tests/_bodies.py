@@ -306,6 +306,24 @@ def hung_worker_costs_one_timeout(scheme, workers, timeout=2.0, device=""):
     scheme.shutdown()
 
 
+def rpc_shutdown_waits_a_bounded_time_for_workers_that_stay(scheme, workers):
+    """RPC: a clean shutdown is a barrier of the whole RPC world (so TensorPipe logs no closed connection). Workers
+    that heard the trainer's goodbye but do not shut down (``serve`` goes on looping) hold the trainer's
+    ``shutdown()`` up at most the barrier's two bounds, ``GRACEFUL_S`` each, then it stops on its own."""
+    from weightsync.transports.rpc.session import GRACEFUL_S
+
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, ready = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    assert all(errors == {} for _, _, errors in ready)
+    began = time.monotonic()
+    scheme.shutdown()
+    took = time.monotonic() - began
+    assert took <= 1.1 * 2 * GRACEFUL_S + 1.0, f"shutdown() took {took:.1f}s"
+    assert scheme.state == "shut down"
+    group.stop()
+
+
 def mismatching_worker_is_refused_by_name(scheme, workers, device=""):
     """A worker whose model does not fit fails the rendez-vous by name; the other is connected and served."""
     model = build(on("tiny", device))

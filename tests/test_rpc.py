@@ -51,6 +51,7 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str
         "hung_worker_costs_one_timeout::on_failure=raise",
         "hung_worker_costs_one_timeout::on_failure=drop",
         "connect_waits_its_timeout_for_absent_workers::connect_timeout=2",
+        "rpc_shutdown_waits_a_bounded_time_for_workers_that_stay",
     ],
 )
 def test_rpc_scheme(scenario):

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import context
 
-__all__ = ["WAIT_TICK_S", "Progress", "deadline_after", "remaining"]
+__all__ = ["WAIT_TICK_S", "Progress", "deadline_after", "remaining", "wait_until"]
 
 
 def deadline_after(timeout: float) -> float:
@@ -19,6 +19,20 @@ def deadline_after(timeout: float) -> float:
 def remaining(deadline: float) -> float:
     """Seconds left until ``deadline`` (never negative)."""
     return max(0.0, deadline - time.monotonic())
+
+
+def wait_until(
+    done: Callable[[], bool], deadline: float, pause: float, meanwhile: Callable[[], None] | None = None
+) -> bool:
+    """Look at ``done()`` every ``pause`` seconds until it holds (``True``) or ``deadline`` passed (``False``),
+    calling ``meanwhile()`` between two looks (a progress line, a check that raises)."""
+    while not done():
+        if remaining(deadline) <= 0:
+            return False
+        if meanwhile is not None:
+            meanwhile()
+        time.sleep(min(pause, remaining(deadline)))
+    return True
 
 
 #: How often a rendez-vous that blocks looks up from its wait (to see whether a worker process exited).

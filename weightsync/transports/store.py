@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..core.timing import Progress, deadline_after, remaining
+from ..core.timing import Progress, deadline_after, remaining, wait_until
 from ..errors import ConfigurationError, SyncTimeoutError, TransportError
 
 __all__ = [
@@ -122,11 +122,8 @@ def await_key(store: dist.Store, key: str, deadline: float, timeout: float, what
         torch.distributed.DistError: the store went away.
     """
     progress = Progress(log, what, timeout, **where)
-    while not store.check([key]):
-        if remaining(deadline) <= 0:
-            raise SyncTimeoutError(f"gave up waiting for {what} after {timeout:.0f}s", **where)
-        progress.tick("not yet")
-        time.sleep(min(KEY_POLL_S, remaining(deadline)))
+    if not wait_until(lambda: store.check([key]), deadline, KEY_POLL_S, lambda: progress.tick("not yet")):
+        raise SyncTimeoutError(f"gave up waiting for {what} after {timeout:.0f}s", **where)
 
 
 def _await_listener(host: str, port: int, deadline: float, timeout: float, **where: Any) -> None:

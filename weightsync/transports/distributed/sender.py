@@ -16,7 +16,6 @@ import contextlib
 import json
 import logging
 import secrets
-import threading
 import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ...core.engine import Outgoing, SenderEngine, Sink
-from ...core.timing import remaining
+from ...core.timing import remaining, wait_until
 from ...errors import ConfigurationError, ReceiverError, SyncTimeoutError, WeightSyncError, first_line
 from ...integrity import digest
 from ...tensors.copies import copy_tensors, write_into
@@ -145,17 +144,16 @@ class DistributedSender(SenderEngine):
             def joined() -> list[int]:
                 return [w for w, key in enumerate(hellos) if self.store.check([key])]
 
-            while not self.store.check(hellos):
-                if remaining(deadline) <= 0:
-                    missing = sorted(set(range(self.num_workers)) - set(joined()))
-                    raise SyncTimeoutError(
-                        f"workers {missing} did not join within {timeout:.0f}s "
-                        f"(store at {self.address[0]}:{self.address[1]})",
-                        model_id=model_id,
-                        worker_idx=missing[0] if len(missing) == 1 else None,
-                    )
-                self.sink.waiting(joined)
-                threading.Event().wait(min(STORE_POLL_S, remaining(deadline)))
+            if not wait_until(
+                lambda: self.store.check(hellos), deadline, STORE_POLL_S, lambda: self.sink.waiting(joined)
+            ):
+                missing = sorted(set(range(self.num_workers)) - set(joined()))
+                raise SyncTimeoutError(
+                    f"workers {missing} did not join within {timeout:.0f}s "
+                    f"(store at {self.address[0]}:{self.address[1]})",
+                    model_id=model_id,
+                    worker_idx=missing[0] if len(missing) == 1 else None,
+                )
             refused: dict[int, WeightSyncError] = {}
             # NCCL refuses two ranks on one GPU, and only at the first transfer: name it now, by worker.
             holders = {gpu_identity(): "the sender"} if self.backend == "nccl" else {}

@@ -14,7 +14,6 @@ import datetime
 import logging
 import os
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from ...core.timing import WAIT_TICK_S, Progress, deadline_after, remaining
+from ...core.timing import WAIT_TICK_S, Progress, deadline_after, wait_until
 from ...errors import ConfigurationError, SyncTimeoutError, first_line
 from ..network import interface_for, local_address
 from ..store import connect_store, open_store
@@ -229,21 +228,21 @@ def _await_world(sess: Session, timeout: float, waiting: Waiting | None, **where
     def joined() -> list[int]:
         return [rank - 1 for rank, key in enumerate(keys) if rank > 0 and sess.store.check([key])]
 
+    def meanwhile() -> None:
+        if waiting is not None:
+            waiting(joined)
+        else:  # a worker: it says what it waits for itself
+            progress.tick(lambda: f"{len(joined())} of {sess.world_size - 1} workers there")
+
     try:
-        while not sess.store.check(keys):
-            if remaining(deadline) <= 0:
-                absent = [rank for rank, key in enumerate(keys) if not sess.store.check([key])]
-                names = ["the sender" if rank == 0 else f"worker {rank - 1}" for rank in absent] or ["a process"]
-                raise SyncTimeoutError(
-                    f"the RPC world ({sess.world_size} processes) did not form within {timeout:.1f}s: "
-                    f"{', '.join(names)} never joined",
-                    **where,
-                )
-            if waiting is not None:
-                waiting(joined)
-            else:  # a worker: it says what it waits for itself
-                progress.tick(lambda: f"{len(joined())} of {sess.world_size - 1} workers there")
-            time.sleep(min(WAIT_TICK_S / 5, remaining(deadline)))
+        if not wait_until(lambda: sess.store.check(keys), deadline, WAIT_TICK_S / 5, meanwhile):
+            absent = [rank for rank, key in enumerate(keys) if not sess.store.check([key])]
+            names = ["the sender" if rank == 0 else f"worker {rank - 1}" for rank in absent] or ["a process"]
+            raise SyncTimeoutError(
+                f"the RPC world ({sess.world_size} processes) did not form within {timeout:.1f}s: "
+                f"{', '.join(names)} never joined",
+                **where,
+            )
     except (RuntimeError, dist.DistError) as exc:
         gone = first_line(exc)
         raise SyncTimeoutError(f"the sender's store went away while the RPC world formed: {gone}", **where) from None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import socket
@@ -14,7 +13,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ..core.timing import Progress, deadline_after, remaining, wait_until
-from ..errors import ConfigurationError, SyncTimeoutError, TransportError
+from ..errors import ConfigurationError, SyncTimeoutError
+from .plainjson import loads_object
 
 __all__ = [
     "MAX_STORE_JSON",
@@ -49,18 +49,9 @@ def store_json(store: dist.Store, key: str) -> dict[str, Any]:
     """The JSON object stored under ``key``, read as data (bounded, an object, nothing else).
 
     Raises:
-        TransportError: the value is too large, not JSON, or not a JSON object.
+        TransportError: the value is too large, too deep, not plain JSON, or not a JSON object.
     """
-    raw = store.get(key)
-    if len(raw) > MAX_STORE_JSON:
-        raise TransportError(f"store key {key!r} holds {len(raw)} bytes, over {MAX_STORE_JSON}; refusing it")
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise TransportError(f"store key {key!r} does not hold a JSON object; refusing it")
-    return value
+    return loads_object(store.get(key), f"store key {key!r}", max_bytes=MAX_STORE_JSON)
 
 
 def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, bool]:

@@ -33,6 +33,7 @@ from ...errors import (
     SyncTimeoutError,
     TransportError,
 )
+from ..plainjson import loads_object
 
 __all__ = [
     "Channel",
@@ -152,11 +153,8 @@ class Channel:
         except (EOFError, OSError) as exc:
             self.closed = True
             raise ConnectionClosedError(f"channel to {self.peer} closed") from exc
-        try:
-            msg = json.loads(data)
-        except ValueError as exc:
-            raise TransportError(f"malformed message from {self.peer}") from exc
-        if not isinstance(msg, dict) or "op" not in msg:
+        msg = loads_object(data, f"a message from {self.peer}", max_bytes=len(data))
+        if "op" not in msg:
             raise TransportError(f"malformed message from {self.peer}: {msg!r:.80}")
         return msg
 

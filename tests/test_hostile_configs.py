@@ -16,7 +16,10 @@ import copy
 import importlib
 import os
 import re
+import shutil
+import stat
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,6 +34,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 import weightsync as ws
+from tests._as_stranger import STRANGER_UID, needs_stranger, run_stranger
 from weightsync import config as wc
 from weightsync.config.plain import MAX_CONFIG_BYTES
 from weightsync.config.receiver import RECEIVER_TARGET
@@ -1052,3 +1056,69 @@ def test_no_config_makes_a_worker_wait_more_than_an_hour(field, legit, tripwires
             wc.from_config(_with(cfg, f"scheme.{field}", value))
         with pytest.raises(ws.ConfigurationError, match=f"{field} must be .* at most 3600"):
             ws.MultiProcessWeightSyncScheme(**{field: value})
+
+
+# ------------------------------------------------ key directories another user cannot take (finding 6)
+@pytest.fixture
+def shared_tmp(monkeypatch):
+    """A private stand-in for /tmp (world-writable, sticky) that this test alone uses, as the temporary directory
+    of this process, with ``XDG_RUNTIME_DIR`` unset: key files go under it."""
+    base = tempfile.mkdtemp(prefix="weightsync-squat-", dir="/tmp")
+    os.chmod(base, 0o1777)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", base)
+    monkeypatch.setattr(tempfile, "tempdir", base)
+    yield Path(base)
+    shutil.rmtree(base)
+
+
+@needs_stranger
+@pytest.mark.parametrize("kind", ["dir", "file", "symlink"])
+def test_a_key_directory_squatted_by_another_user_denies_nothing(kind, shared_tmp):
+    """Another user who takes ``<tmp>/weightsync-<uid>`` first (an open directory, a file, or a link to a directory
+    of ours) and plants a decoy shaped like the fallback: keys still go to a private directory of ours, which a
+    receiver config names and a receiver reads; nothing lands where the stranger pointed."""
+    from weightsync.transports import keyfiles
+
+    ours = shared_tmp / "ours"  # a directory of this user's the link points to: no key may land in it
+    ours.mkdir(mode=0o700)
+    name = shared_tmp / f"weightsync-{os.getuid()}"
+    attack = run_stranger(
+        ["-m", "tests._attack_keydir", str(shared_tmp), str(os.getuid()), kind, str(ours)], timeout=60
+    )
+    assert attack.returncode == 0 and "planted" in attack.stdout, attack.stdout
+    assert os.lstat(name).st_uid == STRANGER_UID
+
+    directory = keyfiles.key_dir()
+    assert Path(directory).parent.parent == shared_tmp and Path(directory).name == name.name
+    for level in (Path(directory), Path(directory).parent):
+        info = os.lstat(level)
+        assert stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) == 0o700
+    assert keyfiles.key_dir() == directory  # found again by the next run, not one more directory each time
+
+    sender = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=20)
+    sender.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    try:
+        cfg = sender.receiver_config(0)
+        key_file = cfg["connection"]["authkey_file"]
+        assert os.path.dirname(key_file) == directory
+        assert wc.from_config(cfg).worker_idx == 0  # its path has the shape a receiver takes
+        assert len(keyfiles.read_key_file(key_file)) == 2 * keyfiles.KEY_BYTES
+    finally:
+        sender.shutdown()
+    assert not os.path.exists(key_file)
+    assert list(ours.iterdir()) == [] and os.lstat(name).st_uid == STRANGER_UID  # the stranger's left alone
+
+
+def test_a_key_directory_of_ours_with_open_mode_is_not_used(shared_tmp, tripwires):
+    """A directory of our own that others may write (made by hand, say) is passed over like a stranger's."""
+    from weightsync.transports import keyfiles
+
+    name = shared_tmp / f"weightsync-{os.getuid()}"
+    name.mkdir()
+    name.chmod(0o777)
+    directory = keyfiles.key_dir()
+    assert Path(directory) != name and stat.S_IMODE(os.lstat(directory).st_mode) == 0o700
+    path = keyfiles.write_key_file("@weightsync-1-0123456789abcdef", b"\x01" * keyfiles.KEY_BYTES)
+    assert os.path.dirname(path) == directory and list(name.iterdir()) == []
+    keyfiles.remove_key_file(path)

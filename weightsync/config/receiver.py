@@ -269,7 +269,7 @@ def from_config(cfg: Any, *, allow: tuple[str, ...] = (), allow_pickle: bool = F
         cfg: what ``scheme.receiver_config(i)`` returned, possibly after a trip through YAML: a dict, a
             ``DictConfig``, YAML text, or the YAML file as a :class:`pathlib.Path`. Give a file that came from
             elsewhere as its path (``from_config(Path(path))``): it is read and parsed strictly here, while
-            ``OmegaConf.load(path)`` would expand a few hundred bytes of YAML aliases into gigabytes before
+            ``OmegaConf.load`` would expand a few hundred bytes of YAML aliases into gigabytes before
             any check runs.
         allow: further packages or modules whose scheme classes the config may name, for this call only
             (``("mypkg.schemes",)``); see :func:`allow_targets`.

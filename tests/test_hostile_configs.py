@@ -1122,3 +1122,35 @@ def test_a_key_directory_of_ours_with_open_mode_is_not_used(shared_tmp, tripwire
     path = keyfiles.write_key_file("@weightsync-1-0123456789abcdef", b"\x01" * keyfiles.KEY_BYTES)
     assert os.path.dirname(path) == directory and list(name.iterdir()) == []
     keyfiles.remove_key_file(path)
+
+
+@pytest.mark.parametrize("name", ["DistributedWeightSyncScheme", "RPCWeightSyncScheme"])
+def test_a_config_at_the_edge_of_its_bounds_ends_in_a_weightsync_error_at_connect(name, shared_tmp, tripwires):
+    """Values that pass every check but fit no run (a worker index past the world, the largest world, the
+    largest counter, a 63-character label no resolver knows) end in a weightsync error within connect_timeout."""
+    from weightsync.transports import keyfiles
+
+    cfg = _with(SCHEME_CONFIGS[name], "scheme.connect_timeout", 1.0)
+    cfg = _with(cfg, "worker_idx", 2**31 - 1)
+    cfg = _with(cfg, "connection.world_size", 2**16)
+    cfg = _with(cfg, "connection.master_port", 1)  # nothing listens there
+    key = None
+    if "authkey_file" in cfg["connection"]:
+        key = keyfiles.write_key_file(keyfiles.key_name(), os.urandom(keyfiles.KEY_BYTES))
+        cfg = _with(cfg, "connection.authkey_file", key)
+    if "counter" in cfg["connection"]:
+        cfg = _with(cfg, "connection.counter", 2**31 - 1)
+    try:
+        for host in ("127.0.0.1", "a" * 63 + ".invalid"):
+            scheme = wc.from_config(_with(cfg, "connection.master_addr", host), allow_pickle=True)
+            scheme.init_on_receiver(model=nn.Linear(2, 2))
+            start = time.monotonic()
+            try:
+                with pytest.raises(ws.WeightSyncError):
+                    scheme.connect()
+            finally:
+                scheme.shutdown()
+            assert time.monotonic() - start < 1.0 + 5.0
+    finally:
+        if key is not None:
+            keyfiles.remove_key_file(key)

@@ -227,8 +227,9 @@ def test_receiver_config_round_trip_in_the_same_process():
 
 WORKER_BY_HAND = """
 import sys, hashlib, torch, weightsync.config as wc
+from pathlib import Path
 from torch import nn
-scheme = wc.from_config(open(sys.argv[1]).read())
+scheme = wc.from_config(Path(sys.argv[1]))  # the documented road: weightsync reads the file, strictly
 model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
 scheme.init_on_receiver(model=model)
 scheme.connect()

@@ -179,7 +179,11 @@ def plain_tree(cfg: Any, what: str = "config") -> dict[str, Any]:
                 f"a {what} is a mapping, got str ({cfg!r:.200}): to read a file, pass a pathlib.Path"
             )
     elif isinstance(cfg, os.PathLike):
-        tree = _parse_yaml(read_config_file(cfg))
+        text = read_config_file(cfg)
+        try:
+            tree = _parse_yaml(text)
+        except ConfigurationError as exc:  # the parser's marks say "<unicode string>": name the file
+            raise ConfigurationError(f"config file {os.fspath(cfg)!r:.300}: {exc}") from None
     elif type(cfg) is dict:
         tree = cfg
     else:

@@ -55,7 +55,7 @@ def _dir_name() -> str:
 
 def key_dir() -> str:
     """This user's key directory: ``<base>/weightsync-<uid>``, made if missing, where ``<base>`` is
-    ``$XDG_RUNTIME_DIR``, else the temporary directory (``$TMPDIR``, ``/tmp``).
+    ``$XDG_RUNTIME_DIR`` if it names a directory, else the temporary directory (``$TMPDIR``, ``/tmp``).
 
     It is used only if it is a directory (not a link) owned by this user with mode 0700. In a shared
     ``/tmp`` another user can take that name first (a directory, a file or a symbolic link of theirs),
@@ -67,7 +67,8 @@ def key_dir() -> str:
     Raises:
         ConfigurationError: no private directory can be made under ``<base>`` (not writable, say).
     """
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = runtime if runtime and os.path.isdir(runtime) else tempfile.gettempdir()
     path = os.path.join(base, _dir_name())
     try:
         os.mkdir(path, 0o700)  # not makedirs: a link planted at `path` must not count as the directory

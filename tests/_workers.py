@@ -244,7 +244,8 @@ def until_sender_dies(cfg: dict, report: str, kind: str = "tiny") -> None:
 
     from weightsync.config import from_config
 
-    scheme = from_config(cfg, allow_pickle=True)  # the trainer that wrote cfg is this process's parent
+    # The trainer that wrote cfg is this process's parent (and opted in to what an rpc world allows).
+    scheme = from_config(cfg, allow_pickle=True, allow_store_peers_to_run_code=True)
     scheme.init_on_receiver(model=build(kind))
     scheme.connect()
     versions = [scheme.version]

@@ -185,7 +185,6 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
     n = int(cfg.num_workers)
     if n < 1 or int(cfg.rounds) < 1:
         raise ConfigurationError(f"num_workers and rounds must be >= 1, got {n} and {cfg.rounds}")
-    ctx = _process_context(cfg.start_method)
     torch.manual_seed(int(cfg.seed))
     models = {m: build_model(spec) for m, spec in specs.items()}
     for model in models.values():
@@ -204,6 +203,7 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
     # Ray schemes' workers are Ray actors the job starts; every other scheme's are processes.
     on_ray = {m for m, s in schemes.items() if isinstance(s, RayWeightSyncScheme)}
     in_procs = {m: s for m, s in schemes.items() if m not in on_ray}
+    ctx = _process_context(cfg.start_method)
     reports, stop = ctx.Queue(), ctx.Event()
     procs: list = []
     actors = None

@@ -266,7 +266,8 @@ def doomed_trainer(name: str, n: int, reports: list, cmd, device: str = "") -> N
     (the test kills it). ``device``: the GPU the trainer's and the workers' models are on (``""``: the CPU)."""
     import multiprocessing as mp
 
-    scheme = ws.WeightSyncScheme.from_backend(name, timeout=5, connect_timeout=60)
+    opt_in = {"allow_store_peers_to_run_code": True} if name == "rpc" else {}  # what an rpc world allows
+    scheme = ws.WeightSyncScheme.from_backend(name, timeout=5, connect_timeout=60, **opt_in)
     kind = f"tiny@{device}" if device else "tiny"
     model = build(kind)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=n)

@@ -72,6 +72,15 @@ class RPCWeightSyncScheme(WeightSyncScheme):
     TRANSPORT_SETTINGS = options.RPC_SETTINGS
     SENDER_HANDLES = ("worker_names",)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if "allow_pickle" in kwargs:  # rpc's earlier switch, which opened only the network to what the new one says
+            raise ConfigurationError(
+                "RPCWeightSyncScheme takes allow_store_peers_to_run_code, not allow_pickle: the rpc scheme runs only "
+                "for a user who accepts that every process reaching its store (on loopback too) can run code in "
+                "the trainer and its workers"
+            )
+        super().__init__(*args, **kwargs)
+
     #: The option only the caller's own code may set for a receiver built from a config
     #: (:func:`weightsync.config.from_config` takes it as an argument; the config's field is never taken).
     RECEIVER_OPT_IN = "allow_store_peers_to_run_code"
@@ -82,9 +91,9 @@ class RPCWeightSyncScheme(WeightSyncScheme):
             raise ConfigurationError(
                 "the rpc scheme lets every process that can reach its TCP store (every local user on loopback, "
                 "every host that can route to master_addr otherwise) run any code in the trainer and every worker: "
-                "torch.distributed.rpc authenticates no peer. Pass allow_store_peers_to_run_code=True (a scheme config's "
-                "field allow_store_peers_to_run_code: true) only if every such process is yours, or use the "
-                "distributed scheme, which authenticates its peers",
+                "torch.distributed.rpc authenticates no peer. Pass allow_store_peers_to_run_code=True (a scheme "
+                "config's field allow_store_peers_to_run_code: true) only if every such process is yours, or use "
+                "the distributed scheme, which authenticates its peers",
                 **where,
             )
 

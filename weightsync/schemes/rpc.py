@@ -51,8 +51,8 @@ class RPCWeightSyncScheme(WeightSyncScheme):
     spawned) unless you pass ``allow_store_peers_to_run_code=True``, and a receiver
     config is built only with ``from_config(cfg, allow_store_peers_to_run_code=True)``
     (the config's own field is never taken). Opt in only where every process
-    that can reach the store is yours; otherwise use ``distributed``, whose workers
-    and sender authenticate each other with the run key.
+    that can reach the store is yours; otherwise use ``distributed``, which
+    authenticates with the run key.
 
     An agent you started yourself (``worker_names=`` on the sender, a receiver config
     whose connection is ``{"external": true}``) needs no opt-in: your ``rpc.init_rpc``
@@ -73,7 +73,7 @@ class RPCWeightSyncScheme(WeightSyncScheme):
     SENDER_HANDLES = ("worker_names",)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if "allow_pickle" in kwargs:  # rpc's earlier switch, which opened only the network to what the new one says
+        if "allow_pickle" in kwargs:  # rpc's earlier switch, which covered only addresses off loopback: name its heir
             raise ConfigurationError(
                 "RPCWeightSyncScheme takes allow_store_peers_to_run_code, not allow_pickle: the rpc scheme runs only "
                 "for a user who accepts that every process reaching its store (on loopback too) can run code in "

@@ -30,21 +30,23 @@ OPT_IN = "allow_store_peers_to_run_code"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _nothing_started(before: set) -> None:
-    """No RPC agent, no listener, no child process appeared since ``before`` (this process's listeners)."""
+def _started() -> tuple[set, set]:
+    """This process's listening sockets and child processes (a forkserver an earlier test started among them)."""
+    me = psutil.Process()
+    listening = {c.laddr for c in me.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+    return listening, {child.pid for child in me.children(recursive=True)}
+
+
+def _nothing_started(before: tuple[set, set]) -> None:
+    """No RPC agent, no listener, no child process appeared since ``before``."""
     from weightsync.transports.rpc.session import agent_running, session
 
     assert session() is None and not agent_running()
-    assert _listeners() == before
-    assert not psutil.Process().children()
-
-
-def _listeners() -> set:
-    return {c.laddr for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN}
+    assert _started() == before
 
 
 def _refused(call, *args, **kwargs) -> ws.ConfigurationError:
-    before = _listeners()
+    before = _started()
     with pytest.raises(ws.ConfigurationError, match=OPT_IN) as info:
         call(*args, **kwargs)
     _nothing_started(before)
@@ -116,7 +118,7 @@ def test_the_main_job_without_the_opt_in_fails_with_one_line_before_any_process_
             "models": {"policy": {"size_mb": 0.01, "tensors": 1}}, "schemes": {"policy": "rpc"},
         }
     )  # fmt: skip
-    before = _listeners()
+    before = _started()
     with pytest.raises(ws.ConfigurationError, match=f"scheme.{OPT_IN}=true"):
         job.run_job(cfg)
     _nothing_started(before)

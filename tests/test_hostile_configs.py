@@ -295,7 +295,7 @@ def _rpc_config(**connection) -> dict:
     conn.update(connection)
     return {
         "_target_": RECEIVER_TARGET,
-        "scheme": {"_target_": "weightsync.schemes.rpc.RPCWeightSyncScheme", "allow_pickle": True},
+        "scheme": {"_target_": "weightsync.schemes.rpc.RPCWeightSyncScheme", "allow_store_peers_to_run_code": True},
         "model_id": "policy",
         "worker_idx": 0,
         "connection": conn,
@@ -353,22 +353,24 @@ def test_a_config_missing_a_field_is_refused(missing, legit, tripwires):
 
 
 def test_pickling_engines_are_built_only_with_the_callers_opt_in(tripwires):
-    # The config asks for allow_pickle; only the caller can give it.
-    with pytest.raises(ws.ConfigurationError, match="unpickles what the RPC world at 10.9.9.9:29999 sends"):
+    # The config asks for the opt-in; only the caller can give it, by its name (allow_pickle is not it).
+    with pytest.raises(ws.ConfigurationError, match="unpickles and runs what the RPC world at 10.9.9.9:29999 sends"):
         wc.from_config(_rpc_config(master_addr="10.9.9.9"))
-    with pytest.raises(ws.ConfigurationError, match=r"from_config\(cfg, allow_pickle=True\)"):
-        wc.from_config(_rpc_config())  # on loopback too: any local user can serve a store there
-    receiver = wc.from_config(_rpc_config(), allow_pickle=True)
-    assert receiver.allow_pickle is True and receiver.worker_idx == 0
+    with pytest.raises(ws.ConfigurationError, match=r"from_config\(cfg, allow_store_peers_to_run_code=True\)"):
+        wc.from_config(_rpc_config(), allow_pickle=True)  # on loopback too: any local user can serve a store there
+    receiver = wc.from_config(_rpc_config(), allow_store_peers_to_run_code=True)
+    assert receiver.allow_store_peers_to_run_code is True and receiver.worker_idx == 0
     # And the caller's word is the receiver's, whatever the config says.
-    cfg = _with(_rpc_config(), "scheme.allow_pickle", False)
-    assert wc.from_config(cfg, allow_pickle=True).allow_pickle is True
+    cfg = _with(_rpc_config(), "scheme.allow_store_peers_to_run_code", False)
+    assert wc.from_config(cfg, allow_store_peers_to_run_code=True).allow_store_peers_to_run_code is True
+    with pytest.raises(ws.ConfigurationError, match="unknown fields"):
+        wc.from_config(_with(_rpc_config(), "scheme.allow_pickle", True), allow_store_peers_to_run_code=True)
     # A worker with an RPC agent of its own joins no world the config names: nothing to opt into.
     external = {**_rpc_config(), "connection": {"external": True}}
     assert wc.from_config(external).receiver_unpickles({"external": True}) is None
     for bad in ({"external": 1}, {"external": True, "master_addr": "x"}, {"token": "zz" * 8}):
         with pytest.raises(ws.ConfigurationError, match="connection"):
-            wc.from_config({**_rpc_config(), "connection": bad}, allow_pickle=True)
+            wc.from_config({**_rpc_config(), "connection": bad}, allow_store_peers_to_run_code=True)
 
 
 def test_a_distributed_config_names_a_run_key_file_and_carries_no_key(tripwires):
@@ -797,6 +799,8 @@ def test_docs_and_examples_never_load_yaml_with_omegaconf():
 
 # ------------------------------------- every field of every scheme, hostile values (issue 31, finding 6)
 _UID = os.getuid()
+#: Every opt-in of the caller's, so that the schemes that need one get as far as they can.
+_OPT_INS = {"allow_pickle": True, "allow_store_peers_to_run_code": True}
 _LOCAL_CONNECTION = {
     "address": "@weightsync-12-0123456789abcdef",
     "authkey_file": f"/tmp/weightsync-{_UID}/weightsync-12-0123456789abcdef.4026531836.key",
@@ -889,12 +893,12 @@ def test_every_field_of_every_scheme_refuses_hostile_values_with_a_configuration
     """Each field of each scheme's receiver config, given each hostile value (as a dict): ``from_config`` either
     refuses with ConfigurationError or builds from plain values; no other exception, whatever the value."""
     cfg = SCHEME_CONFIGS[name]
-    assert wc.from_config(cfg, allow_pickle=True).model_id == "policy"  # the base itself is legitimate
+    assert wc.from_config(cfg, **_OPT_INS).model_id == "policy"  # the base itself is legitimate
     escaped = []
     for field in _fields(cfg):
         for value in HOSTILE_VALUES:
             try:
-                scheme = wc.from_config(_with(cfg, field, value), allow_pickle=True)
+                scheme = wc.from_config(_with(cfg, field, value), **_OPT_INS)
             except ws.ConfigurationError as exc:
                 assert len(str(exc)) < 2000, f"{field}={value!r:.40}: a message of {len(str(exc))} characters"
             except Exception as exc:  # noqa: BLE001 - what this test looks for
@@ -930,7 +934,7 @@ def test_fuzzed_fields_of_every_scheme_end_in_a_configuration_error_or_a_plain_s
     except Exception:  # noqa: BLE001 - a value that YAML or OmegaConf cannot hold: nothing to hand over
         return
     try:
-        scheme = wc.from_config(given_cfg, allow_pickle=True)
+        scheme = wc.from_config(given_cfg, **_OPT_INS)
     except ws.ConfigurationError:
         return
     assert 0 < scheme.timeout <= 3600 and type(scheme.worker_idx) is int
@@ -1142,7 +1146,7 @@ def test_a_config_at_the_edge_of_its_bounds_ends_in_a_weightsync_error_at_connec
         cfg = _with(cfg, "connection.counter", 2**31 - 1)
     try:
         for host in ("127.0.0.1", "a" * 63 + ".invalid"):
-            scheme = wc.from_config(_with(cfg, "connection.master_addr", host), allow_pickle=True)
+            scheme = wc.from_config(_with(cfg, "connection.master_addr", host), **_OPT_INS)
             scheme.init_on_receiver(model=nn.Linear(2, 2))
             start = time.monotonic()
             try:

@@ -248,8 +248,9 @@ def test_receiver_config_through_yaml_into_a_process_started_by_hand(tmp_path):
     cfg_file.write_text(OmegaConf.to_yaml(OmegaConf.create(scheme.receiver_config(0))))
     script = tmp_path / "worker.py"
     script.write_text(WORKER_BY_HAND)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(cfg_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(  # the checkout under test, not whichever weightsync is installed
+        [sys.executable, str(script), str(cfg_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     try:
         scheme.connect()

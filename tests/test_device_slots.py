@@ -4,6 +4,9 @@ moves real weights through them where CUDA exists."""
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 import torch
 
@@ -11,6 +14,7 @@ import weightsync as ws
 from weightsync.errors import TransportError
 from weightsync.tensors import cuda
 from weightsync.tensors.layout import FlatLayout
+from weightsync.transports.local.channel import connect_channel
 from weightsync.transports.local.mp import MPTransport
 from weightsync.transports.local.sender import LocalSender
 from weightsync.transports.local.shared_mem import SharedMemTransport
@@ -166,4 +170,68 @@ def test_a_scheme_with_a_cpu_model_hands_its_engines_the_cpu():
         assert scheme._sending.engine.gpu is None
         assert scheme.model_device == torch.device("cpu")
     finally:
+        scheme.shutdown()
+
+
+# ------------------------------------------------------------------ a key holder resizing its slot (issue 31)
+def _key_holder(handoff: dict, got: dict, stop: threading.Event) -> None:
+    """A worker holding the key, speaking the protocol by hand: it keeps the slot descriptors it is handed (for the
+    test to attack) and acks every update."""
+    channel = connect_channel(
+        handoff["address"],
+        bytes.fromhex(handoff["authkey"]),
+        {"worker_idx": 0, "pid": os.getpid(), "model_id": "policy", "device": None},
+        20,
+    )
+    try:
+        assert channel.recv(20)["op"] == "welcome"
+        while not stop.is_set():
+            msg = channel.recv(0.05)
+            if msg is None:
+                continue
+            if msg["op"] == "slot":
+                got.setdefault("fds", []).extend(channel.recv_fds(1, timeout=5))
+            elif msg["op"] == "update":
+                got["version"] = msg["version"]
+                channel.send({"op": "ack", "version": msg["version"], "held": msg["version"]})
+            elif msg["op"] == "bye":
+                return
+    except ws.ConnectionClosedError:
+        return
+    finally:
+        for fd in got.get("fds", []):
+            os.close(fd)
+        channel.close()
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem"])
+def test_a_worker_that_resizes_its_slot_is_refused_by_the_kernel_and_the_trainer_survives(name):
+    model = torch.nn.Linear(64, 64)
+    scheme = ws.WeightSyncScheme.from_backend(name, timeout=20, connect_timeout=30)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    got: dict = {}
+    stop = threading.Event()
+    holder = threading.Thread(target=_key_holder, args=(scheme._sending.engine.handoff(), got, stop), daemon=True)
+    holder.start()
+    try:
+        scheme.connect()
+        (fd,) = got["fds"]
+        size = os.fstat(fd).st_size
+        writable = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # what the worker can reopen its descriptor as
+        try:
+            for target in (0, size // 2, size * 2):  # shrink (SIGBUS for the trainer's next write), grow
+                with pytest.raises(OSError):
+                    os.ftruncate(fd, target)
+                with pytest.raises(PermissionError):  # the seals, whatever the descriptor's mode
+                    os.ftruncate(writable, target)
+        finally:
+            os.close(writable)
+        assert os.fstat(fd).st_size == size
+        with torch.no_grad():
+            model.weight.fill_(0.5)
+        scheme.send()  # the trainer writes the slot again: alive, and the worker acked
+        assert got["version"] == 1 and scheme.acked_versions == {0: 1}
+    finally:
+        stop.set()
+        holder.join(10)
         scheme.shutdown()

@@ -121,11 +121,12 @@ class _Process:
         return f"process {self.pid}"
 
 
-def test_a_slot_read_by_a_worker_given_up_on_is_rewritten_only_once_its_process_exited():
+def test_a_slot_read_by_a_worker_given_up_on_is_never_rewritten_while_its_process_lives():
     layout = FlatLayout.from_weights({"w": torch.zeros(1024)})
     pool = SlotPool(layout, 2, pinning=True, tag="t")
     try:
-        first, second = pool.acquire(), None
+        first = pool.acquire()
+        first.buffer.fill_(1)
         pool.publish(first, 1, [0, 1])
         pool.on_ack(0, 1, 1)
         pool.on_ack(1, 1, 1)  # both hold version 1 (shared_mem: their models are this slot)
@@ -135,12 +136,18 @@ def test_a_slot_read_by_a_worker_given_up_on_is_rewritten_only_once_its_process_
         assert second is not first
         pool.publish(second, 2, [0])
         pool.on_ack(0, 2, 2)  # worker 0 moved on; the slot it left is still read by the hung process
-        assert pool.acquire() is None
-        assert pool.held() == ["process 4242"]
-        hung.exited = True
-        assert pool.acquire() is first  # its process is gone: the slot may be rewritten
-        pool.drop_worker(0, None)  # a process that is unknown or gone frees its slots at once
-        assert not second.readers and not second.holders
+        third = pool.acquire()
+        # The slot the hung process reads leaves the pool (the sender closes its side; the memory lives while the
+        # process maps it) and a new one, with a new id, takes its place: nothing it reads is ever rewritten.
+        assert pool.retired == [first] and third is not first and third.id == 2
+        assert torch.all(first.buffer == 1)
+        pool.drop_worker(0, None)  # a process unknown or gone frees its slots at once
+        assert not second.readers and not second.holders and pool.acquire() is second
+        gone = _Process(4343)
+        gone.exited = True
+        pool.publish(second, 3, [1])
+        pool.drop_worker(1, gone)  # killed: its slots are free at once
+        assert pool.acquire() is second
     finally:
         pool.close()
 

@@ -84,7 +84,7 @@ class MPTransport(PeerTransport, TransportBackend):
         self.bad_slots: dict[int, tuple[type[WeightSyncError], str]] = {}  # slots refused on arrival, and why
         self.events: dict[int, cuda.SlotEvent] = {}  # device slots: the event the sender records after a write
         self.pin_host = False  # the model is on a GPU: pin the host slots it copies from
-        self._pins: list[cuda.Pinned] = []
+        self._pins: dict[int, cuda.Pinned] = {}  # by slot
         self.closed_by_sender = False
 
     # ------------------------------------------------------------ sender side
@@ -179,6 +179,8 @@ class MPTransport(PeerTransport, TransportBackend):
                 self._map_slot(msg)
             elif op == "update":
                 updates.append(Update(int(msg["version"]), int(msg["slot"]), msg.get("digest")))
+            elif op == "forget":
+                self._unmap(int(msg["slot"]))
             elif op == "bye":
                 self.closed_by_sender = True
                 break
@@ -213,7 +215,7 @@ class MPTransport(PeerTransport, TransportBackend):
                 buffer = map_fd_read_only(fd, nbytes) if read_only else map_fd(fd, nbytes)
                 self.slot_buffers[slot] = buffer
                 if self.pin_host:
-                    self._pins.append(cuda.Pinned(buffer, read_only=read_only))
+                    self._pins[slot] = cuda.Pinned(buffer, read_only=read_only)
                 self._slot_mapped(slot, lambda: map_storage(fd, nbytes))
         finally:
             os.close(fd)
@@ -241,6 +243,30 @@ class MPTransport(PeerTransport, TransportBackend):
         spare = shares[-1]
         self._slot_mapped(slot, lambda: cuda.open_share(spare, uuids))
 
+    def forget(self, slot: SharedSlot | DeviceSlot) -> None:
+        """Tell the worker to let ``slot`` go (the sender retired it: it is never written again).
+
+        Raises:
+            WorkerDiedError: the channel is closed.
+        """
+        try:
+            self.channel.send({"op": "forget", "slot": slot.id})
+        except ConnectionClosedError as exc:
+            raise WorkerDiedError(f"channel closed ({exc.detail})", worker_idx=self.worker_idx) from exc
+
+    def _unmap(self, slot: int) -> None:
+        """Let go of a slot the sender retired (never named by an update again)."""
+        pin = self._pins.pop(slot, None)
+        if pin is not None:  # before the mapping goes
+            pin.release()
+        self.slot_buffers.pop(slot, None)
+        self.bad_slots.pop(slot, None)
+        self.events.pop(slot, None)
+        self._slot_unmapped(slot)
+
+    def _slot_unmapped(self, slot: int) -> None:
+        """``slot``'s mappings were let go (a receiver that keeps more of them drops those too)."""
+
     def _slot_mapped(self, slot: int, second: Callable[[], torch.UntypedStorage]) -> None:
         """A slot was just mapped into :attr:`slot_buffers`; ``second()`` maps it once more (while this runs)."""
 
@@ -260,7 +286,7 @@ class MPTransport(PeerTransport, TransportBackend):
 
     def close(self) -> None:
         self.channel.close()
-        for pin in self._pins:  # before the mappings go
+        for pin in self._pins.values():  # before the mappings go
             pin.release()
         self._pins.clear()
         self.slot_buffers.clear()

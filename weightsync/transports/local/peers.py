@@ -71,5 +71,8 @@ class PeerProcess:
             os.close(self._fd)
             self._fd = -1
 
+    def __del__(self) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         return f"process {self.pid}"

@@ -138,6 +138,8 @@ class LocalReceiver(ReceiverEngine):
         except ConnectionClosedError:
             if not self._pending:
                 raise
+        if len(self._views) > len(self.transport.slot_buffers):  # slots the sender retired: their views go too
+            self._views = {k: v for k, v in self._views.items() if k in self.transport.slot_buffers}
         if not self._pending:
             return []
         if newest:

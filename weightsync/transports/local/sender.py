@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ from ..keyfiles import KEY_BYTES, remove_key_file, write_key_file
 from .channel import Channel, ChannelListener, readable
 from .mp import MPTransport
 from .peers import PeerProcess
-from .slots import DeviceSlot, SharedSlot, SlotPool, device_pool_size, slot_kind
+from .slots import DeviceSlot, SharedSlot, SlotPool, close_slot, device_pool_size, slot_kind
 
 Slot = SharedSlot | DeviceSlot
 #: A pool's key: the kind of memory (``"host"``, ``"cuda"``) and the worker it serves (``None``: every worker).
@@ -63,6 +64,8 @@ log = logging.getLogger("weightsync.transports.local")
 
 #: Seconds the rejoin thread waits for a connection before it looks again whether it must stop.
 REJOIN_POLL_S = 0.1
+#: Seconds between two looks whether a process given up on, which keeps a slot out of use, has exited.
+HOLDER_POLL_S = 0.01
 
 
 class LocalSender(SenderEngine):
@@ -209,12 +212,16 @@ class LocalSender(SenderEngine):
 
     def _retire(self, transport: MPTransport) -> None:
         """``transport``'s worker process was given up on or replaced: release its CUDA shares once it exited."""
-        if transport.shares:
+        if transport.shares and transport not in self._departed:
             self._departed.append(transport)
         self._release_departed()
 
     def _release_departed(self) -> None:
-        """Release the CUDA shares of departed worker processes known to have exited, and only theirs."""
+        """Release the CUDA shares of departed worker processes known to have exited, and only theirs (those given
+        up on but still connected in name included)."""
+        for w, transport in self.transports.items():
+            if transport.shares and self.sink.is_dead(w) and transport not in self._departed:
+                self._departed.append(transport)
         keep = []
         for transport in self._departed:
             if transport.process is not None and transport.process.gone():
@@ -307,18 +314,35 @@ class LocalSender(SenderEngine):
         while slot is None:
             busy = sorted(pool.busy_workers())
             if remaining(deadline) <= 0:
-                held = pool.held()
-                given_up = f"; workers given up on, whose processes are still alive, may read: {held}" if held else ""
                 raise SyncTimeoutError(
                     f"no free weight slot in time: workers {busy} still hold or read older versions "
-                    f"(max_slots={pool.max_slots}){given_up}",
+                    f"(max_slots={pool.max_slots})",
                     model_id=self.sink.model_id,
                     version=version,
                 )
-            self.wait(busy, deadline)
-            self.poll(busy)
+            if busy:
+                self.wait(busy, deadline)
+                self.poll(busy)
+            else:  # (no reader left: the next acquire frees or retires a slot)
+                time.sleep(min(HOLDER_POLL_S, remaining(deadline)))
             slot = pool.acquire()
+        self._close_retired(pool)
         return slot
+
+    def _close_retired(self, pool: SlotPool) -> None:
+        """Close the slots ``pool`` retired (read only by processes given up on, which keep their memory alive while
+        they map it), telling the live workers that mapped them to let them go."""
+        for slot in pool.retired:
+            for w, transport in self.transports.items():
+                if slot.id in transport.slots_sent and not self.sink.is_dead(w):
+                    try:
+                        transport.forget(slot)
+                    except WeightSyncError:
+                        pass
+            processes = [t.process for t in self.transports.values() if t.process is not None]
+            close_slot(slot, [*processes, *slot.holders])
+        pool.retired.clear()
+        self._release_departed()
 
     def stage(self, out: Outgoing, deadline: float) -> dict[int, Slot]:
         by_pool: dict[PoolKey, list[int]] = {}
@@ -405,6 +429,7 @@ class LocalSender(SenderEngine):
             newest.readers.add(w)
             return newest
         slot = pool.acquire()  # another pool (per worker, or other memory): copy the newest version into it
+        self._close_retired(pool)
         if slot is None:
             raise SyncTimeoutError(f"no free weight slot to rejoin worker {w}", model_id=self.sink.model_id)
         slot.version = None
@@ -426,7 +451,7 @@ class LocalSender(SenderEngine):
                     transport.channel.send({"op": "bye"})
                 except WeightSyncError:
                     pass
-            else:
+            elif transport not in self._departed:
                 self._departed.append(transport)
             transport.close()
         self.transports.clear()

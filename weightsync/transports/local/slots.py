@@ -60,6 +60,7 @@ __all__ = [
     "slot_kind",
     "map_fd",
     "map_fd_read_only",
+    "close_slot",
     "map_storage",
 ]
 
@@ -218,6 +219,15 @@ class DeviceSlot:
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
+def close_slot(slot: SharedSlot | DeviceSlot, processes: Iterable[Any]) -> None:
+    """Close ``slot`` on the sender's side (``processes``: every process it was handed to, for a device slot's
+    event)."""
+    if isinstance(slot, DeviceSlot):
+        slot.close(processes)
+    else:
+        slot.close()
+
+
 class SlotPool:
     """The sender's slots, allocated lazily up to ``max_slots``.
 
@@ -251,22 +261,27 @@ class SlotPool:
         self.tag = tag
         self.device, self.pin = device, pin
         self.slots: list[SharedSlot | DeviceSlot] = []
-
-    @staticmethod
-    def _free(slot: SharedSlot | DeviceSlot) -> bool:
-        """Nobody reads ``slot``: no live worker, and no process given up on that has not exited yet."""
-        if slot.readers:
-            return False
-        slot.holders = [holder for holder in slot.holders if not holder.gone()]
-        return not slot.holders
+        #: Slots taken out of the pool because processes given up on may still read them (the sender closes them).
+        self.retired: list[SharedSlot | DeviceSlot] = []
+        self._next_id = 0
 
     def acquire(self) -> SharedSlot | DeviceSlot | None:
-        """A slot nobody reads, allocating one if allowed; ``None`` when all are busy."""
-        for slot in self.slots:
-            if self._free(slot):
+        """A slot nobody reads, allocating one if allowed; ``None`` when all are busy.
+
+        A slot read only by processes given up on (see :meth:`drop_worker`) is never rewritten: it leaves the pool
+        for :attr:`retired` (the sender closes it; its memory lives on while those processes map it: the kernel
+        keeps a memfd's pages, torch an IPC-shared block) and a new slot takes its place."""
+        for slot in list(self.slots):
+            if slot.readers:
+                continue
+            slot.holders = [holder for holder in slot.holders if not holder.gone()]
+            if not slot.holders:
                 return slot
+            self.slots.remove(slot)
+            self.retired.append(slot)
         if len(self.slots) < self.max_slots:
-            n = len(self.slots)
+            n = self._next_id
+            self._next_id += 1  # ids are never reused: a worker may still know a retired slot by its id
             slot: SharedSlot | DeviceSlot = (
                 DeviceSlot(n, self.layout, self.device)
                 if self.device is not None
@@ -309,9 +324,6 @@ class SlotPool:
     def close(self, processes: Iterable[Any] = ()) -> None:
         """Let every slot go (``processes``: every worker process the slots were handed to)."""
         processes = list(processes)
-        for slot in self.slots:
-            if isinstance(slot, DeviceSlot):
-                slot.close(processes)
-            else:
-                slot.close()
-        self.slots = []
+        for slot in [*self.slots, *self.retired]:
+            close_slot(slot, [*processes, *slot.holders])
+        self.slots, self.retired = [], []

@@ -5,12 +5,15 @@ moves real weights through them where CUDA exists."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 
 import pytest
 import torch
 
 import weightsync as ws
+from tests._bodies import optimizer_step, start
+from tests._workers import build, checksum
 from weightsync.errors import TransportError
 from weightsync.tensors import cuda
 from weightsync.tensors.layout import FlatLayout
@@ -235,3 +238,29 @@ def test_a_worker_that_resizes_its_slot_is_refused_by_the_kernel_and_the_trainer
         stop.set()
         holder.join(10)
         scheme.shutdown()
+
+
+# --------------------------------------------------------- a worker given up on but alive (issue 32, item 4)
+def test_the_slot_a_dropped_but_living_worker_runs_on_is_never_rewritten(workers):
+    # shared_mem: the worker's model *is* the slot. Dropped after a timeout (SIGSTOP), it lives on: the slot it
+    # holds must not be rewritten, however many sends follow with a pool of 2 slots.
+    model = build("tiny")
+    scheme = ws.SharedMemWeightSyncScheme(timeout=2, connect_timeout=60, on_failure="drop", max_slots=2)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    versions = [(0, checksum(model))]
+    os.kill(group.procs[1].pid, signal.SIGSTOP)
+    try:
+        for step in range(1, 5):
+            optimizer_step(model, step)
+            scheme.send()  # drops worker 1 at the first, then goes on without it
+            versions.append((step, checksum(model)))
+            assert group.ask(0, "state")["policy"] == versions[-1]
+    finally:
+        os.kill(group.procs[1].pid, signal.SIGCONT)
+    assert "SyncTimeoutError" in scheme.stats()["dropped_workers"][1]
+    # Woken, it may still apply version 1 (announced before it was dropped); its model's memory then holds that
+    # version, whole: never a later one written over it.
+    assert group.ask(1, "state")["policy"] in versions[:2]
+    group.stop()
+    scheme.shutdown()

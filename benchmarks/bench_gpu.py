@@ -1,9 +1,14 @@
 """The GPU rows of the benchmarks: trainer and workers on one GPU, every local scheme and ``distributed``.
 
-    python benchmarks/bench_gpu.py                  # prints the table (needs CUDA; about 5 minutes on an H100)
+    python benchmarks/bench_gpu.py --check          # the GPU check: the CUDA tests, then the target rows, one
+                                                    # table with pass/fail per row (under 5 minutes on an H100)
+    python benchmarks/bench_gpu.py                  # the full table (needs CUDA; about 5 minutes on an H100)
     python benchmarks/bench_gpu.py --write          # ... and rewrites the GPU section of docs/benchmarks.md
                                                     #     and docs/benchmarks_gpu.png (tracked files)
     python benchmarks/bench_gpu.py --mb 100 --rounds 5   # a quick look
+
+``--check`` needs no install: from the repository root, ``PYTHONPATH=$PWD`` (and torch, tensordict, pytest on
+the path) is enough. It exits 0 when every row passed, 1 otherwise.
 
 Not part of CI (no GPU there). Sends are ``sync=True`` and timed until every worker applied and acked;
 the floors are measured in the same run: one device ``copy_`` of the bytes, a pinned device-to-host copy
@@ -14,8 +19,11 @@ once with each worker, signals over a pipe; each worker copies into its model, s
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import multiprocessing as mp
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -50,16 +58,19 @@ def cuda_timed(fn: Callable[[], None]) -> float:
 
 # -------------------------------------------------------------------------------------------- floors
 def copy_floor(nbytes: int, rounds: int) -> dict[str, float]:
-    """One device ``copy_``, one pinned device-to-host copy, and one pinned device-to-host-to-device trip."""
+    """One device ``copy_``, one pinned device-to-host copy, one pinned device-to-host-to-device trip, and one
+    host copy (what a CPU worker adds: it copies the slot into its model)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    d2d, d2h, trip = [], [], []
+    model = torch.empty(nbytes, dtype=torch.uint8)
+    d2d, d2h, trip, h2h = [], [], [], []
     for _ in range(rounds + 2):
         d2d.append(cuda_timed(lambda: dst.copy_(src)))
         d2h.append(cuda_timed(lambda: host.copy_(src, non_blocking=True)))
         trip.append(cuda_timed(lambda: (host.copy_(src, non_blocking=True), dst.copy_(host, non_blocking=True))))
-    return {"d2d": median_ms(d2d[2:]), "d2h": median_ms(d2h[2:]), "trip": median_ms(trip[2:])}
+        h2h.append(cuda_timed(lambda: model.copy_(host)))
+    return {k: median_ms(v[2:]) for k, v in (("d2d", d2d), ("d2h", d2h), ("trip", trip), ("h2h", h2h))}
 
 
 def _ipc_worker(shared: torch.Tensor, conn: Any) -> None:
@@ -167,18 +178,7 @@ def run(mb: float, rounds: int) -> tuple[list[tuple], dict[str, dict[int, float]
     took = sends("distributed", mb, 2, rounds)
     trip = f"{floor['trip']:.2f} ms (pinned D2H + H2D)"
     rows.append((f"distributed (gloo), {mb:g} MB fp32, 2 workers", took, trip, took / floor["trip"], "-", None))
-    took = sends("multiprocess", mb, 1, rounds, worker_device="cpu")
-    d2h = f"{floor['d2h']:.2f} ms (pinned D2H)"
-    rows.append(
-        (
-            "CUDA trainer -> CPU worker (multiprocess)",
-            took,
-            d2h,
-            took / floor["d2h"],
-            "<= 1.3x",
-            took / floor["d2h"] <= 1.3,
-        )
-    )
+    rows.append(cpu_worker_row(mb, rounds, floor))
     took = sends("multiprocess", 0.4, 1, max(rounds, 50))
     rows.append(("multiprocess, 0.4 MB round trip", took, "-", None, "<= 0.3 ms", took <= 0.3))
     for n in WORKERS:
@@ -186,6 +186,76 @@ def run(mb: float, rounds: int) -> tuple[list[tuple], dict[str, dict[int, float]
             (f"floor: hand-written CUDA IPC, {n} worker(s)", lines["hand-written CUDA IPC"][n], "-", None, "-", None)
         )
     return rows, lines
+
+
+def cpu_worker_row(mb: float, rounds: int, floor: dict[str, float]) -> tuple:
+    """A CUDA trainer and a CPU worker: the trainer's pinned device-to-host copy, then the worker's host copy."""
+    took = sends("multiprocess", mb, 1, rounds, worker_device="cpu")
+    both = floor["d2h"] + floor["h2h"]
+    text = f"{both:.2f} ms (pinned D2H + host copy)"
+    return ("CUDA trainer -> CPU worker (multiprocess)", took, text, took / both, "<= 1.3x", took / both <= 1.3)
+
+
+# --------------------------------------------------------------------------------------------- check
+#: The targets of the GPU check: 1 GB float32, trainer and workers on one GPU, a sync send until acked.
+TARGETS = {("shared_mem", 1): 1.5, ("shared_mem", 2): 2.0, ("multiprocess", 1): 2.5, ("multiprocess", 2): 3.5}
+#: The tests the check runs: the CUDA ones, and the GPU path's logic (which runs anywhere).
+CHECK_TESTS = ["tests/test_cuda.py", "tests/test_device_slots.py", "tests/test_gpu_logic.py"]
+#: The most the tests may take within the check.
+TESTS_TIMEOUT_S = 240
+
+
+def run_tests() -> tuple:
+    """The CUDA tests in a pytest of their own (from the repository root): a row of the check's table."""
+    if importlib.util.find_spec("pytest") is None:
+        return ("tests: " + " ".join(CHECK_TESTS), None, "pytest is not installed", None, "all pass", False)
+    argv = [sys.executable, "-m", "pytest", "-q", *CHECK_TESTS]
+    if importlib.util.find_spec("xdist") is None:  # the project's addopts ask for two pytest-xdist processes
+        argv += ["-o", "addopts=-ra"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    began = time.perf_counter()
+    try:
+        done = subprocess.run(
+            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TESTS_TIMEOUT_S, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
+        print(out[-4000:])
+        late = f"timed out after {TESTS_TIMEOUT_S} s"
+        return ("tests: " + " ".join(CHECK_TESTS), None, late, None, "all pass", False)
+    took_ms = (time.perf_counter() - began) * 1e3
+    lines = done.stdout.strip().splitlines()
+    print("\n".join(lines[-60:]))  # failures, skips (with -ra), the summary
+    summary = lines[-1] if lines else done.stderr.strip()[-200:]
+    return ("tests: " + " ".join(CHECK_TESTS), took_ms, summary.strip("= "), None, "all pass", done.returncode == 0)
+
+
+def check(mb: float, rounds: int) -> list[tuple]:
+    """The GPU check's rows: the tests, then the target sends with their floors, pass or fail each."""
+    rows = [run_tests()]
+    nbytes = int(mb * 1e6)
+    floor = copy_floor(nbytes, rounds)
+    d2d = f"{floor['d2d']:.2f} ms (one device copy_)"
+    rows.append(("floor: one device copy_", floor["d2d"], "-", None, "-", None))
+    rows.append(("floor: pinned D2H + H2D", floor["trip"], "-", None, "-", None))
+    for n in (1, 2):
+        ipc = ipc_floor(nbytes, n, rounds)
+        rows.append((f"floor: hand-written CUDA IPC, {n} worker(s)", ipc, "-", None, "-", None))
+    for name in ("shared_mem", "multiprocess"):
+        for n in (1, 2):
+            try:
+                took = sends(name, mb, n, rounds)
+            except Exception as exc:  # noqa: BLE001 - a failed row is reported in the table, and the check goes on
+                rows.append((f"{name}, {mb:g} MB fp32, {n} worker(s)", None, f"failed: {exc!r:.120}", None, "-", False))
+                continue
+            target = TARGETS[(name, n)]
+            case = f"{name}, {mb:g} MB fp32, {n} worker(s)"
+            rows.append((case, took, d2d, took / floor["d2d"], f"<= {target} ms", took <= target))
+    try:
+        rows.append(cpu_worker_row(mb, rounds, floor))
+    except Exception as exc:  # noqa: BLE001 - as above
+        rows.append(("CUDA trainer -> CPU worker (multiprocess)", None, f"failed: {exc!r:.120}", None, "-", False))
+    return rows
 
 
 def table(rows: list[tuple], mb: float, rounds: int, seconds: float) -> str:
@@ -197,9 +267,10 @@ def table(rows: list[tuple], mb: float, rounds: int, seconds: float) -> str:
     )
     out = [head, "", "| case | measured | floor | ratio | target | met |", "|---|---:|---:|---:|---:|:---:|"]
     for case, took, floor, ratio, target, met in rows:
+        took_text = "-" if took is None else f"{took:.2f} ms"
         ratio_text = "-" if ratio is None else f"{ratio:.2f}x"
         met_text = "-" if met is None else ("yes" if met else "**no**")
-        out.append(f"| {case} | {took:.2f} ms | {floor} | {ratio_text} | {target} | {met_text} |")
+        out.append(f"| {case} | {took_text} | {floor} | {ratio_text} | {target} | {met_text} |")
     return "\n".join(out)
 
 
@@ -226,11 +297,19 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=1000.0)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--write", action="store_true", help="rewrite the GPU section of docs/benchmarks.md")
+    parser.add_argument("--check", action="store_true", help="the GPU check: CUDA tests and target rows, pass/fail")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gpu.py needs CUDA: run it on a machine with a GPU")
     bench_local.passive_openmp()
     began = time.perf_counter()
+    if args.check:
+        rows = check(args.mb, args.rounds)
+        text = table(rows, args.mb, args.rounds, time.perf_counter() - began)
+        print(text.replace("--write", "--check"))
+        failed = [row[0] for row in rows if row[5] is False]
+        print("GPU check: " + ("PASSED" if not failed else f"FAILED: {failed}"))
+        sys.exit(1 if failed else 0)
     rows, lines = run(args.mb, args.rounds)
     text = table(rows, args.mb, args.rounds, time.perf_counter() - began)
     print(text)

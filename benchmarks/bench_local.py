@@ -211,9 +211,13 @@ def time_pair(
 
 
 def timed_send(scheme: ws.WeightSyncScheme, model: nn.Module) -> float:
-    """Seconds one ``send()`` takes, after an optimizer-like change so every version differs."""
+    """Seconds one ``send()`` takes, after an optimizer-like change so every version differs (on a GPU, that change
+    is done before the clock starts: the send is timed, not the kernel queued ahead of it)."""
+    last = list(model.parameters())[-1]
     with torch.no_grad():
-        list(model.parameters())[-1].add_(1.0)
+        last.add_(1.0)
+    if last.is_cuda:
+        torch.cuda.synchronize(last.device)
     start = time.perf_counter()
     scheme.send()
     return time.perf_counter() - start

@@ -29,23 +29,26 @@ def optimizer_step(model: torch.nn.Module, seed: int) -> None:
                 tensor.add_(1)
 
 
-def start_readers(workers, scheme, background: bool = False, device: str = ""):
-    """A "flat4" model on the sender and 2 workers reading theirs continuously (``torn_reader``), connected."""
+def start_readers(workers, scheme, background: bool = False, device: str = "", kind: str = "flat4"):
+    """A "flat4" model (or ``kind``) on the sender and 2 workers reading theirs continuously (``torn_reader``),
+    connected."""
     from tests._workers import torn_reader
 
-    model = build(on("flat4", device))
+    model = build(on(kind, device))
     scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
-    group = workers(torn_reader, 2, lambda i, conn: (scheme, i, on("flat4", device), conn, background))
+    group = workers(torn_reader, 2, lambda i, conn: (scheme, i, on(kind, device), conn, background))
     scheme.connect()
     for w in range(2):
         assert group.recv(w) == "ready"
     return model, group
 
 
-def no_torn_reads_under_alternating_sends(scheme, workers, sends: int, background: bool = False, device: str = ""):
+def no_torn_reads_under_alternating_sends(
+    scheme, workers, sends: int, background: bool = False, device: str = "", kind: str = "flat4"
+):
     """``sends`` async sends of weights all 0 or all 1 in turn (the sender laps slow readers): neither reader ever
     sees a mix, and both end at the last version."""
-    model, group = start_readers(workers, scheme, background, device)
+    model, group = start_readers(workers, scheme, background, device, kind)
     for step in range(1, sends + 1):
         with torch.no_grad():
             for p in model.parameters():

@@ -55,6 +55,8 @@ def build(kind: str) -> nn.Module:
         return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
     if kind == "flat4":  # four 64k-float tensors: large enough for a torn read to be visible
         return nn.ParameterList([nn.Parameter(torch.zeros(65536)) for _ in range(4)])
+    if kind == "flat4_64mb":  # four 4M-float tensors (64 MiB): a GPU copy long enough for a missing fence to show
+        return nn.ParameterList([nn.Parameter(torch.zeros(1 << 22)) for _ in range(4)])
     raise ValueError(kind)
 
 
@@ -155,6 +157,9 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
                 elif op == "break_model":  # the worker's model changes shape after connect
                     models[args[0]].body[3] = nn.Linear(8, 3)
                     cmd.send("broken")
+                elif op == "pinned":  # whether the host slots this worker copies from are page-locked
+                    transport = schemes[args[0]].receiver_transport
+                    cmd.send([pin.pinned for pin in transport._pins])
                 elif op == "close_channel":  # the worker's end of the transport goes away; the process lives
                     schemes[args[0]].receiver_transport.close()
                     cmd.send("closed")

@@ -50,6 +50,8 @@ class Receiver:
         self.engine, self.where = engine, where
         self.model, self.strategy, self.weights_lock = scheme.model, scheme.strategy, scheme.weights_lock
         self.latest_wins = getattr(scheme, "latest_wins", True)
+        #: The longest a GPU wait of an update may take (the sender's event, the copies): the scheme's timeout.
+        self.gpu_wait_s = float(getattr(scheme, "timeout", None) or 60.0)
         self.bound = BoundModel()
         self.version: int | None = None
         self.reported: int | None = None
@@ -99,7 +101,11 @@ class Receiver:
     # ---------------------------------------------------------------- applying
     def poll_and_apply(self, timeout: float) -> int | None:
         """Apply what the engine delivers within ``timeout``; return the version now held if it changed."""
-        taken = self.engine.take(timeout, self.latest_wins)
+        try:
+            taken = self.engine.take(timeout, self.latest_wins)
+        except ConnectionClosedError:
+            self._leave_sender_memory()
+            raise
         if not taken:
             return None
         self.apply(taken)
@@ -114,6 +120,8 @@ class Receiver:
         """
         update = taken[-1]
         where = {**self.where, "version": update.version}
+        gpus: set[torch.device] = set()
+        deadline = deadline_after(self.gpu_wait_s)
         try:
             if self._refusal is not None:
                 raise self._refusal
@@ -131,12 +139,17 @@ class Receiver:
             with self.weights_lock:  # weights and version change together for readers holding the lock
                 gpus = self._gpus(dst, held)
                 if update.fence is not None:  # bytes another process's GPU stream wrote: read them after it
-                    cuda.wait_event(update.fence, gpus)
+                    cuda.wait_event(update.fence, gpus, deadline)
                 self._written = (dst, self._place(dst, update, layout, held))
                 if gpus:  # the copies are queued on the model's stream: done before the ack says so
-                    cuda.settle(gpus)
+                    cuda.settle(gpus, deadline, whole_device=cuda.settle_whole_device(self.engine.placement))
                 self.version = update.version
         except Exception as exc:
+            if gpus:  # copies queued before the failure may still read the slot: done before the ack frees it
+                try:
+                    cuda.settle(gpus, deadline)
+                except Exception as late:  # noqa: BLE001 - the first failure is the one reported
+                    log.warning("model %r: after a failed update, its GPU work: %s", self.where["model_id"], late)
             self.engine.ack(taken, self.version, exc)
             raise
         self.engine.ack(taken, update.version)
@@ -177,7 +190,9 @@ class Receiver:
         if placement == "load" and self.bound.load(dst, update.pieces, layout, held):
             return self.bound.views
         views = self._views_of(update, layout)
-        return views if write_into(dst, views, share=placement == "share") else None
+        # Into GPU tensors only: queued, and waited for once before the ack (`settle`); into host memory, at once.
+        to_gpus = all(t.is_cuda for t in dst.values())  # (a CPU model stops at its first tensor)
+        return views if write_into(dst, views, share=placement == "share", non_blocking=to_gpus) else None
 
     def _views_of(self, update: Delivery, layout: FlatLayout) -> dict[str, torch.Tensor]:
         """Typed views of the update's bytes: the engine's (it keeps those of buffers it reuses), else made now."""
@@ -233,6 +248,18 @@ class Receiver:
                     self._applied.notify_all()
 
     # ------------------------------------------------------------- shutdown
+    def _leave_sender_memory(self) -> None:
+        """The sender closed the channel (shut down or died): a model that runs on the sender's GPU memory
+        (``shared_mem`` device slots, CUDA IPC) gets private memory now, while a sender that said goodbye still
+        keeps that memory for it. Copying later (at ``close()``) would read memory CUDA no longer defines once
+        the sender exited."""
+        if self.engine.placement != "share":
+            return
+        with self.weights_lock:
+            storage = self.bound.storage
+            if storage is not None and storage.device.type == "cuda":
+                self.bound.release()
+
     def close(self, timeout: float) -> None:
         """Stop the background thread (waiting at most ``timeout``), give the model memory of its own if it
         shares the engine's, and close the engine."""

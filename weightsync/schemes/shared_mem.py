@@ -18,9 +18,15 @@ class SharedMemWeightSyncScheme(LocalScheme):
     the sender never writes into a slot a worker still uses, so no worker can
     see a mix of two versions.
 
-    Worker models must live on the CPU to be switched (others are copied into)
-    and must not be modified in place by the worker: their memory is the
-    published snapshot, shared with the other workers that hold the same version.
+    A worker model switches whole when it is on the CPU (host slots) or on the
+    trainer's own GPU (slots in the trainer's GPU memory, through CUDA IPC; the
+    GPU is matched by UUID). A model elsewhere (another GPU, several devices)
+    is copied into from pinned host slots. A switched model must not be
+    modified in place by the worker: its memory is the published snapshot,
+    shared with the other workers that hold the same version (its mapping is
+    writable, so a BatchNorm in training mode does not crash the worker, but
+    what it writes, every worker of that version sees). On a GPU, a worker
+    whose sender shut down or died moves its model to private memory at once.
     """
 
     backend = "shared_mem"

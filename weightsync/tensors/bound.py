@@ -31,7 +31,7 @@ from .copies import copy_tensors, in_shared_memory, point_at, write_into
 if TYPE_CHECKING:
     from .layout import FlatLayout
 
-__all__ = ["CAN_SWAP", "BoundModel", "one_device"]
+__all__ = ["CAN_SWAP", "BoundModel", "one_device", "room_to_bind"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,17 @@ def one_device(tensors: list[torch.Tensor]) -> torch.device | None:
         return first.device
     device = first.device
     return device if all(t.device == device for t in tensors) else None
+
+
+#: GPU memory that must stay free beside a second copy of a model while it is bound (kernels' workspaces).
+BIND_HEADROOM = 1 << 28
+
+
+def room_to_bind(nbytes: int, free_bytes: int) -> bool:
+    """Whether a GPU with ``free_bytes`` free can hold, for a moment, a second copy of a model of ``nbytes``:
+    binding copies the model into one new storage, and its old memory is freed only after. Where it cannot,
+    updates are copied into the model's own tensors (no second buffer; one copy per tensor, queued together)."""
+    return free_bytes >= nbytes + BIND_HEADROOM
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -146,15 +157,20 @@ class BoundModel:
         receiver's own may read it: it is written into, never moved).
         """
         if held:
-            copy_tensors([self.bytes[o : o + b.numel()] for o, b in pieces], [b for _, b in pieces])
+            # Into a GPU: queued on its stream, waited for once by the caller before it acks (never per piece).
+            targets = [self.bytes[o : o + b.numel()] for o, b in pieces]
+            copy_tensors(targets, [b for _, b in pieces], non_blocking=self.bytes.is_cuda)
             return True
         if self._shared_at_first is None:
             self._shared_at_first = not self.move_shared and in_shared_memory(dst)
         device = one_device(list(dst.values()))
         if self._shared_at_first or layout.casts or device is None:
             return False
+        if device.type == "cuda" and not room_to_bind(layout.nbytes, torch.cuda.mem_get_info(device)[0]):
+            log.info("no room on %s for a second copy of the model while binding it: copying into its tensors", device)
+            return False
         whole = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)  # padding between pieces is never read
-        copy_tensors([whole[o : o + b.numel()] for o, b in pieces], [b for _, b in pieces])
+        copy_tensors([whole[o : o + b.numel()] for o, b in pieces], [b for _, b in pieces], non_blocking=whole.is_cuda)
         self.bind(dst, whole.untyped_storage(), layout)
         return True
 

@@ -19,8 +19,14 @@ SPLIT_MIN_BYTES = 4 << 20
 SERIAL_MAX_BYTES = 1 << 20
 
 
-def copy_tensors(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+def copy_tensors(dst: list[torch.Tensor], src: list[torch.Tensor], *, non_blocking: bool = False) -> None:
     """``dst[i].copy_(src[i])`` for every ``i`` (no autograd), on as many of torch's threads as pay off.
+
+    A GPU on either side: the copies are queued on the current stream, ``non_blocking`` as asked. A blocking
+    copy between a GPU and (pinned) host memory waits for the stream once per tensor; ``non_blocking=True``
+    queues them all, and the caller waits once (the device's stream, or an event) before it reads or acks
+    them. One pair is one ``copy_``, which reaches the copy engine's bandwidth (``_foreach_copy_`` of one GPU
+    tensor goes through a generic kernel).
 
     Under 1 MiB in all, everything is copied on the calling thread: torch would hand each tensor of 32768
     elements or more to its other threads, and waking one costs more than the copy saves. On 2 cores,
@@ -39,6 +45,13 @@ def copy_tensors(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     cannot draw the memory bandwidth, and costs nothing measurable where it can.
     """
     if not dst:
+        return
+    if non_blocking or not (dst[0].is_cpu and src[0].is_cpu):
+        with torch.no_grad():  # a GPU is involved: queued on its stream, not spread over threads
+            if len(dst) == 1:
+                dst[0].copy_(src[0], non_blocking=non_blocking)
+            else:
+                torch._foreach_copy_(dst, src, non_blocking=non_blocking)
         return
     threads = torch.get_num_threads()
     small: list[int] = []
@@ -113,14 +126,21 @@ def in_shared_memory(tensors: Mapping[str, torch.Tensor]) -> bool:
     return any(t.is_cpu and t.is_shared() for t in tensors.values())
 
 
-def write_into(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor], *, share: bool = False) -> bool:
-    """Copy (or share) ``src[k]`` into ``dst[k]`` for every key; the caller has checked the specs.
+def write_into(
+    dst: Mapping[str, torch.Tensor],
+    src: Mapping[str, torch.Tensor],
+    *,
+    share: bool = False,
+    non_blocking: bool = False,
+) -> bool:
+    """Copy (or share) ``src[k]`` into ``dst[k]`` for every key; the caller has checked the specs
+    (``non_blocking``: see :func:`copy_tensors`).
 
     Returns whether every tensor was shared (``share`` and all of them on the CPU): the model's tensors
     then hold ``src``'s storage, views and all."""
     with torch.no_grad():  # parameters are written in place as they are: no autograd, no `.data` alias
         if not share:
-            copy_tensors(list(dst.values()), [src[key] for key in dst])
+            copy_tensors(list(dst.values()), [src[key] for key in dst], non_blocking=non_blocking)
             return False
         copies_dst, copies_src = [], []
         for key, target in dst.items():
@@ -131,7 +151,7 @@ def write_into(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor],
                 copies_dst.append(target)
                 copies_src.append(value)
         if copies_dst:
-            copy_tensors(copies_dst, copies_src)
+            copy_tensors(copies_dst, copies_src, non_blocking=non_blocking)
         return not copies_dst
 
 

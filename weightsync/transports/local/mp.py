@@ -28,7 +28,8 @@ from ...errors import (
 from ...tensors import cuda
 from ..base import PeerTransport, TransportBackend
 from .channel import Channel
-from .slots import DeviceSlot, SharedSlot, map_fd, map_storage
+from .peers import PeerProcess
+from .slots import DeviceSlot, SharedSlot, map_fd, map_fd_read_only, map_storage
 
 if TYPE_CHECKING:
     from ...core.engine import Sink
@@ -76,13 +77,14 @@ class MPTransport(PeerTransport, TransportBackend):
         # Sender side.
         self.slots_sent: set[int] = set()
         self.shares: list[dict[str, Any]] = []  # the CUDA IPC shares handed to this worker
+        self.process: PeerProcess | None = None  # the worker's process (the sender sets it): what maps the slots
         self.last_error: ReceiverError | None = None  # the worker's last failure, until a later success
         # Receiver side.
         self.slot_buffers: dict[int, torch.Tensor] = {}
         self.bad_slots: dict[int, tuple[type[WeightSyncError], str]] = {}  # slots refused on arrival, and why
         self.events: dict[int, cuda.SlotEvent] = {}  # device slots: the event the sender records after a write
         self.pin_host = False  # the model is on a GPU: pin the host slots it copies from
-        self._pins: list[cuda.Pinned] = []
+        self._pins: dict[int, cuda.Pinned] = {}  # by slot
         self.closed_by_sender = False
 
     # ------------------------------------------------------------ sender side
@@ -98,7 +100,7 @@ class MPTransport(PeerTransport, TransportBackend):
                 if isinstance(slot, DeviceSlot):
                     self.channel.send({**announce, "cuda": self._device_share(slot)})
                 else:
-                    self.channel.send_with_fds(announce, [slot.fd])
+                    self.channel.send_with_fds(announce, [slot.reader_fd])
                 self.slots_sent.add(slot.id)
             self.channel.send({"op": "update", "version": version, "slot": slot.id, "digest": slot.digest})
         except ConnectionClosedError as exc:
@@ -110,7 +112,7 @@ class MPTransport(PeerTransport, TransportBackend):
         """Shares of ``slot``'s memory for this worker (two where the model takes a slot's memory as its own: one
         to read it, one to take) and its event's handle."""
         storage = slot.buffer.untyped_storage()
-        shares = [cuda.share(storage) for _ in range(2 if self.pinning else 1)]
+        shares = [cuda.share(storage, slot.uuid) for _ in range(2 if self.pinning else 1)]
         self.shares.extend(shares)
         assert slot.event is not None
         return {"shares": shares, "event": slot.event.handle()}
@@ -177,6 +179,8 @@ class MPTransport(PeerTransport, TransportBackend):
                 self._map_slot(msg)
             elif op == "update":
                 updates.append(Update(int(msg["version"]), int(msg["slot"]), msg.get("digest")))
+            elif op == "forget":
+                self._unmap(int(msg["slot"]))
             elif op == "bye":
                 self.closed_by_sender = True
                 break
@@ -205,9 +209,13 @@ class MPTransport(PeerTransport, TransportBackend):
                     f"slot {slot} holds {size} bytes, not the {nbytes} announced: truncated",
                 )
             else:
-                buffer = self.slot_buffers[slot] = map_fd(fd, nbytes)
+                # A worker that copies out of its slots maps them read-only (its descriptor is read-only, and the
+                # segment refuses new writable mappings); one whose model is the slot's memory maps it writable.
+                read_only = not self.pinning
+                buffer = map_fd_read_only(fd, nbytes) if read_only else map_fd(fd, nbytes)
+                self.slot_buffers[slot] = buffer
                 if self.pin_host:
-                    self._pins.append(cuda.Pinned(buffer))
+                    self._pins[slot] = cuda.Pinned(buffer, read_only=read_only)
                 self._slot_mapped(slot, lambda: map_storage(fd, nbytes))
         finally:
             os.close(fd)
@@ -223,16 +231,41 @@ class MPTransport(PeerTransport, TransportBackend):
             if len(info["shares"]) != (2 if self.pinning else 1):  # one to read, and one to take where it takes
                 raise TransportError(f"a device slot is announced with {len(info['shares'])} shares")
             shares = [cuda.check_share(share, f"slot {slot}'s share") for share in info["shares"]]
-            storage = cuda.open_share(shares[0])
+            uuids = cuda.visible_uuids()  # the GPU is named by UUID: its index may differ in this process
+            storage = cuda.open_share(shares[0], uuids)
             if storage.nbytes() < nbytes:
                 raise TransportError(f"slot {slot} holds {storage.nbytes()} bytes, not the {nbytes} announced")
-            self.events[slot] = cuda.SlotEvent.open(shares[0]["device"], info["event"])
+            self.events[slot] = cuda.SlotEvent.open(shares[0]["uuid"], info["event"], uuids)
         except TransportError as exc:
             self.bad_slots[slot] = (TransportError, str(exc))
             return
         self.slot_buffers[slot] = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,))
         spare = shares[-1]
-        self._slot_mapped(slot, lambda: cuda.open_share(spare))
+        self._slot_mapped(slot, lambda: cuda.open_share(spare, uuids))
+
+    def forget(self, slot: SharedSlot | DeviceSlot) -> None:
+        """Tell the worker to let ``slot`` go (the sender retired it: it is never written again).
+
+        Raises:
+            WorkerDiedError: the channel is closed.
+        """
+        try:
+            self.channel.send({"op": "forget", "slot": slot.id})
+        except ConnectionClosedError as exc:
+            raise WorkerDiedError(f"channel closed ({exc.detail})", worker_idx=self.worker_idx) from exc
+
+    def _unmap(self, slot: int) -> None:
+        """Let go of a slot the sender retired (never named by an update again)."""
+        pin = self._pins.pop(slot, None)
+        if pin is not None:  # before the mapping goes
+            pin.release()
+        self.slot_buffers.pop(slot, None)
+        self.bad_slots.pop(slot, None)
+        self.events.pop(slot, None)
+        self._slot_unmapped(slot)
+
+    def _slot_unmapped(self, slot: int) -> None:
+        """``slot``'s mappings were let go (a receiver that keeps more of them drops those too)."""
 
     def _slot_mapped(self, slot: int, second: Callable[[], torch.UntypedStorage]) -> None:
         """A slot was just mapped into :attr:`slot_buffers`; ``second()`` maps it once more (while this runs)."""
@@ -253,7 +286,7 @@ class MPTransport(PeerTransport, TransportBackend):
 
     def close(self) -> None:
         self.channel.close()
-        for pin in self._pins:  # before the mappings go
+        for pin in self._pins.values():  # before the mappings go
             pin.release()
         self._pins.clear()
         self.slot_buffers.clear()

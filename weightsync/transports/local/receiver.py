@@ -7,15 +7,25 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ...core.engine import Delivery, ReceiverEngine
 from ...core.timing import remaining
 from ...errors import ConfigurationError, ConnectionClosedError, LifecycleError
+from ...tensors import cuda
 from ...tensors.layout import FlatLayout
 from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphaned
 from .channel import connect_channel
 from .mp import MPTransport, Update
 
-__all__ = ["LocalReceiver"]
+__all__ = ["LocalReceiver", "gpu_uuid"]
+
+
+def gpu_uuid(device: str | None) -> str | None:
+    """The UUID of the GPU ``device`` names (``"cuda:1"``), or ``None`` (not one GPU, or no CUDA here)."""
+    if device is None or not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    return cuda.device_uuid(torch.device(device))
 
 
 class LocalReceiver(ReceiverEngine):
@@ -87,6 +97,9 @@ class LocalReceiver(ReceiverEngine):
             "pid": os.getpid(),
             "model_id": self.where["model_id"],
             "device": self.device,
+            # The GPU of the model, by UUID: the sender hands device slots only to a worker on its very GPU, and
+            # an index means another GPU in a process with another CUDA_VISIBLE_DEVICES.
+            "gpu": gpu_uuid(self.device),
         }
         try:
             # A sender writes its key file once it listens: with one read, a refused connection will not heal.
@@ -125,6 +138,8 @@ class LocalReceiver(ReceiverEngine):
         except ConnectionClosedError:
             if not self._pending:
                 raise
+        if len(self._views) > len(self.transport.slot_buffers):  # slots the sender retired: their views go too
+            self._views = {k: v for k, v in self._views.items() if k in self.transport.slot_buffers}
         if not self._pending:
             return []
         if newest:

@@ -15,6 +15,20 @@ the way). Otherwise, host memory (pinned when the trainer's weights are on a
 GPU), so a CUDA trainer with CPU workers and a CPU trainer with CUDA workers
 both copy through page-locked memory. A ``checksum`` keeps every pool in host
 memory, where it is computed.
+
+"The trainer's GPU" is decided by UUID (the worker's hello names the GPU of its
+model by UUID; indexes differ between processes under ``CUDA_VISIBLE_DEVICES``):
+a worker on another GPU reads pinned host slots (one device-to-host copy per
+send, shared by all such workers, then one host-to-device copy each) rather
+than peer copies out of the trainer's GPU, which would cost that worker a CUDA
+context on the trainer's GPU and work on it at every update. A pool of device
+slots is bounded (:func:`~weightsync.transports.local.slots.device_pool_size`);
+where even the smallest does not fit in the GPU's free memory, its workers
+read pinned host slots.
+
+Memory a worker maps is given back (a CUDA share released, a slot rewritten)
+only once the worker's process is known to have exited: see
+:mod:`~weightsync.transports.local.peers`.
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 from typing import Any
 
 import torch
@@ -36,7 +51,8 @@ from ...tensors.layout import FlatLayout
 from ..keyfiles import KEY_BYTES, remove_key_file, write_key_file
 from .channel import Channel, ChannelListener, readable
 from .mp import MPTransport
-from .slots import DeviceSlot, SharedSlot, SlotPool
+from .peers import PeerProcess
+from .slots import DeviceSlot, SharedSlot, SlotPool, close_slot, device_pool_size, slot_kind
 
 Slot = SharedSlot | DeviceSlot
 #: A pool's key: the kind of memory (``"host"``, ``"cuda"``) and the worker it serves (``None``: every worker).
@@ -48,6 +64,8 @@ log = logging.getLogger("weightsync.transports.local")
 
 #: Seconds the rejoin thread waits for a connection before it looks again whether it must stop.
 REJOIN_POLL_S = 0.1
+#: Seconds between two looks whether a process given up on, which keeps a slot out of use, has exited.
+HOLDER_POLL_S = 0.01
 
 
 class LocalSender(SenderEngine):
@@ -85,8 +103,12 @@ class LocalSender(SenderEngine):
         self.checksum = checksum
         self.gpu = gpu
         self.pools: dict[PoolKey, SlotPool] = {}
-        self.kinds: dict[int, str] = {}  # where each worker's slots live, from the device its hello names
-        self._orphaned: list[dict[str, Any]] = []  # CUDA shares of worker processes that are gone
+        self.kinds: dict[int, str] = {}  # where each worker's slots live, from the GPU its hello names
+        #: The trainer's GPU, by UUID (``None``: no GPU, or no CUDA here).
+        self.gpu_uuid = cuda.device_uuid(gpu) if gpu is not None and torch.cuda.is_available() else None
+        # Transports of worker processes given up on or replaced: their CUDA shares are released once each
+        # process is known to have exited (a live one may still map the memory).
+        self._departed: list[MPTransport] = []
         self._authkey = secrets.token_bytes(KEY_BYTES)
         self._key_file: str | None = None
         self.listener: ChannelListener | None = ChannelListener(self._authkey, address)
@@ -159,12 +181,56 @@ class LocalSender(SenderEngine):
         old = self.transports.get(w)
         if old is not None:
             old.close()
-            self._orphaned += old.shares  # that process is gone: it will never let its mappings go
-        device = hello.get("device")
-        on_gpu = isinstance(device, str) and device.startswith("cuda")
-        self.kinds[w] = "cuda" if self.gpu is not None and on_gpu and not self.checksum else "host"
+            self._retire(old)
+        self.kinds[w] = self._kind(hello)
         transport = self.transports[w] = self.transport_class(channel, w, self.sink)
+        transport.process = PeerProcess.of_socket(channel.fileno())
         return transport
+
+    def _kind(self, hello: dict[str, Any]) -> str:
+        """Where the slots of the worker that said ``hello`` live: ``"cuda"`` (the trainer's GPU) or ``"host"``."""
+        kind = slot_kind(self.gpu_uuid, hello.get("gpu"), checksum=self.checksum)
+        if kind == "cuda" and ("cuda", None) not in self.pools and self._device_pool_size() == 0:
+            log.warning(
+                "model %r: %d-byte device slots do not fit in the free memory of %s: its workers read pinned host "
+                "slots",
+                self.sink.model_id,
+                self.layout.nbytes,
+                self.gpu,
+            )
+            return "host"
+        return kind
+
+    def _device_pool_size(self) -> int:
+        """The slots a new pool in the trainer's GPU memory may hold (0: none fits)."""
+        assert self.gpu is not None
+        free = torch.cuda.mem_get_info(self.gpu)[0]
+        # Pools made but not full yet will take their slots from that free memory too.
+        free -= sum((p.max_slots - len(p.slots)) * self.layout.nbytes for p in self.pools.values() if p.device)
+        pinning = self.transport_class.pinning
+        return device_pool_size(self.max_slots, self.layout.nbytes, free, pinning=pinning, per_worker=self.per_worker)
+
+    def _retire(self, transport: MPTransport) -> None:
+        """``transport``'s worker process was given up on or replaced: release its CUDA shares once it exited."""
+        if transport.shares and transport not in self._departed:
+            self._departed.append(transport)
+        self._release_departed()
+
+    def _release_departed(self) -> None:
+        """Release the CUDA shares of departed worker processes known to have exited, and only theirs (those given
+        up on but still connected in name included)."""
+        for w, transport in self.transports.items():
+            if transport.shares and self.sink.is_dead(w) and transport not in self._departed:
+                self._departed.append(transport)
+        keep = []
+        for transport in self._departed:
+            if transport.process is not None and transport.process.gone():
+                for share in transport.shares:
+                    cuda.release_share(share)
+                transport.shares = []
+            else:
+                keep.append(transport)
+        self._departed = keep
 
     def discard(self, candidate: Any, problem: str = "the sender is shutting down") -> None:
         """Tell a connecting process why it is turned away, and close its channel."""
@@ -204,11 +270,13 @@ class LocalSender(SenderEngine):
             readable(fds, remaining(deadline))
 
     def lost(self, worker: int, reason: str) -> None:
+        transport = self.transports.get(worker)
+        process = transport.process if transport is not None else None
         for pool in self.pools.values():
-            pool.drop_worker(worker)
+            # Its slots are rewritten only once its process exited: dropped after a timeout, it may still read one.
+            pool.drop_worker(worker, process)
         # A worker given up on (dead, or dropped after a timeout) finds its channel closed if it comes back
         # to life, and may rejoin.
-        transport = self.transports.get(worker)
         if transport is not None:
             transport.channel.close()
 
@@ -220,9 +288,10 @@ class LocalSender(SenderEngine):
         pool = self.pools.get(key)
         if pool is None:
             kind, worker = key
+            size = self.max_slots if kind == "host" else max(1, self._device_pool_size())
             pool = self.pools[key] = SlotPool(
                 self.layout,
-                self.max_slots,
+                size,
                 pinning=self.transport_class.pinning,
                 tag=f"{os.getpid()}-{worker}",
                 device=self.gpu if kind == "cuda" else None,
@@ -251,10 +320,29 @@ class LocalSender(SenderEngine):
                     model_id=self.sink.model_id,
                     version=version,
                 )
-            self.wait(busy, deadline)
-            self.poll(busy)
+            if busy:
+                self.wait(busy, deadline)
+                self.poll(busy)
+            else:  # (no reader left: the next acquire frees or retires a slot)
+                time.sleep(min(HOLDER_POLL_S, remaining(deadline)))
             slot = pool.acquire()
+        self._close_retired(pool)
         return slot
+
+    def _close_retired(self, pool: SlotPool) -> None:
+        """Close the slots ``pool`` retired (read only by processes given up on, which keep their memory alive while
+        they map it), telling the live workers that mapped them to let them go."""
+        for slot in pool.retired:
+            for w, transport in self.transports.items():
+                if slot.id in transport.slots_sent and not self.sink.is_dead(w):
+                    try:
+                        transport.forget(slot)
+                    except WeightSyncError:
+                        pass
+            processes = [t.process for t in self.transports.values() if t.process is not None]
+            close_slot(slot, [*processes, *slot.holders])
+        pool.retired.clear()
+        self._release_departed()
 
     def stage(self, out: Outgoing, deadline: float) -> dict[int, Slot]:
         by_pool: dict[PoolKey, list[int]] = {}
@@ -267,10 +355,12 @@ class LocalSender(SenderEngine):
         for key, members in by_pool.items():
             slot = slots[key]
             slot.version = None  # until the write completes, the slot holds no version (rejoins read it)
+            # Copies out of a GPU are queued without a wait per tensor (pinned host slots): `_written` waits once.
+            non_blocking = self.gpu is not None
             if out.whole is not None:
-                copy_tensors([slot.buffer], [out.whole])
+                copy_tensors([slot.buffer], [out.whole], non_blocking=non_blocking)
             else:
-                write_into(slot.views, out.flat)
+                write_into(slot.views, out.flat, non_blocking=non_blocking)
             self._written(slot)
             if self.checksum and payload_digest is None:
                 payload_digest = digest([slot.buffer])
@@ -339,6 +429,7 @@ class LocalSender(SenderEngine):
             newest.readers.add(w)
             return newest
         slot = pool.acquire()  # another pool (per worker, or other memory): copy the newest version into it
+        self._close_retired(pool)
         if slot is None:
             raise SyncTimeoutError(f"no free weight slot to rejoin worker {w}", model_id=self.sink.model_id)
         slot.version = None
@@ -353,26 +444,27 @@ class LocalSender(SenderEngine):
         if self._key_file is not None:  # first: a worker that sees the channel close may look for it
             remove_key_file(self._key_file)
             self._key_file = None
+        processes = [t.process for t in [*self.transports.values(), *self._departed] if t.process is not None]
         for w, transport in self.transports.items():
             if not self.sink.is_dead(w):
                 try:
                     transport.channel.send({"op": "bye"})
                 except WeightSyncError:
                     pass
-            else:
-                self._orphaned += transport.shares
+            elif transport not in self._departed:
+                self._departed.append(transport)
             transport.close()
         self.transports.clear()
         if self.listener is not None:
             self.listener.close()
             self.listener = None
-        # The dead never let their mappings of device slots go: let go for them, so freeing the slots frees the
-        # memory. A live worker's mapping keeps its slot's memory until it lets go (torch frees it then).
-        for share in self._orphaned:
-            cuda.release_share(share)
-        self._orphaned.clear()
+        # Processes that exited never let their mappings of device slots go: let go for them, so freeing the slots
+        # frees the memory. A live worker's mapping (a worker given up on, still running, included) keeps its
+        # slot's memory until it lets go, and torch frees it then.
+        self._release_departed()
+        self._departed.clear()
         for pool in self.pools.values():
-            pool.close()
+            pool.close(processes)
         if any(pool.device is not None for pool in self.pools.values()):
             torch.cuda.ipc_collect()
         self.pools.clear()

@@ -47,6 +47,9 @@ class SharedMemTransport(MPTransport):
     def _slot_mapped(self, slot: int, second: Callable[[], torch.UntypedStorage]) -> None:
         self._spares[slot] = second()
 
+    def _slot_unmapped(self, slot: int) -> None:
+        self._spares.pop(slot, None)
+
     def spare(self, slot: int) -> torch.UntypedStorage | None:
         """The second mapping of ``slot``, for the model to take (``None``: the model reads it already)."""
         return None if slot == self._slot else self._spares.get(slot)

@@ -4,7 +4,16 @@ Each slot is one ``memfd`` segment holding a whole copy of the weights laid
 out by a :class:`~weightsync.layout.FlatLayout`. A memfd has no name in
 ``/dev/shm``: the memory is freed by the kernel when the last process that
 maps it unmaps it or exits, so nothing can be left behind, SIGKILL included.
-Workers get the segment as a file descriptor over their channel.
+Workers get the segment as a file descriptor over their channel. Each memfd
+is sealed once sized (no shrink, no grow, no new seals): a worker holding its
+descriptor cannot truncate the segment under the trainer's mapping (a
+truncated mapping kills its reader with SIGBUS at the next write). Workers that
+only copy out of a slot (``multiprocess``) get a read-only descriptor of a
+segment also sealed against new writable mappings (``F_SEAL_FUTURE_WRITE``:
+the trainer's own mapping, made before, still writes); ``shared_mem`` workers
+get a writable one, because their model *is* the slot's memory and a read-only
+mapping would kill a worker with SIGSEGV at any in-place write into its
+parameters or buffers (a BatchNorm's running statistics in training mode).
 
 The sender writes a new version only into a slot no worker still needs: every
 slot records the workers that must still read it (``readers``). A worker leaves
@@ -18,12 +27,23 @@ this machine read :class:`DeviceSlot` s instead: device memory on the trainer's
 GPU, shared once per worker through CUDA IPC, each with an interprocess event
 recorded after every write (see :mod:`weightsync.tensors.cuda`). Host slots a
 GPU writes into are pinned, so the copy out of the GPU runs at the bus's speed.
+A pool of device slots holds at most :data:`DEVICE_MAX_SLOTS` (fewer where
+the GPU's free memory says so: :func:`device_pool_size`).
+
+A slot read by a worker that was given up on (dropped after a timeout, refused,
+replaced by a rejoining process) is rewritten only once that worker's process
+is known to have exited (:meth:`SlotPool.drop_worker`): until then it may still
+read the slot, or run its model on it.
 """
 
 from __future__ import annotations
 
+import fcntl
+import mmap
 import os
+import warnings
 from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
 
@@ -31,7 +51,62 @@ from ...errors import ConfigurationError
 from ...tensors import cuda
 from ...tensors.layout import FlatLayout
 
-__all__ = ["DeviceSlot", "SharedSlot", "SlotPool", "map_fd", "map_storage"]
+__all__ = [
+    "DEVICE_MAX_SLOTS",
+    "DeviceSlot",
+    "SharedSlot",
+    "SlotPool",
+    "device_pool_size",
+    "slot_kind",
+    "map_fd",
+    "map_fd_read_only",
+    "close_slot",
+    "map_storage",
+]
+
+#: The most slots a pool in GPU memory holds: each is a whole copy of the model on the trainer's GPU.
+DEVICE_MAX_SLOTS = 3
+#: GPU memory left free beside the device slots (kernels' workspaces, the allocator's rounding).
+DEVICE_HEADROOM = 1 << 28
+#: Seals of every slot once sized: its size is fixed for good.
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: ``F_SEAL_FUTURE_WRITE`` (Linux 5.1): no new writable mapping, no write(); mappings made before still write.
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+
+
+class Holder(Protocol):
+    """A process that may still map a slot (:class:`~weightsync.transports.local.peers.PeerProcess`)."""
+
+    def gone(self) -> bool: ...
+
+
+def slot_kind(trainer_uuid: str | None, worker_gpu: Any, *, checksum: bool) -> str:
+    """Where a worker's slots live: ``"cuda"`` (device slots in the trainer's GPU memory) when the worker's model
+    is on the trainer's very GPU (``worker_gpu``: the UUID its hello names; ``trainer_uuid``: the trainer's) and
+    no checksum needs the payload in host memory; ``"host"`` otherwise (a worker on another GPU, on the CPU, on
+    several devices, or saying something else)."""
+    if trainer_uuid is None or checksum or not isinstance(worker_gpu, str):
+        return "host"
+    same = cuda.local_index(worker_gpu, [trainer_uuid]) == 0
+    return "cuda" if same else "host"
+
+
+def device_pool_size(requested: int, nbytes: int, free_bytes: int, *, pinning: bool, per_worker: bool) -> int:
+    """How many device slots of ``nbytes`` a pool may hold: at most ``requested`` and :data:`DEVICE_MAX_SLOTS` (2
+    for a pool per worker: every worker's pool is a copy more), and no more than fit in ``free_bytes`` of the
+    trainer's GPU beside :data:`DEVICE_HEADROOM`. 0: the pool does not fit (its workers read pinned host slots):
+    fewer than 2 slots where workers keep reading the slot of the version they hold (``pinning``), since the next
+    version needs another, else fewer than 1.
+
+    A 20 GB model with 4 workers on an 80 GB GPU: ``num_workers + 2`` device slots would be 120 GB; 3 are 60 GB,
+    beside the trainer's 20 GB copy, or 2 where 3 do not fit.
+    """
+    if nbytes <= 0:
+        return min(requested, DEVICE_MAX_SLOTS)
+    cap = min(requested, 2 if per_worker else DEVICE_MAX_SLOTS)
+    fit = max(0, free_bytes - DEVICE_HEADROOM) // nbytes
+    n = min(cap, fit)
+    return n if n >= (2 if pinning else 1) else 0
 
 
 def map_storage(fd: int, nbytes: int) -> torch.UntypedStorage:
@@ -44,23 +119,53 @@ def map_fd(fd: int, nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(map_storage(fd, nbytes))
 
 
+def map_fd_read_only(fd: int, nbytes: int) -> torch.Tensor:
+    """Map a shared-memory descriptor read-only as a uint8 tensor (the mapping outlives ``fd``, and ends with the
+    tensor). Writing into it kills the process (SIGSEGV): for readers that only copy out."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    view = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+    with warnings.catch_warnings():  # "the given buffer is not writable": that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def _seal(fd: int, read_only: bool) -> None:
+    """Fix the size of the memfd ``fd`` for good; ``read_only``: and refuse new writable mappings."""
+    seals = SIZE_SEALS
+    if read_only:
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+        except OSError:  # a kernel before 5.1: readers get a read-only descriptor all the same
+            pass
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+
+
 class SharedSlot:
     """One shared buffer in host memory: its descriptor, its typed views and the version it holds.
 
-    ``pin``: register it with CUDA as page-locked (the trainer's weights are on a GPU)."""
+    ``pin``: register it with CUDA as page-locked (the trainer's weights are on a GPU). ``read_only``: workers
+    only read it: they are handed :attr:`reader_fd`, a read-only descriptor of a segment sealed against new
+    writable mappings; else :attr:`reader_fd` is :attr:`fd` (sealed against resizing all the same)."""
 
     #: What kind of memory the slot is (the key of its pool, with the worker it serves, if one).
     kind = "host"
     #: Interprocess event recorded after each write (device slots only).
     event: cuda.SlotEvent | None = None
 
-    def __init__(self, slot_id: int, layout: FlatLayout, tag: str, pin: bool = False) -> None:
+    def __init__(
+        self, slot_id: int, layout: FlatLayout, tag: str, pin: bool = False, *, read_only: bool = False
+    ) -> None:
         self.id = slot_id
         self.nbytes = layout.nbytes
-        self.fd = os.memfd_create(f"weightsync-{tag}-{slot_id}", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(f"weightsync-{tag}-{slot_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.reader_fd = self.fd
         try:
             os.ftruncate(self.fd, self.nbytes)
-            self.buffer = map_fd(self.fd, self.nbytes)
+            self.buffer = map_fd(self.fd, self.nbytes)  # the trainer's writable mapping: made before the seals
+            _seal(self.fd, read_only)
+            if read_only:
+                self.reader_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
         except BaseException:
             os.close(self.fd)
             raise
@@ -69,11 +174,15 @@ class SharedSlot:
         self.version: int | None = None
         self.digest: str | None = None  # checksum of the version it holds, when the scheme computes one
         self.readers: set[int] = set()
+        self.holders: list[Holder] = []  # processes given up on that may still read it
 
     def close(self) -> None:
         if self.pinned is not None:  # before the mapping goes
             self.pinned.release()
             self.pinned = None
+        if self.reader_fd >= 0 and self.reader_fd != self.fd:
+            os.close(self.reader_fd)
+        self.reader_fd = -1
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -90,17 +199,33 @@ class DeviceSlot:
         self.id = slot_id
         self.nbytes = layout.nbytes
         self.device = device
+        self.uuid = cuda.device_uuid(device)  # how a worker finds this GPU, whatever its index there
         self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         self.views = layout.views(self.buffer)
         self.event: cuda.SlotEvent | None = cuda.SlotEvent.create(device)
         self.version: int | None = None
         self.digest: str | None = None  # (never set: a checksum keeps the payload in host memory)
         self.readers: set[int] = set()
+        self.holders: list[Holder] = []  # processes given up on that may still read it
 
-    def close(self) -> None:
+    def close(self, processes: Iterable[Any] = ()) -> None:
+        """Let the slot go: its memory is freed once every worker's mapping is gone (torch counts them); its event
+        is kept until ``processes`` (every process it was handed to) have exited, since destroying an event
+        another process opened is undefined for that process."""
         self.views = {}
+        if self.event is not None:
+            cuda.keep_until_gone([self.event], list(processes))
         self.event = None
-        self.buffer = torch.empty(0, dtype=torch.uint8)  # freed once every worker's mapping is gone
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+
+def close_slot(slot: SharedSlot | DeviceSlot, processes: Iterable[Any]) -> None:
+    """Close ``slot`` on the sender's side (``processes``: every process it was handed to, for a device slot's
+    event)."""
+    if isinstance(slot, DeviceSlot):
+        slot.close(processes)
+    else:
+        slot.close()
 
 
 class SlotPool:
@@ -114,6 +239,8 @@ class SlotPool:
         tag: a label in the memfd names, for ``/proc/<pid>/fd`` readers.
         device: a GPU: the slots are :class:`DeviceSlot` s on it; ``None``: host memory.
         pin: host slots are pinned (a GPU writes into them).
+
+    Host slots of a pool whose receivers copy (not ``pinning``) are handed to workers read-only.
     """
 
     def __init__(
@@ -134,18 +261,31 @@ class SlotPool:
         self.tag = tag
         self.device, self.pin = device, pin
         self.slots: list[SharedSlot | DeviceSlot] = []
+        #: Slots taken out of the pool because processes given up on may still read them (the sender closes them).
+        self.retired: list[SharedSlot | DeviceSlot] = []
+        self._next_id = 0
 
     def acquire(self) -> SharedSlot | DeviceSlot | None:
-        """A slot nobody reads, allocating one if allowed; ``None`` when all are busy."""
-        for slot in self.slots:
-            if not slot.readers:
+        """A slot nobody reads, allocating one if allowed; ``None`` when all are busy.
+
+        A slot read only by processes given up on (see :meth:`drop_worker`) is never rewritten: it leaves the pool
+        for :attr:`retired` (the sender closes it; its memory lives on while those processes map it: the kernel
+        keeps a memfd's pages, torch an IPC-shared block) and a new slot takes its place."""
+        for slot in list(self.slots):
+            if slot.readers:
+                continue
+            slot.holders = [holder for holder in slot.holders if not holder.gone()]
+            if not slot.holders:
                 return slot
+            self.slots.remove(slot)
+            self.retired.append(slot)
         if len(self.slots) < self.max_slots:
-            n = len(self.slots)
+            n = self._next_id
+            self._next_id += 1  # ids are never reused: a worker may still know a retired slot by its id
             slot: SharedSlot | DeviceSlot = (
                 DeviceSlot(n, self.layout, self.device)
                 if self.device is not None
-                else SharedSlot(n, self.layout, self.tag, pin=self.pin)
+                else SharedSlot(n, self.layout, self.tag, pin=self.pin, read_only=not self.pinning)
             )
             self.slots.append(slot)
             return slot
@@ -164,14 +304,26 @@ class SlotPool:
                 continue
             slot.readers.discard(worker)
 
-    def drop_worker(self, worker: int) -> None:
+    def drop_worker(self, worker: int, process: Holder | None = None) -> None:
+        """``worker`` no longer counts as a reader. ``process``: the process it was, which may still map the slots
+        it read: they stay out of use until it has exited (``None``, or a process gone: free them now)."""
+        alive = process is not None and not process.gone()
         for slot in self.slots:
-            slot.readers.discard(worker)
+            if worker in slot.readers:
+                slot.readers.discard(worker)
+                if alive:
+                    slot.holders.append(process)  # type: ignore[arg-type]
 
     def busy_workers(self) -> set[int]:
         return set().union(*(s.readers for s in self.slots)) if self.slots else set()
 
-    def close(self) -> None:
-        for slot in self.slots:
-            slot.close()
-        self.slots = []
+    def held(self) -> list[str]:
+        """The processes given up on that still keep slots out of use (for a timeout's message)."""
+        return sorted({repr(h) for slot in self.slots for h in slot.holders if not h.gone()})
+
+    def close(self, processes: Iterable[Any] = ()) -> None:
+        """Let every slot go (``processes``: every worker process the slots were handed to)."""
+        processes = list(processes)
+        for slot in [*self.slots, *self.retired]:
+            close_slot(slot, [*processes, *slot.holders])
+        self.slots, self.retired = [], []

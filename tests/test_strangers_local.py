@@ -202,11 +202,22 @@ GARBAGE_HELLOS = {
 }
 
 
+_DEEP = b'{"op":"ack","version":' + b"[" * 5000 + b"]" * 5000 + b"}"
+GARBAGE_AFTER_HANDSHAKE = {
+    "huge_length": struct.pack("!i", -1) + struct.pack("!Q", 2**62),  # -1, then a 2**62-byte length
+    "deep_ack": struct.pack("!i", len(_DEEP)) + _DEEP,
+}
+EXPECTED_AFTER_HANDSHAKE = {
+    "huge_length": f"{2**62} bytes (at most {MAX_MESSAGE})",
+    "deep_ack": "nests deeper than",
+}
+
+
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_a_key_holders_garbage_is_refused_and_the_trainer_serves_on(workers, name):
-    """Finding 5, local channel: a hello whose fields have the wrong types, deep or long JSON, and after the
-    handshake a length header of -1 then 2**62, each end in a weightsync error for that peer alone: the rejoin
-    thread lives on, the trainer's send() drops the liar, and a real restarted worker rejoins."""
+    """Finding 5, local channel: a hello whose fields have the wrong types, deep or long JSON; after the
+    handshake a length header of -1 then 2**62, or deep JSON: each ends in a weightsync error for that peer
+    alone: the rejoin thread lives on, the trainer's send() drops the liar, and a real restarted worker rejoins."""
     model = build("tiny")
     scheme = SCHEMES[name](timeout=20, connect_timeout=30, on_failure="drop")
     scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
@@ -225,22 +236,24 @@ def test_a_key_holders_garbage_is_refused_and_the_trainer_serves_on(workers, nam
         assert _admitters(), f"the rejoin thread died of {what}"
     assert scheme.stats()["rejoins"] == {}
 
-    # A key holder that passes the handshake as worker 1, then announces a frame of 2**62 bytes.
-    with key_holder(address, key, _hello(pid=os.getpid())) as liar:
-        deadline = time.monotonic() + 10
-        while scheme.stats()["rejoins"] != {1: 1}:
-            assert time.monotonic() < deadline, scheme.stats()
-            time.sleep(0.01)
-        liar.sendall(struct.pack("!i", -1) + struct.pack("!Q", 2**62))
-        optimizer_step(model, 2)
-        scheme.send()  # reads the liar's frame header: refused, the liar dropped, worker 0 served
-        dropped = scheme.stats()["dropped_workers"]
-        assert list(dropped) == [1] and f"{2**62} bytes (at most {MAX_MESSAGE})" in dropped[1], dropped
-        assert closed_by_peer(liar)
-    assert group.ask(0, "state")["policy"] == (2, checksum(model))
+    # A key holder that passes the handshake as worker 1 (and is welcomed as it), then sends garbage.
+    for step, (what, garbage) in enumerate(GARBAGE_AFTER_HANDSHAKE.items(), start=2):
+        with key_holder(address, key, _hello(pid=os.getpid())) as liar:
+            deadline = time.monotonic() + 10
+            while scheme.stats()["rejoins"] != {1: step - 1}:
+                assert time.monotonic() < deadline, scheme.stats()
+                time.sleep(0.01)
+            liar.sendall(garbage)
+            optimizer_step(model, step)
+            scheme.send()  # reads the liar's frame: refused, the liar dropped, worker 0 served
+            dropped = scheme.stats()["dropped_workers"]
+            assert list(dropped) == [1] and EXPECTED_AFTER_HANDSHAKE[what] in dropped[1], dropped
+            assert closed_by_peer(liar)
+        assert group.ask(0, "state")["policy"] == (step, checksum(model))
+        assert _admitters()
 
     again, (_, log, errors) = _rejoin(workers, scheme, 1)
-    assert errors == {} and log == [("policy", 2, checksum(model))]
+    assert errors == {} and log == [("policy", step, checksum(model))]
     scheme.shutdown()
     again.stop()
     group.stop()

@@ -31,7 +31,6 @@ import os
 import secrets
 import select
 import socket
-import struct
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -46,6 +45,7 @@ from ...errors import (
     WeightSyncError,
 )
 from ..plainjson import loads_object
+from .frames import FrameReader, frame, read_frame
 
 __all__ = [
     "Channel",
@@ -94,73 +94,6 @@ def readable(fds: list[int], timeout: float) -> list[int]:
 
 def _digest(authkey: bytes, nonce: bytes, role: bytes) -> bytes:
     return hmac.new(authkey, role + nonce, hashlib.sha256).digest()
-
-
-def _frame(data: bytes) -> bytes:
-    return struct.pack("!i", len(data)) + data
-
-
-class _FrameReader:
-    """Reads one length-prefixed frame a piece at a time, refusing a length over ``limit`` before reading it."""
-
-    def __init__(self, limit: int, what: str) -> None:
-        self._limit, self._what = limit, what
-        self._head = bytearray()
-        self._size: int | None = None
-        self._body: list[bytes] = []
-        self._got = 0
-
-    def want(self) -> int:
-        """How many bytes to read next (never past the end of this frame: what follows may carry descriptors)."""
-        if self._size is None:
-            return (4 if len(self._head) < 4 else 12) - len(self._head)
-        return self._size - self._got
-
-    def feed(self, data: bytes) -> bytes | None:
-        """Take ``data`` (at most :meth:`want` bytes); the frame's bytes once complete, else ``None``.
-
-        Raises:
-            TransportError: the length header is negative or over the limit.
-        """
-        if self._size is None:
-            self._head += data
-            if len(self._head) == 4:
-                (size,) = struct.unpack("!i", self._head)
-                if size != -1:  # -1: an 8-byte length follows (frames over 2 GiB)
-                    self._sized(size)
-            elif len(self._head) == 12:
-                self._sized(struct.unpack("!Q", self._head[4:])[0])
-        else:
-            self._body.append(data)
-            self._got += len(data)
-        if self._size is not None and self._got == self._size:
-            return b"".join(self._body)
-        return None
-
-    def _sized(self, size: int) -> None:
-        if not 0 <= size <= self._limit:
-            raise TransportError(f"{self._what} announced a frame of {size} bytes (at most {self._limit}); refused")
-        self._size = size
-
-
-def _read_frame(fd: int, deadline: float, limit: int, what: str) -> bytes:
-    """One whole frame from blocking descriptor ``fd`` by ``deadline`` (the frame as a whole, not each read).
-
-    Raises:
-        SyncTimeoutError: the frame was not complete by ``deadline``.
-        TransportError: its length is over ``limit``.
-        EOFError: the peer closed its end.
-    """
-    reader = _FrameReader(limit, what)
-    while True:
-        if not readable([fd], remaining(deadline)):
-            raise SyncTimeoutError(f"{what} did not send a whole frame in time")
-        data = os.read(fd, min(reader.want(), 1 << 20))  # readable: returns at once, never past this frame
-        if not data:
-            raise EOFError(f"{what} closed the connection")
-        frame = reader.feed(data)
-        if frame is not None:
-            return frame
 
 
 def _abstract(address: str) -> str:
@@ -236,25 +169,25 @@ class Channel:
         """Next message, or ``None`` if none arrives within ``timeout`` seconds.
 
         Raises:
-            ConnectionClosedError: the peer closed its end, or sent a frame over :data:`MAX_MESSAGE` bytes or
-                did not finish one within :data:`FRAME_TIMEOUT` (the channel is closed then).
-            TransportError: the message is not a bounded JSON object with an ``op``.
+            ConnectionClosedError: the peer closed its end; or it sent a frame over :data:`MAX_MESSAGE` bytes, did
+                not finish one within :data:`FRAME_TIMEOUT` of its first byte, or sent something other than a
+                bounded JSON object with an ``op`` (then this end closes the channel: nothing it says is usable).
         """
         try:
             if not self.poll(timeout):
                 return None
             # The frame has begun: all of it must come within FRAME_TIMEOUT, and fit MAX_MESSAGE.
             what = f"the channel to {self.peer}"
-            data = _read_frame(self.fileno(), deadline_after(max(timeout, FRAME_TIMEOUT)), MAX_MESSAGE, what)
-        except WeightSyncError as exc:  # half a frame, or one too long: the stream is lost, and so the channel
+            data = read_frame(self.fileno(), deadline_after(FRAME_TIMEOUT), MAX_MESSAGE, what)
+            msg = loads_object(data, f"a message from {self.peer}", max_bytes=MAX_MESSAGE)
+            if not isinstance(msg.get("op"), str):
+                raise TransportError(f"malformed message from {self.peer}: {str(msg)[:80]}")
+        except WeightSyncError as exc:  # half a frame, one too long, or garbage: the stream is lost, and the channel
             self.close()
             raise ConnectionClosedError(f"{exc.detail}; closed the channel") from exc
         except (EOFError, OSError) as exc:
             self.closed = True
             raise ConnectionClosedError(f"channel to {self.peer} closed") from exc
-        msg = loads_object(data, f"a message from {self.peer}", max_bytes=MAX_MESSAGE)
-        if "op" not in msg:
-            raise TransportError(f"malformed message from {self.peer}: {msg!r:.80}")
         return msg
 
     def recv_until(self, deadline: float, what: str) -> dict[str, Any]:
@@ -280,7 +213,7 @@ class _Pending:
         self.nonce = nonce
         self.deadline = deadline_after(HANDSHAKE_TIMEOUT)
         self.proved = False  # it answered the challenge: what comes next is its hello
-        self.reader = _FrameReader(_HANDSHAKE_MAX, "a connecting peer")
+        self.reader = FrameReader(_HANDSHAKE_MAX, "a connecting peer")
 
 
 class _Refused(Exception):
@@ -396,12 +329,12 @@ class ChannelListener:
     @staticmethod
     def _send(peer: _Pending, data: bytes) -> None:
         # A few dozen bytes into a socket that holds at most the few we sent before: it never has to wait.
-        frame = _frame(data)
+        framed = frame(data)
         try:
-            sent = peer.sock.send(frame, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+            sent = peer.sock.send(framed, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
         except OSError as exc:
             raise _Refused(f"it closed the connection ({exc})") from None
-        if sent != len(frame):
+        if sent != len(framed):
             raise _Refused("it does not read what it is sent")
 
     def _advance(self, peer: _Pending) -> tuple[Channel, dict[str, Any]] | None:
@@ -416,21 +349,21 @@ class ChannelListener:
             if not data:
                 raise _Refused("it closed the connection during the handshake")
             try:
-                frame = peer.reader.feed(data)
+                got = peer.reader.feed(data)
             except TransportError as exc:
                 raise _Refused(exc.detail) from None
-            if frame is None:
+            if got is None:
                 return None
             if not peer.proved:
-                if not hmac.compare_digest(frame, _digest(self._authkey, peer.nonce, b"worker")):
+                if not hmac.compare_digest(got, _digest(self._authkey, peer.nonce, b"worker")):
                     with contextlib.suppress(_Refused):
                         self._send(peer, b"denied")
                     raise _Refused("it failed the auth-key challenge")
                 peer.proved = True
-                peer.reader = _FrameReader(_HELLO_MAX, "a worker's hello")
+                peer.reader = FrameReader(_HELLO_MAX, "a worker's hello")
                 return None
             try:
-                hello = loads_object(frame, "a worker's hello", max_bytes=_HELLO_MAX)
+                hello = loads_object(got, "a worker's hello", max_bytes=_HELLO_MAX)
             except TransportError as exc:
                 raise _Refused(exc.detail) from None
             self._send(peer, _digest(self._authkey, _hello_nonce(hello), b"sender"))
@@ -497,11 +430,11 @@ def connect_channel(
                 )
             progress.tick("it listens, but its connect() has not taken this worker in yet")
         what = f"the sender at {address!r}"
-        nonce = _read_frame(conn.fileno(), deadline, _HANDSHAKE_MAX, what)
+        nonce = read_frame(conn.fileno(), deadline, _HANDSHAKE_MAX, what)
         conn.send_bytes(_digest(authkey, nonce, b"worker"))
         my_nonce = secrets.token_bytes(_NONCE)
         channel.send({**hello, "op": "hello", "nonce": my_nonce.hex()})
-        proof = _read_frame(conn.fileno(), deadline, _HANDSHAKE_MAX, what)
+        proof = read_frame(conn.fileno(), deadline, _HANDSHAKE_MAX, what)
     except SyncTimeoutError:  # a TimeoutError, hence an OSError: not a closed handshake
         channel.close()
         raise

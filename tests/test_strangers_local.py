@@ -289,3 +289,96 @@ def test_a_silent_peer_in_process_is_dropped_at_its_deadline_without_delaying_ot
     finally:
         silent.close()
         listener.close()
+
+
+def test_a_worker_is_not_held_by_a_listener_that_sends_half_a_challenge():
+    """The worker's side of the handshake is bounded as a whole too: a listener (a stranger that bound the
+    address first, say) that sends half a frame and holds costs connect_channel its timeout, not more."""
+    from weightsync.transports.local.channel import connect_channel
+
+    address = f"@weightsync-test-{os.getpid()}-{os.urandom(4).hex()}"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind("\0" + address[1:])
+    server.listen(1)
+    taken: list[socket.socket] = []
+
+    def half_challenge():
+        conn, _ = server.accept()
+        conn.sendall(struct.pack("!i", 32) + b"x" * 5)
+        taken.append(conn)
+
+    helper = threading.Thread(target=half_challenge)
+    helper.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(ws.SyncTimeoutError, match="did not send a whole frame"):
+            connect_channel(address, os.urandom(32), {}, 1.0)
+        assert time.monotonic() - started < 1.0 + SLACK_S
+    finally:
+        helper.join(10)
+        for conn in taken:
+            conn.close()
+        server.close()
+
+
+def test_the_rejoin_thread_outlives_what_a_peer_makes_poll_and_admit_raise():
+    """Threads that parse outside input never die of it: whatever poll() or admit() raise for one peer, the
+    admitter logs it and serves the next; stop() ends it within its bound."""
+    from weightsync.core.rejoin import LOCK_POLL_S, Admitter
+
+    script = iter([ValueError("a peer's bytes"), "first", RecursionError("deep"), "second"])
+    admitted: list[str] = []
+    done = threading.Event()
+
+    def poll():
+        step = next(script, None)
+        if step is None:
+            done.wait(REJOIN_POLL_S)
+            return None
+        if isinstance(step, Exception):
+            raise step
+        return step
+
+    def admit(candidate):
+        admitted.append(candidate)
+        if candidate == "first":
+            raise TypeError("a field of the wrong type")
+        done.set()
+
+    admitter = Admitter("weightsync-test-admitter", threading.RLock(), poll, admit, lambda candidate: None)
+    assert done.wait(10), admitted
+    assert admitted == ["first", "second"]
+    started = time.monotonic()
+    admitter.stop(5)
+    assert time.monotonic() - started < REJOIN_POLL_S + LOCK_POLL_S + SLACK_S
+    assert not [t for t in threading.enumerate() if t.name == "weightsync-test-admitter"]
+
+
+def test_the_listener_holds_at_most_max_pending_handshakes():
+    """A flood of silent peers costs a bounded number of descriptors: past MAX_PENDING the oldest is dropped."""
+    from weightsync.transports.local.channel import MAX_PENDING, ChannelListener
+
+    listener = ChannelListener(os.urandom(32))
+    peers = []
+    try:
+        for _ in range(MAX_PENDING + 1):
+            peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            peer.connect("\0" + listener.address[1:])
+            peers.append(peer)
+        deadline = time.monotonic() + 10
+        while not _has_data(peers[-1]):  # until the listener took the last one in (its challenge came)
+            assert listener.accept(0.05) is None and time.monotonic() < deadline
+        assert listener.pending == MAX_PENDING
+        peers[0].settimeout(5)
+        assert closed_by_peer(peers[0])  # the oldest, dropped
+    finally:
+        for peer in peers:
+            peer.close()
+        listener.close()
+
+
+def _has_data(sock: socket.socket) -> bool:
+    try:
+        return bool(sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK))
+    except BlockingIOError:
+        return False

@@ -202,22 +202,36 @@ GARBAGE_HELLOS = {
 }
 
 
+def _framed(msg: dict) -> bytes:
+    data = json.dumps(msg).encode()
+    return struct.pack("!i", len(data)) + data
+
+
 _DEEP = b'{"op":"ack","version":' + b"[" * 5000 + b"]" * 5000 + b"}"
 GARBAGE_AFTER_HANDSHAKE = {
     "huge_length": struct.pack("!i", -1) + struct.pack("!Q", 2**62),  # -1, then a 2**62-byte length
     "deep_ack": struct.pack("!i", len(_DEEP)) + _DEEP,
+    "ack_version_str": _framed({"op": "ack", "version": "x"}),
+    "ack_error_list": _framed({"op": "ack", "version": 0, "held": 0, "error": [1]}),
+    "ack_held_float": _framed({"op": "ack", "version": 0, "held": 0.5}),
+    "unknown_op": _framed({"op": "nope"}),
 }
 EXPECTED_AFTER_HANDSHAKE = {
     "huge_length": f"{2**62} bytes (at most {MAX_MESSAGE})",
     "deep_ack": "nests deeper than",
+    "ack_version_str": "sent a malformed message",
+    "ack_error_list": "sent a malformed message",
+    "ack_held_float": "sent a malformed message",
+    "unknown_op": "sent a malformed message",
 }
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_a_key_holders_garbage_is_refused_and_the_trainer_serves_on(workers, name):
     """Finding 5, local channel: a hello whose fields have the wrong types, deep or long JSON; after the
-    handshake a length header of -1 then 2**62, or deep JSON: each ends in a weightsync error for that peer
-    alone: the rejoin thread lives on, the trainer's send() drops the liar, and a real restarted worker rejoins."""
+    handshake a length header of -1 then 2**62, deep JSON, or acks of the wrong types: each ends in a weightsync
+    error for that peer alone: the rejoin thread lives on, the trainer's send() drops the liar, and a real
+    restarted worker rejoins."""
     model = build("tiny")
     scheme = SCHEMES[name](timeout=20, connect_timeout=30, on_failure="drop")
     scheme.init_on_sender(model_id="policy", model=model, num_workers=2)

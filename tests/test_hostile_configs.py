@@ -290,7 +290,7 @@ def _rpc_config(**connection) -> dict:
     conn.update(connection)
     return {
         "_target_": RECEIVER_TARGET,
-        "scheme": {"_target_": "weightsync.schemes.rpc.RPCWeightSyncScheme", "allow_pickle": True},
+        "scheme": {"_target_": "weightsync.schemes.rpc.RPCWeightSyncScheme", "allow_store_peers_to_run_code": True},
         "model_id": "policy",
         "worker_idx": 0,
         "connection": conn,
@@ -348,22 +348,24 @@ def test_a_config_missing_a_field_is_refused(missing, legit, tripwires):
 
 
 def test_pickling_engines_are_built_only_with_the_callers_opt_in(tripwires):
-    # The config asks for allow_pickle; only the caller can give it.
-    with pytest.raises(ws.ConfigurationError, match="unpickles what the RPC world at 10.9.9.9:29999 sends"):
+    # The config asks for the opt-in; only the caller can give it, by its name (allow_pickle is not it).
+    with pytest.raises(ws.ConfigurationError, match="unpickles and runs what the RPC world at 10.9.9.9:29999 sends"):
         wc.from_config(_rpc_config(master_addr="10.9.9.9"))
-    with pytest.raises(ws.ConfigurationError, match=r"from_config\(cfg, allow_pickle=True\)"):
-        wc.from_config(_rpc_config())  # on loopback too: any local user can serve a store there
-    receiver = wc.from_config(_rpc_config(), allow_pickle=True)
-    assert receiver.allow_pickle is True and receiver.worker_idx == 0
+    with pytest.raises(ws.ConfigurationError, match=r"from_config\(cfg, allow_store_peers_to_run_code=True\)"):
+        wc.from_config(_rpc_config(), allow_pickle=True)  # on loopback too: any local user can serve a store there
+    receiver = wc.from_config(_rpc_config(), allow_store_peers_to_run_code=True)
+    assert receiver.allow_store_peers_to_run_code is True and receiver.worker_idx == 0
     # And the caller's word is the receiver's, whatever the config says.
-    cfg = _with(_rpc_config(), "scheme.allow_pickle", False)
-    assert wc.from_config(cfg, allow_pickle=True).allow_pickle is True
+    cfg = _with(_rpc_config(), "scheme.allow_store_peers_to_run_code", False)
+    assert wc.from_config(cfg, allow_store_peers_to_run_code=True).allow_store_peers_to_run_code is True
+    with pytest.raises(ws.ConfigurationError, match="unknown fields"):
+        wc.from_config(_with(_rpc_config(), "scheme.allow_pickle", True), allow_store_peers_to_run_code=True)
     # A worker with an RPC agent of its own joins no world the config names: nothing to opt into.
     external = {**_rpc_config(), "connection": {"external": True}}
     assert wc.from_config(external).receiver_unpickles({"external": True}) is None
     for bad in ({"external": 1}, {"external": True, "master_addr": "x"}, {"token": "zz" * 8}):
         with pytest.raises(ws.ConfigurationError, match="connection"):
-            wc.from_config({**_rpc_config(), "connection": bad}, allow_pickle=True)
+            wc.from_config({**_rpc_config(), "connection": bad}, allow_store_peers_to_run_code=True)
 
 
 def test_a_distributed_config_names_a_run_key_file_and_carries_no_key(tripwires):

@@ -148,6 +148,15 @@ ALLOW_PICKLE = _flag(
     "Let peers on other machines reach the engine, which unpickles what they send: only if every machine that "
     "can reach it is yours (see docs/multinode.md).",
 )
+ALLOW_STORE_PEERS_TO_RUN_CODE = _flag(
+    "allow_store_peers_to_run_code",
+    False,
+    "Required to run the RPC world (``rpc``), on loopback too: every process that can reach its TCP store (every "
+    "local user of the host on loopback; every host that can route to ``master_addr`` otherwise) can join the "
+    "world and run any code in every member of it, trainer included, as the user running it. "
+    "``torch.distributed.rpc`` authenticates no peer and runs the calls it unpickles before weightsync sees them. "
+    "Use ``distributed`` (it authenticates workers with the run key) unless every such process is yours.",
+)
 
 # ----------------------------------------------------------------- networks
 MASTER_ADDR = Option(

@@ -27,7 +27,8 @@ anything in it is called (see the threat model in ``docs/reliability.md``):
    connection by the scheme class itself (for the local schemes: an abstract
    socket address and the key file the sender at that address writes);
 3. a scheme whose receiver unpickles what the peer named in ``connection``
-   sends (``rpc``) is built only if the caller passes ``allow_pickle=True``:
+   sends (``rpc``) is built only if the caller opts in
+   (``allow_store_peers_to_run_code=True``):
    the config decides where a worker gets its weights, never whether it runs
    what arrives.
 
@@ -258,7 +259,13 @@ def check_receiver_config(cfg: Any, *, allow: tuple[str, ...] = ()) -> ReceiverS
     return ReceiverSpec(cls, checked, model_id, worker_idx, connection, cls.receiver_unpickles(connection))
 
 
-def from_config(cfg: Any, *, allow: tuple[str, ...] = (), allow_pickle: bool = False) -> WeightSyncScheme:
+def from_config(
+    cfg: Any,
+    *,
+    allow: tuple[str, ...] = (),
+    allow_pickle: bool = False,
+    allow_store_peers_to_run_code: bool = False,
+) -> WeightSyncScheme:
     """Build the receiver a receiver config describes, after checking the whole config as data.
 
     Args:
@@ -266,9 +273,12 @@ def from_config(cfg: Any, *, allow: tuple[str, ...] = (), allow_pickle: bool = F
             ``DictConfig`` or YAML text).
         allow: further packages or modules whose scheme classes the config may name, for this call only
             (``("mypkg.schemes",)``); see :func:`allow_targets`.
-        allow_pickle: the caller trusts the peer the config names to send it pickles. Needed for the
-            schemes whose engine unpickles what peers send (``rpc``), and it is that receiver's
-            ``allow_pickle`` whatever the config says: a config never opts a worker in.
+        allow_pickle: the caller trusts the peers of a scheme whose engine unpickles what they send (``ray``).
+            It is that receiver's ``allow_pickle`` whatever the config says: a config never opts a worker in.
+        allow_store_peers_to_run_code: needed to build an ``rpc`` receiver that joins the world the config
+            names: every process that can reach that world's store can run code in this worker (see
+            :class:`~weightsync.RPCWeightSyncScheme`). It is that receiver's option of the same name whatever
+            the config says.
 
     Returns:
         A scheme ready for ``init_on_receiver(model=...)`` and ``connect()``, with ``model_id`` and
@@ -276,21 +286,27 @@ def from_config(cfg: Any, *, allow: tuple[str, ...] = (), allow_pickle: bool = F
 
     Raises:
         ConfigurationError: the config is not a receiver config weightsync emits (the message names the
-            place and the target), a scheme that is not installed, or a pickling engine without
-            ``allow_pickle``. Nothing in the config was called.
+            place and the target), a scheme that is not installed, or a receiver whose engine unpickles what
+            peers send without the caller's opt-in. Nothing in the config was called.
     """
     spec = check_receiver_config(cfg, allow=allow)
-    if spec.unpickles is not None and not allow_pickle:
+    fields = scheme_fields(spec.scheme_class)
+    # The caller's word, never the config's: each scheme names the option it takes it as.
+    opt_ins = {"allow_pickle": allow_pickle, "allow_store_peers_to_run_code": allow_store_peers_to_run_code}
+    opt_in = getattr(spec.scheme_class, "RECEIVER_OPT_IN", "allow_pickle")
+    if spec.unpickles is not None and not opt_ins.get(opt_in, False):
         raise ConfigurationError(
-            f"this receiver config builds a {spec.scheme_class.__name__} receiver, which unpickles what "
+            f"this receiver config builds a {spec.scheme_class.__name__} receiver, which unpickles and runs what "
             f"{spec.unpickles} sends it (that is how its engine calls functions): pass "
-            "from_config(cfg, allow_pickle=True) if you trust that peer and whoever wrote the config",
+            f"from_config(cfg, {opt_in}=True) if you trust every process that can reach it and whoever wrote "
+            "the config",
             model_id=spec.model_id,
             worker_idx=spec.worker_idx,
         )
     kwargs = dict(spec.scheme_options)
-    if "allow_pickle" in scheme_fields(spec.scheme_class):
-        kwargs["allow_pickle"] = bool(allow_pickle)
+    for name, given in opt_ins.items():
+        if name in fields:
+            kwargs[name] = bool(given)
     try:
         scheme = spec.scheme_class(**kwargs)
     except TypeError as exc:  # a third-party constructor that does not take what its signature says

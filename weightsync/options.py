@@ -86,10 +86,21 @@ STRATEGY = Option(
 )
 SYNC = _flag("sync", True, "``send()`` blocks until every targeted worker applied and acked.")
 TIMEOUT = Option(
-    "timeout", 60.0, float, "Seconds any single wait may last after connect (acks, receives, shutdown).", checks.seconds
+    "timeout",
+    60.0,
+    float,
+    "Seconds any single wait may last after connect (acks, receives, shutdown); at most 3600: a receiver config "
+    "carries it, so whoever wrote the config decides how long a worker waits, and a wait of an hour (an update of "
+    "hundreds of GB over 1 Gb/s) is already a hang to report.",
+    checks.seconds,
 )
 CONNECT_TIMEOUT = Option(
-    "connect_timeout", 120.0, float, "Seconds the rendez-vous in ``connect()`` may last.", checks.seconds
+    "connect_timeout",
+    120.0,
+    float,
+    "Seconds the rendez-vous in ``connect()`` may last; at most 3600 (the slowest start of a cluster's workers; "
+    "past it, ``connect()`` reports who is missing rather than wait on, whatever a receiver config asks).",
+    checks.seconds,
 )
 ON_FAILURE = Option(
     "on_failure",

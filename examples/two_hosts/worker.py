@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 import weightsync as ws
 
@@ -38,7 +37,9 @@ def main() -> int:
     torch.set_num_threads(1)
     policy = make_policy(args.hidden)
     opt_in = args.allow_store_peers_to_run_code
-    scheme = ws.from_config(OmegaConf.load(args.config), allow_store_peers_to_run_code=opt_in)
+    # A Path: weightsync reads the file itself, strictly and bounded (OmegaConf.load would expand YAML aliases
+    # first, and the file came from another host).
+    scheme = ws.from_config(Path(args.config), allow_store_peers_to_run_code=opt_in)
     scheme.init_on_receiver(model=policy, **({"authkey_file": args.key} if args.key else {}))
     scheme.connect()
     print(f"worker {scheme.worker_idx} version {scheme.version} {checksum(policy)}", flush=True)

@@ -32,6 +32,10 @@ class Admitter:
     ``poll()`` waits a little (about 0.1 s) for a worker asking to rejoin and returns it, or ``None``; it
     raises ``EOFError`` when there is nothing more to wait on. ``admit(candidate)`` runs under ``lock`` (the
     sender's, so never during a send); ``discard(candidate)`` turns it away at shutdown.
+
+    Both read what a connecting process sent, so neither may end the thread: any other exception is logged
+    and the thread goes on with the next peer (after :data:`LOCK_POLL_S`, should ``poll`` keep failing at
+    once). It stops within :data:`LOCK_POLL_S` plus one ``poll`` once asked, unless an admission is under way.
     """
 
     def __init__(
@@ -63,15 +67,26 @@ class Admitter:
                 candidate = self._poll()
             except EOFError:
                 return
+            except Exception:  # a peer's bytes broke a check: that peer is lost, the next may come
+                log.exception("the rejoin thread failed to read a connecting process; it goes on")
+                self.stop_event.wait(LOCK_POLL_S)
+                continue
             if candidate is None:
                 continue
             if not self._locked():
-                self._discard(candidate)
+                self._quietly(self._discard, candidate)
                 return
             try:
-                self._admit(candidate)
+                self._quietly(self._admit, candidate)
             finally:
                 self._lock.release()
+
+    @staticmethod
+    def _quietly(step: Callable[[Any], None], candidate: Any) -> None:
+        try:
+            step(candidate)
+        except Exception:
+            log.exception("the rejoin thread failed to take in a connecting process; it goes on")
 
     def stop(self, timeout: float) -> None:
         """End the thread (it gives up the lock within :data:`LOCK_POLL_S`); wait at most ``timeout``."""

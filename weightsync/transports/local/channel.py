@@ -5,13 +5,23 @@ leave behind and vanishes with the process, even on SIGKILL. Anyone on the
 host can reach an abstract socket, so both ends prove they hold the scheme's
 random auth key (an HMAC challenge each way) before any message is read.
 
-Messages are small JSON objects framed by :class:`multiprocessing.connection.Connection`;
-nothing received is ever unpickled. File descriptors (shared-memory slots)
-travel as ``SCM_RIGHTS`` ancillary data on the same socket.
+Messages are small JSON objects framed as :class:`multiprocessing.connection.Connection`
+frames (a 4-byte big-endian length, then the bytes); nothing received is ever
+unpickled. File descriptors (shared-memory slots) travel as ``SCM_RIGHTS``
+ancillary data on the same socket.
+
+Every read is bounded in size and in time, a frame as a whole: before the
+handshake by :data:`_HANDSHAKE_MAX` / :data:`_HELLO_MAX` bytes and
+:data:`HANDSHAKE_TIMEOUT` seconds per peer, after it by :data:`MAX_MESSAGE`
+bytes and :data:`FRAME_TIMEOUT` seconds once a frame has begun. The listener
+runs the handshakes of all connecting peers at once, as a non-blocking state
+machine over ``poll(2)`` (at most :data:`MAX_PENDING` of them), so a peer that
+sends half a frame and holds delays nobody but itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -32,8 +42,10 @@ from ...errors import (
     ConnectionClosedError,
     SyncTimeoutError,
     TransportError,
+    WeightSyncError,
 )
 from ..plainjson import loads_object
+from .frames import FrameReader, frame, read_frame
 
 __all__ = [
     "Channel",
@@ -48,6 +60,19 @@ log = logging.getLogger("weightsync.transports.channel")
 _NONCE = 32
 #: The most a peer may send before it proved it holds the key (a challenge or its answer).
 _HANDSHAKE_MAX = 256
+#: The longest hello a worker may send (it names its index, pid, model id and device: a few hundred bytes).
+_HELLO_MAX = 4096
+#: The longest message accepted once both ends proved the key (the welcome carries the layout: one entry of
+#: about 100 bytes per tensor). A longer frame closes the channel with a :class:`ConnectionClosedError`.
+MAX_MESSAGE = 64 * 1024 * 1024
+#: Seconds the rest of a frame may take to arrive once its first byte did (the sender writes a frame at once).
+FRAME_TIMEOUT = 5.0
+#: Seconds a connecting peer has to complete the auth handshake, counted from its connection.
+HANDSHAKE_TIMEOUT = 5.0
+#: The most peers in the middle of a handshake at once; one more drops the oldest.
+MAX_PENDING = 64
+#: The most connections taken from the backlog in one look (then the pending handshakes are served).
+_ACCEPT_BATCH = 16
 
 
 def _poll_ms(timeout: float) -> int:
@@ -144,18 +169,25 @@ class Channel:
         """Next message, or ``None`` if none arrives within ``timeout`` seconds.
 
         Raises:
-            ConnectionClosedError: the peer closed its end.
+            ConnectionClosedError: the peer closed its end; or it sent a frame over :data:`MAX_MESSAGE` bytes, did
+                not finish one within :data:`FRAME_TIMEOUT` of its first byte, or sent something other than a
+                bounded JSON object with an ``op`` (then this end closes the channel: nothing it says is usable).
         """
         try:
             if not self.poll(timeout):
                 return None
-            data = self._conn.recv_bytes()
+            # The frame has begun: all of it must come within FRAME_TIMEOUT, and fit MAX_MESSAGE.
+            what = f"the channel to {self.peer}"
+            data = read_frame(self.fileno(), deadline_after(FRAME_TIMEOUT), MAX_MESSAGE, what)
+            msg = loads_object(data, f"a message from {self.peer}", max_bytes=MAX_MESSAGE)
+            if not isinstance(msg.get("op"), str):
+                raise TransportError(f"malformed message from {self.peer}: {str(msg)[:80]}")
+        except WeightSyncError as exc:  # half a frame, one too long, or garbage: the stream is lost, and the channel
+            self.close()
+            raise ConnectionClosedError(f"{exc.detail}; closed the channel") from exc
         except (EOFError, OSError) as exc:
             self.closed = True
             raise ConnectionClosedError(f"channel to {self.peer} closed") from exc
-        msg = loads_object(data, f"a message from {self.peer}", max_bytes=len(data))
-        if "op" not in msg:
-            raise TransportError(f"malformed message from {self.peer}: {msg!r:.80}")
         return msg
 
     def recv_until(self, deadline: float, what: str) -> dict[str, Any]:
@@ -173,20 +205,54 @@ class Channel:
             pass
 
 
-#: Seconds a connecting peer has to complete the auth handshake.
-HANDSHAKE_TIMEOUT = 5.0
+class _Pending:
+    """A peer in the middle of the handshake: its socket, the challenge it was sent, what it sent so far."""
+
+    def __init__(self, sock: socket.socket, nonce: bytes) -> None:
+        self.sock = sock
+        self.nonce = nonce
+        self.deadline = deadline_after(HANDSHAKE_TIMEOUT)
+        self.proved = False  # it answered the challenge: what comes next is its hello
+        self.reader = FrameReader(_HANDSHAKE_MAX, "a connecting peer")
+
+
+class _Refused(Exception):
+    """A pending peer failed its handshake: ``str()`` says how (logged; the peer is closed)."""
+
+
+def _hello_nonce(hello: dict[str, Any]) -> bytes:
+    """The worker's challenge from its hello, type-checked (a hex string of :data:`_NONCE` bytes)."""
+    if hello.get("op") != "hello":
+        raise _Refused(f"its first message is {str(hello.get('op'))[:40]!r}, not a hello")
+    nonce = hello.pop("nonce", None)
+    if not isinstance(nonce, str) or len(nonce) != 2 * _NONCE:
+        raise _Refused(f"its hello holds no {_NONCE}-byte nonce")
+    try:
+        return bytes.fromhex(nonce)
+    except ValueError:
+        raise _Refused("its hello's nonce is not hexadecimal") from None
 
 
 class ChannelListener:
-    """Accepts authenticated channels from workers on an abstract Unix socket."""
+    """Accepts authenticated channels from workers on an abstract Unix socket.
+
+    Anyone on the host can connect, so nothing a peer sends before it proved the key can hold the listener:
+    every connecting peer gets its own :data:`HANDSHAKE_TIMEOUT` from its connection, the handshakes of all
+    of them advance together without blocking (a peer is read only when ``poll`` says it sent something, and
+    only up to the end of its current frame), and at most :data:`MAX_PENDING` are held at once. One thread
+    calls :meth:`accept` at a time.
+    """
 
     def __init__(self, authkey: bytes, address: str | None = None) -> None:
         self._authkey = authkey
         self.address = address or f"@weightsync-{os.getpid()}-{secrets.token_hex(8)}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._pending: dict[int, _Pending] = {}  # by descriptor, oldest first
+        self._closed = False
         try:
             self._sock.bind(_abstract(self.address))
             self._sock.listen(128)
+            self._sock.setblocking(False)
         except OSError:
             self._sock.close()
             raise
@@ -194,48 +260,127 @@ class ChannelListener:
     def fileno(self) -> int:
         return self._sock.fileno()
 
-    def accept(self, timeout: float) -> tuple[Channel, dict[str, Any]] | None:
-        """Accept and authenticate one worker; ``None`` if nobody connects within ``timeout``.
+    @property
+    def pending(self) -> int:
+        """How many peers are in the middle of their handshake."""
+        return len(self._pending)
 
-        Returns the channel and the worker's hello message.
+    def accept(self, timeout: float) -> tuple[Channel, dict[str, Any]] | None:
+        """The next worker to complete the handshake within ``timeout`` s, with its hello; ``None`` if none did.
+
+        Handshakes that are not over when ``timeout`` ends go on at the next call (each peer within its own
+        :data:`HANDSHAKE_TIMEOUT`). A peer that fails (a wrong key, a malformed or oversized frame, silence
+        past its deadline) is closed and logged, and the wait goes on for the others.
 
         Raises:
-            AuthenticationError: the peer failed the challenge (its connection is closed).
+            OSError: the listener was closed.
         """
         deadline = deadline_after(timeout)
-        self._sock.settimeout(max(timeout, 1e-3))
+        while True:
+            if self._closed:
+                raise OSError("the listener is closed")
+            self._expire()
+            wait = remaining(deadline)
+            if self._pending:
+                wait = min(wait, min(remaining(p.deadline) for p in self._pending.values()))
+            for fd in readable([self._sock.fileno(), *self._pending], wait):
+                if fd == self._sock.fileno():
+                    self._take_new()
+                    continue
+                peer = self._pending.get(fd)
+                if peer is None:
+                    continue
+                accepted = self._advance(peer)
+                if accepted is not None:
+                    return accepted
+            if remaining(deadline) <= 0:
+                return None
+
+    def _drop(self, peer: _Pending, why: str | None) -> None:
+        self._pending.pop(peer.sock.fileno(), None)
+        if why is not None:
+            log.warning("refused a connection on %s: %s", self.address, why)
+        peer.sock.close()
+
+    def _expire(self) -> None:
+        for peer in [p for p in self._pending.values() if remaining(p.deadline) <= 0]:
+            self._drop(peer, f"it did not complete the handshake within {HANDSHAKE_TIMEOUT:.0f}s")
+
+    def _take_new(self) -> None:
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors, say: the backlog keeps the connection for later
+                log.warning("could not accept a connection on %s: %s", self.address, exc)
+                return
+            sock.setblocking(False)
+            if len(self._pending) >= MAX_PENDING:
+                oldest = next(iter(self._pending.values()))
+                self._drop(oldest, f"{MAX_PENDING} handshakes were pending: dropped the oldest")
+            peer = _Pending(sock, secrets.token_bytes(_NONCE))
+            self._pending[sock.fileno()] = peer
+            try:
+                self._send(peer, peer.nonce)
+            except _Refused as exc:
+                self._drop(peer, str(exc))
+
+    @staticmethod
+    def _send(peer: _Pending, data: bytes) -> None:
+        # A few dozen bytes into a socket that holds at most the few we sent before: it never has to wait.
+        framed = frame(data)
         try:
-            raw, _ = self._sock.accept()
-        except TimeoutError:
+            sent = peer.sock.send(framed, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        except OSError as exc:
+            raise _Refused(f"it closed the connection ({exc})") from None
+        if sent != len(framed):
+            raise _Refused("it does not read what it is sent")
+
+    def _advance(self, peer: _Pending) -> tuple[Channel, dict[str, Any]] | None:
+        """Read what ``peer`` sent, up to the end of its current frame; the channel once its handshake is done."""
+        try:
+            try:
+                data = peer.sock.recv(peer.reader.want())
+            except (BlockingIOError, InterruptedError):
+                return None
+            except OSError as exc:
+                raise _Refused(f"its connection failed ({exc})") from None
+            if not data:
+                raise _Refused("it closed the connection during the handshake")
+            try:
+                got = peer.reader.feed(data)
+            except TransportError as exc:
+                raise _Refused(exc.detail) from None
+            if got is None:
+                return None
+            if not peer.proved:
+                if not hmac.compare_digest(got, _digest(self._authkey, peer.nonce, b"worker")):
+                    with contextlib.suppress(_Refused):
+                        self._send(peer, b"denied")
+                    raise _Refused("it failed the auth-key challenge")
+                peer.proved = True
+                peer.reader = FrameReader(_HELLO_MAX, "a worker's hello")
+                return None
+            try:
+                hello = loads_object(got, "a worker's hello", max_bytes=_HELLO_MAX)
+            except TransportError as exc:
+                raise _Refused(exc.detail) from None
+            self._send(peer, _digest(self._authkey, _hello_nonce(hello), b"sender"))
+        except _Refused as exc:
+            self._drop(peer, str(exc))
             return None
-        raw.setblocking(True)
-        conn = Connection(raw.detach())
-        channel = Channel(conn, "worker (handshake)")
-        # The handshake has a bound of its own: a short wait for connections (the sender's rejoin
-        # listener polls every 0.1 s) must not cut short a peer that is answering.
-        deadline = deadline_after(max(remaining(deadline), HANDSHAKE_TIMEOUT))
-        try:
-            nonce = secrets.token_bytes(_NONCE)
-            conn.send_bytes(nonce)
-            if not conn.poll(remaining(deadline)):
-                raise AuthenticationError("peer did not answer the auth challenge in time")
-            answer = conn.recv_bytes(_HANDSHAKE_MAX)
-            if not hmac.compare_digest(answer, _digest(self._authkey, nonce, b"worker")):
-                conn.send_bytes(b"denied")
-                raise AuthenticationError("peer failed the auth-key challenge")
-            hello = channel.recv_until(deadline, "hello")
-            peer_nonce = bytes.fromhex(hello.pop("nonce", ""))
-            conn.send_bytes(_digest(self._authkey, peer_nonce, b"sender"))
-        except (EOFError, OSError, ConnectionClosedError, AuthenticationError, SyncTimeoutError, ValueError) as exc:
-            channel.close()
-            if isinstance(exc, AuthenticationError):
-                log.warning("refused a connection on %s: %s", self.address, exc)
-                raise
-            raise AuthenticationError(f"handshake failed: {exc}") from exc
-        channel.peer = f"worker {hello.get('worker_idx')} (pid {hello.get('pid')})"
+        self._pending.pop(peer.sock.fileno())
+        peer.sock.setblocking(True)
+        channel = Channel(Connection(peer.sock.detach()), "worker (handshake)")
+        channel.peer = f"worker {str(hello.get('worker_idx'))[:20]} (pid {str(hello.get('pid'))[:20]})"
         return channel, hello
 
     def close(self) -> None:
+        """Stop listening and drop every pending handshake."""
+        self._closed = True
+        for peer in list(self._pending.values()):
+            self._drop(peer, None)
         try:
             self._sock.close()
         except OSError:
@@ -284,19 +429,21 @@ def connect_channel(
                     "did not run, or ended)"
                 )
             progress.tick("it listens, but its connect() has not taken this worker in yet")
-        nonce = conn.recv_bytes(_HANDSHAKE_MAX)
+        what = f"the sender at {address!r}"
+        nonce = read_frame(conn.fileno(), deadline, _HANDSHAKE_MAX, what)
         conn.send_bytes(_digest(authkey, nonce, b"worker"))
         my_nonce = secrets.token_bytes(_NONCE)
         channel.send({**hello, "op": "hello", "nonce": my_nonce.hex()})
-        if not conn.poll(remaining(deadline)):
-            raise SyncTimeoutError(f"sender at {address!r} did not answer the handshake within {timeout:.1f}s")
-        proof = conn.recv_bytes(_HANDSHAKE_MAX)
+        proof = read_frame(conn.fileno(), deadline, _HANDSHAKE_MAX, what)
     except SyncTimeoutError:  # a TimeoutError, hence an OSError: not a closed handshake
         channel.close()
         raise
     except (EOFError, OSError, ConnectionClosedError) as exc:
         channel.close()
         raise AuthenticationError(f"sender at {address!r} closed the handshake (wrong auth key?)") from exc
+    except TransportError as exc:  # a frame over the handshake's bound
+        channel.close()
+        raise AuthenticationError(f"the sender at {address!r} broke the handshake ({exc.detail})") from exc
     except BaseException:
         channel.close()
         raise

@@ -40,6 +40,10 @@ __all__ = ["Ack", "MPTransport", "Update"]
 FD_WAIT_S = 5.0
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass
 class Update:
     """A pending update on the receiver side: which version, in which slot."""
@@ -131,9 +135,15 @@ class MPTransport(PeerTransport, TransportBackend):
         return out, None
 
     def _ack(self, msg: dict[str, Any], model_id: str | None) -> Ack:
-        if msg.get("op") != "ack":
-            raise TransportError(f"unexpected message {msg.get('op')!r} from worker {self.worker_idx}")
-        version, held, err = int(msg["version"]), msg.get("held"), msg.get("error")
+        version, held, err = msg.get("version"), msg.get("held"), msg.get("error")
+        if (
+            msg.get("op") != "ack"
+            or not _is_int(version)
+            or not (held is None or _is_int(held))
+            or not (err is None or isinstance(err, dict))
+        ):  # a key holder's garbage: nothing it says can be trusted, so it is treated as gone
+            self.channel.close()
+            raise ConnectionClosedError(f"worker {self.worker_idx} sent a malformed message: {str(msg)[:80]}")
         # The last failure stays known until a later success: if the worker then leaves, that is why.
         self.last_error = None
         if err:
@@ -141,7 +151,7 @@ class MPTransport(PeerTransport, TransportBackend):
                 str(err.get("type")), str(err.get("message")), model_id=model_id, worker_idx=self.worker_idx,
                 version=version,
             )  # fmt: skip
-        return Ack(version, None if held is None else int(held), self.last_error)
+        return Ack(version, held, self.last_error)
 
     def check_connection(self) -> bool:
         """``False`` once the worker is known gone or its channel closed."""

@@ -157,13 +157,20 @@ class LocalSender(SenderEngine):
         return len(self.transports) == self.num_workers
 
     def _hello_problem(self, hello: dict[str, Any]) -> str | None:
+        """Why a hello (bounded JSON from a key holder) cannot be taken: every field it names is type-checked."""
         w = hello.get("worker_idx")
         if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < self.num_workers:
-            return f"worker_idx {w!r} is not in 0..{self.num_workers - 1}"
+            return f"worker_idx {str(w)[:40]!r} is not in 0..{self.num_workers - 1}"
+        pid, texts = hello.get("pid"), {k: hello.get(k) for k in ("model_id", "device")}
+        if isinstance(pid, bool) or not isinstance(pid, int):
+            return f"its hello's pid is a {type(pid).__name__}, not an integer"
+        for key, value in texts.items():
+            if value is not None and not isinstance(value, str):
+                return f"its hello's {key} is a {type(value).__name__}, not a string"
         if w in self.transports and not self.sink.is_dead(w):
             return f"worker {w} is already connected"
         if hello.get("model_id") != self.sink.model_id:
-            return f"model_id {hello.get('model_id')!r} does not match {self.sink.model_id!r}"
+            return f"model_id {str(hello.get('model_id'))[:80]!r} does not match {self.sink.model_id!r}"
         return None
 
     def _welcome(self, channel: Channel, hello: dict[str, Any]) -> None:
@@ -395,7 +402,7 @@ class LocalSender(SenderEngine):
         index and gets the newest version published; anyone else is refused with the reason."""
         channel, hello = candidate
         w = hello.get("worker_idx")
-        if isinstance(w, int) and w in self.transports and not self.sink.is_dead(w):
+        if type(w) is int and w in self.transports and not self.sink.is_dead(w):
             self.poll([w])  # a worker killed since the last send is noticed now
         newest = self._newest_slot()
         if newest is None:

@@ -18,7 +18,7 @@ which expands YAML aliases before anything can refuse them.
 
 A receiver config may come from a file another host wrote, so
 :func:`from_config` treats it as data and checks the whole tree before
-anything in it is called (see the threat model in ``docs/reliability.md``):
+anything in it is called (see the threat model in ``docs/security.md``):
 
 1. it becomes a plain tree (:func:`~weightsync.config.plain.plain_tree`: strict
    YAML read from text or a file, no interpolation resolved, sizes bounded);

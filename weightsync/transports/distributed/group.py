@@ -11,11 +11,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...errors import ConfigurationError
+from ...core.timing import remaining
+from ...errors import ConfigurationError, SyncTimeoutError
 from ..network import local_address
 from ..store import as_timedelta
 
-__all__ = ["Waiter", "gpu_identity", "is_timeout", "new_group"]
+__all__ = ["Waiter", "gpu_identity", "is_timeout", "new_group", "new_group_within"]
 
 
 def gpu_identity() -> str:
@@ -50,6 +51,37 @@ def new_group(backend: str, store: dist.Store, rank: int, size: int, timeout: fl
         options._timeout = as_timedelta(timeout)
         return dist.ProcessGroupNCCL(store, rank, size, options)
     raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+
+
+def new_group_within(deadline: float, what: str, *args: Any, **where: Any) -> Any:
+    """:func:`new_group` (``args``), given up at ``deadline`` however long the group's own timeout is.
+
+    The group's formation runs in torch's C++ code, which waits on the store and on its peers for the group's
+    operation timeout (several times the scheme's ``timeout``); and anyone who reaches the store can claim a rank
+    there (its keys are public), so a rank may never come. It runs on a thread of its own, which the caller stops
+    waiting for at ``deadline``; left behind, it ends at the group's timeout and its group is dropped.
+
+    Raises:
+        SyncTimeoutError: the group did not form by ``deadline`` (``what``: which group, for the message).
+        torch.distributed.DistError, RuntimeError: it failed.
+    """
+    made: Future = Future()
+
+    def form() -> None:
+        try:
+            made.set_result(new_group(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            made.set_exception(exc)
+
+    threading.Thread(target=form, name="weightsync-group-formation", daemon=True).start()
+    try:
+        return made.result(timeout=max(remaining(deadline), 0.0))
+    except TimeoutError:
+        raise SyncTimeoutError(
+            f"{what} did not form in time: a rank did not connect (a peer is late or gone, or a process that reached "
+            "the store claimed a rank)",
+            **where,
+        ) from None
 
 
 def is_timeout(exc: BaseException) -> bool:

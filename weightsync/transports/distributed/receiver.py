@@ -43,7 +43,7 @@ from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphane
 from ..plainjson import loads_object
 from ..processes import process_identity
 from ..store import MAX_STORE_JSON, SILENT_TIMEOUTS, await_key, connect_store
-from .auth import Sealer, hash_pool, layout_tag, proof, run_prefix
+from .auth import PayloadMac, Sealer, layout_tag, proof, run_prefix
 from .group import gpu_identity, new_group_within
 from .sender import GROUP_TIMEOUT_FACTOR, REJOIN_POLL_S
 from .transport import MAX_ERROR_TEXT, DistributedTransport, Link
@@ -102,7 +102,6 @@ class DistributedReceiver(ReceiverEngine):
         self.prefix = run_prefix(where["model_id"], self._key)
         self.sealer = Sealer(self._key, self.prefix)
         self._layout_tag = b""
-        self._hashers = hash_pool(f"{where['model_id']}-mac")
         self.backend, self.device, self.bucket_bytes = backend, device, bucket_bytes
         self._take, self.checksum, self.timeout, self.where = take, checksum, timeout, where
         self.model_device = model_device
@@ -303,7 +302,7 @@ class DistributedReceiver(ReceiverEngine):
                     break
                 return self._rejoin(max(remaining(deadline), self.timeout))
             version = int(msg["version"])
-            mac = self.sealer.payload_mac(self._layout_tag, self._buffers[self._at], self._hashers)
+            mac = self._mac(msg)
             transport.receive_into(self._parts(), self.timeout, version, mac)
             if self._dropped_meanwhile():
                 return self._rejoin(max(remaining(deadline), self.timeout))
@@ -322,11 +321,11 @@ class DistributedReceiver(ReceiverEngine):
         """The initial weights (at connect, or once this worker rejoined): they come without an announcement."""
         assert self.transport is not None
         deadline = deadline_after(timeout)
-        mac = self.sealer.payload_mac(self._layout_tag, self._buffers[self._at], self._hashers)
-        self.transport.receive_into(self._parts(), timeout, 0, mac)
+        said = self.transport.initial_message(timeout)  # sealed before the bytes were sent: nothing unsealed is read
+        version, mac = said["version"], self._mac(said)
+        self.transport.receive_into(self._parts(), max(remaining(deadline), 0.001), version, mac)
         if self._dropped_meanwhile():  # dropped again while the newest version was on its way
             return self._rejoin(max(timeout, self.timeout))
-        version = self.transport.initial_version(max(remaining(deadline), 0.001))
         refusal = self._verify(mac, 0, version, max(remaining(deadline), self.timeout))
         self._initial = False
         return [self._delivery(version, [0], refusal)]
@@ -340,12 +339,17 @@ class DistributedReceiver(ReceiverEngine):
         self._dropped = "it did not ack in time"
         return True
 
-    def _verify(self, mac: Any, seq: int, version: int, timeout: float) -> AuthenticationError | None:
+    def _mac(self, said: dict[str, Any]) -> PayloadMac:
+        """The keyed digest of the message ``said`` announces, fed as its bytes land in the staging buffer."""
+        buffer = self._buffers[self._at]
+        return self.sealer.payload_mac(self._layout_tag, buffer, said["version"], said["nonce"], said["mac"])
+
+    def _verify(self, mac: PayloadMac, seq: int, version: int, timeout: float) -> AuthenticationError | None:
         """Why the bytes of message ``seq`` (version ``version``) in the staging buffer may not be applied:
         ``None`` when they hash, with the run key, to the digest the sender sealed for them."""
         assert self.transport is not None
         expected = self.transport.expected_digest(seq, version, timeout)
-        if hmac.compare_digest(mac.hexdigest(version), expected):
+        if hmac.compare_digest(mac.hexdigest(), expected):
             return None
         return AuthenticationError(
             "the update's bytes do not match the keyed digest the sender sealed for them (corrupted in transit, or "
@@ -370,7 +374,6 @@ class DistributedReceiver(ReceiverEngine):
         if self._key_file is not None and self._closed:
             # A sender that shut down removed its key file; one that was killed could not (on its own host).
             remove_key_file_if_orphaned(self._key_file, grace=ORPHAN_GRACE_S)
-        self._hashers.shutdown(wait=True)  # idle: close() is not called while an update is received
         self.transport = None
         self._buffers, self._views = [], []  # a model that took one keeps it: it is the model's memory now
         self._stores = None

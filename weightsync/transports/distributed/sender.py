@@ -48,7 +48,7 @@ from ..keyfiles import KEY_BYTES, key_name, remove_key_file, write_key_file
 from ..processes import process_is_gone
 from ..staging import Staging, StagingPool
 from ..store import connect_store, open_store, store_json
-from .auth import Sealer, hash_pool, layout_tag, proven, run_prefix
+from .auth import MAC, Sealer, layout_tag, new_nonce, proven, run_prefix
 from .group import gpu_identity, new_group, new_group_within
 from .transport import ACK_OK, DistributedTransport, Link
 
@@ -121,7 +121,7 @@ class DistributedSender(SenderEngine):
         described = json.dumps(layout.to_plain()).encode()
         self.layout_tag = layout_tag(described)  # what each version's digest binds: the layout, in order
         self.store.set("layout", self.sealer.seal("layout", described))
-        self._hashers = hash_pool(f"{sink.model_id}-mac")
+        self._nonce = ""  # the one-time key's nonce of the version being staged
         if backend == "nccl":
             self.store.set("gpu", gpu_identity())
         self.link = Link(sealer=self.sealer)
@@ -132,7 +132,8 @@ class DistributedSender(SenderEngine):
             for w in range(num_workers)
         }
         self.pool: StagingPool | None = None
-        self.newest: tuple[Staging, int, str] | None = None  # (staging, version, keyed digest) of the last send
+        #: (staging, version, keyed digest, its nonce) of the last send
+        self.newest: tuple[Staging, int, str, str] | None = None
         self.hellos: dict[int, dict[str, Any]] = {}  # what each worker said when it (re)joined
         self._gens: dict[int, int] = {}  # worker -> the generation (connection count) admitted last
         self._rejoins_seen = 0
@@ -230,16 +231,18 @@ class DistributedSender(SenderEngine):
             self.pool = StagingPool(self.layout.nbytes, self.device, self.max_buffers, done, self._settle, self.pin)
         staging = self.pool.acquire(deadline, model_id=self.sink.model_id, version=out.version)
         self.newest = None  # until the whole version is in the buffer
+        self._nonce = new_nonce()
         if out.initial:
             assert self.store is not None
-            self.store.set("initial", self.sealer.seal("initial", str(out.version)))
+            said = {"version": out.version, "nonce": self._nonce, "mac": MAC}
+            self.store.set("initial", self.sealer.seal("initial", json.dumps(said)))
         return staging
 
     def submit(self, out: Outgoing, staging: Staging) -> None:
         sending = []
         for w in out.workers:
             try:
-                self.transports[w].announce(out.version, initial=out.initial)
+                self.transports[w].announce(out.version, self._nonce, MAC, initial=out.initial)
             except RuntimeError as exc:  # the store or the peer is gone
                 self._gone(w, exc)
                 continue
@@ -248,7 +251,7 @@ class DistributedSender(SenderEngine):
         # Bucket by bucket: while gloo sends one, the next is copied into the staging buffer.
         if staging.views is None:
             staging.views = self.layout.views(staging.tensor)
-        mac = self.sealer.payload_mac(self.layout_tag, staging.tensor, self._hashers)
+        mac = self.sealer.payload_mac(self.layout_tag, staging.tensor, out.version, self._nonce, MAC)
         for first, last, start, end in self.buckets:
             if out.whole is not None:  # flatten_sender: the bucket's bytes already lie in one buffer, in place
                 copy_tensors([staging.tensor[start:end]], [out.whole[start:end]])
@@ -260,15 +263,15 @@ class DistributedSender(SenderEngine):
                 except RuntimeError as exc:  # the peer is gone: gloo refuses to send to it
                     self._gone(w, exc)
                     sending.remove(w)
-            mac.ready(end)  # hashed on threads while the bucket is on the wire and the next one is copied
-        payload_digest = mac.hexdigest(out.version)
+            mac.ready(end)  # hashed while gloo's thread sends the bucket
+        payload_digest = mac.hexdigest()
         for w in sending:
             try:
                 self.transports[w].set_digest(payload_digest, out.version)  # the workers check it before applying
                 self.transports[w].expect_ack(out.version)
             except RuntimeError as exc:  # the peer died since its parts went out: gloo refuses the receive
                 self._gone(w, exc)
-        self.newest = (staging, out.version, payload_digest)  # what a worker that rejoins is sent
+        self.newest = (staging, out.version, payload_digest, self._nonce)  # what a worker that rejoins is sent
 
     def _gone(self, w: int, exc: BaseException) -> None:
         """Worker ``w``'s rank went away (gloo or the store refused, or a send to it failed): it is dead."""
@@ -406,10 +409,11 @@ class DistributedSender(SenderEngine):
         if self.newest is None:
             self.sink.died(w, "failed to rejoin: no whole version to send")
             return None
-        staging, version, payload_digest = self.newest
+        staging, version, payload_digest, nonce = self.newest
         try:
-            pair.set("initial", transport.sealer.seal("initial", str(version)))
-            transport.announce(version, initial=True)
+            said = {"version": version, "nonce": nonce, "mac": MAC}
+            pair.set("initial", transport.sealer.seal("initial", json.dumps(said)))
+            transport.announce(version, nonce, MAC, initial=True)
             staging.readers[w] = [transport.send_part(staging.tensor[start:end]) for *_, start, end in self.buckets]
             transport.set_digest(payload_digest, version)
             transport.expect_ack(version)
@@ -433,7 +437,6 @@ class DistributedSender(SenderEngine):
         self.transports.clear()
         self.pool = None
         self.newest = None
-        self._hashers.shutdown(wait=True)  # idle: no send is in progress while the sender closes
         self.link.pg = self.link.store = None
         self.store = self._base_store = None
 

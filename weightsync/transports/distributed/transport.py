@@ -42,7 +42,7 @@ from ...errors import (
 from ..base import PeerTransport
 from ..plainjson import loads_object
 from ..store import MAX_STORE_JSON, as_timedelta, store_json
-from .auth import PayloadMac, Sealer
+from .auth import MACS, PayloadMac, Sealer
 from .group import Waiter, is_timeout
 
 if TYPE_CHECKING:
@@ -153,17 +153,18 @@ class DistributedTransport(PeerTransport):
         return {"model_id": self.model_id, "worker_idx": self.worker_idx, "version": version}
 
     # ----------------------------------------------------------------- sender
-    def announce(self, version: int, *, initial: bool = False) -> None:
+    def announce(self, version: int, nonce: str, mac: str, *, initial: bool = False) -> None:
         """Start message ``version``: announce it in the store (the parts follow over the group).
 
         The initial weights are sent without an announcement: the worker is in ``connect()`` waiting for
-        exactly them.
+        exactly them (their version, ``nonce`` and ``mac`` are in the store's ``initial``). ``nonce`` and ``mac``:
+        the message's one-time key and MAC (:class:`~.auth.PayloadMac`).
         """
         _, store = self._group()
         seq = 0 if initial else self.seq + 1
         if not initial:
             key = f"msg/{self.worker_idx}/{seq}"
-            store.set(key, self.sealer.seal(key, json.dumps({"version": version})))
+            store.set(key, self.sealer.seal(key, json.dumps({"version": version, "nonce": nonce, "mac": mac})))
         self.seq = seq
         if self._waiter is None:
             self._waiter = Waiter(f"weightsync-{self.model_id}-rank{self.rank}")
@@ -265,7 +266,7 @@ class DistributedTransport(PeerTransport):
     def next_message(self, timeout: float) -> dict[str, Any] | None:
         """The next announcement for this worker, waiting up to ``timeout``; ``None`` if none came.
 
-        Returns one of ``{"version": int}``, ``{"closed": True}``, ``{"dropped": str}``.
+        Returns one of ``{"version": int, "nonce": str, "mac": str}``, ``{"closed": True}``, ``{"dropped": str}``.
 
         Raises:
             AuthenticationError: the announcement is not sealed with the run key.
@@ -339,23 +340,24 @@ class DistributedTransport(PeerTransport):
             ) from None
         return self.sealer.open(raw, key, version, **self._where(version)).decode("ascii", "replace")
 
-    def initial_version(self, timeout: float) -> int:
-        """The version of the initial weights (sealed by the sender before it sent them).
+    def initial_message(self, timeout: float) -> dict[str, Any]:
+        """What the initial weights are: ``{"version", "nonce", "mac"}``, sealed by the sender before it sent them.
 
         Raises:
-            AuthenticationError: not sealed with the run key. TransportError: not a version.
+            AuthenticationError: not sealed with the run key. TransportError: not what a sender writes there.
             ConnectionClosedError: not there within ``timeout``.
         """
         try:
             self.store.wait(["initial"], as_timedelta(timeout))
-            text = self._opened("initial").decode("ascii", "replace")
+            content = self._opened("initial")
         except dist.DistError as exc:
             raise ConnectionClosedError(
                 f"the sender named no initial version ({first_line(exc)})", **self._where()
             ) from None
-        if not (0 < len(text) <= 20 and text.isdigit()):
-            raise TransportError(f"store key 'initial' holds no version ({text[:40]!r}); refusing it", **self._where())
-        return int(text)
+        msg = _announcement(content, "initial", **self._where())
+        if "version" not in msg:
+            raise TransportError("store key 'initial' names no version; refusing it", **self._where())
+        return msg
 
     def receive_weights(self, timeout: float | None = None, **kwargs: Any) -> Any:
         raise LifecycleError("a distributed worker receives with scheme.receive()")
@@ -385,8 +387,15 @@ class DistributedTransport(PeerTransport):
 def _announcement(content: bytes, key: str, **where: Any) -> dict[str, Any]:
     """An opened announcement, checked to be one of the three a sender writes."""
     msg = loads_object(content, f"store key {key!r}", max_bytes=MAX_STORE_JSON)
-    version = msg.get("version")
-    if set(msg) == {"version"} and type(version) is int and version >= 0:
+    version, nonce = msg.get("version"), msg.get("nonce")
+    if (
+        set(msg) == {"version", "nonce", "mac"}
+        and type(version) is int
+        and version >= 0
+        and isinstance(nonce, str)
+        and 0 < len(nonce) <= 64
+        and msg["mac"] in MACS
+    ):
         return msg
     if msg == {"closed": True} or (set(msg) == {"dropped"} and isinstance(msg["dropped"], str)):
         return msg

@@ -10,7 +10,7 @@ Two parts, in one run:
 2. ``send()`` of the scheme (one worker process, gloo on loopback, ``sync=True``: until the worker checked the
    MAC, applied and acked) with the MAC the engine computes (Poly1305 under a one-time key, bucket by bucket,
    while buckets are on the wire), against the same scheme with the MAC replaced by a constant on both sides
-   (what a send would cost without it): a run of each per model size, medians of its rounds.
+   (what a send would cost without it): both connected at once, their sends alternating, medians.
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ class _NoMac:
         return "0" * 64
 
 
-def _without_mac() -> None:
-    auth.Sealer.payload_mac = lambda self, *args: _NoMac()  # type: ignore[method-assign]
+def _without_mac(sealer: auth.Sealer) -> None:
+    """This engine's updates go without their MAC (a constant stands for it)."""
+    sealer.payload_mac = lambda *args: _NoMac()  # type: ignore[method-assign]
 
 
 def make_model(mb: float) -> nn.Module:
@@ -76,9 +77,9 @@ def make_model(mb: float) -> nn.Module:
 
 def worker(scheme: ws.WeightSyncScheme, mb: float, mac: bool, stop) -> None:
     torch.set_num_threads(1)
+    scheme.init_on_receiver(model_id="policy" if mac else "plain", model=make_model(mb), worker_idx=0)
     if not mac:
-        _without_mac()
-    scheme.init_on_receiver(model=make_model(mb), worker_idx=0)
+        _without_mac(scheme._receiving.engine.sealer)
     scheme.connect()
     while not stop.is_set():
         try:
@@ -91,10 +92,10 @@ def worker(scheme: ws.WeightSyncScheme, mb: float, mac: bool, stop) -> None:
 @contextlib.contextmanager
 def connected(model: nn.Module, mb: float, mac: bool, bucket_mb: float | None) -> Iterator[ws.WeightSyncScheme]:
     ctx = mp.get_context("forkserver")
-    if not mac:
-        _without_mac()
     scheme = ws.DistributedWeightSyncScheme(timeout=120, connect_timeout=120, bucket_mb=bucket_mb)
-    scheme.init_on_sender(model=model, num_workers=1)
+    scheme.init_on_sender(model_id="policy" if mac else "plain", model=model, num_workers=1)
+    if not mac:
+        _without_mac(scheme._sending.engine.sealer)
     stop = ctx.Event()
     proc = ctx.Process(target=worker, args=(scheme, mb, mac, stop))
     proc.start()
@@ -107,21 +108,14 @@ def connected(model: nn.Module, mb: float, mac: bool, bucket_mb: float | None) -
         proc.join(60)
         if proc.is_alive():
             proc.kill()
-        auth.Sealer.payload_mac = REAL_PAYLOAD_MAC  # type: ignore[method-assign]
 
 
-REAL_PAYLOAD_MAC = auth.Sealer.payload_mac
-
-
-def timed_sends(scheme: ws.WeightSyncScheme, model: nn.Module, rounds: int) -> list[float]:
-    times = []
-    for _ in range(rounds):
-        with torch.no_grad():
-            model[-1].add_(1.0)
-        start = time.perf_counter()
-        scheme.send()
-        times.append(time.perf_counter() - start)
-    return times
+def timed_send(scheme: ws.WeightSyncScheme, model: nn.Module) -> float:
+    with torch.no_grad():
+        model[-1].add_(1.0)
+    start = time.perf_counter()
+    scheme.send()
+    return time.perf_counter() - start
 
 
 def mac_rates(mb: float, rounds: int) -> list[tuple[str, float]]:
@@ -157,12 +151,14 @@ def main() -> None:
         for bucket_mb in args.bucket_mb:
             if bucket_mb is not None and bucket_mb >= mb:
                 continue  # one bucket: the row above
-            medians = {}
-            for mac in (False, True):
-                with connected(model, mb, mac, bucket_mb) as scheme:
-                    timed_sends(scheme, model, 1)  # the first send touches the buffers' pages
-                    medians[mac] = statistics.median(timed_sends(scheme, model, rounds))
-            sends.append((mb, bucket_mb, rounds, medians[False], medians[True]))
+            times: dict[bool, list[float]] = {False: [], True: []}
+            with connected(model, mb, False, bucket_mb) as plain, connected(model, mb, True, bucket_mb) as authed:
+                for step in range(rounds + 1):  # alternating, under the same load; the first touches the pages
+                    for mac, scheme in ((False, plain), (True, authed)):
+                        took = timed_send(scheme, model)
+                        if step:
+                            times[mac].append(took)
+            sends.append((mb, bucket_mb, rounds, statistics.median(times[False]), statistics.median(times[True])))
         del model
     machine = f"{platform.machine()} / {os.cpu_count()} cores, torch {torch.__version__}, one run"
     lines = [

@@ -21,6 +21,7 @@ import weightsync as ws
 from tests._as_stranger import needs_stranger, run_stranger, start_stranger
 from weightsync.core.timing import remaining
 from weightsync.transports.distributed import sender as sender_module
+from weightsync.transports.distributed.auth import MACS, Sealer
 from weightsync.transports.distributed.transport import DistributedTransport
 
 CONNECT_TIMEOUT = 6.0
@@ -270,3 +271,38 @@ def test_a_deep_request_to_rejoin_leaves_the_admitter_serving():
         if second is not None:
             second.stop()
         scheme.shutdown()
+
+
+@pytest.mark.parametrize("alg", MACS)
+def test_an_update_mac_binds_the_bytes_the_version_the_nonce_and_the_layout(alg):
+    """Each MAC a worker may be told to use (Poly1305, or HMAC-SHA256 where cryptography is missing) changes with
+    any byte, the version, the nonce, the layout's order or the run key."""
+    key, buffer = b"k" * 32, torch.arange(4096, dtype=torch.uint8)
+    sealer = Sealer(key, "weightsync/policy/0123456789abcdef")
+
+    def mac(buf=buffer, version=3, nonce="aa", tag=b"layout", sealer=sealer) -> str:
+        digest = sealer.payload_mac(tag, buf, version, nonce, alg)
+        digest.ready(1000)  # fed in two steps, as buckets arrive
+        return digest.hexdigest()
+
+    flipped = buffer.clone()
+    flipped[4000] ^= 1
+    other_key = Sealer(b"K" * 32, sealer.prefix)
+    same = mac()
+    assert same == mac()
+    assert len({same, mac(flipped), mac(version=4), mac(nonce="ab"), mac(tag=b"tuoyal"), mac(sealer=other_key)}) == 6
+
+
+def test_a_sealed_value_is_refused_under_another_key_scope_or_version():
+    sealer = Sealer(b"k" * 32, "weightsync/policy/0123456789abcdef")
+    sealed = sealer.seal("digest/0/1", "abc", 1)
+    assert sealer.open(sealed, "digest/0/1", 1) == b"abc"
+    for opened in (
+        lambda: sealer.open(sealed, "digest/1/1", 1),
+        lambda: sealer.open(sealed, "digest/0/1", 2),
+        lambda: sealer.scoped("pair/0/2/").open(sealed, "digest/0/1", 1),
+        lambda: Sealer(b"K" * 32, sealer.prefix).open(sealed, "digest/0/1", 1),
+        lambda: sealer.open(b"abc", "digest/0/1", 1),
+    ):
+        with pytest.raises(ws.AuthenticationError, match="is not sealed"):
+            opened()

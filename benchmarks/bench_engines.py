@@ -174,7 +174,8 @@ def bench_rpc(mb: float, workers: int, rounds: int, tensors: int = 0) -> tuple[l
     from weightsync.transports.rpc import default_worker_name
 
     model = make_model(mb, tensors)
-    scheme = ws.RPCWeightSyncScheme(timeout=120)
+    # Opted in: while it runs, every local user could run code in this benchmark's processes (docs/multinode.md).
+    scheme = ws.RPCWeightSyncScheme(timeout=120, allow_store_peers_to_run_code=True)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
     ctx = processes()
     stop = ctx.Event()
@@ -206,7 +207,7 @@ def bench_rpc_pair(
     """Sends of two models of ``mb`` each (``tensors[i]`` tensors) to the same worker processes, each holding
     both models (one RPC world per process), alternating in the same rounds (:func:`_alternate`)."""
     models = [make_model(mb, t) for t in tensors]
-    schemes = [ws.RPCWeightSyncScheme(timeout=120, **options) for _ in tensors]
+    schemes = [ws.RPCWeightSyncScheme(timeout=120, allow_store_peers_to_run_code=True, **options) for _ in tensors]
     for i, (scheme, model) in enumerate(zip(schemes, models)):
         scheme.init_on_sender(model_id=f"policy{i}", model=model, num_workers=workers)
     ctx = processes()

@@ -49,7 +49,8 @@ def run(scenario: str, conn, host_address: str | None = None) -> None:
         }
         if strategy:
             kwargs["strategy"] = strategy
-        scheme = ws.RPCWeightSyncScheme(**{"timeout": 20, "connect_timeout": 60, **kwargs})
+        opted_in = {"timeout": 20, "connect_timeout": 60, "allow_store_peers_to_run_code": True}
+        scheme = ws.RPCWeightSyncScheme(**{**opted_in, **kwargs})
         body = getattr(bodies, name)
         if "strategy" in inspect.signature(body).parameters:
             body(scheme, workers, strategy)

@@ -16,7 +16,9 @@ if __name__ == "__main__":
     out, backends = sys.argv[1], sys.argv[2:]
     schemes = []
     for backend in backends:
-        scheme = ws.WeightSyncScheme.from_backend(backend)
+        # rpc runs only for a user who accepts what its world allows (every local user can run code in it).
+        opt_in = {"allow_store_peers_to_run_code": True} if backend == "rpc" else {}
+        scheme = ws.WeightSyncScheme.from_backend(backend, **opt_in)
         scheme.init_on_sender(model_id=backend, model=nn.Linear(2, 2), num_workers=1)
         OmegaConf.save(OmegaConf.create(scheme.receiver_config(0)), f"{out}/{backend}.yaml")
         schemes.append(scheme)

@@ -52,7 +52,7 @@ def main(mode: str, *args: str) -> None:
         where = cfg["connection"]
         s = store(where["master_addr"], int(where["master_port"]))
         print(f"store reached: {s.num_keys()} keys, worker 0 joined: {s.check(['weightsync-joined/1'])}", flush=True)
-        scheme = ws.from_config(cfg, allow_pickle=True)
+        scheme = ws.from_config(cfg, allow_store_peers_to_run_code=True)
         scheme.init_on_receiver(model=torch.nn.Linear(2, 2))
         try:
             scheme.connect()

@@ -244,7 +244,8 @@ def until_sender_dies(cfg: dict, report: str, kind: str = "tiny") -> None:
 
     from weightsync.config import from_config
 
-    scheme = from_config(cfg, allow_pickle=True)  # the trainer that wrote cfg is this process's parent
+    # The trainer that wrote cfg is this process's parent (and opted in to what an rpc world allows).
+    scheme = from_config(cfg, allow_pickle=True, allow_store_peers_to_run_code=True)
     scheme.init_on_receiver(model=build(kind))
     scheme.connect()
     versions = [scheme.version]
@@ -265,7 +266,8 @@ def doomed_trainer(name: str, n: int, reports: list, cmd, device: str = "") -> N
     (the test kills it). ``device``: the GPU the trainer's and the workers' models are on (``""``: the CPU)."""
     import multiprocessing as mp
 
-    scheme = ws.WeightSyncScheme.from_backend(name, timeout=5, connect_timeout=60)
+    opt_in = {"allow_store_peers_to_run_code": True} if name == "rpc" else {}  # what an rpc world allows
+    scheme = ws.WeightSyncScheme.from_backend(name, timeout=5, connect_timeout=60, **opt_in)
     kind = f"tiny@{device}" if device else "tiny"
     model = build(kind)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=n)

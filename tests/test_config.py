@@ -227,8 +227,9 @@ def test_receiver_config_round_trip_in_the_same_process():
 
 WORKER_BY_HAND = """
 import sys, hashlib, torch, weightsync.config as wc
+from pathlib import Path
 from torch import nn
-scheme = wc.from_config(open(sys.argv[1]).read())
+scheme = wc.from_config(Path(sys.argv[1]))  # the documented road: weightsync reads the file, strictly
 model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
 scheme.init_on_receiver(model=model)
 scheme.connect()
@@ -247,8 +248,9 @@ def test_receiver_config_through_yaml_into_a_process_started_by_hand(tmp_path):
     cfg_file.write_text(OmegaConf.to_yaml(OmegaConf.create(scheme.receiver_config(0))))
     script = tmp_path / "worker.py"
     script.write_text(WORKER_BY_HAND)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(cfg_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(  # the checkout under test, not whichever weightsync is installed
+        [sys.executable, str(script), str(cfg_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     try:
         scheme.connect()

@@ -15,7 +15,11 @@ import ast
 import copy
 import importlib
 import os
+import re
+import shutil
+import stat
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -24,12 +28,13 @@ import hydra.utils
 import pytest
 import torch
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 from torch import nn
 
 import weightsync as ws
+from tests._as_stranger import STRANGER_UID, needs_stranger, run_stranger
 from weightsync import config as wc
 from weightsync.config.plain import MAX_CONFIG_BYTES
 from weightsync.config.receiver import RECEIVER_TARGET
@@ -290,7 +295,7 @@ def _rpc_config(**connection) -> dict:
     conn.update(connection)
     return {
         "_target_": RECEIVER_TARGET,
-        "scheme": {"_target_": "weightsync.schemes.rpc.RPCWeightSyncScheme", "allow_pickle": True},
+        "scheme": {"_target_": "weightsync.schemes.rpc.RPCWeightSyncScheme", "allow_store_peers_to_run_code": True},
         "model_id": "policy",
         "worker_idx": 0,
         "connection": conn,
@@ -312,17 +317,17 @@ TAMPERED = [
         "timeout: a year",
         "scheme.timeout",
         3.2e7,
-        r"timeout must be a positive number of seconds, finite and at most 1e\+06",
+        r"timeout must be a positive number of seconds, finite and at most 3600,",
     ),
     ("timeout: a string", "scheme.timeout", "60", "scheme.timeout must be a positive number of seconds"),
     ("timeout: a bool", "scheme.timeout", True, "scheme.timeout must be a positive number of seconds"),
     ("sync: a string", "scheme.sync", "yes", "scheme.sync must be true or false"),
     ("max_slots: 1e100", "scheme.max_slots", 1e100, "scheme.max_slots must be a positive int or None"),
-    ("max_slots: 10**30", "scheme.max_slots", 10**30, "scheme.max_slots must be a positive int or None"),
+    ("max_slots: 10**30", "scheme.max_slots", 10**30, "scheme.max_slots holds an integer of 100 bits"),
     ("strategy: unknown", "scheme.strategy", "pickle", "scheme.strategy must be 'tensordict' or 'state_dict'"),
     ("on_failure: unknown", "scheme.on_failure", "exec", "on_failure must be 'raise' or 'drop'"),
     ("worker_idx: negative", "worker_idx", -1, r"worker_idx must be an integer in \[0"),
-    ("worker_idx: huge", "worker_idx", 10**30, r"worker_idx must be an integer in \[0"),
+    ("worker_idx: huge", "worker_idx", 10**30, "worker_idx holds an integer of 100 bits"),
     ("worker_idx: a bool", "worker_idx", True, "worker_idx must be an integer"),
     ("model_id: a newline", "model_id", "policy\nevil", "model_id must be a model name or path"),
     ("model_id: a space", "model_id", "rm -rf", "model_id must be a model name or path"),
@@ -348,22 +353,24 @@ def test_a_config_missing_a_field_is_refused(missing, legit, tripwires):
 
 
 def test_pickling_engines_are_built_only_with_the_callers_opt_in(tripwires):
-    # The config asks for allow_pickle; only the caller can give it.
-    with pytest.raises(ws.ConfigurationError, match="unpickles what the RPC world at 10.9.9.9:29999 sends"):
+    # The config asks for the opt-in; only the caller can give it, by its name (allow_pickle is not it).
+    with pytest.raises(ws.ConfigurationError, match="unpickles and runs what the RPC world at 10.9.9.9:29999 sends"):
         wc.from_config(_rpc_config(master_addr="10.9.9.9"))
-    with pytest.raises(ws.ConfigurationError, match=r"from_config\(cfg, allow_pickle=True\)"):
-        wc.from_config(_rpc_config())  # on loopback too: any local user can serve a store there
-    receiver = wc.from_config(_rpc_config(), allow_pickle=True)
-    assert receiver.allow_pickle is True and receiver.worker_idx == 0
+    with pytest.raises(ws.ConfigurationError, match=r"from_config\(cfg, allow_store_peers_to_run_code=True\)"):
+        wc.from_config(_rpc_config(), allow_pickle=True)  # on loopback too: any local user can serve a store there
+    receiver = wc.from_config(_rpc_config(), allow_store_peers_to_run_code=True)
+    assert receiver.allow_store_peers_to_run_code is True and receiver.worker_idx == 0
     # And the caller's word is the receiver's, whatever the config says.
-    cfg = _with(_rpc_config(), "scheme.allow_pickle", False)
-    assert wc.from_config(cfg, allow_pickle=True).allow_pickle is True
+    cfg = _with(_rpc_config(), "scheme.allow_store_peers_to_run_code", False)
+    assert wc.from_config(cfg, allow_store_peers_to_run_code=True).allow_store_peers_to_run_code is True
+    with pytest.raises(ws.ConfigurationError, match="unknown fields"):
+        wc.from_config(_with(_rpc_config(), "scheme.allow_pickle", True), allow_store_peers_to_run_code=True)
     # A worker with an RPC agent of its own joins no world the config names: nothing to opt into.
     external = {**_rpc_config(), "connection": {"external": True}}
     assert wc.from_config(external).receiver_unpickles({"external": True}) is None
     for bad in ({"external": 1}, {"external": True, "master_addr": "x"}, {"token": "zz" * 8}):
         with pytest.raises(ws.ConfigurationError, match="connection"):
-            wc.from_config({**_rpc_config(), "connection": bad}, allow_pickle=True)
+            wc.from_config({**_rpc_config(), "connection": bad}, allow_store_peers_to_run_code=True)
 
 
 def test_a_distributed_config_names_a_run_key_file_and_carries_no_key(tripwires):
@@ -437,7 +444,7 @@ class _EvilStr(str):
 def test_objects_that_are_not_plain_data_are_refused(value, why, legit, tripwires):
     with pytest.raises(ws.ConfigurationError, match=why):
         wc.from_config(_with(legit[1], "scheme._target_", value))
-    with pytest.raises(ws.ConfigurationError, match="is a dict, a DictConfig or YAML text"):
+    with pytest.raises(ws.ConfigurationError, match="is a dict, a DictConfig, YAML text or a pathlib.Path"):
         wc.from_config([legit[1]])
 
 
@@ -729,3 +736,425 @@ def test_the_library_deserialises_nothing_unsafely():
                     loader = {k.arg: ast.unparse(k.value) for k in node.keywords}.get("Loader")
                     assert loader == "_StrictLoader", f"{rel}:{node.lineno} yaml.load with Loader={loader}"
     assert found == [], f"unsafe deserialisation or dynamic code in the library: {found}"
+
+
+# ------------------------------------------- the documented road: a file, read strictly (issue 31, finding 5)
+#: 360 bytes of YAML that OmegaConf.load (or yaml.safe_load) expands into 9^9 strings: over 60 s and 900 MB.
+ALIAS_BOMB = "".join(
+    f"{chr(97 + i)}: &{chr(97 + i)} [{', '.join([f'*{chr(96 + i)}' if i else 'lol'] * 9)}]\n" for i in range(9)
+)
+
+
+def test_an_alias_bomb_given_as_a_path_is_refused_at_once(tmp_path, tripwires):
+    """``from_config(Path(file))``, the road docs/multinode.md and examples/two_hosts/worker.py take, reads the file
+    itself with the strict loader: the bomb is refused at its first anchor, before anything expands."""
+    assert len(ALIAS_BOMB) <= 400 and ALIAS_BOMB.count("*") == 8 * 9
+    bomb = tmp_path / "worker0.yaml"
+    bomb.write_text(ALIAS_BOMB)
+    start = time.perf_counter()
+    with pytest.raises(ws.ConfigurationError, match="anchors and aliases are not accepted"):
+        ws.from_config(bomb)
+    with pytest.raises(ws.ConfigurationError, match="anchors and aliases are not accepted"):
+        wc.check_receiver_config(bomb)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_config_file_is_read_bounded_and_plain(legit, tmp_path, tripwires):
+    _, cfg = legit
+    good = tmp_path / "worker0.yaml"
+    good.write_text(yaml.safe_dump(cfg))
+    assert ws.from_config(good).worker_idx == 0  # the legitimate file builds
+    big = tmp_path / "big.yaml"
+    big.write_text("model_id: " + "a" * (2 * MAX_CONFIG_BYTES))
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # nobody writes it: opening it must not block
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"model_id: \xff\xfe\n")
+    for path, why in [
+        (big, "is over 65536 bytes"),
+        (fifo, "is not a plain file"),
+        (tmp_path, "is not a plain file"),
+        (tmp_path / "missing.yaml", "cannot read config file .*No such file"),
+        (binary, "is not UTF-8 text"),
+    ]:
+        with pytest.raises(ws.ConfigurationError, match=why):
+            ws.from_config(path)
+    with pytest.raises(ws.ConfigurationError, match="to read a file, pass a pathlib.Path"):
+        ws.from_config(str(good))  # a str is YAML text: a file's name is refused, with the way to read it
+
+
+def test_docs_and_examples_never_load_yaml_with_omegaconf():
+    """Configs from elsewhere go through weightsync's strict loader: no doc or example shows ``OmegaConf.load``
+    (or ``yaml.load``/``safe_load``), which expand aliases before anything can refuse them."""
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").rglob("*.md")]
+    code = [*(ROOT / "examples").rglob("*.py")]
+    found = [
+        f"{path.relative_to(ROOT)}: {line.strip()}"
+        for path in pages + code
+        for line in path.read_text().splitlines()
+        if re.search(r"OmegaConf\.load\(|yaml\.(safe_)?load\(", line)
+    ]
+    assert found == []
+
+
+# ------------------------------------- every field of every scheme, hostile values (issue 31, finding 6)
+_UID = os.getuid()
+#: Every opt-in of the caller's, so that the schemes that need one get as far as they can.
+_OPT_INS = {"allow_pickle": True, "allow_store_peers_to_run_code": True}
+_LOCAL_CONNECTION = {
+    "address": "@weightsync-12-0123456789abcdef",
+    "authkey_file": f"/tmp/weightsync-{_UID}/weightsync-12-0123456789abcdef.4026531836.key",
+}
+_CONNECTIONS = {
+    "MultiProcessWeightSyncScheme": _LOCAL_CONNECTION,
+    "SharedMemWeightSyncScheme": _LOCAL_CONNECTION,
+    "RPCWeightSyncScheme": {
+        "token": "0" * 16,
+        "master_addr": "127.0.0.1",
+        "master_port": 29999,
+        "world_size": 2,
+        "counter": 0,
+    },
+    "DistributedWeightSyncScheme": {
+        "master_addr": "node-3.cluster",
+        "master_port": 29500,
+        "world_size": 3,
+        "authkey_file": f"/tmp/weightsync-{_UID}/weightsync-12-{'ab' * 12}.4026531836.key",
+    },
+}
+
+
+def _scheme_configs() -> dict[str, dict]:
+    """A legitimate receiver config of every built-in scheme, every option of the scheme given."""
+    from weightsync.config.receiver import scheme_class
+    from weightsync.schemes.registry import builtin_scheme_paths
+
+    out = {}
+    for path in builtin_scheme_paths():
+        module, _, name = path.partition(":")
+        cls = scheme_class(f"{module}.{name}", [])
+        out[name] = {
+            "_target_": RECEIVER_TARGET,
+            "scheme": {"_target_": f"{module}.{name}", **cls().option_values()},
+            "model_id": "policy",
+            "worker_idx": 0,
+            "connection": dict(_CONNECTIONS.get(name, {})),
+        }
+    return out
+
+
+SCHEME_CONFIGS = _scheme_configs()
+#: Values of the wrong type, too large, negative, non-finite, too long, or names a resolver would choke on.
+HOSTILE_VALUES = [
+    None,
+    True,
+    -1,
+    0,
+    2**31,
+    2**63,
+    2**64,
+    10**5000,
+    -(10**5000),
+    3601,
+    1e308,
+    -1e308,
+    5e-324,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    "",
+    "60",
+    "a" * 64,
+    "a." * 200,
+    "x" * 5000,
+    "é" * 70,
+    "\x00",
+    "${oc.env:HOME}",
+    [1, 2],
+    {"a": 1},
+    {"_target_": "os.system"},
+]
+
+
+def _fields(cfg: dict) -> list[str]:
+    return [
+        "model_id",
+        "worker_idx",
+        "connection",
+        "scheme",
+        *(f"scheme.{k}" for k in cfg["scheme"]),
+        "scheme.transport",
+        *(f"connection.{k}" for k in cfg["connection"]),
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEME_CONFIGS))
+def test_every_field_of_every_scheme_refuses_hostile_values_with_a_configuration_error(name, tripwires):
+    """Each field of each scheme's receiver config, given each hostile value (as a dict): ``from_config`` either
+    refuses with ConfigurationError or builds from plain values; no other exception, whatever the value."""
+    cfg = SCHEME_CONFIGS[name]
+    assert wc.from_config(cfg, **_OPT_INS).model_id == "policy"  # the base itself is legitimate
+    escaped = []
+    for field in _fields(cfg):
+        for value in HOSTILE_VALUES:
+            try:
+                scheme = wc.from_config(_with(cfg, field, value), **_OPT_INS)
+            except ws.ConfigurationError as exc:
+                assert len(str(exc)) < 2000, f"{field}={value!r:.40}: a message of {len(str(exc))} characters"
+            except Exception as exc:  # noqa: BLE001 - what this test looks for
+                escaped.append(f"{field}={value!r:.40}: {type(exc).__name__}: {exc}"[:300])
+            else:
+                assert 0 < scheme.timeout <= 3600 and 0 < scheme.connect_timeout <= 3600
+    assert escaped == []
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), form=st.sampled_from(["dict", "yaml", "dictconfig"]))
+def test_fuzzed_fields_of_every_scheme_end_in_a_configuration_error_or_a_plain_scheme(data, form, tripwires):
+    name = data.draw(st.sampled_from(sorted(SCHEME_CONFIGS)))
+    cfg = copy.deepcopy(SCHEME_CONFIGS[name])
+    fields = _fields(cfg)
+    for _ in range(data.draw(st.integers(1, 3))):
+        field = data.draw(st.sampled_from(fields))
+        parent = field.rpartition(".")[0]
+        if parent and not isinstance(cfg.get(parent), dict):  # an earlier draw replaced the mapping
+            continue
+        value = data.draw(
+            st.one_of(
+                st.sampled_from(HOSTILE_VALUES),
+                st.integers(min_value=-(2**80), max_value=2**80),
+                st.floats(),
+                st.text(max_size=300),
+                st.lists(st.one_of(st.integers(), st.text(max_size=5)), max_size=3),
+            )
+        )
+        cfg = _with(cfg, field, value)
+    try:
+        given_cfg = {"dict": cfg, "yaml": yaml.safe_dump, "dictconfig": OmegaConf.create}[form](cfg)
+    except Exception:  # noqa: BLE001 - a value that YAML or OmegaConf cannot hold: nothing to hand over
+        return
+    try:
+        scheme = wc.from_config(given_cfg, **_OPT_INS)
+    except ws.ConfigurationError:
+        return
+    assert 0 < scheme.timeout <= 3600 and type(scheme.worker_idx) is int
+
+
+def test_an_integer_of_over_4300_digits_is_refused_before_int_reads_it(legit, tripwires):
+    _, cfg = legit
+    text = yaml.safe_dump(cfg)
+    for where, digits in [("worker_idx", "9" * 5000), ("scheme.timeout", "1" * 4301), ("extra", "0b" + "1" * 99)]:
+        key = where.split(".")[-1]
+        hostile = re.sub(rf"(?m)^(\s*){key}: .*$", rf"\g<1>{key}: {digits}", text) if key in text else text
+        if key == "extra":
+            hostile = text + f"extra: {digits}\n"
+        with pytest.raises(ws.ConfigurationError, match=r"number in a config is written in \d+ characters"):
+            wc.from_config(hostile)
+    with pytest.raises(ws.ConfigurationError, match="number in a config"):  # sexagesimal: int() in a loop
+        wc.from_config(text + "extra: " + "1:" * 3000 + "1\n")
+    # In a dict or from a constructor's caller, the number is already an int: refused, and never printed.
+    with pytest.raises(ws.ConfigurationError, match="worker_idx holds an integer of 16610 bits"):
+        wc.from_config(_with(cfg, "worker_idx", 10**5000))
+    with pytest.raises(ws.ConfigurationError, match="got an integer of 16610 bits"):
+        ws.MultiProcessWeightSyncScheme(timeout=10**5000)
+
+
+@pytest.mark.parametrize(
+    "connection",
+    [5, "ab", None, b"xy", [("address", "@x")], OmegaConf.create([1])],
+    ids=["an int", "a str", "None", "bytes", "a list of pairs", "a ListConfig"],
+)
+def test_make_receiver_refuses_a_connection_that_is_not_a_mapping(connection, tripwires):
+    with pytest.raises(ws.ConfigurationError, match="connection must be a mapping"):
+        wc.make_receiver(ws.MultiProcessWeightSyncScheme(), "policy", 0, connection)
+
+
+def test_make_receiver_takes_a_dictconfig_connection_as_data(legit, marker, tripwires):
+    _, cfg = legit
+    OmegaConf.register_new_resolver("weightsync_test_touch", lambda: marker.touch() or "@x", replace=True)
+    hostile = OmegaConf.create({**cfg["connection"], "address": "${weightsync_test_touch:}"})
+    with pytest.raises(ws.ConfigurationError, match="connection.address holds an interpolation"):
+        wc.make_receiver(ws.MultiProcessWeightSyncScheme(), "policy", 0, hostile)
+    scheme = wc.make_receiver(ws.MultiProcessWeightSyncScheme(), "policy", 0, OmegaConf.create(cfg["connection"]))
+    assert scheme.worker_idx == 0
+
+
+HOSTS_REFUSED = [
+    "a" * 64,
+    "x." * 127,
+    "a..b",
+    "-a.b",
+    "a-.b",
+    "host; touch x",
+    "[::1]",
+    "a b",
+    ".",
+    "é" * 64,
+    "1::2::3",
+]
+HOSTS_TAKEN = ["10.0.0.1", "::1", "fe80::1%eth0", "node-3.cluster", "localhost", "a" * 63, "bücher.example", "n1."]
+
+
+@pytest.mark.parametrize("host", HOSTS_REFUSED)
+def test_host_names_the_resolver_would_choke_on_are_refused_at_config_time(host, monkeypatch, tripwires):
+    """A 64-character label raised UnicodeError at connect: it is a ConfigurationError naming the field, from a
+    receiver config, from a constructor, and from ``MASTER_ADDR``."""
+    dist = SCHEME_CONFIGS["DistributedWeightSyncScheme"]
+    with pytest.raises(ws.ConfigurationError, match="connection.master_addr must be a host name or IP address"):
+        wc.from_config(_with(dist, "connection.master_addr", host))
+    with pytest.raises(ws.ConfigurationError, match="^master_addr must be a host name"):
+        ws.DistributedWeightSyncScheme(master_addr=host)
+    from weightsync.transports.network import resolve_master
+
+    monkeypatch.setenv("MASTER_ADDR", host)
+    with pytest.raises(ws.ConfigurationError, match="environment variable MASTER_ADDR must be a host name"):
+        resolve_master(None, None)
+
+
+def test_the_sender_refuses_a_master_addr_from_the_environment_before_it_binds(monkeypatch, tripwires):
+    monkeypatch.setenv("MASTER_ADDR", "a" * 64)
+    sender = ws.DistributedWeightSyncScheme(timeout=5, connect_timeout=5)
+    try:
+        with pytest.raises(ws.ConfigurationError, match="MASTER_ADDR must be a host name"):
+            sender.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    finally:
+        sender.shutdown()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    host=st.one_of(
+        st.sampled_from(HOSTS_REFUSED + HOSTS_TAKEN),
+        st.text(alphabet=st.sampled_from("ab-_.:%é1[]"), max_size=80),
+        st.lists(st.text(alphabet="abz09-", min_size=0, max_size=70), max_size=6).map(".".join),
+        st.text(max_size=40),
+    )
+)
+def test_a_host_name_that_passes_is_one_the_resolver_encodes(host):
+    """What ``checks.host`` takes, the socket module encodes (IDNA) without error, within RFC 1035's lengths."""
+    import ipaddress
+
+    from weightsync import checks
+
+    try:
+        taken = checks.host(host, "master_addr")
+    except ws.ConfigurationError:
+        assume(host not in HOSTS_TAKEN)
+        return
+    assert host not in HOSTS_REFUSED
+    try:
+        ipaddress.ip_address(taken)
+        return
+    except ValueError:
+        pass
+    encoded = taken.rstrip(".").encode("idna")
+    assert len(encoded) <= 253 and all(0 < len(label) <= 63 for label in encoded.split(b"."))
+
+
+@pytest.mark.parametrize("field", ["timeout", "connect_timeout"])
+def test_no_config_makes_a_worker_wait_more_than_an_hour(field, legit, tripwires):
+    _, cfg = legit
+    assert wc.from_config(_with(cfg, f"scheme.{field}", 3600)).__getattribute__(field) == 3600.0
+    for value in (3600.5, 1e6, 2**40):
+        with pytest.raises(ws.ConfigurationError, match=rf"scheme.{field} must be .* at most 3600"):
+            wc.from_config(_with(cfg, f"scheme.{field}", value))
+        with pytest.raises(ws.ConfigurationError, match=f"{field} must be .* at most 3600"):
+            ws.MultiProcessWeightSyncScheme(**{field: value})
+
+
+# ------------------------------------------------ key directories another user cannot take (finding 6)
+@pytest.fixture
+def shared_tmp(monkeypatch):
+    """A private stand-in for /tmp (world-writable, sticky) that this test alone uses, as the temporary directory
+    of this process, with ``XDG_RUNTIME_DIR`` unset: key files go under it."""
+    base = tempfile.mkdtemp(prefix="weightsync-squat-", dir="/tmp")
+    os.chmod(base, 0o1777)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", base)
+    monkeypatch.setattr(tempfile, "tempdir", base)
+    yield Path(base)
+    shutil.rmtree(base)
+
+
+@needs_stranger
+@pytest.mark.parametrize("kind", ["dir", "file", "symlink"])
+def test_a_key_directory_squatted_by_another_user_denies_nothing(kind, shared_tmp):
+    """Another user who takes ``<tmp>/weightsync-<uid>`` first (an open directory, a file, or a link to a directory
+    of ours) and plants a decoy shaped like the fallback: keys still go to a private directory of ours, which a
+    receiver config names and a receiver reads; nothing lands where the stranger pointed."""
+    from weightsync.transports import keyfiles
+
+    ours = shared_tmp / "ours"  # a directory of this user's the link points to: no key may land in it
+    ours.mkdir(mode=0o700)
+    name = shared_tmp / f"weightsync-{os.getuid()}"
+    attack = run_stranger(
+        ["-m", "tests._attack_keydir", str(shared_tmp), str(os.getuid()), kind, str(ours)], timeout=60
+    )
+    assert attack.returncode == 0 and "planted" in attack.stdout, attack.stdout
+    assert os.lstat(name).st_uid == STRANGER_UID
+
+    directory = keyfiles.key_dir()
+    assert Path(directory).parent.parent == shared_tmp and Path(directory).name == name.name
+    for level in (Path(directory), Path(directory).parent):
+        info = os.lstat(level)
+        assert stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) == 0o700
+    assert keyfiles.key_dir() == directory  # found again by the next run, not one more directory each time
+
+    sender = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=20)
+    sender.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    try:
+        cfg = sender.receiver_config(0)
+        key_file = cfg["connection"]["authkey_file"]
+        assert os.path.dirname(key_file) == directory
+        assert wc.from_config(cfg).worker_idx == 0  # its path has the shape a receiver takes
+        assert len(keyfiles.read_key_file(key_file)) == 2 * keyfiles.KEY_BYTES
+    finally:
+        sender.shutdown()
+    assert not os.path.exists(key_file)
+    assert list(ours.iterdir()) == [] and os.lstat(name).st_uid == STRANGER_UID  # the stranger's left alone
+
+
+def test_a_key_directory_of_ours_with_open_mode_is_not_used(shared_tmp, tripwires):
+    """A directory of our own that others may write (made by hand, say) is passed over like a stranger's."""
+    from weightsync.transports import keyfiles
+
+    name = shared_tmp / f"weightsync-{os.getuid()}"
+    name.mkdir()
+    name.chmod(0o777)
+    directory = keyfiles.key_dir()
+    assert Path(directory) != name and stat.S_IMODE(os.lstat(directory).st_mode) == 0o700
+    path = keyfiles.write_key_file("@weightsync-1-0123456789abcdef", b"\x01" * keyfiles.KEY_BYTES)
+    assert os.path.dirname(path) == directory and list(name.iterdir()) == []
+    keyfiles.remove_key_file(path)
+
+
+@pytest.mark.parametrize("name", ["DistributedWeightSyncScheme", "RPCWeightSyncScheme"])
+def test_a_config_at_the_edge_of_its_bounds_ends_in_a_weightsync_error_at_connect(name, shared_tmp, tripwires):
+    """Values that pass every check but fit no run (a worker index past the world, the largest world, the
+    largest counter, a 63-character label no resolver knows) end in a weightsync error within connect_timeout."""
+    from weightsync.transports import keyfiles
+
+    cfg = _with(SCHEME_CONFIGS[name], "scheme.connect_timeout", 1.0)
+    cfg = _with(cfg, "worker_idx", 2**31 - 1)
+    cfg = _with(cfg, "connection.world_size", 2**16)
+    cfg = _with(cfg, "connection.master_port", 1)  # nothing listens there
+    key = None
+    if "authkey_file" in cfg["connection"]:
+        key = keyfiles.write_key_file(keyfiles.key_name(), os.urandom(keyfiles.KEY_BYTES))
+        cfg = _with(cfg, "connection.authkey_file", key)
+    if "counter" in cfg["connection"]:
+        cfg = _with(cfg, "connection.counter", 2**31 - 1)
+    try:
+        for host in ("127.0.0.1", "a" * 63 + ".invalid"):
+            scheme = wc.from_config(_with(cfg, "connection.master_addr", host), **_OPT_INS)
+            scheme.init_on_receiver(model=nn.Linear(2, 2))
+            start = time.monotonic()
+            try:
+                with pytest.raises(ws.WeightSyncError):
+                    scheme.connect()
+            finally:
+                scheme.shutdown()
+            assert time.monotonic() - start < 1.0 + 5.0
+    finally:
+        if key is not None:
+            keyfiles.remove_key_file(key)

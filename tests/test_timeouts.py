@@ -99,7 +99,7 @@ def test_a_worker_whose_trainer_was_killed_waits_its_connect_timeout_quietly(tmp
     for backend in backends:
         cfg = OmegaConf.to_container(OmegaConf.load(tmp_path / f"{backend}.yaml"))
         cfg["scheme"]["connect_timeout"] = T
-        worker = ws.from_config(cfg, allow_pickle=True)
+        worker = ws.from_config(cfg, allow_store_peers_to_run_code=True)
         worker.init_on_receiver(model=nn.Linear(2, 2))
         took, error = timed(worker.connect)
         worker.shutdown()

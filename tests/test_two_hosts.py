@@ -20,7 +20,7 @@ from tests._hosts import Host, hosts
 
 pytestmark = pytest.mark.timeout(240)
 WORKERS = 2
-RPC_OPT_IN = "weightsync.scheme.allow_pickle=true"
+RPC_OPT_IN = "weightsync.scheme.allow_store_peers_to_run_code=true"
 
 
 def start_trainer(host: Host, out: Path, *overrides: str):
@@ -58,14 +58,14 @@ def finish(proc, timeout=120) -> tuple[int, str, str]:
             [
                 "weightsync/scheme=rpc",
                 "weightsync.scheme.master_addr=198.18.0.1",
-                "weightsync.scheme.allow_pickle=true",
+                RPC_OPT_IN,
             ],
-            ["--allow-pickle"],
+            ["--allow-store-peers-to-run-code"],
         ),
     ],
 )
 def test_workers_on_another_host_hold_every_version_from_yaml_alone(tmp_path, engine, trainer_args, worker_flags):
-    """rpc off loopback also needs the pickle opt-in on both sides: a trainer without it is refused, and so is a
+    """rpc needs its opt-in (allow_store_peers_to_run_code) on both sides: a trainer without it is refused, and so is a
     worker whose own code does not opt in (the config's field is never taken for it). And rpc has no run key: a
     stranger on host C with worker 0's YAML reads the world's keys in the store, but cannot join the world once
     it formed (its membership is fixed), and the real workers go on receiving."""
@@ -73,15 +73,16 @@ def test_workers_on_another_host_hold_every_version_from_yaml_alone(tmp_path, en
         if engine == "rpc":
             refused = a.run(
                 ["python", "examples/two_hosts/trainer.py", f"out={tmp_path}", f"hydra.run.dir={tmp_path}",
-                 *[arg for arg in trainer_args if "allow_pickle" not in arg]],
+                 *[arg for arg in trainer_args if arg != RPC_OPT_IN]],
                 timeout=120,
             )  # fmt: skip
-            assert refused.returncode != 0 and "allow_pickle" in refused.stderr, refused.stderr[-2000:]
+            assert refused.returncode != 0 and "allow_store_peers_to_run_code" in refused.stderr, refused.stderr[-2000:]
         linger = 8 if engine == "rpc" else 2  # the stranger's time to try its luck
         trainer = start_trainer(a, tmp_path, "weightsync.scheme.master_port=29611", f"linger={linger}", *trainer_args)
         if engine == "rpc":
             worker = b.run(["python", "examples/two_hosts/worker.py", str(tmp_path / "worker0.yaml")], timeout=60)
-            assert worker.returncode != 0 and "allow_pickle=True" in worker.stderr, worker.stderr[-2000:]
+            refused = "allow_store_peers_to_run_code=True" in worker.stderr
+            assert worker.returncode != 0 and refused, worker.stderr[-2000:]
         workers = start_workers(b, tmp_path, *worker_flags)
         lines = []
         while not lines or not lines[-1].startswith("sent version 5 "):  # then it lingers 2 s: look at the sockets
@@ -131,11 +132,11 @@ def test_rpc_a_cable_pulled_mid_send_is_a_named_error_and_the_cut_off_workers_ex
     timeout = 5
     with hosts(2) as (a, b):
         trainer = start_trainer(
-            a, tmp_path, "weightsync/scheme=rpc", "weightsync.scheme.allow_pickle=true",
+            a, tmp_path, "weightsync/scheme=rpc", RPC_OPT_IN,
             "weightsync.scheme.master_addr=198.18.0.1", f"weightsync.scheme.timeout={timeout}", "versions=100000",
             "hidden=2048",
         )  # fmt: skip
-        workers = start_workers(b, tmp_path, "--hidden", "2048", "--allow-pickle")
+        workers = start_workers(b, tmp_path, "--hidden", "2048", "--allow-store-peers-to-run-code")
         lines = [trainer.stdout.readline() for _ in range(5)]  # connected, versions 1 and 2 sent and acknowledged
         b.link(False)
         code, out, err = finish(trainer)

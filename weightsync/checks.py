@@ -11,6 +11,7 @@ numeric and string subclasses, as a constructor's caller may pass them.)
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import numbers
 import re
@@ -20,6 +21,7 @@ from typing import Any
 from .errors import ConfigurationError
 
 __all__ = [
+    "MAX_HOST_NAME",
     "MAX_TEXT",
     "MAX_WAIT_S",
     "Check",
@@ -33,23 +35,52 @@ __all__ = [
     "optional",
     "port",
     "seconds",
+    "shown",
     "text",
 ]
 
-#: The longest wait any option may ask for, in seconds (11.6 days). Longer ones are almost surely a
-#: mistake, and ``poll(2)`` counts milliseconds in a C int.
-MAX_WAIT_S = 1_000_000.0
+#: The longest wait any option may ask for, in seconds: one hour. A receiver config carries its sender's
+#: options, so whoever wrote it chooses how long a worker may wait; an hour covers the slowest start-up of a
+#: cluster job and an update of hundreds of GB over a 1 Gb/s link, and past it a wait is a hang, which a
+#: worker should report rather than sit through (the bound was 11.6 days once: nobody wants that).
+MAX_WAIT_S = 3600.0
 #: The longest string an option may hold.
 MAX_TEXT = 1024
 
 Check = Callable[[Any, str], Any]
 
 
+def shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for a message; never raises.
+
+    An int of over 64 bits is described, not written out: ``repr`` refuses ints of more than 4,300 digits
+    (``ValueError``), and a long one would only fill the message.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        text = f"an integer of {value.bit_length()} bits"
+    else:
+        try:
+            text = repr(value)
+        except Exception:  # a container holding a huge int, an object whose __repr__ fails
+            text = f"a {type(value).__name__} that cannot be shown"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _refuse(where: str, wanted: str, value: Any) -> ConfigurationError:
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return ConfigurationError(f"{where} must be {wanted}, got {shown}")
+    return ConfigurationError(f"{where} must be {wanted}, got {shown(value)}")
+
+
+def _finite_real(value: Any) -> bool:
+    """Whether ``value`` is a real number (not a bool), and finite. An int of any size is finite
+    (``math.isfinite`` would raise ``OverflowError`` on one too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    if isinstance(value, numbers.Integral):
+        return True
+    try:
+        return math.isfinite(value)
+    except (OverflowError, TypeError, ValueError):
+        return False
 
 
 def boolean(value: Any, where: str) -> bool:
@@ -77,7 +108,7 @@ def number(lo: float, hi: float, *, above: bool = False, what: str | None = None
     wanted = what or f"a finite number in {low}{lo:g}, {hi:g}]"
 
     def check(value: Any, where: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        if not _finite_real(value):
             raise _refuse(where, wanted, value)
         if value < lo or (above and value == lo) or value > hi:
             raise _refuse(where, wanted, value)
@@ -87,13 +118,8 @@ def number(lo: float, hi: float, *, above: bool = False, what: str | None = None
 
 
 def seconds(value: Any, where: str) -> float:
-    """A wait bound: a positive, finite number of seconds, at most :data:`MAX_WAIT_S`."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or not 0 < value <= MAX_WAIT_S
-    ):
+    """A wait bound: a positive, finite number of seconds, at most :data:`MAX_WAIT_S` (one hour)."""
+    if not _finite_real(value) or not 0 < value <= MAX_WAIT_S:
         raise _refuse(where, f"a positive number of seconds, finite and at most {MAX_WAIT_S:g}", value)
     return float(value)
 
@@ -138,8 +164,38 @@ def optional(inner: Check) -> Check:
 model_id = text(
     r"[A-Za-z0-9_.\[\]\-/:@+]{1,200}", max_len=200, what="a model name or path (letters, digits and . _ - / : @ + [ ])"
 )
-#: A host name or IP address (``"10.0.0.1"``, ``"node-3.cluster"``, ``"::1"``).
-host = text(r"[A-Za-z0-9_.\-:%\[\]]{1,253}", max_len=253, what="a host name or IP address")
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+#: The longest host name: 253 characters (RFC 1035's 255 octets on the wire, less the length octets).
+MAX_HOST_NAME = 253
+
+
+def host(value: Any, where: str) -> str:
+    """A host name or IP address (``"10.0.0.1"``, ``"node-3.cluster"``, ``"::1"``, ``"fe80::1%eth0"``).
+
+    An IPv4 or IPv6 literal, or a name that encodes to IDNA (``"bücher.example"`` is ``xn--bcher-kva.example``)
+    with labels of 1 to 63 letters, digits, ``_`` or ``-`` (not at either end) and at most 253 characters in
+    all (RFC 1035), a final dot allowed. Checked here so that a name the resolver would refuse later
+    (``UnicodeError`` for a label of 64 characters) is a :class:`ConfigurationError` naming ``where``.
+    """
+    wanted = "a host name or IP address (labels of at most 63 letters, digits, - or _, at most 253 in all)"
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_HOST_NAME or not value.isprintable():
+        raise _refuse(where, wanted, value)
+    try:
+        ipaddress.ip_address(value)
+        return str(value)
+    except ValueError:
+        pass
+    name = value[:-1] if value.endswith(".") else value
+    try:
+        ascii_name = name.encode("idna").decode("ascii")
+    except UnicodeError:  # an empty label, one over 63 characters, a character IDNA refuses
+        raise _refuse(where, wanted, value) from None
+    labels = ascii_name.split(".")
+    if len(ascii_name) > MAX_HOST_NAME or not all(_LABEL.fullmatch(label) for label in labels):
+        raise _refuse(where, wanted, value)
+    return str(value)
+
+
 #: A TCP port.
 port = integer(1, 65535)
 

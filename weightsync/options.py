@@ -86,10 +86,21 @@ STRATEGY = Option(
 )
 SYNC = _flag("sync", True, "``send()`` blocks until every targeted worker applied and acked.")
 TIMEOUT = Option(
-    "timeout", 60.0, float, "Seconds any single wait may last after connect (acks, receives, shutdown).", checks.seconds
+    "timeout",
+    60.0,
+    float,
+    "Seconds any single wait may last after connect (acks, receives, shutdown); at most 3600: a receiver config "
+    "carries it, so whoever wrote the config decides how long a worker waits, and a wait of an hour (an update of "
+    "hundreds of GB over 1 Gb/s) is already a hang to report.",
+    checks.seconds,
 )
 CONNECT_TIMEOUT = Option(
-    "connect_timeout", 120.0, float, "Seconds the rendez-vous in ``connect()`` may last.", checks.seconds
+    "connect_timeout",
+    120.0,
+    float,
+    "Seconds the rendez-vous in ``connect()`` may last; at most 3600 (the slowest start of a cluster's workers; "
+    "past it, ``connect()`` reports who is missing rather than wait on, whatever a receiver config asks).",
+    checks.seconds,
 )
 ON_FAILURE = Option(
     "on_failure",
@@ -147,6 +158,15 @@ ALLOW_PICKLE = _flag(
     False,
     "Let peers on other machines reach the engine, which unpickles what they send: only if every machine that "
     "can reach it is yours (see docs/multinode.md).",
+)
+ALLOW_STORE_PEERS_TO_RUN_CODE = _flag(
+    "allow_store_peers_to_run_code",
+    False,
+    "Required to run the RPC world (``rpc``), on loopback too: every process that can reach its TCP store (every "
+    "local user of the host on loopback; every host that can route to ``master_addr`` otherwise) can join the "
+    "world and run any code in every member of it, trainer included, as the user running it. "
+    "``torch.distributed.rpc`` authenticates no peer and runs the calls it unpickles before weightsync sees them. "
+    "Use ``distributed`` (it authenticates workers with the run key) unless every such process is yours.",
 )
 
 # ----------------------------------------------------------------- networks

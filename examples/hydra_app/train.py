@@ -39,8 +39,10 @@ def rollout_worker(receiver_cfg: dict, episodes: int, seed: int, requests, resul
     torch.set_num_threads(1)
     policy = make_policy()
     # Plain data in, a receiver out: no access to the trainer's objects. The trainer that wrote the config is
-    # this process's parent, so it is trusted with what an rpc worker unpickles (the other schemes need no opt-in).
-    scheme = from_config(receiver_cfg, allow_pickle=True)
+    # this process's parent, and it runs rpc only if the user opted in to what an rpc world allows (every process
+    # reaching its store can run code in its members): the worker takes the same risk. (The local schemes need
+    # neither opt-in.)
+    scheme = from_config(receiver_cfg, allow_pickle=True, allow_store_peers_to_run_code=True)
     scheme.init_on_receiver(model=policy)
     scheme.connect()
     env = gym.make("CartPole-v1")

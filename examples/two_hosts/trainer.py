@@ -6,11 +6,13 @@
     python examples/two_hosts/worker.py run1/worker0.yaml [--key where/B/keeps/the/key/file]
     python examples/two_hosts/worker.py run1/worker1.yaml
 
-``weightsync/scheme=rpc`` (with ``weightsync.scheme.allow_pickle=true``, and ``--allow-pickle`` on the workers)
-swaps the engine. Each version the trainer sends is printed with its checksum, as each worker prints what it
-received: the two lists must agree. The YAML holds the scheme's options and where to connect, no secret and
-nothing to unpickle; the run key travels apart, as a file (docs/multinode.md). ``weightsync.scheme.on_failure=drop``
-lets the trainer go on without a worker whose link is down; it connects again by itself once the link is back.
+``weightsync/scheme=rpc`` (with ``weightsync.scheme.allow_store_peers_to_run_code=true``, and
+``--allow-store-peers-to-run-code`` on the workers: every process that can reach the trainer's store can run code
+in the trainer and the workers) swaps the engine. Each version the trainer sends is printed with its checksum, as
+each worker prints what it received: the two lists must agree. The YAML holds the scheme's options and where to
+connect, no secret and nothing to unpickle; the run key travels apart, as a file (docs/multinode.md).
+``weightsync.scheme.on_failure=drop`` lets the trainer go on without a worker whose link is down; it connects
+again by itself once the link is back.
 """
 
 from __future__ import annotations

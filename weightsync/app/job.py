@@ -113,8 +113,9 @@ def _worker(idx: int, configs: dict, specs: dict, reports, stop) -> None:
     try:
         for model_id, cfg in configs.items():
             models[model_id] = build_model(specs[model_id])
-            # This process's parent, the trainer, wrote these configs: it is trusted with what rpc unpickles.
-            schemes[model_id] = from_config(cfg, allow_pickle=True)
+            # This process's parent, the trainer, wrote these configs (an rpc one only after its own opt-in passed:
+            # _check_opt_ins): it is trusted with what the engines unpickle.
+            schemes[model_id] = from_config(cfg, allow_pickle=True, allow_store_peers_to_run_code=True)
             schemes[model_id].init_on_receiver(model=models[model_id])
         for model_id, scheme in schemes.items():
             scheme.connect()
@@ -184,7 +185,6 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
     n = int(cfg.num_workers)
     if n < 1 or int(cfg.rounds) < 1:
         raise ConfigurationError(f"num_workers and rounds must be >= 1, got {n} and {cfg.rounds}")
-    ctx = _process_context(cfg.start_method)
     torch.manual_seed(int(cfg.seed))
     models = {m: build_model(spec) for m, spec in specs.items()}
     for model in models.values():
@@ -199,9 +199,11 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
             specs[model_id]["size_mb"], specs[model_id]["tensors"], type(schemes[model_id]).__name__, n,
             int(cfg.rounds), schemes[model_id].option_values(),
         )  # fmt: skip
+    _check_opt_ins(schemes)
     # Ray schemes' workers are Ray actors the job starts; every other scheme's are processes.
     on_ray = {m for m, s in schemes.items() if isinstance(s, RayWeightSyncScheme)}
     in_procs = {m: s for m, s in schemes.items() if m not in on_ray}
+    ctx = _process_context(cfg.start_method)
     reports, stop = ctx.Queue(), ctx.Event()
     procs: list = []
     actors = None
@@ -267,6 +269,24 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
 def _promised(scheme: WeightSyncScheme, model: nn.Module) -> str:
     """The checksum every worker must report for what ``scheme`` just sent of ``model``."""
     return checksum(model, wire_dtype_from_name(scheme.wire_dtype))
+
+
+def _check_opt_ins(schemes: dict[str, WeightSyncScheme]) -> None:
+    """Refuse, before any process or actor starts, an rpc scheme the command line did not opt in to what it allows.
+
+    Raises:
+        ConfigurationError: one line, naming the model and the override that opts in.
+    """
+    from ..schemes.rpc import RPCWeightSyncScheme
+
+    for model_id, scheme in schemes.items():
+        if isinstance(scheme, RPCWeightSyncScheme) and not scheme.allow_store_peers_to_run_code:
+            raise ConfigurationError(
+                f"schemes.{model_id}: the rpc scheme lets every process that can reach its TCP store (every local "
+                "user on loopback) run any code in this process and its workers; add "
+                "scheme.allow_store_peers_to_run_code=true only if every such process is yours, or use "
+                "scheme=distributed"
+            )
 
 
 def _instantiate_scheme(instantiate: Any, scheme_cfg: DictConfig, model_id: str) -> WeightSyncScheme:

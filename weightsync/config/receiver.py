@@ -11,14 +11,17 @@
 It holds no live object and no secret: the auth key stays in a file readable
 only by its owner, named in ``authkey_file``, so the config can be logged or
 saved with Hydra's outputs. A worker turns it into a receiver-ready scheme
-with :func:`from_config` (no Hydra initialisation needed).
+with :func:`from_config` (no Hydra initialisation needed); a config written
+to a file is read by it too, given as a :class:`pathlib.Path`
+(``from_config(Path("worker0.yaml"))``), never through ``OmegaConf.load``,
+which expands YAML aliases before anything can refuse them.
 
 A receiver config may come from a file another host wrote, so
 :func:`from_config` treats it as data and checks the whole tree before
 anything in it is called (see the threat model in ``docs/reliability.md``):
 
 1. it becomes a plain tree (:func:`~weightsync.config.plain.plain_tree`: strict
-   YAML, no interpolation resolved, sizes bounded);
+   YAML read from text or a file, no interpolation resolved, sizes bounded);
 2. the tree must have exactly the shape ``receiver_config()`` emits: the root
    target is :func:`make_receiver`; ``scheme`` names a weightsync scheme class
    (or one under a prefix the *caller* allowed) and holds only that class's
@@ -27,7 +30,8 @@ anything in it is called (see the threat model in ``docs/reliability.md``):
    connection by the scheme class itself (for the local schemes: an abstract
    socket address and the key file the sender at that address writes);
 3. a scheme whose receiver unpickles what the peer named in ``connection``
-   sends (``rpc``) is built only if the caller passes ``allow_pickle=True``:
+   sends (``rpc``) is built only if the caller opts in
+   (``allow_store_peers_to_run_code=True``):
    the config decides where a worker gets its weights, never whether it runs
    what arrives.
 
@@ -226,7 +230,8 @@ def check_receiver_config(cfg: Any, *, allow: tuple[str, ...] = ()) -> ReceiverS
     """Check ``cfg`` against the receiver-config schema, calling and resolving nothing in it.
 
     Args:
-        cfg: a dict, a ``DictConfig`` or YAML text.
+        cfg: a dict, a ``DictConfig``, YAML text, or a YAML file as a :class:`pathlib.Path` (read strictly,
+            at most 64 KiB of it).
         allow: further packages or modules whose scheme classes the config may name (this call only).
 
     Returns:
@@ -247,28 +252,40 @@ def check_receiver_config(cfg: Any, *, allow: tuple[str, ...] = ()) -> ReceiverS
     worker_idx = WORKER_IDX(tree["worker_idx"], "worker_idx")
     scheme = tree["scheme"]
     if type(scheme) is not dict:
-        raise ConfigurationError(f"scheme must be a mapping, got {scheme!r:.80}")
+        raise ConfigurationError(f"scheme must be a mapping, got {checks.shown(scheme)}")
     cls = scheme_class(scheme.get("_target_"), prefixes)
     given = {k: v for k, v in scheme.items() if k != "_target_"}
     checked = checks.fields(given, scheme_fields(cls), "scheme")
     connection = tree["connection"]
     if type(connection) is not dict:
-        raise ConfigurationError(f"connection must be a mapping, got {connection!r:.80}")
+        raise ConfigurationError(f"connection must be a mapping, got {checks.shown(connection)}")
     connection = cls.check_receiver_connection(connection, model_id)
     return ReceiverSpec(cls, checked, model_id, worker_idx, connection, cls.receiver_unpickles(connection))
 
 
-def from_config(cfg: Any, *, allow: tuple[str, ...] = (), allow_pickle: bool = False) -> WeightSyncScheme:
+def from_config(
+    cfg: Any,
+    *,
+    allow: tuple[str, ...] = (),
+    allow_pickle: bool = False,
+    allow_store_peers_to_run_code: bool = False,
+) -> WeightSyncScheme:
     """Build the receiver a receiver config describes, after checking the whole config as data.
 
     Args:
-        cfg: what ``scheme.receiver_config(i)`` returned, possibly after a trip through YAML (a dict, a
-            ``DictConfig`` or YAML text).
+        cfg: what ``scheme.receiver_config(i)`` returned, possibly after a trip through YAML: a dict, a
+            ``DictConfig``, YAML text, or the YAML file as a :class:`pathlib.Path`. Give a file that came from
+            elsewhere as its path (``from_config(Path(path))``): it is read and parsed strictly here, while
+            ``OmegaConf.load`` would expand a few hundred bytes of YAML aliases into gigabytes before
+            any check runs.
         allow: further packages or modules whose scheme classes the config may name, for this call only
             (``("mypkg.schemes",)``); see :func:`allow_targets`.
-        allow_pickle: the caller trusts the peer the config names to send it pickles. Needed for the
-            schemes whose engine unpickles what peers send (``rpc``), and it is that receiver's
-            ``allow_pickle`` whatever the config says: a config never opts a worker in.
+        allow_pickle: the caller trusts the peers of a scheme whose engine unpickles what they send (``ray``).
+            It is that receiver's ``allow_pickle`` whatever the config says: a config never opts a worker in.
+        allow_store_peers_to_run_code: needed to build an ``rpc`` receiver that joins the world the config
+            names: every process that can reach that world's store can run code in this worker (see
+            :class:`~weightsync.RPCWeightSyncScheme`). It is that receiver's option of the same name whatever
+            the config says.
 
     Returns:
         A scheme ready for ``init_on_receiver(model=...)`` and ``connect()``, with ``model_id`` and
@@ -276,21 +293,27 @@ def from_config(cfg: Any, *, allow: tuple[str, ...] = (), allow_pickle: bool = F
 
     Raises:
         ConfigurationError: the config is not a receiver config weightsync emits (the message names the
-            place and the target), a scheme that is not installed, or a pickling engine without
-            ``allow_pickle``. Nothing in the config was called.
+            place and the target), a scheme that is not installed, or a receiver whose engine unpickles what
+            peers send without the caller's opt-in. Nothing in the config was called.
     """
     spec = check_receiver_config(cfg, allow=allow)
-    if spec.unpickles is not None and not allow_pickle:
+    fields = scheme_fields(spec.scheme_class)
+    # The caller's word, never the config's: each scheme names the option it takes it as.
+    opt_ins = {"allow_pickle": allow_pickle, "allow_store_peers_to_run_code": allow_store_peers_to_run_code}
+    opt_in = getattr(spec.scheme_class, "RECEIVER_OPT_IN", "allow_pickle")
+    if spec.unpickles is not None and not opt_ins.get(opt_in, False):
         raise ConfigurationError(
-            f"this receiver config builds a {spec.scheme_class.__name__} receiver, which unpickles what "
+            f"this receiver config builds a {spec.scheme_class.__name__} receiver, which unpickles and runs what "
             f"{spec.unpickles} sends it (that is how its engine calls functions): pass "
-            "from_config(cfg, allow_pickle=True) if you trust that peer and whoever wrote the config",
+            f"from_config(cfg, {opt_in}=True) if you trust every process that can reach it and whoever wrote "
+            "the config",
             model_id=spec.model_id,
             worker_idx=spec.worker_idx,
         )
     kwargs = dict(spec.scheme_options)
-    if "allow_pickle" in scheme_fields(spec.scheme_class):
-        kwargs["allow_pickle"] = bool(allow_pickle)
+    for name, given in opt_ins.items():
+        if name in fields:
+            kwargs[name] = bool(given)
     try:
         scheme = spec.scheme_class(**kwargs)
     except TypeError as exc:  # a third-party constructor that does not take what its signature says
@@ -314,10 +337,17 @@ def make_receiver(scheme: WeightSyncScheme, model_id: str, worker_idx: int, conn
     The caller then runs ``scheme.init_on_receiver(model=...)`` and ``scheme.connect()``.
 
     Raises:
-        ConfigurationError: ``scheme`` is not a scheme, or a field does not fit the receiver-config schema.
+        ConfigurationError: ``scheme`` is not a scheme, ``connection`` not a mapping, or a field does not fit
+            the receiver-config schema.
     """
     if not isinstance(scheme, WeightSyncScheme):
         raise ConfigurationError(f"receiver config 'scheme' must build a WeightSyncScheme, got {type(scheme).__name__}")
+    from omegaconf import DictConfig, OmegaConf  # a DictConfig is what hydra.utils.instantiate passes
+
+    if isinstance(connection, DictConfig):  # as data: reading its items would resolve interpolations
+        connection = OmegaConf.to_container(connection, resolve=False, throw_on_missing=False)
+    if not isinstance(connection, Mapping):
+        raise ConfigurationError(f"connection must be a mapping, got {checks.shown(connection)}")
     plain = plain_tree({"connection": dict(connection)}, "receiver config")["connection"]
     model_id = checks.model_id(model_id, "model_id")
     scheme._prepare_receiver(

@@ -68,7 +68,8 @@ class HandoffMixin:
     def receiver_unpickles(cls, connection: Mapping[str, Any]) -> str | None:
         """The peer whose messages a receiver built from ``connection`` would unpickle (``None``: none).
 
-        :func:`weightsync.config.from_config` builds such a receiver only with the caller's ``allow_pickle``.
+        :func:`weightsync.config.from_config` builds such a receiver only with the caller's opt-in (the option the
+        class names in ``RECEIVER_OPT_IN``, default ``allow_pickle``).
         """
         return None
 

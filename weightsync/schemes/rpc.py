@@ -39,17 +39,32 @@ class RPCWeightSyncScheme(WeightSyncScheme):
     ``wire_dtype`` to cast back from, or a model in shared memory at
     ``init_on_receiver`` copy into the model instead.
 
-    ``torch.distributed.rpc`` unpickles every message its peers send (that is
-    how it calls functions), so the world stays on loopback unless you opt in
-    with ``allow_pickle=True``. An agent you started yourself (``worker_names=``)
-    is yours to secure.
+    **The RPC world runs code for anyone who can reach it.** ``torch.distributed.rpc``
+    authenticates no peer: a process that reaches the sender's TCP store can take a
+    worker's rank (the store's keys are listed by ``TCPStore.list_keys()``), join
+    the world with torch's own ``rpc.init_rpc``, and call any function (``os.system``
+    included) in the trainer and in every worker, as the user running them; torch
+    unpickles and runs the call before any weightsync code sees it. On loopback that
+    is every local user of the host (``/proc/net/tcp`` lists the port); otherwise,
+    every host that can route to ``master_addr``. So ``init_on_sender`` and
+    ``init_on_receiver`` refuse to start an RPC world (nothing is served, joined or
+    spawned) unless you pass ``allow_store_peers_to_run_code=True``, and a receiver
+    config is built only with ``from_config(cfg, allow_store_peers_to_run_code=True)``
+    (the config's own field is never taken). Opt in only where every process
+    that can reach the store is yours; otherwise use ``distributed``, which
+    authenticates with the run key.
+
+    An agent you started yourself (``worker_names=`` on the sender, a receiver config
+    whose connection is ``{"external": true}``) needs no opt-in: your ``rpc.init_rpc``
+    opened that world, weightsync opens nothing and reaches no further into it, so
+    securing it is yours (the same risk applies).
     """
 
     backend = "rpc"
     OPTIONS = (
         *options.COMMON,
         *options.NETWORK,
-        options.ALLOW_PICKLE,
+        options.ALLOW_STORE_PEERS_TO_RUN_CODE,
         *options.BYTES,
         *options.RPC_SETTINGS,
     )
@@ -57,15 +72,28 @@ class RPCWeightSyncScheme(WeightSyncScheme):
     TRANSPORT_SETTINGS = options.RPC_SETTINGS
     SENDER_HANDLES = ("worker_names",)
 
-    def _check_exposure(self, host: str, **where: Any) -> None:
-        """Refuse an RPC world reachable from other machines unless ``allow_pickle`` says so."""
-        from ..transports.network import is_loopback
-
-        if not self.allow_pickle and not is_loopback(host):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if "allow_pickle" in kwargs:  # rpc's earlier switch, which covered only addresses off loopback: name its heir
             raise ConfigurationError(
-                f"master_addr={host!r} opens this RPC world to other machines, and torch.distributed.rpc "
-                "unpickles every message its peers send: set allow_pickle=True if every machine that can reach "
-                f"{host} is yours (see docs/multinode.md), or keep master_addr on loopback",
+                "RPCWeightSyncScheme takes allow_store_peers_to_run_code, not allow_pickle: the rpc scheme runs only "
+                "for a user who accepts that every process reaching its store (on loopback too) can run code in "
+                "the trainer and its workers"
+            )
+        super().__init__(*args, **kwargs)
+
+    #: The option only the caller's own code may set for a receiver built from a config
+    #: (:func:`weightsync.config.from_config` takes it as an argument; the config's field is never taken).
+    RECEIVER_OPT_IN = "allow_store_peers_to_run_code"
+
+    def _check_opt_in(self, **where: Any) -> None:
+        """Refuse to run an RPC world unless ``allow_store_peers_to_run_code`` says the user accepts what it allows."""
+        if not self.allow_store_peers_to_run_code:
+            raise ConfigurationError(
+                "the rpc scheme lets every process that can reach its TCP store (every local user on loopback, "
+                "every host that can route to master_addr otherwise) run any code in the trainer and every worker: "
+                "torch.distributed.rpc authenticates no peer. Pass allow_store_peers_to_run_code=True (a scheme "
+                "config's field allow_store_peers_to_run_code: true) only if every such process is yours, or use "
+                "the distributed scheme, which authenticates its peers",
                 **where,
             )
 
@@ -103,8 +131,8 @@ class RPCWeightSyncScheme(WeightSyncScheme):
                     model_id=self._model_id,
                 )
         else:
+            self._check_opt_in(model_id=self._model_id)
             master = resolve_master(self.master_addr, self.master_port)
-            self._check_exposure(master[0], model_id=self._model_id)
         return RPCSender(
             sink,
             layout,
@@ -123,12 +151,13 @@ class RPCWeightSyncScheme(WeightSyncScheme):
     ) -> ReceiverEngine:
         from ..transports.rpc.receiver import RPCReceiver
 
+        if handoff and not handoff.get("external"):
+            self._check_opt_in(**where)
         # A model in shared memory may be read by processes of the worker's own: written into, never moved.
         shared = self._kept_shared(flatten_weights(self._model, self._strategy.extract_as))
         return RPCReceiver(
             handoff,
             take=not (self.keep_storage or shared),
-            check_exposure=self._check_exposure,
             timeout=self.timeout,
             where=where,
         )

@@ -3,7 +3,8 @@ key, the ``distributed`` scheme's run key).
 
 The sender writes its random key, as hex, to an owner-only file (mode 0600)
 in an owner-only directory (``$XDG_RUNTIME_DIR/weightsync-<uid>/``, else
-``/tmp/weightsync-<uid>/``, mode 0700), named after its listening address
+``/tmp/weightsync-<uid>/``, mode 0700; see :func:`key_dir` for when another
+user holds that name), named after its listening address
 (a run key: after :func:`key_name`) and PID namespace, and removes it at
 shutdown. A receiver config carries the
 file's path; since that path may come from a file another host wrote, a
@@ -53,17 +54,67 @@ def _dir_name() -> str:
 
 
 def key_dir() -> str:
-    """This user's key directory, made if missing; refused unless it is a directory of this user's, mode 0700."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    """This user's key directory: ``<base>/weightsync-<uid>``, made if missing, where ``<base>`` is
+    ``$XDG_RUNTIME_DIR`` if it names a directory, else the temporary directory (``$TMPDIR``, ``/tmp``).
+
+    It is used only if it is a directory (not a link) owned by this user with mode 0700. In a shared
+    ``/tmp`` another user can take that name first (a directory, a file or a symbolic link of theirs),
+    which would deny this user key files for every run: then the keys go to
+    ``<base>/weightsync-<uid>.<random>/weightsync-<uid>``, both levels made private by this process
+    (``mkdtemp``), and found again by later runs (only this user can own such a directory, and nothing
+    there is trusted before its owner and mode are checked). No link is ever followed.
+
+    Raises:
+        ConfigurationError: no private directory can be made under ``<base>`` (not writable, say).
+    """
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = runtime if runtime and os.path.isdir(runtime) else tempfile.gettempdir()
     path = os.path.join(base, _dir_name())
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    _check_dir(path)
-    return path
+    try:
+        os.mkdir(path, 0o700)  # not makedirs: a link planted at `path` must not count as the directory
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigurationError(f"cannot make the auth key directory {path}: {exc.strerror}") from exc
+    if _is_private_dir(path):
+        return path
+    return _fallback_dir(base)
+
+
+def _fallback_dir(base: str) -> str:
+    """A private key directory of this user's under ``base`` when ``base/weightsync-<uid>`` is held by another
+    user: one made earlier (both levels this user's, mode 0700, not links), else a new one."""
+    prefix = _dir_name() + "."
+    try:
+        names = sorted(name for name in os.listdir(base) if name.startswith(prefix))
+    except OSError:
+        names = []
+    for name in names:
+        outer = os.path.join(base, name)
+        inner = os.path.join(outer, _dir_name())
+        if _is_private_dir(outer) and _is_private_dir(inner):
+            return inner
+    try:
+        outer = tempfile.mkdtemp(prefix=prefix, dir=base)  # mode 0700, a name no one could guess
+        inner = os.path.join(outer, _dir_name())
+        os.mkdir(inner, 0o700)
+    except OSError as exc:
+        raise ConfigurationError(f"cannot make a private auth key directory under {base}: {exc.strerror}") from exc
+    return inner
+
+
+def _is_private_dir(path: str) -> bool:
+    """Whether ``path`` itself (not what a link there points to) is a directory of this user's, mode 0700."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not stat.S_IMODE(info.st_mode) & 0o077
 
 
 def _check_dir(path: str, **where: Any) -> None:
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+    os.lstat(path)  # FileNotFoundError: the caller says what a missing directory means
+    if not _is_private_dir(path):
         raise ConfigurationError(
             f"{path} must be a directory owned by this user with mode 0700 (it holds auth keys)", **where
         )

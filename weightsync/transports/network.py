@@ -6,6 +6,7 @@ import os
 import socket
 from typing import Any
 
+from .. import checks
 from ..errors import ConfigurationError
 
 __all__ = ["interface_for", "is_loopback", "local_address", "local_interfaces", "resolve_master"]
@@ -16,13 +17,24 @@ _PROBE_PORT = 9
 
 def resolve_master(master_addr: str | None, master_port: int | None) -> tuple[str, int]:
     """Address and port of the sender's TCP store: the arguments, else ``MASTER_ADDR``/``MASTER_PORT``,
-    else loopback and a free port (``0``)."""
-    host = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    else loopback and a free port (``0``).
+
+    Raises:
+        ConfigurationError: a host that is not a host name or an IP address (:func:`weightsync.checks.host`:
+            the resolver would raise ``UnicodeError`` on a label over 63 characters), named by where it came
+            from, or a port outside 0..65535.
+    """
+    if master_addr:
+        host = checks.host(master_addr, "master_addr")
+    elif os.environ.get("MASTER_ADDR"):
+        host = checks.host(os.environ["MASTER_ADDR"], "the environment variable MASTER_ADDR")
+    else:
+        host = "127.0.0.1"
     port: Any = master_port if master_port is not None else os.environ.get("MASTER_PORT", 0)
     try:
         port = int(port)
     except (TypeError, ValueError):
-        raise ConfigurationError(f"master_port must be an int, got {port!r}") from None
+        raise ConfigurationError(f"master_port must be an int, got {checks.shown(port)}") from None
     if not 0 <= port < 65536:
         raise ConfigurationError(f"master_port must be in 0..65535, got {port}")
     return host, port
@@ -34,7 +46,7 @@ def local_address(toward: str) -> str:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((socket.gethostbyname(toward), _PROBE_PORT))
             return probe.getsockname()[0]
-    except OSError:
+    except (OSError, UnicodeError):  # UnicodeError: a name IDNA refuses (checked names never get here)
         return "127.0.0.1"
 
 

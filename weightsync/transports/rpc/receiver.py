@@ -32,7 +32,6 @@ class RPCReceiver(ReceiverEngine):
     Args:
         handoff: the session to join, or ``{"external": True}``.
         take: the model may take the buffer an update arrived in (TensorPipe allocates one per message).
-        check_exposure: refuses an RPC world reachable from other machines unless the worker opted in.
         timeout: the scheme's; a sender whose store leaves a call unanswered for four times it is gone (its host
             vanished).
         where: ``model_id`` and ``worker_idx``.
@@ -43,7 +42,6 @@ class RPCReceiver(ReceiverEngine):
         handoff: dict[str, Any],
         *,
         take: bool,
-        check_exposure: Callable[..., None],
         timeout: float,
         where: dict[str, Any],
     ) -> None:
@@ -53,7 +51,7 @@ class RPCReceiver(ReceiverEngine):
                 "or its receiver_config(worker_idx)",
                 model_id=where["model_id"],
             )
-        self.handoff, self._take, self._check_exposure, self.where = handoff, take, check_exposure, where
+        self.handoff, self._take, self.where = handoff, take, where
         self.timeout = timeout
         self.placement = "take" if take else "write"
         self.session: Session | None = None
@@ -65,7 +63,6 @@ class RPCReceiver(ReceiverEngine):
         if self.handoff.get("external"):
             return
         w = self.where["worker_idx"]
-        self._check_exposure(self.handoff["master_addr"], **self.where)
         self.session = join_worker_session(
             self.handoff, remaining(deadline), SILENT_TIMEOUTS * self.timeout, **self.where
         )

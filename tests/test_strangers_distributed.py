@@ -172,6 +172,11 @@ def test_a_stranger_holding_rank_0_makes_the_worker_apply_nothing(monkeypatch):
         if attacker.poll() is None:
             attacker.kill()
             attacker.wait(timeout=10)
+    # The trainer stopped waiting at its deadline; gloo's own thread, connected to a worker that was taken, ends
+    # once that worker's process is gone.
+    for thread in [t for t in threading.enumerate() if t.name == "weightsync-group-formation"]:
+        thread.join(30)
+        assert not thread.is_alive(), "gloo's formation thread outlived the worker it waited on"
 
 
 def test_bytes_that_are_not_the_senders_are_refused_before_the_model_sees_them(monkeypatch):

@@ -53,9 +53,17 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
 
     Each run draws a random key. ``receiver_config(i)`` names the file it is
     in (``authkey_file``, owner-only), never the key: copy that file to each
-    worker's host with the config. The run's keys in the store live under a
-    prefix drawn from it, and a worker's hello carries an HMAC made with it:
-    no process without the key finds the run or is admitted as a worker.
+    worker's host with the config. The store and the group's formation are
+    open to whoever reaches the store's port (its keys, prefix included, are
+    listed to anyone), so the key does the work: a worker's hello carries an
+    HMAC made with it (no process without the key is admitted as a worker);
+    everything a worker acts on from the sender (layout, verdicts,
+    announcements, digests) is sealed with it; and each update's bytes are
+    checked, in the buffer they arrived in and before the model sees them,
+    against a keyed digest the sender sealed (Poly1305 under a one-time key,
+    or HMAC-SHA256 where the ``cryptography`` package is missing). A process
+    that claims rank 0 without the key cannot make a worker apply anything.
+    ``checksum=True`` adds nothing to that check here.
 
     ``init_on_sender`` needs ``num_workers=``; workers get the scheme pickled
     or as ``receiver_config(i)`` and call ``init_on_receiver(model=...,

@@ -11,11 +11,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...errors import ConfigurationError
+from ...core.timing import remaining
+from ...errors import ConfigurationError, SyncTimeoutError
 from ..network import local_address
 from ..store import as_timedelta
 
-__all__ = ["Waiter", "gpu_identity", "is_timeout", "new_group"]
+__all__ = ["Waiter", "gpu_identity", "is_timeout", "new_group", "new_group_within"]
+
+#: Seconds a caller that gave up on a group's formation waits for gloo's thread to give up too.
+FORMATION_GRACE_S = 2.0
 
 
 def gpu_identity() -> str:
@@ -50,6 +54,53 @@ def new_group(backend: str, store: dist.Store, rank: int, size: int, timeout: fl
         options._timeout = as_timedelta(timeout)
         return dist.ProcessGroupNCCL(store, rank, size, options)
     raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+
+
+def new_group_within(
+    deadline: float,
+    what: str,
+    backend: str,
+    store: dist.Store,
+    rank: int,
+    size: int,
+    timeout: float,
+    master_addr: str,
+    **where: Any,
+) -> Any:
+    """:func:`new_group`, formed by ``deadline`` or given up; its operations then time out after ``timeout``.
+
+    Anyone who reaches the store can claim a rank there as the group forms (its keys are public), so a rank may
+    never come. gloo forms the group (waiting on the store and on its peers) with a timeout that ends at
+    ``deadline``, then takes ``timeout`` for its operations; the formation runs on a thread of its own, which
+    the caller stops waiting for at ``deadline`` whatever torch's C++ code does (NCCL forms lazily).
+
+    Raises:
+        SyncTimeoutError: the group did not form by ``deadline`` (``what``: which group, for the message).
+        torch.distributed.DistError, RuntimeError: it failed.
+    """
+    made: Future = Future()
+    forming = min(timeout, max(remaining(deadline), 0.001)) if backend == "gloo" else timeout
+
+    def form() -> None:
+        try:
+            pg = new_group(backend, store, rank, size, forming, master_addr)
+            if forming != timeout:
+                pg._set_default_timeout(as_timedelta(timeout))  # gloo's own: every context of the group
+            made.set_result(pg)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            made.set_exception(exc)
+
+    thread = threading.Thread(target=form, name="weightsync-group-formation", daemon=True)
+    thread.start()
+    try:
+        return made.result(timeout=max(remaining(deadline), 0.0))
+    except TimeoutError:
+        thread.join(FORMATION_GRACE_S)  # gloo gives up at the same deadline: let its thread end with the call
+        raise SyncTimeoutError(
+            f"{what} did not form in time: a rank did not connect (a peer is late or gone, or a process that reached "
+            "the store claimed a rank)",
+            **where,
+        ) from None
 
 
 def is_timeout(exc: BaseException) -> bool:

@@ -6,10 +6,19 @@ read, and the update is applied only once all of it arrived. A CPU model (in
 its own dtype, not in shared memory) then takes that buffer as its memory and
 the next message lands in the other buffer, which holds the memory the model
 left: the model's buffer and the one in flight, two in all.
+
+Nothing read from the store is acted on unless the sender sealed it with the
+run key (the layout, the verdicts, the initial version, announcements, digests,
+the word that this worker was dropped): anyone who reaches the store can write
+there. The bytes of each update are hashed with the run key as they arrive, and
+an update whose digest differs from the one the sender sealed reaches the model
+as a refusal (acked as failed, nothing applied): a rank 0 that is not the
+sender cannot make this worker apply anything.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
@@ -21,13 +30,21 @@ import torch.distributed as dist
 
 from ...core.engine import Delivery, ReceiverEngine
 from ...core.timing import deadline_after, remaining
-from ...errors import ConfigurationError, ConnectionClosedError, SyncTimeoutError, first_line
+from ...errors import (
+    AuthenticationError,
+    ConfigurationError,
+    ConnectionClosedError,
+    SyncTimeoutError,
+    TransportError,
+    first_line,
+)
 from ...tensors.layout import FlatLayout
 from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphaned
+from ..plainjson import loads_object
 from ..processes import process_identity
-from ..store import SILENT_TIMEOUTS, await_key, connect_store, store_json
-from .auth import proof, run_prefix
-from .group import gpu_identity, new_group
+from ..store import MAX_STORE_JSON, SILENT_TIMEOUTS, await_key, connect_store
+from .auth import PayloadMac, Sealer, layout_tag, proof, run_prefix
+from .group import gpu_identity, new_group_within
 from .sender import GROUP_TIMEOUT_FACTOR, REJOIN_POLL_S
 from .transport import MAX_ERROR_TEXT, DistributedTransport, Link
 
@@ -55,7 +72,7 @@ class DistributedReceiver(ReceiverEngine):
             to one buffer on its device that each update is copied into, one copy per bucket; decided once the
             layout says whether weights travel in their own dtype.
         model_device: the device every weight of the worker's model is on (``None``: several).
-        checksum: check each update against the sender's checksum.
+        checksum: the scheme's; each update is checked against the sender's keyed digest anyway.
         timeout: the longest one update may take to arrive.
         where: ``model_id`` and ``worker_idx``.
     """
@@ -83,6 +100,8 @@ class DistributedReceiver(ReceiverEngine):
         self._key = bytes.fromhex(handoff.get("authkey") or read_key_file(handoff["authkey_file"], NO_KEY, **where))
         self._key_file = None if handoff.get("authkey") else handoff["authkey_file"]  # swept once its sender died
         self.prefix = run_prefix(where["model_id"], self._key)
+        self.sealer = Sealer(self._key, self.prefix)
+        self._layout_tag = b""
         self.backend, self.device, self.bucket_bytes = backend, device, bucket_bytes
         self._take, self.checksum, self.timeout, self.where = take, checksum, timeout, where
         self.model_device = model_device
@@ -121,7 +140,7 @@ class DistributedReceiver(ReceiverEngine):
         try:
             total = remaining(deadline)
             await_key(store, "layout", deadline, total, f"the sender's store at {host}:{port} to hold its run", **where)
-            self.layout = FlatLayout.from_plain(store_json(store, "layout"))
+            self.layout = self._read_layout(store)
             refusal = check(self.layout)
             hello: dict[str, Any] = {"ok": True}
             if refusal is not None:
@@ -134,12 +153,24 @@ class DistributedReceiver(ReceiverEngine):
             w = where["worker_idx"]
             gen = int(store.add(f"gen/{w}", 1))  # how many processes have connected as worker w, this one included
             if gen == 1:
-                link = Link(store=store)
+                link = Link(store=store, sealer=self.sealer)
                 store.set(f"hello/{w}", json.dumps({**hello, "proof": proof(self._key, w, gen, hello)}))
                 await_key(store, "verdict", deadline, total, "the sender's rendez-vous with every worker", **where)
-                reason = store_json(store, "verdict").get(str(w))
+                reason = self._opened_json(store, "verdict").get(str(w))
+                if reason is not None and not isinstance(reason, str):
+                    raise TransportError("store key 'verdict' holds no reason for this worker; refusing it", **where)
                 # Every worker joins the group, even one that refused: the group forms only with all of them.
-                link.pg = new_group(self.backend, store, w + 1, world, self._group_timeout(deadline), host)
+                link.pg = new_group_within(
+                    deadline,
+                    "the sender's process group",
+                    self.backend,
+                    store,
+                    w + 1,
+                    world,
+                    self._group_timeout(deadline),
+                    host,
+                    **where,
+                )
             else:  # a restart: a two-rank group of its own with the sender, if the sender lets it in
                 link, reason = self._pair(store, gen, hello, deadline)
                 if reason is not None and refusal is None:
@@ -162,6 +193,27 @@ class DistributedReceiver(ReceiverEngine):
             self._views.append(self.layout.views(self._buffers[-1]))
         self._buckets = self.layout.buckets(self.bucket_bytes)
 
+    def _opened_json(self, store: dist.Store, key: str) -> dict[str, Any]:
+        """The JSON object the sender sealed under ``key`` (AuthenticationError: not sealed with the run key;
+        TransportError: not a bounded JSON object)."""
+        content = self.sealer.open(store.get(key), key, **self.where)
+        return loads_object(content, f"store key {key!r}", max_bytes=MAX_STORE_JSON)
+
+    def _read_layout(self, store: dist.Store) -> FlatLayout:
+        """The sender's layout, sealed, and described exactly as a sender describes one: its entries in the order
+        the sender packs them (byte offsets follow that order), each key once."""
+        content = self.sealer.open(store.get("layout"), "layout", **self.where)
+        plain = loads_object(content, "store key 'layout'", max_bytes=MAX_STORE_JSON)
+        layout = FlatLayout.from_plain(plain)
+        if layout.to_plain() != plain:
+            raise TransportError(
+                "store key 'layout' is not a layout as the sender describes one (entries repeated or out of the "
+                "order they are packed in); refusing it",
+                **self.where,
+            )
+        self._layout_tag = layout_tag(content)
+        return layout
+
     def _pair(self, store: dist.Store, gen: int, hello: dict[str, Any], deadline: float) -> tuple[Link, str | None]:
         """Ask the sender to take this process back as generation ``gen`` of its worker; the two-rank group
         formed with it, or why it refused."""
@@ -171,16 +223,18 @@ class DistributedReceiver(ReceiverEngine):
         verdict = f"verdict/{w}/{gen}"
         while not store.check([verdict]):
             if store.check(["shutdown"]):
+                self.sealer.open(store.get("shutdown"), "shutdown", **self.where)  # said by the sender, or refused
                 return Link(store=store), "the sender shut down"
             if remaining(deadline) <= 0:
                 raise SyncTimeoutError("the sender did not answer this request to rejoin in time", **self.where)
             time.sleep(min(REJOIN_POLL_S, remaining(deadline)))
-        reason = store_json(store, verdict).get("refused")
+        reason = self._opened_json(store, verdict).get("refused")
         if reason is not None:
-            return Link(store=store), str(reason)
+            return Link(store=store), str(reason)[:MAX_ERROR_TEXT]
         pair = dist.PrefixStore(f"pair/{w}/{gen}", store)
-        pg = new_group(self.backend, pair, 1, 2, self._group_timeout(deadline), self.handoff["master_addr"])
-        return Link(pg, pair), None
+        group = (self.backend, pair, 1, 2, self._group_timeout(deadline), self.handoff["master_addr"])
+        pg = new_group_within(deadline, "the two-rank group with the sender", *group, **self.where)
+        return Link(pg, pair, self.sealer.scoped(f"pair/{w}/{gen}/")), None
 
     def _rejoin(self, timeout: float) -> list[Delivery]:
         """The sender dropped this worker (an ack it never got: a link down, a stall) and it is still alive:
@@ -230,7 +284,7 @@ class DistributedReceiver(ReceiverEngine):
             return self._rejoin(max(timeout, self.timeout))
         deadline = deadline_after(timeout)
         seqs: list[int] = []
-        version, expected = None, None
+        version, refusal = None, None
         while True:
             try:
                 msg = transport.next_message(0.0 if seqs else remaining(deadline))
@@ -248,16 +302,17 @@ class DistributedReceiver(ReceiverEngine):
                     break
                 return self._rejoin(max(remaining(deadline), self.timeout))
             version = int(msg["version"])
-            transport.receive_into(self._parts(), self.timeout, version)
+            mac = self._mac(msg)
+            transport.receive_into(self._parts(), self.timeout, version, mac)
             if self._dropped_meanwhile():
                 return self._rejoin(max(remaining(deadline), self.timeout))
             seqs.append(transport.seq)
-            expected = self._digest(transport.seq, self.timeout)
-            if not newest:
+            refusal = self._verify(mac, transport.seq, version, self.timeout)
+            if not newest or refusal is not None:
                 break
         if seqs:
             assert version is not None
-            return [self._delivery(version, seqs, expected)]
+            return [self._delivery(version, seqs, refusal)]
         if self._closed:
             raise ConnectionClosedError("the sender shut down", **self.where)
         return []
@@ -265,12 +320,15 @@ class DistributedReceiver(ReceiverEngine):
     def _take_initial(self, timeout: float) -> list[Delivery]:
         """The initial weights (at connect, or once this worker rejoined): they come without an announcement."""
         assert self.transport is not None
-        self.transport.receive_into(self._parts(), timeout, 0)
+        deadline = deadline_after(timeout)
+        said = self.transport.initial_message(timeout)  # sealed before the bytes were sent: nothing unsealed is read
+        version, mac = said["version"], self._mac(said)
+        self.transport.receive_into(self._parts(), max(remaining(deadline), 0.001), version, mac)
         if self._dropped_meanwhile():  # dropped again while the newest version was on its way
             return self._rejoin(max(timeout, self.timeout))
+        refusal = self._verify(mac, 0, version, max(remaining(deadline), self.timeout))
         self._initial = False
-        version = int(self.transport.store.get("initial"))
-        return [self._delivery(version, [0], self._digest(0, timeout))]
+        return [self._delivery(version, [0], refusal)]
 
     def _dropped_meanwhile(self) -> bool:
         """Whether the sender dropped this worker while the message just received was on its way: its bytes may
@@ -281,14 +339,28 @@ class DistributedReceiver(ReceiverEngine):
         self._dropped = "it did not ack in time"
         return True
 
-    def _digest(self, seq: int, timeout: float) -> str | None:
-        assert self.transport is not None
-        return self.transport.expected_digest(seq, timeout) if self.checksum else None
+    def _mac(self, said: dict[str, Any]) -> PayloadMac:
+        """The keyed digest of the message ``said`` announces, fed as its bytes land in the staging buffer."""
+        buffer = self._buffers[self._at]
+        return self.sealer.payload_mac(self._layout_tag, buffer, said["version"], said["nonce"], said["mac"])
 
-    def _delivery(self, version: int, seqs: list[int], digest: str | None) -> Delivery:
+    def _verify(self, mac: PayloadMac, seq: int, version: int, timeout: float) -> AuthenticationError | None:
+        """Why the bytes of message ``seq`` (version ``version``) in the staging buffer may not be applied:
+        ``None`` when they hash, with the run key, to the digest the sender sealed for them."""
+        assert self.transport is not None
+        expected = self.transport.expected_digest(seq, version, timeout)
+        if hmac.compare_digest(mac.hexdigest(), expected):
+            return None
+        return AuthenticationError(
+            "the update's bytes do not match the keyed digest the sender sealed for them (corrupted in transit, or "
+            "sent by a process that is not the sender); not applied, the model keeps its previous weights",
+            **{**self.where, "version": version},
+        )
+
+    def _delivery(self, version: int, seqs: list[int], refusal: BaseException | None) -> Delivery:
         buffer, views = self._buffers[self._at], self._views[self._at]
         storage = buffer.untyped_storage() if self.placement == "take" else None
-        return Delivery(version, [(0, buffer)], digest, views, storage, views, token=seqs)
+        return Delivery(version, [(0, buffer)], None, views, storage, views, refusal=refusal, token=seqs)
 
     def ack(self, taken: list[Delivery], held: int | None, error: BaseException | None = None) -> None:
         assert self.transport is not None

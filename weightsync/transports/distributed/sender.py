@@ -8,6 +8,13 @@ reads; submitting it announces it in the store and sends it to each worker
 bucket by bucket, each bucket copied while the previous one is on the wire.
 A restarted worker forms a two-rank group of its own with the sender and is
 sent the newest version published.
+
+Everything written to the store for workers is sealed with the run key, and
+each version's bytes get a keyed digest (hashed on threads, bucket by bucket,
+while the buckets go out), published sealed once every bucket was sent. What
+the sender reads from the store (hellos, requests to rejoin) is bounded and
+type-checked before its proof is; garbage there refuses that worker, and never
+stops the rejoin thread.
 """
 
 from __future__ import annotations
@@ -26,16 +33,23 @@ import torch.distributed as dist
 
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import remaining, wait_until
-from ...errors import ConfigurationError, ReceiverError, SyncTimeoutError, WeightSyncError, first_line
-from ...integrity import digest
+from ...errors import (
+    AuthenticationError,
+    ConfigurationError,
+    ReceiverError,
+    SyncTimeoutError,
+    TransportError,
+    WeightSyncError,
+    first_line,
+)
 from ...tensors.copies import copy_tensors, write_into
 from ...tensors.layout import FlatLayout
 from ..keyfiles import KEY_BYTES, key_name, remove_key_file, write_key_file
 from ..processes import process_is_gone
 from ..staging import Staging, StagingPool
 from ..store import connect_store, open_store, store_json
-from .auth import proven, run_prefix
-from .group import gpu_identity, new_group
+from .auth import MAC, Sealer, layout_tag, new_nonce, proven, run_prefix
+from .group import gpu_identity, new_group, new_group_within
 from .transport import ACK_OK, DistributedTransport, Link
 
 __all__ = ["DistributedSender"]
@@ -62,7 +76,8 @@ class DistributedSender(SenderEngine):
         master: the store's host and port (port 0: a free one).
         bucket_bytes: the most bytes a bucket holds (``None``: one message).
         max_buffers: the most staging buffers held at once.
-        checksum: hash each version's bytes for the workers to check.
+        checksum: the scheme's; every version's bytes carry a keyed digest that workers check anyway (it checks
+            more than a checksum: who sent them, as well as that they arrived whole).
         timeout, connect_timeout: the scheme's.
         sync: the transports' ``send_weights`` waits for the ack.
         pin: staging buffers in host memory are page-locked (the trainer's weights are on a GPU).
@@ -102,10 +117,14 @@ class DistributedSender(SenderEngine):
         self._key_file: str | None = None
         self.prefix = run_prefix(sink.model_id, self.authkey)
         self.store: dist.Store | None = dist.PrefixStore(self.prefix, self._base_store)
-        self.store.set("layout", json.dumps(layout.to_plain()))
+        self.sealer = Sealer(self.authkey, self.prefix)
+        described = json.dumps(layout.to_plain()).encode()
+        self.layout_tag = layout_tag(described)  # what each version's digest binds: the layout, in order
+        self.store.set("layout", self.sealer.seal("layout", described))
+        self._nonce = ""  # the one-time key's nonce of the version being staged
         if backend == "nccl":
             self.store.set("gpu", gpu_identity())
-        self.link = Link()
+        self.link = Link(sealer=self.sealer)
         self.transports = {
             w: DistributedTransport(
                 w, link=self.link, device=device, timeout=timeout, sync=sync, model_id=sink.model_id, sink=sink
@@ -113,7 +132,8 @@ class DistributedSender(SenderEngine):
             for w in range(num_workers)
         }
         self.pool: StagingPool | None = None
-        self.newest: tuple[Staging, int, str | None] | None = None  # (staging, version, checksum) of the last send
+        #: (staging, version, keyed digest, its nonce) of the last send
+        self.newest: tuple[Staging, int, str, str] | None = None
         self.hellos: dict[int, dict[str, Any]] = {}  # what each worker said when it (re)joined
         self._gens: dict[int, int] = {}  # worker -> the generation (connection count) admitted last
         self._rejoins_seen = 0
@@ -159,11 +179,12 @@ class DistributedSender(SenderEngine):
             holders = {gpu_identity(): "the sender"} if self.backend == "nccl" else {}
             verdict = {}
             for w, key in enumerate(hellos):
-                hello = self.hellos[w] = store_json(self.store, key)
-                if not proven(self.authkey, w, 1, hello):
-                    verdict[str(w)] = UNPROVEN
-                    refused[w] = ConfigurationError(f"{UNPROVEN}: refused", model_id=model_id, worker_idx=w)
-                    log.warning("model %r: refused worker %d at the rendez-vous: %s", model_id, w, UNPROVEN)
+                hello, problem = _read_hello(self.store, key, self.authkey, w, 1)
+                self.hellos[w] = hello
+                if problem is not None:
+                    verdict[str(w)] = problem
+                    refused[w] = AuthenticationError(f"{problem}: refused", model_id=model_id, worker_idx=w)
+                    log.warning("model %r: refused worker %d at the rendez-vous: %s", model_id, w, problem)
                 elif not hello.get("ok"):
                     refused[w] = ReceiverError(
                         str(hello.get("type", "Error")), str(hello.get("message", "")), model_id=model_id, worker_idx=w
@@ -177,9 +198,18 @@ class DistributedSender(SenderEngine):
                     refused[w] = ConfigurationError(verdict[str(w)], model_id=model_id, worker_idx=w)
                 elif hello.get("gpu"):
                     holders[hello["gpu"]] = f"worker {w}"
-            self.store.set("verdict", json.dumps(verdict))
-            self.link.pg = new_group(
-                self.backend, self.store, 0, self.num_workers + 1, self._group_timeout(deadline), self.address[0]
+            self.store.set("verdict", self.sealer.seal("verdict", json.dumps(verdict)))
+            # Anyone who reaches the store may claim a rank of the group as it forms: the wait ends at the deadline.
+            self.link.pg = new_group_within(
+                deadline,
+                "the process group with every worker",
+                self.backend,
+                self.store,
+                0,
+                self.num_workers + 1,
+                self._group_timeout(deadline),
+                self.address[0],
+                model_id=model_id,
             )
             self.link.store = self.store
             self._admit_store = dist.PrefixStore(
@@ -201,16 +231,18 @@ class DistributedSender(SenderEngine):
             self.pool = StagingPool(self.layout.nbytes, self.device, self.max_buffers, done, self._settle, self.pin)
         staging = self.pool.acquire(deadline, model_id=self.sink.model_id, version=out.version)
         self.newest = None  # until the whole version is in the buffer
+        self._nonce = new_nonce()
         if out.initial:
             assert self.store is not None
-            self.store.set("initial", str(out.version))
+            said = {"version": out.version, "nonce": self._nonce, "mac": MAC}
+            self.store.set("initial", self.sealer.seal("initial", json.dumps(said)))
         return staging
 
     def submit(self, out: Outgoing, staging: Staging) -> None:
         sending = []
         for w in out.workers:
             try:
-                self.transports[w].announce(out.version, initial=out.initial)
+                self.transports[w].announce(out.version, self._nonce, MAC, initial=out.initial)
             except RuntimeError as exc:  # the store or the peer is gone
                 self._gone(w, exc)
                 continue
@@ -219,6 +251,7 @@ class DistributedSender(SenderEngine):
         # Bucket by bucket: while gloo sends one, the next is copied into the staging buffer.
         if staging.views is None:
             staging.views = self.layout.views(staging.tensor)
+        mac = self.sealer.payload_mac(self.layout_tag, staging.tensor, out.version, self._nonce, MAC)
         for first, last, start, end in self.buckets:
             if out.whole is not None:  # flatten_sender: the bucket's bytes already lie in one buffer, in place
                 copy_tensors([staging.tensor[start:end]], [out.whole[start:end]])
@@ -230,15 +263,15 @@ class DistributedSender(SenderEngine):
                 except RuntimeError as exc:  # the peer is gone: gloo refuses to send to it
                     self._gone(w, exc)
                     sending.remove(w)
-        payload_digest = digest([staging.tensor]) if self.checksum else None  # once every bucket is written
+            mac.ready(end)  # hashed while gloo's thread sends the bucket
+        payload_digest = mac.hexdigest()
         for w in sending:
             try:
-                if payload_digest is not None:  # the workers check it before applying
-                    self.transports[w].set_digest(payload_digest)
+                self.transports[w].set_digest(payload_digest, out.version)  # the workers check it before applying
                 self.transports[w].expect_ack(out.version)
             except RuntimeError as exc:  # the peer died since its parts went out: gloo refuses the receive
                 self._gone(w, exc)
-        self.newest = (staging, out.version, payload_digest)  # what a worker that rejoins is sent
+        self.newest = (staging, out.version, payload_digest, self._nonce)  # what a worker that rejoins is sent
 
     def _gone(self, w: int, exc: BaseException) -> None:
         """Worker ``w``'s rank went away (gloo or the store refused, or a send to it failed): it is dead."""
@@ -311,23 +344,26 @@ class DistributedSender(SenderEngine):
                 for w in range(self.num_workers):
                     gen = int(store.add(f"gen/{w}", 0))
                     if gen > self._gens.get(w, 1) and store.check([f"rejoin/{w}/{gen}"]):
-                        found = w, gen, store_json(store, f"rejoin/{w}/{gen}")
-                        self._gens[w] = gen
+                        self._gens[w] = gen  # read once, whatever it holds: garbage is answered, not read again
+                        found = w, gen
                         break
                 self._rejoins_seen = self._rejoins_seen + 1 if found else asked
             if found is None:
                 time.sleep(REJOIN_POLL_S)
                 return None
-            w, gen, hello = found
-            problem = self._rejoin_problem(w, hello) if proven(self.authkey, w, gen, hello) else UNPROVEN
-            store.set(f"verdict/{w}/{gen}", json.dumps({"ok": True} if problem is None else {"refused": problem}))
+            w, gen = found
+            hello, problem = _read_hello(store, f"rejoin/{w}/{gen}", self.authkey, w, gen)
+            if problem is None:
+                problem = self._rejoin_problem(w, hello)
+            key = f"verdict/{w}/{gen}"
+            store.set(key, self.sealer.seal(key, json.dumps({"ok": True} if problem is None else {"refused": problem})))
             if problem is not None:
                 log.warning("model %r: refused worker %d connecting again: %s", self.sink.model_id, w, problem)
                 return None
             pair = dist.PrefixStore(f"pair/{w}/{gen}", store)
             timeout = max(self.connect_timeout, GROUP_TIMEOUT_FACTOR * self.timeout)
             pg = new_group(self.backend, pair, 0, 2, timeout, self.address[0])
-        except (dist.DistError, WeightSyncError) as exc:
+        except (dist.DistError, WeightSyncError, ValueError) as exc:  # ValueError: a counter that is no number
             if self._admit_store is None:
                 raise EOFError from None
             log.warning("model %r: a worker connecting again could not join: %s", self.sink.model_id, first_line(exc))
@@ -365,7 +401,7 @@ class DistributedSender(SenderEngine):
         transport = self.transports[w] = DistributedTransport(
             w, device=self.device, timeout=self.timeout, sync=old.sync if old else True, model_id=self.sink.model_id,
             sink=self.sink,
-        ).use_pair(pg, pair)  # fmt: skip
+        ).use_pair(pg, pair, self.sealer.scoped(f"pair/{w}/{gen}/"))  # fmt: skip
         self.sink.rejoining(w)  # from here on, a failure is this new process's
         self.hellos[w] = hello
         if self.pool is not None:
@@ -373,13 +409,13 @@ class DistributedSender(SenderEngine):
         if self.newest is None:
             self.sink.died(w, "failed to rejoin: no whole version to send")
             return None
-        staging, version, payload_digest = self.newest
+        staging, version, payload_digest, nonce = self.newest
         try:
-            pair.set("initial", str(version))
-            transport.announce(version, initial=True)
+            said = {"version": version, "nonce": nonce, "mac": MAC}
+            pair.set("initial", transport.sealer.seal("initial", json.dumps(said)))
+            transport.announce(version, nonce, MAC, initial=True)
             staging.readers[w] = [transport.send_part(staging.tensor[start:end]) for *_, start, end in self.buckets]
-            if payload_digest is not None:
-                transport.set_digest(payload_digest)
+            transport.set_digest(payload_digest, version)
             transport.expect_ack(version)
         except (RuntimeError, dist.DistError) as exc:
             self._gone(w, exc)
@@ -394,7 +430,7 @@ class DistributedSender(SenderEngine):
             self._key_file = None
         if self.store is not None:  # a dropped worker asking to rejoin stops waiting for an answer
             with contextlib.suppress(dist.DistError):
-                self.store.set("shutdown", "1")
+                self.store.set("shutdown", self.sealer.seal("shutdown", "1"))
         for w, transport in self.transports.items():
             if not self.sink.is_dead(w):
                 transport.close(min(timeout, CLOSE_WAIT_S))
@@ -403,3 +439,27 @@ class DistributedSender(SenderEngine):
         self.newest = None
         self.link.pg = self.link.store = None
         self.store = self._base_store = None
+
+
+def _read_hello(store: dist.Store, key: str, key_bytes: bytes, w: int, gen: int) -> tuple[dict[str, Any], str | None]:
+    """The hello (or request to rejoin) at ``key``, and why it is refused (``None``: it is proven and well formed).
+
+    Anyone who reaches the store may write there: it is read bounded, its fields are checked for type, and its
+    proof with the run key; whatever is wrong refuses that worker and nothing else.
+    """
+    try:
+        hello = store_json(store, key)
+    except TransportError as exc:
+        return {}, f"{exc}"
+    if not proven(key_bytes, w, gen, hello):
+        return {}, UNPROVEN
+    process, gpu = hello.get("process"), hello.get("gpu")
+    if (
+        type(hello.get("ok")) is not bool
+        or not isinstance(hello.get("type", ""), str)
+        or not isinstance(hello.get("message", ""), str)
+        or not (process is None or (isinstance(process, dict) and all(isinstance(k, str) for k in process)))
+        or not (gpu is None or isinstance(gpu, str))
+    ):
+        return {}, f"store key {key!r} is not a hello a worker writes"
+    return hello, None

@@ -8,6 +8,11 @@ per version and bucket, whatever the number of tensors); the store carries the
 signalling (which version comes next, checksums, error details) and the group
 carries the bytes and the acks, so a rank that dies fails the pending ack at
 once instead of being waited on.
+
+Whoever reaches the store may write its keys, and may claim rank 0 of a group
+before the sender does: every value a worker acts on is sealed with the run key
+(:class:`~.auth.Sealer`), and the bytes it receives are checked against the
+sender's sealed keyed digest before the model sees them (:class:`~.auth.PayloadMac`).
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ from ...errors import (
     first_line,
 )
 from ..base import PeerTransport
-from ..store import as_timedelta, store_json
+from ..plainjson import loads_object
+from ..store import MAX_STORE_JSON, as_timedelta, store_json
+from .auth import MACS, PayloadMac, Sealer
 from .group import Waiter, is_timeout
 
 if TYPE_CHECKING:
@@ -57,10 +64,11 @@ FIRST_PAUSE_S, LONGEST_PAUSE_S = 0.0005, 0.02
 @dataclass
 class Link:
     """The group and store a transport talks over: the engine's, filled in once the group formed, or a pair
-    of a transport's own (a worker that rejoined)."""
+    of a transport's own (a worker that rejoined); and what seals and opens the store's values there."""
 
     pg: Any = None
     store: dist.Store | None = None
+    sealer: Sealer | None = None
 
 
 @dataclass
@@ -119,12 +127,22 @@ class DistributedTransport(PeerTransport):
             raise LifecycleError("this transport's group has not formed yet", worker_idx=self.worker_idx)
         return self.link.pg, self.link.store
 
-    def use_pair(self, pg: Any, store: dist.Store) -> DistributedTransport:
+    def use_pair(self, pg: Any, store: dist.Store, sealer: Sealer) -> DistributedTransport:
         """Use a group and store of this transport's own: the two-rank group (sender rank 0, worker rank 1)
-        formed when a restarted worker rejoins, and its store prefix. Returns ``self``."""
-        self.link = Link(pg, store)
+        formed when a restarted worker rejoins, its store prefix and its sealer. Returns ``self``."""
+        self.link = Link(pg, store, sealer)
         self.rank = 1
         return self
+
+    @property
+    def sealer(self) -> Sealer:
+        if self.link.sealer is None:
+            raise LifecycleError("this transport's group has not formed yet", worker_idx=self.worker_idx)
+        return self.link.sealer
+
+    def _opened(self, key: str, version: int | None = None) -> bytes:
+        """The sealed value at ``key``, opened (AuthenticationError: not sealed with the run key)."""
+        return self.sealer.open(self.store.get(key), key, version, **self._where(version))
 
     @property
     def store(self) -> dist.Store:
@@ -135,16 +153,18 @@ class DistributedTransport(PeerTransport):
         return {"model_id": self.model_id, "worker_idx": self.worker_idx, "version": version}
 
     # ----------------------------------------------------------------- sender
-    def announce(self, version: int, *, initial: bool = False) -> None:
+    def announce(self, version: int, nonce: str, mac: str, *, initial: bool = False) -> None:
         """Start message ``version``: announce it in the store (the parts follow over the group).
 
         The initial weights are sent without an announcement: the worker is in ``connect()`` waiting for
-        exactly them.
+        exactly them (their version, ``nonce`` and ``mac`` are in the store's ``initial``). ``nonce`` and ``mac``:
+        the message's one-time key and MAC (:class:`~.auth.PayloadMac`).
         """
         _, store = self._group()
         seq = 0 if initial else self.seq + 1
         if not initial:
-            store.set(f"msg/{self.worker_idx}/{seq}", json.dumps({"version": version}))
+            key = f"msg/{self.worker_idx}/{seq}"
+            store.set(key, self.sealer.seal(key, json.dumps({"version": version, "nonce": nonce, "mac": mac})))
         self.seq = seq
         if self._waiter is None:
             self._waiter = Waiter(f"weightsync-{self.model_id}-rank{self.rank}")
@@ -155,9 +175,11 @@ class DistributedTransport(PeerTransport):
         assert self._waiter is not None
         return self._waiter.watch(pg.send([part], self.rank, TAG_DATA))
 
-    def set_digest(self, digest: str) -> None:
-        """The checksum of the message announced last, for the worker to check before applying it."""
-        self.store.set(f"digest/{self.worker_idx}/{self.seq}", digest)
+    def set_digest(self, digest: str, version: int) -> None:
+        """The keyed digest of the message announced last (version ``version``), sealed, for the worker to check
+        the bytes against before applying them."""
+        key = f"digest/{self.worker_idx}/{self.seq}"
+        self.store.set(key, self.sealer.seal(key, digest, version))
 
     def expect_ack(self, version: int) -> None:
         """Post the receive of the ack of the message announced last (every part of it sent)."""
@@ -217,14 +239,16 @@ class DistributedTransport(PeerTransport):
         may deliver a later version's bytes once the link is back, and the worker that finds itself dropped after
         receiving a message discards it (:meth:`was_dropped`)."""
         with contextlib.suppress(LifecycleError, dist.DistError):
-            self.store.set(f"dropped/{self.worker_idx}", "1")
+            key = f"dropped/{self.worker_idx}"
+            self.store.set(key, self.sealer.seal(key, "1"))
         self._last_word({"dropped": reason[:MAX_ERROR_TEXT]})
         self.stop_waiting(0.0)
 
     def _last_word(self, msg: dict[str, Any]) -> None:
         # The store is the sender's own (or its job's): writing to it does not depend on the worker's link.
         with contextlib.suppress(LifecycleError, dist.DistError):
-            self.store.set(f"msg/{self.worker_idx}/{self.seq + 1}", json.dumps(msg))
+            key = f"msg/{self.worker_idx}/{self.seq + 1}"
+            self.store.set(key, self.sealer.seal(key, json.dumps(msg)))
 
     def stop_waiting(self, timeout: float) -> None:
         """End the waiter thread; one still blocked on a stalled peer ends at gloo's operation timeout."""
@@ -240,7 +264,14 @@ class DistributedTransport(PeerTransport):
 
     # --------------------------------------------------------------- receiver
     def next_message(self, timeout: float) -> dict[str, Any] | None:
-        """The next announcement for this worker, waiting up to ``timeout``; ``None`` if none came."""
+        """The next announcement for this worker, waiting up to ``timeout``; ``None`` if none came.
+
+        Returns one of ``{"version": int, "nonce": str, "mac": str}``, ``{"closed": True}``, ``{"dropped": str}``.
+
+        Raises:
+            AuthenticationError: the announcement is not sealed with the run key.
+            TransportError: it is not one of these.
+        """
         _, store = self._group()
         key = f"msg/{self.worker_idx}/{self.seq + 1}"
         deadline, pause = deadline_after(timeout), FIRST_PAUSE_S
@@ -250,21 +281,29 @@ class DistributedTransport(PeerTransport):
                     return None
                 time.sleep(min(pause, remaining(deadline)))
                 pause = min(pause * 2, LONGEST_PAUSE_S)
-            msg = store_json(store, key)
+            raw = store.get(key)
             store.delete_key(key)
         except dist.DistError as exc:
             raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
+        msg = _announcement(self.sealer.open(raw, key, **self._where()), key, **self._where())
         self.seq += 1
         return msg
 
-    def receive_into(self, parts: list[torch.Tensor], timeout: float, version: int | None) -> None:
-        """Receive the parts of the message just announced (or the initial weights), in order, within ``timeout``."""
+    def receive_into(
+        self, parts: list[torch.Tensor], timeout: float, version: int | None, mac: PayloadMac | None = None
+    ) -> None:
+        """Receive the parts of the message just announced (or the initial weights), in order, within ``timeout``;
+        ``mac`` hashes each part as it arrives (while the next ones are on the wire). The parts tile its buffer."""
         pg, _ = self._group()
         deadline = deadline_after(timeout)
+        arrived = 0
         try:
             works = [pg.recv([part], 0, TAG_DATA) for part in parts]  # posted at once: parts arrive in order
-            for work in works:
+            for part, work in zip(parts, works):
                 work.wait(as_timedelta(max(remaining(deadline), 0.001)))
+                arrived += part.numel()
+                if mac is not None:
+                    mac.ready(arrived)
         except RuntimeError as exc:
             if is_timeout(exc):
                 raise SyncTimeoutError("the announced update did not arrive in time", **self._where(version)) from None
@@ -273,21 +312,52 @@ class DistributedTransport(PeerTransport):
     def was_dropped(self) -> bool:
         """Whether the sender dropped this worker: asked once a message arrived whole, so that bytes sent from a
         buffer the sender reused after dropping it are never applied."""
+        key = f"dropped/{self.worker_idx}"
         try:
-            return self.store.check([f"dropped/{self.worker_idx}"])
+            if not self.store.check([key]):
+                return False
+            self._opened(key)  # a word from anyone else is refused, not obeyed
         except dist.DistError as exc:
             raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
+        return True
 
-    def expected_digest(self, seq: int, timeout: float) -> str:
-        """The sender's checksum of message ``seq``: set once every bucket was written, it may follow the data."""
+    def expected_digest(self, seq: int, version: int, timeout: float) -> str:
+        """The sender's keyed digest of message ``seq`` (version ``version``): set once every bucket was written,
+        it may follow the data.
+
+        Raises:
+            ConnectionClosedError: none came within ``timeout`` (a sender gone, or a rank 0 that is not it).
+            AuthenticationError: it is not sealed with the run key for this message and version.
+        """
         key, store = f"digest/{self.worker_idx}/{seq}", self.store
         try:
             store.wait([key], as_timedelta(timeout))
-            value = store.get(key).decode()
+            raw = store.get(key)
             store.delete_key(key)
         except dist.DistError as exc:
-            raise ConnectionClosedError(f"no checksum from the sender ({first_line(exc)})", **self._where()) from None
-        return value
+            raise ConnectionClosedError(
+                f"no digest from the sender ({first_line(exc)}); nothing was applied", **self._where(version)
+            ) from None
+        return self.sealer.open(raw, key, version, **self._where(version)).decode("ascii", "replace")
+
+    def initial_message(self, timeout: float) -> dict[str, Any]:
+        """What the initial weights are: ``{"version", "nonce", "mac"}``, sealed by the sender before it sent them.
+
+        Raises:
+            AuthenticationError: not sealed with the run key. TransportError: not what a sender writes there.
+            ConnectionClosedError: not there within ``timeout``.
+        """
+        try:
+            self.store.wait(["initial"], as_timedelta(timeout))
+            content = self._opened("initial")
+        except dist.DistError as exc:
+            raise ConnectionClosedError(
+                f"the sender named no initial version ({first_line(exc)})", **self._where()
+            ) from None
+        msg = _announcement(content, "initial", **self._where())
+        if "version" not in msg:
+            raise TransportError("store key 'initial' names no version; refusing it", **self._where())
+        return msg
 
     def receive_weights(self, timeout: float | None = None, **kwargs: Any) -> Any:
         raise LifecycleError("a distributed worker receives with scheme.receive()")
@@ -312,3 +382,21 @@ class DistributedTransport(PeerTransport):
 
     def check_connection(self) -> bool:
         return super().check_connection() and self.link.pg is not None
+
+
+def _announcement(content: bytes, key: str, **where: Any) -> dict[str, Any]:
+    """An opened announcement, checked to be one of the three a sender writes."""
+    msg = loads_object(content, f"store key {key!r}", max_bytes=MAX_STORE_JSON)
+    version, nonce = msg.get("version"), msg.get("nonce")
+    if (
+        set(msg) == {"version", "nonce", "mac"}
+        and type(version) is int
+        and version >= 0
+        and isinstance(nonce, str)
+        and 0 < len(nonce) <= 64
+        and msg["mac"] in MACS
+    ):
+        return msg
+    if msg == {"closed": True} or (set(msg) == {"dropped"} and isinstance(msg["dropped"], str)):
+        return msg
+    raise TransportError(f"store key {key!r} holds no announcement a sender makes; refusing it", **where)

@@ -1,0 +1,150 @@
+"""Another local user attacks a ``distributed`` run, run as uid 65534 by tests/test_strangers_distributed.py.
+
+It holds no key and no config. It finds the trainer's store the way any local user can: the listening ports in
+``/proc/net/tcp`` (it is told which one is this test's, and touches no other), and the run's prefix with
+``TCPStore.list_keys()``. Each mode prints what it did and what it saw, one line each.
+
+    python -m tests._attack_distributed plant PORT     # forged verdict and initial, then claim rank 0
+    python -m tests._attack_distributed squat PORT     # claim rank 0 once the real verdict is out, send 666.0
+    python -m tests._attack_distributed layout PORT reordered|deep
+    python -m tests._attack_distributed hello PORT     # worker 0's hello, replaced by JSON 200,000 deep
+    python -m tests._attack_distributed rejoin PORT    # a request to rejoin as worker 0, 200,000 deep
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEEP = "[" * 200_000 + "]" * 200_000
+TAG_DATA, TAG_ACK = 1, 2  # what the engine's transport uses on the wire
+
+
+def listening_ports() -> set[int]:
+    """Every TCP port listening on this host (IPv4 and IPv6), as any user reads it."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A":  # LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def find_run(port: int) -> tuple[dist.Store, dist.Store, str]:
+    """The store at ``port`` (found among the listeners), and the run's prefix (found among its keys)."""
+    if port not in listening_ports():
+        print(f"port {port} is not listening", flush=True)
+        sys.exit(2)
+    base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
+    for _ in range(500):
+        for key in base.list_keys():
+            found = re.match(r"^(weightsync/[^/]+/[0-9a-f]{16})/layout$", key)
+            if found:
+                prefix = found.group(1)
+                print(f"found the run's prefix {prefix}", flush=True)
+                return base, dist.PrefixStore(prefix, base), prefix
+        time.sleep(0.02)
+    print("no run found in the store", flush=True)
+    sys.exit(2)
+
+
+def wait_key(store: dist.Store, key: str, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if store.check([key]):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def layout_nbytes(store: dist.Store) -> int:
+    from weightsync.tensors.layout import FlatLayout
+
+    raw = store.get("layout")
+    content = raw.partition(b":")[2] if raw[:1] != b"{" else raw  # a sealed value: mac ":" content
+    return FlatLayout.from_plain(json.loads(content)).nbytes
+
+
+def claim_rank0_and_send(store: dist.Store, seconds: float) -> None:
+    """Form the run's group as its rank 0 with worker 0, send it 666.0 in every byte's place, and see what it acks."""
+    from weightsync.transports.distributed.group import new_group
+
+    nbytes = layout_nbytes(store)
+    try:
+        pg = new_group("gloo", store, 0, 2, seconds, "127.0.0.1")
+    except Exception as exc:  # noqa: BLE001 - reported: the attack failed here
+        print(f"rank 0 not claimed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        return
+    print("claimed rank 0", flush=True)
+    store.set("initial", "0")
+    payload = torch.full((nbytes // 4,), 666.0).view(torch.uint8)
+    try:
+        pg.send([payload], 1, TAG_DATA).wait(timedelta(seconds=seconds))
+        print("sent 666.0", flush=True)
+    except RuntimeError as exc:
+        print(f"could not send 666.0 ({str(exc)[:120]})", flush=True)
+    store.set("digest/0/0", "0" * 16)
+    ack = torch.zeros(3, dtype=torch.int64)
+    try:
+        pg.recv([ack], 1, TAG_ACK).wait(timedelta(seconds=seconds))
+        print(f"ack {ack.tolist()}", flush=True)
+    except RuntimeError as exc:
+        print(f"no ack ({str(exc)[:120]})", flush=True)
+
+
+def main(mode: str, port: str, *args: str) -> None:
+    base, store, _ = find_run(int(port))
+    if mode == "plant":
+        if not wait_key(store, "hello/0", 30):
+            print("worker 0 never said hello", flush=True)
+            return
+        store.set("verdict", json.dumps({}))
+        store.set("initial", "0")
+        print("planted verdict and initial", flush=True)
+        claim_rank0_and_send(store, 6)
+    elif mode == "squat":
+        if not wait_key(store, "verdict", 30):
+            print("no verdict came", flush=True)
+            return
+        claim_rank0_and_send(store, 10)
+    elif mode == "layout":
+        raw = store.get("layout")
+        mac, _, content = raw.partition(b":")
+        if args[0] == "reordered":
+            plain = json.loads(content)
+            entries = plain["entries"]  # 0.weight and 1.weight: the same shape and dtype
+            entries[0], entries[2] = entries[2], entries[0]
+            store.set("layout", mac + b":" + json.dumps(plain).encode())  # the sender's MAC, kept
+        else:
+            store.set("layout", DEEP)
+        print(f"layout replaced ({args[0]})", flush=True)
+    elif mode == "hello":
+        if not wait_key(store, "hello/0", 30):
+            print("worker 0 never said hello", flush=True)
+            return
+        store.set("hello/0", DEEP)
+        print("hello replaced", flush=True)
+    elif mode == "rejoin":
+        gen = int(store.add("gen/0", 1))
+        store.set(f"rejoin/0/{gen}", DEEP)
+        store.add("rejoins", 1)
+        answered = wait_key(store, f"verdict/0/{gen}", 20)
+        print(f"asked to rejoin as generation {gen}; answered: {answered}", flush=True)
+        if answered:
+            print(f"verdict: {store.get(f'verdict/0/{gen}').decode(errors='replace')[:300]}", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

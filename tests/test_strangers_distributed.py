@@ -1,0 +1,313 @@
+"""Another user on the trainer's host attacks a ``distributed`` run (SPEC section 11; issue 31, findings 2, 3, 5).
+
+The attacker (tests/_attack_distributed.py) runs as uid 65534 with no key and no config: it finds the store's
+port in /proc/net/tcp and the run's prefix with ``list_keys()``, and talks only to this test's trainer. Each
+attack must be refused with a weightsync error: nothing applied (the worker's weights unchanged, no ack as
+applied), and the trainer's ``connect()`` within its ``connect_timeout``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import weightsync as ws
+from tests._as_stranger import needs_stranger, run_stranger, start_stranger
+from weightsync.core.timing import remaining
+from weightsync.transports.distributed import sender as sender_module
+from weightsync.transports.distributed.auth import MACS, Sealer
+from weightsync.transports.distributed.transport import DistributedTransport
+
+CONNECT_TIMEOUT = 6.0
+#: What a bound may be overrun by: the scheduling of a 2-core machine running the attacker's interpreter too.
+SLACK_S = 3.0
+ATTACK = ["-m", "tests._attack_distributed"]
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # 0.weight and 1.weight: same shape, same dtype
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _worker(blob: bytes, worker_idx: int, conn) -> None:
+    """A real worker (it holds the run key): connect, report, then receive on command until told to stop."""
+    scheme = pickle.loads(blob)
+    model = _model(100 + worker_idx)
+    before = _state(model)
+    scheme.init_on_receiver(model=model, worker_idx=worker_idx)
+    try:
+        scheme.connect()
+    except ws.WeightSyncError as exc:
+        unchanged = all(torch.equal(before[k], v) for k, v in _state(model).items())
+        conn.send(("refused", type(exc).__name__, str(exc), unchanged))
+        return  # the process ends: a rank 0 that is not the sender sees its link close, and no ack
+    conn.send(("connected", scheme.version, _state(model)))
+    while conn.poll(60):
+        if conn.recv() != "receive":
+            break
+        before = _state(model)
+        try:
+            scheme.receive(timeout=20)
+        except ws.WeightSyncError as exc:
+            unchanged = all(torch.equal(before[k], v) for k, v in _state(model).items())
+            conn.send(("refused", type(exc).__name__, str(exc), unchanged))
+            continue
+        conn.send(("received", scheme.version, _state(model)))
+    scheme.shutdown()
+
+
+class _Worker:
+    def __init__(self, scheme: ws.DistributedWeightSyncScheme, worker_idx: int = 0) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(pickle.dumps(scheme), worker_idx, theirs), daemon=True)
+        self.proc.start()
+
+    def report(self, timeout: float = 60) -> tuple:
+        assert self.conn.poll(timeout), "the worker said nothing in time"
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send("stop")
+            except OSError:
+                pass
+        self.proc.join(15)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def _sender(num_workers: int = 1) -> tuple[nn.Module, ws.DistributedWeightSyncScheme, int]:
+    model = _model(0)
+    scheme = ws.DistributedWeightSyncScheme(timeout=3, connect_timeout=CONNECT_TIMEOUT)
+    scheme.init_on_sender(model=model, num_workers=num_workers)
+    return model, scheme, scheme._sending.engine.address[1]
+
+
+def _timed_connect(scheme: ws.DistributedWeightSyncScheme) -> tuple[BaseException | None, float]:
+    began = time.monotonic()
+    try:
+        scheme.connect()
+    except ws.WeightSyncError as exc:
+        return exc, time.monotonic() - began
+    return None, time.monotonic() - began
+
+
+@needs_stranger
+def test_a_planted_verdict_and_initial_are_refused_and_the_trainer_keeps_its_bound():
+    """Finding 2 as it was run: the stranger writes ``verdict`` and ``initial`` and claims rank 0."""
+    _, scheme, port = _sender()
+    worker = _Worker(scheme)
+    attacker = start_stranger([*ATTACK, "plant", str(port)])
+    try:
+        got = worker.report()
+        assert got[0] == "refused" and got[1] == "AuthenticationError" and "'verdict'" in got[2], got
+        assert got[3], "the worker's weights changed"
+        error, took = _timed_connect(scheme)
+        assert isinstance(error, ws.WeightSyncError), error
+        assert took <= CONNECT_TIMEOUT + SLACK_S, f"connect() took {took:.1f}s with connect_timeout={CONNECT_TIMEOUT}"
+        out, _ = attacker.communicate(timeout=60)
+        assert "planted verdict and initial" in out, out
+        assert "\nack " not in out, f"the worker acked the stranger's bytes:\n{out}"
+    finally:
+        worker.stop()
+        scheme.shutdown()
+        if attacker.poll() is None:
+            attacker.kill()
+            attacker.communicate(timeout=10)
+
+
+@needs_stranger
+def test_a_stranger_holding_rank_0_makes_the_worker_apply_nothing(monkeypatch):
+    """The stranger wins the race for rank 0 (the trainer is held back until it did), names the initial version
+    and sends 666.0: the worker refuses the unsealed ``initial`` before it reads a byte, acks nothing, and the
+    trainer's connect() keeps its bound. (Bytes from a rank 0 under sealed words: the test after this one.)"""
+    _, scheme, port = _sender()
+    claimed, lines = threading.Event(), []
+    real = sender_module.new_group_within
+
+    def late(deadline, *args, **kwargs):
+        claimed.wait(max(remaining(deadline), 0.0))  # the stranger formed the group with worker 0 first
+        return real(deadline, *args, **kwargs)
+
+    monkeypatch.setattr(sender_module, "new_group_within", late)
+    attacker = start_stranger([*ATTACK, "squat", str(port)])
+
+    def read() -> None:
+        for line in attacker.stdout:
+            lines.append(line)
+            if line.startswith("claimed rank 0"):
+                claimed.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    worker = _Worker(scheme)
+    try:
+        error, took = _timed_connect(scheme)
+        assert isinstance(error, ws.WeightSyncError), error
+        assert took <= CONNECT_TIMEOUT + SLACK_S, f"connect() took {took:.1f}s with connect_timeout={CONNECT_TIMEOUT}"
+        got = worker.report()
+        assert got[0] == "refused" and got[1] == "AuthenticationError", got
+        assert got[3], "the worker's weights changed"
+        attacker.wait(timeout=60)
+        reader.join(10)
+        out = "".join(lines)
+        assert "claimed rank 0" in out, out  # the stranger did form the group with the worker
+        assert "\nack " not in out, f"the worker acked the stranger's bytes:\n{out}"
+    finally:
+        worker.stop()
+        scheme.shutdown()
+        if attacker.poll() is None:
+            attacker.kill()
+            attacker.wait(timeout=10)
+    # The trainer stopped waiting at its deadline; gloo's own thread, connected to a worker that was taken, ends
+    # once that worker's process is gone.
+    for thread in [t for t in threading.enumerate() if t.name == "weightsync-group-formation"]:
+        thread.join(30)
+        assert not thread.is_alive(), "gloo's formation thread outlived the worker it waited on"
+
+
+def test_bytes_that_are_not_the_senders_are_refused_before_the_model_sees_them(monkeypatch):
+    """Whoever sends on rank 0, bytes that do not hash with the run key to the sender's sealed digest are never
+    applied: here the sender's own wire carries other bytes than it staged (as a stranger's rank 0 would)."""
+    model, scheme, _ = _sender()
+    worker = _Worker(scheme)
+    try:
+        scheme.connect()
+        got = worker.report()
+        assert got[0] == "connected" and got[1] == 0, got
+        held = got[2]
+        real = DistributedTransport.send_part
+
+        def forged(self, part):
+            return real(self, torch.full_like(part, 7))  # kept alive by the send until it completed
+
+        monkeypatch.setattr(DistributedTransport, "send_part", forged)
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        worker.conn.send("receive")
+        with pytest.raises(ws.WeightSyncError, match="keyed digest"):
+            scheme.send()
+        got = worker.report()
+        assert got[0] == "refused" and got[1] == "AuthenticationError" and got[3], got
+        monkeypatch.setattr(DistributedTransport, "send_part", real)
+        worker.conn.send("receive")
+        scheme.send()
+        got = worker.report()
+        assert (
+            got[0] == "received"
+            and got[1] == 2
+            and all(torch.equal(v, model.state_dict()[k]) for k, v in got[2].items())
+        )
+        assert any(not torch.equal(v, held[k]) for k, v in got[2].items())
+    finally:
+        worker.stop()
+        scheme.shutdown()
+
+
+@needs_stranger
+@pytest.mark.parametrize("how", ["reordered", "deep"])
+def test_a_replaced_layout_is_refused(how):
+    """Finding 3 (entries reordered, the sender's MAC kept) and finding 5 (JSON 200,000 deep in ``layout``)."""
+    _, scheme, port = _sender()
+    done = run_stranger([*ATTACK, "layout", str(port), how], timeout=60)
+    assert f"layout replaced ({how})" in done.stdout, done.stdout
+    worker = _Worker(scheme)
+    try:
+        got = worker.report()
+        assert got[0] == "refused" and got[1] == "AuthenticationError" and "'layout'" in got[2], got
+        assert got[3], "the worker's weights changed"
+    finally:
+        worker.stop()
+        scheme.shutdown()
+
+
+@needs_stranger
+def test_a_deep_hello_refuses_that_worker_by_name_within_the_bound():
+    """Finding 5: worker 0's hello replaced by JSON 200,000 deep; the trainer names it, the worker is told."""
+    _, scheme, port = _sender()
+    worker = _Worker(scheme)
+    try:
+        done = run_stranger([*ATTACK, "hello", str(port)], timeout=60)
+        assert "hello replaced" in done.stdout, done.stdout
+        error, took = _timed_connect(scheme)
+        assert isinstance(error, ws.WeightSyncError) and "hello/0" in str(error), error
+        assert took <= CONNECT_TIMEOUT + SLACK_S, f"connect() took {took:.1f}s with connect_timeout={CONNECT_TIMEOUT}"
+        got = worker.report()
+        assert got[0] == "refused" and "hello/0" in got[2] and got[3], got
+    finally:
+        worker.stop()
+        scheme.shutdown()
+
+
+@needs_stranger
+def test_a_deep_request_to_rejoin_leaves_the_admitter_serving():
+    """Finding 5: a request to rejoin 200,000 deep is answered (refused) and the admitter still admits a real
+    restarted worker."""
+    model, scheme, port = _sender()
+    first = _Worker(scheme)
+    second = None
+    try:
+        scheme.connect()
+        assert first.report()[0] == "connected"
+        done = run_stranger([*ATTACK, "rejoin", str(port)], timeout=60)
+        assert "answered: True" in done.stdout and "nests deeper" in done.stdout, done.stdout
+        assert any(t.name == "weightsync-policy-admitter" for t in threading.enumerate())
+        first.proc.kill()
+        first.proc.join(10)
+        second = _Worker(scheme)
+        got = second.report()
+        assert got[0] == "connected" and got[1] == 0, got
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in got[2].items())
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+        scheme.shutdown()
+
+
+@pytest.mark.parametrize("alg", MACS)
+def test_an_update_mac_binds_the_bytes_the_version_the_nonce_and_the_layout(alg):
+    """Each MAC a worker may be told to use (Poly1305, or HMAC-SHA256 where cryptography is missing) changes with
+    any byte, the version, the nonce, the layout's order or the run key."""
+    key, buffer = b"k" * 32, torch.arange(4096, dtype=torch.uint8)
+    sealer = Sealer(key, "weightsync/policy/0123456789abcdef")
+
+    def mac(buf=buffer, version=3, nonce="aa", tag=b"layout", sealer=sealer) -> str:
+        digest = sealer.payload_mac(tag, buf, version, nonce, alg)
+        digest.ready(1000)  # fed in two steps, as buckets arrive
+        return digest.hexdigest()
+
+    flipped = buffer.clone()
+    flipped[4000] ^= 1
+    other_key = Sealer(b"K" * 32, sealer.prefix)
+    same = mac()
+    assert same == mac()
+    assert len({same, mac(flipped), mac(version=4), mac(nonce="ab"), mac(tag=b"tuoyal"), mac(sealer=other_key)}) == 6
+
+
+def test_a_sealed_value_is_refused_under_another_key_scope_or_version():
+    sealer = Sealer(b"k" * 32, "weightsync/policy/0123456789abcdef")
+    sealed = sealer.seal("digest/0/1", "abc", 1)
+    assert sealer.open(sealed, "digest/0/1", 1) == b"abc"
+    for opened in (
+        lambda: sealer.open(sealed, "digest/1/1", 1),
+        lambda: sealer.open(sealed, "digest/0/1", 2),
+        lambda: sealer.scoped("pair/0/2/").open(sealed, "digest/0/1", 1),
+        lambda: Sealer(b"K" * 32, sealer.prefix).open(sealed, "digest/0/1", 1),
+        lambda: sealer.open(b"abc", "digest/0/1", 1),
+    ):
+        with pytest.raises(ws.AuthenticationError, match="is not sealed"):
+            opened()

@@ -311,3 +311,25 @@ def test_a_sealed_value_is_refused_under_another_key_scope_or_version():
     ):
         with pytest.raises(ws.AuthenticationError, match="is not sealed"):
             opened()
+
+
+def test_an_ack_without_the_run_keys_tag_is_not_counted(monkeypatch):
+    """Acks travel over the group, where a process that took a worker's rank could send them: each carries a tag
+    made with the run key. Here the sender expects the tag of another key, as it would from such a process: the
+    worker is named, never counted as holding the version."""
+    real = Sealer.ack_tag
+
+    def other_key(self, *words):
+        return real(Sealer(b"\x01" * 32, self.prefix, self.scope), *words)
+
+    _, scheme, _ = _sender()
+    worker = _Worker(scheme)
+    try:
+        monkeypatch.setattr(Sealer, "ack_tag", other_key)
+        with pytest.raises(ws.WeightSyncError, match="without the run key's tag") as caught:
+            scheme.connect()
+        assert caught.value.worker_idx == 0
+        assert scheme.acked_versions.get(0) is None  # never counted as holding version 0
+    finally:
+        worker.stop()
+        scheme.shutdown()

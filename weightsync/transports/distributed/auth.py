@@ -34,12 +34,26 @@ try:  # Poly1305 runs at several GB/s; hashlib has nothing as fast that is a MAC
 except ImportError:  # pragma: no cover - HMAC-SHA256 then, several times slower
     Poly1305 = None
 
-__all__ = ["MAC", "MACS", "PayloadMac", "Sealer", "layout_tag", "new_nonce", "proof", "proven", "run_prefix"]
+__all__ = [
+    "ACK_TAG_WORDS",
+    "MAC",
+    "MACS",
+    "PayloadMac",
+    "Sealer",
+    "layout_tag",
+    "new_nonce",
+    "proof",
+    "proven",
+    "run_prefix",
+]
 
 _PREFIX_TAG = b"weightsync distributed store prefix\0"
 _HELLO_TAG = b"weightsync distributed hello\0"
 _SEAL_TAG = b"weightsync distributed sealed store value v1\0"
 _PAYLOAD_TAG = b"weightsync distributed payload one-time key v1\0"
+_ACK_TAG = b"weightsync distributed ack v1\0"
+#: The int64 words of an ack's tag (HMAC-SHA256, 32 bytes).
+ACK_TAG_WORDS = 4
 _MAC_HEX = 64  # HMAC-SHA256, in hex
 #: The MACs a worker knows for an update's bytes; :data:`MAC` is the one this process's sender uses.
 MACS = ("poly1305", "hmac-sha256")
@@ -122,6 +136,13 @@ class Sealer:
                 **where,
             )
         return content
+
+    def ack_tag(self, worker: int, seq: int, held: int, status: int) -> list[int]:
+        """The tag a worker sends with its ack of message ``seq`` (``held``, ``status``), as int64 words: the
+        ack travels over the group, and whoever took a worker's rank there holds no key to make one."""
+        said = _framed(self.prefix.encode(), self.scope.encode(), struct.pack(">qqqq", worker, seq, held, status))
+        digest = hmac.new(self._key, _ACK_TAG + said, hashlib.sha256).digest()
+        return list(struct.unpack(">4q", digest))
 
     def payload_mac(self, layout_tag: bytes, buffer: torch.Tensor, version: int, nonce: str, alg: str) -> PayloadMac:
         """A :class:`PayloadMac` of ``buffer`` under the run key (the scope plays no part: a rejoined worker is sent

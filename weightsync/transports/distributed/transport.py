@@ -18,8 +18,10 @@ sender's sealed keyed digest before the model sees them (:class:`~.auth.PayloadM
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import logging
+import struct
 import time
 from collections import deque
 from concurrent.futures import CancelledError, Future
@@ -32,6 +34,7 @@ import torch.distributed as dist
 from ... import options
 from ...core.timing import deadline_after, remaining
 from ...errors import (
+    AuthenticationError,
     ConnectionClosedError,
     LifecycleError,
     SyncTimeoutError,
@@ -42,7 +45,7 @@ from ...errors import (
 from ..base import PeerTransport
 from ..plainjson import loads_object
 from ..store import MAX_STORE_JSON, as_timedelta, store_json
-from .auth import MACS, PayloadMac, Sealer
+from .auth import ACK_TAG_WORDS, MACS, PayloadMac, Sealer
 from .group import Waiter, is_timeout
 
 if TYPE_CHECKING:
@@ -185,7 +188,7 @@ class DistributedTransport(PeerTransport):
         """Post the receive of the ack of the message announced last (every part of it sent)."""
         pg, _ = self._group()
         assert self._waiter is not None
-        ack = torch.zeros(3, dtype=torch.int64, device=self.device)
+        ack = torch.zeros(3 + ACK_TAG_WORDS, dtype=torch.int64, device=self.device)
         self.pending.append(_Pending(self.seq, version, ack, self._waiter.watch(pg.recv([ack], self.rank, TAG_ACK))))
 
     def take_ack(self) -> tuple[_Pending, int, int] | None:
@@ -194,6 +197,7 @@ class DistributedTransport(PeerTransport):
         Raises:
             WorkerDiedError: the worker's rank went away.
             ConnectionClosedError: an ack out of order.
+            AuthenticationError: an ack without the run key's tag (a process that took the worker's rank).
         """
         if not self.pending or not self.pending[0].done.done():
             return None
@@ -204,7 +208,15 @@ class DistributedTransport(PeerTransport):
             raise WorkerDiedError(
                 f"its rank {self.rank} went away ({first_line(exc)})", **self._where(head.version)
             ) from None
-        seq, held, status = (int(x) for x in head.ack.tolist())
+        seq, held, status, *tag = (int(x) for x in head.ack.tolist())
+        if not hmac.compare_digest(
+            struct.pack(">4q", *tag), struct.pack(">4q", *self.sealer.ack_tag(self.worker_idx, seq, held, status))
+        ):
+            raise AuthenticationError(
+                f"an ack from rank {self.rank} without the run key's tag: a process that does not hold the key "
+                "took this worker's place in the group",
+                **self._where(head.version),
+            )
         if seq != head.seq:
             raise ConnectionClosedError(
                 f"ack out of order: expected message {head.seq}, got {seq}", **self._where(head.version)
@@ -372,7 +384,9 @@ class DistributedTransport(PeerTransport):
             if error is not None:
                 detail = {"type": type(error).__name__, "message": str(error)[:MAX_ERROR_TEXT]}
                 store.set(f"err/{self.worker_idx}/{seq}", json.dumps(detail))
-            ack = torch.tensor([seq, -1 if held is None else held, status], dtype=torch.int64, device=self.device)
+            words = [seq, -1 if held is None else held, status]
+            tagged = words + self.sealer.ack_tag(self.worker_idx, *words)
+            ack = torch.tensor(tagged, dtype=torch.int64, device=self.device)
             try:
                 pg.send([ack], 0, TAG_ACK).wait(as_timedelta(self.timeout))
             except RuntimeError as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -348,3 +349,24 @@ def test_the_leak_check_leaves_out_torchs_cuda_ipc_reference_counter_file_only()
     finally:
         os.unlink(counter)
         os.unlink(other)
+
+
+def test_the_leak_check_leaves_out_the_cuda_drivers_event_file_of_a_live_process_only():
+    # The CUDA driver names it after the process that exported an interprocess event (pid in hex; seen on an
+    # H100: `cuda.shm.0.201.1` for pid 513), and keeps it for that process's life: the trainer's is CUDA's own.
+    from tests.conftest import _cuda_or_torch_state
+
+    assert _cuda_or_torch_state(f"cuda.shm.0.{os.getpid():x}.1")  # this process: alive, the trainer of a test
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited = select.poll()
+    pidfd = os.pidfd_open(zombie.pid)
+    try:
+        exited.register(pidfd, select.POLLIN)  # readable once the child exited (it is not reaped by this)
+        assert exited.poll(30_000), "the child did not exit"
+    finally:
+        os.close(pidfd)
+    assert not _cuda_or_torch_state(f"cuda.shm.0.{zombie.pid:x}.1")  # exited (not reaped yet): a leak
+    zombie.wait(10)
+    assert not _cuda_or_torch_state(f"cuda.shm.0.{zombie.pid:x}.1")  # gone: a leak, weightsync's to explain
+    for name in (f"cuda.shm.{os.getpid():x}", f"cuda.shm.0.{os.getpid()}z.1", "cuda.shm.0..1", "weightsync-1"):
+        assert not _cuda_or_torch_state(name), name

@@ -95,8 +95,9 @@ def worker(
     tensors: int = 0,
     device: str = "cpu",
     dtype: str = "float32",
+    threads: int = 1,
 ) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     model = make_model(mb, tensors, device, dtype)
     scheme.init_on_receiver(model_id="policy", model=model, worker_idx=idx)
     scheme.connect()
@@ -117,15 +118,17 @@ def connected(
     tensors: int = 0,
     device: str = "cpu",
     dtype: str = "float32",
+    threads: int = 1,
     **options: Any,
 ) -> Iterator[ws.WeightSyncScheme]:
     """A sender scheme for ``model`` (``options``: the scheme's own), connected to ``workers`` worker processes
-    (:func:`processes`) whose models are on ``device``; shut down on exit."""
+    (:func:`processes`) whose models are on ``device``, each with ``threads`` torch threads (1: the CPU rows run
+    several workers on 2 cores); shut down on exit."""
     ctx = processes()
     scheme = ws.WeightSyncScheme.from_backend(name, timeout=120, **options)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
     stop = ctx.Event()
-    args = [(scheme, i, mb, stop, tensors, device, dtype) for i in range(workers)]
+    args = [(scheme, i, mb, stop, tensors, device, dtype, threads) for i in range(workers)]
     procs = [ctx.Process(target=worker, args=a) for a in args]
     for proc in procs:
         proc.start()

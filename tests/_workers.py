@@ -159,7 +159,7 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
                     cmd.send("broken")
                 elif op == "pinned":  # whether the host slots this worker copies from are page-locked
                     transport = schemes[args[0]].receiver_transport
-                    cmd.send([pin.pinned for pin in transport._pins])
+                    cmd.send([pin.pinned for pin in transport._pins.values()])
                 elif op == "close_channel":  # the worker's end of the transport goes away; the process lives
                     schemes[args[0]].receiver_transport.close()
                     cmd.send("closed")

@@ -166,6 +166,33 @@ def _torch_ref_counter(name: str) -> bool:
         return False
 
 
+#: The CUDA driver's file for a process's interprocess events: ``cuda.shm.<n>.<pid in hex>.<n>``. The driver makes
+#: it in the process that first exports an interprocess event handle (``cudaIpcGetEventHandle``: a device slot's
+#: event, or torch's ``_share_cuda_``), one per process, and keeps it for that process's life: destroying the
+#: event leaves it, and a process that ends without CUDA's teardown (``os._exit``, as every multiprocessing child
+#: ends, or SIGKILL) leaves it behind for good.
+_CUDA_EVENT_FILE = re.compile(r"cuda\.shm\.\d+\.([0-9a-f]+)\.\d+")
+
+
+def _cuda_event_file_of_live_process(name: str) -> bool:
+    """Whether ``name`` (an entry of /dev/shm) is the CUDA driver's interprocess-event file of a process still
+    running: CUDA's own state, like torch's reference-counter file, not a leak. The trainer (this test process)
+    makes one at its first device slot and keeps it until it exits. The file of a process that is gone is a
+    leak: only a sender exports events, so a worker's file means weightsync made a worker export one."""
+    match = _CUDA_EVENT_FILE.fullmatch(name)
+    if match is None:
+        return False
+    try:
+        return psutil.Process(int(match.group(1), 16)).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _cuda_or_torch_state(name: str) -> bool:
+    """Files of /dev/shm that CUDA or torch keep for a process's life, not weightsync's to remove."""
+    return _torch_ref_counter(name) or _cuda_event_file_of_live_process(name)
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
     """After every test: no shared-memory segment, weightsync thread or child process left behind by this run.
@@ -187,7 +214,7 @@ def no_leaks():
     assert not threads, f"threads left behind: {threads}"
     assert _memfds(os.getpid()) <= memfds_before, "shared-memory slots still open in the test process"
     assert _weightsync_maps(os.getpid()) <= maps_before, "shared-memory slots still mapped in the test process"
-    new = {name for name in set(os.listdir("/dev/shm")) - shm_before if not _torch_ref_counter(name)}
+    new = {name for name in set(os.listdir("/dev/shm")) - shm_before if not _cuda_or_torch_state(name)}
     if not PRIVATE_SHM:
         new = _held_by([me.pid, *(c.pid for c in me.children(recursive=True))], new)
     assert not new, f"new files in /dev/shm: {sorted(new)}"

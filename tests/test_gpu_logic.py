@@ -250,7 +250,13 @@ def test_a_failed_apply_settles_its_gpu_work_before_it_acks(monkeypatch):
     Scheme.model = model
     receiver = Receiver(Scheme(), Engine(), {"model_id": "policy", "worker_idx": 0})
     monkeypatch.setattr(receiver, "_gpus", lambda dst, held: {torch.device("cuda", 0)})  # a model on a GPU
-    monkeypatch.setattr(cuda, "settle", lambda gpus, deadline, **kw: calls.append("settle"))
+    monkeypatch.setattr(
+        cuda,
+        "settle",
+        lambda gpus, deadline, whole_device=False: calls.append(
+            "settle before the write" if whole_device else "settle"
+        ),
+    )
 
     def place_fails(*args):
         raise RuntimeError("copy failed")
@@ -258,7 +264,40 @@ def test_a_failed_apply_settles_its_gpu_work_before_it_acks(monkeypatch):
     monkeypatch.setattr(receiver, "_place", place_fails)
     with pytest.raises(RuntimeError, match="copy failed"):
         receiver.apply([Delivery(1, [])])
-    assert calls == ["settle", "ack RuntimeError"]
+    assert calls == ["settle before the write", "settle", "ack RuntimeError"]
+
+
+def test_a_worker_that_copies_into_its_model_waits_for_every_stream_before_it_writes(monkeypatch):
+    # Inference queued earlier on another stream may still read the model's memory: the copy must not overwrite it
+    # under those kernels. A worker whose model moves to the new memory instead writes nothing the model reads.
+    assert cuda.settle_before_write("load") and cuda.settle_before_write("write")
+    assert not cuda.settle_before_write("share") and not cuda.settle_before_write("take")
+    model = torch.nn.Linear(2, 2)
+    calls: list[str] = []
+
+    class Engine:
+        placement, pushes = "load", False
+        layout = FlatLayout.from_weights(dict(model.state_dict()))
+
+        def attach(self, apply) -> None: ...
+
+        def ack(self, taken, held, error=None) -> None:
+            calls.append(f"ack {type(error).__name__}")
+
+    class Scheme:
+        strategy = ws.WeightStrategy()
+        weights_lock = threading.RLock()
+        timeout = 5.0
+
+    Scheme.model = model
+    receiver = Receiver(Scheme(), Engine(), {"model_id": "policy", "worker_idx": 0})
+    monkeypatch.setattr(receiver, "_gpus", lambda dst, held: {torch.device("cuda", 0)})
+    monkeypatch.setattr(
+        cuda, "settle", lambda gpus, deadline, whole_device=False: calls.append(f"settle whole={whole_device}")
+    )
+    monkeypatch.setattr(receiver, "_place", lambda *args: calls.append("write") or None)
+    receiver.apply([Delivery(1, [])])
+    assert calls == ["settle whole=True", "write", "settle whole=False", "ack NoneType"]
 
 
 # ---------------------------------------------------------------------------- pinning (items 6, 10, 11)

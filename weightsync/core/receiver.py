@@ -138,6 +138,9 @@ class Receiver:
                 _materialize(dst, update)
             with self.weights_lock:  # weights and version change together for readers holding the lock
                 gpus = self._gpus(dst, held)
+                if gpus and cuda.settle_before_write(self.engine.placement):
+                    # Kernels of this process still reading the model (inference on a user stream) end first.
+                    cuda.settle(gpus, deadline, whole_device=True)
                 if update.fence is not None:  # bytes another process's GPU stream wrote: read them after it
                     cuda.wait_event(update.fence, gpus, deadline)
                 self._written = (dst, self._place(dst, update, layout, held))

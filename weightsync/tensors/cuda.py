@@ -46,6 +46,7 @@ __all__ = [
     "open_share",
     "release_share",
     "settle",
+    "settle_before_write",
     "settle_whole_device",
     "share",
     "visible_uuids",
@@ -315,6 +316,18 @@ def settle_whole_device(placement: str) -> bool:
     enough (no wait for inference in flight).
     """
     return placement in ("share", "take")
+
+
+def settle_before_write(placement: str) -> bool:
+    """Whether a worker must wait for every stream of its GPU before an update placed by ``placement`` is written.
+
+    ``"load"`` and ``"write"`` copy the update into the memory the model's tensors already are: kernels this
+    process queued earlier on any stream (inference on a user stream, from another thread with
+    ``background_thread=True``, whose host side let go of ``weights_lock`` when it queued them) may still read
+    that memory, and a copy queued on the current stream alone could overwrite it under them (a torn read).
+    ``"share"`` and ``"take"`` write nothing the model reads: its tensors move to the new memory instead.
+    """
+    return placement in ("load", "write")
 
 
 # --------------------------------------------------------------- pinned memory

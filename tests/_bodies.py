@@ -383,38 +383,48 @@ def wire_dtype_halves_the_bytes_and_workers_hold_the_rounded_weights(scheme, wor
 
 def corrupted_payload_is_refused_and_the_model_kept(scheme, workers):
     """With ``checksum=True``: a payload whose bytes do not match the sender's checksum is refused by every
-    worker, named to the sender as an IntegrityError, and the workers keep the version they held."""
+    worker, named to the sender (an IntegrityError; for ``distributed``, whose bytes always carry a MAC under the
+    run key, an AuthenticationError), and the workers keep the version they held."""
     import importlib
     from unittest import mock
 
+    from weightsync.transports.distributed.auth import PayloadMac
+
     assert scheme.checksum
-    engine = importlib.import_module(f"weightsync.transports.{_ENGINE[type(scheme).backend]}.sender")
+    if type(scheme).backend == "distributed":
+        damaged = mock.patch.object(PayloadMac, "hexdigest", return_value="0" * 32)  # the sender's side only
+        refusal, said = "AuthenticationError", "keyed digest"
+    else:
+        engine = importlib.import_module(f"weightsync.transports.{_ENGINE[type(scheme).backend]}.sender")
+        damaged = mock.patch.object(engine, "digest", return_value="0" * 16)
+        refusal, said = "IntegrityError", "failed its checksum"
     model = build("tiny")
     scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
-    group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"})
-    expected = {}
-    for step in (1, 2):
-        optimizer_step(model, step)
-        expected[step] = checksum(model, scheme.strategy.extract_as)
-        if step == 1:
-            scheme.send()
-            continue
-        # The sender announces a checksum its bytes do not have: as if they were damaged on the way.
-        with mock.patch.object(engine, "digest", return_value="0" * 16):
-            with pytest.raises(ws.WeightSyncError) as info:
+    try:
+        group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"})
+        expected = {}
+        for step in (1, 2):
+            optimizer_step(model, step)
+            expected[step] = checksum(model, scheme.strategy.extract_as)
+            if step == 1:
                 scheme.send()
-    failures = getattr(info.value, "failures", None) or {info.value.worker_idx: info.value}
-    assert sorted(failures) == [0, 1]
-    for error in failures.values():
-        assert isinstance(error, ws.ReceiverError) and error.remote_type == "IntegrityError"
-        assert "failed its checksum" in error.remote_message and error.version == 2
-    for w in (0, 1):
-        assert group.ask(w, "state")["policy"] == (1, expected[1])
-    scheme.send()  # the next send, checked and whole, goes through
-    for w in (0, 1):
-        assert group.ask(w, "state")["policy"] == (3, expected[2])
-    group.stop()
-    scheme.shutdown()
+                continue
+            # The sender announces a checksum its bytes do not have: as if they were damaged on the way.
+            with damaged, pytest.raises(ws.WeightSyncError) as info:
+                scheme.send()
+        failures = getattr(info.value, "failures", None) or {info.value.worker_idx: info.value}
+        assert sorted(failures) == [0, 1]
+        for error in failures.values():
+            assert isinstance(error, ws.ReceiverError) and error.remote_type == refusal, error
+            assert said in error.remote_message and error.version == 2
+        for w in (0, 1):
+            assert group.ask(w, "state")["policy"] == (1, expected[1])
+        scheme.send()  # the next send, checked and whole, goes through
+        for w in (0, 1):
+            assert group.ask(w, "state")["policy"] == (3, expected[2])
+        group.stop()
+    finally:
+        scheme.shutdown()
 
 
 def agents_listen_on_loopback_only(scheme, workers):

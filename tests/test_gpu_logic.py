@@ -264,14 +264,15 @@ def test_a_failed_apply_settles_its_gpu_work_before_it_acks(monkeypatch):
     monkeypatch.setattr(receiver, "_place", place_fails)
     with pytest.raises(RuntimeError, match="copy failed"):
         receiver.apply([Delivery(1, [])])
-    assert calls == ["settle before the write", "settle", "ack RuntimeError"]
+    assert calls == ["settle", "ack RuntimeError"]
 
 
 def test_a_worker_that_copies_into_its_model_waits_for_every_stream_before_it_writes(monkeypatch):
     # Inference queued earlier on another stream may still read the model's memory: the copy must not overwrite it
     # under those kernels. A worker whose model moves to the new memory instead writes nothing the model reads.
-    assert cuda.settle_before_write("load") and cuda.settle_before_write("write")
-    assert not cuda.settle_before_write("share") and not cuda.settle_before_write("take")
+    assert cuda.settle_before_write("load", True) and cuda.settle_before_write("write", True)
+    assert not cuda.settle_before_write("share", True) and not cuda.settle_before_write("take", True)
+    assert not cuda.settle_before_write("load", False)  # receive() in the worker's own thread: its stream orders it
     model = torch.nn.Linear(2, 2)
     calls: list[str] = []
 
@@ -296,7 +297,11 @@ def test_a_worker_that_copies_into_its_model_waits_for_every_stream_before_it_wr
         cuda, "settle", lambda gpus, deadline, whole_device=False: calls.append(f"settle whole={whole_device}")
     )
     monkeypatch.setattr(receiver, "_place", lambda *args: calls.append("write") or None)
-    receiver.apply([Delivery(1, [])])
+    receiver.apply([Delivery(1, [])])  # from the worker's own thread
+    assert calls == ["write", "settle whole=False", "ack NoneType"]
+    calls.clear()
+    receiver._thread = threading.current_thread()  # as the scheme's background thread applies it
+    receiver.apply([Delivery(2, [])])
     assert calls == ["settle whole=True", "write", "settle whole=False", "ack NoneType"]
 
 

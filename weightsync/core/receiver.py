@@ -138,8 +138,8 @@ class Receiver:
                 _materialize(dst, update)
             with self.weights_lock:  # weights and version change together for readers holding the lock
                 gpus = self._gpus(dst, held)
-                if gpus and cuda.settle_before_write(self.engine.placement):
-                    # Kernels of this process still reading the model (inference on a user stream) end first.
+                if gpus and cuda.settle_before_write(self.engine.placement, threading.current_thread() is self._thread):
+                    # Inference another thread queued under the lock, on a stream of its own, ends first.
                     cuda.settle(gpus, deadline, whole_device=True)
                 if update.fence is not None:  # bytes another process's GPU stream wrote: read them after it
                     cuda.wait_event(update.fence, gpus, deadline)

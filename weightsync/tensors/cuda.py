@@ -318,16 +318,18 @@ def settle_whole_device(placement: str) -> bool:
     return placement in ("share", "take")
 
 
-def settle_before_write(placement: str) -> bool:
+def settle_before_write(placement: str, in_background: bool) -> bool:
     """Whether a worker must wait for every stream of its GPU before an update placed by ``placement`` is written.
 
-    ``"load"`` and ``"write"`` copy the update into the memory the model's tensors already are: kernels this
-    process queued earlier on any stream (inference on a user stream, from another thread with
-    ``background_thread=True``, whose host side let go of ``weights_lock`` when it queued them) may still read
-    that memory, and a copy queued on the current stream alone could overwrite it under them (a torn read).
-    ``"share"`` and ``"take"`` write nothing the model reads: its tensors move to the new memory instead.
+    ``in_background``: the update is applied by the scheme's own thread (``background_thread=True``) while the
+    worker's own threads run inference under ``weights_lock``. Their host side lets go of the lock as soon as
+    their kernels are queued, on streams of their own that may still read the model's memory: ``"load"`` and
+    ``"write"`` copy the update into that very memory, and a copy queued on the applying thread's stream alone
+    could overwrite it under those kernels (a torn read). An update the worker's own thread applies in
+    ``receive()`` is ordered after what that thread queued on its stream, like any in-place change in PyTorch;
+    ``"share"`` and ``"take"`` write nothing the model reads (its tensors move to the new memory).
     """
-    return placement in ("load", "write")
+    return in_background and placement in ("load", "write")
 
 
 # --------------------------------------------------------------- pinned memory

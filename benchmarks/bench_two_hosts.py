@@ -52,13 +52,14 @@ def trainer(args: argparse.Namespace) -> None:
 
 
 def worker(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
     import torch
-    from omegaconf import OmegaConf
 
     import weightsync as ws
 
     model = torch.nn.Linear(1024, int(args.mb * 2**20 / 4 / 1024), bias=False)
-    scheme = ws.from_config(OmegaConf.load(args.config), allow_store_peers_to_run_code=args.engine == "rpc")
+    scheme = ws.from_config(Path(args.config), allow_store_peers_to_run_code=args.engine == "rpc")
     scheme.init_on_receiver(model=model)
     scheme.connect()
     try:

@@ -9,6 +9,7 @@ It holds no key and no config. It finds the trainer's store the way any local us
     python -m tests._attack_distributed layout PORT reordered|deep
     python -m tests._attack_distributed hello PORT     # worker 0's hello, replaced by JSON 200,000 deep
     python -m tests._attack_distributed rejoin PORT    # a request to rejoin as worker 0, 200,000 deep
+    python -m tests._attack_distributed counters PORT  # the rejoin counters, overwritten with words
 """
 
 from __future__ import annotations
@@ -144,6 +145,12 @@ def main(mode: str, port: str, *args: str) -> None:
         print(f"asked to rejoin as generation {gen}; answered: {answered}", flush=True)
         if answered:
             print(f"verdict: {store.get(f'verdict/0/{gen}').decode(errors='replace')[:300]}", flush=True)
+    elif mode == "counters":
+        store.set("rejoins", "not a number")  # an add to it makes the store's server drop the adding client
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not store.get("rejoins").isdigit():
+            time.sleep(0.02)
+        print(f"rejoins overwritten; restored by the trainer: {store.get('rejoins').isdigit()}", flush=True)
 
 
 if __name__ == "__main__":

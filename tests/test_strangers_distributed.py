@@ -278,6 +278,31 @@ def test_a_deep_request_to_rejoin_leaves_the_admitter_serving():
         scheme.shutdown()
 
 
+@needs_stranger
+def test_overwritten_rejoin_counters_neither_stop_nor_spin_the_admitter():
+    """A stranger overwrites the store's count of rejoins with words (the store's server drops any client that
+    adds to it): the trainer reads counts as data, puts the count back, and a real restarted worker rejoins."""
+    model, scheme, port = _sender()
+    first = _Worker(scheme)
+    second = None
+    try:
+        scheme.connect()
+        assert first.report()[0] == "connected"
+        done = run_stranger([*ATTACK, "counters", str(port)], timeout=60)
+        assert "restored by the trainer: True" in done.stdout, done.stdout
+        first.proc.kill()
+        first.proc.join(10)
+        second = _Worker(scheme)
+        got = second.report()
+        assert got[0] == "connected" and got[1] == 0, got
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in got[2].items())
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+        scheme.shutdown()
+
+
 @pytest.mark.parametrize("alg", MACS)
 def test_an_update_mac_binds_the_bytes_the_version_the_nonce_and_the_layout(alg):
     """Each MAC a worker may be told to use (Poly1305, or HMAC-SHA256 where cryptography is missing) changes with

@@ -3,13 +3,15 @@
 Whoever reaches a store or a socket chooses these bytes, so :func:`loads_object` bounds everything the parse
 could be made to spend or raise: the length (checked before parsing), the nesting depth (CPython's decoder
 recurses once per level), the digits of an integer (``int()`` refuses more than 4,300 with a ``ValueError``,
-and fewer still cost quadratic time), and the constants ``NaN`` and ``Infinity`` (not JSON). Whatever goes
+and fewer still cost quadratic time), and the constants ``NaN`` and ``Infinity`` (not JSON) and numbers too large
+for a float (``1e999``). Whatever goes
 wrong ends in a :class:`~weightsync.errors.TransportError` naming what was read; nothing else escapes.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from ..errors import TransportError
@@ -30,6 +32,13 @@ def _int(text: str) -> int:
 
 def _constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # 1e999: JSON syntax, but no finite number
+        raise ValueError(f"{text[:24]} is out of range")
+    return value
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
@@ -61,7 +70,7 @@ def loads_object(data: bytes | str, what: str, *, max_bytes: int) -> dict[str, A
     if len(data) > max_bytes:
         raise TransportError(f"{what} holds {len(data)} bytes, over {max_bytes}; refusing it")
     try:
-        value = json.loads(data, parse_int=_int, parse_constant=_constant)
+        value = json.loads(data, parse_int=_int, parse_float=_float, parse_constant=_constant)
     except RecursionError:
         raise TransportError(f"{what} nests deeper than {MAX_DEPTH} levels; refusing it") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors too

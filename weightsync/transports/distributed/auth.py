@@ -162,8 +162,9 @@ class PayloadMac:
     Each message gets a one-time key, an HMAC-SHA256 with the run key of the prefix, the version, a nonce the
     sender draws for it, the layout's digest (``layout_tag``: entries in order, so that bytes are never read
     under another order) and the size; with it, Poly1305 (``"poly1305"``, from the ``cryptography`` package:
-    about 5 GB/s on one core) or HMAC-SHA256 (``"hmac-sha256"``, where ``cryptography`` is missing: about
-    0.7 GB/s) authenticates the bytes. A one-time key never serves two messages: the nonce is fresh per send.
+    about 2.4 GB/s on one core in docs/benchmarks.md) or HMAC-SHA256 (``"hmac-sha256"``, where ``cryptography``
+    is missing: about 0.95 GB/s) authenticates the bytes. A one-time key never serves two messages: the nonce
+    is fresh per send.
     """
 
     def __init__(

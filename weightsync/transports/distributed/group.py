@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ...core.timing import remaining
-from ...errors import ConfigurationError, SyncTimeoutError
+from ...errors import ConfigurationError, SyncTimeoutError, TransportError, first_line
 from ..network import local_address
 from ..store import as_timedelta
 
@@ -76,7 +76,9 @@ def new_group_within(
 
     Raises:
         SyncTimeoutError: the group did not form by ``deadline`` (``what``: which group, for the message).
-        torch.distributed.DistError, RuntimeError: it failed.
+        torch.distributed.DistError: torch's store or gloo failed (a peer went away).
+        TransportError: anything else the formation raised: a rank's address in the store that is no address
+            (anyone who reaches the store can write one; gloo raises ``ValueError`` on it).
     """
     made: Future = Future()
     forming = min(timeout, max(remaining(deadline), 0.001)) if backend == "gloo" else timeout
@@ -94,6 +96,10 @@ def new_group_within(
     thread.start()
     try:
         return made.result(timeout=max(remaining(deadline), 0.0))
+    except dist.DistError:
+        raise
+    except (ValueError, RuntimeError) as exc:
+        raise TransportError(f"{what} could not form: {first_line(exc)}", **where) from None
     except TimeoutError:
         thread.join(FORMATION_GRACE_S)  # gloo gives up at the same deadline: let its thread end with the call
         raise SyncTimeoutError(

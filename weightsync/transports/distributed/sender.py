@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ...core.engine import Outgoing, SenderEngine, Sink
-from ...core.timing import remaining, wait_until
+from ...core.timing import deadline_after, remaining, wait_until
 from ...errors import (
     AuthenticationError,
     ConfigurationError,
@@ -49,7 +49,7 @@ from ..processes import process_is_gone
 from ..staging import Staging, StagingPool
 from ..store import connect_store, open_store, store_json
 from .auth import MAC, Sealer, layout_tag, new_nonce, proven, run_prefix
-from .group import gpu_identity, new_group, new_group_within
+from .group import gpu_identity, new_group_within
 from .transport import ACK_OK, DistributedTransport, Link
 
 __all__ = ["DistributedSender"]
@@ -66,6 +66,21 @@ STORE_POLL_S = 0.01
 REJOIN_POLL_S = 0.05
 #: Why a hello without a valid proof is refused.
 UNPROVEN = "the process did not prove it holds the run key (the receiver config's authkey_file)"
+
+
+def _counter(store: dist.Store, key: str) -> int:
+    """The count under ``key`` (0 while absent), read as data: anyone who reaches the store can write there, and
+    the store's server drops the connection of a client that adds to a value that is no number.
+
+    Raises:
+        ValueError: the value is not a count (at most 18 digits).
+    """
+    if not store.check([key]):
+        return 0
+    raw = store.get(key)
+    if len(raw) > 18 or not raw.isdigit():
+        raise ValueError(f"store key {key!r} holds no count")
+    return int(raw)
 
 
 class DistributedSender(SenderEngine):
@@ -338,11 +353,19 @@ class DistributedSender(SenderEngine):
         if store is None:
             raise EOFError
         try:
-            asked = int(store.add("rejoins", 0))
+            try:
+                asked = _counter(store, "rejoins")
+            except ValueError:  # a process that reached the store wrote there: put back what this thread counted
+                log.warning("model %r: the store's count of rejoins was overwritten; restored", self.sink.model_id)
+                store.set("rejoins", str(self._rejoins_seen))
+                asked = self._rejoins_seen
             found = None
             if asked > self._rejoins_seen:
                 for w in range(self.num_workers):
-                    gen = int(store.add(f"gen/{w}", 0))
+                    try:
+                        gen = _counter(store, f"gen/{w}")
+                    except ValueError:  # that worker's count was overwritten: it cannot rejoin, the others can
+                        continue
                     if gen > self._gens.get(w, 1) and store.check([f"rejoin/{w}/{gen}"]):
                         self._gens[w] = gen  # read once, whatever it holds: garbage is answered, not read again
                         found = w, gen
@@ -362,13 +385,39 @@ class DistributedSender(SenderEngine):
                 return None
             pair = dist.PrefixStore(f"pair/{w}/{gen}", store)
             timeout = max(self.connect_timeout, GROUP_TIMEOUT_FACTOR * self.timeout)
-            pg = new_group(self.backend, pair, 0, 2, timeout, self.address[0])
+            # A process that reached the store may claim the pair's other rank: the wait ends at connect_timeout.
+            pg = new_group_within(
+                deadline_after(self.connect_timeout),
+                f"the group of worker {w} connecting again",
+                self.backend,
+                pair,
+                0,
+                2,
+                timeout,
+                self.address[0],
+                model_id=self.sink.model_id,
+                worker_idx=w,
+            )
         except (dist.DistError, WeightSyncError, ValueError) as exc:  # ValueError: a counter that is no number
             if self._admit_store is None:
                 raise EOFError from None
             log.warning("model %r: a worker connecting again could not join: %s", self.sink.model_id, first_line(exc))
+            if isinstance(exc, dist.DistError):  # the store dropped this client (a counter it could not add to)
+                self._reconnect_admit_store()
+            time.sleep(REJOIN_POLL_S)  # whatever failed may fail again at once: never a loop without a pause
             return None
         return w, gen, hello, pg, pair
+
+    def _reconnect_admit_store(self) -> None:
+        """A new client of the store for the rejoin thread (torch's client never reconnects once the store closed
+        it), or none until the next failure, if the store does not answer within a second."""
+        try:
+            fresh = dist.PrefixStore(self.prefix, connect_store(*self.address, 1.0, model_id=self.sink.model_id))
+        except (dist.DistError, WeightSyncError) as exc:
+            log.warning("model %r: could not reach the store again: %s", self.sink.model_id, first_line(exc))
+            return
+        if self._admit_store is not None:  # not closed meanwhile
+            self._admit_store = fresh
 
     def _rejoin_problem(self, w: int, hello: dict[str, Any]) -> str | None:
         """Why worker ``w`` may not come back with ``hello`` (``None``: it may)."""

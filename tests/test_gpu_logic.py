@@ -155,7 +155,7 @@ def test_a_slot_read_by_a_worker_given_up_on_is_never_rewritten_while_its_proces
 
 class _Transport:
     def __init__(self, shares: list[dict], process: _Process | None) -> None:
-        self.shares, self.process = shares, process
+        self.shares, self.process = {0: shares}, process
 
 
 def _sender(layout: FlatLayout) -> LocalSender:
@@ -449,3 +449,28 @@ def test_a_switching_worker_that_cannot_swap_makes_the_views_of_each_slot_once(m
         receiver.shutdown()
         scheme.shutdown()
     assert (len(made) <= 4) == cached, made  # 2 slots in turn: 3 sets in all (10 when made at every update)
+
+
+def test_the_shares_of_a_slot_a_worker_let_go_are_not_released_again_when_it_exits(monkeypatch):
+    # The worker drops its own references of a retired slot when told to forget it; releasing them again once its
+    # process is gone would take the references of another process that still maps that slot (item 4).
+    from types import SimpleNamespace
+
+    from weightsync.transports.local.mp import MPTransport
+
+    released: list[str] = []
+    monkeypatch.setattr(cuda, "release_share", lambda share: released.append(share["counter"]))
+    sent: list[dict] = []
+    transport = MPTransport(SimpleNamespace(send=sent.append), 0)
+    transport.shares = {0: [{"counter": "retired"}], 1: [{"counter": "live"}]}
+    transport.forget(SimpleNamespace(id=0))
+    assert sent == [{"op": "forget", "slot": 0}]
+    gone = _Process(7)
+    gone.exited = True
+    transport.process = gone
+    sender = _sender(FlatLayout.from_weights({"w": torch.zeros(4)}))
+    try:
+        sender._retire(transport)
+        assert released == ["live"]
+    finally:
+        sender.close(0.0)

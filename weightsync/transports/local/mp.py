@@ -80,7 +80,8 @@ class MPTransport(PeerTransport, TransportBackend):
         self.channel = channel
         # Sender side.
         self.slots_sent: set[int] = set()
-        self.shares: list[dict[str, Any]] = []  # the CUDA IPC shares handed to this worker
+        # The CUDA IPC shares handed to this worker, by slot: what its process holds a reference of until it lets go.
+        self.shares: dict[int, list[dict[str, Any]]] = {}
         self.process: PeerProcess | None = None  # the worker's process (the sender sets it): what maps the slots
         self.last_error: ReceiverError | None = None  # the worker's last failure, until a later success
         # Receiver side.
@@ -117,7 +118,7 @@ class MPTransport(PeerTransport, TransportBackend):
         to read it, one to take) and its event's handle."""
         storage = slot.buffer.untyped_storage()
         shares = [cuda.share(storage, slot.uuid) for _ in range(2 if self.pinning else 1)]
-        self.shares.extend(shares)
+        self.shares.setdefault(slot.id, []).extend(shares)
         assert slot.event is not None
         return {"shares": shares, "event": slot.event.handle()}
 
@@ -263,6 +264,10 @@ class MPTransport(PeerTransport, TransportBackend):
             self.channel.send({"op": "forget", "slot": slot.id})
         except ConnectionClosedError as exc:
             raise WorkerDiedError(f"channel closed ({exc.detail})", worker_idx=self.worker_idx) from exc
+        # The worker drops its references of the slot itself as it lets go: releasing them again once its process
+        # is gone would take references another live process holds. (Should it die before it read this, the slot's
+        # memory stays until the trainer exits: kept, never freed under a reader.)
+        self.shares.pop(slot.id, None)
 
     def _unmap(self, slot: int) -> None:
         """Let go of a slot the sender retired (never named by an update again)."""

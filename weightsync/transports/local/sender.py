@@ -232,9 +232,10 @@ class LocalSender(SenderEngine):
         keep = []
         for transport in self._departed:
             if transport.process is not None and transport.process.gone():
-                for share in transport.shares:
-                    cuda.release_share(share)
-                transport.shares = []
+                for shares in transport.shares.values():
+                    for share in shares:
+                        cuda.release_share(share)
+                transport.shares = {}
             else:
                 keep.append(transport)
         self._departed = keep

@@ -149,8 +149,8 @@ class Receiver:
                 self.version = update.version
         except Exception as exc:
             if gpus:  # copies queued before the failure may still read the slot: done before the ack frees it
-                try:
-                    cuda.settle(gpus, deadline)
+                try:  # a deadline of its own: the failure may be that the first one ran out
+                    cuda.settle(gpus, deadline_after(self.gpu_wait_s))
                 except Exception as late:  # noqa: BLE001 - the first failure is the one reported
                     log.warning("model %r: after a failed update, its GPU work: %s", self.where["model_id"], late)
             self.engine.ack(taken, self.version, exc)

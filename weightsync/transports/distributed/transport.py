@@ -383,7 +383,10 @@ class DistributedTransport(PeerTransport):
             status = ACK_OK if error is None else ACK_FAILED
             if error is not None:
                 detail = {"type": type(error).__name__, "message": str(error)[:MAX_ERROR_TEXT]}
-                store.set(f"err/{self.worker_idx}/{seq}", json.dumps(detail))
+                try:
+                    store.set(f"err/{self.worker_idx}/{seq}", json.dumps(detail))
+                except dist.DistError as exc:  # the ack below still says it failed; only the details are lost
+                    log.warning("could not write why message %d failed: %s", seq, first_line(exc))
             words = [seq, -1 if held is None else held, status]
             tagged = words + self.sealer.ack_tag(self.worker_idx, *words)
             ack = torch.tensor(tagged, dtype=torch.int64, device=self.device)

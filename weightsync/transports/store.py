@@ -23,6 +23,7 @@ __all__ = [
     "await_key",
     "connect_store",
     "open_store",
+    "store_count",
     "store_json",
 ]
 
@@ -52,6 +53,21 @@ def store_json(store: dist.Store, key: str) -> dict[str, Any]:
         TransportError: the value is too large, too deep, not plain JSON, or not a JSON object.
     """
     return loads_object(store.get(key), f"store key {key!r}", max_bytes=MAX_STORE_JSON)
+
+
+def store_count(store: dist.Store, key: str) -> int:
+    """The count under ``key`` (0 while absent), read as data: anyone who reaches the store can write there, and
+    its server drops the connection of a client that adds to a value that is no number.
+
+    Raises:
+        ValueError: the value is not a count (at most 18 digits).
+    """
+    if not store.check([key]):
+        return 0
+    raw = store.get(key)
+    if len(raw) > 18 or not raw.isdigit():
+        raise ValueError(f"store key {key!r} holds no count")
+    return int(raw)
 
 
 def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, bool]:

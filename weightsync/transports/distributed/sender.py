@@ -47,7 +47,7 @@ from ...tensors.layout import FlatLayout
 from ..keyfiles import KEY_BYTES, key_name, remove_key_file, write_key_file
 from ..processes import process_is_gone
 from ..staging import Staging, StagingPool
-from ..store import connect_store, open_store, store_json
+from ..store import connect_store, open_store, store_count, store_json
 from .auth import MAC, Sealer, layout_tag, new_nonce, proven, run_prefix
 from .group import gpu_identity, new_group_within
 from .transport import ACK_OK, DistributedTransport, Link
@@ -66,21 +66,6 @@ STORE_POLL_S = 0.01
 REJOIN_POLL_S = 0.05
 #: Why a hello without a valid proof is refused.
 UNPROVEN = "the process did not prove it holds the run key (the receiver config's authkey_file)"
-
-
-def _counter(store: dist.Store, key: str) -> int:
-    """The count under ``key`` (0 while absent), read as data: anyone who reaches the store can write there, and
-    the store's server drops the connection of a client that adds to a value that is no number.
-
-    Raises:
-        ValueError: the value is not a count (at most 18 digits).
-    """
-    if not store.check([key]):
-        return 0
-    raw = store.get(key)
-    if len(raw) > 18 or not raw.isdigit():
-        raise ValueError(f"store key {key!r} holds no count")
-    return int(raw)
 
 
 class DistributedSender(SenderEngine):
@@ -354,7 +339,7 @@ class DistributedSender(SenderEngine):
             raise EOFError
         try:
             try:
-                asked = _counter(store, "rejoins")
+                asked = store_count(store, "rejoins")
             except ValueError:  # a process that reached the store wrote there: put back what this thread counted
                 log.warning("model %r: the store's count of rejoins was overwritten; restored", self.sink.model_id)
                 store.set("rejoins", str(self._rejoins_seen))
@@ -363,7 +348,7 @@ class DistributedSender(SenderEngine):
             if asked > self._rejoins_seen:
                 for w in range(self.num_workers):
                     try:
-                        gen = _counter(store, f"gen/{w}")
+                        gen = store_count(store, f"gen/{w}")
                     except ValueError:  # that worker's count was overwritten: it cannot rejoin, the others can
                         continue
                     if gen > self._gens.get(w, 1) and store.check([f"rejoin/{w}/{gen}"]):

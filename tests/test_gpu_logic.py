@@ -228,10 +228,10 @@ def test_a_worker_whose_model_takes_the_slots_memory_waits_for_every_stream_befo
     assert not cuda.settle_whole_device("load") and not cuda.settle_whole_device("write")
 
 
-def test_a_failed_apply_settles_its_gpu_work_before_it_acks(monkeypatch):
-    # Copies queued before a failure may still read the slot, and the ack (of a failure too) frees it for rewriting.
+def _gpu_receiver(monkeypatch, calls: list[str]) -> Receiver:
+    """A receiver whose model is taken for one on a GPU, over an engine that copies ("load"): each settle and ack
+    is written to ``calls`` (a settle as ``settle whole=<whole_device>``)."""
     model = torch.nn.Linear(2, 2)
-    calls: list[str] = []
 
     class Engine:
         placement, pushes = "load", False
@@ -251,12 +251,15 @@ def test_a_failed_apply_settles_its_gpu_work_before_it_acks(monkeypatch):
     receiver = Receiver(Scheme(), Engine(), {"model_id": "policy", "worker_idx": 0})
     monkeypatch.setattr(receiver, "_gpus", lambda dst, held: {torch.device("cuda", 0)})  # a model on a GPU
     monkeypatch.setattr(
-        cuda,
-        "settle",
-        lambda gpus, deadline, whole_device=False: calls.append(
-            "settle before the write" if whole_device else "settle"
-        ),
+        cuda, "settle", lambda gpus, deadline, whole_device=False: calls.append(f"settle whole={whole_device}")
     )
+    return receiver
+
+
+def test_a_failed_apply_settles_its_gpu_work_before_it_acks(monkeypatch):
+    # Copies queued before a failure may still read the slot, and the ack (of a failure too) frees it for rewriting.
+    calls: list[str] = []
+    receiver = _gpu_receiver(monkeypatch, calls)
 
     def place_fails(*args):
         raise RuntimeError("copy failed")
@@ -264,7 +267,7 @@ def test_a_failed_apply_settles_its_gpu_work_before_it_acks(monkeypatch):
     monkeypatch.setattr(receiver, "_place", place_fails)
     with pytest.raises(RuntimeError, match="copy failed"):
         receiver.apply([Delivery(1, [])])
-    assert calls == ["settle", "ack RuntimeError"]
+    assert calls == ["settle whole=False", "ack RuntimeError"]
 
 
 def test_a_worker_that_copies_into_its_model_waits_for_every_stream_before_it_writes(monkeypatch):
@@ -273,29 +276,8 @@ def test_a_worker_that_copies_into_its_model_waits_for_every_stream_before_it_wr
     assert cuda.settle_before_write("load", True) and cuda.settle_before_write("write", True)
     assert not cuda.settle_before_write("share", True) and not cuda.settle_before_write("take", True)
     assert not cuda.settle_before_write("load", False)  # receive() in the worker's own thread: its stream orders it
-    model = torch.nn.Linear(2, 2)
     calls: list[str] = []
-
-    class Engine:
-        placement, pushes = "load", False
-        layout = FlatLayout.from_weights(dict(model.state_dict()))
-
-        def attach(self, apply) -> None: ...
-
-        def ack(self, taken, held, error=None) -> None:
-            calls.append(f"ack {type(error).__name__}")
-
-    class Scheme:
-        strategy = ws.WeightStrategy()
-        weights_lock = threading.RLock()
-        timeout = 5.0
-
-    Scheme.model = model
-    receiver = Receiver(Scheme(), Engine(), {"model_id": "policy", "worker_idx": 0})
-    monkeypatch.setattr(receiver, "_gpus", lambda dst, held: {torch.device("cuda", 0)})
-    monkeypatch.setattr(
-        cuda, "settle", lambda gpus, deadline, whole_device=False: calls.append(f"settle whole={whole_device}")
-    )
+    receiver = _gpu_receiver(monkeypatch, calls)
     monkeypatch.setattr(receiver, "_place", lambda *args: calls.append("write") or None)
     receiver.apply([Delivery(1, [])])  # from the worker's own thread
     assert calls == ["write", "settle whole=False", "ack NoneType"]

@@ -38,6 +38,7 @@ from weightsync.transports.distributed import auth
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _doc import replace_section  # noqa: E402
+from bench_local import serve_until, served  # noqa: E402
 
 KEY = os.urandom(32)
 MACS = {
@@ -81,12 +82,7 @@ def worker(scheme: ws.WeightSyncScheme, mb: float, mac: bool, stop) -> None:
     if not mac:
         _without_mac(scheme._receiving.engine.sealer)
     scheme.connect()
-    while not stop.is_set():
-        try:
-            scheme.receive(timeout=0.5)
-        except ws.ConnectionClosedError:
-            break
-    scheme.shutdown()
+    serve_until(scheme, stop)
 
 
 @contextlib.contextmanager
@@ -97,17 +93,8 @@ def connected(model: nn.Module, mb: float, mac: bool, bucket_mb: float | None) -
     if not mac:
         _without_mac(scheme._sending.engine.sealer)
     stop = ctx.Event()
-    proc = ctx.Process(target=worker, args=(scheme, mb, mac, stop))
-    proc.start()
-    try:
-        scheme.connect()
+    with served(scheme, [ctx.Process(target=worker, args=(scheme, mb, mac, stop))], stop):
         yield scheme
-    finally:
-        scheme.shutdown()
-        stop.set()
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
 
 
 def timed_send(scheme: ws.WeightSyncScheme, model: nn.Module) -> float:

@@ -101,6 +101,11 @@ def worker(
     model = make_model(mb, tensors, device, dtype)
     scheme.init_on_receiver(model_id="policy", model=model, worker_idx=idx)
     scheme.connect()
+    serve_until(scheme, stop)
+
+
+def serve_until(scheme: ws.WeightSyncScheme, stop: Any) -> None:
+    """A benchmark worker's loop: apply updates until ``stop`` is set or the trainer is done, then shut down."""
     while not stop.is_set():  # no_sync has no channel to say the trainer is done
         try:
             scheme.receive(timeout=0.5)
@@ -129,7 +134,14 @@ def connected(
     scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
     stop = ctx.Event()
     args = [(scheme, i, mb, stop, tensors, device, dtype, threads) for i in range(workers)]
-    procs = [ctx.Process(target=worker, args=a) for a in args]
+    with served(scheme, [ctx.Process(target=worker, args=a) for a in args], stop):
+        yield scheme
+
+
+@contextlib.contextmanager
+def served(scheme: ws.WeightSyncScheme, procs: list[Any], stop: Any) -> Iterator[ws.WeightSyncScheme]:
+    """``scheme`` connected to the worker processes ``procs`` (started here); on exit the scheme shuts down,
+    ``stop`` is set and every worker is joined (killed after 60 s)."""
     for proc in procs:
         proc.start()
     try:

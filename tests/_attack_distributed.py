@@ -23,6 +23,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from weightsync.core.timing import deadline_after, wait_until
+
 DEEP = "[" * 200_000 + "]" * 200_000
 TAG_DATA, TAG_ACK = 1, 2  # what the engine's transport uses on the wire
 
@@ -62,12 +64,7 @@ def find_run(port: int) -> tuple[dist.Store, dist.Store, str]:
 
 
 def wait_key(store: dist.Store, key: str, seconds: float) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if store.check([key]):
-            return True
-        time.sleep(0.01)
-    return False
+    return wait_until(lambda: store.check([key]), deadline_after(seconds), 0.01)
 
 
 def layout_nbytes(store: dist.Store) -> int:
@@ -147,10 +144,8 @@ def main(mode: str, port: str, *args: str) -> None:
             print(f"verdict: {store.get(f'verdict/0/{gen}').decode(errors='replace')[:300]}", flush=True)
     elif mode == "counters":
         store.set("rejoins", "not a number")  # an add to it makes the store's server drop the adding client
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not store.get("rejoins").isdigit():
-            time.sleep(0.02)
-        print(f"rejoins overwritten; restored by the trainer: {store.get('rejoins').isdigit()}", flush=True)
+        restored = wait_until(lambda: store.get("rejoins").isdigit(), deadline_after(20), 0.02)
+        print(f"rejoins overwritten; restored by the trainer: {restored}", flush=True)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,13 @@ def _sender(num_workers: int = 1) -> tuple[nn.Module, ws.DistributedWeightSyncSc
     return model, scheme, scheme._sending.engine.address[1]
 
 
+def _end(attacker) -> None:
+    """Kill the attacker if it is still running, and reap it (bounded)."""
+    if attacker.poll() is None:
+        attacker.kill()
+        attacker.wait(timeout=10)
+
+
 def _timed_connect(scheme: ws.DistributedWeightSyncScheme) -> tuple[BaseException | None, float]:
     began = time.monotonic()
     try:
@@ -124,9 +131,7 @@ def test_a_planted_verdict_and_initial_are_refused_and_the_trainer_keeps_its_bou
     finally:
         worker.stop()
         scheme.shutdown()
-        if attacker.poll() is None:
-            attacker.kill()
-            attacker.communicate(timeout=10)
+        _end(attacker)
 
 
 @needs_stranger
@@ -169,9 +174,7 @@ def test_a_stranger_holding_rank_0_makes_the_worker_apply_nothing(monkeypatch):
     finally:
         worker.stop()
         scheme.shutdown()
-        if attacker.poll() is None:
-            attacker.kill()
-            attacker.wait(timeout=10)
+        _end(attacker)
     # The trainer stopped waiting at its deadline; gloo's own thread, connected to a worker that was taken, ends
     # once that worker's process is gone.
     for thread in [t for t in threading.enumerate() if t.name == "weightsync-group-formation"]:

@@ -27,6 +27,7 @@ from tests._as_stranger import needs_stranger, start_stranger
 from tests._attack_local import closed_by_peer, key_holder
 from tests._bodies import optimizer_step
 from tests._workers import build, checksum, serve
+from weightsync.core.timing import deadline_after, wait_until
 from weightsync.transports.keyfiles import read_key_file
 from weightsync.transports.local.channel import HANDSHAKE_TIMEOUT, MAX_MESSAGE
 from weightsync.transports.local.sender import REJOIN_POLL_S
@@ -152,10 +153,8 @@ def test_a_strangers_half_frames_do_not_hold_the_rejoin_thread(workers, name):
         assert all(errors == {} for _, _, errors in (group.recv(i) for i in range(2)))
         stranger = _stranger_holding()
         # The rejoin thread takes a connection within REJOIN_POLL_S: wait (bounded) until it took the first.
-        deadline = time.monotonic() + 10
-        while scheme._sending.engine.listener.pending == 0:
-            assert time.monotonic() < deadline, "the rejoin thread took no connection"
-            time.sleep(0.01)
+        took = wait_until(lambda: scheme._sending.engine.listener.pending > 0, deadline_after(10), 0.01)
+        assert took, "the rejoin thread took no connection"
         os.kill(group.procs[1].pid, signal.SIGKILL)
         group.procs[1].join(10)
         optimizer_step(model, 1)
@@ -259,10 +258,10 @@ def test_a_key_holders_garbage_is_refused_and_the_trainer_serves_on(workers, nam
     # A key holder that passes the handshake as worker 1 (and is welcomed as it), then sends garbage.
     for step, (what, garbage) in enumerate(GARBAGE_AFTER_HANDSHAKE.items(), start=2):
         with key_holder(address, key, _hello(pid=os.getpid())) as liar:
-            deadline = time.monotonic() + 10
-            while scheme.stats()["rejoins"] != {1: step - 1}:
-                assert time.monotonic() < deadline, scheme.stats()
-                time.sleep(0.01)
+            welcomed = wait_until(
+                lambda expected={1: step - 1}: scheme.stats()["rejoins"] == expected, deadline_after(10), 0.01
+            )
+            assert welcomed, scheme.stats()
             liar.sendall(garbage)
             optimizer_step(model, step)
             scheme.send()  # reads the liar's frame: refused, the liar dropped, worker 0 served

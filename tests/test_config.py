@@ -72,7 +72,7 @@ def test_a_scheme_config_and_its_transport_config_mirror_the_constructor(name):
 @pytest.mark.parametrize("name", sorted(wc.TRANSPORTS))
 def test_a_transport_config_holds_its_settings(name):
     cfg_cls = wc.TRANSPORTS[name]
-    settings = {o.name: o.default for o in _target(cfg_cls).SETTINGS}
+    settings = {o.name: o.default for o in _target(cfg_cls).OPTIONS}
     assert _fields(cfg_cls) == settings
 
 
@@ -121,10 +121,10 @@ def test_every_transport_and_strategy_option_composes(group, option):
     node = cfg.weightsync[group]
     if group == "strategy":
         assert instantiate(node) == ws.WeightStrategy(option)
-    else:  # a transport's settings, bound to its class: its scheme makes one per worker
+    else:  # a transport's settings, which its engine takes whole
         built = instantiate(node)
-        assert node._target_ == wc.TRANSPORTS[option]._target_ and built.func is _target(wc.TRANSPORTS[option])
-        assert built.keywords == _fields(wc.TRANSPORTS[option])
+        assert node._target_ == wc.TRANSPORTS[option]._target_ and type(built) is _target(wc.TRANSPORTS[option])
+        assert built.option_values() == _fields(wc.TRANSPORTS[option])
 
 
 @pytest.mark.parametrize(

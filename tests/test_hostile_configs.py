@@ -701,10 +701,9 @@ _UNSAFE_CALLS = {
     # Targets are looked up where the allowlist applies; the rest import weightsync's own modules by names
     # written in weightsync's own tables (lazy loading), never by a name from outside.
     "importlib.import_module": {
-        "weightsync/schemes/registry.py",
+        "weightsync/registry.py",
         "weightsync/config/receiver.py",
         "weightsync/_lazy.py",
-        "weightsync/core/choice.py",
     },
 }
 
@@ -827,11 +826,11 @@ _CONNECTIONS = {
 def _scheme_configs() -> dict[str, dict]:
     """A legitimate receiver config of every built-in scheme, every option of the scheme given."""
     from weightsync.config.receiver import scheme_class
-    from weightsync.schemes.registry import builtin_scheme_paths
+    from weightsync.registry import get_backend, schemes
 
     out = {}
-    for path in builtin_scheme_paths():
-        module, _, name = path.partition(":")
+    for backend in schemes():
+        module, name = get_backend(backend).__module__, get_backend(backend).__name__
         cls = scheme_class(f"{module}.{name}", [])
         out[name] = {
             "_target_": RECEIVER_TARGET,

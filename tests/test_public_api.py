@@ -106,7 +106,21 @@ print(json.dumps([first, classes, used, "weightsync" in _rendezvous_handlers]))
 
     first, classes, used, handler = json.loads(out.stdout.splitlines()[-1])
     assert first == ["weightsync", "weightsync._lazy", "weightsync.errors"]
-    assert not [m for m in classes if m.startswith(("weightsync.transports", "tensordict", "ray", "hydra"))]
-    engines = {m.split(".")[2] for m in used if m.startswith("weightsync.transports.") and m.count(".") >= 2}
+    # A scheme class knows its transports' settings (each engine's `settings` module), and loads no engine.
+    packages = {
+        "weightsync.transports",
+        *(f"weightsync.transports.{e}" for e in ("local", "distributed", "rpc", "ray")),
+    }
+
+    def engine_code(modules):
+        return [
+            m
+            for m in modules
+            if m.startswith("weightsync.transports") and not m.endswith(".settings") and m not in packages
+        ]
+
+    assert not engine_code(classes)
+    assert not [m for m in classes if m.startswith(("tensordict", "ray", "hydra"))]
+    engines = {m.split(".")[2] for m in engine_code(used)}
     assert engines <= {"local", "base", "processes", "keyfiles", "plainjson"}, engines
     assert not handler, "an RPC rendezvous handler was registered by importing weightsync"

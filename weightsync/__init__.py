@@ -18,30 +18,16 @@ from .errors import *  # noqa: F403 - the error tree is public, and costs nothin
 
 __version__ = "0.1.0"
 
-# Where each public name lives (a module of this package), imported when the name is first asked for.
+# Where each public name of the core lives (a module of this package), imported when the name is first asked
+# for; the names engines define (schemes, transports, their settings) come from the registry.
 _HOME = {
     name: module
     for module, names in {
         "core.scheme": ("WeightSyncScheme",),
         "core.facade": ("WeightReceiver", "WeightSender"),
-        "schemes.multiprocess": ("MultiProcessWeightSyncScheme",),
-        "schemes.shared_mem": ("SharedMemWeightSyncScheme",),
-        "schemes.no_sync": ("NoWeightSyncScheme",),
-        "schemes.distributed": ("DistributedWeightSyncScheme",),
-        "schemes.rpc": ("RPCWeightSyncScheme",),
-        "schemes.ray": (
-            "ModuleActor",
-            "RayModuleTransformReceiver",
-            "RayModuleTransformScheme",
-            "RayModuleTransformSender",
-            "RayWeightSyncScheme",
-        ),
-        "schemes.registry": ("available_backends", "get_backend", "register_backend"),
+        "core.settings": ("TransportSettings",),
+        "registry": ("available_backends", "get_backend", "register_backend"),
         "transports.base": ("TransportBackend",),
-        "transports.local": ("MPTransport", "SharedMemTransport"),
-        "transports.distributed": ("DistributedTransport",),
-        "transports.rpc": ("RPCTransport",),
-        "transports.ray": ("RayActorTransport", "RayTransport"),
         "tensors.strategy": ("WeightStrategy",),
         "tensors.layout": ("FlatLayout",),
         "metrics": ("SendRecord",),
@@ -51,6 +37,4 @@ _HOME = {
     for name in names
 }
 
-__getattr__, __dir__ = lazy(__name__, _HOME)
-
-__all__ = sorted([*errors.__all__, *_HOME])
+__getattr__, __dir__ = lazy(__name__, _HOME, under="weightsync.", extra=tuple(errors.__all__))

@@ -13,42 +13,31 @@ from typing import Any
 
 import weightsync as ws
 import weightsync.config as wsc
+from weightsync import registry
 
-GROUPS = [
-    (
-        "Schemes",
-        [
-            "WeightSyncScheme",
-            "MultiProcessWeightSyncScheme",
-            "SharedMemWeightSyncScheme",
-            "NoWeightSyncScheme",
-            "RayWeightSyncScheme",
-            "RayModuleTransformScheme",
-            "RPCWeightSyncScheme",
-            "DistributedWeightSyncScheme",
-        ],
-    ),
-    (
-        "Sender and receiver facades",
-        ["WeightSender", "WeightReceiver", "RayModuleTransformSender", "RayModuleTransformReceiver", "ModuleActor"],
-    ),
-    (
-        "Transports",
-        [
-            "TransportBackend",
-            "MPTransport",
-            "SharedMemTransport",
-            "RayTransport",
-            "RayActorTransport",
-            "RPCTransport",
-            "DistributedTransport",
-        ],
-    ),
-    ("Weights", ["WeightStrategy", "FlatLayout", "resolve_model"]),
-    ("Metrics", ["SendRecord"]),
-    ("Registry", ["available_backends", "get_backend", "register_backend"]),
-    ("Errors", sorted(n for n in ws.__all__ if n.endswith("Error"))),
-]
+
+def groups() -> list[tuple[str, list[str]]]:
+    """The reference's sections and the public names in each: the core's, then what every registered engine
+    defines (:mod:`weightsync.registry`), in the order registered."""
+    engines = registry.public_names()
+    schemes = [registry.get_backend(name).__name__ for name in registry.schemes()]
+    transports = []
+    for settings in registry.transports().values():
+        transports += [n for n in (settings.transport and settings.transport.rpartition(":")[2],) if n]
+    settings_names = [settings.__name__ for settings in registry.transports().values()]
+    others = sorted(set(engines) - {*schemes, *transports, *settings_names})
+    return [
+        ("Schemes", ["WeightSyncScheme", *dict.fromkeys(schemes)]),
+        ("Sender and receiver facades", ["WeightSender", "WeightReceiver", *others]),
+        ("Transports", ["TransportBackend", *transports]),
+        ("Transport settings", ["TransportSettings", *settings_names]),
+        ("Weights", ["WeightStrategy", "FlatLayout", "resolve_model"]),
+        ("Metrics", ["SendRecord"]),
+        ("Registry", ["available_backends", "get_backend", "register_backend"]),
+        ("Errors", sorted(n for n in ws.__all__ if n.endswith("Error"))),
+    ]
+
+
 CONFIG_NAMES = ["from_config", "check_receiver_config", "make_receiver", "allow_targets", "allowed_targets"]
 
 
@@ -128,12 +117,10 @@ def _members(cls: type) -> list[str]:
 
 def _options(obj: Any) -> list[str]:
     """A table of the options a class declares (a scheme's, with its transport's settings; a transport's)."""
-    declared = getattr(obj, "OPTIONS", None) if "OPTIONS" in getattr(obj, "__dict__", {}) else None
-    settings = getattr(obj, "SETTINGS", None) if "SETTINGS" in getattr(obj, "__dict__", {}) else None
-    rows = declared or settings
+    rows = obj.__dict__.get("OPTIONS") if inspect.isclass(obj) else None
     if not rows:
         return []
-    transport = {o.name for o in getattr(obj, "TRANSPORT_SETTINGS", ())}
+    transport = set(obj.setting_names()) if hasattr(obj, "setting_names") else set()
     out = ["Options:", "", "| option | default | meaning |", "|---|---|---|"]
     for o in rows:
         where = " (a setting of its transport)" if o.name in transport else ""
@@ -168,7 +155,7 @@ def render() -> str:
         "",
     ]
     listed = set()
-    for title, names in GROUPS:
+    for title, names in groups():
         lines += [f"## {title}", ""]
         for name in names:
             lines += _entry(name, getattr(ws, name))

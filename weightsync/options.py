@@ -16,10 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
+from typing_extensions import dataclass_transform
+
 from . import checks
 from .errors import ConfigurationError
 
-__all__ = ["Configurable", "Option"]
+__all__ = ["Declared", "Option", "option", "positive"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,8 @@ def _flag(name: str, default: bool, doc: str) -> Option:
     return Option(name, default, bool, doc, checks.boolean)
 
 
-def _positive(name: str, default: int | None, doc: str) -> Option:
+def positive(name: str, default: int | None, doc: str) -> Option:
+    """An option holding a positive int (or ``None``, where that is its default)."""
     check = checks.integer(1, 2**31 - 1, what="a positive int" + (" or None" if default is None else ""))
     if default is None:
         return Option(name, None, Optional[int], doc, checks.optional(check))  # noqa: UP045 - omegaconf 2.3
@@ -194,13 +197,7 @@ ADDRESS = Option(
 NAMESPACE = Option("namespace", None, Optional[str], "Ray namespace.", checks.optional(checks.text()))  # noqa: UP045
 
 # ------------------------------------------------------ transports' settings
-MAX_SLOTS = _positive(
-    "max_slots",
-    None,
-    "Shared weight slots the sender may allocate (``None``: ``num_workers + 2``, which no send "
-    "pattern exceeds); fewer make a send wait for lagging workers.",
-)
-MAX_BUFFERS = _positive(
+MAX_BUFFERS = positive(
     "max_buffers",
     2,
     "Staging buffers the sender may hold while workers still take earlier versions; a send "
@@ -214,76 +211,119 @@ WIRE_DTYPE = Option(
     "applied; ``None``: as they are.",
     _wire_dtype,
 )
-BACKEND = Option(
-    "backend", "gloo", str, '``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA, GPU to GPU).', checks.one_of("gloo", "nccl")
-)
-BUCKET_MB = Option(
-    "bucket_mb",
-    None,
-    Optional[float],  # noqa: UP045
-    "Send the weights in buckets of at most this many MB, each copied while the previous one is on the wire "
-    "(``None``: one message).",
-    checks.optional(checks.number(0.0, 1e9, above=True, what="a positive number of megabytes or None")),
-)
-
-#: What the schemes over torch.distributed (its process groups, its RPC) take alike.
-NETWORK = (MASTER_ADDR, MASTER_PORT, LATEST_WINS, KEEP_STORAGE)
-
-#: Each transport's own settings (its scheme takes them too, as keyword arguments).
-LOCAL_SETTINGS = (MAX_SLOTS,)
-DISTRIBUTED_SETTINGS = (BACKEND, WIRE_DTYPE, BUCKET_MB, MAX_BUFFERS)
-RPC_SETTINGS = (WIRE_DTYPE, MAX_BUFFERS)
-RAY_SETTINGS = (WIRE_DTYPE,)
 
 
-class Configurable:
-    """A class whose constructor takes its declared options (``OPTIONS``), checked, as attributes.
+class _Declaration:
+    """What :func:`option` leaves in a class body, until the class is made and reads it."""
 
-    The constructor's signature is derived from the options: the first ``POSITIONAL`` may be given by
-    position, the others by keyword, and ``EXTRA`` parameters (not options: live objects such as a
-    transport) follow. A value outside an option's type or range raises
-    :class:`~weightsync.errors.ConfigurationError` naming the option.
+    def __init__(self, spec: Option) -> None:
+        self.spec = spec
+
+
+def option(spec: Option) -> Any:
+    """Declare, in a class body, that the class takes the option ``spec``: ``timeout: float = option(TIMEOUT)``.
+
+    The attribute's name must be the option's; its annotation is the type tools see.
+    """
+    return _Declaration(spec)
+
+
+@dataclass_transform(kw_only_default=True)
+class Declared:
+    """A class whose constructor takes the options its body declares (:func:`option`), checked.
+
+    ``OPTIONS`` lists them, a base class's first. The constructor takes each by keyword (in a class defined with
+    ``kw_only=False``, those before a ``_: KW_ONLY`` line also by position), with its default, and its signature
+    says so: ``inspect.signature`` at run time, type checkers and IDEs through ``dataclass_transform``. A value an
+    option refuses raises :class:`~weightsync.errors.ConfigurationError` naming it; an argument the signature
+    does not take raises ``TypeError``, as any call would.
     """
 
     OPTIONS: ClassVar[tuple[Option, ...]] = ()
-    POSITIONAL: ClassVar[int] = 4
+    #: How many options, from the first, may be given by position.
+    POSITIONAL: ClassVar[int] = 0
+    #: Arguments that are not options (live objects, such as a transport), keyword-only, after the options.
     EXTRA: ClassVar[tuple[inspect.Parameter, ...]] = ()
+    #: Former option names, each with the error that names what replaced it.
+    RENAMED: ClassVar[dict[str, str]] = {}
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, *, kw_only: bool = True, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-        for i, option in enumerate(cls.OPTIONS):
-            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if i < cls.POSITIONAL else inspect.Parameter.KEYWORD_ONLY
-            params.append(inspect.Parameter(option.name, kind, default=option.default, annotation=option.annotation))
-        params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in cls.EXTRA]
-        cls.__signature__ = inspect.Signature(params[1:])  # type: ignore[attr-defined]
+        own = {}
+        for name, value in list(vars(cls).items()):
+            if isinstance(value, _Declaration):
+                if value.spec.name != name:
+                    raise TypeError(f"{cls.__qualname__}.{name} declares the option {value.spec.name!r}")
+                own[name] = value.spec
+                delattr(cls, name)  # the instance holds the value; a property of a base stays visible
+        if own:
+            kept = [own.pop(o.name, o) for o in cls.OPTIONS]  # a redeclared option keeps its place
+            cls.OPTIONS = (*kept, *own.values())
+            if not kw_only:  # those declared before the `_: KW_ONLY` line
+                declared = list(inspect.get_annotations(cls))
+                before = declared[: declared.index("_")] if "_" in declared else declared
+                cls.POSITIONAL = len(kept) + sum(1 for name in own if name in before)
+        cls.__init__ = _constructor(cls)  # type: ignore[method-assign]
 
     @classmethod
     def option(cls, name: str) -> Option:
-        return next(o for o in cls.OPTIONS if o.name == name)
+        """The option ``name`` this class takes.
+
+        Raises:
+            KeyError: it takes no such option.
+        """
+        for o in cls.OPTIONS:
+            if o.name == name:
+                return o
+        raise KeyError(name)
 
     @classmethod
     def option_names(cls) -> list[str]:
         return [o.name for o in cls.OPTIONS]
 
-    def _bind_options(self, args: tuple, kwargs: dict[str, Any]) -> tuple[set[str], dict[str, Any]]:
-        """Check and set every option from a constructor call; return the options given, and the extras.
+    def _configure(self, given: dict[str, Any], extras: dict[str, Any]) -> None:
+        """Take the options ``given`` (by name, as the caller gave them) and the ``extras``; a subclass that takes
+        extras overrides this."""
+        self._take(given)
 
-        Raises:
-            TypeError: arguments the signature does not take (as any Python call would).
-            ConfigurationError: a value an option refuses, named.
-        """
-        bound = type(self).__signature__.bind(*args, **kwargs)  # type: ignore[attr-defined]
-        given = {name for name in bound.arguments if name in self.option_names()}
-        for option in self.OPTIONS:
-            value = bound.arguments.get(option.name, option.default)
-            setattr(self, _attr(option), option.check(value, option.name))
-        extras = {p.name: bound.arguments.get(p.name, p.default) for p in self.EXTRA}
-        return given, extras
+    def _take(self, given: dict[str, Any], exclude: tuple[str, ...] = ()) -> None:
+        """Check and hold each option but those in ``exclude``: its value in ``given``, else its default."""
+        for o in self.OPTIONS:
+            if o.name not in exclude:
+                object.__setattr__(self, _attr(o), o.check(given.get(o.name, o.default), o.name))
 
     def option_values(self) -> dict[str, Any]:
         """Every option's value, as plain data (what a config or a receiver config holds)."""
         return {o.name: o.to_plain(getattr(self, _attr(o))) for o in self.OPTIONS}
+
+
+def _constructor(cls: type[Declared]) -> Any:
+    """``cls.__init__``: binds the call to the options' signature, then :meth:`Declared._configure`."""
+    positional, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("self", positional)]
+    for i, o in enumerate(cls.OPTIONS):
+        params.append(
+            inspect.Parameter(
+                o.name, positional if i < cls.POSITIONAL else keyword, default=o.default, annotation=o.annotation
+            )
+        )
+    params += [p.replace(kind=keyword) for p in cls.EXTRA]
+    signature = inspect.Signature(params, return_annotation=None)
+    names = {o.name for o in cls.OPTIONS}
+
+    def __init__(self: Declared, *args: Any, **kwargs: Any) -> None:
+        for name in kwargs.keys() & cls.RENAMED.keys():
+            raise ConfigurationError(cls.RENAMED[name])
+        bound = signature.bind(self, *args, **kwargs).arguments
+        self._configure(
+            {k: v for k, v in bound.items() if k in names},
+            {p.name: bound.get(p.name, p.default) for p in cls.EXTRA},
+        )
+
+    __init__.__signature__ = signature  # type: ignore[attr-defined]
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    __init__.__module__ = cls.__module__
+    return __init__
 
 
 def _attr(option: Option) -> str:

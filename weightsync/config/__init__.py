@@ -20,9 +20,7 @@ register_configs()
 __all__ = sorted(
     [
         *configs.__all__,
-        "SCHEMES",
         "STRATEGIES",
-        "TRANSPORTS",
         "allow_targets",
         "allowed_targets",
         "check_receiver_config",

@@ -3,12 +3,16 @@
 They are made from the options each scheme and transport declares
 (:mod:`weightsync.options`), so a field, its type, its default and its
 documentation are written once, where the option is. A scheme's config holds
-its own options and composes its transport's config under ``transport``
-(Hydra's ``_partial_``: the scheme builds one transport per worker from it),
-which holds the transport's own settings (slots, buckets, wire dtype,
-backend): ``scheme.transport.bucket_mb=4`` sets one, and choosing another
-transport of the same engine (``scheme/transport=shared_mem``) takes effect.
+its own options and composes its transport's config under ``transport``,
+whose target is the transport's settings class (the engine takes it whole)
+and which holds its fields (slots, buckets, wire dtype, backend):
+``scheme.transport.bucket_mb=4`` sets one, and choosing another transport of
+the same engine (``scheme/transport=shared_mem``) takes effect.
 ``hydra.utils.instantiate(cfg)`` builds the object.
+
+Every registered scheme and transport has its config here (see
+:mod:`weightsync.registry`), named after its class (``MultiProcessWeightSyncScheme``
+-> ``MultiProcessSchemeConfig``, ``DistributedSettings`` -> ``DistributedTransportConfig``).
 
 They use only what omegaconf 2.3 supports: no ``Literal``, no unions of
 dataclasses; choices are checked by the options themselves.
@@ -19,34 +23,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .. import options
+from .. import registry
+from ..core.scheme import WeightSyncScheme
+from ..core.settings import TransportSettings
 from ..options import Option
-from ..schemes.distributed import DistributedWeightSyncScheme
-from ..schemes.local import LocalScheme
-from ..schemes.multiprocess import MultiProcessWeightSyncScheme
-from ..schemes.no_sync import NoWeightSyncScheme
-from ..schemes.ray import RayModuleTransformScheme, RayWeightSyncScheme
-from ..schemes.rpc import RPCWeightSyncScheme
-from ..schemes.shared_mem import SharedMemWeightSyncScheme
 
-__all__ = [
-    "DistributedSchemeConfig",
-    "DistributedTransportConfig",
-    "LocalSchemeConfig",
-    "MPTransportConfig",
-    "MultiProcessSchemeConfig",
-    "NoSyncSchemeConfig",
-    "RPCSchemeConfig",
-    "RPCTransportConfig",
-    "RayActorTransportConfig",
-    "RayModuleTransformSchemeConfig",
-    "RaySchemeConfig",
-    "RayTransportConfig",
-    "SchemeConfig",
-    "SharedMemSchemeConfig",
-    "SharedMemTransportConfig",
-    "WeightStrategyConfig",
-]
+#: Each transport's config by its name, and each scheme's by its name (every registered one).
+TRANSPORTS: dict[str, type] = {}
+SCHEMES: dict[str, type] = {}
 
 
 def _doc(summary: str, opts: tuple[Option, ...]) -> str:
@@ -56,9 +40,7 @@ def _doc(summary: str, opts: tuple[Option, ...]) -> str:
     return "\n".join(lines)
 
 
-def _config(
-    name: str, target: str, opts: tuple[Option, ...], summary: str, base: type | None = None, **extra: Any
-) -> type:
+def _config(name: str, target: str, opts: tuple[Option, ...], summary: str, base: type | None, **extra: Any) -> type:
     """A dataclass named ``name`` with ``_target_`` and one field per option not already in ``base``."""
     inherited = {f.name for f in dataclasses.fields(base)} if base else set()
     fields: list[Any] = [("_target_", str, dataclasses.field(default=target))]
@@ -67,13 +49,69 @@ def _config(
     cls = dataclasses.make_dataclass(name, fields, bases=(base,) if base else ())
     cls.__module__ = __name__
     cls.__doc__ = _doc(summary, tuple(o for o in opts if o.name not in inherited))
+    globals()[name] = cls  # a module attribute, so that configs pickle
     return cls
 
 
-def _own(scheme: type) -> tuple[Option, ...]:
-    """A scheme's options that are not its transport's settings (those live in its transport's config)."""
-    settings = {o.name for o in scheme.TRANSPORT_SETTINGS}
-    return tuple(o for o in scheme.OPTIONS if o.name not in settings)
+def _summary(cls: type) -> str:
+    return (cls.__doc__ or cls.__name__).strip().split("\n\n")[0].replace("\n", " ")
+
+
+def _path(cls: type) -> str:
+    """A class as a config's ``_target_`` names it: weightsync's own by their public name (``weightsync.X``),
+    another package's by its module."""
+    if cls.__module__.startswith("weightsync."):
+        return f"weightsync.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _transport_config(settings: type[TransportSettings]) -> type:
+    """The config of a transport: its settings' fields, and their class as ``_target_``."""
+    parent = next((b for b in settings.__mro__[1:] if issubclass(b, TransportSettings) and b.name), None)
+    base = TRANSPORTS[parent.name] if parent is not None else None
+    name = settings.__name__.removesuffix("Settings") + "TransportConfig"
+    return _config(name, _path(settings), settings.OPTIONS, _summary(settings), base)
+
+
+def _scheme_config(scheme: type[WeightSyncScheme]) -> type:
+    """The config of a scheme: its own options (its transport's settings are in its ``transport``), based on
+    the config of its nearest base class that has one."""
+    parent = next((b for b in scheme.__mro__[1:] if issubclass(b, WeightSyncScheme) and b.config_name), None)
+    base = _CONFIGS[parent] if parent is not None else None
+    settings = set(scheme.setting_names())
+    own = tuple(o for o in scheme.OPTIONS if o.name not in settings)
+    extra = {}
+    if scheme.TRANSPORTS and (parent is None or scheme.TRANSPORTS != parent.TRANSPORTS):
+        default = TRANSPORTS[scheme.TRANSPORTS[0].name]
+        extra["transport"] = (Any, dataclasses.field(default_factory=default))
+    target = _path(_concrete(scheme))
+    assert scheme.config_name is not None
+    return _config(scheme.config_name, target, own, _summary(scheme), base, **extra)
+
+
+def _concrete(scheme: type[WeightSyncScheme]) -> type:
+    """What a config of ``scheme`` builds: itself, or for a base class its first registered subclass."""
+    if scheme.backend_name or scheme is WeightSyncScheme:
+        return registry.get_backend("no_sync") if scheme is WeightSyncScheme else scheme
+    return next(s for s in _registered() if issubclass(s, scheme))
+
+
+def _registered() -> list[type[WeightSyncScheme]]:
+    return [registry.get_backend(name) for name in registry.schemes()]
+
+
+_CONFIGS: dict[type, type] = {}
+
+
+def _build() -> None:
+    for name, settings in registry.transports().items():
+        TRANSPORTS[name] = _transport_config(settings)
+    for scheme in [WeightSyncScheme, *_registered()]:
+        for cls in reversed(scheme.__mro__):
+            if isinstance(cls, type) and issubclass(cls, WeightSyncScheme) and cls.config_name and cls not in _CONFIGS:
+                _CONFIGS[cls] = _scheme_config(cls)
+    for name in registry.schemes():
+        SCHEMES[name] = _CONFIGS[registry.get_backend(name)]
 
 
 # ----------------------------------------------------------------- strategy
@@ -85,134 +123,8 @@ class WeightStrategyConfig:
     extract_as: str = "tensordict"
 
 
-# --------------------------------------------------------------- transports
-_PARTIAL = {"_partial_": (bool, dataclasses.field(default=True))}
+_build()
 
-MPTransportConfig = _config(
-    "MPTransportConfig",
-    "weightsync.MPTransport",
-    options.LOCAL_SETTINGS,
-    "The channels to local workers that copy each update into their own model.",
-    **_PARTIAL,
-)
-SharedMemTransportConfig = _config(
-    "SharedMemTransportConfig",
-    "weightsync.SharedMemTransport",
-    options.LOCAL_SETTINGS,
-    "The channels to local workers that read their model from the shared slots.",
-    base=MPTransportConfig,
-)
-RayTransportConfig = _config(
-    "RayTransportConfig",
-    "weightsync.transports.ray.RayTransport",
-    options.RAY_SETTINGS,
-    "Updates as calls that run inside each Ray actor.",
-    **_PARTIAL,
-)
-RayActorTransportConfig = _config(
-    "RayActorTransportConfig",
-    "weightsync.transports.ray.RayActorTransport",
-    options.RAY_SETTINGS,
-    "Updates as calls to the ``update_weights_*`` methods of the one actor hosting a module.",
-    base=RayTransportConfig,
-)
-RPCTransportConfig = _config(
-    "RPCTransportConfig",
-    "weightsync.transports.rpc.RPCTransport",
-    options.RPC_SETTINGS,
-    "One RPC per worker and update, answered once applied.",
-    **_PARTIAL,
-)
-DistributedTransportConfig = _config(
-    "DistributedTransportConfig",
-    "weightsync.transports.distributed.DistributedTransport",
-    options.DISTRIBUTED_SETTINGS,
-    "Point-to-point sends over a torch.distributed group of the scheme's own, signalled through its store.",
-    **_PARTIAL,
-)
-
-#: Each transport's config, by the name a scheme's ``TRANSPORTS`` gives it.
-TRANSPORT_OF: dict[str, type] = {
-    "mp": MPTransportConfig,
-    "shared_mem": SharedMemTransportConfig,
-    "ray": RayTransportConfig,
-    "ray_actor": RayActorTransportConfig,
-    "rpc": RPCTransportConfig,
-    "distributed": DistributedTransportConfig,
-}
-
-
-def _transport_field(scheme: type) -> dict[str, tuple[Any, Any]]:
-    default = TRANSPORT_OF[next(iter(scheme.TRANSPORTS))]
-    return {"transport": (Any, dataclasses.field(default_factory=default))}
-
-
-# ------------------------------------------------------------------ schemes
-SchemeConfig = _config(
-    "SchemeConfig",
-    "weightsync.NoWeightSyncScheme",
-    options.COMMON,
-    "Fields every scheme has.",
-)
-NoSyncSchemeConfig = _config(
-    "NoSyncSchemeConfig",
-    "weightsync.NoWeightSyncScheme",
-    NoWeightSyncScheme.OPTIONS,
-    "Synchronization switched off: every call succeeds and nothing moves.",
-    base=SchemeConfig,
-)
-LocalSchemeConfig = _config(
-    "LocalSchemeConfig",
-    "weightsync.MultiProcessWeightSyncScheme",
-    _own(LocalScheme),
-    "Fields the schemes reaching worker processes on this machine share.",
-    base=SchemeConfig,
-    **_transport_field(LocalScheme),
-)
-MultiProcessSchemeConfig = _config(
-    "MultiProcessSchemeConfig",
-    "weightsync.MultiProcessWeightSyncScheme",
-    _own(MultiProcessWeightSyncScheme),
-    "Local worker processes, each with a private copy.",
-    base=LocalSchemeConfig,
-)
-SharedMemSchemeConfig = _config(
-    "SharedMemSchemeConfig",
-    "weightsync.SharedMemWeightSyncScheme",
-    _own(SharedMemWeightSyncScheme),
-    "Local worker processes reading the published weights in shared memory.",
-    base=LocalSchemeConfig,
-    **_transport_field(SharedMemWeightSyncScheme),
-)
-RaySchemeConfig = _config(
-    "RaySchemeConfig",
-    "weightsync.schemes.ray.RayWeightSyncScheme",
-    _own(RayWeightSyncScheme),
-    "Workers are Ray actors.",
-    base=SchemeConfig,
-    **_transport_field(RayWeightSyncScheme),
-)
-RayModuleTransformSchemeConfig = _config(
-    "RayModuleTransformSchemeConfig",
-    "weightsync.schemes.ray.RayModuleTransformScheme",
-    _own(RayModuleTransformScheme),
-    "A model hosted inside one Ray actor (`weightsync.ModuleActor` or an actor of your own).",
-    base=RaySchemeConfig,
-    **_transport_field(RayModuleTransformScheme),
-)
-RPCSchemeConfig = _config(
-    "RPCSchemeConfig",
-    "weightsync.schemes.rpc.RPCWeightSyncScheme",
-    _own(RPCWeightSyncScheme),
-    "``torch.distributed.rpc`` (TensorPipe) between the trainer and named workers.",
-    base=SchemeConfig,
-    **_transport_field(RPCWeightSyncScheme),
-)
-DistributedSchemeConfig = _config(
-    "DistributedSchemeConfig",
-    "weightsync.schemes.distributed.DistributedWeightSyncScheme",
-    _own(DistributedWeightSyncScheme),
-    "A ``torch.distributed`` process group of the scheme's own (the default group is left alone).",
-    base=SchemeConfig,
-    **_transport_field(DistributedWeightSyncScheme),
+__all__ = sorted(
+    ["SCHEMES", "TRANSPORTS", "WeightStrategyConfig", *(c.__name__ for c in [*TRANSPORTS.values(), *_CONFIGS.values()])]
 )

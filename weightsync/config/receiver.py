@@ -52,7 +52,7 @@ from typing import Any
 from .. import checks
 from ..core.scheme import WeightSyncScheme
 from ..errors import ConfigurationError
-from ..schemes.registry import available_backends, builtin_scheme_paths
+from ..registry import available_backends, get_backend, schemes
 from .plain import plain_tree
 
 __all__ = [
@@ -135,14 +135,18 @@ def _under(target: str, prefixes: list[str]) -> bool:
     return any(target == p or target.startswith(p + ".") for p in prefixes)
 
 
-@functools.cache
-def _builtin_targets() -> dict[str, str]:
-    """Every spelling of a built-in scheme's target a receiver config may hold -> ``"module:Class"``."""
+def _known_targets() -> dict[str, str]:
+    """Every spelling of a registered scheme's target a receiver config may hold -> its registered name
+    (weightsync's own, an installed package's entry point, or a class its process registered)."""
     out = {}
-    for path in builtin_scheme_paths():
-        module, _, name = path.partition(":")
-        for target in (f"{module}.{name}", f"weightsync.schemes.{name}", f"weightsync.{name}"):
-            out[target] = path
+    for name in schemes():
+        cls = get_backend(name)
+        for target in (
+            f"{cls.__module__}.{cls.__qualname__}",
+            f"weightsync.schemes.{cls.__name__}",
+            f"weightsync.{cls.__name__}",
+        ):
+            out[target] = name
     return out
 
 
@@ -167,9 +171,9 @@ def scheme_class(target: Any, allow: list[str], where: str = "scheme._target_") 
     """
     if type(target) is not str:
         raise ConfigurationError(f"{where} must be a string, got {target!r:.80}")
-    builtin = _builtin_targets().get(target)
-    if builtin is not None:
-        return _import(builtin, target)
+    known = _known_targets().get(target)
+    if known is not None:
+        return get_backend(known)
     _DOTTED(target, where)
     if target.startswith("weightsync."):
         raise ConfigurationError(
@@ -179,7 +183,7 @@ def scheme_class(target: Any, allow: list[str], where: str = "scheme._target_") 
     if not _under(target, allow):
         raise ConfigurationError(
             f"receiver config refuses _target_ {target!r} at {where}: a receiver config builds weightsync "
-            f"schemes only ({sorted(_builtin_targets())[:3]}...), or scheme classes under the prefixes its "
+            f"schemes only ({sorted(_known_targets())[:3]}...), or scheme classes under the prefixes its "
             f"caller allowed ({allow}; see weightsync.config.allow_targets)"
         )
     cls = _import(target, target)
@@ -198,7 +202,7 @@ def scheme_fields(cls: type[WeightSyncScheme]) -> dict[str, checks.Check]:
     if "strategy" in fields:  # a name here; a WeightStrategy object is for code, not configs
         fields["strategy"] = checks.one_of("tensordict", "state_dict")
     if getattr(cls, "TRANSPORTS", None):
-        fields["transport"] = checks.one_of(*cls.TRANSPORTS)
+        fields["transport"] = checks.one_of(*(t.name for t in cls.TRANSPORTS))
     return fields
 
 
@@ -325,8 +329,9 @@ def from_config(
 def check_available(target: str) -> None:
     """Fail with a clear message when a scheme target (a trainer's own config) names a runtime that is not
     installed."""
-    path = _builtin_targets().get(target, target)
-    _import(path, target)
+    known = _known_targets().get(target)
+    if known is None:
+        _import(target, target)
 
 
 def make_receiver(scheme: WeightSyncScheme, model_id: str, worker_idx: int, connection: Mapping[str, Any]) -> Any:

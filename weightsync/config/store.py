@@ -7,6 +7,8 @@ Groups (each option is the dataclass of the same name in :mod:`weightsync.config
     weightsync/transport/{mp,shared_mem,ray,ray_actor,rpc,distributed}
     weightsync/strategy/{tensordict,state_dict}
 
+(and a scheme or transport an installed package registers, under its name).
+
 In an app's defaults list: ``- weightsync/scheme: multiprocess`` puts the
 scheme at ``cfg.weightsync.scheme``; ``- weightsync/scheme@sync.policy: shared_mem``
 puts it wherever you like. Swap it from the command line with
@@ -27,30 +29,10 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from .configs import (
-    TRANSPORT_OF,
-    DistributedSchemeConfig,
-    MultiProcessSchemeConfig,
-    NoSyncSchemeConfig,
-    RayModuleTransformSchemeConfig,
-    RaySchemeConfig,
-    RPCSchemeConfig,
-    SharedMemSchemeConfig,
-    WeightStrategyConfig,
-)
+from .configs import SCHEMES, TRANSPORTS, WeightStrategyConfig
 
 __all__ = ["SCHEMES", "STRATEGIES", "TRANSPORTS", "composed", "register_configs", "register_scheme_group"]
 
-SCHEMES: dict[str, type] = {
-    "multiprocess": MultiProcessSchemeConfig,
-    "shared_mem": SharedMemSchemeConfig,
-    "no_sync": NoSyncSchemeConfig,
-    "ray": RaySchemeConfig,
-    "ray_module_transform": RayModuleTransformSchemeConfig,
-    "rpc": RPCSchemeConfig,
-    "distributed": DistributedSchemeConfig,
-}
-TRANSPORTS: dict[str, type] = dict(TRANSPORT_OF)
 STRATEGIES: dict[str, WeightStrategyConfig] = {
     "tensordict": WeightStrategyConfig(extract_as="tensordict"),
     "state_dict": WeightStrategyConfig(extract_as="state_dict"),

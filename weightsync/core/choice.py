@@ -1,61 +1,62 @@
-"""Which transport a scheme runs over, and that transport's settings: by name, by class, or Hydra's partial."""
+"""Which transport a scheme runs over, and that transport's settings: by name, by settings, or by class."""
 
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any
 
 from ..errors import ConfigurationError
+from .settings import TransportSettings
 
-__all__ = ["choose_transport", "transport_class"]
-
-
-def transport_class(path: str) -> Any:
-    """The transport class at ``"module:Class"`` (imported on first use)."""
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+__all__ = ["choose_transport"]
 
 
-def choose_transport(scheme: Any, transport: Any, given: set[str]) -> str | None:
-    """The name of the transport ``transport`` names among ``scheme.TRANSPORTS`` (``None``: the first);
-    the settings a partial binds become the scheme's options.
+def choose_transport(scheme: type, transport: Any, given: dict[str, Any]) -> TransportSettings | None:
+    """The settings of the transport ``transport`` names among ``scheme.TRANSPORTS`` (``None``: the first), with
+    the settings ``given`` to the scheme as keyword arguments.
+
+    ``transport`` is a name, a settings object (what Hydra builds from a scheme's ``transport`` config), a
+    settings class, or, as the older API spelled it, the transport class to one worker, bare or in a
+    ``functools.partial`` binding settings.
 
     Raises:
         ConfigurationError: a transport the scheme does not run over, a setting the transport does not
-            have (or a bad value), or a setting also given to the scheme with another value.
+            have (or a bad value), or a setting given both to the scheme and in ``transport`` with two values.
     """
-    transports = scheme.TRANSPORTS
-    if not transports:
+    choices: tuple[type[TransportSettings], ...] = scheme.TRANSPORTS  # type: ignore[attr-defined]
+    if not choices:
         if transport is not None:
-            raise ConfigurationError(f"{type(scheme).__name__} has no transport to choose, got {transport!r}")
+            raise ConfigurationError(f"{scheme.__name__} has no transport to choose, got {transport!r}")
         return None
-    settings: dict[str, Any] = {}
+    bound: dict[str, Any] = {}
     if isinstance(transport, functools.partial):
-        settings, transport = dict(transport.keywords), transport.func
-    if transport is None:
-        return next(iter(transports))
-    name = transport if isinstance(transport, str) else _name_of(transports, transport)
-    if name not in transports:
-        raise ConfigurationError(
-            f"{type(scheme).__name__} runs over the transports {sorted(transports)}, got {transport!r}"
-        )
-    known = {o.name: o for o in scheme.TRANSPORT_SETTINGS}
-    for key, value in settings.items():
-        if key not in known:
-            raise ConfigurationError(f"transport {name!r} has no setting {key!r}; it has {sorted(known)}")
-        value = known[key].check(value, f"transport.{key}")
-        if key in given and getattr(scheme, key) != value:
+        bound, transport = dict(transport.keywords), transport.func
+    if isinstance(transport, TransportSettings):
+        bound, transport = {**transport.option_values(), **bound}, type(transport)
+    cls = _settings_class(scheme, choices, transport)
+    for key, value in given.items():
+        if key in bound and cls.option(key).check(bound[key], f"transport.{key}") != cls.option(key).check(value, key):
             raise ConfigurationError(
-                f"{key} given twice with different values: {getattr(scheme, key)!r}, and {value!r} in the transport"
+                f"{key} given twice with different values: {value!r}, and {bound[key]!r} in the transport"
             )
-        setattr(scheme, key, value)
-    return name
+    unknown = sorted(set(bound) - set(cls.option_names()))
+    if unknown:
+        raise ConfigurationError(f"transport {cls.name!r} has no setting {unknown[0]!r}; it has {cls.option_names()}")
+    return cls(**{**bound, **given})
 
 
-def _name_of(transports: dict[str, str], cls: Any) -> str | None:
-    """The name under which ``transports`` lists the class ``cls``."""
-    for name, path in transports.items():
-        if transport_class(path) is cls:
-            return name
-    return None
+def _settings_class(scheme: type, choices: tuple[type[TransportSettings], ...], transport: Any) -> Any:
+    if transport is None:
+        return choices[0]
+    for cls in choices:
+        if transport in (cls, cls.name) or (cls.transport is not None and transport is _peer_class(cls)):
+            return cls
+    names = [cls.name for cls in choices]
+    raise ConfigurationError(f"{scheme.__name__} runs over the transports {sorted(names)}, got {transport!r}")
+
+
+def _peer_class(cls: type[TransportSettings]) -> Any:
+    try:
+        return cls.transport_class()
+    except ImportError:  # an optional engine that is not installed is not what the caller named
+        return None

@@ -16,7 +16,7 @@ __all__ = ["HandoffMixin"]
 class HandoffMixin:
     """Receiver configs and pickling of :class:`~weightsync.core.scheme.WeightSyncScheme`."""
 
-    TRANSPORTS: dict[str, str]
+    TRANSPORTS: tuple[Any, ...]
     transport_name: str | None
     _state: str
     _model_id: str | None
@@ -41,7 +41,7 @@ class HandoffMixin:
         idx = self._check_worker_idx(worker_idx)
         cls = type(self)
         scheme = {"_target_": f"{cls.__module__}.{cls.__qualname__}", **self.option_values()}
-        if self.TRANSPORTS and self.transport_name != next(iter(self.TRANSPORTS)):
+        if self.TRANSPORTS and self.transport_name != self.TRANSPORTS[0].name:
             scheme["transport"] = self.transport_name
         assert self._sending is not None and self._sending.engine is not None
         return {
@@ -93,9 +93,7 @@ class HandoffMixin:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._bind_options((), state["options"])
-        self.transport_name = state["transport"]
-        self._reset_runtime()
+        self._configure(state["options"], {"transport": state["transport"]})
         self._handoff = state.get("handoff")
         self._model_id = state.get("model_id")
         self._num_workers = state.get("num_workers")

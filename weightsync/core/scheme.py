@@ -15,14 +15,17 @@ scheme class supplies its engine (``_sender_engine``, ``_receiver_engine``).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from collections.abc import Iterable
+from dataclasses import KW_ONLY
 from typing import Any, ClassVar
 
-from .. import checks, options
+from .. import checks, options, registry
 from ..errors import ConfigurationError, LifecycleError, WeightSyncError
 from ..model_path import resolve_model, resolve_weights
+from ..options import option
 from ..tensors.layout import FlatLayout, wire_dtype_from_name
 from ..tensors.strategy import WeightStrategy, flatten_weights
 from .choice import choose_transport
@@ -41,43 +44,82 @@ from .handoff import HandoffMixin
 from .properties import SchemeProperties
 from .receiver import Receiver
 from .sender import Sender
+from .settings import TransportSettings
 from .states import CLOSED, NEW, RECEIVER, RECEIVER_CONNECTED, SENDER, SENDER_CONNECTED
 from .workers import WorkersMixin
 
 __all__ = ["WeightSyncScheme"]
 
 
-class WeightSyncScheme(ClientMixin, SchemeProperties, WorkersMixin, HandoffMixin, FacadeMixin, options.Configurable):
+class WeightSyncScheme(
+    ClientMixin, SchemeProperties, WorkersMixin, HandoffMixin, FacadeMixin, options.Declared, kw_only=False
+):
     """Base class of every scheme: the lifecycle of one model across workers.
 
     Every scheme takes its options as keyword arguments (the first four also by position); each is declared
-    once, in :mod:`weightsync.options`, and listed with its meaning in the API reference and the Hydra
-    configs. A scheme that runs over several transports also takes ``transport``: the transport's name, its
-    class, or the class with its settings bound (as Hydra's ``_partial_`` makes it); the transport's
-    settings may be given as keyword arguments of the scheme too. A value an option refuses raises
-    :class:`~weightsync.errors.ConfigurationError` naming the option.
+    once, in its class body (:func:`~weightsync.options.option`), and listed with its meaning in the API
+    reference and the Hydra configs. A scheme that runs over several transports also takes ``transport``:
+    the transport's name, its settings (as Hydra builds them from the scheme's ``transport`` config), or the
+    settings' class; the transport's settings may be given as keyword arguments of the scheme too. A value an
+    option refuses raises :class:`~weightsync.errors.ConfigurationError` naming the option.
+
+    A subclass registers itself under a name as it is defined (``class MyScheme(WeightSyncScheme,
+    name="mine")``): :func:`weightsync.get_backend`, the Hydra groups, the lazy names of ``weightsync`` and the
+    API reference then know it (see "Adding an engine" in docs/design.md).
     """
 
-    OPTIONS = options.COMMON
-    EXTRA = (inspect.Parameter("transport", inspect.Parameter.KEYWORD_ONLY, default=None),)
-    #: Name under which the scheme is registered (see :func:`weightsync.register_backend`).
-    backend: ClassVar[str] = ""
+    strategy: str | WeightStrategy = option(options.STRATEGY)
+    sync: bool = option(options.SYNC)
+    timeout: float = option(options.TIMEOUT)
+    connect_timeout: float = option(options.CONNECT_TIMEOUT)
+    _: KW_ONLY
+    on_failure: str = option(options.ON_FAILURE)
+    max_staleness: int | None = option(options.MAX_STALENESS)
+    check_finite: bool = option(options.CHECK_FINITE)
+
+    EXTRA = (
+        inspect.Parameter(
+            "transport", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="str | TransportSettings | None"
+        ),
+    )
+    #: Name under which the scheme is registered (``name=`` of its class statement; see
+    #: :func:`weightsync.get_backend`).
+    backend_name: ClassVar[str] = ""
+    #: The name of its Hydra config class in :mod:`weightsync.config` (``None``: it has none of its own).
+    config_name: ClassVar[str | None] = "SchemeConfig"
     #: Receivers must say which worker they are before connecting.
     needs_worker_idx: ClassVar[bool] = True
-    #: The transports this scheme can run over, by name (``"module:Class"``); the first is its own.
-    TRANSPORTS: ClassVar[dict[str, str]] = {}
-    #: The settings of those transports (options of the transport, taken by the scheme too).
-    TRANSPORT_SETTINGS: ClassVar[tuple[options.Option, ...]] = ()
+    #: The settings classes of the transports this scheme can run over; the first is its default.
+    TRANSPORTS: ClassVar[tuple[type[TransportSettings], ...]] = ()
     #: The scheme-specific keyword arguments ``init_on_sender`` and ``init_on_receiver`` take (handles).
     SENDER_HANDLES: ClassVar[tuple[str, ...]] = ()
     RECEIVER_HANDLES: ClassVar[tuple[str, ...]] = ()
     #: Defaults of options this scheme does not take (read by the shared code).
     flatten_sender = False
-    wire_dtype = None
+    wire_dtype: str | None = None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        given, extras = self._bind_options(args, kwargs)
-        self.transport_name = choose_transport(self, extras["transport"], given)
+    def __init_subclass__(
+        cls, *, name: str = "", aliases: tuple[str, ...] = (), config: str | None = None, **kwargs: Any
+    ) -> None:
+        super().__init_subclass__(**kwargs)
+        for setting in cls.setting_names():  # held by the transport's settings, read through the scheme
+            setattr(cls, setting, property(functools.partial(_setting, name=setting), doc=cls.option(setting).doc))
+        cls.config_name = config or (_config_name(cls) if name else None)
+        if name:
+            cls.backend_name = name
+            registry.add_scheme(cls, name, aliases)
+
+    @classmethod
+    def setting_names(cls) -> tuple[str, ...]:
+        """The options that are its transport's settings (its ``settings`` holds them)."""
+        return tuple(cls.TRANSPORTS[0].option_names()) if cls.TRANSPORTS else ()
+
+    def _configure(self, given: dict[str, Any], extras: dict[str, Any]) -> None:
+        settings = self.setting_names()
+        self._take({k: v for k, v in given.items() if k not in settings}, exclude=settings)
+        #: The chosen transport's settings (``None``: the scheme has no transport to choose).
+        self.settings = choose_transport(type(self), extras["transport"], {k: given[k] for k in settings if k in given})
+        self.transport_name = self.settings.name if self.settings is not None else None
         self._check_options()
         self._reset_runtime()
 
@@ -480,9 +522,17 @@ class WeightSyncScheme(ClientMixin, SchemeProperties, WorkersMixin, HandoffMixin
     @classmethod
     def from_backend(cls, name: str, **kwargs: Any) -> WeightSyncScheme:
         """Build the scheme registered under ``name`` (``"multiprocess"``, ``"shared_mem"``, ...)."""
-        from ..schemes.registry import get_backend
+        return registry.get_backend(name)(**kwargs)
 
-        return get_backend(name)(**kwargs)
+
+def _setting(scheme: WeightSyncScheme, name: str) -> Any:
+    return getattr(scheme.settings, name)
+
+
+def _config_name(cls: type) -> str:
+    """``MultiProcessWeightSyncScheme`` -> ``MultiProcessSchemeConfig``."""
+    stem = cls.__name__.removesuffix("Scheme").removesuffix("WeightSync")
+    return f"{stem}SchemeConfig"
 
 
 def _no_extra(kwargs: dict[str, Any], handles: tuple[str, ...], where: str) -> None:

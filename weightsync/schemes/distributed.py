@@ -6,22 +6,21 @@ from typing import Any
 
 import torch
 
-from .. import checks, options
+from .. import checks
 from ..core.engine import ReceiverEngine, SenderEngine, Sink
-from ..core.scheme import WeightSyncScheme
 from ..errors import ConfigurationError
 from ..integrity import digest_device_check
+from ..options import MAX_BUFFERS, WIRE_DTYPE, option
 from ..tensors.bound import one_device
 from ..tensors.layout import FlatLayout
 from ..tensors.strategy import flatten_weights
+from ..transports.distributed.settings import BACKEND, BUCKET_MB, DistributedSettings
+from .network import WORLD_SIZE, NetworkScheme
 
-__all__ = ["WORLD_SIZE", "DistributedWeightSyncScheme"]
-
-#: The size of a torch.distributed world a receiver config may name: the trainer and its workers.
-WORLD_SIZE = checks.integer(2, 2**16)
+__all__ = ["DistributedWeightSyncScheme"]
 
 
-class DistributedWeightSyncScheme(WeightSyncScheme):
+class DistributedWeightSyncScheme(NetworkScheme, name="distributed", aliases=("torch_distributed", "gloo")):
     """Synchronize a model to workers over a torch.distributed process group of its own.
 
     The sender serves a TCP store (``master_addr:master_port``) and forms a
@@ -70,15 +69,12 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     worker_idx=i)`` then ``connect()``.
     """
 
-    backend = "distributed"
-    OPTIONS = (
-        *options.COMMON,
-        *options.NETWORK,
-        *options.BYTES,
-        *options.DISTRIBUTED_SETTINGS,
-    )
-    TRANSPORTS = {"distributed": "weightsync.transports.distributed.transport:DistributedTransport"}
-    TRANSPORT_SETTINGS = options.DISTRIBUTED_SETTINGS
+    backend: str = option(BACKEND)
+    wire_dtype: str | None = option(WIRE_DTYPE)
+    bucket_mb: float | None = option(BUCKET_MB)
+    max_buffers: int = option(MAX_BUFFERS)
+
+    TRANSPORTS = (DistributedSettings,)
     RECEIVER_HANDLES = ("master_addr", "master_port", "world_size", "authkey", "authkey_file")
 
     @property

@@ -5,23 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 from .. import checks, options
-from ..core.choice import transport_class
 from ..core.engine import ReceiverEngine, SenderEngine, Sink
-from ..core.scheme import WeightSyncScheme
+from ..options import option
 from ..tensors.layout import FlatLayout
+from ..transports.local.settings import MAX_SLOTS, MPSettings, SharedMemSettings
+from .payload import PayloadScheme
 
 __all__ = ["ABSTRACT_ADDRESS", "LocalScheme"]
 
 #: A listener's address as receiver configs name it: an abstract Unix socket (no file on disk).
 ABSTRACT_ADDRESS = checks.text(r"@[A-Za-z0-9_.\-]{1,100}", what="an abstract socket address (@ and a name)")
 
-_LOCAL_TRANSPORTS = {
-    "mp": "weightsync.transports.local.mp:MPTransport",
-    "shared_mem": "weightsync.transports.local.shared_mem:SharedMemTransport",
-}
 
-
-class LocalScheme(WeightSyncScheme):
+class LocalScheme(PayloadScheme, config="LocalSchemeConfig"):
     """Base of the schemes that reach worker processes on this machine.
 
     The trainer opens an authenticated listener on an abstract Unix socket
@@ -32,15 +28,11 @@ class LocalScheme(WeightSyncScheme):
     may be started again under its index and gets the newest version.
     """
 
-    OPTIONS = (
-        *options.COMMON,
-        options.BACKGROUND_THREAD,
-        options.LATEST_WINS,
-        *options.BYTES,
-        *options.LOCAL_SETTINGS,
-    )
-    TRANSPORTS = _LOCAL_TRANSPORTS
-    TRANSPORT_SETTINGS = options.LOCAL_SETTINGS
+    background_thread: bool = option(options.BACKGROUND_THREAD)
+    latest_wins: bool = option(options.LATEST_WINS)
+    max_slots: int | None = option(MAX_SLOTS)
+
+    TRANSPORTS = (MPSettings, SharedMemSettings)
     SENDER_HANDLES = ("address",)
     RECEIVER_HANDLES = ("address", "authkey", "authkey_file")
     #: Receivers copy every update into their model's tensors one by one, never binding them.
@@ -51,7 +43,8 @@ class LocalScheme(WeightSyncScheme):
     @property
     def transport_class(self) -> Any:
         """The class of this scheme's transports."""
-        return transport_class(self.TRANSPORTS[self.transport_name])
+        assert self.settings is not None
+        return self.settings.transport_class()
 
     def create_transport(self, **kwargs: Any) -> Any:
         """This scheme's transport over ``channel=`` for ``worker_idx=`` (sender side if this is a sender)."""

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from .. import options
+from ..options import option
 from .local import LocalScheme
 
 __all__ = ["MultiProcessWeightSyncScheme"]
 
 
-class MultiProcessWeightSyncScheme(LocalScheme):
+class MultiProcessWeightSyncScheme(LocalScheme, name="multiprocess", aliases=("mp",)):
     """Synchronize a model to worker processes on this machine, each with a private copy.
 
     A send writes the weights once into a shared staging slot; each targeted
@@ -36,5 +37,4 @@ class MultiProcessWeightSyncScheme(LocalScheme):
         scheme.send()          # blocks until both workers applied and acked
     """
 
-    backend = "multiprocess"
-    OPTIONS = (*LocalScheme.OPTIONS, options.KEEP_STORAGE)
+    keep_storage: bool = option(options.KEEP_STORAGE)

@@ -11,7 +11,7 @@ from ..errors import ConfigurationError
 __all__ = ["NoWeightSyncScheme"]
 
 
-class NoWeightSyncScheme(WeightSyncScheme):
+class NoWeightSyncScheme(WeightSyncScheme, name="no_sync", aliases=("none",), config="NoSyncSchemeConfig"):
     """Every lifecycle call succeeds and nothing moves.
 
     Useful to switch synchronization off for one model with a config override
@@ -22,7 +22,6 @@ class NoWeightSyncScheme(WeightSyncScheme):
     ends the wait early.
     """
 
-    backend = "no_sync"
     needs_worker_idx = False
 
     def _reset_runtime(self) -> None:

@@ -7,14 +7,16 @@ from typing import Any
 
 import torch
 
-from .. import options
+from .. import options, registry
 from ..core.engine import ReceiverEngine, SenderEngine, Sink
 from ..core.facade import WeightReceiver, WeightSender
-from ..core.scheme import WeightSyncScheme
 from ..core.states import SENDER_CONNECTED
 from ..core.timing import deadline_after
 from ..errors import ConfigurationError, raise_failures
+from ..options import WIRE_DTYPE, option
 from ..tensors.layout import FlatLayout
+from ..transports.ray.settings import RayActorSettings, RaySettings
+from .payload import PayloadScheme
 
 __all__ = [
     "ModuleActor",
@@ -25,7 +27,7 @@ __all__ = [
 ]
 
 
-class RayWeightSyncScheme(WeightSyncScheme):
+class RayWeightSyncScheme(PayloadScheme, name="ray"):
     """Synchronize a model to Ray actors.
 
     A send puts the weights in Ray's object store as one object, once however
@@ -66,21 +68,13 @@ class RayWeightSyncScheme(WeightSyncScheme):
     ``remote_collectors``.
     """
 
-    backend = "ray"
-    OPTIONS = (
-        *options.COMMON,
-        options.ADDRESS,
-        options.NAMESPACE,
-        options.KEEP_STORAGE,
-        options.ALLOW_PICKLE,
-        *options.BYTES,
-        *options.RAY_SETTINGS,
-    )
-    TRANSPORTS = {
-        "ray": "weightsync.transports.ray.transport:RayTransport",
-        "ray_actor": "weightsync.transports.ray.transport:RayActorTransport",
-    }
-    TRANSPORT_SETTINGS = options.RAY_SETTINGS
+    address: str | None = option(options.ADDRESS)
+    namespace: str | None = option(options.NAMESPACE)
+    keep_storage: bool = option(options.KEEP_STORAGE)
+    allow_pickle: bool = option(options.ALLOW_PICKLE)
+    wire_dtype: str | None = option(WIRE_DTYPE)
+
+    TRANSPORTS = (RaySettings, RayActorSettings)
     SENDER_HANDLES = ("remote_collectors", "actors", "actor")
 
     def join_ray(self, **options: Any) -> bool:
@@ -117,9 +111,8 @@ class RayWeightSyncScheme(WeightSyncScheme):
 
     @property
     def _transport_class(self) -> Any:
-        from ..core.choice import transport_class
-
-        return transport_class(self.TRANSPORTS[self.transport_name])
+        assert self.settings is not None
+        return self.settings.transport_class()
 
     def create_transport(self, **kwargs: Any) -> Any:
         """The transport to one actor (``actor=``, ``worker_idx=``)."""
@@ -206,6 +199,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
             return version
 
 
+@registry.public
 class RayModuleTransformSender(WeightSender):
     """Sender facade of :class:`RayModuleTransformScheme`: ``send`` updates the hosted module."""
 
@@ -215,11 +209,12 @@ class RayModuleTransformSender(WeightSender):
         return self._scheme.sender_transports[0].actor
 
 
+@registry.public
 class RayModuleTransformReceiver(WeightReceiver):
     """Receiver facade of :class:`RayModuleTransformScheme`, inside the hosting actor."""
 
 
-class RayModuleTransformScheme(RayWeightSyncScheme):
+class RayModuleTransformScheme(RayWeightSyncScheme, name="ray_module_transform"):
     """Synchronize a model hosted inside ONE Ray actor (a module that transforms data for many workers).
 
     The trainer keeps the model it trains; the actor holds its copy and
@@ -245,12 +240,8 @@ class RayModuleTransformScheme(RayWeightSyncScheme):
     context with ``actor``).
     """
 
-    backend = "ray_module_transform"
     needs_worker_idx = False
-    TRANSPORTS = {
-        "ray_actor": RayWeightSyncScheme.TRANSPORTS["ray_actor"],
-        "ray": RayWeightSyncScheme.TRANSPORTS["ray"],
-    }
+    TRANSPORTS = (RayActorSettings, RaySettings)
     sender_facade = RayModuleTransformSender
     receiver_facade = RayModuleTransformReceiver
 
@@ -273,6 +264,7 @@ class RayModuleTransformScheme(RayWeightSyncScheme):
         super()._open_receiver(kwargs)
 
 
+@registry.public
 class ModuleActor:
     """A module served from a Ray actor and kept up to date by :class:`RayModuleTransformScheme`.
 

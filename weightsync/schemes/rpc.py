@@ -6,16 +6,17 @@ from typing import Any
 
 from .. import checks, options
 from ..core.engine import ReceiverEngine, SenderEngine, Sink
-from ..core.scheme import WeightSyncScheme
 from ..errors import ConfigurationError
+from ..options import MAX_BUFFERS, WIRE_DTYPE, option
 from ..tensors.layout import FlatLayout
 from ..tensors.strategy import flatten_weights
-from .distributed import WORLD_SIZE
+from ..transports.rpc.settings import RPCSettings
+from .network import WORLD_SIZE, NetworkScheme
 
 __all__ = ["RPCWeightSyncScheme"]
 
 
-class RPCWeightSyncScheme(WeightSyncScheme):
+class RPCWeightSyncScheme(NetworkScheme, name="rpc"):
     """Synchronize a model to workers reached by ``torch.distributed.rpc``.
 
     A send copies the weights once into a flat buffer and makes one RPC per
@@ -60,26 +61,18 @@ class RPCWeightSyncScheme(WeightSyncScheme):
     securing it is yours (the same risk applies).
     """
 
-    backend = "rpc"
-    OPTIONS = (
-        *options.COMMON,
-        *options.NETWORK,
-        options.ALLOW_STORE_PEERS_TO_RUN_CODE,
-        *options.BYTES,
-        *options.RPC_SETTINGS,
-    )
-    TRANSPORTS = {"rpc": "weightsync.transports.rpc.transport:RPCTransport"}
-    TRANSPORT_SETTINGS = options.RPC_SETTINGS
-    SENDER_HANDLES = ("worker_names",)
+    allow_store_peers_to_run_code: bool = option(options.ALLOW_STORE_PEERS_TO_RUN_CODE)
+    wire_dtype: str | None = option(WIRE_DTYPE)
+    max_buffers: int = option(MAX_BUFFERS)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if "allow_pickle" in kwargs:  # rpc's earlier switch, which covered only addresses off loopback: name its heir
-            raise ConfigurationError(
-                "RPCWeightSyncScheme takes allow_store_peers_to_run_code, not allow_pickle: the rpc scheme runs only "
-                "for a user who accepts that every process reaching its store (on loopback too) can run code in "
-                "the trainer and its workers"
-            )
-        super().__init__(*args, **kwargs)
+    TRANSPORTS = (RPCSettings,)
+    SENDER_HANDLES = ("worker_names",)
+    # rpc's earlier switch, which covered only addresses off loopback: name its heir.
+    RENAMED = {
+        "allow_pickle": "RPCWeightSyncScheme takes allow_store_peers_to_run_code, not allow_pickle: the rpc scheme "
+        "runs only for a user who accepts that every process reaching its store (on loopback too) can run code in "
+        "the trainer and its workers"
+    }
 
     #: The option only the caller's own code may set for a receiver built from a config
     #: (:func:`weightsync.config.from_config` takes it as an argument; the config's field is never taken).

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from .. import options
+from ..options import option
+from ..transports.local.settings import MPSettings, SharedMemSettings
 from .local import LocalScheme
 
 __all__ = ["SharedMemWeightSyncScheme"]
 
 
-class SharedMemWeightSyncScheme(LocalScheme):
+class SharedMemWeightSyncScheme(LocalScheme, name="shared_mem", aliases=("sharedmem", "shared_memory")):
     """Synchronize a model to worker processes through shared memory owned by weightsync.
 
     A send copies the trainer's weights once into a free shared slot; each
@@ -29,6 +31,6 @@ class SharedMemWeightSyncScheme(LocalScheme):
     whose sender shut down or died moves its model to private memory at once.
     """
 
-    backend = "shared_mem"
-    OPTIONS = (*LocalScheme.OPTIONS, options.PER_WORKER_WEIGHTS)
-    TRANSPORTS = {"shared_mem": LocalScheme.TRANSPORTS["shared_mem"], "mp": LocalScheme.TRANSPORTS["mp"]}
+    per_worker_weights: bool = option(options.PER_WORKER_WEIGHTS)
+
+    TRANSPORTS = (SharedMemSettings, MPSettings)

@@ -10,18 +10,6 @@ from __future__ import annotations
 
 from .._lazy import lazy
 
-_HOME = {
-    name: module
-    for module, names in {
-        "base": ("PeerTransport", "TransportBackend"),
-        "local": ("MPTransport", "SharedMemTransport"),
-        "distributed": ("DistributedTransport",),
-        "rpc": ("RPCTransport",),
-        "ray": ("RayActorTransport", "RayTransport"),
-    }.items()
-    for name in names
-}
-
-__all__ = sorted(_HOME)
-
-__getattr__, __dir__ = lazy(__name__, _HOME)
+__getattr__, __dir__ = lazy(
+    __name__, {"PeerTransport": "base", "TransportBackend": "base"}, under="weightsync.transports."
+)

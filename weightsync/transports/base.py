@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..errors import LifecycleError
 
 if TYPE_CHECKING:
     from ..core.engine import Sink
-    from ..options import Option
 
 __all__ = ["PeerTransport", "TransportBackend"]
 
@@ -40,11 +39,8 @@ class TransportBackend(Protocol):
 class PeerTransport:
     """The sender's transport to one worker. Its engine moves the bytes; what the older API asks of it
     (``send_weights`` and the like) goes through the sender's pipeline, the ``sink`` it was given.
-
-    ``SETTINGS`` are the transport's own options: its scheme takes them, and its Hydra config holds them.
     """
 
-    SETTINGS: ClassVar[tuple[Option, ...]] = ()
     #: Waits for the ack in ``send_weights``.
     sync: bool = True
 

@@ -1,6 +1,8 @@
 """The torch.distributed engine: a TCP store and a gloo (CPU) or NCCL (GPU) process group of its own."""
 
-from .group import new_group
-from .transport import DistributedTransport
+from __future__ import annotations
 
-__all__ = ["DistributedTransport", "new_group"]
+from ..._lazy import lazy
+
+# Loaded on first use: defining a scheme loads its transport's settings (``settings``), never the engine.
+__getattr__, __dir__ = lazy(__name__, {"DistributedTransport": "transport", "new_group": "group"})

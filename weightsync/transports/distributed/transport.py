@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ... import options
 from ...core.timing import deadline_after, remaining
 from ...errors import (
     AuthenticationError,
@@ -100,8 +99,6 @@ class DistributedTransport(PeerTransport):
         model_id: the model, for errors.
         sink: on the sender, where the older API's calls go.
     """
-
-    SETTINGS = options.DISTRIBUTED_SETTINGS
 
     def __init__(
         self,

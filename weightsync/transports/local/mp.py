@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ... import options
 from ...errors import (
     ConnectionClosedError,
     IntegrityError,
@@ -71,7 +70,6 @@ class MPTransport(PeerTransport, TransportBackend):
         sink: on the sender side, where the older API's calls go (the sender's pipeline).
     """
 
-    SETTINGS = options.LOCAL_SETTINGS
     #: Receivers of this transport read their model from the slot of the version they hold (no private copy).
     pinning = False
 

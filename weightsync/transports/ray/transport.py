@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ... import options
 from ...errors import LifecycleError
 from ..base import PeerTransport
 
@@ -71,8 +70,6 @@ class RayTransport(PeerTransport):
         extract_as: the scheme's strategy (``"tensordict"`` or ``"state_dict"``).
         sink: where the older API's calls go (the sender's pipeline).
     """
-
-    SETTINGS = options.RAY_SETTINGS
 
     def __init__(
         self,

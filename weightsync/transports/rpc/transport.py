@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed.rpc as rpc
 
-from ... import options
 from ..base import PeerTransport
 from .mailbox import close_mailbox, deliver
 from .session import default_worker_name
@@ -34,8 +33,6 @@ class RPCTransport(PeerTransport):
         model_id: the model the updates are for (the worker's mailbox).
         sink: where the older API's calls go (the sender's pipeline).
     """
-
-    SETTINGS = options.RPC_SETTINGS
 
     def __init__(
         self, worker_idx: int = 0, worker_name: str | None = None, model_id: str | None = None, sink: Sink | None = None

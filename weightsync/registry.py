@@ -1,0 +1,205 @@
+"""The one place that knows every scheme, transport and public name of an engine, fed by the classes themselves.
+
+A scheme registers as it is defined (``class MyScheme(WeightSyncScheme, name="mine")``), a transport's
+settings likewise (``class MySettings(TransportSettings, name="mine", transport="pkg.mod:MyTransport")``),
+and anything else an engine makes public with :func:`public`. From what is registered here come
+:func:`get_backend`, the Hydra config groups (:mod:`weightsync.config`), the lazy public names of
+``weightsync`` and the API reference.
+
+Engines are found by importing their modules once, on the first question that needs them
+(:func:`load`): weightsync's own (:data:`BUILTIN`), then every module or class named by an entry point of the
+``weightsync.backends`` group in an installed package (``mine = "pkg.schemes"`` or
+``"pkg.schemes:MyScheme"``). ``import weightsync`` loads none of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from .core.scheme import WeightSyncScheme
+
+__all__ = [
+    "BUILTIN",
+    "ENTRY_POINT_GROUP",
+    "available_backends",
+    "get_backend",
+    "load",
+    "public",
+    "public_names",
+    "register_backend",
+    "schemes",
+    "transports",
+]
+
+log = logging.getLogger("weightsync.registry")
+
+#: weightsync's own engines: each module defines (and so registers) its scheme classes and their transports.
+BUILTIN = (
+    "weightsync.schemes.multiprocess",
+    "weightsync.schemes.shared_mem",
+    "weightsync.schemes.no_sync",
+    "weightsync.schemes.ray",
+    "weightsync.schemes.rpc",
+    "weightsync.schemes.distributed",
+)
+#: The entry-point group through which an installed package adds engines.
+ENTRY_POINT_GROUP = "weightsync.backends"
+
+T = TypeVar("T")
+
+_lock = threading.RLock()
+_schemes: dict[str, type[WeightSyncScheme] | str] = {}  # a name -> the class ("module:Class" until imported)
+_aliases: dict[str, str] = {}
+_transports: dict[str, type] = {}  # a transport's name -> its settings class
+_public: dict[str, Any] = {}  # a public name -> the object ("module:Name" until imported)
+_loaded = False
+
+
+def add_scheme(cls: type[WeightSyncScheme], name: str, aliases: tuple[str, ...] = ()) -> None:
+    """Register ``cls`` under ``name`` (and ``aliases``); called as a scheme class is defined.
+
+    Raises:
+        ConfigurationError: ``name`` or an alias is another class's already.
+    """
+    with _lock:
+        for key in (name, *aliases):
+            taken = _schemes.get(_aliases.get(key, key))
+            if taken is not None and not _same_class(taken, cls):
+                raise ConfigurationError(f"backend {key!r} is already registered ({_describe(taken)})")
+        _schemes[name] = cls
+        _aliases.update(dict.fromkeys(aliases, name))
+        _public[cls.__name__] = cls
+
+
+def add_transport(settings: type, name: str, transport: str | None) -> None:
+    """Register a transport's settings class under ``name``, and its transport class (``"module:Class"``) as a
+    public name; called as the settings class is defined.
+
+    Raises:
+        ConfigurationError: ``name`` is another class's already.
+    """
+    with _lock:
+        taken = _transports.get(name)
+        if taken is not None and not _same_class(taken, settings):
+            raise ConfigurationError(f"transport {name!r} is already registered ({_describe(taken)})")
+        _transports[name] = settings
+        _public[settings.__name__] = settings
+        if transport is not None:
+            _public.setdefault(transport.rpartition(":")[2], transport)
+
+
+def public(obj: T) -> T:
+    """Make ``obj`` (a class or function an engine defines) a public name of ``weightsync``; returns it."""
+    with _lock:
+        _public[obj.__name__] = obj  # type: ignore[attr-defined]
+    return obj
+
+
+def register_backend(name: str, scheme: type[WeightSyncScheme] | str, *, replace: bool = False) -> None:
+    """Register ``scheme`` (a class, or ``"module:Class"`` to import on first use) under ``name``.
+
+    A scheme class defined with ``name=`` registers itself; this is for a class defined without one, or for
+    another name.
+
+    Raises:
+        ConfigurationError: ``name`` is empty or taken and ``replace`` is false.
+    """
+    if not name or not isinstance(name, str):
+        raise ConfigurationError(f"backend name must be a non-empty string, got {name!r}")
+    load()
+    with _lock:
+        taken = _schemes.get(_aliases.get(name, name))
+        if taken is not None and not replace:
+            raise ConfigurationError(f"backend {name!r} is already registered (pass replace=True to override)")
+        _aliases.pop(name, None)
+        _schemes[name] = scheme
+
+
+def load() -> None:
+    """Import weightsync's own engines and those of entry points, once (a broken entry point is logged and
+    skipped: another package's error does not take weightsync down)."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        _loaded = True  # set first: the modules imported below register here, and may ask
+        for module in BUILTIN:
+            importlib.import_module(module)
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                loaded = ep.load()
+            except Exception as exc:  # noqa: BLE001 - any error of another package's import
+                log.warning("weightsync: entry point %s = %r failed to load: %s", ep.name, ep.value, exc)
+                continue
+            if isinstance(loaded, type) and ep.name not in _schemes and ep.name not in _aliases:
+                _schemes[ep.name] = loaded  # a class defined without name=: the entry point names it
+
+
+def schemes() -> dict[str, type[WeightSyncScheme] | str]:
+    """Every registered scheme by name, in the order registered (a ``"module:Class"`` not imported yet)."""
+    load()
+    with _lock:
+        return dict(_schemes)
+
+
+def transports() -> dict[str, type]:
+    """Every registered transport's settings class by name, in the order registered."""
+    load()
+    with _lock:
+        return dict(_transports)
+
+
+def public_names() -> dict[str, Any]:
+    """Every public name engines define (scheme and transport classes, settings, what :func:`public` marked),
+    each object or ``"module:Name"`` to import on first use."""
+    load()
+    with _lock:
+        return dict(_public)
+
+
+def available_backends() -> list[str]:
+    """Sorted names of every registered backend (built-in, entry points and :func:`register_backend`)."""
+    return sorted(schemes())
+
+
+def get_backend(name: str) -> type[WeightSyncScheme]:
+    """The scheme class registered under ``name`` (aliases such as ``"mp"`` accepted).
+
+    Raises:
+        ConfigurationError: an unknown name (the message lists the known ones), or its module could not be
+            imported (for example a missing optional engine).
+    """
+    table = schemes()
+    key = _aliases.get(name, name)
+    if key not in table:
+        raise ConfigurationError(f"unknown weight-sync backend {name!r}; known: {sorted(table)}")
+    target = table[key]
+    if isinstance(target, str):
+        try:
+            target = resolve(target)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigurationError(f"backend {name!r} ({table[key]}) is not available: {exc}") from exc
+    return target
+
+
+def resolve(path: str) -> Any:
+    """The object at ``"module:Name"`` (its module imported on first use)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _same_class(taken: Any, cls: type) -> bool:
+    # A module imported twice (a test reloading it) defines a new class of the same place: it replaces the old.
+    path = taken if isinstance(taken, str) else f"{taken.__module__}:{taken.__qualname__}"
+    return path == f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _describe(obj: Any) -> str:
+    return obj if isinstance(obj, str) else f"{obj.__module__}.{obj.__qualname__}"

@@ -1,12 +1,18 @@
-"""Every option of a scheme or a transport, declared once: name, default, type, check and meaning.
+"""Options, each declared once (name, default, type, check and meaning), and the classes that take them.
 
-A class lists the options it takes in ``OPTIONS`` (schemes) or ``SETTINGS``
-(a transport's own settings, which its scheme takes too). From that one list
-come the class's constructor signature and its argument checks
-(:class:`Configurable`), the Hydra dataclass configs and their YAML copies
-(:mod:`weightsync.config.configs`), what a pickled scheme carries, what
-``receiver_config()`` emits and what a receiver config may hold
-(:mod:`weightsync.config.receiver`), and the options tables of the docs.
+The options several classes take are declared here; an engine's own beside it (its settings module). A class
+says which it takes in its body, one typed line each::
+
+    class MyScheme(WeightSyncScheme, name="mine"):
+        colour: str = option(COLOUR)
+
+:class:`Declared` reads those lines when the class is made: its ``OPTIONS`` (a base class's first), its
+constructor and the constructor's signature, its argument checks. From ``OPTIONS`` come the Hydra dataclass
+configs and their YAML copies (:mod:`weightsync.config.configs`), what a pickled scheme carries, what
+``receiver_config()`` emits and what a receiver config may hold (:mod:`weightsync.config.receiver`), and the
+options tables of the docs. Type checkers and IDEs see the constructor through ``dataclass_transform``
+(PEP 681), ``inspect.signature`` at run time; ``tests/test_signatures.py`` keeps the typed lines and the
+declarations in step.
 """
 
 from __future__ import annotations
@@ -125,7 +131,6 @@ MAX_STALENESS = Option(
 CHECK_FINITE = _flag(
     "check_finite", False, "Refuse, in the caller and before any byte moves, weights holding NaN or Inf."
 )
-COMMON = (STRATEGY, SYNC, TIMEOUT, CONNECT_TIMEOUT, ON_FAILURE, MAX_STALENESS, CHECK_FINITE)
 
 # ------------------------------------------------------ schemes moving bytes
 CHECKSUM = _flag(
@@ -141,7 +146,6 @@ FLATTEN_SENDER = _flag(
     "view of it, the Parameter objects kept), so a send is one copy whatever the number of tensors. Off by "
     "default: it changes the trainer's memory.",
 )
-BYTES = (CHECKSUM, FLATTEN_SENDER)
 
 # ------------------------------------------------------- receivers' choices
 LATEST_WINS = _flag("latest_wins", True, "A worker that fell behind applies only the newest of its pending versions.")

@@ -361,7 +361,7 @@ def _row(model_id: str, scheme: WeightSyncScheme, nbytes: int, n: int, times: li
     median = statistics.median(ordered)
     p95 = ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
     return {
-        "scheme": type(scheme).backend or type(scheme).__name__,
+        "scheme": type(scheme).backend_name or type(scheme).__name__,
         "model": model_id,
         "model_mb": round(nbytes / 1e6, 3),
         "workers": n,

@@ -94,9 +94,8 @@ class WeightSyncScheme(
     #: The scheme-specific keyword arguments ``init_on_sender`` and ``init_on_receiver`` take (handles).
     SENDER_HANDLES: ClassVar[tuple[str, ...]] = ()
     RECEIVER_HANDLES: ClassVar[tuple[str, ...]] = ()
-    #: Defaults of options this scheme does not take (read by the shared code).
+    #: Off in a scheme that does not take the option (read by the shared code).
     flatten_sender = False
-    wire_dtype: str | None = None
 
     def __init_subclass__(
         cls, *, name: str = "", aliases: tuple[str, ...] = (), config: str | None = None, **kwargs: Any
@@ -108,6 +107,11 @@ class WeightSyncScheme(
         if name:
             cls.backend_name = name
             registry.add_scheme(cls, name, aliases)
+
+    @property
+    def wire_dtype(self) -> str | None:
+        """The dtype floating weights travel as (a setting of some transports; ``None``: as they are)."""
+        return getattr(self.settings, "wire_dtype", None)
 
     @classmethod
     def setting_names(cls) -> tuple[str, ...]:

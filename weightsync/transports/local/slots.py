@@ -111,7 +111,10 @@ def device_pool_size(requested: int, nbytes: int, free_bytes: int, *, pinning: b
 
 def map_storage(fd: int, nbytes: int) -> torch.UntypedStorage:
     """Map a shared-memory descriptor (the mapping outlives ``fd``, and ends with the storage)."""
-    return torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+    # torch annotates from_file once for every storage class; UntypedStorage's returns an UntypedStorage.
+    return torch.UntypedStorage.from_file(  # type: ignore[return-value]
+        f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes
+    )
 
 
 def map_fd(fd: int, nbytes: int) -> torch.Tensor:

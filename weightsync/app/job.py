@@ -20,7 +20,6 @@ from multiprocessing.connection import wait
 from typing import Any, Optional
 
 import torch
-import xxhash
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -31,19 +30,11 @@ from ..errors import ConfigurationError, ConnectionClosedError, WeightSyncError
 from ..schemes.no_sync import NoWeightSyncScheme
 from ..schemes.ray import RayWeightSyncScheme
 from ..tensors.layout import wire_dtype_from_name
-from ..tensors.strategy import WeightStrategy
+from .models import ModelSpec, build_model, checksum
 
-__all__ = ["JobConfig", "ModelSpec", "build_model", "resolve_schemes", "run_job"]
+__all__ = ["JobConfig", "resolve_schemes", "run_job"]
 
 log = logging.getLogger("weightsync.app")
-
-
-@dataclass
-class ModelSpec:
-    """A synthetic float32 model: ``size_mb`` megabytes split into ``tensors`` tensors."""
-
-    size_mb: float = 8.0
-    tensors: int = 4
 
 
 @dataclass
@@ -60,27 +51,6 @@ class JobConfig:
     models: dict[str, ModelSpec] = field(default_factory=dict)
     schemes: dict[str, Any] = field(default_factory=dict)
     scheme: Any = None
-
-
-def build_model(spec: dict[str, Any]) -> nn.Module:
-    """A float32 model of ``spec["size_mb"]`` megabytes split into ``spec["tensors"]`` parameters."""
-    size_mb, tensors = float(spec["size_mb"]), int(spec["tensors"])
-    if size_mb <= 0 or tensors < 1:
-        raise ConfigurationError(f"a model needs size_mb > 0 and tensors >= 1, got {size_mb} and {tensors}")
-    numel = max(1, int(size_mb * 1e6 / 4 / tensors))
-    return nn.ParameterList([nn.Parameter(torch.zeros(numel)) for _ in range(tensors)])
-
-
-def checksum(model: nn.Module, wire_dtype: torch.dtype | None = None) -> str:
-    """A digest of the model's weights; with ``wire_dtype``, of what a worker holds after they crossed the wire
-    in that dtype (each floating tensor rounded to it and cast back), which is what the scheme promises."""
-    digest = xxhash.xxh3_128()  # at memory speed: every worker hashes every version it applies
-    for key, tensor in sorted(WeightStrategy().flat(model).items()):
-        if wire_dtype is not None and tensor.dtype.is_floating_point:
-            tensor = tensor.to(wire_dtype).to(tensor.dtype)
-        digest.update(key.encode())
-        digest.update(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
-    return digest.hexdigest()
 
 
 def resolve_schemes(cfg: DictConfig) -> dict[str, DictConfig]:

@@ -95,7 +95,7 @@ def integer(lo: int, hi: int, what: str | None = None) -> Check:
     wanted = what or f"an integer in [{lo}, {hi}]"
 
     def check(value: Any, where: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= value <= hi:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= int(value) <= hi:
             raise _refuse(where, wanted, value)
         return int(value)
 
@@ -215,4 +215,8 @@ def fields(
     missing = [k for k in required if k not in given]
     if missing:
         raise ConfigurationError(f"{where} lacks fields {missing}")
-    return {k: v if checks[k] is None else checks[k](v, f"{where}.{k}") for k, v in given.items()}
+    out: dict[str, Any] = {}
+    for k, v in given.items():
+        check = checks[k]
+        out[k] = v if check is None else check(v, f"{where}.{k}")
+    return out

@@ -85,7 +85,7 @@ class WeightSyncError(Exception):
         return (_restore_error, (type(self), self.args, dict(self.__dict__)))
 
 
-def _restore_error(cls: type, args: tuple, state: dict) -> WeightSyncError:
+def _restore_error(cls: type[WeightSyncError], args: tuple, state: dict) -> WeightSyncError:
     err = cls.__new__(cls)
     Exception.__init__(err, *args)
     err.__dict__.update(state)

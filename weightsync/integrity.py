@@ -25,7 +25,7 @@ def digest(buffers: Iterable[torch.Tensor]) -> str:
         if not data.is_contiguous():
             data = data.contiguous()
         if data.numel():
-            state.update(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+            state.update(data.reshape(-1).view(torch.uint8).numpy().data)
     return state.hexdigest()
 
 

@@ -20,7 +20,6 @@ from multiprocessing.connection import wait
 from typing import Any, Optional
 
 import torch
-import xxhash
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -31,19 +30,11 @@ from ..errors import ConfigurationError, ConnectionClosedError, WeightSyncError
 from ..schemes.no_sync import NoWeightSyncScheme
 from ..schemes.ray import RayWeightSyncScheme
 from ..tensors.layout import wire_dtype_from_name
-from ..tensors.strategy import WeightStrategy
+from .models import ModelSpec, build_model, checksum
 
-__all__ = ["JobConfig", "ModelSpec", "build_model", "resolve_schemes", "run_job"]
+__all__ = ["JobConfig", "resolve_schemes", "run_job"]
 
 log = logging.getLogger("weightsync.app")
-
-
-@dataclass
-class ModelSpec:
-    """A synthetic float32 model: ``size_mb`` megabytes split into ``tensors`` tensors."""
-
-    size_mb: float = 8.0
-    tensors: int = 4
 
 
 @dataclass
@@ -60,27 +51,6 @@ class JobConfig:
     models: dict[str, ModelSpec] = field(default_factory=dict)
     schemes: dict[str, Any] = field(default_factory=dict)
     scheme: Any = None
-
-
-def build_model(spec: dict[str, Any]) -> nn.Module:
-    """A float32 model of ``spec["size_mb"]`` megabytes split into ``spec["tensors"]`` parameters."""
-    size_mb, tensors = float(spec["size_mb"]), int(spec["tensors"])
-    if size_mb <= 0 or tensors < 1:
-        raise ConfigurationError(f"a model needs size_mb > 0 and tensors >= 1, got {size_mb} and {tensors}")
-    numel = max(1, int(size_mb * 1e6 / 4 / tensors))
-    return nn.ParameterList([nn.Parameter(torch.zeros(numel)) for _ in range(tensors)])
-
-
-def checksum(model: nn.Module, wire_dtype: torch.dtype | None = None) -> str:
-    """A digest of the model's weights; with ``wire_dtype``, of what a worker holds after they crossed the wire
-    in that dtype (each floating tensor rounded to it and cast back), which is what the scheme promises."""
-    digest = xxhash.xxh3_128()  # at memory speed: every worker hashes every version it applies
-    for key, tensor in sorted(WeightStrategy().flat(model).items()):
-        if wire_dtype is not None and tensor.dtype.is_floating_point:
-            tensor = tensor.to(wire_dtype).to(tensor.dtype)
-        digest.update(key.encode())
-        digest.update(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
-    return digest.hexdigest()
 
 
 def resolve_schemes(cfg: DictConfig) -> dict[str, DictConfig]:
@@ -153,7 +123,9 @@ def _perturb(model: nn.Module, gen: torch.Generator) -> None:
             p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
 
 
-def _process_context(start_method: str | None) -> mp.context.BaseContext:
+def _process_context(
+    start_method: str | None,
+) -> mp.context.ForkServerContext | mp.context.SpawnContext | mp.context.ForkContext:
     """How the job starts its worker processes. ``None``: forkserver where the platform has it (each worker is
     forked from a server that imported torch and weightsync once: a worker starts in a fraction of a second,
     against seconds spawned), else spawn.
@@ -166,10 +138,12 @@ def _process_context(start_method: str | None) -> mp.context.BaseContext:
         start_method = "forkserver" if "forkserver" in methods else "spawn"
     if start_method not in methods:
         raise ConfigurationError(f"start_method must be one of {methods} on this platform, got {start_method!r}")
-    ctx = mp.get_context(start_method)
     if start_method == "forkserver":
+        ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "tensordict", __name__])
-    return ctx
+        return ctx
+    # The start methods are these three: what is left of those this platform has is fork.
+    return mp.get_context("spawn") if start_method == "spawn" else mp.get_context("fork")
 
 
 def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
@@ -213,7 +187,7 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
 
             actors = RayWorkers({m: schemes[m] for m in on_ray}, specs, n, float(cfg.worker_timeout))
         for model_id, scheme in schemes.items():
-            extra = actors.sender_kwargs(scheme) if model_id in on_ray else {}
+            extra = actors.sender_kwargs(scheme) if actors is not None and model_id in on_ray else {}
             scheme.init_on_sender(model_id=model_id, model=models[model_id], num_workers=n, **extra)
         for i in range(n if in_procs else 0):
             configs = {m: s.receiver_config(i) for m, s in in_procs.items()}
@@ -221,12 +195,11 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
             procs[-1].start()
         if actors is not None:
             actors.join({m: schemes[m] for m in on_ray})
-        expected = {m: {} for m in schemes}
-        times = {m: [] for m in schemes}
-        collector = _Collector(reports, procs, float(cfg.worker_timeout), expected)
+        times: dict[str, list[float]] = {m: [] for m in schemes}
+        collector = _Collector(reports, procs, float(cfg.worker_timeout), schemes)
         for model_id, scheme in schemes.items():
             scheme.connect(processes=procs if model_id in in_procs else None)  # a worker that dies is named at once
-            expected[model_id][scheme.version] = _promised(scheme, models[model_id])
+            collector.promise(model_id, models[model_id])
         moving = {m for m, s in schemes.items() if not isinstance(s, NoWeightSyncScheme)}
         if actors is not None:  # an actor's update is applied when the send returns: ask for its state
             for report in actors.reports():
@@ -238,9 +211,9 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
             for model_id, scheme in schemes.items():
                 _perturb(models[model_id], gen)
                 times[model_id].append(_timed_send(scheme))
-                expected[model_id][scheme.version] = _promised(scheme, models[model_id])
+                collector.promise(model_id, models[model_id])
                 if model_id in moving:  # workers check this version before the next send is timed
-                    for report in actors.reports(model_id) if model_id in on_ray else []:
+                    for report in actors.reports(model_id) if actors is not None and model_id in on_ray else []:
                         collector.record(report)
                     collector.expect({model_id}, n)
     finally:
@@ -264,11 +237,6 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
         )
         for model_id in schemes
     ]
-
-
-def _promised(scheme: WeightSyncScheme, model: nn.Module) -> str:
-    """The checksum every worker must report for what ``scheme`` just sent of ``model``."""
-    return checksum(model, wire_dtype_from_name(scheme.wire_dtype))
 
 
 def _check_opt_ins(schemes: dict[str, WeightSyncScheme]) -> None:
@@ -311,14 +279,23 @@ def _timed_send(scheme: WeightSyncScheme) -> float:
 class _Collector:
     """Reads workers' reports and checks each against the trainer's checksum for that version.
 
-    ``expected`` (model -> version -> checksum) is the trainer's live record, filled in as it sends.
+    ``expected`` (model -> version -> checksum) is the trainer's live record, filled in by :meth:`promise` as it
+    sends.
     """
 
-    def __init__(self, reports: Any, procs: list, timeout: float, expected: dict[str, dict[int, str]]) -> None:
-        self.reports, self.procs, self.timeout, self.expected = reports, procs, timeout, expected
+    def __init__(self, reports: Any, procs: list, timeout: float, schemes: dict[str, WeightSyncScheme]) -> None:
+        self.reports, self.procs, self.timeout, self.schemes = reports, procs, timeout, schemes
+        self.expected: dict[str, dict[int, str]] = {m: {} for m in schemes}
         self.seen: dict[tuple[int, str], dict[int, str]] = {}
         self.mismatches: dict[str, list] = {}
         self.checked: dict[str, int] = {}
+
+    def promise(self, model_id: str, model: nn.Module) -> None:
+        """Record the checksum every worker must report for the version its scheme just published of ``model``."""
+        scheme = self.schemes[model_id]
+        version = scheme.version
+        assert version is not None, "connect() and send() each publish a version"
+        self.expected[model_id][version] = checksum(model, wire_dtype_from_name(scheme.wire_dtype))
 
     def expect(self, model_ids: set[str], n: int) -> None:
         """Wait until every worker reported the latest version of each of ``model_ids`` (bounded by the timeout)."""

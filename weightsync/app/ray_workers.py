@@ -20,6 +20,7 @@ from ..errors import ConfigurationError, WeightSyncError
 from ..schemes.ray import RayModuleTransformScheme
 from ..transports.ray import apply_in_actor
 from ..transports.ray.sender import ray as ray_module
+from .models import build_model, checksum
 
 __all__ = ["RayWorkers"]
 
@@ -28,8 +29,6 @@ class JobActor:
     """One worker of the main job, as a Ray actor: builds its models, joins their schemes, reports."""
 
     def __init__(self, idx: int, specs: dict[str, dict]) -> None:
-        from .job import build_model
-
         torch.set_num_threads(1)
         self.idx = idx
         self.models = {m: build_model(spec) for m, spec in specs.items()}
@@ -43,8 +42,6 @@ class JobActor:
             self.schemes[model_id] = scheme
 
     def report(self, model_id: str | None = None) -> list[tuple[str, int | None, str]]:
-        from .job import checksum
-
         return [(m, s.version, checksum(self.models[m])) for m, s in self.schemes.items() if model_id in (None, m)]
 
     # What RayModuleTransformScheme calls on the actor hosting its module.

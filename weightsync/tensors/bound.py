@@ -214,7 +214,8 @@ class BoundModel:
         between buffers; the tensors, their views and the storage object stay, only the memory changes. Only
         where :attr:`can_swap` (torch 2.12 and later)."""
         assert self.storage is not None and self.can_swap
-        self.storage._swap_data_ptr_(storage)
+        # Private, so torch's stubs leave it out; can_swap checked that this torch has it.
+        self.storage._swap_data_ptr_(storage)  # type: ignore[attr-defined]
 
     def release(self) -> None:
         """Give the bound tensors private memory holding the same bytes (one copy), and forget them: the memory

@@ -158,7 +158,7 @@ def check_share(plain: Any, what: str = "a CUDA share") -> dict[str, Any]:
         value = plain[key]
         if type(value) is not kind:
             raise TransportError(f"{what}: {key} must be {kind.__name__}, got {type(value).__name__}")
-        if kind is int and value < 0:
+        if type(value) is int and value < 0:
             raise TransportError(f"{what}: {key} must be >= 0, got {value}")
     for key, longest in (("handle", MAX_HANDLE_BYTES), ("counter", MAX_COUNTER_BYTES)):
         value = plain[key]

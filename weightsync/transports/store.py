@@ -156,7 +156,7 @@ def _await_listener(host: str, port: int, deadline: float, timeout: float, **whe
 def _open_fds() -> set[tuple[int, str]]:
     """This process's descriptors, each with what it refers to (a number is reused once closed: listing them
     takes one)."""
-    found = set()
+    found: set[tuple[int, str]] = set()
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:  # not Linux: no bound

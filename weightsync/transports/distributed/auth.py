@@ -23,12 +23,15 @@ import hmac
 import json
 import secrets
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ...errors import AuthenticationError, ConfigurationError, TransportError
 
+#: Poly1305's constructor (a one-time key in, a MAC out); ``None`` without the cryptography package.
+Poly1305: Callable[[bytes], Any] | None
 try:  # Poly1305 runs at several GB/s; hashlib has nothing as fast that is a MAC
     from cryptography.hazmat.primitives.poly1305 import Poly1305
 except ImportError:  # pragma: no cover - HMAC-SHA256 then, several times slower
@@ -195,7 +198,7 @@ class PayloadMac:
         part = self._buffer[self._next : upto]
         if part.device.type != "cpu":  # NCCL: the bytes are on the GPU, and hashed from a host copy
             part = part.cpu()
-        self._state.update(memoryview(part.numpy()))
+        self._state.update(part.numpy().data)
         self._next = upto
 
     def hexdigest(self) -> str:

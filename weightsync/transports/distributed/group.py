@@ -43,7 +43,9 @@ def new_group(backend: str, store: dist.Store, rank: int, size: int, timeout: fl
             if ifname
             else dist.ProcessGroupGloo.create_device(hostname=local_address(master_addr))
         )
-        options = dist.ProcessGroupGloo._Options()
+        # torch's stub calls the gloo options class ProcessGroupGloo.Options, but that name is Backend.Options at
+        # runtime (it takes no devices): the class that does is _Options.
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._devices = [device]
         options._timeout = as_timedelta(timeout)
         return dist.ProcessGroupGloo(store, rank, size, options)

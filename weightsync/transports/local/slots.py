@@ -111,7 +111,10 @@ def device_pool_size(requested: int, nbytes: int, free_bytes: int, *, pinning: b
 
 def map_storage(fd: int, nbytes: int) -> torch.UntypedStorage:
     """Map a shared-memory descriptor (the mapping outlives ``fd``, and ends with the storage)."""
-    return torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+    # torch annotates from_file once for every storage class; UntypedStorage's returns an UntypedStorage.
+    return torch.UntypedStorage.from_file(  # type: ignore[return-value]
+        f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes
+    )
 
 
 def map_fd(fd: int, nbytes: int) -> torch.Tensor:
@@ -282,7 +285,7 @@ class SlotPool:
         if len(self.slots) < self.max_slots:
             n = self._next_id
             self._next_id += 1  # ids are never reused: a worker may still know a retired slot by its id
-            slot: SharedSlot | DeviceSlot = (
+            slot = (
                 DeviceSlot(n, self.layout, self.device)
                 if self.device is not None
                 else SharedSlot(n, self.layout, self.tag, pin=self.pin, read_only=not self.pinning)
@@ -307,12 +310,12 @@ class SlotPool:
     def drop_worker(self, worker: int, process: Holder | None = None) -> None:
         """``worker`` no longer counts as a reader. ``process``: the process it was, which may still map the slots
         it read: they stay out of use until it has exited (``None``, or a process gone: free them now)."""
-        alive = process is not None and not process.gone()
+        holder = process if process is not None and not process.gone() else None
         for slot in self.slots:
             if worker in slot.readers:
                 slot.readers.discard(worker)
-                if alive:
-                    slot.holders.append(process)  # type: ignore[arg-type]
+                if holder is not None:
+                    slot.holders.append(holder)
 
     def busy_workers(self) -> set[int]:
         return set().union(*(s.readers for s in self.slots)) if self.slots else set()

@@ -122,14 +122,15 @@ def open_sender_session(master: tuple[str, int], world_size: int, timeout: float
 
     global _SESSION
     with _SESSION_LOCK:
-        if session() is not None:
-            if _SESSION.world_size != world_size:
+        current = session()
+        if current is not None:
+            if current.world_size != world_size:
                 raise ConfigurationError(
-                    f"this process already runs an RPC world of {_SESSION.world_size - 1} workers; every RPC scheme "
+                    f"this process already runs an RPC world of {current.world_size - 1} workers; every RPC scheme "
                     f"of a process shares it (got num_workers={world_size - 1})"
                 )
-            _SESSION.users += 1
-            return _SESSION
+            current.users += 1
+            return current
         if _SPENT:
             raise ConfigurationError(_ONCE)
         if rpc.is_available() and agent_running():
@@ -147,13 +148,14 @@ def join_worker_session(handoff: dict[str, Any], timeout: float, silence: float,
     long its store may leave a call unanswered before the sender counts as gone (:func:`sender_gone`)."""
     global _SESSION
     with _SESSION_LOCK:
-        if session() is not None:
-            if _SESSION.token != handoff["token"]:
+        current = session()
+        if current is not None:
+            if current.token != handoff["token"]:
                 raise ConfigurationError(
                     "this process already belongs to another RPC world; one process joins one sender", **where
                 )
-            _SESSION.users += 1
-            return _SESSION
+            current.users += 1
+            return current
         if _SPENT:
             raise ConfigurationError(_ONCE, **where)
         store = connect_store(handoff["master_addr"], int(handoff["master_port"]), timeout, silence, **where)
@@ -182,17 +184,18 @@ def start_agent(
     with _SESSION_LOCK:
         if sess.started:
             return
-        assert sess.store is not None
-        if int(sess.store.add(f"weightsync-joined/{rank}", 1)) > 1:
+        store = sess.store
+        assert store is not None
+        if int(store.add(f"weightsync-joined/{rank}", 1)) > 1:
             raise ConfigurationError(
                 f"{name} already joined this RPC world once, and torch.distributed.rpc cannot take a rank back "
                 "into a running world (its membership is fixed when it forms): restart the trainer with its "
                 "workers, or use a scheme whose workers can rejoin (multiprocess, shared_mem, distributed, ray)",
                 **where,
             )
-        _await_world(sess, timeout, waiting, **where)
+        _await_world(sess, store, timeout, waiting, **where)
         _register_handler()
-        _STORES[sess.token] = sess.store
+        _STORES[sess.token] = store
         try:
             # init_rpc prefixes its keys with a per-process counter: both sides must use the sender's.
             with rpc._init_counter_lock:
@@ -218,15 +221,16 @@ def start_agent(
         sess.started = True
 
 
-def _await_world(sess: Session, timeout: float, waiting: Waiting | None, **where: Any) -> None:
-    """Wait, at most ``timeout``, until every process of the world has said it is joining (``init_rpc`` itself
-    would wait for an absent one as long as torch's own process-group timeout, 30 minutes)."""
+def _await_world(sess: Session, store: dist.Store, timeout: float, waiting: Waiting | None, **where: Any) -> None:
+    """Wait, at most ``timeout``, until every process of the world has said, in the session's ``store``, that it
+    is joining (``init_rpc`` itself would wait for an absent one as long as torch's own process-group timeout, 30
+    minutes)."""
     keys = [f"weightsync-joined/{rank}" for rank in range(sess.world_size)]
     deadline = deadline_after(timeout)
     progress = Progress(log, f"the RPC world of {sess.host}:{sess.port} to form", timeout, **where)
 
     def joined() -> list[int]:
-        return [rank - 1 for rank, key in enumerate(keys) if rank > 0 and sess.store.check([key])]
+        return [rank - 1 for rank, key in enumerate(keys) if rank > 0 and store.check([key])]
 
     def meanwhile() -> None:
         if waiting is not None:
@@ -235,8 +239,8 @@ def _await_world(sess: Session, timeout: float, waiting: Waiting | None, **where
             progress.tick(lambda: f"{len(joined())} of {sess.world_size - 1} workers there")
 
     try:
-        if not wait_until(lambda: sess.store.check(keys), deadline, WAIT_TICK_S / 5, meanwhile):
-            absent = [rank for rank, key in enumerate(keys) if not sess.store.check([key])]
+        if not wait_until(lambda: store.check(keys), deadline, WAIT_TICK_S / 5, meanwhile):
+            absent = [rank for rank, key in enumerate(keys) if not store.check([key])]
             names = ["the sender" if rank == 0 else f"worker {rank - 1}" for rank in absent] or ["a process"]
             raise SyncTimeoutError(
                 f"the RPC world ({sess.world_size} processes) did not form within {timeout:.1f}s: "
@@ -298,10 +302,11 @@ def leave_session(sess: Session, clean: bool = False) -> None:
 
 
 def _stop_agent(sess: Session) -> None:
-    graceful = sess.clean and sess.store is not None
-    if graceful:
+    store = sess.store if sess.clean else None
+    graceful = store is not None
+    if store is not None:
         # The barrier's second half waits on the store: bound it too.
-        sess.store.set_timeout(datetime.timedelta(seconds=GRACEFUL_S))
+        store.set_timeout(datetime.timedelta(seconds=GRACEFUL_S))
     # If the barrier fails (a peer did not come), torch still stops this agent, on its own.
     with contextlib.suppress(RuntimeError, dist.DistError):
         rpc.shutdown(graceful=graceful, timeout=GRACEFUL_S)

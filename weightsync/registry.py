@@ -54,7 +54,7 @@ T = TypeVar("T")
 _lock = threading.RLock()
 _schemes: dict[str, type | str] = {}  # a name -> the class ("module:Class" until imported)
 _aliases: dict[str, str] = {}
-_transports: dict[str, type] = {}  # a transport's name -> its settings class
+_transports: dict[str, Any] = {}  # a transport's name -> its settings class
 _public: dict[str, Any] = {}  # a public name -> the object ("module:Name" until imported)
 _loaded = False
 
@@ -146,7 +146,7 @@ def schemes() -> dict[str, type | str]:
         return dict(_schemes)
 
 
-def transports() -> dict[str, type]:
+def transports() -> dict[str, Any]:
     """Every registered transport's settings class by name, in the order registered."""
     load()
     with _lock:

@@ -106,7 +106,8 @@ _CONFIGS: dict[type, type] = {}
 def _build() -> None:
     for name, settings in registry.transports().items():
         TRANSPORTS[name] = _transport_config(settings)
-    for scheme in [WeightSyncScheme, *_registered()]:
+    classes: list[type[WeightSyncScheme]] = [WeightSyncScheme, *_registered()]
+    for scheme in classes:
         for cls in reversed(scheme.__mro__):
             if isinstance(cls, type) and issubclass(cls, WeightSyncScheme) and cls.config_name and cls not in _CONFIGS:
                 _CONFIGS[cls] = _scheme_config(cls)

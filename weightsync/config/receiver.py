@@ -42,7 +42,6 @@ argument of the caller, or :func:`allow_targets` in the caller's code.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import sys
 from collections.abc import Mapping
@@ -192,10 +191,12 @@ def scheme_class(target: Any, allow: list[str], where: str = "scheme._target_") 
     return cls
 
 
-@functools.cache
 def scheme_fields(cls: type[WeightSyncScheme]) -> dict[str, checks.Check]:
     """The options a receiver config may give ``cls``: its declared options (each with its own check, which
     takes plain values only), and ``transport`` (the name of one of its transports)."""
+    known = _FIELDS.get(cls)
+    if known is not None:
+        return known
     fields: dict[str, checks.Check] = {}
     for option in getattr(cls, "OPTIONS", ()):
         fields[option.name] = _plain(option.check)
@@ -203,7 +204,11 @@ def scheme_fields(cls: type[WeightSyncScheme]) -> dict[str, checks.Check]:
         fields["strategy"] = checks.one_of("tensordict", "state_dict")
     if getattr(cls, "TRANSPORTS", None):
         fields["transport"] = checks.one_of(*(t.name for t in cls.TRANSPORTS))
+    _FIELDS[cls] = fields  # whole, before any other thread reads it
     return fields
+
+
+_FIELDS: dict[type, dict[str, checks.Check]] = {}  # each class's, made once
 
 
 def _plain(check: checks.Check) -> checks.Check:
@@ -349,11 +354,12 @@ def make_receiver(scheme: WeightSyncScheme, model_id: str, worker_idx: int, conn
         raise ConfigurationError(f"receiver config 'scheme' must build a WeightSyncScheme, got {type(scheme).__name__}")
     from omegaconf import DictConfig, OmegaConf  # a DictConfig is what hydra.utils.instantiate passes
 
-    if isinstance(connection, DictConfig):  # as data: reading its items would resolve interpolations
-        connection = OmegaConf.to_container(connection, resolve=False, throw_on_missing=False)
-    if not isinstance(connection, Mapping):
-        raise ConfigurationError(f"connection must be a mapping, got {checks.shown(connection)}")
-    plain = plain_tree({"connection": dict(connection)}, "receiver config")["connection"]
+    given: Any = connection
+    if isinstance(given, DictConfig):  # as data: reading its items would resolve interpolations
+        given = OmegaConf.to_container(given, resolve=False, throw_on_missing=False)
+    if not isinstance(given, Mapping):
+        raise ConfigurationError(f"connection must be a mapping, got {checks.shown(given)}")
+    plain = plain_tree({"connection": dict(given)}, "receiver config")["connection"]
     model_id = checks.model_id(model_id, "model_id")
     scheme._prepare_receiver(
         model_id=model_id,

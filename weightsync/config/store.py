@@ -43,7 +43,7 @@ def _transport_name(cls: type) -> str | None:
     field = {f.name: f for f in dataclasses.fields(cls)}.get("transport")
     if field is None:
         return None
-    kind = field.default_factory  # type: ignore[misc]
+    kind: Any = field.default_factory
     return next(name for name, node in TRANSPORTS.items() if node is kind)
 
 
@@ -90,6 +90,6 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     for name, node in TRANSPORTS.items():
         cs.store(group="weightsync/transport", name=name, node=node)
-    for name, node in STRATEGIES.items():
-        cs.store(group="weightsync/strategy", name=name, node=node)
+    for name, strategy in STRATEGIES.items():
+        cs.store(group="weightsync/strategy", name=name, node=strategy)
     _registered = True

@@ -42,7 +42,11 @@ class TransportSettings(Declared):
         raise AttributeError(f"{type(self).__name__} is immutable: make another with .replace({name}=...)")
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.option_values() == self.option_values()  # type: ignore[attr-defined]
+        return (
+            isinstance(other, TransportSettings)
+            and type(other) is type(self)
+            and (other.option_values() == self.option_values())
+        )
 
     def __hash__(self) -> int:
         return hash((type(self), tuple(self.option_values().items())))

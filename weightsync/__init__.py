@@ -37,4 +37,4 @@ _HOME = {
     for name in names
 }
 
-__getattr__, __dir__ = lazy(__name__, _HOME, under="weightsync.", extra=tuple(errors.__all__))
+__getattr__, __dir__ = lazy(__name__, _HOME, under="", extra=tuple(errors.__all__))

@@ -16,15 +16,15 @@ import weightsync.config as wsc
 from weightsync import registry
 
 
-def groups() -> list[tuple[str, list[str]]]:
+def groups(own: bool = False) -> list[tuple[str, list[str]]]:
     """The reference's sections and the public names in each: the core's, then what every registered engine
-    defines (:mod:`weightsync.registry`), in the order registered."""
-    engines = registry.public_names()
-    schemes = [registry.get_backend(name).__name__ for name in registry.schemes()]
+    defines (:mod:`weightsync.registry`), in the order registered (``own``: weightsync's own engines only)."""
+    engines = {n: v for n, v in registry.public_names().items() if not own or _ours(v)}
+    schemes = [s.__name__ for s in map(registry.get_backend, registry.schemes()) if not own or _ours(s)]
     transports = []
-    for settings in registry.transports().values():
+    for settings in [s for s in registry.transports().values() if not own or _ours(s)]:
         transports += [n for n in (settings.transport and settings.transport.rpartition(":")[2],) if n]
-    settings_names = [settings.__name__ for settings in registry.transports().values()]
+    settings_names = [s.__name__ for s in registry.transports().values() if not own or _ours(s)]
     others = sorted(set(engines) - {*schemes, *transports, *settings_names})
     return [
         ("Schemes", ["WeightSyncScheme", *dict.fromkeys(schemes)]),
@@ -146,7 +146,14 @@ def _entry(name: str, obj: Any, prefix: str = "weightsync") -> list[str]:
     return out
 
 
-def render() -> str:
+def _ours(obj: Any) -> bool:
+    module = obj.partition(":")[0] if isinstance(obj, str) else obj.__module__
+    return module.startswith("weightsync.")
+
+
+def render(own: bool = False) -> str:
+    """The reference as Markdown: every public name, an installed package's engines included (``own``:
+    weightsync's own only, as ``docs/api.md`` holds it)."""
     lines = [
         "# API reference",
         "",
@@ -155,7 +162,7 @@ def render() -> str:
         "",
     ]
     listed = set()
-    for title, names in groups():
+    for title, names in groups(own):
         lines += [f"## {title}", ""]
         for name in names:
             lines += _entry(name, getattr(ws, name))
@@ -165,9 +172,12 @@ def render() -> str:
         lines += _entry(name, getattr(wsc, name), "weightsync.config")
     for name in sorted(n for n in wsc.__all__ if n.endswith("Config")):
         cls = getattr(wsc, name)
+        if own and not (cls._target_.startswith("weightsync.") or name == "WeightStrategyConfig"):
+            continue
         fields = ", ".join(f"`{f}`" for f in cls.__dataclass_fields__)
         lines += [f"### `weightsync.config.{name}`", "", _doc(cls).split("\n\n")[0], "", f"Fields: {fields}.", ""]
-    missing = sorted(set(ws.__all__) - listed - {"from_config"})
+    public = {n for n in ws.__all__ if not own or _ours(getattr(ws, n))}
+    missing = sorted(public - listed - {"from_config"})
     if missing:
         raise SystemExit(f"public names missing from the API reference groups: {missing}")
     return "\n".join(lines).rstrip() + "\n"
@@ -175,7 +185,7 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    text = render()
+    text = render(own=True)
     if args:
         Path(args[0]).write_text(text)
     else:

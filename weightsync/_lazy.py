@@ -16,8 +16,9 @@ def lazy(
     """``__getattr__`` and ``__dir__`` for ``package``.
 
     ``home`` maps a name to the submodule defining it (relative to ``package``), imported when the name is first
-    asked for, then kept as an attribute. With ``under`` (a module prefix), the public names that registered
-    engines define there (:func:`weightsync.registry.public_names`) are the package's too; asking for one of
+    asked for, then kept as an attribute. With ``under`` (a module prefix; ``""``: every module, an installed
+    package's engines included), the public names that registered engines define there
+    (:func:`weightsync.registry.public_names`) are the package's too; asking for one of
     them, or for ``__all__``, loads the engines. ``__all__`` is every name, and ``extra``.
     """
     module = importlib.import_module(package)

@@ -20,7 +20,8 @@ HEADER = "# Generated from weightsync.config by `python -m weightsync.config.exp
 
 
 def group_yaml() -> dict[str, str]:
-    """``{"weightsync/scheme/multiprocess.yaml": text, ...}`` for every registered config."""
+    """``{"weightsync/scheme/multiprocess.yaml": text, ...}`` for the config of every scheme and transport of
+    weightsync's own (an installed package's engines have their configs in the ConfigStore, not in ``conf/``)."""
     out = {}
     groups = (
         ("scheme", {name: composed(node) for name, node in SCHEMES.items()}),
@@ -30,6 +31,8 @@ def group_yaml() -> dict[str, str]:
     )
     for group, options in groups:
         for name, node in options.items():
+            if not getattr(node, "_target_", "weightsync.").startswith("weightsync."):
+                continue
             out[f"weightsync/{group}/{name}.yaml"] = HEADER + OmegaConf.to_yaml(OmegaConf.structured(node))
     return out
 

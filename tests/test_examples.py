@@ -191,7 +191,7 @@ def test_main_job_help_lists_the_groups_it_takes_and_only_those():
     assert groups == {"scheme": ", ".join(sorted(SCHEMES)), "scheme/transport": ", ".join(sorted(TRANSPORTS))}
     # each works on this job's command line
     works = _run(["-m", "weightsync", "scheme=shared_mem", "scheme/transport=mp", "--cfg", "job"])
-    assert works.returncode == 0 and "_target_: weightsync.MPTransport" in works.stdout, works.stderr
+    assert works.returncode == 0 and "_target_: weightsync.MPSettings" in works.stdout, works.stderr
 
 
 @pytest.mark.parametrize(

@@ -125,10 +125,10 @@ def test_registry_and_from_backend():
         with pytest.raises(ws.ConfigurationError, match="not available"):
             ws.get_backend("broken-test")
     finally:
-        from weightsync.schemes import registry
+        from weightsync import registry
 
         for name in ("custom-test", "lazy-test", "broken-test"):
-            registry._registered.pop(name, None)
+            registry._schemes.pop(name, None)
 
 
 def test_no_sync_receiver_needs_nothing():

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import checks
 from ..errors import LifecycleError
 from .states import NEW, SENDING
+
+if TYPE_CHECKING:
+    from .drivers import Drive
 
 __all__ = ["HandoffMixin"]
 
@@ -23,7 +26,7 @@ class HandoffMixin:
     _worker_idx: int | None
     _num_workers: int | None
     _handoff: dict[str, Any] | None
-    _client: dict[str, Any] | None
+    _drive: Drive | None
     _sending: Any
 
     def receiver_config(self, worker_idx: int) -> dict[str, Any]:
@@ -81,7 +84,8 @@ class HandoffMixin:
         self._handoff = dict(connection)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Options plus, for a sender, what a worker needs to reach it; never runtime state."""
+        """Options plus, for a sender, what a worker needs to reach it and how a program drives it; never runtime
+        state."""
         state: dict[str, Any] = {"options": self.option_values(), "transport": self.transport_name}
         if self._sending is not None and self._sending.engine is not None and self._state in SENDING:
             state["handoff"] = self._sending.engine.handoff()
@@ -89,7 +93,7 @@ class HandoffMixin:
         elif self._handoff is not None:
             state["handoff"] = self._handoff
         if "handoff" in state:
-            state.update(model_id=self._model_id, num_workers=self._num_workers, client=self._client)
+            state.update(model_id=self._model_id, num_workers=self._num_workers, drive=self._drive)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -97,7 +101,7 @@ class HandoffMixin:
         self._handoff = state.get("handoff")
         self._model_id = state.get("model_id")
         self._num_workers = state.get("num_workers")
-        self._client = state.get("client")
+        self._drive = state.get("drive")
 
     def __copy__(self) -> Any:
         raise LifecycleError("schemes are not copied; build a new one from the same arguments")

@@ -17,7 +17,6 @@ class WorkersMixin:
     _num_workers: int | None
     _worker_idx: int | None
     _handoff: dict[str, Any] | None
-    _client: dict[str, Any] | None
 
     def _check_num_workers(self, num_workers: Any) -> int | None:
         if num_workers is None:
@@ -38,11 +37,6 @@ class WorkersMixin:
                 f"worker_idx {worker_idx} out of range for {self._num_workers} workers", model_id=self._model_id
             )
         return worker_idx
-
-    def _from_collector(self, worker_idx: Any) -> Any:
-        """``worker_idx`` as the scheme counts (from 0), for one a TorchRL collector gave (some count from 1)."""
-        base = (self._client or {}).get("index_base", 0)
-        return worker_idx - base if isinstance(worker_idx, int) and not isinstance(worker_idx, bool) else worker_idx
 
     def _same_worker(self, worker_idx: Any) -> int:
         """``worker_idx``, checked, and the index a receiver config made this receiver for, if any."""

@@ -23,12 +23,9 @@ import importlib
 import logging
 import threading
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from .errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from .core.scheme import WeightSyncScheme
 
 __all__ = [
     "BUILTIN",
@@ -68,7 +65,7 @@ INTEGRATION_GROUP = "weightsync.integrations"
 T = TypeVar("T")
 
 _lock = threading.RLock()
-_schemes: dict[str, type[WeightSyncScheme] | str] = {}  # a name -> the class ("module:Class" until imported)
+_schemes: dict[str, type | str] = {}  # a name -> the class ("module:Class" until imported)
 _aliases: dict[str, str] = {}
 _transports: dict[str, type] = {}  # a transport's name -> its settings class
 _public: dict[str, Any] = {}  # a public name -> the object ("module:Name" until imported)
@@ -77,7 +74,7 @@ _drivers: dict[str, Any] = {}  # a name -> the driver (an instance of a Driver s
 _integrations_loaded = False
 
 
-def add_scheme(cls: type[WeightSyncScheme], name: str, aliases: tuple[str, ...] = ()) -> None:
+def add_scheme(cls: type, name: str, aliases: tuple[str, ...] = ()) -> None:
     """Register ``cls`` under ``name`` (and ``aliases``); called as a scheme class is defined.
 
     Raises:
@@ -149,7 +146,7 @@ def public(obj: T) -> T:
     return obj
 
 
-def register_backend(name: str, scheme: type[WeightSyncScheme] | str, *, replace: bool = False) -> None:
+def register_backend(name: str, scheme: type | str, *, replace: bool = False) -> None:
     """Register ``scheme`` (a class, or ``"module:Class"`` to import on first use) under ``name``.
 
     A scheme class defined with ``name=`` registers itself; this is for a class defined without one, or for
@@ -189,7 +186,7 @@ def load() -> None:
                 _schemes[ep.name] = loaded  # a class defined without name=: the entry point names it
 
 
-def schemes() -> dict[str, type[WeightSyncScheme] | str]:
+def schemes() -> dict[str, type | str]:
     """Every registered scheme by name, in the order registered (a ``"module:Class"`` not imported yet)."""
     load()
     with _lock:
@@ -216,7 +213,7 @@ def available_backends() -> list[str]:
     return sorted(schemes())
 
 
-def get_backend(name: str) -> type[WeightSyncScheme]:
+def get_backend(name: str) -> type:
     """The scheme class registered under ``name`` (aliases such as ``"mp"`` accepted).
 
     Raises:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from .. import checks
 from ..errors import LifecycleError
 from .states import NEW, SENDING
+from .workers import check_worker_idx
 
 if TYPE_CHECKING:
     from .drivers import Drive
@@ -41,7 +42,7 @@ class HandoffMixin:
             LifecycleError: called before ``init_on_sender``.
         """
         self._require(*SENDING, action="receiver_config")
-        idx = self._check_worker_idx(worker_idx)
+        idx = check_worker_idx(worker_idx, self._num_workers, self._model_id)
         cls = type(self)
         scheme = {"_target_": f"{cls.__module__}.{cls.__qualname__}", **self.option_values()}
         if self.TRANSPORTS and self.transport_name != self.TRANSPORTS[0].name:
@@ -80,7 +81,7 @@ class HandoffMixin:
         """Make a new scheme receiver-ready from a receiver config's fields."""
         self._require(NEW, action="prepare a receiver")
         self._model_id = model_id
-        self._worker_idx = self._check_worker_idx(worker_idx)
+        self._worker_idx = check_worker_idx(worker_idx, self._num_workers, self._model_id)
         self._handoff = dict(connection)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -38,12 +38,12 @@ from .receiver import Receiver
 from .sender import Sender
 from .settings import TransportSettings
 from .states import CLOSED, NEW, RECEIVER, RECEIVER_CONNECTED, SENDER, SENDER_CONNECTED
-from .workers import WorkersMixin
+from .workers import check_num_workers, same_worker, targets
 
 __all__ = ["WeightSyncScheme"]
 
 
-class WeightSyncScheme(SchemeProperties, WorkersMixin, HandoffMixin, FacadeMixin, options.Declared, kw_only=False):
+class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Declared, kw_only=False):
     """Base class of every scheme: the lifecycle of one model across workers.
 
     Every scheme takes its options as keyword arguments (the first four also by position); each is declared
@@ -178,7 +178,7 @@ class WeightSyncScheme(SchemeProperties, WorkersMixin, HandoffMixin, FacadeMixin
             num_workers = kwargs.pop("num_workers", None)
             if num_workers is None and context is not None:
                 num_workers = driver.num_workers(context) if driver else getattr(context, "num_workers", None)
-            self._num_workers = self._check_num_workers(num_workers)
+            self._num_workers = check_num_workers(num_workers, self._model_id)
             self._open_sender(kwargs)
             self._state = SENDER
             if driver:
@@ -247,7 +247,7 @@ class WeightSyncScheme(SchemeProperties, WorkersMixin, HandoffMixin, FacadeMixin
             self._model = model
             worker_idx = kwargs.pop("worker_idx", None)
             if worker_idx is not None:
-                self._worker_idx = self._same_worker(self._given_idx(worker_idx))
+                self._worker_idx = self._receiver_idx(worker_idx)
             self._driver = driver = driver_for(self._drive, context)
             if driver:
                 driver.check_receiver(self, context, knows_sender=self._handoff is not None)
@@ -308,7 +308,7 @@ class WeightSyncScheme(SchemeProperties, WorkersMixin, HandoffMixin, FacadeMixin
                 if processes is not None:
                     raise LifecycleError("connect(processes=...) is the sender's call; this scheme is a receiver")
                 if worker_idx is not None:
-                    self._worker_idx = self._same_worker(self._given_idx(worker_idx))
+                    self._worker_idx = self._receiver_idx(worker_idx)
                 if self._worker_idx is None and self.needs_worker_idx:
                     raise ConfigurationError("a receiver needs worker_idx (in init_on_receiver or connect)")
                 self._connect_receiver()
@@ -339,10 +339,12 @@ class WeightSyncScheme(SchemeProperties, WorkersMixin, HandoffMixin, FacadeMixin
             driver = self._driver
             self._receiving.on_applied = lambda: driver.applied(self._context)
 
-    def _given_idx(self, worker_idx: Any) -> Any:
-        """The scheme's index (from 0) of the worker its caller calls ``worker_idx`` (a driving program may count
-        from another base)."""
-        return self._drive.worker_idx(worker_idx) if self._drive is not None else worker_idx
+    def _receiver_idx(self, worker_idx: Any) -> int:
+        """This receiver's index (from 0; a driving program may count from another base), checked, and the one a
+        receiver config made it for, if any."""
+        idx = self._drive.worker_idx(worker_idx) if self._drive is not None else worker_idx
+        made_for = self._worker_idx if self._handoff is not None else None
+        return same_worker(idx, self._num_workers, made_for, self._model_id)
 
     def setup_connection_and_weights(self, **kwargs: Any) -> None:
         """Older name of :meth:`connect`."""
@@ -379,6 +381,10 @@ class WeightSyncScheme(SchemeProperties, WorkersMixin, HandoffMixin, FacadeMixin
         with self._lock:
             self._require(SENDER_CONNECTED, action="send_async")
             self._send(weights, self._targets(worker_ids), False)
+
+    def _targets(self, worker_ids: int | Iterable[int] | None) -> list[int]:
+        """The workers a call names (``None``: all), checked."""
+        return targets(worker_ids, self._num_workers or 0, self._model_id)
 
     def _send(self, weights: Any, targets: list[int], wait: bool) -> None:
         assert self._sending is not None

@@ -1,5 +1,5 @@
-"""The pieces of weightsync.core.clients that need no TorchRL: forward passes hold the weights lock, a collector
-is recognised by its module, refusals name what works."""
+"""The pieces of weightsync.integrations.torchrl (and the core's hold of a driven model) that need no TorchRL:
+forward passes hold the weights lock, a collector is recognised by its module, refusals name what works."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import weightsync as ws
-from weightsync.core.clients import client_of, forward_lock_hooks, is_torchrl_collector
+from weightsync.core.drivers import forward_lock_hooks
+from weightsync.integrations.torchrl import client_of, is_torchrl_collector
 
 
 class Probe(torch.nn.Module):

@@ -10,6 +10,11 @@ Engines are found by importing their modules once, on the first question that ne
 (:func:`load`): weightsync's own (:data:`BUILTIN`), then every module or class named by an entry point of the
 ``weightsync.backends`` group in an installed package (``mine = "pkg.schemes"`` or
 ``"pkg.schemes:MyScheme"``). ``import weightsync`` loads none of them.
+
+Integrations (the drivers of programs that drive a scheme themselves, :mod:`weightsync.core.drivers`) register
+here likewise, as their driver classes are defined, and are found apart from engines: weightsync's own
+(:data:`INTEGRATIONS`), then every module or class named by an entry point of the ``weightsync.integrations``
+group, imported once, on the first question about a scheme's context (:func:`drivers`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ from .errors import ConfigurationError
 __all__ = [
     "BUILTIN",
     "ENTRY_POINT_GROUP",
+    "INTEGRATIONS",
+    "INTEGRATION_GROUP",
+    "add_driver",
     "available_backends",
+    "drivers",
     "get_backend",
     "load",
     "public",
@@ -48,6 +57,10 @@ BUILTIN = (
 )
 #: The entry-point group through which an installed package adds engines.
 ENTRY_POINT_GROUP = "weightsync.backends"
+#: weightsync's own integrations: each module defines (and so registers) a driver.
+INTEGRATIONS = ("weightsync.integrations.torchrl",)
+#: The entry-point group through which an installed package adds integrations.
+INTEGRATION_GROUP = "weightsync.integrations"
 
 T = TypeVar("T")
 
@@ -57,6 +70,8 @@ _aliases: dict[str, str] = {}
 _transports: dict[str, Any] = {}  # a transport's name -> its settings class
 _public: dict[str, Any] = {}  # a public name -> the object ("module:Name" until imported)
 _loaded = False
+_drivers: dict[str, Any] = {}  # a name -> the driver (an instance of a Driver subclass)
+_integrations_loaded = False
 
 
 def add_scheme(cls: type, name: str, aliases: tuple[str, ...] = ()) -> None:
@@ -90,6 +105,38 @@ def add_transport(settings: type, name: str, transport: str | None) -> None:
         _public[settings.__name__] = settings
         if transport is not None:
             _public.setdefault(transport.rpartition(":")[2], transport)
+
+
+def add_driver(driver: Any, name: str) -> None:
+    """Register ``driver`` (an instance of a :class:`~weightsync.core.drivers.Driver` subclass) under ``name``;
+    called as its class is defined.
+
+    Raises:
+        ConfigurationError: ``name`` is another class's driver already.
+    """
+    with _lock:
+        taken = _drivers.get(name)
+        if taken is not None and not _same_class(type(taken), type(driver)):
+            raise ConfigurationError(f"integration {name!r} is already registered ({_describe(type(taken))})")
+        _drivers[name] = driver
+
+
+def drivers() -> dict[str, Any]:
+    """Every registered driver by name, in the order registered; weightsync's own integrations and those of
+    entry points are imported on the first call (a broken entry point is logged and skipped). An entry point
+    names the module, or the class, that defines a driver class with ``name=``: defining it registers it."""
+    global _integrations_loaded
+    with _lock:
+        if not _integrations_loaded:
+            _integrations_loaded = True  # set first: the modules imported below register here
+            for module in INTEGRATIONS:
+                importlib.import_module(module)
+            for ep in entry_points(group=INTEGRATION_GROUP):
+                try:
+                    ep.load()
+                except Exception as exc:  # noqa: BLE001 - any error of another package's code
+                    log.warning("weightsync: entry point %s = %r failed to load: %s", ep.name, ep.value, exc)
+        return dict(_drivers)
 
 
 def public(obj: T) -> T:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import checks
 from ..errors import LifecycleError
 from .states import NEW, SENDING
+from .workers import check_worker_idx
+
+if TYPE_CHECKING:
+    from .drivers import Drive
 
 __all__ = ["HandoffMixin"]
 
@@ -23,7 +27,7 @@ class HandoffMixin:
     _worker_idx: int | None
     _num_workers: int | None
     _handoff: dict[str, Any] | None
-    _client: dict[str, Any] | None
+    _drive: Drive | None
     _sending: Any
 
     def receiver_config(self, worker_idx: int) -> dict[str, Any]:
@@ -38,7 +42,7 @@ class HandoffMixin:
             LifecycleError: called before ``init_on_sender``.
         """
         self._require(*SENDING, action="receiver_config")
-        idx = self._check_worker_idx(worker_idx)
+        idx = check_worker_idx(worker_idx, self._num_workers, self._model_id)
         cls = type(self)
         scheme = {"_target_": f"{cls.__module__}.{cls.__qualname__}", **self.option_values()}
         if self.TRANSPORTS and self.transport_name != self.TRANSPORTS[0].name:
@@ -77,11 +81,12 @@ class HandoffMixin:
         """Make a new scheme receiver-ready from a receiver config's fields."""
         self._require(NEW, action="prepare a receiver")
         self._model_id = model_id
-        self._worker_idx = self._check_worker_idx(worker_idx)
+        self._worker_idx = check_worker_idx(worker_idx, self._num_workers, self._model_id)
         self._handoff = dict(connection)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Options plus, for a sender, what a worker needs to reach it; never runtime state."""
+        """Options plus, for a sender, what a worker needs to reach it and how a program drives it; never runtime
+        state."""
         state: dict[str, Any] = {"options": self.option_values(), "transport": self.transport_name}
         if self._sending is not None and self._sending.engine is not None and self._state in SENDING:
             state["handoff"] = self._sending.engine.handoff()
@@ -89,7 +94,7 @@ class HandoffMixin:
         elif self._handoff is not None:
             state["handoff"] = self._handoff
         if "handoff" in state:
-            state.update(model_id=self._model_id, num_workers=self._num_workers, client=self._client)
+            state.update(model_id=self._model_id, num_workers=self._num_workers, drive=self._drive)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -97,7 +102,7 @@ class HandoffMixin:
         self._handoff = state.get("handoff")
         self._model_id = state.get("model_id")
         self._num_workers = state.get("num_workers")
-        self._client = state.get("client")
+        self._drive = state.get("drive")
 
     def __copy__(self) -> Any:
         raise LifecycleError("schemes are not copied; build a new one from the same arguments")

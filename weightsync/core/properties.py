@@ -1,4 +1,6 @@
-"""What a scheme tells about itself: its role and state, its model, versions, acks, transports, metrics."""
+"""What a scheme tells about itself: its role and state, its model and context, versions, acks, transports,
+metrics. A program that drives a scheme (:mod:`weightsync.core.drivers`) reads its lifecycle here too, and may set
+its ``context`` and ``model``."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ import torch
 from ..errors import LifecycleError, WeightSyncError
 from ..metrics import SendMetrics, SendRecord
 from ..tensors.bound import one_device
-from .states import RECEIVING, SENDING
+from ..tensors.copies import in_shared_memory
+from .states import RECEIVER_CONNECTED, RECEIVING, SENDER_CONNECTED, SENDING
 
 if TYPE_CHECKING:
     from ..tensors.layout import FlatLayout
     from ..tensors.strategy import WeightStrategy
+    from .drivers import Drive, ModelHold
     from .receiver import Receiver
     from .sender import Sender
 
@@ -34,6 +38,11 @@ class SchemeProperties:
     _model_id: str | None
     _worker_idx: int | None
     _lock: Any
+    _context: Any
+    _model: Any
+    _drive: Drive | None
+    _hold: ModelHold
+    weights_lock: Any
 
     state = _read("_state", "Where the scheme is in its lifecycle (``'new'``, ``'connected sender'``, ...).")
     strategy = _read("_strategy", "How weights are extracted from the model and put back.")
@@ -60,6 +69,66 @@ class SchemeProperties:
     @property
     def is_receiver(self) -> bool:
         return self._state in RECEIVING
+
+    @property
+    def initialized_on_sender(self) -> bool:
+        """``init_on_sender`` ran (and the scheme is not shut down)."""
+        return self._state in SENDING
+
+    @property
+    def initialized_on_receiver(self) -> bool:
+        """``init_on_receiver`` ran (and the scheme is not shut down)."""
+        return self._state in RECEIVING
+
+    @property
+    def synchronized_on_sender(self) -> bool:
+        """The sender's ``connect()`` ran: every worker joined and holds version 0."""
+        return self._state == SENDER_CONNECTED
+
+    @property
+    def synchronized_on_receiver(self) -> bool:
+        """The receiver's ``connect()`` ran: it holds the sender's version 0."""
+        return self._state == RECEIVER_CONNECTED
+
+    @property
+    def strategy_str(self) -> str:
+        """The strategy's format, ``"tensordict"`` or ``"state_dict"``."""
+        return self._strategy.extract_as
+
+    @property
+    def context(self) -> Any:
+        """The object the model was found in (a driving program may set it: in a worker, to its own part there)."""
+        return self._context
+
+    @context.setter
+    def context(self, context: Any) -> None:
+        self._context = context
+
+    @property
+    def model(self) -> Any:
+        """The registered model (sender: or its weights). A receiver's may be replaced: later updates go to the new
+        one (a driving program may move its copy of the model to its device after ``connect``)."""
+        return self._model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        with self.weights_lock:
+            self._model = model
+            if self._receiving is not None:
+                self._receiving.set_model(model)
+            if self._hold.holding:  # the new model's forward passes take turns with updates too
+                self._hold.hold(model)
+
+    @property
+    def _applies_itself(self) -> bool:
+        """A program drives this receiver: it applies updates itself, and its model's sharing is the program's."""
+        return self._drive is not None and self._drive.applies_itself
+
+    def _kept_shared(self, flat: dict[str, torch.Tensor]) -> bool:
+        """Whether the model's tensors ``flat`` are in shared memory that must stay theirs: processes of the worker's
+        own may read it. Not where a driving program put them there (it pickled the trainer's model into the
+        worker): that sharing would let the trainer's steps reach the worker, and is undone at the first update."""
+        return in_shared_memory(flat) and not self._applies_itself
 
     def _require(self, *states: str, action: str) -> None:
         if self._state not in states:

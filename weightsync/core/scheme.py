@@ -29,15 +29,7 @@ from ..options import option
 from ..tensors.layout import FlatLayout, wire_dtype_from_name
 from ..tensors.strategy import WeightStrategy, flatten_weights
 from .choice import choose_transport
-from .clients import (
-    ClientMixin,
-    check_receiver_context,
-    client_of,
-    collector_model,
-    follow_collector,
-    hold_policy,
-    in_process_engine,
-)
+from .drivers import Drive, Driver, ModelHold, driver_for, driver_of
 from .engine import ReceiverEngine, SenderEngine, Sink
 from .facade import FacadeMixin
 from .handoff import HandoffMixin
@@ -46,14 +38,12 @@ from .receiver import Receiver
 from .sender import Sender
 from .settings import TransportSettings
 from .states import CLOSED, NEW, RECEIVER, RECEIVER_CONNECTED, SENDER, SENDER_CONNECTED
-from .workers import WorkersMixin
+from .workers import check_num_workers, same_worker, targets
 
 __all__ = ["WeightSyncScheme"]
 
 
-class WeightSyncScheme(
-    ClientMixin, SchemeProperties, WorkersMixin, HandoffMixin, FacadeMixin, options.Declared, kw_only=False
-):
+class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Declared, kw_only=False):
     """Base class of every scheme: the lifecycle of one model across workers.
 
     Every scheme takes its options as keyword arguments (the first four also by position); each is declared
@@ -147,11 +137,12 @@ class WeightSyncScheme(
         self._sending: Sender | None = None
         self._receiving: Receiver | None = None
         self._facades: dict[str, Any] = {}
-        self._client: dict[str, Any] | None = None  # a TorchRL collector drives this scheme (see core/clients.py)
-        self._hooks: list[Any] = []
+        self._drive: Drive | None = None  # a program drives this scheme (core/drivers.py): how
+        self._driver: Driver | None = None
         #: Held while a receiver writes or switches its model's weights; a worker whose forward pass runs
         #: beside a background receiver thread holds it too.
         self.weights_lock = threading.RLock()
+        self._hold = ModelHold(self.weights_lock)
 
     # -------------------------------------------------------------- lifecycle
     def init_on_sender(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
@@ -161,10 +152,10 @@ class WeightSyncScheme(
             model_id: the model's name, also a path inside ``context``
                 (``"policy"``, ``"env.transform[0].module"``).
             context: an object that holds the model (``get_model(model_id)`` or by
-                path) and may provide ``num_workers``; a TorchRL collector (see
-                :mod:`weightsync.core.clients`).
+                path) and may provide ``num_workers``; or a program that drives the scheme
+                itself (one an integration knows: :mod:`weightsync.integrations`).
             **kwargs: ``model=`` or ``weights=``, ``num_workers=``, and scheme-specific handles;
-                ``ctx=`` (TorchRL's multiprocessing context) is taken and not needed.
+                what a driving program passes and the scheme does not need is taken.
 
         Raises:
             LifecycleError: the scheme was already initialized.
@@ -179,20 +170,23 @@ class WeightSyncScheme(
                 )
             self._model_id = checks.model_id(model_id, "model_id")
             self._context = context
-            kwargs.pop("ctx", None)  # weightsync's channels are its own
-            self._client = client_of(context)
+            self._driver = driver = driver_of(context)
+            self._drive = driver.terms(context) if driver else None
+            for extra in driver.sender_extras if driver else ():
+                kwargs.pop(extra, None)
             model = kwargs.pop("model", None)
             weights = kwargs.pop("weights", None)
             if model is None and weights is None and context is not None:
-                model = collector_model(context, model_id) if self._client else resolve_model(context, model_id)
+                model = driver.model(context, model_id) if driver else resolve_model(context, model_id)
             self._model = model if model is not None else weights
             num_workers = kwargs.pop("num_workers", None)
             if num_workers is None and context is not None:
-                num_workers = getattr(context, "num_workers", 1 if self._client else None)
-            self._num_workers = self._check_num_workers(num_workers)
+                num_workers = driver.num_workers(context) if driver else getattr(context, "num_workers", None)
+            self._num_workers = check_num_workers(num_workers, self._model_id)
             self._open_sender(kwargs)
             self._state = SENDER
-            follow_collector(self, context)
+            if driver:
+                driver.follow(self, context)
 
     def _open_sender(self, kwargs: dict[str, Any]) -> None:
         """Build the sender core and its engine (which takes the scheme-specific ``kwargs``)."""
@@ -209,9 +203,8 @@ class WeightSyncScheme(
         )
         if self.flatten_sender:
             sending.adopt(self._model)
-        sending.engine = in_process_engine(self, sending, layout) or self._sender_engine(
-            sending, layout, num_workers, kwargs
-        )
+        own = self._driver.sender_engine(self, sending, layout) if self._driver else None
+        sending.engine = own or self._sender_engine(sending, layout, num_workers, kwargs)
         self._num_workers = num_workers
         self._sending = sending
 
@@ -258,11 +251,14 @@ class WeightSyncScheme(
             self._model = model
             worker_idx = kwargs.pop("worker_idx", None)
             if worker_idx is not None:
-                self._worker_idx = self._same_worker(self._from_collector(worker_idx))
-            check_receiver_context(self, context)
+                self._worker_idx = self._receiver_idx(worker_idx)
+            self._driver = driver = driver_for(self._drive, context)
+            if driver:
+                driver.check_receiver(self, context, knows_sender=self._handoff is not None)
             self._open_receiver(kwargs)
             self._state = RECEIVER
-            follow_collector(self, context)
+            if driver:
+                driver.follow(self, context)
 
     def _open_receiver(self, kwargs: dict[str, Any]) -> None:
         if self._model is None:
@@ -316,7 +312,7 @@ class WeightSyncScheme(
                 if processes is not None:
                     raise LifecycleError("connect(processes=...) is the sender's call; this scheme is a receiver")
                 if worker_idx is not None:
-                    self._worker_idx = self._same_worker(self._from_collector(worker_idx))
+                    self._worker_idx = self._receiver_idx(worker_idx)
                 if self._worker_idx is None and self.needs_worker_idx:
                     raise ConfigurationError("a receiver needs worker_idx (in init_on_receiver or connect)")
                 self._connect_receiver()
@@ -336,14 +332,23 @@ class WeightSyncScheme(
         assert self._receiving is not None
         self._receiving.where["worker_idx"] = self._worker_idx
         applies_itself = self._applies_itself
-        self._receiving.bound.move_shared = applies_itself  # a collector shared the trainer's policy, not the user
+        self._receiving.bound.move_shared = applies_itself  # the program shared the trainer's model, not the user
         try:
             self._receiving.connect(self.connect_timeout, getattr(self, "background_thread", False) or applies_itself)
         except BaseException:
             self._receiving.engine.close()
             raise
-        if applies_itself:
-            hold_policy(self)
+        if applies_itself and self._driver is not None:  # the program runs the model beside the receiver's thread
+            self._hold.hold(self._model)
+            driver = self._driver
+            self._receiving.on_applied = lambda: driver.applied(self._context)
+
+    def _receiver_idx(self, worker_idx: Any) -> int:
+        """This receiver's index (from 0; a driving program may count from another base), checked, and the one a
+        receiver config made it for, if any."""
+        idx = self._drive.worker_idx(worker_idx) if self._drive is not None else worker_idx
+        made_for = self._worker_idx if self._handoff is not None else None
+        return same_worker(idx, self._num_workers, made_for, self._model_id)
 
     def setup_connection_and_weights(self, **kwargs: Any) -> None:
         """Older name of :meth:`connect`."""
@@ -380,6 +385,10 @@ class WeightSyncScheme(
         with self._lock:
             self._require(SENDER_CONNECTED, action="send_async")
             self._send(weights, self._targets(worker_ids), False)
+
+    def _targets(self, worker_ids: int | Iterable[int] | None) -> list[int]:
+        """The workers a call names (``None``: all), checked."""
+        return targets(worker_ids, self._num_workers or 0, self._model_id)
 
     def _send(self, weights: Any, targets: list[int], wait: bool) -> None:
         assert self._sending is not None
@@ -454,9 +463,7 @@ class WeightSyncScheme(
             self._state = CLOSED
 
     def _close(self, timeout: float) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+        self._hold.release()
         if self._sending is not None:
             self._sending.close(timeout)
         if self._receiving is not None:

@@ -1,4 +1,8 @@
-"""Which workers a scheme serves, which one a receiver is, and which ones a call targets."""
+"""Which workers a scheme serves, which one a receiver is, and which ones a call targets: checks of plain values.
+
+Each function takes what it checks and the model's name (for the error), and raises
+:class:`~weightsync.errors.ConfigurationError` naming the value it refuses.
+"""
 
 from __future__ import annotations
 
@@ -7,69 +11,54 @@ from typing import Any
 
 from ..errors import ConfigurationError
 
-__all__ = ["WorkersMixin"]
+__all__ = ["check_num_workers", "check_worker_idx", "same_worker", "targets"]
 
 
-class WorkersMixin:
-    """Worker counts and indices of :class:`~weightsync.core.scheme.WeightSyncScheme`, checked."""
+def check_num_workers(num_workers: Any, model_id: str | None) -> int | None:
+    """``num_workers``, a positive int, or ``None`` (not known yet)."""
+    if num_workers is None:
+        return None
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ConfigurationError(f"num_workers must be a positive int, got {num_workers!r}", model_id=model_id)
+    return num_workers
 
-    _model_id: str | None
-    _num_workers: int | None
-    _worker_idx: int | None
-    _handoff: dict[str, Any] | None
-    _client: dict[str, Any] | None
 
-    def _check_num_workers(self, num_workers: Any) -> int | None:
-        if num_workers is None:
-            return None
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-            raise ConfigurationError(
-                f"num_workers must be a positive int, got {num_workers!r}", model_id=self._model_id
-            )
-        return num_workers
+def check_worker_idx(worker_idx: Any, num_workers: int | None, model_id: str | None) -> int:
+    """``worker_idx``, a non-negative int, below ``num_workers`` when that is known."""
+    if isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or worker_idx < 0:
+        raise ConfigurationError(f"worker_idx must be a non-negative int, got {worker_idx!r}", model_id=model_id)
+    if num_workers is not None and worker_idx >= num_workers:
+        raise ConfigurationError(f"worker_idx {worker_idx} out of range for {num_workers} workers", model_id=model_id)
+    return worker_idx
 
-    def _check_worker_idx(self, worker_idx: Any) -> int:
-        if isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or worker_idx < 0:
-            raise ConfigurationError(
-                f"worker_idx must be a non-negative int, got {worker_idx!r}", model_id=self._model_id
-            )
-        if self._num_workers is not None and worker_idx >= self._num_workers:
-            raise ConfigurationError(
-                f"worker_idx {worker_idx} out of range for {self._num_workers} workers", model_id=self._model_id
-            )
-        return worker_idx
 
-    def _from_collector(self, worker_idx: Any) -> Any:
-        """``worker_idx`` as the scheme counts (from 0), for one a TorchRL collector gave (some count from 1)."""
-        base = (self._client or {}).get("index_base", 0)
-        return worker_idx - base if isinstance(worker_idx, int) and not isinstance(worker_idx, bool) else worker_idx
+def same_worker(worker_idx: Any, num_workers: int | None, made_for: int | None, model_id: str | None) -> int:
+    """``worker_idx``, checked, and the index ``made_for`` a receiver config made the receiver for, if any."""
+    idx = check_worker_idx(worker_idx, num_workers, model_id)
+    if made_for is not None and idx != made_for:
+        raise ConfigurationError(
+            f"this receiver was made for worker {made_for} (its receiver config says so), "
+            f"not worker {idx}: give each worker its own receiver config",
+            model_id=model_id,
+            worker_idx=idx,
+        )
+    return idx
 
-    def _same_worker(self, worker_idx: Any) -> int:
-        """``worker_idx``, checked, and the index a receiver config made this receiver for, if any."""
-        idx = self._check_worker_idx(worker_idx)
-        if self._handoff is not None and self._worker_idx is not None and idx != self._worker_idx:
-            raise ConfigurationError(
-                f"this receiver was made for worker {self._worker_idx} (its receiver config says so), "
-                f"not worker {idx}: give each worker its own receiver config",
-                model_id=self._model_id,
-                worker_idx=idx,
-            )
-        return idx
 
-    def _targets(self, worker_ids: int | Iterable[int] | None) -> list[int]:
-        n = self._num_workers or 0
-        if worker_ids is None:
-            return list(range(n))
-        ids = [worker_ids] if isinstance(worker_ids, int) and not isinstance(worker_ids, bool) else worker_ids
-        try:
-            ids = list(ids)
-        except TypeError:
-            raise ConfigurationError(f"worker_ids must be None, an int or a list of ints, got {worker_ids!r}") from None
-        bad = [w for w in ids if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < n]
-        if bad:
-            raise ConfigurationError(
-                f"worker_ids {bad} are not workers of this scheme (valid: 0..{n - 1})", model_id=self._model_id
-            )
-        if len(set(ids)) != len(ids):
-            raise ConfigurationError(f"worker_ids has duplicates: {ids}", model_id=self._model_id)
-        return sorted(ids)
+def targets(worker_ids: int | Iterable[int] | None, num_workers: int, model_id: str | None) -> list[int]:
+    """The workers ``worker_ids`` names, sorted: one index, several, or ``None`` for all ``num_workers``."""
+    if worker_ids is None:
+        return list(range(num_workers))
+    ids = [worker_ids] if isinstance(worker_ids, int) and not isinstance(worker_ids, bool) else worker_ids
+    try:
+        ids = list(ids)
+    except TypeError:
+        raise ConfigurationError(f"worker_ids must be None, an int or a list of ints, got {worker_ids!r}") from None
+    bad = [w for w in ids if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < num_workers]
+    if bad:
+        raise ConfigurationError(
+            f"worker_ids {bad} are not workers of this scheme (valid: 0..{num_workers - 1})", model_id=model_id
+        )
+    if len(set(ids)) != len(ids):
+        raise ConfigurationError(f"worker_ids has duplicates: {ids}", model_id=model_id)
+    return sorted(ids)

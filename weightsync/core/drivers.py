@@ -1,0 +1,195 @@
+"""Programs that drive a scheme themselves, and what the core asks of them.
+
+Some programs take a scheme from their user and run its lifecycle on their own: in the trainer they call
+``init_on_sender(model_id, context=<the program>)`` and pickle the scheme into their worker processes; in
+each worker they call ``init_on_receiver`` and ``connect``, and may never call ``receive()``. A
+:class:`Driver` answers what the core must know of such a program. Drivers live with their integrations
+(:mod:`weightsync.integrations`); the core finds them through :mod:`weightsync.registry`, and only when a scheme
+is given a context or arrives driven. What a driver decided for a sender (a :class:`Drive`) travels with the
+pickled scheme to its workers.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from .. import registry
+from ..errors import ConfigurationError
+from ..model_path import resolve_model
+
+if TYPE_CHECKING:
+    from ..tensors.layout import FlatLayout
+    from .engine import SenderEngine, Sink
+
+__all__ = ["Drive", "Driver", "ModelHold", "driver_for", "driver_of", "forward_lock_hooks"]
+
+
+@dataclass(frozen=True)
+class Drive:
+    """How a driver drives one scheme: plain data, pickled with the sender's scheme into the driver's workers.
+
+    Attributes:
+        driver: the driver's name in the registry (a worker finds its driver by it).
+        applies_itself: the program's workers never call ``receive()``: each receiver applies updates itself, in
+            a background thread, to a model the program handed it (its copy, which may sit in shared memory the
+            program made: that sharing is not the user's, and an update may take the model out of it).
+        index_base: the index the program gives its first worker (a scheme counts its workers from 0).
+    """
+
+    driver: str
+    applies_itself: bool = False
+    index_base: int = 0
+
+    def worker_idx(self, given: Any) -> Any:
+        """The scheme's index (from 0) of the worker the program calls ``given``; anything but an int is returned
+        as it is, for the scheme's check of indices to refuse."""
+        if isinstance(given, int) and not isinstance(given, bool):
+            return given - self.index_base
+        return given
+
+
+class Driver:
+    """A program that drives schemes itself, as the core sees it.
+
+    A subclass registers itself under a name as it is defined (``class MyDriver(Driver, name="mine")``), one
+    instance for every scheme it drives: a driver keeps no state of its own. Each method but :meth:`drives` has
+    a default: the answer for a context that no program drives.
+
+    On the sender, in ``init_on_sender(model_id, context=...)``, the core calls:
+
+    1. :meth:`drives` — whether ``context`` is this program; a driver that says no is asked nothing more.
+    2. :meth:`terms` — how it drives this scheme (pickled with it into the workers).
+    3. :meth:`model` — the model ``model_id``, unless ``model=`` or ``weights=`` was given.
+    4. :meth:`num_workers` — how many workers, unless ``num_workers=`` was given.
+    5. :meth:`sender_engine` — an engine of its own for this sender, or ``None``: the scheme's.
+    6. :meth:`follow` — the scheme is initialized.
+
+    In a worker, in ``init_on_receiver`` (the driver is the one the pickled :class:`Drive` names, else the one that
+    drives ``context``) and after it:
+
+    1. :meth:`check_receiver` — before the receiver opens anything.
+    2. :meth:`follow` — the scheme is initialized.
+    3. :meth:`applied` — after each update a receiver that applies updates itself applied and acked.
+    """
+
+    #: Its name in the registry (``name=`` of its class statement).
+    name: ClassVar[str] = ""
+    #: Keyword arguments the program passes to ``init_on_sender`` that the scheme takes and does not need.
+    sender_extras: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, *, name: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if name:
+            cls.name = name
+            registry.add_driver(cls(), name)
+
+    def drives(self, context: Any) -> bool:
+        """Whether ``context`` is this program (or a part of it that hands schemes a context). Must not import
+        the program: a context of another kind is asked too."""
+        raise NotImplementedError
+
+    def terms(self, context: Any) -> Drive:
+        """How this program drives a sender initialized with ``context``."""
+        return Drive(self.name)
+
+    def model(self, context: Any, model_id: str) -> Any:
+        """The model ``model_id`` of ``context`` (default: found by name or path, :func:`~weightsync.resolve_model`).
+
+        Raises:
+            ConfigurationError: ``context`` holds no such model.
+        """
+        return resolve_model(context, model_id)
+
+    def num_workers(self, context: Any) -> int | None:
+        """How many workers the program runs (default: its ``num_workers``; ``None``: it does not say)."""
+        return getattr(context, "num_workers", None)
+
+    def sender_engine(self, scheme: Any, sink: Sink, layout: FlatLayout) -> SenderEngine | None:
+        """An engine of the program's own for the sender ``scheme`` (its ``context``, ``model_id``, ``strategy``
+        and ``weights_lock`` are set), reporting to ``sink``; ``None`` (default): the scheme's own engine."""
+        return None
+
+    def follow(self, scheme: Any, context: Any) -> None:
+        """``scheme`` was just initialized (``scheme.is_sender`` says on which side) with ``context``, which may be
+        ``None`` in a worker: what the program needs done then (default: nothing)."""
+
+    def check_receiver(self, scheme: Any, context: Any, *, knows_sender: bool) -> None:
+        """Refuse a receiver the program set up in a way that cannot work (default: nothing is refused).
+        ``knows_sender``: the scheme was pickled from an initialized sender, or built from a receiver config.
+
+        Raises:
+            ConfigurationError: naming what the program did and what works instead.
+        """
+
+    def applied(self, context: Any) -> None:
+        """A receiver that applies updates itself, whose context is now ``context``, just applied and acked an
+        update (called by the thread that applied it; default: nothing)."""
+
+
+def driver_of(context: Any) -> Driver | None:
+    """The driver of the program ``context`` is, or ``None``. Nothing is loaded for a context of ``None``."""
+    if context is None:
+        return None
+    return next((d for d in registry.drivers().values() if d.drives(context)), None)
+
+
+def driver_for(drive: Drive | None, context: Any) -> Driver | None:
+    """A receiver's driver: the one its pickled ``drive`` names, else the one that drives ``context``, if any.
+
+    Raises:
+        ConfigurationError: ``drive`` names a driver not installed in this process.
+    """
+    if drive is None:
+        return driver_of(context)
+    found = registry.drivers().get(drive.driver)
+    if found is None:
+        raise ConfigurationError(
+            f"this scheme was pickled by a sender that {drive.driver!r} drives, and no integration of that name "
+            f"is installed in this process (known: {sorted(registry.drivers())})"
+        )
+    return found
+
+
+def forward_lock_hooks(model: Any, lock: Any) -> list[Any]:
+    """Hooks on ``model`` (an ``nn.Module``; anything else gets none) that hold ``lock`` for the whole of each
+    forward pass, failed ones included, so an update applied under it never lands inside one; the handles, to
+    remove them."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+
+    def hold(module: Any, args: Any) -> None:  # (a pre-hook that returns something replaces the inputs)
+        lock.acquire()
+
+    def let_go(module: Any, args: Any, out: Any) -> None:
+        lock.release()
+
+    return [model.register_forward_pre_hook(hold), model.register_forward_hook(let_go, always_call=True)]
+
+
+class ModelHold:
+    """A receiver that applies updates itself, beside the program that runs its model: the model's forward passes
+    and the updates take turns on ``lock`` (the scheme's ``weights_lock``)."""
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self.lock = lock
+        self._handles: list[Any] = []
+
+    @property
+    def holding(self) -> bool:
+        """A model is held."""
+        return bool(self._handles)
+
+    def hold(self, model: Any) -> None:
+        """Hold ``model`` from now on, and no longer the model held before."""
+        self.release()
+        self._handles = forward_lock_hooks(model, self.lock)
+
+    def release(self) -> None:
+        """Let the held model's forward passes run freely again. Idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

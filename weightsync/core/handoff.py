@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import checks
 from ..errors import LifecycleError
@@ -20,8 +20,12 @@ __all__ = ["HandoffMixin"]
 class HandoffMixin:
     """Receiver configs and pickling of :class:`~weightsync.core.scheme.WeightSyncScheme`."""
 
-    TRANSPORTS: tuple[Any, ...]
+    TRANSPORTS: ClassVar[tuple[Any, ...]]
     transport_name: str | None
+    # What the scheme class provides (the lifecycle's state check, its options as plain data, its configure step).
+    _require: Callable[..., None]
+    option_values: Callable[[], dict[str, Any]]
+    _configure: Callable[[dict[str, Any], dict[str, Any]], None]
     _state: str
     _model_id: str | None
     _worker_idx: int | None

@@ -174,7 +174,14 @@ class Receiver:
         """Put ``update`` into the model; return the views its tensors now are, or ``None`` (their own memory)."""
         placement = self.engine.placement
         if placement in ("take", "share") and update.storage is not None:
-            if held and update.whole and self.bound.can_swap and self.bound.storage.device == update.storage.device:
+            bound = self.bound.storage
+            if (
+                held
+                and update.whole
+                and self.bound.can_swap
+                and bound is not None
+                and bound.device == update.storage.device
+            ):
                 # O(1): the model's storage takes the delivered memory, the delivery the memory the model had.
                 self.bound.swap(update.storage)
                 self.engine.taken(update, None, swapped=True)

@@ -309,7 +309,10 @@ class Sender:
             acks={
                 w: round(peers[w].acked_at - started, 6)
                 for w in targets
-                if w not in failures and self.ledger.has_acked(w, self.version) and peers[w].acked_at >= started
+                if w not in failures
+                and self.version is not None
+                and self.ledger.has_acked(w, self.version)
+                and peers[w].acked_at >= started
             },
             failed={w: f"{type(e).__name__}: {e.detail}" for w, e in failures.items()},
             staleness_wait=stale_wait,

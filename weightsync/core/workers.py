@@ -51,7 +51,7 @@ def targets(worker_ids: int | Iterable[int] | None, num_workers: int, model_id: 
         return list(range(num_workers))
     ids = [worker_ids] if isinstance(worker_ids, int) and not isinstance(worker_ids, bool) else worker_ids
     try:
-        ids = list(ids)
+        ids = list(ids)  # type: ignore[arg-type]  # a bool is refused just below, with the others
     except TypeError:
         raise ConfigurationError(f"worker_ids must be None, an int or a list of ints, got {worker_ids!r}") from None
     bad = [w for w in ids if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < num_workers]

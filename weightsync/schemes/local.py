@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import checks, options
 from ..core.engine import ReceiverEngine, SenderEngine, Sink
@@ -10,6 +10,9 @@ from ..options import option
 from ..tensors.layout import FlatLayout
 from ..transports.local.settings import MAX_SLOTS, MPSettings, SharedMemSettings
 from .payload import PayloadScheme
+
+if TYPE_CHECKING:
+    from ..core.settings import TransportSettings
 
 __all__ = ["ABSTRACT_ADDRESS", "LocalScheme"]
 
@@ -32,7 +35,7 @@ class LocalScheme(PayloadScheme, config="LocalSchemeConfig"):
     latest_wins: bool = option(options.LATEST_WINS)
     max_slots: int | None = option(MAX_SLOTS)
 
-    TRANSPORTS = (MPSettings, SharedMemSettings)
+    TRANSPORTS: ClassVar[tuple[type[TransportSettings], ...]] = (MPSettings, SharedMemSettings)
     SENDER_HANDLES = ("address",)
     RECEIVER_HANDLES = ("address", "authkey", "authkey_file")
     #: Receivers copy every update into their model's tensors one by one, never binding them.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -17,6 +17,9 @@ from ..options import WIRE_DTYPE, option
 from ..tensors.layout import FlatLayout
 from ..transports.ray.settings import RayActorSettings, RaySettings
 from .payload import PayloadScheme
+
+if TYPE_CHECKING:
+    from ..core.settings import TransportSettings
 
 __all__ = [
     "ModuleActor",
@@ -74,7 +77,7 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
     allow_pickle: bool = option(options.ALLOW_PICKLE)
     wire_dtype: str | None = option(WIRE_DTYPE)
 
-    TRANSPORTS = (RaySettings, RayActorSettings)
+    TRANSPORTS: ClassVar[tuple[type[TransportSettings], ...]] = (RaySettings, RayActorSettings)
     SENDER_HANDLES = ("remote_collectors", "actors", "actor")
 
     def join_ray(self, **options: Any) -> bool:
@@ -189,7 +192,11 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
                 f"worker_idx {worker_idx!r} is not in 0..{len(sending.ledger.peers) - 1}", model_id=self._model_id
             )
         with self._lock:
-            version = sending.engine.resubmit(worker_idx, actor)  # type: ignore[attr-defined]
+            from ..transports.ray.sender import RaySender
+
+            engine = sending.engine
+            assert isinstance(engine, RaySender)  # this scheme's engine
+            version = engine.resubmit(worker_idx, actor)
             deadline = deadline_after(self.timeout if timeout is None else timeout)
             failures = sending.collect({worker_idx: version}, deadline)
             if failures:

@@ -17,6 +17,7 @@ from ..errors import ConfigurationError, SyncTimeoutError
 from .plainjson import loads_object
 
 __all__ = [
+    "store_set",
     "MAX_STORE_JSON",
     "SILENT_TIMEOUTS",
     "as_timedelta",
@@ -191,3 +192,9 @@ def _bound_silence(before: set[tuple[int, str]], port: int, seconds: float) -> i
                 continue
             found += 1
     return found
+
+
+def store_set(store: dist.Store, key: str, value: bytes) -> None:
+    """``store.set(key, value)`` with bytes, as every sealed value is: torch's ``Store.set`` takes ``str`` or
+    ``bytes`` (a str is encoded; bytes are kept as they are), while its type stub names ``str`` only."""
+    store.set(key, value)  # type: ignore[arg-type]

@@ -47,7 +47,7 @@ from ...tensors.layout import FlatLayout
 from ..keyfiles import KEY_BYTES, key_name, remove_key_file, write_key_file
 from ..processes import process_is_gone
 from ..staging import Staging, StagingPool
-from ..store import connect_store, open_store, store_count, store_json
+from ..store import connect_store, open_store, store_count, store_json, store_set
 from .auth import MAC, Sealer, layout_tag, new_nonce, proven, run_prefix
 from .group import gpu_identity, new_group_within
 from .transport import ACK_OK, DistributedTransport, Link
@@ -115,12 +115,12 @@ class DistributedSender(SenderEngine):
         # own store) share nothing, and only a holder of the key knows where the run's keys are.
         self.authkey = secrets.token_bytes(KEY_BYTES)
         self._key_file: str | None = None
-        self.prefix = run_prefix(sink.model_id, self.authkey)
+        self.prefix = run_prefix(sink.model_id or "", self.authkey)
         self.store: dist.Store | None = dist.PrefixStore(self.prefix, self._base_store)
         self.sealer = Sealer(self.authkey, self.prefix)
         described = json.dumps(layout.to_plain()).encode()
         self.layout_tag = layout_tag(described)  # what each version's digest binds: the layout, in order
-        self.store.set("layout", self.sealer.seal("layout", described))
+        store_set(self.store, "layout", self.sealer.seal("layout", described))
         self._nonce = ""  # the one-time key's nonce of the version being staged
         if backend == "nccl":
             self.store.set("gpu", gpu_identity())
@@ -159,14 +159,14 @@ class DistributedSender(SenderEngine):
         assert self.store is not None
         hellos = [f"hello/{w}" for w in range(self.num_workers)]
         model_id = self.sink.model_id
+        store = self.store
+        assert store is not None  # open until close()
         try:
 
             def joined() -> list[int]:
-                return [w for w, key in enumerate(hellos) if self.store.check([key])]
+                return [w for w, key in enumerate(hellos) if store.check([key])]
 
-            if not wait_until(
-                lambda: self.store.check(hellos), deadline, STORE_POLL_S, lambda: self.sink.waiting(joined)
-            ):
+            if not wait_until(lambda: store.check(hellos), deadline, STORE_POLL_S, lambda: self.sink.waiting(joined)):
                 missing = sorted(set(range(self.num_workers)) - set(joined()))
                 raise SyncTimeoutError(
                     f"workers {missing} did not join within {timeout:.0f}s "
@@ -198,7 +198,7 @@ class DistributedSender(SenderEngine):
                     refused[w] = ConfigurationError(verdict[str(w)], model_id=model_id, worker_idx=w)
                 elif hello.get("gpu"):
                     holders[hello["gpu"]] = f"worker {w}"
-            self.store.set("verdict", self.sealer.seal("verdict", json.dumps(verdict)))
+            store_set(self.store, "verdict", self.sealer.seal("verdict", json.dumps(verdict)))
             # Anyone who reaches the store may claim a rank of the group as it forms: the wait ends at the deadline.
             self.link.pg = new_group_within(
                 deadline,
@@ -235,7 +235,7 @@ class DistributedSender(SenderEngine):
         if out.initial:
             assert self.store is not None
             said = {"version": out.version, "nonce": self._nonce, "mac": MAC}
-            self.store.set("initial", self.sealer.seal("initial", json.dumps(said)))
+            store_set(self.store, "initial", self.sealer.seal("initial", json.dumps(said)))
         return staging
 
     def submit(self, out: Outgoing, staging: Staging) -> None:
@@ -364,7 +364,9 @@ class DistributedSender(SenderEngine):
             if problem is None:
                 problem = self._rejoin_problem(w, hello)
             key = f"verdict/{w}/{gen}"
-            store.set(key, self.sealer.seal(key, json.dumps({"ok": True} if problem is None else {"refused": problem})))
+            store_set(
+                store, key, self.sealer.seal(key, json.dumps({"ok": True} if problem is None else {"refused": problem}))
+            )
             if problem is not None:
                 log.warning("model %r: refused worker %d connecting again: %s", self.sink.model_id, w, problem)
                 return None
@@ -446,7 +448,7 @@ class DistributedSender(SenderEngine):
         staging, version, payload_digest, nonce = self.newest
         try:
             said = {"version": version, "nonce": nonce, "mac": MAC}
-            pair.set("initial", transport.sealer.seal("initial", json.dumps(said)))
+            store_set(pair, "initial", transport.sealer.seal("initial", json.dumps(said)))
             transport.announce(version, nonce, MAC, initial=True)
             staging.readers[w] = [transport.send_part(staging.tensor[start:end]) for *_, start, end in self.buckets]
             transport.set_digest(payload_digest, version)
@@ -464,7 +466,7 @@ class DistributedSender(SenderEngine):
             self._key_file = None
         if self.store is not None:  # a dropped worker asking to rejoin stops waiting for an answer
             with contextlib.suppress(dist.DistError):
-                self.store.set("shutdown", self.sealer.seal("shutdown", "1"))
+                store_set(self.store, "shutdown", self.sealer.seal("shutdown", "1"))
         for w, transport in self.transports.items():
             if not self.sink.is_dead(w):
                 transport.close(min(timeout, CLOSE_WAIT_S))

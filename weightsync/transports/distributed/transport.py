@@ -43,7 +43,7 @@ from ...errors import (
 )
 from ..base import PeerTransport
 from ..plainjson import loads_object
-from ..store import MAX_STORE_JSON, as_timedelta, store_json
+from ..store import MAX_STORE_JSON, as_timedelta, store_json, store_set
 from .auth import ACK_TAG_WORDS, MACS, PayloadMac, Sealer
 from .group import Waiter, is_timeout
 
@@ -164,7 +164,7 @@ class DistributedTransport(PeerTransport):
         seq = 0 if initial else self.seq + 1
         if not initial:
             key = f"msg/{self.worker_idx}/{seq}"
-            store.set(key, self.sealer.seal(key, json.dumps({"version": version, "nonce": nonce, "mac": mac})))
+            store_set(store, key, self.sealer.seal(key, json.dumps({"version": version, "nonce": nonce, "mac": mac})))
         self.seq = seq
         if self._waiter is None:
             self._waiter = Waiter(f"weightsync-{self.model_id}-rank{self.rank}")
@@ -179,7 +179,7 @@ class DistributedTransport(PeerTransport):
         """The keyed digest of the message announced last (version ``version``), sealed, for the worker to check
         the bytes against before applying them."""
         key = f"digest/{self.worker_idx}/{self.seq}"
-        self.store.set(key, self.sealer.seal(key, digest, version))
+        store_set(self.store, key, self.sealer.seal(key, digest, version))
 
     def expect_ack(self, version: int) -> None:
         """Post the receive of the ack of the message announced last (every part of it sent)."""
@@ -249,7 +249,7 @@ class DistributedTransport(PeerTransport):
         receiving a message discards it (:meth:`was_dropped`)."""
         with contextlib.suppress(LifecycleError, dist.DistError):
             key = f"dropped/{self.worker_idx}"
-            self.store.set(key, self.sealer.seal(key, "1"))
+            store_set(self.store, key, self.sealer.seal(key, "1"))
         self._last_word({"dropped": reason[:MAX_ERROR_TEXT]})
         self.stop_waiting(0.0)
 
@@ -257,7 +257,7 @@ class DistributedTransport(PeerTransport):
         # The store is the sender's own (or its job's): writing to it does not depend on the worker's link.
         with contextlib.suppress(LifecycleError, dist.DistError):
             key = f"msg/{self.worker_idx}/{self.seq + 1}"
-            self.store.set(key, self.sealer.seal(key, json.dumps(msg)))
+            store_set(self.store, key, self.sealer.seal(key, json.dumps(msg)))
 
     def stop_waiting(self, timeout: float) -> None:
         """End the waiter thread; one still blocked on a stalled peer ends at gloo's operation timeout."""

@@ -150,6 +150,7 @@ class MPTransport(PeerTransport, TransportBackend):
                 str(err.get("type")), str(err.get("message")), model_id=model_id, worker_idx=self.worker_idx,
                 version=version,
             )  # fmt: skip
+        assert version is not None  # checked an int above
         return Ack(version, held, self.last_error)
 
     def check_connection(self) -> bool:
@@ -248,7 +249,9 @@ class MPTransport(PeerTransport, TransportBackend):
         except TransportError as exc:
             self.bad_slots[slot] = (TransportError, str(exc))
             return
-        self.slot_buffers[slot] = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,))
+        self.slot_buffers[slot] = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+            storage, 0, (nbytes,), (1,)
+        )
         spare = shares[-1]
         self._slot_mapped(slot, lambda: cuda.open_share(spare, uuids))
 

@@ -1,16 +1,23 @@
 """The core names no client: what TorchRL's collectors (and the inference engines to come) need of a scheme is
-asked through a driver (weightsync/core/drivers.py), and their knowledge lives in weightsync/integrations/."""
+asked through a driver (weightsync/core/drivers.py), and their knowledge lives in weightsync/integrations/. A
+driver of a program no integration knows is asked the same way."""
 
 from __future__ import annotations
 
+import pickle
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import weightsync
+import pytest
+import torch
 
-CORE = Path(weightsync.__file__).parent / "core"
+import weightsync as ws
+from weightsync import registry
+from weightsync.core.drivers import Drive, Driver
+
+CORE = Path(ws.__file__).parent / "core"
 CLIENT_NAMES = re.compile(r"torchrl|collector", re.IGNORECASE)
 
 # Lines of core/receiver.py that another branch edits: reworded there, these leave the list (an exact line,
@@ -60,3 +67,51 @@ print(json.dumps([before, after, "torchrl" in sys.modules]))
     assert before == []
     assert "weightsync.integrations.torchrl" in after
     assert not torchrl_loaded
+
+
+class Program:
+    """A program that drives schemes itself, and none of the integrations' (it counts its workers from 1)."""
+
+    def __init__(self) -> None:
+        self.policy = torch.nn.Linear(2, 2)
+
+
+@pytest.fixture
+def program_driver():
+    class ProgramDriver(Driver, name="test-program"):
+        sender_extras = ("pool",)
+
+        def drives(self, context):
+            return isinstance(context, Program)
+
+        def num_workers(self, context):
+            return 2
+
+        def terms(self, context):
+            return Drive(self.name, index_base=1)
+
+    yield ProgramDriver
+    registry._drivers.pop("test-program", None)
+
+
+def test_a_driver_answers_for_its_program_and_its_terms_reach_the_workers(program_driver):
+    program = Program()
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=5)
+    scheme.init_on_sender("policy", context=program, pool=object())  # the program's own argument is taken
+    try:
+        assert scheme.model is program.policy and scheme.num_workers == 2
+        worker = pickle.loads(pickle.dumps(scheme))
+        worker.init_on_receiver(model=torch.nn.Linear(2, 2), worker_idx=2)  # the program's second worker
+        assert worker.worker_idx == 1 and not worker._applies_itself
+        worker.shutdown()
+    finally:
+        scheme.shutdown()
+
+
+def test_a_driver_must_say_which_contexts_it_drives():
+    with pytest.raises(TypeError, match="must say which contexts it drives"):
+
+        class Mute(Driver, name="test-mute"):
+            pass
+
+    assert "test-mute" not in registry.drivers()

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..tensors.layout import FlatLayout
     from .engine import SenderEngine, Sink
 
-__all__ = ["Drive", "Driver", "ModelHold", "driver_for", "driver_of", "forward_lock_hooks"]
+__all__ = ["UNDRIVEN", "Drive", "Driver", "ModelHold", "driver_for", "driver_of", "forward_lock_hooks"]
 
 
 @dataclass(frozen=True)
@@ -56,12 +56,14 @@ class Driver:
     """A program that drives schemes itself, as the core sees it.
 
     A subclass registers itself under a name as it is defined (``class MyDriver(Driver, name="mine")``), one
-    instance for every scheme it drives: a driver keeps no state of its own. Each method but :meth:`drives` has
-    a default: the answer for a context that no program drives.
+    instance for every scheme it drives: a driver keeps no state of its own; it overrides :meth:`drives`, and
+    what else its program needs. Every default is the answer for a context that no program drives: the base
+    class's instance, :data:`UNDRIVEN`, is the driver of such a context (and of none).
 
     On the sender, in ``init_on_sender(model_id, context=...)``, the core calls:
 
-    1. :meth:`drives` — whether ``context`` is this program; a driver that says no is asked nothing more.
+    1. :meth:`drives` — whether ``context`` is this program; the first registered driver that says yes is asked
+       the rest (a context none takes, :data:`UNDRIVEN`).
     2. :meth:`terms` — how it drives this scheme (pickled with it into the workers).
     3. :meth:`model` — the model ``model_id``, unless ``model=`` or ``weights=`` was given.
     4. :meth:`num_workers` — how many workers, unless ``num_workers=`` was given.
@@ -84,17 +86,19 @@ class Driver:
     def __init_subclass__(cls, *, name: str = "", **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if name:
+            if cls.drives is Driver.drives:
+                raise TypeError(f"{cls.__qualname__} must say which contexts it drives (Driver.drives)")
             cls.name = name
             registry.add_driver(cls(), name)
 
     def drives(self, context: Any) -> bool:
         """Whether ``context`` is this program (or a part of it that hands schemes a context). Must not import
         the program: a context of another kind is asked too."""
-        raise NotImplementedError
+        return False
 
-    def terms(self, context: Any) -> Drive:
-        """How this program drives a sender initialized with ``context``."""
-        return Drive(self.name)
+    def terms(self, context: Any) -> Drive | None:
+        """How this program drives a sender initialized with ``context`` (``None``: as no program does)."""
+        return Drive(self.name) if self.name else None
 
     def model(self, context: Any, model_id: str) -> Any:
         """The model ``model_id`` of ``context`` (default: found by name or path, :func:`~weightsync.resolve_model`).
@@ -130,15 +134,19 @@ class Driver:
         update (called by the thread that applied it; default: nothing)."""
 
 
-def driver_of(context: Any) -> Driver | None:
-    """The driver of the program ``context`` is, or ``None``. Nothing is loaded for a context of ``None``."""
+#: The driver of a context that no program drives, and of no context: every answer is the default.
+UNDRIVEN = Driver()
+
+
+def driver_of(context: Any) -> Driver:
+    """The driver of the program ``context`` is, or :data:`UNDRIVEN`. Nothing is loaded for a context of ``None``."""
     if context is None:
-        return None
-    return next((d for d in registry.drivers().values() if d.drives(context)), None)
+        return UNDRIVEN
+    return next((d for d in registry.drivers().values() if d.drives(context)), UNDRIVEN)
 
 
-def driver_for(drive: Drive | None, context: Any) -> Driver | None:
-    """A receiver's driver: the one its pickled ``drive`` names, else the one that drives ``context``, if any.
+def driver_for(drive: Drive | None, context: Any) -> Driver:
+    """A receiver's driver: the one its pickled ``drive`` names, else the one that drives ``context``.
 
     Raises:
         ConfigurationError: ``drive`` names a driver not installed in this process.

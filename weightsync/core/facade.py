@@ -1,5 +1,5 @@
-"""The older facade, for code written against it: ``get_sender()``/``WeightSender``, ``get_receiver()``/
-``WeightReceiver``, ``create_transport(...)``."""
+"""The older API, for code written against it: ``get_sender()``/``WeightSender``, ``get_receiver()``/
+``WeightReceiver``, ``create_transport(...)``, and older names of the lifecycle's calls."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class WeightReceiver(_Facade):
 
 
 class FacadeMixin:
-    """The facade accessors of every scheme; a scheme names its own facade classes."""
+    """The older API of every scheme: facade accessors (a scheme names its own facade classes), older names."""
 
     sender_facade: ClassVar[type] = WeightSender
     receiver_facade: ClassVar[type] = WeightReceiver
@@ -84,3 +84,15 @@ class FacadeMixin:
     def create_transport(self, **kwargs: Any) -> Any:
         """Build the transport for one peer; see each scheme for its arguments."""
         raise ConfigurationError(f"{type(self).__name__} has no transport to create")
+
+    def init_on_worker(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
+        """Older name of :meth:`init_on_receiver`."""
+        self.init_on_receiver(model_id, context, **kwargs)  # type: ignore[attr-defined]
+
+    def setup_connection_and_weights(self, **kwargs: Any) -> None:
+        """Older name of :meth:`connect`."""
+        self.connect(**kwargs)  # type: ignore[attr-defined]
+
+    def synchronize_weights(self, **kwargs: Any) -> None:
+        """Older name of :meth:`connect`."""
+        self.connect(**kwargs)  # type: ignore[attr-defined]

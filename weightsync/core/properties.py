@@ -1,6 +1,6 @@
-"""What a scheme tells about itself: its role and state, its model and context, versions, acks, transports,
-metrics. A program that drives a scheme (:mod:`weightsync.core.drivers`) reads its lifecycle here too, and may set
-its ``context`` and ``model``."""
+"""What a scheme tells about itself: its role and state, its model, context and weights, versions, acks,
+transports, metrics. A program that drives a scheme (:mod:`weightsync.core.drivers`) reads its lifecycle here too,
+and may set its ``context`` and ``model``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import torch
 
 from ..errors import LifecycleError, WeightSyncError
 from ..metrics import SendMetrics, SendRecord
+from ..model_path import resolve_weights
 from ..tensors.bound import one_device
 from ..tensors.copies import in_shared_memory
+from ..tensors.strategy import flatten_weights
 from .states import RECEIVER_CONNECTED, RECEIVING, SENDER_CONNECTED, SENDING
 
 if TYPE_CHECKING:
@@ -29,7 +31,8 @@ def _read(attr: str, doc: str) -> property:
 
 
 class SchemeProperties:
-    """The read-only properties of :class:`~weightsync.core.scheme.WeightSyncScheme`."""
+    """What :class:`~weightsync.core.scheme.WeightSyncScheme` tells about itself; only ``context`` and ``model``
+    may be set."""
 
     _state: str
     _strategy: WeightStrategy
@@ -168,6 +171,38 @@ class SchemeProperties:
         """The weights of the registered model, in the strategy's format (no copy)."""
         model = getattr(self, "_model", None)
         return None if model is None else self._strategy.extract_weights(model)
+
+    def prepare_weights(
+        self, weights: Any, model_id: str | None = None, strategy: WeightStrategy | None = None, context: Any = None
+    ) -> Any:
+        """Resolve ``weights`` to the strategy's format (no copy).
+
+        ``None`` reads the model registered for ``model_id`` (or found in
+        ``context``); a module, TensorDict or dict is converted.
+
+        Raises:
+            InvalidWeightsError: nothing to send, or non-tensor values.
+        """
+        strategy = strategy or self._strategy
+        return strategy.format(self._flat_weights(weights, model_id, context, strategy))
+
+    def _flat_weights(
+        self,
+        weights: Any,
+        model_id: str | None = None,
+        context: Any = None,
+        strategy: Any = None,
+        *,
+        detach: bool = True,
+    ) -> dict:
+        """``{dotted_key: tensor}`` of ``weights`` (``None``: the registered model). ``detach=False`` keeps the
+        source's own tensors, for callers that only copy them out under ``no_grad`` (no per-tensor alias)."""
+        strategy = strategy or self._strategy
+        context = context if context is not None else self._context
+        if weights is None and self._model is not None and (model_id or self._model_id) == self._model_id:
+            weights = self._model
+        source = resolve_weights(weights, context, model_id or self._model_id)
+        return strategy.flat(source) if detach else flatten_weights(source, strategy.extract_as)
 
     @property
     def sender_transports(self) -> dict[int, Any]:

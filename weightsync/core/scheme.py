@@ -24,12 +24,12 @@ from typing import Any, ClassVar
 
 from .. import checks, options, registry
 from ..errors import ConfigurationError, LifecycleError, WeightSyncError
-from ..model_path import resolve_model, resolve_weights
+from ..model_path import resolve_model
 from ..options import option
 from ..tensors.layout import FlatLayout, wire_dtype_from_name
-from ..tensors.strategy import WeightStrategy, flatten_weights
+from ..tensors.strategy import WeightStrategy
 from .choice import choose_transport
-from .drivers import Drive, Driver, ModelHold, driver_for, driver_of
+from .drivers import UNDRIVEN, Drive, Driver, ModelHold, driver_for, driver_of
 from .engine import ReceiverEngine, SenderEngine, Sink
 from .facade import FacadeMixin
 from .handoff import HandoffMixin
@@ -137,8 +137,8 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
         self._sending: Sender | None = None
         self._receiving: Receiver | None = None
         self._facades: dict[str, Any] = {}
-        self._drive: Drive | None = None  # a program drives this scheme (core/drivers.py): how
-        self._driver: Driver | None = None
+        self._driver: Driver = UNDRIVEN  # the program that drives this scheme, if one (core/drivers.py)
+        self._drive: Drive | None = None  # how it drives it
         #: Held while a receiver writes or switches its model's weights; a worker whose forward pass runs
         #: beside a background receiver thread holds it too.
         self.weights_lock = threading.RLock()
@@ -171,22 +171,21 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
             self._model_id = checks.model_id(model_id, "model_id")
             self._context = context
             self._driver = driver = driver_of(context)
-            self._drive = driver.terms(context) if driver else None
-            for extra in driver.sender_extras if driver else ():
+            self._drive = driver.terms(context)
+            for extra in driver.sender_extras:
                 kwargs.pop(extra, None)
             model = kwargs.pop("model", None)
             weights = kwargs.pop("weights", None)
             if model is None and weights is None and context is not None:
-                model = driver.model(context, model_id) if driver else resolve_model(context, model_id)
+                model = driver.model(context, model_id)
             self._model = model if model is not None else weights
             num_workers = kwargs.pop("num_workers", None)
             if num_workers is None and context is not None:
-                num_workers = driver.num_workers(context) if driver else getattr(context, "num_workers", None)
+                num_workers = driver.num_workers(context)
             self._num_workers = check_num_workers(num_workers, self._model_id)
             self._open_sender(kwargs)
             self._state = SENDER
-            if driver:
-                driver.follow(self, context)
+            driver.follow(self, context)
 
     def _open_sender(self, kwargs: dict[str, Any]) -> None:
         """Build the sender core and its engine (which takes the scheme-specific ``kwargs``)."""
@@ -203,7 +202,7 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
         )
         if self.flatten_sender:
             sending.adopt(self._model)
-        own = self._driver.sender_engine(self, sending, layout) if self._driver else None
+        own = self._driver.sender_engine(self, sending, layout)
         sending.engine = own or self._sender_engine(sending, layout, num_workers, kwargs)
         self._num_workers = num_workers
         self._sending = sending
@@ -253,12 +252,10 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
             if worker_idx is not None:
                 self._worker_idx = self._receiver_idx(worker_idx)
             self._driver = driver = driver_for(self._drive, context)
-            if driver:
-                driver.check_receiver(self, context, knows_sender=self._handoff is not None)
+            driver.check_receiver(self, context, knows_sender=self._handoff is not None)
             self._open_receiver(kwargs)
             self._state = RECEIVER
-            if driver:
-                driver.follow(self, context)
+            driver.follow(self, context)
 
     def _open_receiver(self, kwargs: dict[str, Any]) -> None:
         if self._model is None:
@@ -269,10 +266,6 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
         where = {"model_id": self._model_id, "worker_idx": self._worker_idx}  # the index may come at connect
         engine = self._receiver_engine(dict(self._handoff or {}), kwargs, where)
         self._receiving = Receiver(self, engine, where)
-
-    def init_on_worker(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
-        """Older name of :meth:`init_on_receiver`."""
-        self.init_on_receiver(model_id, context, **kwargs)
 
     def connect(
         self, *, worker_idx: int | None = None, weights: Any = None, processes: Iterable[Any] | None = None
@@ -338,10 +331,9 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
         except BaseException:
             self._receiving.engine.close()
             raise
-        if applies_itself and self._driver is not None:  # the program runs the model beside the receiver's thread
+        if applies_itself:  # the program runs the model beside the receiver's thread: they take turns
             self._hold.hold(self._model)
-            driver = self._driver
-            self._receiving.on_applied = lambda: driver.applied(self._context)
+            self._receiving.on_applied = lambda: self._driver.applied(self._context)
 
     def _receiver_idx(self, worker_idx: Any) -> int:
         """This receiver's index (from 0; a driving program may count from another base), checked, and the one a
@@ -349,14 +341,6 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
         idx = self._drive.worker_idx(worker_idx) if self._drive is not None else worker_idx
         made_for = self._worker_idx if self._handoff is not None else None
         return same_worker(idx, self._num_workers, made_for, self._model_id)
-
-    def setup_connection_and_weights(self, **kwargs: Any) -> None:
-        """Older name of :meth:`connect`."""
-        self.connect(**kwargs)
-
-    def synchronize_weights(self, **kwargs: Any) -> None:
-        """Older name of :meth:`connect`."""
-        self.connect(**kwargs)
 
     def send(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
         """Publish a new version to ``worker_ids`` (all by default).
@@ -482,39 +466,6 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
                 self._shutdown(0.0)
         except Exception:  # noqa: BLE001 - nothing may escape a finalizer
             pass
-
-    # ---------------------------------------------------------------- weights
-    def prepare_weights(
-        self, weights: Any, model_id: str | None = None, strategy: WeightStrategy | None = None, context: Any = None
-    ) -> Any:
-        """Resolve ``weights`` to the strategy's format (no copy).
-
-        ``None`` reads the model registered for ``model_id`` (or found in
-        ``context``); a module, TensorDict or dict is converted.
-
-        Raises:
-            InvalidWeightsError: nothing to send, or non-tensor values.
-        """
-        strategy = strategy or self._strategy
-        return strategy.format(self._flat_weights(weights, model_id, context, strategy))
-
-    def _flat_weights(
-        self,
-        weights: Any,
-        model_id: str | None = None,
-        context: Any = None,
-        strategy: Any = None,
-        *,
-        detach: bool = True,
-    ) -> dict:
-        """``{dotted_key: tensor}`` of ``weights`` (``None``: the registered model). ``detach=False`` keeps the
-        source's own tensors, for callers that only copy them out under ``no_grad`` (no per-tensor alias)."""
-        strategy = strategy or self._strategy
-        context = context if context is not None else self._context
-        if weights is None and self._model is not None and (model_id or self._model_id) == self._model_id:
-            weights = self._model
-        source = resolve_weights(weights, context, model_id or self._model_id)
-        return strategy.flat(source) if detach else flatten_weights(source, strategy.extract_as)
 
     # ---------------------------------------------------------------- engines
     def _sender_engine(self, sink: Sink, layout: FlatLayout, num_workers: int, kwargs: dict[str, Any]) -> SenderEngine:

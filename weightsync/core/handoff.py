@@ -1,4 +1,5 @@
-"""How a scheme reaches its workers: as plain data (``receiver_config``) or pickled, and how it is rebuilt."""
+"""How a scheme reaches its workers: as plain data (``receiver_config``) or pickled, how it is rebuilt, and which
+worker the rebuilt receiver is."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from .. import checks
 from ..errors import LifecycleError
 from .states import NEW, SENDING
-from .workers import check_worker_idx
+from .workers import check_worker_idx, same_worker
 
 if TYPE_CHECKING:
     from .drivers import Drive
@@ -87,6 +88,13 @@ class HandoffMixin:
         self._model_id = model_id
         self._worker_idx = check_worker_idx(worker_idx, self._num_workers, self._model_id)
         self._handoff = dict(connection)
+
+    def _receiver_idx(self, worker_idx: Any) -> int:
+        """The index of this receiver for the ``worker_idx`` its caller gives: from 0 (the pickled :class:`Drive` says
+        from which index its program counts), checked, and the one a receiver config made it for, if any."""
+        idx = self._drive.worker_idx(worker_idx) if self._drive is not None else worker_idx
+        made_for = self._worker_idx if self._handoff is not None else None
+        return same_worker(idx, self._num_workers, made_for, self._model_id)
 
     def __getstate__(self) -> dict[str, Any]:
         """Options plus, for a sender, what a worker needs to reach it and how a program drives it; never runtime

@@ -38,7 +38,7 @@ from .receiver import Receiver
 from .sender import Sender
 from .settings import TransportSettings
 from .states import CLOSED, NEW, RECEIVER, RECEIVER_CONNECTED, SENDER, SENDER_CONNECTED
-from .workers import check_num_workers, same_worker, targets
+from .workers import check_num_workers, targets
 
 __all__ = ["WeightSyncScheme"]
 
@@ -334,13 +334,6 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
         if applies_itself:  # the program runs the model beside the receiver's thread: they take turns
             self._hold.hold(self._model)
             self._receiving.on_applied = lambda: self._driver.applied(self._context)
-
-    def _receiver_idx(self, worker_idx: Any) -> int:
-        """This receiver's index (from 0; a driving program may count from another base), checked, and the one a
-        receiver config made it for, if any."""
-        idx = self._drive.worker_idx(worker_idx) if self._drive is not None else worker_idx
-        made_for = self._worker_idx if self._handoff is not None else None
-        return same_worker(idx, self._num_workers, made_for, self._model_id)
 
     def send(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
         """Publish a new version to ``worker_ids`` (all by default).

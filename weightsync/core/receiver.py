@@ -62,7 +62,7 @@ class Receiver:
         self._stop = threading.Event()
         self._applied = threading.Condition()
         self._thread_error: BaseException | None = None
-        #: Called after each update applied (a TorchRL worker bumps its policy version).
+        #: Called after each update applied (a driving program counts its model's versions).
         self.on_applied: Callable[[], None] | None = None
         engine.attach(self.apply)
 
@@ -288,7 +288,7 @@ class Receiver:
 
 
 def _materialize(dst: dict[str, torch.Tensor], update: Delivery) -> None:
-    """Give every tensor of ``dst`` on the meta device (a policy TorchRL sent its worker without its weights) real
+    """Give every tensor of ``dst`` on the meta device (a policy its driving program sent the worker without its weights) real
     memory, on the device the update's bytes are on, for the update to be placed into."""
     if not any(t.is_meta for t in dst.values()):
         return

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .drivers import Drive, ModelHold
     from .receiver import Receiver
     from .sender import Sender
+    from .settings import TransportSettings
 
 __all__ = ["SchemeProperties"]
 
@@ -45,6 +46,7 @@ class SchemeProperties:
     _model: Any
     _drive: Drive | None
     _hold: ModelHold
+    settings: TransportSettings | None
     weights_lock: Any
 
     state = _read("_state", "Where the scheme is in its lifecycle (``'new'``, ``'connected sender'``, ...).")
@@ -66,14 +68,6 @@ class SchemeProperties:
         return device if device is not None and device.type == "cuda" else None
 
     @property
-    def is_sender(self) -> bool:
-        return self._state in SENDING
-
-    @property
-    def is_receiver(self) -> bool:
-        return self._state in RECEIVING
-
-    @property
     def initialized_on_sender(self) -> bool:
         """``init_on_sender`` ran (and the scheme is not shut down)."""
         return self._state in SENDING
@@ -82,6 +76,14 @@ class SchemeProperties:
     def initialized_on_receiver(self) -> bool:
         """``init_on_receiver`` ran (and the scheme is not shut down)."""
         return self._state in RECEIVING
+
+    is_sender = initialized_on_sender
+    is_receiver = initialized_on_receiver
+
+    @property
+    def transport_class(self) -> Any:
+        """The class of this scheme's transport to one worker, as the older API builds it (``create_transport``)."""
+        return self.settings.transport_class() if self.settings is not None else None
 
     @property
     def synchronized_on_sender(self) -> bool:

@@ -288,8 +288,8 @@ class Receiver:
 
 
 def _materialize(dst: dict[str, torch.Tensor], update: Delivery) -> None:
-    """Give every tensor of ``dst`` on the meta device (a policy its driving program sent the worker without its weights) real
-    memory, on the device the update's bytes are on, for the update to be placed into."""
+    """Give every tensor of ``dst`` on the meta device (a policy its driving program sent the worker without its
+    weights) real memory, on the device the update's bytes are on, for the update to be placed into."""
     if not any(t.is_meta for t in dst.values()):
         return
     device = update.pieces[0][1].device if update.pieces else torch.device("cpu")

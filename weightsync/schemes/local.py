@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from .. import checks, options
 from ..core.engine import ReceiverEngine, SenderEngine, Sink
+from ..core.settings import TransportSettings
 from ..options import option
 from ..tensors.layout import FlatLayout
 from ..transports.local.settings import MAX_SLOTS, MPSettings, SharedMemSettings
 from .payload import PayloadScheme
-
-if TYPE_CHECKING:
-    from ..core.settings import TransportSettings
 
 __all__ = ["ABSTRACT_ADDRESS", "LocalScheme"]
 
@@ -42,12 +40,6 @@ class LocalScheme(PayloadScheme, config="LocalSchemeConfig"):
     keep_storage = False
     #: Every worker gets slots of its own.
     per_worker_weights = False
-
-    @property
-    def transport_class(self) -> Any:
-        """The class of this scheme's transports."""
-        assert self.settings is not None
-        return self.settings.transport_class()
 
     def create_transport(self, **kwargs: Any) -> Any:
         """This scheme's transport over ``channel=`` for ``worker_idx=`` (sender side if this is a sender)."""

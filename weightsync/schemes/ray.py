@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from .. import options, registry
 from ..core.engine import ReceiverEngine, SenderEngine, Sink
 from ..core.facade import WeightReceiver, WeightSender
+from ..core.settings import TransportSettings
 from ..core.states import SENDER_CONNECTED
 from ..core.timing import deadline_after
 from ..errors import ConfigurationError, raise_failures
@@ -17,9 +18,6 @@ from ..options import WIRE_DTYPE, option
 from ..tensors.layout import FlatLayout
 from ..transports.ray.settings import RayActorSettings, RaySettings
 from .payload import PayloadScheme
-
-if TYPE_CHECKING:
-    from ..core.settings import TransportSettings
 
 __all__ = [
     "ModuleActor",
@@ -112,15 +110,10 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
                 model_id=self._model_id,
             )
 
-    @property
-    def _transport_class(self) -> Any:
-        assert self.settings is not None
-        return self.settings.transport_class()
-
     def create_transport(self, **kwargs: Any) -> Any:
         """The transport to one actor (``actor=``, ``worker_idx=``)."""
         sink = self._sending if self.is_sender else None
-        return self._transport_class(
+        return self.transport_class(
             kwargs["actor"], kwargs["worker_idx"], self._model_id, self._strategy.extract_as, sink
         )
 
@@ -154,7 +147,7 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
             layout,
             num_workers,
             actors=actors,
-            transport_class=self._transport_class,
+            transport_class=self.transport_class,
             extract_as=self._strategy.extract_as,
             checksum=self.checksum,
             pin=self._model_gpu is not None,

@@ -77,6 +77,23 @@ class Outgoing:
 class SenderEngine(ABC):
     """The trainer's side of an engine: one object per scheme, holding one transport per worker.
 
+    The core (:class:`~weightsync.core.sender.Sender`) calls it in this order:
+
+    1) the constructor, at ``init_on_sender`` (by the scheme's ``_sender_engine``); :meth:`handoff` and
+       :meth:`connection` may be asked from then on (a scheme is pickled, or a receiver config is written,
+       before ``connect``);
+    2) :meth:`rendezvous`, once, at ``connect``; after a rendez-vous that raised, :meth:`rendezvous_complete`
+       says whether the workers that joined are served;
+    3) for each version, the initial one included: :meth:`poll` (what came back since), :meth:`stage` once,
+       :meth:`submit` once, then :meth:`poll` and :meth:`wait` in turn until every targeted worker acked or the
+       deadline passed; :meth:`payload_bytes` for the metrics;
+    4) :meth:`lost`, whenever the core gives up on a worker (dead, or dropped), at any step from 2) on;
+    5) where :attr:`rejoins`: :meth:`poll_rejoin` in a thread of the core's own, and :meth:`admit` (under the
+       core's lock, between sends) for each worker it returns, or :meth:`discard` once the core shuts down (an
+       engine whose workers come back only when the user says so is asked by its scheme instead, under the
+       same lock: Ray's ``resubmit``);
+    6) :meth:`close`, once (also from a finalizer, with no time to wait).
+
     Every method that may wait takes a deadline and returns (or raises :class:`~weightsync.errors.SyncTimeoutError`)
     by then. Acks, refusals and deaths are reported to the :class:`Sink` as they are found, from any method.
     """
@@ -198,6 +215,18 @@ class Delivery:
 
 class ReceiverEngine(ABC):
     """A worker's side of an engine: joins the sender, delivers updates, acks them.
+
+    The core (:class:`~weightsync.core.receiver.Receiver`) calls it in this order:
+
+    1) the constructor, at ``init_on_receiver`` (by the scheme's ``_receiver_engine``), then :meth:`attach`
+       with the core's apply path;
+    2) :meth:`join`, once, at ``connect``: the engine then knows its :attr:`layout`, and the initial version
+       follows as any other;
+    3) for each update, unless the engine :attr:`pushes` them (it then calls the apply path itself, which
+       does 4 and 5): :meth:`take`, from ``receive()`` or the core's background thread;
+    4) once the core placed the last delivery taken: :meth:`taken`, if the model took its storage;
+    5) :meth:`ack`, once per :meth:`take` that delivered anything, applied or refused;
+    6) :meth:`close`, once.
 
     ``placement`` says what the model does with an update: ``"write"`` it into its own tensors one by one,
     ``"load"`` it with one copy per piece into a buffer the model is bound to, ``"take"`` the memory it

@@ -143,7 +143,7 @@ def flatten_sender_copies_one_buffer(scheme, workers):
     import importlib
 
     # The sender's engine stages each version: its tensor-by-tensor writes are counted there.
-    module = importlib.import_module(f"weightsync.transports.{_ENGINE[type(scheme).backend]}.sender")
+    module = importlib.import_module(f"weightsync.transports.{_ENGINE[type(scheme).backend_name]}.sender")
     writes, adopted = [], []  # the sender's tensor-by-tensor writes; bindings of the trainer's weights
     real_write_into, real_adopt = module.write_into, BoundModel.adopt
     module.write_into = lambda dst, src, **kw: writes.append(len(dst)) or real_write_into(dst, src, **kw)
@@ -385,18 +385,17 @@ def corrupted_payload_is_refused_and_the_model_kept(scheme, workers):
     """With ``checksum=True``: a payload whose bytes do not match the sender's checksum is refused by every
     worker, named to the sender (an IntegrityError; for ``distributed``, whose bytes always carry a MAC under the
     run key, an AuthenticationError), and the workers keep the version they held."""
-    import importlib
     from unittest import mock
 
+    from weightsync.core.engine import SenderEngine
     from weightsync.transports.distributed.auth import PayloadMac
 
     assert scheme.checksum
-    if type(scheme).backend == "distributed":
+    if type(scheme).backend_name == "distributed":
         damaged = mock.patch.object(PayloadMac, "hexdigest", return_value="0" * 32)  # the sender's side only
         refusal, said = "AuthenticationError", "keyed digest"
     else:
-        engine = importlib.import_module(f"weightsync.transports.{_ENGINE[type(scheme).backend]}.sender")
-        damaged = mock.patch.object(engine, "digest", return_value="0" * 16)
+        damaged = mock.patch.object(SenderEngine, "digest", return_value="0" * 16)  # the sender's side only
         refusal, said = "IntegrityError", "failed its checksum"
     model = build("tiny")
     scheme.init_on_sender(model_id="policy", model=model, num_workers=2)

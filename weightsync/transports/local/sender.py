@@ -44,7 +44,6 @@ import torch
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import WAIT_TICK_S, remaining
 from ...errors import SyncTimeoutError, WeightSyncError, WorkerDiedError
-from ...integrity import digest
 from ...tensors import cuda
 from ...tensors.copies import copy_tensors, write_into
 from ...tensors.layout import FlatLayout
@@ -52,6 +51,7 @@ from ..keyfiles import KEY_BYTES, remove_key_file, write_key_file
 from .channel import Channel, ChannelListener, readable
 from .mp import MPTransport
 from .peers import PeerProcess
+from .settings import MPSettings
 from .slots import DeviceSlot, SharedSlot, SlotPool, close_slot, device_pool_size, slot_kind
 
 Slot = SharedSlot | DeviceSlot
@@ -72,13 +72,12 @@ class LocalSender(SenderEngine):
     """The sender's listener, slot pools and one :class:`MPTransport` (or subclass) per worker.
 
     Args:
-        transport_class: the transport of each worker (its ``pinning`` says whether workers keep reading the slot
-            of the version they hold).
-        max_slots: the most slots a pool may hold (``None``: ``num_workers + 2``).
+        settings: the transport's: ``mp`` or ``shared_mem`` (its transport's ``pinning`` says whether workers
+            keep reading the slot of the version they hold), and ``max_slots``, the most slots a pool may hold
+            (``None``: ``num_workers + 2``).
         per_worker: every worker has a pool of its own.
-        checksum: hash each version's bytes for the workers to check.
         address: the listener's abstract address (``None``: a random one).
-        gpu: the GPU every weight of the trainer is on, if one: workers on a GPU read slots in its memory.
+        gpu: as :class:`SenderEngine` takes it; workers whose model is on that very GPU read slots in its memory.
     """
 
     rejoins = True
@@ -88,20 +87,18 @@ class LocalSender(SenderEngine):
         sink: Sink,
         layout: FlatLayout,
         num_workers: int,
+        settings: MPSettings,
         *,
-        transport_class: type[MPTransport],
-        max_slots: int | None,
-        per_worker: bool,
-        checksum: bool,
+        per_worker: bool = False,
+        checksum: bool = False,
         address: str | None = None,
         gpu: torch.device | None = None,
     ) -> None:
-        super().__init__(sink, layout, num_workers)
-        self.transport_class = transport_class
-        self.max_slots = max_slots or num_workers + 2
+        super().__init__(sink, layout, num_workers, checksum=checksum, gpu=gpu)
+        self.settings = settings
+        self.transport_class: type[MPTransport] = settings.transport_class()
+        self.max_slots = settings.max_slots or num_workers + 2
         self.per_worker = per_worker
-        self.checksum = checksum
-        self.gpu = gpu
         self.pools: dict[PoolKey, SlotPool] = {}
         self.kinds: dict[int, str] = {}  # where each worker's slots live, from the GPU its hello names
         #: The trainer's GPU, by UUID (``None``: no GPU, or no CUDA here).
@@ -303,7 +300,7 @@ class LocalSender(SenderEngine):
                 pinning=self.transport_class.pinning,
                 tag=f"{os.getpid()}-{worker}",
                 device=self.gpu if kind == "cuda" else None,
-                pin=self.gpu is not None,
+                pin=self.pin,
             )
         return pool
 
@@ -370,8 +367,8 @@ class LocalSender(SenderEngine):
             else:
                 write_into(slot.views, out.flat, non_blocking=non_blocking)
             self._written(slot)
-            if self.checksum and payload_digest is None:
-                payload_digest = digest([slot.buffer])
+            if payload_digest is None:
+                payload_digest = self.digest([slot.buffer])
             slot.digest = payload_digest
             self.pools[key].publish(slot, out.version, members)
             staged.update(dict.fromkeys(members, slot))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 
 from .. import integrity
+from ..tensors.copies import copy_tensors, write_into
 
 if TYPE_CHECKING:
     from ..errors import WeightMismatchError, WeightSyncError
@@ -90,6 +91,15 @@ class Outgoing:
     whole: torch.Tensor | None
     workers: list[int]
     initial: bool = False
+
+    def write(self, buffer: torch.Tensor, views: dict[str, torch.Tensor], *, non_blocking: bool = False) -> None:
+        """Copy this version's bytes into ``buffer``, laid out as the layout says (``views``: its typed views by
+        key): one copy of ``whole`` where the weights already lie in one buffer in their places, else tensor by
+        tensor. ``non_blocking``: as :func:`~weightsync.tensors.copies.copy_tensors` says."""
+        if self.whole is not None:
+            copy_tensors([buffer], [self.whole], non_blocking=non_blocking)
+        else:
+            write_into(views, self.flat, non_blocking=non_blocking)
 
 
 class SenderEngine(ABC):

@@ -45,7 +45,6 @@ from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import WAIT_TICK_S, remaining
 from ...errors import SyncTimeoutError, WeightSyncError, WorkerDiedError
 from ...tensors import cuda
-from ...tensors.copies import copy_tensors, write_into
 from ...tensors.layout import FlatLayout
 from ..keyfiles import KEY_BYTES, remove_key_file, write_key_file
 from .channel import Channel, ChannelListener, readable
@@ -361,11 +360,7 @@ class LocalSender(SenderEngine):
             slot = slots[key]
             slot.version = None  # until the write completes, the slot holds no version (rejoins read it)
             # Copies out of a GPU are queued without a wait per tensor (pinned host slots): `_written` waits once.
-            non_blocking = self.gpu is not None
-            if out.whole is not None:
-                copy_tensors([slot.buffer], [out.whole], non_blocking=non_blocking)
-            else:
-                write_into(slot.views, out.flat, non_blocking=non_blocking)
+            out.write(slot.buffer, slot.views, non_blocking=self.gpu is not None)
             self._written(slot)
             if payload_digest is None:
                 payload_digest = self.digest([slot.buffer])

@@ -10,7 +10,6 @@ import torch
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import remaining
 from ...errors import ReceiverError, SyncTimeoutError, WeightSyncError, first_line
-from ...tensors.copies import copy_tensors, write_into
 from ...tensors.layout import FlatLayout
 from ..staging import Staging, StagingPool
 from .session import SENDER_NAME, Session, leave_session, open_sender_session, start_agent
@@ -110,10 +109,7 @@ class RPCSender(SenderEngine):
         staging = self.pool.acquire(deadline, model_id=self.sink.model_id, version=out.version)
         if staging.views is None:  # typed views of a staging buffer are made once, not per send
             staging.views = self.layout.views(staging.tensor)
-        if out.whole is not None:  # flatten_sender: the weights already lie in one buffer, in their places
-            copy_tensors([staging.tensor], [out.whole])
-        else:
-            write_into(staging.views, out.flat)
+        out.write(staging.tensor, staging.views)
         return staging, self.digest([staging.tensor])
 
     def submit(self, out: Outgoing, staged: tuple[Staging, str | None]) -> None:

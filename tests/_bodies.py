@@ -142,11 +142,14 @@ def flatten_sender_copies_one_buffer(scheme, workers):
     bound anew at the next send; weights passed explicitly are copied tensor by tensor."""
     import importlib
 
-    # The sender's engine stages each version: its tensor-by-tensor writes are counted there.
-    module = importlib.import_module(f"weightsync.transports.{_ENGINE[type(scheme).backend_name]}.sender")
+    # The sender's engine stages each version, through the core's Outgoing.write or a bucket loop of its own:
+    # its tensor-by-tensor writes are counted there.
+    engine = importlib.import_module(f"weightsync.transports.{_ENGINE[type(scheme).backend_name]}.sender")
+    modules = [m for m in (engine, importlib.import_module("weightsync.core.engine")) if hasattr(m, "write_into")]
     writes, adopted = [], []  # the sender's tensor-by-tensor writes; bindings of the trainer's weights
-    real_write_into, real_adopt = module.write_into, BoundModel.adopt
-    module.write_into = lambda dst, src, **kw: writes.append(len(dst)) or real_write_into(dst, src, **kw)
+    real_write_into, real_adopt = modules[0].write_into, BoundModel.adopt
+    for module in modules:
+        module.write_into = lambda dst, src, **kw: writes.append(len(dst)) or real_write_into(dst, src, **kw)
     BoundModel.adopt = lambda self, *a, **kw: adopted.append(1) or real_adopt(self, *a, **kw)
     try:
         extract = scheme.strategy.extract_as
@@ -180,7 +183,9 @@ def flatten_sender_copies_one_buffer(scheme, workers):
         group.stop()
         scheme.shutdown()
     finally:
-        module.write_into, BoundModel.adopt = real_write_into, real_adopt
+        for module in modules:
+            module.write_into = real_write_into
+        BoundModel.adopt = real_adopt
 
 
 def shared_memory_worker_is_written_into(scheme, workers):
@@ -385,9 +390,9 @@ def corrupted_payload_is_refused_and_the_model_kept(scheme, workers):
     """With ``checksum=True``: a payload whose bytes do not match the sender's checksum is refused by every
     worker, named to the sender (an IntegrityError; for ``distributed``, whose bytes always carry a MAC under the
     run key, an AuthenticationError), and the workers keep the version they held."""
-    import importlib
     from unittest import mock
 
+    from weightsync.core.engine import SenderEngine
     from weightsync.transports.distributed.auth import PayloadMac
 
     assert scheme.checksum
@@ -395,8 +400,7 @@ def corrupted_payload_is_refused_and_the_model_kept(scheme, workers):
         damaged = mock.patch.object(PayloadMac, "hexdigest", return_value="0" * 32)  # the sender's side only
         refusal, said = "AuthenticationError", "keyed digest"
     else:
-        engine = importlib.import_module(f"weightsync.transports.{_ENGINE[type(scheme).backend_name]}.sender")
-        damaged = mock.patch.object(engine, "digest", return_value="0" * 16)
+        damaged = mock.patch.object(SenderEngine, "digest", return_value="0" * 16)  # the sender's side only
         refusal, said = "IntegrityError", "failed its checksum"
     model = build("tiny")
     scheme.init_on_sender(model_id="policy", model=model, num_workers=2)

@@ -20,6 +20,7 @@ from weightsync.tensors.layout import FlatLayout
 from weightsync.transports.local.channel import connect_channel
 from weightsync.transports.local.mp import MPTransport
 from weightsync.transports.local.sender import LocalSender
+from weightsync.transports.local.settings import MPSettings
 from weightsync.transports.local.shared_mem import SharedMemTransport
 
 # A share laid out as torch >= 2.5 writes it (what `_share_cuda_` returned on an H100 with torch 2.11): the memory
@@ -121,16 +122,7 @@ def _sender(gpu: torch.device | None, checksum: bool = False, per_worker: bool =
         def is_dead(self, worker: int) -> bool:
             return False
 
-    return LocalSender(
-        Sink(),
-        layout,
-        3,
-        transport_class=MPTransport,
-        max_slots=None,
-        per_worker=per_worker,
-        checksum=checksum,
-        gpu=gpu,
-    )
+    return LocalSender(Sink(), layout, 3, MPSettings(), per_worker=per_worker, checksum=checksum, gpu=gpu)
 
 
 OTHER_GPU = "0c2d4e6f-1a3b-5c7d-9e0f-a1b2c3d4e5f6"

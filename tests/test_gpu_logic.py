@@ -159,7 +159,7 @@ class _Transport:
 
 
 def _sender(layout: FlatLayout) -> LocalSender:
-    from weightsync.transports.local.mp import MPTransport
+    from weightsync.transports.local.settings import MPSettings
 
     class Sink:
         model_id = "policy"
@@ -167,7 +167,7 @@ def _sender(layout: FlatLayout) -> LocalSender:
         def is_dead(self, worker: int) -> bool:
             return False
 
-    return LocalSender(Sink(), layout, 2, transport_class=MPTransport, max_slots=None, per_worker=False, checksum=False)
+    return LocalSender(Sink(), layout, 2, MPSettings())
 
 
 def test_cuda_shares_are_released_only_for_processes_known_to_have_exited(monkeypatch):

@@ -429,13 +429,13 @@ def test_flatten_sender_publishes_the_trainer_model_with_one_copy(monkeypatch, s
     """flatten_sender moves the trainer's tensors into one buffer in the slot layout, values and Parameter
     objects kept; each send is then one copy (no tensor-by-tensor write on either side). A trainer tensor
     replaced since is bound anew at the next send; weights passed explicitly are copied tensor by tensor."""
-    import weightsync.transports.local.sender
+    import weightsync.core.engine
     from weightsync.tensors.bound import BoundModel
 
-    writes, adopted = [], []  # tensor-by-tensor writes of a send; bindings of the trainer's weights
-    real_write_into, real_adopt = weightsync.transports.local.sender.write_into, BoundModel.adopt
+    writes, adopted = [], []  # tensor-by-tensor writes of a send (the engine's, through Outgoing.write); bindings
+    real_write_into, real_adopt = weightsync.core.engine.write_into, BoundModel.adopt
     monkeypatch.setattr(
-        weightsync.transports.local.sender,
+        weightsync.core.engine,
         "write_into",
         lambda dst, src, **kw: writes.append(len(dst)) or real_write_into(dst, src, **kw),
     )

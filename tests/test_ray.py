@@ -454,7 +454,7 @@ def test_corrupted_payload_is_refused_and_the_actors_keep_their_weights():
     scheme.send()
     held = checksum(model, "tensordict")
     optimizer_step(model, 2)
-    with mock.patch("weightsync.transports.ray.sender.digest", return_value="0" * 16):
+    with mock.patch("weightsync.core.engine.SenderEngine.digest", return_value="0" * 16):
         with pytest.raises(ws.SendFailedError) as info:
             scheme.send()
     assert sorted(info.value.failures) == [0, 1]

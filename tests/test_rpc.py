@@ -104,6 +104,7 @@ def test_the_opt_in_covers_a_network_address_and_allow_pickle_is_not_it():
 
 class _Sink:
     model_id = "policy"
+    timeout = connect_timeout = 1.0
 
     def __init__(self) -> None:
         self.failures: list[tuple[int, ws.WeightSyncError]] = []
@@ -127,13 +128,12 @@ def test_a_buffer_an_rpc_may_still_write_is_never_reused():
     from weightsync.core.engine import Outgoing
     from weightsync.tensors.layout import FlatLayout
     from weightsync.transports.rpc.sender import RPCSender
+    from weightsync.transports.rpc.settings import RPCSettings
 
     weights = {"w": torch.zeros(8)}
     sink = _Sink()
-    sender = RPCSender(
-        sink, FlatLayout.from_weights(weights), 2, names=["a", "b"], master=None, max_buffers=1, checksum=False,
-        timeout=1.0, connect_timeout=1.0,
-    )  # fmt: skip
+    layout = FlatLayout.from_weights(weights)
+    sender = RPCSender(sink, layout, 2, RPCSettings(max_buffers=1), names=["a", "b"], master=None)
     futures: list[torch.futures.Future] = []
 
     def submitter(transport):

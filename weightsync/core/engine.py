@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from .. import integrity
+from ..tensors.copies import copy_tensors, write_into
+
 if TYPE_CHECKING:
     from ..errors import WeightMismatchError, WeightSyncError
     from ..tensors.layout import FlatLayout
@@ -25,9 +28,24 @@ __all__ = ["Delivery", "Outgoing", "ReceiverEngine", "SenderEngine", "Sink"]
 
 
 class Sink(Protocol):
-    """The sender core, as an engine sees it: where it reports what came back from each worker."""
+    """The sender core, as an engine sees it: where it reports what came back from each worker, and the
+    timing it owns (an engine keeps no copy of the scheme's timeouts: it reads them here when it needs them)."""
 
     model_id: str | None
+
+    @property
+    def timeout(self) -> float:
+        """The longest one update may take from its send to its ack (the scheme's ``timeout``): each send's
+        deadline is this far. An engine bounds by it what outlasts a call (an RPC's own timeout, a process
+        group's operations)."""
+        ...
+
+    @property
+    def connect_timeout(self) -> float:
+        """The longest a rendez-vous may take (the scheme's ``connect_timeout``): an engine that serves its
+        workers before the rendez-vous (a store opened at construction) or forms a group with one that comes
+        back bounds that by it."""
+        ...
 
     def acked(self, worker: int, held: int) -> None:
         """``worker`` holds version ``held`` (applied, or kept after refusing a later one)."""
@@ -48,8 +66,9 @@ class Sink(Protocol):
     def rejoining(self, worker: int) -> None:
         """``worker`` is coming back (:meth:`SenderEngine.admit`): from here on, a failure is the new process's."""
 
-    def send_to(self, weights: Any, workers: list[int], *, wait: bool) -> None:
-        """Publish ``weights`` to ``workers`` through the whole pipeline (the older transport API)."""
+    def send_to(self, weights: Any, workers: list[int], *, wait: bool | None) -> None:
+        """Publish ``weights`` to ``workers`` through the whole pipeline (the older transport API); ``wait``:
+        for their acks (``None``: as the scheme's ``sync`` says)."""
 
     def wait_for(self, workers: list[int], timeout: float | None) -> None:
         """Wait until each of ``workers`` acked the last version sent to it (the older transport API)."""
@@ -73,24 +92,78 @@ class Outgoing:
     workers: list[int]
     initial: bool = False
 
+    def write(self, buffer: torch.Tensor, views: dict[str, torch.Tensor], *, non_blocking: bool = False) -> None:
+        """Copy this version's bytes into ``buffer``, laid out as the layout says (``views``: its typed views by
+        key): one copy of ``whole`` where the weights already lie in one buffer in their places, else tensor by
+        tensor. ``non_blocking``: as :func:`~weightsync.tensors.copies.copy_tensors` says."""
+        if self.whole is not None:
+            copy_tensors([buffer], [self.whole], non_blocking=non_blocking)
+        else:
+            write_into(views, self.flat, non_blocking=non_blocking)
+
 
 class SenderEngine(ABC):
     """The trainer's side of an engine: one object per scheme, holding one transport per worker.
 
+    The core (:class:`~weightsync.core.sender.Sender`) calls it in this order:
+
+    1) the constructor, at ``init_on_sender`` (by the scheme's ``_sender_engine``, with the transport's
+       settings whole); :meth:`handoff` and :meth:`connection` may be asked from then on (a scheme is pickled,
+       or a receiver config is written, before ``connect``);
+    2) :meth:`rendezvous`, once, at ``connect``; after a rendez-vous that raised, :meth:`rendezvous_complete`
+       says whether the workers that joined are served;
+    3) for each version, the initial one included: :meth:`poll` (what came back since), :meth:`stage` once,
+       :meth:`submit` once, then :meth:`poll` and :meth:`wait` in turn until every targeted worker acked or the
+       deadline passed; :meth:`payload_bytes` for the metrics;
+    4) :meth:`lost`, whenever the core gives up on a worker (dead, or dropped), at any step from 2) on;
+    5) where :attr:`rejoins`: :meth:`poll_rejoin` in a thread of the core's own, and :meth:`admit` (under the
+       core's lock, between sends) for each worker it returns, or :meth:`discard` once the core shuts down (an
+       engine whose workers come back only when the user says so is asked by its scheme instead, under the
+       same lock: Ray's ``resubmit``);
+    6) :meth:`close`, once (also from a finalizer, with no time to wait).
+
     Every method that may wait takes a deadline and returns (or raises :class:`~weightsync.errors.SyncTimeoutError`)
     by then. Acks, refusals and deaths are reported to the :class:`Sink` as they are found, from any method.
+
+    Args:
+        sink: the core.
+        layout: where each tensor sits in a version's bytes.
+        num_workers: how many workers.
+        checksum: hash each version's bytes for the workers to check (:meth:`digest`; the scheme's ``checksum``).
+        gpu: the GPU every weight of the trainer is on, if one: host buffers the weights are copied into from
+            there are page-locked.
     """
 
     #: Whether a worker that died or was dropped can come back under its index on its own (the engine then
     #: implements :meth:`poll_rejoin` and :meth:`admit`).
     rejoins: ClassVar[bool] = False
 
-    def __init__(self, sink: Sink, layout: FlatLayout, num_workers: int) -> None:
+    def __init__(
+        self,
+        sink: Sink,
+        layout: FlatLayout,
+        num_workers: int,
+        *,
+        checksum: bool = False,
+        gpu: torch.device | None = None,
+    ) -> None:
         self.sink = sink
         self.layout = layout
         self.num_workers = num_workers
+        self.checksum = checksum
+        self.gpu = gpu
         #: One transport per worker (the older API's ``sender_transports``).
         self.transports: dict[int, Any] = {}
+
+    @property
+    def pin(self) -> bool:
+        """Whether host buffers the trainer's weights are copied into are page-locked (the weights are on a GPU)."""
+        return self.gpu is not None
+
+    def digest(self, buffers: list[torch.Tensor]) -> str | None:
+        """The checksum of a version's bytes, ``buffers`` in order (host memory), for the workers to check;
+        ``None`` without ``checksum``."""
+        return integrity.digest(buffers) if self.checksum else None
 
     def handoff(self) -> dict[str, Any]:
         """What a scheme pickled for a worker carries so the worker can reach this sender (may hold a secret)."""
@@ -199,6 +272,18 @@ class Delivery:
 class ReceiverEngine(ABC):
     """A worker's side of an engine: joins the sender, delivers updates, acks them.
 
+    The core (:class:`~weightsync.core.receiver.Receiver`) calls it in this order:
+
+    1) the constructor, at ``init_on_receiver`` (by the scheme's ``_receiver_engine``), then :meth:`attach`
+       with the core's apply path;
+    2) :meth:`join`, once, at ``connect``: the engine then knows its :attr:`layout`, and the initial version
+       follows as any other;
+    3) for each update, unless the engine :attr:`pushes` them (it then calls the apply path itself, which
+       does 4 and 5): :meth:`take`, from ``receive()`` or the core's background thread;
+    4) once the core placed the last delivery taken: :meth:`taken`, if the model took its storage;
+    5) :meth:`ack`, once per :meth:`take` that delivered anything, applied or refused;
+    6) :meth:`close`, once.
+
     ``placement`` says what the model does with an update: ``"write"`` it into its own tensors one by one,
     ``"load"`` it with one copy per piece into a buffer the model is bound to, ``"take"`` the memory it
     arrived in, or ``"share"`` it (read-only, with the other workers).
@@ -215,9 +300,16 @@ class ReceiverEngine(ABC):
         return None
 
     @abstractmethod
-    def join(self, deadline: float, check: Callable[[FlatLayout], WeightMismatchError | None]) -> None:
+    def join(
+        self, deadline: float, check: Callable[[FlatLayout], WeightMismatchError | None], update_timeout: float
+    ) -> None:
         """Join the sender by ``deadline``; call ``check`` with the layout once it is known (its result: why this
-        worker's model does not fit, or ``None``)."""
+        worker's model does not fit, or ``None``).
+
+        ``update_timeout``: the longest one update may take to arrive and be acked (the scheme's ``timeout``, by which
+        the core also bounds its own waits for an update): what bounds, from here on, the engine's waits that no
+        call's own timeout does (an update's bytes once announced, a store's silence, a group's operations).
+        """
 
     def take(self, timeout: float, newest: bool) -> list[Delivery]:
         """The updates waiting (all, oldest first, when ``newest``; else the oldest alone), waiting up to

@@ -40,8 +40,9 @@ class Receiver:
     """The worker's model, the version it holds, and the updates the engine delivers to it.
 
     Args:
-        scheme: the worker's scheme: its ``model``, ``strategy``, ``weights_lock`` and ``latest_wins`` (apply
-            only the newest of the updates waiting).
+        scheme: the worker's scheme: its ``model``, ``strategy``, ``weights_lock``, ``latest_wins`` (apply
+            only the newest of the updates waiting) and ``timeout`` (the longest one update may take, which the
+            engine is given at join).
         engine: delivers the updates and acks them.
         where: ``model_id`` and ``worker_idx``, for errors (the index may be set at connect).
     """
@@ -50,8 +51,9 @@ class Receiver:
         self.engine, self.where = engine, where
         self.model, self.strategy, self.weights_lock = scheme.model, scheme.strategy, scheme.weights_lock
         self.latest_wins = getattr(scheme, "latest_wins", True)
-        #: The longest a GPU wait of an update may take (the sender's event, the copies): the scheme's timeout.
-        self.gpu_wait_s = float(getattr(scheme, "timeout", None) or 60.0)
+        #: The longest one update may take (the scheme's timeout): its GPU waits here (the sender's event, the
+        #: copies), and the engine's waits for it (given at join).
+        self.update_timeout = float(getattr(scheme, "timeout", None) or 60.0)
         self.bound = BoundModel()
         self.version: int | None = None
         self.reported: int | None = None
@@ -85,7 +87,7 @@ class Receiver:
     def connect(self, timeout: float, background_thread: bool = False) -> None:
         """Join the sender and apply the initial version (engines that push: it arrives as a call)."""
         deadline = deadline_after(timeout)
-        self.engine.join(deadline, self._check)
+        self.engine.join(deadline, self._check, self.update_timeout)
         if not self.engine.pushes:
             while self.version is None:
                 if remaining(deadline) <= 0:
@@ -121,7 +123,7 @@ class Receiver:
         update = taken[-1]
         where = {**self.where, "version": update.version}
         gpus: set[torch.device] = set()
-        deadline = deadline_after(self.gpu_wait_s)
+        deadline = deadline_after(self.update_timeout)
         try:
             if self._refusal is not None:
                 raise self._refusal
@@ -150,7 +152,7 @@ class Receiver:
         except Exception as exc:
             if gpus:  # copies queued before the failure may still read the slot: done before the ack frees it
                 try:  # a deadline of its own: the failure may be that the first one ran out
-                    cuda.settle(gpus, deadline_after(self.gpu_wait_s))
+                    cuda.settle(gpus, deadline_after(self.update_timeout))
                 except Exception as late:  # noqa: BLE001 - the first failure is the one reported
                     log.warning("model %r: after a failed update, its GPU work: %s", self.where["model_id"], late)
             self.engine.ack(taken, self.version, exc)

@@ -53,8 +53,9 @@ class Sender:
     """Versions, the ack ledger, deadlines, the failure policy, staleness, metrics and rejoins of one scheme.
 
     Args:
-        scheme: the scheme's options (``timeout``, ``on_failure``, ``max_staleness``, ``check_finite``,
-            ``flatten_sender``, ``strategy``), read as attributes.
+        scheme: the scheme's options (``timeout``, ``connect_timeout``, ``sync``, ``on_failure``,
+            ``max_staleness``, ``check_finite``, ``flatten_sender``, ``strategy``), read as attributes: the
+            engine reads the timeouts here (:class:`~weightsync.core.engine.Sink`), never a copy of its own.
         model_id: the model's name.
         num_workers: how many workers.
         layout: where each tensor sits in a version's bytes.
@@ -92,6 +93,16 @@ class Sender:
         self._progress: Progress | None = None
 
     # --------------------------------------------------------------- the sink
+    @property
+    def timeout(self) -> float:
+        """The longest one update may take from its send to its ack: the scheme's ``timeout``."""
+        return self.options.timeout
+
+    @property
+    def connect_timeout(self) -> float:
+        """The longest a rendez-vous may take: the scheme's ``connect_timeout``."""
+        return self.options.connect_timeout
+
     def acked(self, worker: int, held: int) -> None:
         self.ledger.ack(worker, held)
 
@@ -134,15 +145,15 @@ class Sender:
         self.ledger.dead.pop(worker, None)
         self.ledger.errors.pop(worker, None)
 
-    def send_to(self, weights: Any, workers: list[int], *, wait: bool) -> None:
+    def send_to(self, weights: Any, workers: list[int], *, wait: bool | None) -> None:
         with self._lock:
-            self.send_version(weights, workers, wait=wait)
+            self.send_version(weights, workers, wait=self.options.sync if wait is None else wait)
 
     def wait_for(self, workers: list[int], timeout: float | None) -> None:
         """Wait until each of ``workers`` acked the last version sent to it (at most ``timeout``, default the
         scheme's); raise what failed."""
         with self._lock:
-            deadline = deadline_after(self.options.timeout if timeout is None else timeout)
+            deadline = deadline_after(self.timeout if timeout is None else timeout)
             peers = self.ledger.peers
             expected = {w: peers[w].sent for w in workers if peers[w].sent is not None}
             failures = {w: self.ledger.dead[w] for w in workers if w in self.ledger.dead}
@@ -243,7 +254,7 @@ class Sender:
         """
         assert self.engine is not None
         flat, whole = self.weights(weights)
-        deadline = deadline_after(self.options.timeout) if deadline is None else deadline
+        deadline = deadline_after(self.timeout) if deadline is None else deadline
         version = self.next_version
         ledger = self.ledger
         self._naming = version
@@ -278,7 +289,7 @@ class Sender:
             if not pending:
                 return failures
             if remaining(deadline) <= 0:
-                failures.update(ledger.timeouts(pending, expected, within=f"{self.options.timeout:.1f}s"))
+                failures.update(ledger.timeouts(pending, expected, within=f"{self.timeout:.1f}s"))
                 return failures
             self.engine.wait(pending, deadline)
 
@@ -372,14 +383,14 @@ class Sender:
         if not expected:
             return 0.0
         started = time.perf_counter()
-        failures = self.collect(expected, deadline_after(self.options.timeout))
+        failures = self.collect(expected, deadline_after(self.timeout))
         waited = time.perf_counter() - started
         self.metrics.staleness_waits += 1
         if failures:
             late = {
                 w: SyncTimeoutError(
                     f"lags more than max_staleness={limit} versions and did not catch up within "
-                    f"{self.options.timeout:.1f}s ({e.detail})",
+                    f"{self.timeout:.1f}s ({e.detail})",
                     model_id=self.model_id,
                     worker_idx=w,
                     version=upcoming,

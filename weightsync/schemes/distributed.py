@@ -77,16 +77,11 @@ class DistributedWeightSyncScheme(NetworkScheme, name="distributed", aliases=("t
     TRANSPORTS = (DistributedSettings,)
     RECEIVER_HANDLES = ("master_addr", "master_port", "world_size", "authkey", "authkey_file")
 
-    @property
-    def _device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-
-    @property
-    def _bucket_bytes(self) -> int | None:
-        return None if self.bucket_mb is None else max(1, int(self.bucket_mb * 1e6))
-
-    def _check_backend(self) -> torch.device:
-        if self.backend == "nccl":
+    def _checked_settings(self) -> DistributedSettings:
+        """The transport's settings, once this process can run their backend (and ``checksum`` on its device)."""
+        settings = self.settings
+        assert isinstance(settings, DistributedSettings)
+        if settings.backend == "nccl":
             import torch.distributed as dist
 
             if not (dist.is_nccl_available() and torch.cuda.is_available()):
@@ -94,8 +89,8 @@ class DistributedWeightSyncScheme(NetworkScheme, name="distributed", aliases=("t
                     "backend='nccl' needs CUDA and a torch build with NCCL; use backend='gloo' on CPU",
                     model_id=self._model_id,
                 )
-        digest_device_check(self.checksum, self._device, model_id=self._model_id)
-        return self._device
+        digest_device_check(self.checksum, settings.device, model_id=self._model_id)
+        return settings
 
     def create_transport(self, **kwargs: Any) -> Any:
         """A transport to worker ``worker_idx`` (``sync=``: whether its ``send_weights`` waits for the ack)."""
@@ -107,22 +102,9 @@ class DistributedWeightSyncScheme(NetworkScheme, name="distributed", aliases=("t
         from ..transports.distributed.sender import DistributedSender
         from ..transports.network import resolve_master
 
-        device = self._check_backend()
-        return DistributedSender(
-            sink,
-            layout,
-            num_workers,
-            backend=self.backend,
-            device=device,
-            master=resolve_master(self.master_addr, self.master_port),
-            bucket_bytes=self._bucket_bytes,
-            max_buffers=self.max_buffers,
-            checksum=self.checksum,
-            timeout=self.timeout,
-            connect_timeout=self.connect_timeout,
-            sync=self.sync,
-            pin=device.type == "cpu" and self._model_gpu is not None,
-        )
+        settings = self._checked_settings()
+        master = resolve_master(self.master_addr, self.master_port)
+        return DistributedSender(sink, layout, num_workers, settings, master=master, gpu=self._model_gpu)
 
     def _receiver_engine(
         self, handoff: dict[str, Any], kwargs: dict[str, Any], where: dict[str, Any]
@@ -130,18 +112,14 @@ class DistributedWeightSyncScheme(NetworkScheme, name="distributed", aliases=("t
         from ..transports.distributed.receiver import DistributedReceiver
 
         handoff = DistributedReceiver.handoff_from(handoff, kwargs)
-        device = self._check_backend()
+        settings = self._checked_settings()
         flat = flatten_weights(self._model, self._strategy.extract_as)
         # A model in shared memory may be read by processes of the worker's own: written into, never moved.
         shared = self._kept_shared(flat)
         return DistributedReceiver(
             handoff,
-            backend=self.backend,
-            device=device,
-            bucket_bytes=self._bucket_bytes,
+            settings,
             take=not (self.keep_storage or shared),
-            checksum=self.checksum,
-            timeout=self.timeout,
             where=where,
             model_device=one_device(list(flat.values())),
         )

@@ -49,12 +49,13 @@ class LocalScheme(PayloadScheme, config="LocalSchemeConfig"):
     def _sender_engine(self, sink: Sink, layout: FlatLayout, num_workers: int, kwargs: dict[str, Any]) -> SenderEngine:
         from ..transports.local.sender import LocalSender
 
+        settings = self.settings
+        assert isinstance(settings, MPSettings)
         return LocalSender(
             sink,
             layout,
             num_workers,
-            transport_class=self.transport_class,
-            max_slots=self.max_slots,
+            settings,
             per_worker=self.per_worker_weights,
             checksum=self.checksum,
             address=kwargs.get("address"),
@@ -66,11 +67,12 @@ class LocalScheme(PayloadScheme, config="LocalSchemeConfig"):
     ) -> ReceiverEngine:
         from ..transports.local.receiver import LocalReceiver
 
-        cls = self.transport_class
-        placement = "share" if cls.pinning else ("write" if self.keep_storage else "load")
+        settings = self.settings
+        assert isinstance(settings, MPSettings)
+        placement = "share" if self.transport_class.pinning else ("write" if self.keep_storage else "load")
         device = self.model_device
         return LocalReceiver.from_handoff(
-            handoff, kwargs, transport_class=cls, placement=placement, where=where, device=device and str(device)
+            handoff, kwargs, settings, placement=placement, where=where, device=device and str(device)
         )
 
     @classmethod

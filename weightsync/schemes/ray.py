@@ -142,15 +142,17 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
         actors = self._actors(kwargs)
         self.join_ray()
         self._check_exposure()
+        settings = self.settings
+        assert isinstance(settings, RaySettings)
         return RaySender(
             sink,
             layout,
             num_workers,
+            settings,
             actors=actors,
-            transport_class=self.transport_class,
             extract_as=self._strategy.extract_as,
             checksum=self.checksum,
-            pin=self._model_gpu is not None,
+            gpu=self._model_gpu,
         )
 
     def _receiver_engine(

@@ -126,17 +126,17 @@ class RPCWeightSyncScheme(NetworkScheme, name="rpc"):
         else:
             self._check_opt_in(model_id=self._model_id)
             master = resolve_master(self.master_addr, self.master_port)
+        settings = self.settings
+        assert isinstance(settings, RPCSettings)
         return RPCSender(
             sink,
             layout,
             num_workers,
+            settings,
             names=names,
             master=master,
-            max_buffers=self.max_buffers,
             checksum=self.checksum,
-            timeout=self.timeout,
-            connect_timeout=self.connect_timeout,
-            pin=self._model_gpu is not None,
+            gpu=self._model_gpu,
         )
 
     def _receiver_engine(
@@ -148,12 +148,7 @@ class RPCWeightSyncScheme(NetworkScheme, name="rpc"):
             self._check_opt_in(**where)
         # A model in shared memory may be read by processes of the worker's own: written into, never moved.
         shared = self._kept_shared(flatten_weights(self._model, self._strategy.extract_as))
-        return RPCReceiver(
-            handoff,
-            take=not (self.keep_storage or shared),
-            timeout=self.timeout,
-            where=where,
-        )
+        return RPCReceiver(handoff, take=not (self.keep_storage or shared), where=where)
 
     @classmethod
     def check_receiver_connection(cls, connection: Any, model_id: str) -> dict[str, Any]:

@@ -41,8 +41,9 @@ class PeerTransport:
     (``send_weights`` and the like) goes through the sender's pipeline, the ``sink`` it was given.
     """
 
-    #: Waits for the ack in ``send_weights``.
-    sync: bool = True
+    #: Whether ``send_weights`` waits for the ack (``None``: as the scheme's ``sync`` says, which the sender's
+    #: pipeline reads).
+    sync: bool | None = True
 
     def __init__(self, worker_idx: int, sink: Sink | None = None) -> None:
         self.worker_idx = worker_idx

@@ -46,6 +46,7 @@ from ..store import MAX_STORE_JSON, SILENT_TIMEOUTS, await_key, connect_store
 from .auth import PayloadMac, Sealer, layout_tag, proof, run_prefix
 from .group import gpu_identity, new_group_within
 from .sender import GROUP_TIMEOUT_FACTOR, REJOIN_POLL_S
+from .settings import DistributedSettings
 from .transport import MAX_ERROR_TEXT, DistributedTransport, Link
 
 __all__ = ["DistributedReceiver"]
@@ -62,31 +63,25 @@ log = logging.getLogger("weightsync.transports.distributed")
 class DistributedReceiver(ReceiverEngine):
     """The worker's store client, group, receive buffers and transport.
 
+    Each update is checked against the sender's keyed digest, whatever the scheme's ``checksum``.
+
     Args:
         handoff: ``master_addr``, ``master_port``, ``prefix``, ``world_size``.
-        backend: ``"gloo"`` or ``"nccl"``.
-        device: where the buffers live.
-        bucket_bytes: the most bytes a bucket holds (``None``: one message).
+        settings: the transport's (``backend``, ``bucket_mb``: the sender's, which the buffers are received in).
         take: the model may be moved to memory of weightsync's (not in shared memory, and no ``keep_storage``):
             it takes the buffer an update arrived in where that buffer is on the model's device, else it is bound
             to one buffer on its device that each update is copied into, one copy per bucket; decided once the
             layout says whether weights travel in their own dtype.
-        model_device: the device every weight of the worker's model is on (``None``: several).
-        checksum: the scheme's; each update is checked against the sender's keyed digest anyway.
-        timeout: the longest one update may take to arrive.
         where: ``model_id`` and ``worker_idx``.
+        model_device: the device every weight of the worker's model is on (``None``: several).
     """
 
     def __init__(
         self,
         handoff: dict[str, Any],
+        settings: DistributedSettings,
         *,
-        backend: str,
-        device: torch.device,
-        bucket_bytes: int | None,
         take: bool,
-        checksum: bool,
-        timeout: float,
         where: dict[str, Any],
         model_device: torch.device | None = None,
     ) -> None:
@@ -102,9 +97,11 @@ class DistributedReceiver(ReceiverEngine):
         self.prefix = run_prefix(where["model_id"], self._key)
         self.sealer = Sealer(self._key, self.prefix)
         self._layout_tag = b""
-        self.backend, self.device, self.bucket_bytes = backend, device, bucket_bytes
-        self._take, self.checksum, self.timeout, self.where = take, checksum, timeout, where
+        self.settings, self.device = settings, settings.device
+        self._take, self.where = take, where
         self.model_device = model_device
+        #: The longest one update may take (the core's, given at :meth:`join`).
+        self.update_timeout = 0.0
         self.transport: DistributedTransport | None = None
         self.num_workers: int | None = None
         self._buffers: list[torch.Tensor] = []
@@ -129,13 +126,14 @@ class DistributedReceiver(ReceiverEngine):
         return handoff
 
     def _group_timeout(self, deadline: float) -> float:
-        return max(remaining(deadline), GROUP_TIMEOUT_FACTOR * self.timeout)
+        return max(remaining(deadline), GROUP_TIMEOUT_FACTOR * self.update_timeout)
 
-    def join(self, deadline: float, check: Callable[[FlatLayout], Any]) -> None:
+    def join(self, deadline: float, check: Callable[[FlatLayout], Any], update_timeout: float) -> None:
+        self.update_timeout = update_timeout
         where = self.where
         host, port = self.handoff["master_addr"], int(self.handoff["master_port"])
         # A sender's host that vanishes fails the worker's next store call instead of blocking it for good.
-        base = connect_store(host, port, remaining(deadline), silence=SILENT_TIMEOUTS * self.timeout, **where)
+        base = connect_store(host, port, remaining(deadline), silence=SILENT_TIMEOUTS * self.update_timeout, **where)
         store = dist.PrefixStore(self.prefix, base)
         try:
             total = remaining(deadline)
@@ -146,7 +144,7 @@ class DistributedReceiver(ReceiverEngine):
             if refusal is not None:
                 hello = {"ok": False, "type": type(refusal).__name__, "message": str(refusal)[:MAX_ERROR_TEXT]}
             hello["process"] = process_identity()
-            if self.backend == "nccl":
+            if self.settings.backend == "nccl":
                 hello["gpu"] = gpu_identity()
             world = int(self.handoff["world_size"])
             self.num_workers = world - 1
@@ -163,7 +161,7 @@ class DistributedReceiver(ReceiverEngine):
                 link.pg = new_group_within(
                     deadline,
                     "the sender's process group",
-                    self.backend,
+                    self.settings.backend,
                     store,
                     w + 1,
                     world,
@@ -184,14 +182,14 @@ class DistributedReceiver(ReceiverEngine):
         if refusal is not None:
             raise refusal
         self.transport = DistributedTransport(
-            w, link=link, device=self.device, timeout=self.timeout, model_id=where["model_id"]
+            w, link=link, device=self.device, timeout=self.update_timeout, model_id=where["model_id"]
         )
         self.placement = self._placement()
         # A model that takes the buffer an update arrived in leaves the other one for the next update.
         for _ in range(2 if self.placement == "take" else 1):
             self._buffers.append(torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.device))
             self._views.append(self.layout.views(self._buffers[-1]))
-        self._buckets = self.layout.buckets(self.bucket_bytes)
+        self._buckets = self.layout.buckets(self.settings.bucket_bytes)
 
     def _opened_json(self, store: dist.Store, key: str) -> dict[str, Any]:
         """The JSON object the sender sealed under ``key`` (AuthenticationError: not sealed with the run key;
@@ -232,7 +230,7 @@ class DistributedReceiver(ReceiverEngine):
         if reason is not None:
             return Link(store=store), str(reason)[:MAX_ERROR_TEXT]
         pair = dist.PrefixStore(f"pair/{w}/{gen}", store)
-        group = (self.backend, pair, 1, 2, self._group_timeout(deadline), self.handoff["master_addr"])
+        group = (self.settings.backend, pair, 1, 2, self._group_timeout(deadline), self.handoff["master_addr"])
         pg = new_group_within(deadline, "the two-rank group with the sender", *group, **self.where)
         return Link(pg, pair, self.sealer.scoped(f"pair/{w}/{gen}/")), None
 
@@ -241,7 +239,7 @@ class DistributedReceiver(ReceiverEngine):
         connect again as a new generation and receive the newest version, as a restarted worker does."""
         assert self._stores is not None and self._dropped is not None
         store, w, why = self._stores[1], self.where["worker_idx"], self._dropped
-        deadline = deadline_after(self.timeout * GROUP_TIMEOUT_FACTOR)
+        deadline = deadline_after(self.update_timeout * GROUP_TIMEOUT_FACTOR)
         log.warning("model %r worker %d: the sender dropped it (%s); connecting again", self.where["model_id"], w, why)
         try:
             gen = int(store.add(f"gen/{w}", 1))
@@ -256,7 +254,7 @@ class DistributedReceiver(ReceiverEngine):
                 f"the sender dropped this worker ({why}) and refused it back: {reason}", **self.where
             )
         self.transport = DistributedTransport(
-            w, link=link, device=self.device, timeout=self.timeout, model_id=self.where["model_id"]
+            w, link=link, device=self.device, timeout=self.update_timeout, model_id=self.where["model_id"]
         )
         self._dropped = None
         return self._take_initial(timeout)  # the newest version comes as the initial weights did
@@ -281,7 +279,7 @@ class DistributedReceiver(ReceiverEngine):
         if self._initial:
             return self._take_initial(timeout)
         if self._dropped is not None:
-            return self._rejoin(max(timeout, self.timeout))
+            return self._rejoin(max(timeout, self.update_timeout))
         deadline = deadline_after(timeout)
         seqs: list[int] = []
         version, refusal = None, None
@@ -300,14 +298,14 @@ class DistributedReceiver(ReceiverEngine):
                 self._dropped = str(msg["dropped"])
                 if seqs:  # what arrived before it is applied first
                     break
-                return self._rejoin(max(remaining(deadline), self.timeout))
+                return self._rejoin(max(remaining(deadline), self.update_timeout))
             version = int(msg["version"])
             mac = self._mac(msg)
-            transport.receive_into(self._parts(), self.timeout, version, mac)
+            transport.receive_into(self._parts(), self.update_timeout, version, mac)
             if self._dropped_meanwhile():
-                return self._rejoin(max(remaining(deadline), self.timeout))
+                return self._rejoin(max(remaining(deadline), self.update_timeout))
             seqs.append(transport.seq)
-            refusal = self._verify(mac, transport.seq, version, self.timeout)
+            refusal = self._verify(mac, transport.seq, version, self.update_timeout)
             if not newest or refusal is not None:
                 break
         if seqs:
@@ -325,8 +323,8 @@ class DistributedReceiver(ReceiverEngine):
         version, mac = said["version"], self._mac(said)
         self.transport.receive_into(self._parts(), max(remaining(deadline), 0.001), version, mac)
         if self._dropped_meanwhile():  # dropped again while the newest version was on its way
-            return self._rejoin(max(timeout, self.timeout))
-        refusal = self._verify(mac, 0, version, max(remaining(deadline), self.timeout))
+            return self._rejoin(max(timeout, self.update_timeout))
+        refusal = self._verify(mac, 0, version, max(remaining(deadline), self.update_timeout))
         self._initial = False
         return [self._delivery(version, [0], refusal)]
 

@@ -50,6 +50,7 @@ from ..staging import Staging, StagingPool
 from ..store import connect_store, open_store, store_count, store_json, store_set
 from .auth import MAC, Sealer, layout_tag, new_nonce, proven, run_prefix
 from .group import gpu_identity, new_group_within
+from .settings import DistributedSettings
 from .transport import ACK_OK, DistributedTransport, Link
 
 __all__ = ["DistributedSender"]
@@ -71,16 +72,13 @@ UNPROVEN = "the process did not prove it holds the run key (the receiver config'
 class DistributedSender(SenderEngine):
     """The sender's store, group, staging buffers and one :class:`DistributedTransport` per worker.
 
+    Every version's bytes carry a keyed digest that workers check whatever the scheme's ``checksum`` (it checks
+    more than a checksum: who sent them, as well as that they arrived whole). The store is served, and so is
+    bound by the core's ``connect_timeout``, from construction on.
+
     Args:
-        backend: ``"gloo"`` or ``"nccl"``.
+        settings: the transport's (``backend``, ``bucket_mb``, ``max_buffers``).
         master: the store's host and port (port 0: a free one).
-        bucket_bytes: the most bytes a bucket holds (``None``: one message).
-        max_buffers: the most staging buffers held at once.
-        checksum: the scheme's; every version's bytes carry a keyed digest that workers check anyway (it checks
-            more than a checksum: who sent them, as well as that they arrived whole).
-        timeout, connect_timeout: the scheme's.
-        sync: the transports' ``send_weights`` waits for the ack.
-        pin: staging buffers in host memory are page-locked (the trainer's weights are on a GPU).
     """
 
     rejoins = True
@@ -90,26 +88,18 @@ class DistributedSender(SenderEngine):
         sink: Sink,
         layout: FlatLayout,
         num_workers: int,
+        settings: DistributedSettings,
         *,
-        backend: str,
-        device: torch.device,
         master: tuple[str, int],
-        bucket_bytes: int | None,
-        max_buffers: int,
-        checksum: bool,
-        timeout: float,
-        connect_timeout: float,
-        sync: bool,
-        pin: bool = False,
+        gpu: torch.device | None = None,
     ) -> None:
-        super().__init__(sink, layout, num_workers)
-        self.backend, self.device, self.checksum, self.pin = backend, device, checksum, pin
-        self.timeout, self.connect_timeout = timeout, connect_timeout
-        self.max_buffers = max_buffers
-        self.buckets = layout.buckets(bucket_bytes)
+        super().__init__(sink, layout, num_workers, gpu=gpu)
+        self.settings = settings
+        self.device = settings.device
+        self.buckets = layout.buckets(settings.bucket_bytes)
         host, port = master
         self._base_store: dist.Store | None
-        self._base_store, port, _ = open_store(host, port, connect_timeout)
+        self._base_store, port, _ = open_store(host, port, sink.connect_timeout)
         self.address = (host, port)
         # The run key, which workers get out of band, and the prefix drawn from it: several models (or the job's
         # own store) share nothing, and only a holder of the key knows where the run's keys are.
@@ -122,13 +112,11 @@ class DistributedSender(SenderEngine):
         self.layout_tag = layout_tag(described)  # what each version's digest binds: the layout, in order
         store_set(self.store, "layout", self.sealer.seal("layout", described))
         self._nonce = ""  # the one-time key's nonce of the version being staged
-        if backend == "nccl":
+        if settings.backend == "nccl":
             self.store.set("gpu", gpu_identity())
         self.link = Link(sealer=self.sealer)
         self.transports = {
-            w: DistributedTransport(
-                w, link=self.link, device=device, timeout=timeout, sync=sync, model_id=sink.model_id, sink=sink
-            )
+            w: DistributedTransport(w, link=self.link, device=self.device, model_id=sink.model_id, sink=sink)
             for w in range(num_workers)
         }
         self.pool: StagingPool | None = None
@@ -152,7 +140,7 @@ class DistributedSender(SenderEngine):
         return {"master_addr": self.address[0], "master_port": self.address[1], "world_size": self.num_workers + 1}
 
     def _group_timeout(self, deadline: float) -> float:
-        return max(remaining(deadline), GROUP_TIMEOUT_FACTOR * self.timeout)
+        return max(remaining(deadline), GROUP_TIMEOUT_FACTOR * self.sink.timeout)
 
     # ------------------------------------------------------------ rendez-vous
     def rendezvous(self, deadline: float, timeout: float) -> dict[int, WeightSyncError]:
@@ -176,7 +164,7 @@ class DistributedSender(SenderEngine):
                 )
             refused: dict[int, WeightSyncError] = {}
             # NCCL refuses two ranks on one GPU, and only at the first transfer: name it now, by worker.
-            holders = {gpu_identity(): "the sender"} if self.backend == "nccl" else {}
+            holders = {gpu_identity(): "the sender"} if self.settings.backend == "nccl" else {}
             verdict = {}
             for w, key in enumerate(hellos):
                 hello, problem = _read_hello(self.store, key, self.authkey, w, 1)
@@ -203,7 +191,7 @@ class DistributedSender(SenderEngine):
             self.link.pg = new_group_within(
                 deadline,
                 "the process group with every worker",
-                self.backend,
+                self.settings.backend,
                 self.store,
                 0,
                 self.num_workers + 1,
@@ -228,7 +216,8 @@ class DistributedSender(SenderEngine):
     def stage(self, out: Outgoing, deadline: float) -> Staging:
         if self.pool is None:
             done = lambda works: all(work.done() for work in works)  # noqa: E731
-            self.pool = StagingPool(self.layout.nbytes, self.device, self.max_buffers, done, self._settle, self.pin)
+            limit = self.settings.max_buffers
+            self.pool = StagingPool(self.layout.nbytes, self.device, limit, done, self._settle, self.pin)
         staging = self.pool.acquire(deadline, model_id=self.sink.model_id, version=out.version)
         self.newest = None  # until the whole version is in the buffer
         self._nonce = new_nonce()
@@ -371,12 +360,13 @@ class DistributedSender(SenderEngine):
                 log.warning("model %r: refused worker %d connecting again: %s", self.sink.model_id, w, problem)
                 return None
             pair = dist.PrefixStore(f"pair/{w}/{gen}", store)
-            timeout = max(self.connect_timeout, GROUP_TIMEOUT_FACTOR * self.timeout)
+            connect_timeout = self.sink.connect_timeout
+            timeout = max(connect_timeout, GROUP_TIMEOUT_FACTOR * self.sink.timeout)
             # A process that reached the store may claim the pair's other rank: the wait ends at connect_timeout.
             pg = new_group_within(
-                deadline_after(self.connect_timeout),
+                deadline_after(connect_timeout),
                 f"the group of worker {w} connecting again",
-                self.backend,
+                self.settings.backend,
                 pair,
                 0,
                 2,
@@ -435,9 +425,8 @@ class DistributedSender(SenderEngine):
         if old is not None and not self.sink.is_dead(w):
             old.close(0.0)  # its process is gone: nothing to wait for
         transport = self.transports[w] = DistributedTransport(
-            w, device=self.device, timeout=self.timeout, sync=old.sync if old else True, model_id=self.sink.model_id,
-            sink=self.sink,
-        ).use_pair(pg, pair, self.sealer.scoped(f"pair/{w}/{gen}/"))  # fmt: skip
+            w, device=self.device, model_id=self.sink.model_id, sink=self.sink
+        ).use_pair(pg, pair, self.sealer.scoped(f"pair/{w}/{gen}/"))
         self.sink.rejoining(w)  # from here on, a failure is this new process's
         self.hellos[w] = hello
         if self.pool is not None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ... import checks
 from ...core.settings import TransportSettings
 from ...options import MAX_BUFFERS, WIRE_DTYPE, Option, option
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BACKEND", "BUCKET_MB", "DistributedSettings"]
 
@@ -37,3 +40,10 @@ class DistributedSettings(
     def bucket_bytes(self) -> int | None:
         """``bucket_mb`` in bytes (``None``: one message)."""
         return None if self.bucket_mb is None else max(1, int(self.bucket_mb * 1e6))
+
+    @property
+    def device(self) -> torch.device:
+        """Where the messages' buffers live: this process's current GPU with ``nccl``, else the CPU."""
+        import torch  # here: the settings, which configs name, are read without torch
+
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")

@@ -94,8 +94,9 @@ class DistributedTransport(PeerTransport):
         worker_idx: the worker this transport reaches (its rank is ``worker_idx + 1``).
         link: the group and store to talk over.
         device: where acks live (the GPU with NCCL).
-        timeout: the longest a worker's ack may take to leave.
-        sync: ``send_weights`` waits for the ack (``send_weights_async`` never does).
+        timeout: on a worker, the longest its ack may take to leave.
+        sync: ``send_weights`` waits for the ack (``send_weights_async`` never does; ``None``: as the scheme's
+            ``sync`` says).
         model_id: the model, for errors.
         sink: on the sender, where the older API's calls go.
     """
@@ -107,7 +108,7 @@ class DistributedTransport(PeerTransport):
         link: Link | None = None,
         device: torch.device | None = None,
         timeout: float = 60.0,
-        sync: bool = True,
+        sync: bool | None = None,
         model_id: str | None = None,
         sink: Sink | None = None,
     ) -> None:

@@ -18,6 +18,7 @@ from ...tensors.layout import FlatLayout
 from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphaned
 from .channel import connect_channel
 from .mp import MPTransport, Update
+from .settings import MPSettings
 
 __all__ = ["LocalReceiver", "gpu_uuid"]
 
@@ -36,7 +37,8 @@ class LocalReceiver(ReceiverEngine):
         address: the sender's abstract address.
         authkey: the sender's auth key (hex).
         key_file: the key file it was read from, if any (removed at close once its sender is gone).
-        transport_class: the transport of this scheme (``pinning``: the model reads the slots).
+        settings: the transport's: ``mp`` or ``shared_mem``, whose transport's ``pinning`` says the model reads
+            the slots.
         placement: ``"load"``, ``"write"`` or ``"share"`` (see :class:`~weightsync.core.engine.ReceiverEngine`).
         where: ``model_id`` and ``worker_idx`` (this dict is the receiver core's: it knows the index at connect).
         device: the device of the worker's model (``"cuda:0"``, ``"cpu"``; ``None``: several), which the sender
@@ -48,14 +50,15 @@ class LocalReceiver(ReceiverEngine):
         address: str,
         authkey: str,
         key_file: str | None,
+        settings: MPSettings,
         *,
-        transport_class: type[MPTransport],
         placement: str,
         where: dict[str, Any],
         device: str | None = None,
     ) -> None:
         self.address, self._authkey, self.key_file = address, authkey, key_file
-        self.transport_class = transport_class
+        self.settings = settings
+        self.transport_class: type[MPTransport] = settings.transport_class()
         self.placement = placement
         self.where = where
         self.device = device
@@ -68,9 +71,11 @@ class LocalReceiver(ReceiverEngine):
         self._spare_views: dict[int, tuple[Any, dict[str, Any]]] = {}
 
     @classmethod
-    def from_handoff(cls, handoff: dict[str, Any], kwargs: dict[str, Any], **options: Any) -> LocalReceiver:
+    def from_handoff(
+        cls, handoff: dict[str, Any], kwargs: dict[str, Any], settings: MPSettings, **options: Any
+    ) -> LocalReceiver:
         """From what a pickled scheme or a receiver config carries, and ``init_on_receiver``'s ``address=``,
-        ``authkey=`` or ``authkey_file=``.
+        ``authkey=`` or ``authkey_file=``; ``settings`` and ``options`` as the constructor takes them.
 
         Raises:
             ConfigurationError: the key file cannot be read (the message says why).
@@ -93,9 +98,9 @@ class LocalReceiver(ReceiverEngine):
                 "init_on_sender(), or pass address= and authkey=",
                 model_id=options["where"]["model_id"],
             )
-        return cls(address, authkey, key_file, **options)
+        return cls(address, authkey, key_file, settings, **options)
 
-    def join(self, deadline: float, check: Callable[[FlatLayout], Any]) -> None:
+    def join(self, deadline: float, check: Callable[[FlatLayout], Any], update_timeout: float) -> None:
         hello = {
             "worker_idx": self.where["worker_idx"],
             "pid": os.getpid(),

@@ -44,19 +44,18 @@ import torch
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import WAIT_TICK_S, remaining
 from ...errors import SyncTimeoutError, WeightSyncError, WorkerDiedError
-from ...integrity import digest
 from ...tensors import cuda
-from ...tensors.copies import copy_tensors, write_into
 from ...tensors.layout import FlatLayout
 from ..keyfiles import KEY_BYTES, remove_key_file, write_key_file
 from .channel import Channel, ChannelListener, readable
 from .mp import MPTransport
 from .peers import PeerProcess
+from .settings import MPSettings
 from .slots import DeviceSlot, SharedSlot, SlotPool, close_slot, device_pool_size, slot_kind
 
-Slot = SharedSlot | DeviceSlot
+_Slot = SharedSlot | DeviceSlot
 #: A pool's key: the kind of memory (``"host"``, ``"cuda"``) and the worker it serves (``None``: every worker).
-PoolKey = tuple[str, int | None]
+_PoolKey = tuple[str, int | None]
 
 __all__ = ["LocalSender"]
 
@@ -72,13 +71,12 @@ class LocalSender(SenderEngine):
     """The sender's listener, slot pools and one :class:`MPTransport` (or subclass) per worker.
 
     Args:
-        transport_class: the transport of each worker (its ``pinning`` says whether workers keep reading the slot
-            of the version they hold).
-        max_slots: the most slots a pool may hold (``None``: ``num_workers + 2``).
+        settings: the transport's: ``mp`` or ``shared_mem`` (its transport's ``pinning`` says whether workers
+            keep reading the slot of the version they hold), and ``max_slots``, the most slots a pool may hold
+            (``None``: ``num_workers + 2``).
         per_worker: every worker has a pool of its own.
-        checksum: hash each version's bytes for the workers to check.
         address: the listener's abstract address (``None``: a random one).
-        gpu: the GPU every weight of the trainer is on, if one: workers on a GPU read slots in its memory.
+        gpu: as :class:`SenderEngine` takes it; workers whose model is on that very GPU read slots in its memory.
     """
 
     rejoins = True
@@ -88,21 +86,19 @@ class LocalSender(SenderEngine):
         sink: Sink,
         layout: FlatLayout,
         num_workers: int,
+        settings: MPSettings,
         *,
-        transport_class: type[MPTransport],
-        max_slots: int | None,
-        per_worker: bool,
-        checksum: bool,
+        per_worker: bool = False,
+        checksum: bool = False,
         address: str | None = None,
         gpu: torch.device | None = None,
     ) -> None:
-        super().__init__(sink, layout, num_workers)
-        self.transport_class = transport_class
-        self.max_slots = max_slots or num_workers + 2
+        super().__init__(sink, layout, num_workers, checksum=checksum, gpu=gpu)
+        self.settings = settings
+        self.transport_class: type[MPTransport] = settings.transport_class()
+        self.max_slots = settings.max_slots or num_workers + 2
         self.per_worker = per_worker
-        self.checksum = checksum
-        self.gpu = gpu
-        self.pools: dict[PoolKey, SlotPool] = {}
+        self.pools: dict[_PoolKey, SlotPool] = {}
         self.kinds: dict[int, str] = {}  # where each worker's slots live, from the GPU its hello names
         #: The trainer's GPU, by UUID (``None``: no GPU, or no CUDA here).
         self.gpu_uuid = cuda.device_uuid(gpu) if gpu is not None and torch.cuda.is_available() else None
@@ -113,11 +109,6 @@ class LocalSender(SenderEngine):
         self._key_file: str | None = None
         self.listener: ChannelListener | None = ChannelListener(self._authkey, address)
         log.debug("model %r: listening on %s for %d workers", sink.model_id, self.listener.address, num_workers)
-
-    @property
-    def shared(self) -> SlotPool | None:
-        """The pool of slots every worker reads (``None`` with a pool per worker): the GPU's, if workers read one."""
-        return self.pools.get(("cuda", None)) or self.pools.get(("host", None))
 
     def handoff(self) -> dict[str, Any]:
         assert self.listener is not None
@@ -289,10 +280,10 @@ class LocalSender(SenderEngine):
             transport.channel.close()
 
     # ---------------------------------------------------------------- sending
-    def _pool_key(self, worker: int) -> PoolKey:
+    def _pool_key(self, worker: int) -> _PoolKey:
         return self.kinds.get(worker, "host"), worker if self.per_worker else None
 
-    def _pool(self, key: PoolKey) -> SlotPool:
+    def _pool(self, key: _PoolKey) -> SlotPool:
         pool = self.pools.get(key)
         if pool is None:
             kind, worker = key
@@ -303,11 +294,11 @@ class LocalSender(SenderEngine):
                 pinning=self.transport_class.pinning,
                 tag=f"{os.getpid()}-{worker}",
                 device=self.gpu if kind == "cuda" else None,
-                pin=self.gpu is not None,
+                pin=self.pin,
             )
         return pool
 
-    def _written(self, slot: Slot) -> None:
+    def _written(self, slot: _Slot) -> None:
         """``slot`` was just written on the trainer's stream: mark the end of the write for the workers' streams
         (a device slot), or wait for it (a host slot a GPU wrote into: its readers read it from the host)."""
         if isinstance(slot, DeviceSlot):
@@ -316,7 +307,7 @@ class LocalSender(SenderEngine):
         elif self.gpu is not None:
             torch.cuda.current_stream(self.gpu).synchronize()
 
-    def _acquire(self, pool: SlotPool, deadline: float, version: int) -> Slot:
+    def _acquire(self, pool: SlotPool, deadline: float, version: int) -> _Slot:
         """A slot of ``pool`` no worker reads, waiting (until ``deadline``) for workers to ack newer versions."""
         slot = pool.acquire()
         while slot is None:
@@ -352,32 +343,28 @@ class LocalSender(SenderEngine):
         pool.retired.clear()
         self._release_departed()
 
-    def stage(self, out: Outgoing, deadline: float) -> dict[int, Slot]:
-        by_pool: dict[PoolKey, list[int]] = {}
+    def stage(self, out: Outgoing, deadline: float) -> dict[int, _Slot]:
+        by_pool: dict[_PoolKey, list[int]] = {}
         for w in out.workers:
             by_pool.setdefault(self._pool_key(w), []).append(w)
         # Every slot is secured before anything is written, so a send that times out here publishes nothing.
         slots = {key: self._acquire(self._pool(key), deadline, out.version) for key in by_pool}
-        staged: dict[int, Slot] = {}
+        staged: dict[int, _Slot] = {}
         payload_digest = None  # every pool gets the same bytes: hashed once
         for key, members in by_pool.items():
             slot = slots[key]
             slot.version = None  # until the write completes, the slot holds no version (rejoins read it)
             # Copies out of a GPU are queued without a wait per tensor (pinned host slots): `_written` waits once.
-            non_blocking = self.gpu is not None
-            if out.whole is not None:
-                copy_tensors([slot.buffer], [out.whole], non_blocking=non_blocking)
-            else:
-                write_into(slot.views, out.flat, non_blocking=non_blocking)
+            out.write(slot.buffer, slot.views, non_blocking=self.gpu is not None)
             self._written(slot)
-            if self.checksum and payload_digest is None:
-                payload_digest = digest([slot.buffer])
+            if payload_digest is None:
+                payload_digest = self.digest([slot.buffer])
             slot.digest = payload_digest
             self.pools[key].publish(slot, out.version, members)
             staged.update(dict.fromkeys(members, slot))
         return staged
 
-    def submit(self, out: Outgoing, staged: dict[int, Slot]) -> None:
+    def submit(self, out: Outgoing, staged: dict[int, _Slot]) -> None:
         for w in out.workers:
             try:
                 self.transports[w].notify(staged[w], out.version)
@@ -425,12 +412,12 @@ class LocalSender(SenderEngine):
             return None
         return w, slot.version  # type: ignore[return-value]
 
-    def _newest_slot(self) -> Slot | None:
+    def _newest_slot(self) -> _Slot | None:
         """The slot holding the newest version published to anyone (``None`` before any)."""
         slots = [slot for pool in self.pools.values() for slot in pool.slots if slot.version is not None]
         return max(slots, key=lambda slot: slot.version) if slots else None  # type: ignore[arg-type,return-value]
 
-    def _slot_for(self, w: int, newest: Slot) -> Slot:
+    def _slot_for(self, w: int, newest: _Slot) -> _Slot:
         """A slot of ``w``'s pool holding ``newest``'s version, now read by ``w``."""
         pool = self._pool(self._pool_key(w))
         if newest in pool.slots:

@@ -47,7 +47,6 @@ from typing import Any, Protocol
 
 import torch
 
-from ...errors import ConfigurationError
 from ...tensors import cuda
 from ...tensors.layout import FlatLayout
 
@@ -236,7 +235,7 @@ class SlotPool:
 
     Args:
         layout: placement of the weights in each slot.
-        max_slots: how many slots may exist at once.
+        max_slots: how many slots may exist at once (one or more: the settings checked ``max_slots``).
         pinning: receivers keep reading the slot of the version they hold
             (shared-memory receivers) instead of copying out of it.
         tag: a label in the memfd names, for ``/proc/<pid>/fd`` readers.
@@ -256,8 +255,6 @@ class SlotPool:
         device: torch.device | None = None,
         pin: bool = False,
     ) -> None:
-        if max_slots < 1:
-            raise ConfigurationError(f"max_slots must be >= 1, got {max_slots}")
         self.layout = layout
         self.max_slots = max_slots
         self.pinning = pinning

@@ -34,7 +34,7 @@ class RayReceiver(ReceiverEngine):
     def attach(self, apply: Callable[[list[Delivery]], int]) -> None:
         self._apply = apply
 
-    def join(self, deadline: float, check: Callable[[FlatLayout], Any]) -> None:
+    def join(self, deadline: float, check: Callable[[FlatLayout], Any], update_timeout: float) -> None:
         pass  # nothing to join: the sender's connect() delivers version 0 as a call to this actor
 
     def push(

@@ -10,8 +10,8 @@ import torch
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import remaining
 from ...errors import ReceiverError, WeightSyncError
-from ...integrity import digest
 from ...tensors.layout import FlatLayout
+from .settings import RaySettings
 from .transport import RayTransport
 
 __all__ = ["DIRECT_MIN_BYTES", "RaySender", "ray"]
@@ -38,12 +38,10 @@ class RaySender(SenderEngine):
     """The sender's staging buffer, the newest version's object (for rejoins), one transport per actor.
 
     Args:
+        settings: the transport's: ``ray`` (:class:`RayTransport`, calls into any actor) or ``ray_actor``
+            (:class:`RayActorTransport`, calls the actor's own ``update_weights_*`` methods).
         actors: the actors' handles; worker ``i`` is the ``i``-th.
-        transport_class: :class:`RayTransport` (calls into any actor) or :class:`RayActorTransport` (calls the
-            actor's own ``update_weights_*`` methods).
         extract_as: the strategy's format, for the actor's method.
-        checksum: hash each version's bytes for the actors to check.
-        pin: the staging buffer is page-locked (the trainer's weights are on a GPU: they are copied into it).
     """
 
     def __init__(
@@ -51,15 +49,17 @@ class RaySender(SenderEngine):
         sink: Sink,
         layout: FlatLayout,
         num_workers: int,
+        settings: RaySettings,
         *,
         actors: list[Any],
-        transport_class: type[RayTransport],
         extract_as: str,
-        checksum: bool,
-        pin: bool = False,
+        checksum: bool = False,
+        gpu: torch.device | None = None,
     ) -> None:
-        super().__init__(sink, layout, num_workers)
-        self.transport_class, self.extract_as, self.checksum, self.pin = transport_class, extract_as, checksum, pin
+        super().__init__(sink, layout, num_workers, checksum=checksum, gpu=gpu)
+        self.settings = settings
+        self.transport_class: type[RayTransport] = settings.transport_class()
+        self.extract_as = extract_as
         self.transports = {i: self._transport(actor, i) for i, actor in enumerate(actors)}
         self._staging: torch.Tensor | None = None
         self._staging_views: dict[str, torch.Tensor] = {}
@@ -90,7 +90,7 @@ class RaySender(SenderEngine):
             # Large CPU tensors go as they are, the rest is packed: ray.put copies each byte once into the store.
             staging = self._staged()
             buffers, ranges = self.layout.pieces(out.flat, staging, DIRECT_MIN_BYTES, self._staging_views)
-        return ray().put((ranges, [b.numpy() for b in buffers], digest(buffers) if self.checksum else None))
+        return ray().put((ranges, [b.numpy() for b in buffers], self.digest(buffers)))
 
     def submit(self, out: Outgoing, staged: Any) -> None:
         for w in out.workers:

@@ -29,22 +29,16 @@ ANSWER_FLUSH_S = 0.5
 class RPCReceiver(ReceiverEngine):
     """The worker's RPC session (unless it runs RPC itself) and its mailbox for one model.
 
+    A sender whose store leaves a call unanswered for four times the core's ``timeout`` (given at :meth:`join`)
+    is gone: its host vanished.
+
     Args:
         handoff: the session to join, or ``{"external": True}``.
         take: the model may take the buffer an update arrived in (TensorPipe allocates one per message).
-        timeout: the scheme's; a sender whose store leaves a call unanswered for four times it is gone (its host
-            vanished).
         where: ``model_id`` and ``worker_idx``.
     """
 
-    def __init__(
-        self,
-        handoff: dict[str, Any],
-        *,
-        take: bool,
-        timeout: float,
-        where: dict[str, Any],
-    ) -> None:
+    def __init__(self, handoff: dict[str, Any], *, take: bool, where: dict[str, Any]) -> None:
         if not handoff:
             raise ConfigurationError(
                 "this receiver does not know its sender: hand it the scheme pickled after init_on_sender(), "
@@ -52,19 +46,18 @@ class RPCReceiver(ReceiverEngine):
                 model_id=where["model_id"],
             )
         self.handoff, self._take, self.where = handoff, take, where
-        self.timeout = timeout
         self.placement = "take" if take else "write"
         self.session: Session | None = None
         self.mailbox = mailbox(where["model_id"])  # updates that arrive before connect() wait here
         self._probed_at = 0.0
         self._answered_at: float | None = None
 
-    def join(self, deadline: float, check: Callable[[FlatLayout], Any]) -> None:
+    def join(self, deadline: float, check: Callable[[FlatLayout], Any], update_timeout: float) -> None:
         if self.handoff.get("external"):
             return
         w = self.where["worker_idx"]
         self.session = join_worker_session(
-            self.handoff, remaining(deadline), SILENT_TIMEOUTS * self.timeout, **self.where
+            self.handoff, remaining(deadline), SILENT_TIMEOUTS * update_timeout, **self.where
         )
         try:
             start_agent(self.session, default_worker_name(w), w + 1, remaining(deadline), **self.where)

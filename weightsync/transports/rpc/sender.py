@@ -10,11 +10,10 @@ import torch
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import remaining
 from ...errors import ReceiverError, SyncTimeoutError, WeightSyncError, first_line
-from ...integrity import digest
-from ...tensors.copies import copy_tensors, write_into
 from ...tensors.layout import FlatLayout
 from ..staging import Staging, StagingPool
 from .session import SENDER_NAME, Session, leave_session, open_sender_session, start_agent
+from .settings import RPCSettings
 from .transport import RPCTransport
 
 __all__ = ["RPCSender"]
@@ -42,15 +41,13 @@ def _released(future: Any) -> bool:
 
 class RPCSender(SenderEngine):
     """The sender's RPC session (unless the caller runs RPC), staging buffers and one :class:`RPCTransport` per
-    worker.
+    worker. Each RPC is bounded by the core's ``timeout``; a session the engine runs serves its store, bounded by
+    the core's ``connect_timeout``, from construction on.
 
     Args:
+        settings: the transport's (``max_buffers``).
         names: the workers' RPC names in an agent the caller started (``None``: the engine runs the world).
         master: the store's host and port, for a world the engine runs.
-        max_buffers: the most staging buffers held at once.
-        checksum: hash each version's bytes for the workers to check.
-        timeout, connect_timeout: the scheme's.
-        pin: staging buffers are page-locked (the trainer's weights are on a GPU).
     """
 
     def __init__(
@@ -58,27 +55,19 @@ class RPCSender(SenderEngine):
         sink: Sink,
         layout: FlatLayout,
         num_workers: int,
+        settings: RPCSettings,
         *,
         names: list[str] | None,
         master: tuple[str, int] | None,
-        max_buffers: int,
-        checksum: bool,
-        timeout: float,
-        connect_timeout: float,
-        pin: bool = False,
+        checksum: bool = False,
+        gpu: torch.device | None = None,
     ) -> None:
-        super().__init__(sink, layout, num_workers)
-        self.max_buffers, self.checksum, self.timeout, self.connect_timeout = (
-            max_buffers,
-            checksum,
-            timeout,
-            connect_timeout,
-        )
-        self.pin = pin
+        super().__init__(sink, layout, num_workers, checksum=checksum, gpu=gpu)
+        self.settings = settings
         self.session: Session | None = None
         if names is None:
             assert master is not None
-            self.session = open_sender_session(master, num_workers + 1, connect_timeout)
+            self.session = open_sender_session(master, num_workers + 1, sink.connect_timeout)
         self.transports = {
             w: RPCTransport(w, names[w] if names else None, model_id=sink.model_id, sink=sink)
             for w in range(num_workers)
@@ -115,15 +104,13 @@ class RPCSender(SenderEngine):
     def stage(self, out: Outgoing, deadline: float) -> tuple[Staging, str | None]:
         if self.pool is None:
             cpu = torch.device("cpu")
-            self.pool = StagingPool(self.layout.nbytes, cpu, self.max_buffers, _released, self._settle, self.pin)
+            limit = self.settings.max_buffers
+            self.pool = StagingPool(self.layout.nbytes, cpu, limit, _released, self._settle, self.pin)
         staging = self.pool.acquire(deadline, model_id=self.sink.model_id, version=out.version)
         if staging.views is None:  # typed views of a staging buffer are made once, not per send
             staging.views = self.layout.views(staging.tensor)
-        if out.whole is not None:  # flatten_sender: the weights already lie in one buffer, in their places
-            copy_tensors([staging.tensor], [out.whole])
-        else:
-            write_into(staging.views, out.flat)
-        return staging, digest([staging.tensor]) if self.checksum else None
+        out.write(staging.tensor, staging.views)
+        return staging, self.digest([staging.tensor])
 
     def submit(self, out: Outgoing, staged: tuple[Staging, str | None]) -> None:
         staging, payload_digest = staged
@@ -131,7 +118,7 @@ class RPCSender(SenderEngine):
             transport = self.transports[w]
             layout = None if w in self._has_layout else self.layout.to_plain()  # until the worker has it
             try:
-                future = transport.submit(out.version, staging.tensor, layout, self.timeout, payload_digest)
+                future = transport.submit(out.version, staging.tensor, layout, self.sink.timeout, payload_digest)
             except RuntimeError as exc:
                 self.sink.died(w, f"RPC peer {transport.worker_name} went away ({first_line(exc)})")
                 continue
@@ -167,7 +154,7 @@ class RPCSender(SenderEngine):
                 self.sink.failed(
                     w,
                     SyncTimeoutError(
-                        f"no ack for version {version} within {self.timeout:.1f}s",
+                        f"no ack for version {version} within {self.sink.timeout:.1f}s",
                         model_id=self.sink.model_id,
                         worker_idx=w,
                         version=version,

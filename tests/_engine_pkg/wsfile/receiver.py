@@ -47,7 +47,8 @@ class WsFileReceiver(ReceiverEngine):
         self._next = 0  # the first version not looked at yet
         self._mine: list[tuple[int, str | None]] = []  # versions for this worker not taken yet, with their checksum
 
-    def join(self, deadline: float, check: Callable[[FlatLayout], Any]) -> None:
+    def join(self, deadline: float, check: Callable[[FlatLayout], Any], update_timeout: float) -> None:
+        # update_timeout is not needed here: every wait of this engine is bounded by its own call's timeout.
         self.dir.check_private(**self.where)
         plain = self.dir.read_json(self.dir.layout)
         if plain is None:

@@ -101,7 +101,7 @@ class SchemeHandoff(SchemeProperties, TransportChoice, options.Declared):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._configure(state["options"], {"transport": state["transport"]})  # which starts a new runtime
+        self._configure(state["options"], {"transport": state["transport"]})  # a scheme's ends in a new runtime
         rt = self._runtime
         rt.handoff = state.get("handoff")
         rt.model_id = state.get("model_id")

@@ -85,7 +85,7 @@ class SchemeProperties:
         return self._runtime.state
 
     @property
-    def strategy(self) -> str | WeightStrategy:  # as a scheme's option takes it; it holds the WeightStrategy
+    def strategy(self) -> str | WeightStrategy:  # typed as the option is given; the value is a WeightStrategy
         """How weights are extracted from the model and put back."""
         return self._runtime.strategy
 

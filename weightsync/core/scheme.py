@@ -11,6 +11,10 @@ This module owns the state machine, argument checking and model resolution;
 the sender's pipeline is :class:`~weightsync.core.sender.Sender`, the
 receiver's apply path :class:`~weightsync.core.receiver.Receiver`, and each
 scheme class supplies its engine (``_sender_engine``, ``_receiver_engine``).
+What a scheme holds while it lives is one :class:`~weightsync.core.runtime.Runtime`;
+its bases read it: what it tells (:mod:`~weightsync.core.properties`), how it
+reaches its workers (:mod:`~weightsync.core.handoff`, over the transport of
+:mod:`~weightsync.core.choice`) and the older API (:mod:`~weightsync.core.facade`).
 """
 
 from __future__ import annotations
@@ -300,7 +304,7 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
         rt = self._runtime
         assert rt.receiving is not None
         rt.receiving.where["worker_idx"] = rt.worker_idx
-        applies_itself = self._applies_itself
+        applies_itself = rt.applies_itself
         rt.receiving.bound.move_shared = applies_itself  # the program shared the trainer's model, not the user
         try:
             rt.receiving.connect(self.connect_timeout, getattr(self, "background_thread", False) or applies_itself)

@@ -1,17 +1,48 @@
-"""Which transport a scheme runs over, and that transport's settings: by name, by settings, or by class."""
+"""Which transport a scheme runs over, and that transport's settings: by name, by settings, or by class
+(:func:`choose_transport`), held by the scheme as a :class:`TransportChoice`."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 from ..errors import ConfigurationError
 from .settings import TransportSettings
 
-__all__ = ["choose_transport"]
+__all__ = ["TransportChoice", "choose_transport"]
 
 
-def choose_transport(scheme: type, transport: Any, given: dict[str, Any]) -> TransportSettings | None:
+class TransportChoice:
+    """The transport a :class:`~weightsync.core.scheme.WeightSyncScheme` runs over, among those its class names
+    (``TRANSPORTS``), and that transport's settings (``settings``), chosen once, in ``_choose_transport``."""
+
+    #: The settings classes of the transports this scheme can run over; the first is its default.
+    TRANSPORTS: ClassVar[tuple[type[TransportSettings], ...]] = ()
+
+    @classmethod
+    def setting_names(cls) -> tuple[str, ...]:
+        """The options that are its transport's settings (its ``settings`` holds them)."""
+        return tuple(cls.TRANSPORTS[0].option_names()) if cls.TRANSPORTS else ()
+
+    def _choose_transport(self, transport: Any, given: dict[str, Any]) -> None:
+        """Hold the settings of the transport ``transport`` names, with the settings ``given`` to the scheme
+        (:func:`choose_transport`, which raises what it refuses)."""
+        #: The chosen transport's settings (``None``: the scheme has no transport to choose).
+        self.settings = choose_transport(type(self), transport, given)
+        self.transport_name = self.settings.name if self.settings is not None else None
+
+    @property
+    def wire_dtype(self) -> str | None:
+        """The dtype floating weights travel as (a setting of some transports; ``None``: as they are)."""
+        return getattr(self.settings, "wire_dtype", None)
+
+    @property
+    def transport_class(self) -> Any:
+        """The class of this scheme's transport to one worker, as the older API builds it (``create_transport``)."""
+        return self.settings.transport_class() if self.settings is not None else None
+
+
+def choose_transport(scheme: type[TransportChoice], transport: Any, given: dict[str, Any]) -> TransportSettings | None:
     """The settings of the transport ``transport`` names among ``scheme.TRANSPORTS`` (``None``: the first), with
     the settings ``given`` to the scheme as keyword arguments.
 
@@ -23,7 +54,7 @@ def choose_transport(scheme: type, transport: Any, given: dict[str, Any]) -> Tra
         ConfigurationError: a transport the scheme does not run over, a setting the transport does not
             have (or a bad value), or a setting given both to the scheme and in ``transport`` with two values.
     """
-    choices: tuple[type[TransportSettings], ...] = scheme.TRANSPORTS  # type: ignore[attr-defined]
+    choices = scheme.TRANSPORTS
     if not choices:
         if transport is not None:
             raise ConfigurationError(f"{scheme.__name__} has no transport to choose, got {transport!r}")

@@ -1,5 +1,6 @@
 """The older API, for code written against it: ``get_sender()``/``WeightSender``, ``get_receiver()``/
-``WeightReceiver``, ``create_transport(...)``, and older names of the lifecycle's calls."""
+``WeightReceiver``, ``create_transport(...)``, and the older transports' ``send_to``/``wait_for``. (The older names
+of the lifecycle's calls are the scheme's own: :class:`~weightsync.core.scheme.WeightSyncScheme`.)"""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from ..errors import ConfigurationError, LifecycleError
+from .properties import SchemeProperties
+from .states import SENDER_CONNECTED
 
-__all__ = ["FacadeMixin", "WeightReceiver", "WeightSender"]
+__all__ = ["SchemeFacades", "WeightReceiver", "WeightSender"]
 
 
 class _Facade:
@@ -54,24 +57,24 @@ class WeightReceiver(_Facade):
         return self._scheme.weights
 
 
-class FacadeMixin:
-    """The older API of every scheme: facade accessors (a scheme names its own facade classes), older names."""
+class SchemeFacades(SchemeProperties):
+    """The older API of every scheme, over its runtime (:class:`SchemeProperties`): facade accessors (a scheme names
+    its own facade classes), and the older transport API's sends and waits."""
 
     sender_facade: ClassVar[type] = WeightSender
     receiver_facade: ClassVar[type] = WeightReceiver
-    _facades: dict[str, Any]
 
     def get_sender(self) -> Any:
         """The sender facade. Raises :class:`LifecycleError` before ``init_on_sender``."""
-        if not self.is_sender:  # type: ignore[attr-defined]
-            raise LifecycleError(f"get_sender() needs init_on_sender() first; scheme is {self.state}")  # type: ignore[attr-defined]
-        return self._facades.setdefault("sender", self.sender_facade(self))
+        if not self.is_sender:
+            raise LifecycleError(f"get_sender() needs init_on_sender() first; scheme is {self.state}")
+        return self._runtime.facades.setdefault("sender", self.sender_facade(self))
 
     def get_receiver(self) -> Any:
         """The receiver facade. Raises :class:`LifecycleError` before ``init_on_receiver``."""
-        if not self.is_receiver:  # type: ignore[attr-defined]
-            raise LifecycleError(f"get_receiver() needs init_on_receiver() first; scheme is {self.state}")  # type: ignore[attr-defined]
-        return self._facades.setdefault("receiver", self.receiver_facade(self))
+        if not self.is_receiver:
+            raise LifecycleError(f"get_receiver() needs init_on_receiver() first; scheme is {self.state}")
+        return self._runtime.facades.setdefault("receiver", self.receiver_facade(self))
 
     def create_sender(self) -> Any:
         """A sender facade bound to this scheme (usable once ``init_on_sender`` ran)."""
@@ -85,14 +88,16 @@ class FacadeMixin:
         """Build the transport for one peer; see each scheme for its arguments."""
         raise ConfigurationError(f"{type(self).__name__} has no transport to create")
 
-    def init_on_worker(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
-        """Older name of :meth:`init_on_receiver`."""
-        self.init_on_receiver(model_id, context, **kwargs)  # type: ignore[attr-defined]
+    def send_to(self, weights: Any, targets: list[int], *, wait: bool) -> None:
+        """Publish one new version to ``targets`` (no failure policy, no metrics): the older transport API."""
+        rt = self._runtime
+        rt.require(SENDER_CONNECTED, action="send_to")
+        assert rt.sending is not None
+        rt.sending.send_to(weights, targets, wait=wait)
 
-    def setup_connection_and_weights(self, **kwargs: Any) -> None:
-        """Older name of :meth:`connect`."""
-        self.connect(**kwargs)  # type: ignore[attr-defined]
-
-    def synchronize_weights(self, **kwargs: Any) -> None:
-        """Older name of :meth:`connect`."""
-        self.connect(**kwargs)  # type: ignore[attr-defined]
+    def wait_for(self, workers: list[int], timeout: float | None) -> None:
+        """Wait until each of ``workers`` acked the last version sent to it (at most ``timeout``)."""
+        rt = self._runtime
+        rt.require(SENDER_CONNECTED, action="wait_for")
+        assert rt.sending is not None
+        rt.sending.wait_for(workers, timeout)

@@ -11,13 +11,16 @@ This module owns the state machine, argument checking and model resolution;
 the sender's pipeline is :class:`~weightsync.core.sender.Sender`, the
 receiver's apply path :class:`~weightsync.core.receiver.Receiver`, and each
 scheme class supplies its engine (``_sender_engine``, ``_receiver_engine``).
+What a scheme holds while it lives is one :class:`~weightsync.core.runtime.Runtime`;
+its bases read it: what it tells (:mod:`~weightsync.core.properties`), how it
+reaches its workers (:mod:`~weightsync.core.handoff`, over the transport of
+:mod:`~weightsync.core.choice`) and the older API (:mod:`~weightsync.core.facade`).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from collections.abc import Iterable
 from dataclasses import KW_ONLY
 from typing import Any, ClassVar
@@ -28,22 +31,19 @@ from ..model_path import resolve_model
 from ..options import option
 from ..tensors.layout import FlatLayout, wire_dtype_from_name
 from ..tensors.strategy import WeightStrategy
-from .choice import choose_transport
-from .drivers import UNDRIVEN, Drive, Driver, ModelHold, driver_for, driver_of
+from .drivers import driver_for, driver_of
 from .engine import ReceiverEngine, SenderEngine, Sink
-from .facade import FacadeMixin
-from .handoff import HandoffMixin
-from .properties import SchemeProperties
+from .facade import SchemeFacades
+from .handoff import SchemeHandoff
 from .receiver import Receiver
 from .sender import Sender
-from .settings import TransportSettings
 from .states import CLOSED, NEW, RECEIVER, RECEIVER_CONNECTED, SENDER, SENDER_CONNECTED
 from .workers import check_num_workers, targets
 
 __all__ = ["WeightSyncScheme"]
 
 
-class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Declared, kw_only=False):
+class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
     """Base class of every scheme: the lifecycle of one model across workers.
 
     Every scheme takes its options as keyword arguments (the first four also by position); each is declared
@@ -79,8 +79,6 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
     config_name: ClassVar[str | None] = "SchemeConfig"
     #: Receivers must say which worker they are before connecting.
     needs_worker_idx: ClassVar[bool] = True
-    #: The settings classes of the transports this scheme can run over; the first is its default.
-    TRANSPORTS: ClassVar[tuple[type[TransportSettings], ...]] = ()
     #: The scheme-specific keyword arguments ``init_on_sender`` and ``init_on_receiver`` take (handles).
     SENDER_HANDLES: ClassVar[tuple[str, ...]] = ()
     RECEIVER_HANDLES: ClassVar[tuple[str, ...]] = ()
@@ -98,22 +96,11 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
             cls.backend_name = name
             registry.add_scheme(cls, name, aliases)
 
-    @property
-    def wire_dtype(self) -> str | None:
-        """The dtype floating weights travel as (a setting of some transports; ``None``: as they are)."""
-        return getattr(self.settings, "wire_dtype", None)
-
-    @classmethod
-    def setting_names(cls) -> tuple[str, ...]:
-        """The options that are its transport's settings (its ``settings`` holds them)."""
-        return tuple(cls.TRANSPORTS[0].option_names()) if cls.TRANSPORTS else ()
-
     def _configure(self, given: dict[str, Any], extras: dict[str, Any]) -> None:
         settings = self.setting_names()
         self._take({k: v for k, v in given.items() if k not in settings}, exclude=settings)
-        #: The chosen transport's settings (``None``: the scheme has no transport to choose).
-        self.settings = choose_transport(type(self), extras["transport"], {k: given[k] for k in settings if k in given})
-        self.transport_name = self.settings.name if self.settings is not None else None
+        self._strategy: WeightStrategy  # the strategy option, as `_take` holds it
+        self._choose_transport(extras["transport"], {k: given[k] for k in settings if k in given})
         self._check_options()
         self._reset_runtime()
 
@@ -126,23 +113,8 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
             )
 
     def _reset_runtime(self) -> None:
-        self._state = NEW
-        self._model_id: str | None = None
-        self._context: Any = None
-        self._model: Any = None
-        self._worker_idx: int | None = None
-        self._num_workers: int | None = None
-        self._lock = threading.RLock()
-        self._handoff: dict[str, Any] | None = None
-        self._sending: Sender | None = None
-        self._receiving: Receiver | None = None
-        self._facades: dict[str, Any] = {}
-        self._driver: Driver = UNDRIVEN  # the program that drives this scheme, if one (core/drivers.py)
-        self._drive: Drive | None = None  # how it drives it
-        #: Held while a receiver writes or switches its model's weights; a worker whose forward pass runs
-        #: beside a background receiver thread holds it too.
-        self.weights_lock = threading.RLock()
-        self._hold = ModelHold(self.weights_lock)
+        """Start from a new runtime, as every (re)configuration does (a subclass adds its own state)."""
+        self._start_runtime(self._strategy)
 
     # -------------------------------------------------------------- lifecycle
     def init_on_sender(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
@@ -161,69 +133,71 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
             LifecycleError: the scheme was already initialized.
             ConfigurationError: a required argument is missing or invalid.
         """
-        with self._lock:
-            self._require(NEW, action="init_on_sender")
-            if self._handoff is not None:
+        rt = self._runtime
+        with rt.lock:
+            rt.require(NEW, action="init_on_sender")
+            if rt.handoff is not None:
                 raise LifecycleError(
                     "this scheme was unpickled from a sender: it can only be initialized as a receiver",
                     model_id=model_id,
                 )
-            self._model_id = checks.model_id(model_id, "model_id")
-            self._context = context
-            self._driver = driver = driver_of(context)
-            self._drive = driver.terms(context)
+            rt.model_id = checks.model_id(model_id, "model_id")
+            rt.context = context
+            rt.driver = driver = driver_of(context)
+            rt.drive = driver.terms(context)
             for extra in driver.sender_extras:
                 kwargs.pop(extra, None)
             model = kwargs.pop("model", None)
             weights = kwargs.pop("weights", None)
             if model is None and weights is None and context is not None:
                 model = driver.model(context, model_id)
-            self._model = model if model is not None else weights
+            rt.model = model if model is not None else weights
             num_workers = kwargs.pop("num_workers", None)
             if num_workers is None and context is not None:
                 num_workers = driver.num_workers(context)
-            self._num_workers = check_num_workers(num_workers, self._model_id)
+            rt.num_workers = check_num_workers(num_workers, rt.model_id)
             self._open_sender(kwargs)
-            self._state = SENDER
+            rt.state = SENDER
             driver.follow(self, context)
 
     def _open_sender(self, kwargs: dict[str, Any]) -> None:
         """Build the sender core and its engine (which takes the scheme-specific ``kwargs``)."""
+        rt = self._runtime
         _no_extra(kwargs, self.SENDER_HANDLES, "init_on_sender")
         num_workers = self._count_workers(kwargs)
         layout = self._sender_layout()
         sending = Sender(
             self,
-            model_id=self._model_id,
+            model_id=rt.model_id,
             num_workers=num_workers,
             layout=layout,
             flat_weights=lambda weights: self._flat_weights(weights, detach=False),
-            lock=self._lock,
+            lock=rt.lock,
         )
         if self.flatten_sender:
-            sending.adopt(self._model)
-        own = self._driver.sender_engine(self, sending, layout)
+            sending.adopt(rt.model)
+        own = rt.driver.sender_engine(self, sending, layout)
         sending.engine = own or self._sender_engine(sending, layout, num_workers, kwargs)
-        self._num_workers = num_workers
-        self._sending = sending
+        rt.num_workers = num_workers
+        rt.sending = sending
 
     def _count_workers(self, kwargs: dict[str, Any]) -> int:
         """How many workers this sender serves (``num_workers``, unless the engine's handles say so)."""
-        if self._num_workers is None:
-            raise ConfigurationError(
-                f"{type(self).__name__}.init_on_sender needs num_workers=", model_id=self._model_id
-            )
-        return self._num_workers
+        rt = self._runtime
+        if rt.num_workers is None:
+            raise ConfigurationError(f"{type(self).__name__}.init_on_sender needs num_workers=", model_id=rt.model_id)
+        return rt.num_workers
 
     def _sender_layout(self) -> FlatLayout:
         """The flat layout of the registered model's weights (sender side, at init)."""
-        if self._model is None:
+        rt = self._runtime
+        if rt.model is None:
             raise ConfigurationError(
-                "init_on_sender needs model= or weights= (or a context holding the model)", model_id=self._model_id
+                "init_on_sender needs model= or weights= (or a context holding the model)", model_id=rt.model_id
             )
-        flat = self._strategy.flat(self._model)
+        flat = rt.strategy.flat(rt.model)
         if not flat:
-            raise ConfigurationError("the model has no weights to synchronize", model_id=self._model_id)
+            raise ConfigurationError("the model has no weights to synchronize", model_id=rt.model_id)
         return FlatLayout.from_weights(flat, wire_dtype_from_name(self.wire_dtype))
 
     def init_on_receiver(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
@@ -239,33 +213,35 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
             LifecycleError: the scheme was already initialized (for example as a sender).
             ConfigurationError: no model, or ``worker_idx`` is not the one a receiver config made this for.
         """
-        with self._lock:
-            self._require(NEW, action="init_on_receiver")
-            model_id = model_id or self._model_id or "policy"
-            self._model_id = model_id
-            self._context = context
+        rt = self._runtime
+        with rt.lock:
+            rt.require(NEW, action="init_on_receiver")
+            model_id = model_id or rt.model_id or "policy"
+            rt.model_id = model_id
+            rt.context = context
             model = kwargs.pop("model", None)
             if model is None and context is not None:
                 model = resolve_model(context, model_id)
-            self._model = model
+            rt.model = model
             worker_idx = kwargs.pop("worker_idx", None)
             if worker_idx is not None:
-                self._worker_idx = self._receiver_idx(worker_idx)
-            self._driver = driver = driver_for(self._drive, context)
-            driver.check_receiver(self, context, knows_sender=self._handoff is not None)
+                rt.worker_idx = self._receiver_idx(worker_idx)
+            rt.driver = driver = driver_for(rt.drive, context)
+            driver.check_receiver(self, context, knows_sender=rt.handoff is not None)
             self._open_receiver(kwargs)
-            self._state = RECEIVER
+            rt.state = RECEIVER
             driver.follow(self, context)
 
     def _open_receiver(self, kwargs: dict[str, Any]) -> None:
-        if self._model is None:
+        rt = self._runtime
+        if rt.model is None:
             raise ConfigurationError(
-                "init_on_receiver needs model= (or a context holding the model)", model_id=self._model_id
+                "init_on_receiver needs model= (or a context holding the model)", model_id=rt.model_id
             )
         _no_extra(kwargs, self.RECEIVER_HANDLES, "init_on_receiver")
-        where = {"model_id": self._model_id, "worker_idx": self._worker_idx}  # the index may come at connect
-        engine = self._receiver_engine(dict(self._handoff or {}), kwargs, where)
-        self._receiving = Receiver(self, engine, where)
+        where = {"model_id": rt.model_id, "worker_idx": rt.worker_idx}  # the index may come at connect
+        engine = self._receiver_engine(dict(rt.handoff or {}), kwargs, where)
+        rt.receiving = Receiver(self, engine, where)
 
     def connect(
         self, *, worker_idx: int | None = None, weights: Any = None, processes: Iterable[Any] | None = None
@@ -286,54 +262,58 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
             SyncTimeoutError: a peer did not show up in time (named in the message).
             WorkerDiedError: a worker process the sender knows of exited before it connected.
         """
-        with self._lock:
-            if self._state == SENDER:
+        rt = self._runtime
+        with rt.lock:
+            if rt.state == SENDER:
                 if worker_idx is not None:
                     raise LifecycleError("connect(worker_idx=...) is the receiver's call; this scheme is a sender")
-                if self._sending is not None:  # no_sync has no workers to wait for
-                    self._sending.processes.hand(processes or ())
+                if rt.sending is not None:  # no_sync has no workers to wait for
+                    rt.sending.processes.hand(processes or ())
                 try:
                     self._connect_sender(weights)
                 except WeightSyncError:
                     # Workers that failed the initial sync are named in the error; once every
                     # worker has joined, the others are served and the sender is connected.
                     if self._rendezvous_complete():
-                        self._state = SENDER_CONNECTED
+                        rt.state = SENDER_CONNECTED
                     raise
-                self._state = SENDER_CONNECTED
-            elif self._state == RECEIVER:
+                rt.state = SENDER_CONNECTED
+            elif rt.state == RECEIVER:
                 if processes is not None:
                     raise LifecycleError("connect(processes=...) is the sender's call; this scheme is a receiver")
                 if worker_idx is not None:
-                    self._worker_idx = self._receiver_idx(worker_idx)
-                if self._worker_idx is None and self.needs_worker_idx:
+                    rt.worker_idx = self._receiver_idx(worker_idx)
+                if rt.worker_idx is None and self.needs_worker_idx:
                     raise ConfigurationError("a receiver needs worker_idx (in init_on_receiver or connect)")
                 self._connect_receiver()
-                self._state = RECEIVER_CONNECTED
+                rt.state = RECEIVER_CONNECTED
             else:
-                self._require(SENDER, RECEIVER, action="connect")
+                rt.require(SENDER, RECEIVER, action="connect")
 
     def _connect_sender(self, weights: Any) -> None:
-        assert self._sending is not None
-        self._sending.connect(weights, self.connect_timeout)
+        rt = self._runtime
+        assert rt.sending is not None
+        rt.sending.connect(weights, self.connect_timeout)
 
     def _rendezvous_complete(self) -> bool:
-        engine = self._sending.engine if self._sending is not None else None
+        rt = self._runtime
+        engine = rt.sending.engine if rt.sending is not None else None
         return engine is not None and engine.rendezvous_complete()
 
     def _connect_receiver(self) -> None:
-        assert self._receiving is not None
-        self._receiving.where["worker_idx"] = self._worker_idx
-        applies_itself = self._applies_itself
-        self._receiving.bound.move_shared = applies_itself  # the program shared the trainer's model, not the user
+        rt = self._runtime
+        assert rt.receiving is not None
+        rt.receiving.where["worker_idx"] = rt.worker_idx
+        applies_itself = rt.applies_itself
+        rt.receiving.bound.move_shared = applies_itself  # the program shared the trainer's model, not the user
         try:
-            self._receiving.connect(self.connect_timeout, getattr(self, "background_thread", False) or applies_itself)
+            rt.receiving.connect(self.connect_timeout, getattr(self, "background_thread", False) or applies_itself)
         except BaseException:
-            self._receiving.engine.close()
+            rt.receiving.engine.close()
             raise
         if applies_itself:  # the program runs the model beside the receiver's thread: they take turns
-            self._hold.hold(self._model)
-            self._receiving.on_applied = lambda: self._driver.applied(self._context)
+            rt.hold.hold(rt.model)
+            rt.receiving.on_applied = lambda: rt.driver.applied(rt.context)
 
     def send(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
         """Publish a new version to ``worker_ids`` (all by default).
@@ -349,8 +329,9 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
             WeightSyncError: a worker failed, died or timed out; the message names it.
                 The other targeted workers hold the new version.
         """
-        with self._lock:
-            self._require(SENDER_CONNECTED, action="send")
+        rt = self._runtime
+        with rt.lock:
+            rt.require(SENDER_CONNECTED, action="send")
             self._send(weights, self._targets(worker_ids), self.sync)
 
     def send_async(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
@@ -359,17 +340,20 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
         With ``max_staleness=k``, first waits (at most ``timeout``) until every targeted
         worker acked at least the version ``k`` behind the one about to be published.
         """
-        with self._lock:
-            self._require(SENDER_CONNECTED, action="send_async")
+        rt = self._runtime
+        with rt.lock:
+            rt.require(SENDER_CONNECTED, action="send_async")
             self._send(weights, self._targets(worker_ids), False)
 
     def _targets(self, worker_ids: int | Iterable[int] | None) -> list[int]:
         """The workers a call names (``None``: all), checked."""
-        return targets(worker_ids, self._num_workers or 0, self._model_id)
+        rt = self._runtime
+        return targets(worker_ids, rt.num_workers or 0, rt.model_id)
 
     def _send(self, weights: Any, targets: list[int], wait: bool) -> None:
-        assert self._sending is not None
-        self._sending.publish(weights, targets, wait)
+        rt = self._runtime
+        assert rt.sending is not None
+        rt.sending.publish(weights, targets, wait)
 
     def wait_async(self, timeout: float | None = None) -> None:
         """Wait until every worker acked the last version sent to it (at most ``timeout``, default the scheme's).
@@ -378,22 +362,11 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
             SyncTimeoutError: naming the workers that did not ack in time (with ``on_failure="drop"``,
                 they are dropped instead).
         """
-        with self._lock:
-            self._require(SENDER_CONNECTED, action="wait_async")
-            if self._sending is not None:
-                self._sending.wait(self.timeout if timeout is None else timeout)
-
-    def send_to(self, weights: Any, targets: list[int], *, wait: bool) -> None:
-        """Publish one new version to ``targets`` (no failure policy, no metrics): the older transport API."""
-        self._require(SENDER_CONNECTED, action="send_to")
-        assert self._sending is not None
-        self._sending.send_to(weights, targets, wait=wait)
-
-    def wait_for(self, workers: list[int], timeout: float | None) -> None:
-        """Wait until each of ``workers`` acked the last version sent to it (at most ``timeout``)."""
-        self._require(SENDER_CONNECTED, action="wait_for")
-        assert self._sending is not None
-        self._sending.wait_for(workers, timeout)
+        rt = self._runtime
+        with rt.lock:
+            rt.require(SENDER_CONNECTED, action="wait_async")
+            if rt.sending is not None:
+                rt.sending.wait(self.timeout if timeout is None else timeout)
 
     def receive(self, timeout: float | None = 0.0) -> Any:
         """Apply a pending update, if any; return the weights applied, or ``None``.
@@ -408,43 +381,60 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
                 model kept its weights and the sender was told.
             ConnectionClosedError: the sender shut down or died.
         """
-        self._require(RECEIVER_CONNECTED, action="receive")
+        self._runtime.require(RECEIVER_CONNECTED, action="receive")
         return self._receive(self.timeout if timeout is None else timeout)
 
     def _receive(self, timeout: float) -> Any:
-        assert self._receiving is not None
-        return self._receiving.receive(timeout)
+        rt = self._runtime
+        assert rt.receiving is not None
+        return rt.receiving.receive(timeout)
 
     def apply_weights(self, weights: Any, inplace: bool = True) -> None:
         """Write ``weights`` into this side's registered model, whole or not at all."""
+        rt = self._runtime
         if not inplace:
             raise ConfigurationError(
                 "apply_weights(inplace=False) is not supported: weights are always written in place"
             )
-        if self._model is None:
+        if rt.model is None:
             raise LifecycleError("apply_weights needs a registered model (init_on_sender/init_on_receiver)")
-        self._strategy.apply_weights(self._model, weights, model_id=self._model_id, worker_idx=self._worker_idx)
+        rt.strategy.apply_weights(rt.model, weights, model_id=rt.model_id, worker_idx=rt.worker_idx)
 
     def shutdown(self) -> None:
         """Release every process, thread, socket and shared-memory slot this side holds. Idempotent."""
-        with self._lock:
+        with self._runtime.lock:
             self._shutdown(self.timeout)
 
     def _shutdown(self, timeout: float) -> None:
-        if self._state in (NEW, CLOSED):
-            self._state = CLOSED
+        rt = self._runtime
+        if rt.state in (NEW, CLOSED):
+            rt.state = CLOSED
             return
         try:
             self._close(timeout)
         finally:
-            self._state = CLOSED
+            rt.state = CLOSED
 
     def _close(self, timeout: float) -> None:
-        self._hold.release()
-        if self._sending is not None:
-            self._sending.close(timeout)
-        if self._receiving is not None:
-            self._receiving.close(timeout)
+        rt = self._runtime
+        rt.hold.release()
+        if rt.sending is not None:
+            rt.sending.close(timeout)
+        if rt.receiving is not None:
+            rt.receiving.close(timeout)
+
+    # ------------------------------------------------------------ older names
+    def init_on_worker(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
+        """Older name of :meth:`init_on_receiver`."""
+        self.init_on_receiver(model_id, context, **kwargs)
+
+    def setup_connection_and_weights(self, **kwargs: Any) -> None:
+        """Older name of :meth:`connect`."""
+        self.connect(**kwargs)
+
+    def synchronize_weights(self, **kwargs: Any) -> None:
+        """Older name of :meth:`connect`."""
+        self.connect(**kwargs)
 
     def __enter__(self) -> WeightSyncScheme:
         return self
@@ -455,7 +445,7 @@ class WeightSyncScheme(SchemeProperties, HandoffMixin, FacadeMixin, options.Decl
     def __del__(self) -> None:
         # A finalizer only releases: it waits for no thread and no peer (and takes no lock a thread may hold).
         try:
-            if self._state not in (NEW, CLOSED):
+            if self._runtime.state not in (NEW, CLOSED):
                 self._shutdown(0.0)
         except Exception:  # noqa: BLE001 - nothing may escape a finalizer
             pass

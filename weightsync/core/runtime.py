@@ -1,0 +1,88 @@
+"""What one scheme holds while it lives: :class:`Runtime`, its state declared once.
+
+A scheme's options say what it is; its runtime says where it is: its place in the lifecycle, the model it
+registered, the workers, its sender or receiver core and the program that drives it. Every part of a scheme reads
+that state from here (its facts, its handoff, the older facade), so none has to guess what the others hold.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..errors import LifecycleError
+from .drivers import UNDRIVEN, Drive, Driver, ModelHold
+from .states import NEW
+
+if TYPE_CHECKING:
+    from ..tensors.strategy import WeightStrategy
+    from .receiver import Receiver
+    from .sender import Sender
+
+__all__ = ["Runtime"]
+
+
+@dataclass(eq=False)
+class Runtime:
+    """The state of one scheme between its construction and its shutdown; never pickled (a pickled scheme carries
+    its options and its handoff, and starts a new one).
+
+    Attributes:
+        strategy: how the scheme's weights are read and written (its ``strategy`` option).
+        state: where it is in its lifecycle (:mod:`weightsync.core.states`).
+        model_id: the model's name or path inside ``context`` (``None`` before init).
+        context: the object the model was found in, or the program that drives the scheme.
+        model: the registered model (sender: or its weights).
+        worker_idx: receiver: which worker this is (``None`` until known).
+        num_workers: sender: how many workers it serves; a receiver rebuilt from a sender knows it too.
+        handoff: what a worker needs to reach its sender (from a pickled sender or a receiver config), else ``None``.
+        drive: how a program drives this scheme (travels with a pickled sender), else ``None``.
+        driver: the program that drives it (:data:`~weightsync.core.drivers.UNDRIVEN`: none).
+        sending: the sender core, once ``init_on_sender`` ran.
+        receiving: the receiver core, once ``init_on_receiver`` ran.
+        facades: the older API's facades handed out so far (``"sender"``, ``"receiver"``), one of each.
+        lock: held by every lifecycle call (and by a sender's rejoin thread when it admits a worker).
+        weights_lock: held while a receiver writes or switches its model's weights; a worker whose forward pass
+            runs beside a background receiver thread holds it too.
+        hold: the model's forward passes taking turns with updates on ``weights_lock``, where a program applies
+            updates itself.
+    """
+
+    strategy: WeightStrategy
+    state: str = NEW
+    model_id: str | None = None
+    context: Any = None
+    model: Any = None
+    worker_idx: int | None = None
+    num_workers: int | None = None
+    handoff: dict[str, Any] | None = None
+    drive: Drive | None = None
+    driver: Driver = UNDRIVEN
+    sending: Sender | None = None
+    receiving: Receiver | None = None
+    facades: dict[str, Any] = field(default_factory=dict)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    weights_lock: threading.RLock = field(default_factory=threading.RLock)
+    hold: ModelHold = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hold = ModelHold(self.weights_lock)
+
+    def require(self, *states: str, action: str) -> None:
+        """Refuse ``action`` unless the scheme is in one of ``states``.
+
+        Raises:
+            LifecycleError: naming the state it is in, the ones ``action`` needs, the model and the worker.
+        """
+        if self.state not in states:
+            raise LifecycleError(
+                f"cannot {action}: scheme is {self.state}; {action} needs it {' or '.join(states)}",
+                model_id=self.model_id,
+                worker_idx=self.worker_idx,
+            )
+
+    @property
+    def applies_itself(self) -> bool:
+        """A program drives this receiver: it applies updates itself, and its model's sharing is the program's."""
+        return self.drive is not None and self.drive.applies_itself

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -102,6 +102,7 @@ class Outgoing:
             write_into(views, self.flat, non_blocking=non_blocking)
 
 
+@dataclass(eq=False, repr=False)  # its fields and constructor, declared once; engines compare by identity
 class SenderEngine(ABC):
     """The trainer's side of an engine: one object per scheme, holding one transport per worker.
 
@@ -125,7 +126,7 @@ class SenderEngine(ABC):
     Every method that may wait takes a deadline and returns (or raises :class:`~weightsync.errors.SyncTimeoutError`)
     by then. Acks, refusals and deaths are reported to the :class:`Sink` as they are found, from any method.
 
-    Args:
+    Attributes:
         sink: the core.
         layout: where each tensor sits in a version's bytes.
         num_workers: how many workers.
@@ -138,22 +139,14 @@ class SenderEngine(ABC):
     #: implements :meth:`poll_rejoin` and :meth:`admit`).
     rejoins: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        sink: Sink,
-        layout: FlatLayout,
-        num_workers: int,
-        *,
-        checksum: bool = False,
-        gpu: torch.device | None = None,
-    ) -> None:
-        self.sink = sink
-        self.layout = layout
-        self.num_workers = num_workers
-        self.checksum = checksum
-        self.gpu = gpu
-        #: One transport per worker (the older API's ``sender_transports``).
-        self.transports: dict[int, Any] = {}
+    sink: Sink
+    layout: FlatLayout
+    num_workers: int
+    _: KW_ONLY
+    checksum: bool = False
+    gpu: torch.device | None = None
+    #: One transport per worker (the older API's ``sender_transports``).
+    transports: dict[int, Any] = field(default_factory=dict, init=False)
 
     @property
     def pin(self) -> bool:

@@ -4,7 +4,6 @@ and may set its ``context`` and ``model``."""
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,31 +37,7 @@ class SchemeProperties:
         #: beside a background receiver thread holds it too.
         self.weights_lock = self._runtime.weights_lock
 
-    # The names the scheme classes (weightsync/schemes) read their runtime by.
-    @property
-    def _model_id(self) -> str | None:
-        return self._runtime.model_id
-
-    @property
-    def _context(self) -> Any:
-        return self._runtime.context
-
-    @property
-    def _model(self) -> Any:
-        return self._runtime.model
-
-    @property
-    def _num_workers(self) -> int | None:
-        return self._runtime.num_workers
-
-    @property
-    def _worker_idx(self) -> int | None:
-        return self._runtime.worker_idx
-
-    @_worker_idx.setter
-    def _worker_idx(self, worker_idx: int | None) -> None:  # a scheme with one receiver may name it before connect
-        self._runtime.worker_idx = worker_idx
-
+    # What tests and tools inspect of a live scheme (its sender core, what a pickled scheme carries).
     @property
     def _sending(self) -> Sender | None:
         return self._runtime.sending
@@ -70,13 +45,6 @@ class SchemeProperties:
     @property
     def _handoff(self) -> dict[str, Any] | None:
         return self._runtime.handoff
-
-    @property
-    def _lock(self) -> threading.RLock:
-        return self._runtime.lock
-
-    def _require(self, *states: str, action: str) -> None:
-        self._runtime.require(*states, action=action)
 
     # ------------------------------------------------------------------- facts
     @property

@@ -87,9 +87,9 @@ class DistributedWeightSyncScheme(NetworkScheme, name="distributed", aliases=("t
             if not (dist.is_nccl_available() and torch.cuda.is_available()):
                 raise ConfigurationError(
                     "backend='nccl' needs CUDA and a torch build with NCCL; use backend='gloo' on CPU",
-                    model_id=self._model_id,
+                    model_id=self.model_id,
                 )
-        digest_device_check(self.checksum, settings.device, model_id=self._model_id)
+        digest_device_check(self.checksum, settings.device, model_id=self.model_id)
         return settings
 
     def create_transport(self, **kwargs: Any) -> Any:
@@ -113,7 +113,7 @@ class DistributedWeightSyncScheme(NetworkScheme, name="distributed", aliases=("t
 
         handoff = DistributedReceiver.handoff_from(handoff, kwargs)
         settings = self._checked_settings()
-        flat = flatten_weights(self._model, self._strategy.extract_as)
+        flat = flatten_weights(self.model, self._strategy.extract_as)
         # A model in shared memory may be read by processes of the worker's own: written into, never moved.
         shared = self._kept_shared(flat)
         return DistributedReceiver(

@@ -43,14 +43,14 @@ class NoWeightSyncScheme(WeightSyncScheme, name="no_sync", aliases=("none",), co
         self._count = 0
 
     def _connect_receiver(self) -> None:
-        weights = self._strategy.flat(self._model) if self._model is not None else {}
+        weights = self._strategy.flat(self.model) if self.model is not None else {}
         if any(tensor.is_meta for tensor in weights.values()):
             raise ConfigurationError(
                 "no_sync moves no weights, and this worker's model has none (its tensors are on the meta device, "
                 "as TorchRL's collectors send a policy to their workers): build the policy in the worker "
                 "(policy_factory=), or use a scheme that moves weights",
-                model_id=self._model_id,
-                worker_idx=self._worker_idx,
+                model_id=self.model_id,
+                worker_idx=self.worker_idx,
             )
 
     def _send(self, weights: Any, targets: list[int], wait: bool) -> None:

@@ -107,32 +107,32 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
                 f"this Ray cluster has nodes on other machines ({', '.join(remote)}), and Ray unpickles what "
                 "its peers send: set allow_pickle=True if every machine of the cluster is yours "
                 "(see docs/multinode.md)",
-                model_id=self._model_id,
+                model_id=self.model_id,
             )
 
     def create_transport(self, **kwargs: Any) -> Any:
         """The transport to one actor (``actor=``, ``worker_idx=``)."""
         sink = self._sending if self.is_sender else None
         return self.transport_class(
-            kwargs["actor"], kwargs["worker_idx"], self._model_id, self._strategy.extract_as, sink
+            kwargs["actor"], kwargs["worker_idx"], self.model_id, self._strategy.extract_as, sink
         )
 
     def _actors(self, kwargs: dict[str, Any]) -> list[Any]:
         actors = kwargs.get("remote_collectors") or kwargs.get("actors")
-        if actors is None and self._context is not None:
-            actors = getattr(self._context, "remote_collectors", None)
+        if actors is None and self.context is not None:
+            actors = getattr(self.context, "remote_collectors", None)
         if not actors:
             raise ConfigurationError(
                 f"{type(self).__name__}.init_on_sender needs remote_collectors= (actor handles)",
-                model_id=self._model_id,
+                model_id=self.model_id,
             )
         return list(actors)
 
     def _count_workers(self, kwargs: dict[str, Any]) -> int:
         actors = self._actors(kwargs)
-        if self._num_workers is not None and self._num_workers != len(actors):
+        if self.num_workers is not None and self.num_workers != len(actors):
             raise ConfigurationError(
-                f"num_workers={self._num_workers} but {len(actors)} actors were given", model_id=self._model_id
+                f"num_workers={self.num_workers} but {len(actors)} actors were given", model_id=self.model_id
             )
         return len(actors)
 
@@ -179,14 +179,14 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
             ConfigurationError: ``worker_idx`` is not one of this scheme's workers.
             WorkerDiedError, ReceiverError, SyncTimeoutError: it could not take the version; it stays out.
         """
-        self._require(SENDER_CONNECTED, action="rejoin")
+        self._runtime.require(SENDER_CONNECTED, action="rejoin")
         assert self._sending is not None and self._sending.engine is not None
         sending = self._sending
         if isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or worker_idx not in sending.ledger.peers:
             raise ConfigurationError(
-                f"worker_idx {worker_idx!r} is not in 0..{len(sending.ledger.peers) - 1}", model_id=self._model_id
+                f"worker_idx {worker_idx!r} is not in 0..{len(sending.ledger.peers) - 1}", model_id=self.model_id
             )
-        with self._lock:
+        with self._runtime.lock:
             from ..transports.ray.sender import RaySender
 
             engine = sending.engine
@@ -196,7 +196,7 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
             failures = sending.collect({worker_idx: version}, deadline)
             if failures:
                 sending.mark_dead(worker_idx, failures[worker_idx])
-                raise_failures(failures, model_id=self._model_id, version=version)
+                raise_failures(failures, model_id=self.model_id, version=version)
             sending.rejoined(worker_idx, version)
             return version
 
@@ -249,20 +249,20 @@ class RayModuleTransformScheme(RayWeightSyncScheme, name="ray_module_transform")
 
     def _actors(self, kwargs: dict[str, Any]) -> list[Any]:
         actor = kwargs.pop("actor", None)
-        if actor is None and self._context is not None and "remote_collectors" not in kwargs:
-            actor = getattr(self._context, "actor", None)
+        if actor is None and self.context is not None and "remote_collectors" not in kwargs:
+            actor = getattr(self.context, "actor", None)
         if actor is not None:
             kwargs["remote_collectors"] = [actor]
         actors = super()._actors(kwargs)
         if len(actors) != 1:
             raise ConfigurationError(
-                f"RayModuleTransformScheme hosts the module in ONE actor, got {len(actors)}", model_id=self._model_id
+                f"RayModuleTransformScheme hosts the module in ONE actor, got {len(actors)}", model_id=self.model_id
             )
         return actors
 
     def _open_receiver(self, kwargs: dict[str, Any]) -> None:
-        if self._worker_idx is None:
-            self._worker_idx = 0
+        if self.worker_idx is None:
+            self._runtime.worker_idx = 0
         super()._open_receiver(kwargs)
 
 

@@ -94,17 +94,17 @@ class RPCWeightSyncScheme(NetworkScheme, name="rpc"):
         """A transport to worker ``worker_idx`` (RPC name ``worker_name``)."""
         from ..transports.rpc.transport import RPCTransport
 
-        return RPCTransport(model_id=self._model_id, **kwargs)
+        return RPCTransport(model_id=self.model_id, **kwargs)
 
     def _count_workers(self, kwargs: dict[str, Any]) -> int:
         names = kwargs.get("worker_names")
         if names is None:
-            if self._num_workers is None:
+            if self.num_workers is None:
                 raise ConfigurationError("RPCWeightSyncScheme.init_on_sender needs num_workers= (or worker_names=)")
-            return self._num_workers
-        if self._num_workers is not None and self._num_workers != len(names):
+            return self.num_workers
+        if self.num_workers is not None and self.num_workers != len(names):
             raise ConfigurationError(
-                f"num_workers={self._num_workers} but {len(names)} worker_names", model_id=self._model_id
+                f"num_workers={self.num_workers} but {len(names)} worker_names", model_id=self.model_id
             )
         return len(names)
 
@@ -121,10 +121,10 @@ class RPCWeightSyncScheme(NetworkScheme, name="rpc"):
                 raise ConfigurationError(
                     "worker_names= uses an RPC agent you started; call rpc.init_rpc first, or leave worker_names "
                     "out and the scheme runs the RPC world itself",
-                    model_id=self._model_id,
+                    model_id=self.model_id,
                 )
         else:
-            self._check_opt_in(model_id=self._model_id)
+            self._check_opt_in(model_id=self.model_id)
             master = resolve_master(self.master_addr, self.master_port)
         settings = self.settings
         assert isinstance(settings, RPCSettings)
@@ -147,7 +147,7 @@ class RPCWeightSyncScheme(NetworkScheme, name="rpc"):
         if handoff and not handoff.get("external"):
             self._check_opt_in(**where)
         # A model in shared memory may be read by processes of the worker's own: written into, never moved.
-        shared = self._kept_shared(flatten_weights(self._model, self._strategy.extract_as))
+        shared = self._kept_shared(flatten_weights(self.model, self._strategy.extract_as))
         return RPCReceiver(handoff, take=not (self.keep_storage or shared), where=where)
 
     @classmethod

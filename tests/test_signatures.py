@@ -88,3 +88,14 @@ def test_an_option_refused_is_named_and_settings_are_immutable():
     assert scheme.settings == settings and scheme.transport_name == "distributed"
     with pytest.raises(ws.ConfigurationError, match="given twice"):
         ws.DistributedWeightSyncScheme(transport=settings, bucket_mb=2)
+
+
+def test_a_constructor_written_in_the_class_body_is_kept():
+    class Wrapped(ws.MultiProcessWeightSyncScheme):
+        def __init__(self, label: str, **kwargs) -> None:
+            self.label = label
+            super().__init__(**kwargs)
+
+    scheme = Wrapped("mine", timeout=7.0)
+    assert scheme.label == "mine" and scheme.timeout == 7.0
+    assert list(inspect.signature(Wrapped).parameters) == ["label", "kwargs"]

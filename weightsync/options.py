@@ -267,7 +267,8 @@ class Declared:
                 declared = list(inspect.get_annotations(cls))
                 before = declared[: declared.index("_")] if "_" in declared else declared
                 cls.POSITIONAL = len(kept) + sum(1 for name in own if name in before)
-        cls.__init__ = _constructor(cls)  # type: ignore[method-assign]
+        if "__init__" not in vars(cls):  # a constructor written in the class body is the class's own to keep
+            cls.__init__ = _constructor(cls)  # type: ignore[method-assign]
 
     @classmethod
     def option(cls, name: str) -> Option:

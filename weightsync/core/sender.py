@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -36,7 +36,7 @@ from .ledger import Ledger, Peer
 from .rejoin import Admitter
 from .timing import Progress, deadline_after, remaining
 
-__all__ = ["Sender", "by_worker"]
+__all__ = ["Sender", "SenderOptions", "by_worker"]
 
 log = logging.getLogger("weightsync.core")
 
@@ -49,12 +49,34 @@ def by_worker(exc: WeightSyncError) -> dict[int, WeightSyncError]:
     return {} if exc.worker_idx is None else {exc.worker_idx: exc}
 
 
+class SenderOptions(Protocol):
+    """What the sender core reads of its scheme's options, read at each use (a scheme's ``timeout`` changed
+    after ``init_on_sender`` governs the next wait)."""
+
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def connect_timeout(self) -> float: ...
+    @property
+    def sync(self) -> bool: ...
+    @property
+    def strategy_str(self) -> str: ...
+    @property
+    def flatten_sender(self) -> bool: ...
+    @property
+    def check_finite(self) -> bool: ...
+    @property
+    def max_staleness(self) -> int | None: ...
+    @property
+    def on_failure(self) -> str: ...
+
+
 class Sender:
     """Versions, the ack ledger, deadlines, the failure policy, staleness, metrics and rejoins of one scheme.
 
     Args:
         scheme: the scheme's options (``timeout``, ``connect_timeout``, ``sync``, ``on_failure``,
-            ``max_staleness``, ``check_finite``, ``flatten_sender``, ``strategy``), read as attributes: the
+            ``max_staleness``, ``check_finite``, ``flatten_sender``, ``strategy_str``: :class:`SenderOptions`): the
             engine reads the timeouts here (:class:`~weightsync.core.engine.Sink`), never a copy of its own.
         model_id: the model's name.
         num_workers: how many workers.
@@ -66,7 +88,7 @@ class Sender:
 
     def __init__(
         self,
-        scheme: Any,
+        scheme: SenderOptions,
         *,
         model_id: str | None,
         num_workers: int,
@@ -193,7 +215,7 @@ class Sender:
     # ----------------------------------------------------------------- weights
     def adopt(self, model: Any) -> None:
         """``flatten_sender``, at init: move the registered model into one buffer laid out like the payload."""
-        self.bound.adopt(flatten_weights(model, self.options.strategy.extract_as), self.layout, self.model_id)
+        self.bound.adopt(flatten_weights(model, self.options.strategy_str), self.layout, self.model_id)
 
     def weights(self, weights: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """``weights`` (``None``: the registered model) as the source's own tensors, checked against the layout
@@ -372,6 +394,7 @@ class Sender:
     def _bound_staleness(self, targets: list[int]) -> float:
         """Wait until no targeted worker lags more than ``max_staleness`` behind the next version."""
         limit = self.options.max_staleness
+        assert limit is not None  # called only under a bound
         upcoming = (self.version if self.version is not None else -1) + 1
         expected = {}
         for w in self.ledger.live(targets):

@@ -53,22 +53,16 @@ class SenderOptions(Protocol):
     """What the sender core reads of its scheme's options, read at each use (a scheme's ``timeout`` changed
     after ``init_on_sender`` governs the next wait)."""
 
-    @property
-    def timeout(self) -> float: ...
-    @property
-    def connect_timeout(self) -> float: ...
-    @property
-    def sync(self) -> bool: ...
+    timeout: float
+    connect_timeout: float
+    sync: bool
+    flatten_sender: bool
+    check_finite: bool
+    max_staleness: int | None
+    on_failure: str
+
     @property
     def strategy_str(self) -> str: ...
-    @property
-    def flatten_sender(self) -> bool: ...
-    @property
-    def check_finite(self) -> bool: ...
-    @property
-    def max_staleness(self) -> int | None: ...
-    @property
-    def on_failure(self) -> str: ...
 
 
 class Sender:

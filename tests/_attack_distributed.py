@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
 from datetime import timedelta
 
 import torch
@@ -51,16 +50,19 @@ def find_run(port: int) -> tuple[dist.Store, dist.Store, str]:
         print(f"port {port} is not listening", flush=True)
         sys.exit(2)
     base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
-    for _ in range(500):
-        for key in base.list_keys():
-            found = re.match(r"^(weightsync/[^/]+/[0-9a-f]{16})/layout$", key)
-            if found:
-                prefix = found.group(1)
-                print(f"found the run's prefix {prefix}", flush=True)
-                return base, dist.PrefixStore(prefix, base), prefix
-        time.sleep(0.02)
-    print("no run found in the store", flush=True)
-    sys.exit(2)
+    prefixes: list[str] = []
+
+    def listed() -> bool:  # the store has no event for a new key: its list is polled, bounded
+        prefixes.extend(
+            m.group(1) for k in base.list_keys() if (m := re.match(r"^(weightsync/[^/]+/[0-9a-f]{16})/layout$", k))
+        )
+        return bool(prefixes)
+
+    if not wait_until(listed, deadline_after(10), 0.02):
+        print("no run found in the store", flush=True)
+        sys.exit(2)
+    print(f"found the run's prefix {prefixes[0]}", flush=True)
+    return base, dist.PrefixStore(prefixes[0], base), prefixes[0]
 
 
 def wait_key(store: dist.Store, key: str, seconds: float) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import weightsync as ws
 from tests import _bodies as bodies
 from tests._bodies import optimizer_step, start
 from tests._workers import build, checksum, serve
+from weightsync.core.timing import deadline_after, wait_until
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; this machine has none")
 
@@ -196,14 +196,13 @@ def test_gpu_slots_leave_no_device_memory_behind(workers, name):
         assert status == "stopped" and not left["threads"], left
     group.stop()
     scheme.shutdown()
-    deadline = time.monotonic() + 10  # torch frees a shared block once the workers' mappings are gone
-    while time.monotonic() < deadline:
+
+    def freed() -> bool:  # torch frees a shared block once the workers' mappings are gone; no event says when
         torch.cuda.synchronize()
         torch.cuda.ipc_collect()
-        if torch.cuda.memory_allocated() == allocated_before:
-            break
-        time.sleep(0.1)
-    assert torch.cuda.memory_allocated() == allocated_before
+        return torch.cuda.memory_allocated() == allocated_before
+
+    assert wait_until(freed, deadline_after(10), 0.1), torch.cuda.memory_allocated()
 
 
 def test_a_shared_mem_gpu_worker_keeps_its_weights_after_the_trainer_shuts_down(workers):
@@ -218,10 +217,9 @@ def test_a_shared_mem_gpu_worker_keeps_its_weights_after_the_trainer_shuts_down(
     expected = checksum(model)
     on_slot = group.ask(0, "storage", "policy")[0]  # the model's memory: the trainer's slot, mapped
     scheme.shutdown()
-    deadline = time.monotonic() + 10
-    while group.ask(0, "storage", "policy")[0] == on_slot and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert group.ask(0, "storage", "policy")[0] != on_slot  # private memory now
+    # The worker moves in its own process; the test can only ask it (bounded).
+    moved = wait_until(lambda: group.ask(0, "storage", "policy")[0] != on_slot, deadline_after(10), 0.05)
+    assert moved  # private memory now
     assert group.ask(0, "state")["policy"] == (1, expected)
     status, _, left = group.ask(0, "stop")
     assert status == "stopped" and not left["threads"], left

@@ -53,7 +53,6 @@ def test_a_gpu_is_found_by_uuid_whatever_its_index_in_this_process():
     assert cuda.local_index(GPU0, []) is None  # no CUDA here
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a worker that does not see the sender's GPU")
 def test_a_share_of_a_gpu_this_process_does_not_see_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     share = {"uuid": GPU0}
@@ -361,7 +360,10 @@ def test_the_leak_check_leaves_out_torchs_cuda_ipc_reference_counter_file_only()
     from tests.conftest import PRIVATE_SHM, _torch_ref_counter
 
     if not PRIVATE_SHM:
-        pytest.skip("writes into /dev/shm: only in this run's private /dev/shm")
+        pytest.skip(
+            "needs this run's private /dev/shm (root, a mount namespace): it writes files where other programs "
+            "keep theirs"
+        )
     counter = "/dev/shm/torch_93811_3851275_0"  # what a process that shared CUDA memory keeps for its life
     other = "/dev/shm/torch_93811_3851275_1"  # a file of another size: a shared CPU tensor, still a leak
     try:

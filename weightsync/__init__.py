@@ -24,6 +24,7 @@ _HOME = {
     name: module
     for module, names in {
         "core.scheme": ("WeightSyncScheme",),
+        "core.external": ("ExternalModel",),
         "core.facade": ("WeightReceiver", "WeightSender"),
         "core.settings": ("TransportSettings",),
         "registry": ("available_backends", "get_backend", "register_backend"),

@@ -31,7 +31,7 @@ def groups(own: bool = False) -> list[tuple[str, list[str]]]:
         ("Sender and receiver facades", ["WeightSender", "WeightReceiver", *others]),
         ("Transports", ["TransportBackend", *transports]),
         ("Transport settings", ["TransportSettings", *settings_names]),
-        ("Weights", ["WeightStrategy", "FlatLayout", "resolve_model"]),
+        ("Weights", ["WeightStrategy", "FlatLayout", "ExternalModel", "resolve_model"]),
         ("Metrics", ["SendRecord"]),
         ("Registry", ["available_backends", "get_backend", "register_backend"]),
         ("Errors", sorted(n for n in ws.__all__ if n.endswith("Error"))),

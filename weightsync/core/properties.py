@@ -14,6 +14,7 @@ from ..model_path import resolve_weights
 from ..tensors.bound import one_device
 from ..tensors.copies import in_shared_memory
 from ..tensors.strategy import flatten_weights
+from .external import ExternalModel
 from .runtime import Runtime
 from .states import RECEIVER_CONNECTED, RECEIVING, SENDER_CONNECTED, SENDING
 
@@ -76,6 +77,8 @@ class SchemeProperties:
     def model_device(self) -> torch.device | None:
         """The device every weight of the registered model is on (``None``: no model yet, or several devices)."""
         rt = self._runtime
+        if isinstance(rt.model, ExternalModel):
+            return rt.model.device
         return None if rt.model is None else one_device(list(rt.strategy.flat(rt.model).values()))
 
     @property
@@ -147,6 +150,15 @@ class SchemeProperties:
         own may read it. Not where a driving program put them there (it pickled the trainer's model into the
         worker): that sharing would let the trainer's steps reach the worker, and is undone at the first update."""
         return in_shared_memory(flat) and not self._runtime.applies_itself
+
+    @property
+    def _model_kept_shared(self) -> bool:
+        """Whether the registered model's tensors are in shared memory that must stay theirs (:meth:`_kept_shared`);
+        never for a model a program loads itself (:class:`~weightsync.core.external.ExternalModel`)."""
+        rt = self._runtime
+        if isinstance(rt.model, ExternalModel):
+            return False
+        return self._kept_shared(flatten_weights(rt.model, rt.strategy.extract_as))
 
     @property
     def version(self) -> int | None:

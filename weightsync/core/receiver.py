@@ -25,6 +25,7 @@ from ..tensors.copies import write_into
 from ..tensors.layout import FlatLayout
 from ..tensors.strategy import check_spec, flatten_weights, weights_spec
 from .engine import Delivery, ReceiverEngine
+from .external import ExternalModel
 from .rejoin import stop_thread
 from .timing import deadline_after, remaining
 
@@ -76,10 +77,16 @@ class Receiver:
         self._written = ({}, None)
 
     # ---------------------------------------------------------------- joining
+    def _spec(self) -> Any:
+        """``{name: (shape, dtype)}`` of what the model takes."""
+        if isinstance(self.model, ExternalModel):
+            return self.model.spec
+        return weights_spec(flatten_weights(self.model, self.strategy.extract_as))
+
     def _check(self, layout: FlatLayout) -> WeightMismatchError | None:
         """Whether the model fits ``layout``; a misfit is remembered, and the first update fails with it."""
         try:
-            check_spec(layout.spec, weights_spec(flatten_weights(self.model, self.strategy.extract_as)), **self.where)
+            check_spec(layout.spec, self._spec(), **self.where)
         except WeightMismatchError as exc:
             self._refusal = exc
         return self._refusal
@@ -133,22 +140,26 @@ class Receiver:
             if layout is None:
                 raise ConfigurationError("received an update before the layout", **where)
             check_digest([piece for _, piece in update.pieces], update.digest, **where)
-            dst = flatten_weights(self.model, self.strategy.extract_as)
-            held = self.engine.placement != "write" and self.bound.holds(dst)  # exactly as bound: checks hold
-            if not held:
-                check_spec(layout.spec, weights_spec(dst), **where)
-                _materialize(dst, update)
-            with self.weights_lock:  # weights and version change together for readers holding the lock
-                gpus = self._gpus(dst, held)
-                if gpus and cuda.settle_before_write(self.engine.placement, threading.current_thread() is self._thread):
-                    # Inference another thread queued under the lock, on a stream of its own, ends first.
-                    cuda.settle(gpus, deadline, whole_device=True)
-                if update.fence is not None:  # bytes another process's GPU stream wrote: read them after it
-                    cuda.wait_event(update.fence, gpus, deadline)
-                self._written = (dst, self._place(dst, update, layout, held))
-                if gpus:  # the copies are queued on the model's stream: done before the ack says so
-                    cuda.settle(gpus, deadline, whole_device=cuda.settle_whole_device(self.engine.placement))
-                self.version = update.version
+            if isinstance(self.model, ExternalModel):  # the program loads it: no tensor of ours to write
+                self._hand_over(self.model, update, layout, where, deadline)
+            else:
+                dst = flatten_weights(self.model, self.strategy.extract_as)
+                held = self.engine.placement != "write" and self.bound.holds(dst)  # exactly as bound: checks hold
+                if not held:
+                    check_spec(layout.spec, weights_spec(dst), **where)
+                    _materialize(dst, update)
+                with self.weights_lock:  # weights and version change together for readers holding the lock
+                    gpus = self._gpus(dst, held)
+                    in_thread = threading.current_thread() is self._thread
+                    if gpus and cuda.settle_before_write(self.engine.placement, in_thread):
+                        # Inference another thread queued under the lock, on a stream of its own, ends first.
+                        cuda.settle(gpus, deadline, whole_device=True)
+                    if update.fence is not None:  # bytes another process's GPU stream wrote: read them after it
+                        cuda.wait_event(update.fence, gpus, deadline)
+                    self._written = (dst, self._place(dst, update, layout, held))
+                    if gpus:  # the copies are queued on the model's stream: done before the ack says so
+                        cuda.settle(gpus, deadline, whole_device=cuda.settle_whole_device(self.engine.placement))
+                    self.version = update.version
         except Exception as exc:
             if gpus:  # copies queued before the failure may still read the slot: done before the ack frees it
                 try:  # a deadline of its own: the failure may be that the first one ran out
@@ -161,6 +172,18 @@ class Receiver:
         if self.on_applied is not None:
             self.on_applied()
         return update.version
+
+    def _hand_over(
+        self, model: ExternalModel, update: Delivery, layout: FlatLayout, where: dict[str, Any], deadline: float
+    ) -> None:
+        """Check ``update`` against what the program loads, and hand it its tensors to load (it copies them)."""
+        check_spec(layout.spec, model.spec, **where)
+        views = self._views_of(update, layout)
+        with self.weights_lock:
+            if update.fence is not None:  # bytes another process's GPU stream wrote: read them after it
+                cuda.wait_event(update.fence, cuda.cuda_devices(views.values()), deadline)
+            model.load(views)
+            self.version = update.version
 
     def _gpus(self, dst: dict[str, torch.Tensor], held: bool) -> set[torch.device]:
         """The GPUs the model's tensors ``dst`` are on (``held``: all in the bound storage, whose device says)."""
@@ -217,7 +240,8 @@ class Receiver:
 
     # ------------------------------------------------------------- reporting
     def receive(self, timeout: float) -> Any:
-        """Apply the pending update (or report what the background thread applied); the weights, or ``None``."""
+        """Apply the pending update (or report what the background thread applied); the weights, or ``None``
+        (for an :class:`ExternalModel`, which holds no tensor of weightsync's: the model itself)."""
         if self._thread is None:
             if not self.engine.pushes:
                 self.poll_and_apply(timeout)
@@ -233,6 +257,8 @@ class Receiver:
             return None
         with self.weights_lock:  # the tensors the update was written to: no second walk of the model
             self.reported = self.version
+            if isinstance(self.model, ExternalModel):
+                return self.model
             dst, views = self._written
             if views is not None:  # the model reads them: plain tensors, no detach (0.5 us each)
                 return self.strategy.format({k: views[k] for k in dst})
@@ -277,7 +303,7 @@ class Receiver:
         shares the engine's, and close the engine."""
         stop_thread(self._thread, self._stop, timeout, "receiver")
         self._thread = None
-        if self.engine.placement == "share":
+        if self.engine.placement == "share" and not isinstance(self.model, ExternalModel):
             # The model still reads shared memory: give it private memory so the engine can unmap it.
             with self.weights_lock:
                 self.bound.release()

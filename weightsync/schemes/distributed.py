@@ -11,9 +11,7 @@ from ..core.engine import ReceiverEngine, SenderEngine, Sink
 from ..errors import ConfigurationError
 from ..integrity import digest_device_check
 from ..options import MAX_BUFFERS, WIRE_DTYPE, option
-from ..tensors.bound import one_device
 from ..tensors.layout import FlatLayout
-from ..tensors.strategy import flatten_weights
 from ..transports.distributed.settings import BACKEND, BUCKET_MB, DistributedSettings
 from .network import WORLD_SIZE, NetworkScheme
 
@@ -113,15 +111,13 @@ class DistributedWeightSyncScheme(NetworkScheme, name="distributed", aliases=("t
 
         handoff = DistributedReceiver.handoff_from(handoff, kwargs)
         settings = self._checked_settings()
-        flat = flatten_weights(self.model, self._strategy.extract_as)
         # A model in shared memory may be read by processes of the worker's own: written into, never moved.
-        shared = self._kept_shared(flat)
         return DistributedReceiver(
             handoff,
             settings,
-            take=not (self.keep_storage or shared),
+            take=not (self.keep_storage or self._model_kept_shared),
             where=where,
-            model_device=one_device(list(flat.values())),
+            model_device=self.model_device,
         )
 
     @classmethod

@@ -9,7 +9,6 @@ from ..core.engine import ReceiverEngine, SenderEngine, Sink
 from ..errors import ConfigurationError
 from ..options import MAX_BUFFERS, WIRE_DTYPE, option
 from ..tensors.layout import FlatLayout
-from ..tensors.strategy import flatten_weights
 from ..transports.rpc.settings import RPCSettings
 from .network import WORLD_SIZE, NetworkScheme
 
@@ -147,8 +146,7 @@ class RPCWeightSyncScheme(NetworkScheme, name="rpc"):
         if handoff and not handoff.get("external"):
             self._check_opt_in(**where)
         # A model in shared memory may be read by processes of the worker's own: written into, never moved.
-        shared = self._kept_shared(flatten_weights(self.model, self._strategy.extract_as))
-        return RPCReceiver(handoff, take=not (self.keep_storage or shared), where=where)
+        return RPCReceiver(handoff, take=not (self.keep_storage or self._model_kept_shared), where=where)
 
     @classmethod
     def check_receiver_connection(cls, connection: Any, model_id: str) -> dict[str, Any]:

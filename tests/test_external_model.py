@@ -1,0 +1,153 @@
+"""A worker whose model a program loads itself (``ExternalModel``, what an inference engine is to weightsync): each
+update is checked against what the program loads, handed over as the sender's tensors, and acked only after the
+program's load returned; a misfit is refused before the program sees a byte; a failed load is a refusal the
+trainer is told of, with the version unchanged."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import weightsync as ws
+from tests._workers import build
+from weightsync.tensors.strategy import flatten_weights
+
+SCHEMES = {
+    "multiprocess": lambda: ws.MultiProcessWeightSyncScheme(timeout=20, connect_timeout=30),
+    "shared_mem": lambda: ws.SharedMemWeightSyncScheme(timeout=20, connect_timeout=30),
+    "distributed": lambda: ws.DistributedWeightSyncScheme(timeout=20, connect_timeout=60),
+}
+
+
+class Program:
+    """What an engine is to weightsync: its own copy of the weights, loaded by its own code (copied, renamed)."""
+
+    def __init__(self, spec: dict, fail_at: int | None = None) -> None:
+        self.held: dict[str, torch.Tensor] = {}
+        self.loads = 0
+        self.fail_at = fail_at
+        self.model = ws.ExternalModel(spec, self.load)
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.loads += 1
+        if self.loads == self.fail_at:
+            raise RuntimeError("the engine could not load these weights")
+        self.held = {f"engine.{k}": v.clone() for k, v in tensors.items()}
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return flatten_weights(model, "tensordict")  # what the default strategy sends, by the sender's names
+
+
+def _spec(model: torch.nn.Module) -> dict:
+    return {k: (tuple(v.shape), v.dtype) for k, v in _weights(model).items()}
+
+
+def _join(sender, receiver) -> None:
+    errors: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            receiver.connect()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+
+    joiner = threading.Thread(target=connect)
+    joiner.start()
+    try:
+        sender.connect()
+    finally:
+        joiner.join(60)
+    if errors:
+        raise errors[0]
+
+
+def _send(sender, receiver) -> None:
+    """``sender.send()`` while the worker receives in a thread of its own, as an engine's worker does."""
+    got: list = []
+    worker = threading.Thread(target=lambda: got.append(receiver.receive(timeout=20)))
+    worker.start()
+    try:
+        sender.send()
+    finally:
+        worker.join(30)
+    assert got and got[0] is receiver.model or got[0] is not None
+
+
+def _pair(name: str, program_of):
+    model = build("tiny")
+    sender = SCHEMES[name]()
+    sender.init_on_sender(model_id="policy", model=model, num_workers=1)
+    receiver = ws.from_config(sender.receiver_config(0))
+    program = program_of(model)
+    receiver.init_on_receiver(model_id="policy", model=program.model)
+    return model, sender, receiver, program
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_each_version_reaches_the_program_by_the_senders_names_and_is_acked_after_its_load(name):
+    model, sender, receiver, program = _pair(name, lambda m: Program(_spec(m)))
+    try:
+        _join(sender, receiver)
+        assert program.loads == 1 and receiver.version == 0
+        for step in range(1, 4):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(step)
+            _send(sender, receiver)
+            assert receiver.version == step and sender.acked_versions == {0: step}
+            expected = {f"engine.{k}": v for k, v in _weights(model).items()}
+            assert program.held.keys() == expected.keys()
+            assert all(torch.equal(program.held[k], expected[k]) for k in expected)
+        assert program.loads == 4
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_a_program_whose_model_does_not_fit_is_refused_before_it_loads_anything(name):
+    def misfit(model):
+        spec = _spec(model)
+        first = next(iter(spec))
+        spec[first] = ((*spec[first][0], 2), spec[first][1])  # one shape the sender's does not have
+        return Program(spec)
+
+    model, sender, receiver, program = _pair(name, misfit)
+    try:
+        with pytest.raises(ws.WeightSyncError, match="shape|mismatch"):
+            _join(sender, receiver)
+        assert program.loads == 0 and program.held == {}
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def test_a_load_that_fails_is_a_refusal_the_trainer_is_told_of_and_the_version_stays():
+    model, sender, receiver, program = _pair("multiprocess", lambda m: Program(_spec(m), fail_at=2))
+    try:
+        _join(sender, receiver)
+        before = dict(program.held)
+        errors: list[BaseException] = []
+
+        def receive() -> None:
+            try:
+                receiver.receive(timeout=20)
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                errors.append(exc)
+
+        worker = threading.Thread(target=receive)
+        worker.start()
+        with pytest.raises(ws.WeightSyncError, match="could not load"):
+            sender.send()
+        worker.join(30)
+        assert errors and "could not load" in str(errors[0])
+        assert receiver.version == 0 and program.held is not None
+        assert all(torch.equal(before[k], program.held[k]) for k in before)
+        _send(sender, receiver)  # the next version loads
+        assert receiver.version == 2 and program.loads == 3
+    finally:
+        receiver.shutdown()
+        sender.shutdown()

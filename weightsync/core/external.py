@@ -1,0 +1,41 @@
+"""A model another program owns and loads itself: what a receiver applies updates to when the worker is an engine.
+
+An inference engine (vLLM) owns its model: its own layout of the weights, its own loading path (which packs,
+fuses or quantizes them), its own processes. weightsync cannot write into such a model tensor by tensor; it
+hands the engine each update as the sender's tensors, by the sender's names, and the engine loads them the
+way it loads a checkpoint. The receiver checks every update against the names, shapes and dtypes the engine
+says it loads, before anything is handed over, and acks only once the engine's load returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ExternalModel"]
+
+
+@dataclass(frozen=True)
+class ExternalModel:
+    """A worker's model that a program loads itself (give it as ``init_on_receiver(model=...)``).
+
+    Attributes:
+        spec: ``{name: (shape, dtype)}`` of every tensor the program loads, by the sender's names. An update
+            (and, at connect, the sender's layout) that differs in a name, a shape or a dtype is refused before
+            ``load`` is called.
+        load: called with ``{name: tensor}`` for each update, under the scheme's ``weights_lock``; it must copy
+            what it keeps before it returns (the tensors are views of the transport's memory, which the next
+            update reuses). What it raises refuses the update (the sender is told, with the cause); the
+            program then says what its model holds.
+        device: where ``load`` wants the tensors (engines that can deliver into GPU memory put them there).
+    """
+
+    spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+    load: Callable[[dict[str, torch.Tensor]], None]
+    device: torch.device = torch.device("cpu")
+
+    def __post_init__(self) -> None:
+        # torch.Size and lists compare unequal to the tuples a layout holds: one form, so checks compare in C.
+        object.__setattr__(self, "spec", {str(k): (tuple(int(d) for d in s), t) for k, (s, t) in self.spec.items()})

@@ -58,7 +58,7 @@ BUILTIN = (
 #: The entry-point group through which an installed package adds engines.
 ENTRY_POINT_GROUP = "weightsync.backends"
 #: weightsync's own integrations: each module defines (and so registers) a driver.
-INTEGRATIONS = ("weightsync.integrations.torchrl",)
+INTEGRATIONS = ("weightsync.integrations.torchrl", "weightsync.integrations.vllm.driver")
 #: The entry-point group through which an installed package adds integrations.
 INTEGRATION_GROUP = "weightsync.integrations"
 

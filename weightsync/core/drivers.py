@@ -67,8 +67,10 @@ class Driver:
     2. :meth:`terms` — how it drives this scheme (pickled with it into the workers).
     3. :meth:`model` — the model ``model_id``, unless ``model=`` or ``weights=`` was given.
     4. :meth:`num_workers` — how many workers, unless ``num_workers=`` was given.
-    5. :meth:`sender_engine` — an engine of its own for this sender, or ``None``: the scheme's.
-    6. :meth:`follow` — the scheme is initialized.
+    5. :meth:`sink` — what the sender's engine reports acks, refusals and deaths to (default: the core).
+    6. :meth:`sender_engine` — an engine of its own for this sender, or ``None``: the scheme's.
+    7. :meth:`around` — the engine the core drives: that engine, or one of the program's that wraps it.
+    8. :meth:`follow` — the scheme is initialized.
 
     In a worker, in ``init_on_receiver`` (the driver is the one the pickled :class:`Drive` names, else the one that
     drives ``context``) and after it:
@@ -112,10 +114,23 @@ class Driver:
         """How many workers the program runs (default: its ``num_workers``; ``None``: it does not say)."""
         return getattr(context, "num_workers", None)
 
+    def sink(self, scheme: Any, sink: Sink) -> Sink:
+        """What the engine of the sender ``scheme`` reports to, given the core's ``sink`` (default: ``sink``).
+
+        A program whose workers finish each update with steps of its own (an inference engine that must resume,
+        or record the version it serves) gives a sink of its own: it passes an ack on to the core only once
+        those steps are done, so that ``send()`` returns when every worker serves the version."""
+        return sink
+
     def sender_engine(self, scheme: Any, sink: Sink, layout: FlatLayout) -> SenderEngine | None:
         """An engine of the program's own for the sender ``scheme`` (its ``context``, ``model_id``, ``strategy``
         and ``weights_lock`` are set), reporting to ``sink``; ``None`` (default): the scheme's own engine."""
         return None
+
+    def around(self, scheme: Any, engine: SenderEngine) -> SenderEngine:
+        """The engine the core drives for the sender ``scheme``, given the one it built (default: ``engine``). A
+        program that makes calls of its own around each version (an inference engine's control calls) wraps it."""
+        return engine
 
     def follow(self, scheme: Any, context: Any) -> None:
         """``scheme`` was just initialized (``scheme.is_sender`` says on which side) with ``context``, which may be

@@ -176,8 +176,9 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
         )
         if self.flatten_sender:
             sending.adopt(rt.model)
-        own = rt.driver.sender_engine(self, sending, layout)
-        sending.engine = own or self._sender_engine(sending, layout, num_workers, kwargs)
+        sink = rt.driver.sink(self, sending)
+        own = rt.driver.sender_engine(self, sink, layout)
+        sending.engine = rt.driver.around(self, own or self._sender_engine(sink, layout, num_workers, kwargs))
         rt.num_workers = num_workers
         rt.sending = sending
 

@@ -1,0 +1,163 @@
+"""weightsync as a vLLM weight-transfer backend: the engine's side, in each vLLM worker process.
+
+vLLM builds one :class:`WeightsyncEngine` per worker when its config says
+``weight_transfer_config={"backend": "weightsync"}`` (the plugin :func:`~weightsync.integrations.vllm.register`
+made the name known in every vLLM process). Then, on the trainer's calls through the engine's front end:
+
+1. ``init_weight_transfer_engine({"receiver": <a weightsync receiver config>})`` — the config is checked as data
+   (:func:`weightsync.config.from_config`), the receiver is given the engine's model as an
+   :class:`~weightsync.ExternalModel` (the names, shapes and dtypes the engine loads, by the Hugging Face names of
+   its checkpoint), joins the trainer and loads the version the trainer holds;
+2. ``start_weight_update()`` — nothing: the engine computes with its weights until the version is there;
+3. ``update_weights({"version": v})`` — receives until it holds version ``v`` (at most the scheme's ``timeout``),
+   and loads it through vLLM's own path for checkpoint weights (its layerwise reload, which re-runs the
+   processing vLLM does after loading a checkpoint: the CPU backend's packing of linear weights, fusions), then
+   acks it to the trainer;
+4. ``finish_weight_update()`` — nothing left to do (the front end records the version the engine serves).
+
+An update whose names, shapes or dtypes differ from the engine's is refused before vLLM sees any of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+from ... import checks
+from ...config import from_config
+from ...core.external import ExternalModel
+from ...core.timing import deadline_after, remaining
+from ...errors import ConfigurationError, LifecycleError, SyncTimeoutError
+from ...tensors.strategy import WeightStrategy, flatten_weights
+
+__all__ = ["WeightsyncEngine", "WeightsyncInitInfo", "WeightsyncUpdateInfo", "checkpoint_spec"]
+
+log = logging.getLogger("weightsync.vllm")
+
+
+@dataclass
+class WeightsyncInitInfo(WeightTransferInitInfo):
+    """``init_info`` of ``init_weight_transfer_engine``: the receiver config the trainer's scheme wrote for this
+    engine (``scheme.receiver_config(i)``), as plain data."""
+
+    receiver: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
+    """``update_info`` of ``update_weights``: the version the engine must hold when the call returns."""
+
+    version: int = -1
+
+    def __post_init__(self) -> None:
+        if type(self.version) is not int or self.version < 0:
+            raise ConfigurationError(f"update_info version must be an int >= 0, got {checks.shown(self.version)}")
+
+
+def checkpoint_spec(
+    model_config: Any, extract_as: str
+) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], frozenset[str]]:
+    """What a trainer holding the engine's model as a Hugging Face model sends (``{name: (shape, dtype)}``), and the
+    names of it the engine loads: those of its checkpoint (``state_dict()``). The rest (buffers a model computes
+    itself, such as rotary frequencies) are checked like every tensor, and not loaded: the engine computes its own.
+    Built on the meta device: no memory, no download.
+
+    Raises:
+        ConfigurationError: ``transformers`` has no model class for the engine's architecture.
+    """
+    import transformers
+
+    try:
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(model_config.hf_config, dtype=model_config.dtype)
+    except (ValueError, KeyError) as exc:
+        raise ConfigurationError(
+            f"the engine's model ({model_config.hf_config.model_type}) has no transformers class to say which "
+            f"weights it loads: {exc}"
+        ) from exc
+    spec = {k: (tuple(v.shape), v.dtype) for k, v in flatten_weights(hf, extract_as).items()}
+    return spec, frozenset(hf.state_dict())
+
+
+class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
+    """One vLLM worker's weightsync receiver (see the module's docstring for the call order)."""
+
+    init_info_cls = WeightsyncInitInfo
+    update_info_cls = WeightsyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.scheme: Any = None
+        self.loads = 0
+        self._loaded: frozenset[str] = frozenset()  # the names of an update that go into the engine
+
+    # ------------------------------------------------------------ vLLM's calls
+    def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
+        if self.scheme is not None:  # a new trainer (or the same one, restarted): the old receiver goes first
+            self.shutdown()
+        scheme = from_config(init_info.receiver)
+        strategy = scheme.strategy
+        assert isinstance(strategy, WeightStrategy)
+        spec, self._loaded = checkpoint_spec(self.model_config, strategy.extract_as)
+        scheme.init_on_receiver(model=ExternalModel(spec, self._load, device=torch.device(self.device)))
+        try:
+            scheme.connect()  # joins the trainer and loads the version it holds
+        except BaseException:
+            scheme.shutdown()
+            raise
+        self.scheme = scheme
+
+    def start_weight_update(self) -> None:
+        if self.scheme is None:
+            raise LifecycleError("weightsync: start_weight_update before init_weight_transfer_engine")
+
+    def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+        scheme = self.scheme
+        if scheme is None:
+            raise LifecycleError("weightsync: update_weights before init_weight_transfer_engine")
+        timeout = float(scheme.timeout)
+        deadline = deadline_after(timeout)
+        while scheme.version is None or scheme.version < update_info.version:
+            if remaining(deadline) <= 0:
+                raise SyncTimeoutError(
+                    f"weightsync: version {update_info.version} did not arrive within {timeout:.1f}s "
+                    f"(the engine holds {scheme.version})",
+                    model_id=scheme.model_id,
+                    worker_idx=scheme.worker_idx,
+                )
+            scheme.receive(timeout=remaining(deadline))
+
+    def finish_weight_update(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        scheme, self.scheme = self.scheme, None
+        if scheme is not None:
+            scheme.shutdown()
+
+    # ------------------------------------------------------------ the load
+    def _load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load one version's tensors (the sender's names: the checkpoint's) the way vLLM reloads a checkpoint.
+
+        vLLM's layerwise reload puts each layer back in checkpoint form, buffers what is loaded into it and runs
+        the processing it runs after loading a checkpoint once the layer is whole (on CPU, the packing of linear
+        weights the forward pass uses); layers not loaded keep their weights. A plain ``load_weights`` would
+        change the parameters and not what the engine computes."""
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            initialize_layerwise_reload(self.model)
+            try:
+                self.model.load_weights((k, v) for k, v in tensors.items() if k in self._loaded)
+            finally:
+                finalize_layerwise_reload(self.model, self.model_config)
+        self.loads += 1

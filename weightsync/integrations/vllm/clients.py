@@ -1,0 +1,169 @@
+"""How the trainer drives one vLLM engine's weight updates: through the engine's own control calls.
+
+vLLM's weight-transfer interface is driven from outside the engine: ``init_weight_transfer_engine``,
+``start_weight_update``, ``update_weights``, ``finish_weight_update`` (the calls of vLLM's trainer-side protocol,
+``VLLMWeightSyncClient``), plus, where the engine serves requests while it is updated, ``pause_generation`` and
+``resume_generation``. An :class:`EngineClient` makes the trainer's calls the same whatever holds the engine: a
+``vllm.LLM``, a ``vllm.v1.engine.async_llm.AsyncLLM`` running on an event loop, or any object with vLLM's
+four calls (vLLM's ``RayVLLMWeightSyncClient`` and ``HTTPVLLMWeightSyncClient``, or a client of your own).
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from typing import Any
+
+from ...errors import ConfigurationError, SyncTimeoutError
+
+__all__ = ["PAUSE_MODES", "EngineClient", "engine_client"]
+
+#: What happens to requests in flight while an engine loads a version (vLLM's pause modes), or ``"none"``: the
+#: engine is not paused (an ``LLM`` driven between its ``generate`` calls has nothing in flight).
+#: ``keep``: they are frozen and resume under the new version (their cache recomputed); ``wait``: the update
+#: waits until they finished under the old one; ``abort``: they end at once (``finish_reason="abort"``).
+PAUSE_MODES = ("keep", "wait", "abort", "none")
+
+#: vLLM's trainer-side protocol: the calls every engine client has.
+PROTOCOL = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+
+
+class EngineClient:
+    """One engine's control calls, as the trainer makes them (each call returns when the engine did it).
+
+    Args:
+        target: what holds the engine (see :func:`engine_client`).
+        name: the engine's name in errors.
+    """
+
+    #: The engine can pause and resume generation.
+    pauses: bool = False
+
+    def __init__(self, target: Any, name: str) -> None:
+        self.target, self.name = target, name
+
+    def init(self, init_info: dict[str, Any], timeout: float) -> None:
+        self.target.init_weight_transfer_engine(init_info)
+
+    def start(self, timeout: float) -> None:
+        self.target.start_weight_update()
+
+    def update(self, update_info: dict[str, Any], timeout: float) -> None:
+        self.target.update_weights(update_info)
+
+    def finish(self, version: str, timeout: float) -> None:
+        self.target.finish_weight_update(weight_version=version)
+
+    def set_version(self, version: str, timeout: float) -> None:
+        """Say which version the engine serves, outside an update (after the initial version)."""
+        setter = getattr(self.target, "update_weight_version", None)
+        if setter is not None:
+            setter(version)
+
+    def reset_prefix_cache(self, timeout: float) -> None:
+        """Forget every cached prefix (its keys and values were computed with the previous weights)."""
+        reset = getattr(self.target, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
+
+    def pause(self, mode: str, timeout: float) -> None:
+        """Stop generating (``mode``: what requests in flight do, :data:`PAUSE_MODES`); clears the prefix cache."""
+
+    def resume(self, timeout: float) -> None:
+        """Generate again."""
+
+    def shutdown(self, timeout: float) -> None:
+        """Let the engine's weightsync receiver go (the engine goes on serving)."""
+        stop = getattr(self.target, "shutdown_weight_transfer_engine", None)
+        if stop is not None:
+            stop()
+
+
+class LLMClient(EngineClient):
+    """A ``vllm.LLM``: synchronous calls, in the trainer's thread or another one, between ``generate`` calls (an
+    ``LLM`` has no pause: drive its updates and its generation from one loop)."""
+
+    def init(self, init_info: dict[str, Any], timeout: float) -> None:
+        self.target.init_weight_transfer_engine({"init_info": init_info})
+
+    def update(self, update_info: dict[str, Any], timeout: float) -> None:
+        self.target.update_weights({"update_info": update_info})
+
+
+class AsyncLLMClient(EngineClient):
+    """A ``vllm`` ``AsyncLLM``, which runs on the event loop ``loop`` (another thread's): each call is scheduled there
+    and waited for, at most ``timeout``."""
+
+    pauses = True
+
+    def __init__(self, target: Any, name: str, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(target, name)
+        self.loop = loop
+
+    def _run(self, call: Any, timeout: float, what: str) -> Any:
+        future = asyncio.run_coroutine_threadsafe(call, self.loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise SyncTimeoutError(f"{self.name}: {what} did not return within {timeout:.1f}s") from None
+
+    def init(self, init_info: dict[str, Any], timeout: float) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._run(self.target.init_weight_transfer_engine(WeightTransferInitRequest(init_info)), timeout, "init")
+
+    def start(self, timeout: float) -> None:
+        self._run(self.target.start_weight_update(), timeout, "start_weight_update")
+
+    def update(self, update_info: dict[str, Any], timeout: float) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._run(self.target.update_weights(WeightTransferUpdateRequest(update_info)), timeout, "update_weights")
+
+    def finish(self, version: str, timeout: float) -> None:
+        self._run(self.target.finish_weight_update(weight_version=version), timeout, "finish_weight_update")
+
+    def set_version(self, version: str, timeout: float) -> None:
+        self._run(self.target.update_weight_version(version), timeout, "update_weight_version")
+
+    def reset_prefix_cache(self, timeout: float) -> None:
+        self._run(self.target.reset_prefix_cache(), timeout, "reset_prefix_cache")
+
+    def pause(self, mode: str, timeout: float) -> None:
+        self._run(self.target.pause_generation(mode=mode, clear_cache=True), timeout, f"pause_generation({mode})")
+
+    def resume(self, timeout: float) -> None:
+        self._run(self.target.resume_generation(), timeout, "resume_generation")
+
+    def shutdown(self, timeout: float) -> None:
+        self._run(self.target.shutdown_weight_transfer_engine(), timeout, "shutdown_weight_transfer_engine")
+
+
+def engine_client(target: Any, name: str, loop: asyncio.AbstractEventLoop | None = None) -> EngineClient:
+    """The client of an engine ``target``: an :class:`EngineClient` as it is, a ``vllm.LLM``, an ``AsyncLLM`` (with
+    ``loop``, the running event loop it was made on), or any object with vLLM's four trainer-side calls.
+
+    Raises:
+        ConfigurationError: ``target`` is none of those (the message names what it lacks).
+    """
+    if isinstance(target, EngineClient):
+        return target
+    kind = type(target).__name__
+    if kind == "AsyncLLM" or asyncio.iscoroutinefunction(getattr(target, "start_weight_update", None)):
+        if loop is None or loop.is_closed():
+            raise ConfigurationError(
+                f"{name} is an {kind}, whose calls run on its event loop: give VLLMEngines(..., loop=<that loop>) "
+                "(it must be running, in another thread than the one that sends)"
+            )
+        return AsyncLLMClient(target, name, loop)
+    if kind == "LLM" and hasattr(target, "llm_engine"):
+        return LLMClient(target, name)
+    missing = [call for call in PROTOCOL if not callable(getattr(target, call, None))]
+    if missing:
+        raise ConfigurationError(
+            f"{name} ({kind}) is not a vLLM engine or a client of one: it has no {', '.join(missing)} (give a "
+            "vllm.LLM, an AsyncLLM with its loop, or an object with vLLM's trainer-side calls)"
+        )
+    return EngineClient(target, name)

@@ -1,0 +1,405 @@
+"""The trainer's side of vLLM engines as weightsync workers: any scheme, serving engines it drives.
+
+The trainer hands its scheme the engines as its context::
+
+    engines = VLLMEngines([llm], pause_mode="keep")
+    scheme.init_on_sender(model=hf_model, context=engines)   # one worker per engine
+    scheme.connect()   # each engine's weightsync backend joins and loads the trainer's weights
+    scheme.send()      # returns when every engine serves the new version
+
+The scheme's own engine moves the bytes (multiprocess, shared_mem, distributed, ...) into each vLLM worker
+process, where weightsync's vLLM backend (:mod:`weightsync.integrations.vllm.backend`) loads them. The driver
+(:class:`VLLMDriver`) makes the engines' control calls around each version, and passes a worker's ack on to the
+core only once its engine serves the version:
+
+- connect: ``init_weight_transfer_engine({"receiver": scheme.receiver_config(i)})``, then the engine's version is
+  ``"0"`` and its prefix cache is reset;
+- each version ``v``: pause (``pause_mode``), ``start_weight_update``, ``update_weights({"version": v})`` (the
+  backend waits for ``v`` and loads it), ``finish_weight_update(weight_version=str(v))``, the prefix cache
+  reset (cached keys and values were computed with the old weights), resume.
+
+An engine whose calls fail is a failed worker, named; one that does not answer is one that timed out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ...core.drivers import Driver
+from ...core.engine import Outgoing, SenderEngine, Sink
+from ...core.timing import remaining
+from ...errors import ConfigurationError, LifecycleError, ReceiverError, WeightSyncError, WorkerDiedError
+from .clients import PAUSE_MODES, EngineClient, engine_client
+
+__all__ = ["VLLMDriver", "VLLMEngines"]
+
+log = logging.getLogger("weightsync.vllm")
+
+#: The longest slice the sender waits on its engine while an engine's calls are also under way (seconds).
+SLICE_S = 0.002
+
+
+class VLLMEngines:
+    """The vLLM engines one trainer's scheme serves: give it as ``init_on_sender(context=...)``.
+
+    Args:
+        engines: one per worker, in worker order: a ``vllm.LLM``, an ``AsyncLLM`` (with ``loop``), or any object
+            with vLLM's trainer-side calls (``RayVLLMWeightSyncClient``, ``HTTPVLLMWeightSyncClient``). Each was
+            started with ``weight_transfer_config={"backend": "weightsync"}``.
+        pause_mode: what requests in flight do while an engine loads a version: ``"keep"`` (frozen, then
+            continued under the new version), ``"wait"`` (finished under the old one first), ``"abort"``, or
+            ``"none"`` (no pause: an ``LLM`` driven between its ``generate`` calls has nothing in flight). Engines
+            that cannot pause (``LLM``, vLLM's clients) are not paused whatever the mode.
+        loop: the event loop an ``AsyncLLM`` runs on (running in another thread than the trainer's sends).
+
+    Raises:
+        ConfigurationError: an unknown pause mode, no engine, or an engine that is not one.
+    """
+
+    def __init__(
+        self, engines: Sequence[Any], *, pause_mode: str = "keep", loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
+        if pause_mode not in PAUSE_MODES:
+            raise ConfigurationError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
+        if isinstance(engines, (str, bytes)) or not isinstance(engines, Sequence) or not engines:
+            raise ConfigurationError("VLLMEngines needs a non-empty list of engines, one per worker")
+        self.pause_mode = pause_mode
+        self.loop = loop
+        self.clients: list[EngineClient] = [engine_client(e, f"vLLM engine {i}", loop) for i, e in enumerate(engines)]
+        self.num_workers = len(self.clients)
+        self._gate: _Gate | None = None
+
+    def replace(self, worker_idx: int, engine: Any, timeout: float | None = None) -> None:
+        """Serve ``engine`` as worker ``worker_idx`` from now on (an engine restarted after the old one died or was
+        dropped): it joins the trainer and loads the newest version before this returns.
+
+        Raises:
+            LifecycleError: the scheme these engines serve is not connected.
+            ConfigurationError: no such worker, or ``engine`` is not an engine.
+            WeightSyncError: the engine could not join (named), or not within ``timeout`` (default: the scheme's
+                ``connect_timeout``).
+        """
+        gate = self._gate
+        if gate is None:
+            raise LifecycleError("VLLMEngines.replace: the scheme these engines serve is not connected")
+        if type(worker_idx) is not int or not 0 <= worker_idx < self.num_workers:
+            raise ConfigurationError(f"worker_idx must be an int in [0, {self.num_workers}), got {worker_idx!r}")
+        self.clients[worker_idx] = engine_client(engine, f"vLLM engine {worker_idx}", self.loop)
+        gate.rejoin(worker_idx, gate.core.connect_timeout if timeout is None else float(timeout))
+
+
+class _Gate(SenderEngine):
+    """The scheme's own engine, wrapped: the engines' control calls go around each version, and a worker's ack
+    reaches the core (``core``) only once its engine's calls for that version returned. It is also the sink the
+    scheme's engine reports to."""
+
+    def __init__(self, engines: VLLMEngines, scheme: Any, core: Sink) -> None:
+        self.engines, self.scheme, self.core = engines, scheme, core
+        self.model_id = core.model_id
+        self.inner: SenderEngine | None = None
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(2, engines.num_workers), thread_name_prefix="weightsync-vllm"
+        )
+        #: worker -> (version, the future of its engine's calls for it)
+        self._calls: dict[int, tuple[int, concurrent.futures.Future]] = {}
+        #: worker -> the version its receiver acked, held back until its engine's calls are done
+        self._held: dict[int, int] = {}
+
+    # ------------------------------------------------ the sink the scheme's engine reports to
+    @property
+    def timeout(self) -> float:
+        return self.core.timeout
+
+    @property
+    def connect_timeout(self) -> float:
+        return self.core.connect_timeout
+
+    def acked(self, worker: int, held: int) -> None:
+        with self._lock:
+            if worker in self._calls:
+                self._held[worker] = max(held, self._held.get(worker, held))
+                return
+        self.core.acked(worker, held)
+
+    def failed(self, worker: int, error: WeightSyncError) -> None:
+        self.core.failed(worker, error)
+
+    def died(self, worker: int, error: WeightSyncError | str) -> None:
+        self.core.died(worker, error)
+
+    def is_dead(self, worker: int) -> bool:
+        return self.core.is_dead(worker)
+
+    def waiting(self, joined: Any) -> None:
+        """The scheme's engine waits for workers to join: an engine whose init call failed never will."""
+        self._raise_failed_inits()
+        self.core.waiting(joined)
+
+    def rejoining(self, worker: int) -> None:
+        self.core.rejoining(worker)
+
+    def send_to(self, weights: Any, workers: list[int], *, wait: bool | None) -> None:
+        self.core.send_to(weights, workers, wait=wait)
+
+    def wait_for(self, workers: list[int], timeout: float | None) -> None:
+        self.core.wait_for(workers, timeout)
+
+    # ------------------------------------------------ the engines' calls
+    def _call(self, worker: int, version: int, steps: Any) -> None:
+        """Run ``steps(client, timeout)`` for ``worker``'s engine in the pool, as its calls for ``version``."""
+        client = self.engines.clients[worker]
+        timeout = self.core.timeout if version else self.core.connect_timeout
+        with self._lock:
+            self._calls[worker] = (version, self._pool.submit(steps, client, timeout))
+
+    def _paused(self, client: EngineClient, timeout: float, body: Any) -> None:
+        mode = self.engines.pause_mode
+        pause = client.pauses and mode != "none"
+        if pause:
+            client.pause(mode, timeout)
+        try:
+            body()
+        finally:
+            if pause:
+                client.resume(timeout)
+        if not pause:  # pausing cleared it; an engine not paused has nothing in flight to keep its cache for
+            client.reset_prefix_cache(timeout)
+
+    def _init_steps(self, worker: int) -> Any:
+        init_info = {"receiver": self.scheme.receiver_config(worker)}
+
+        def steps(client: EngineClient, timeout: float) -> None:
+            def body() -> None:
+                client.init(init_info, timeout)
+                client.set_version("0", timeout)
+
+            self._paused(client, timeout, body)
+
+        return steps
+
+    def _update_steps(self, version: int) -> Any:
+        def steps(client: EngineClient, timeout: float) -> None:
+            def body() -> None:
+                client.start(timeout)
+                client.update({"version": version}, timeout)
+                client.finish(str(version), timeout)
+
+            self._paused(client, timeout, body)
+
+        return steps
+
+    def _raise_failed_inits(self) -> None:
+        with self._lock:
+            calls = dict(self._calls)
+        for worker, (version, future) in calls.items():
+            if version == 0 and future.done() and future.exception() is not None:
+                raise WorkerDiedError(
+                    f"vLLM engine {worker} could not start weightsync: {_cause(future.exception())}",
+                    model_id=self.core.model_id,
+                    worker_idx=worker,
+                )
+
+    def _forward(self) -> None:
+        """Pass on each ack whose engine's calls are done; report each engine whose calls failed."""
+        with self._lock:
+            done = {w: (v, f) for w, (v, f) in self._calls.items() if f.done()}
+            for w in done:
+                del self._calls[w]
+            held = {w: self._held.pop(w) for w in done if w in self._held}
+        for worker, (version, future) in done.items():
+            error = future.exception()
+            if error is not None:
+                if not self.core.is_dead(worker):
+                    self.core.failed(worker, _engine_error(worker, version, error, self.core.model_id))
+            elif worker in held:
+                self.core.acked(worker, held[worker])
+            else:  # the calls returned, so the receiver acked: its ack is on its way
+                with self._lock:
+                    self._held.pop(worker, None)
+                self.core.acked(worker, version)
+
+    def rejoin(self, worker: int, timeout: float) -> None:
+        """``worker``'s (new) engine joins and loads the newest version, within ``timeout``."""
+        assert self.inner is not None
+        self._call(worker, 0, self._init_steps(worker))
+        with self._lock:
+            future = self._calls[worker][1]
+        try:
+            future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise WorkerDiedError(
+                f"vLLM engine {worker} did not join within {timeout:.1f}s",
+                model_id=self.core.model_id,
+                worker_idx=worker,
+            ) from None
+        except Exception as exc:
+            raise _engine_error(worker, 0, exc, self.core.model_id) from exc
+        finally:
+            with self._lock:
+                self._calls.pop(worker, None)
+                self._held.pop(worker, None)
+
+    # ------------------------------------------------ the engine the core drives
+    def _inner(self) -> SenderEngine:
+        if self.inner is None:
+            raise LifecycleError("the scheme's engine is not built yet")
+        return self.inner
+
+    @property
+    def rejoins(self) -> bool:  # type: ignore[override]
+        return self.inner is not None and self.inner.rejoins
+
+    def adopt(self, engine: SenderEngine) -> None:
+        """Wrap ``engine``: what the core reads of an engine is its."""
+        self.inner = engine
+        self.layout, self.num_workers, self.checksum, self.gpu = (
+            engine.layout,
+            engine.num_workers,
+            engine.checksum,
+            engine.gpu,
+        )
+        self.transports = engine.transports  # (the same dict: the engine fills it)
+
+    def digest(self, buffers: list[Any]) -> str | None:
+        return self._inner().digest(buffers)
+
+    def handoff(self) -> dict[str, Any]:
+        assert self.inner is not None
+        return self.inner.handoff()
+
+    def connection(self) -> dict[str, Any]:
+        assert self.inner is not None
+        return self.inner.connection()
+
+    def rendezvous(self, deadline: float, timeout: float) -> dict[int, WeightSyncError]:
+        assert self.inner is not None
+        for worker in range(self.engines.num_workers):
+            self._call(worker, 0, self._init_steps(worker))
+        return self.inner.rendezvous(deadline, timeout)
+
+    def rendezvous_complete(self) -> bool:
+        assert self.inner is not None
+        return self.inner.rendezvous_complete()
+
+    def stage(self, out: Outgoing, deadline: float) -> Any:
+        assert self.inner is not None
+        return self.inner.stage(out, deadline)
+
+    def submit(self, out: Outgoing, staged: Any) -> None:
+        assert self.inner is not None
+        if not out.initial:  # (the initial version: the init calls, started at the rendez-vous)
+            for worker in out.workers:
+                self._call(worker, out.version, self._update_steps(out.version))
+        self.inner.submit(out, staged)
+
+    def poll(self, workers: list[int]) -> None:
+        assert self.inner is not None
+        self.inner.poll(workers)
+        self._forward()
+
+    def wait(self, workers: list[int], deadline: float) -> None:
+        assert self.inner is not None
+        with self._lock:
+            calls = [self._calls[w][1] for w in workers if w in self._calls]
+            unheard = [w for w in workers if w not in self._held]
+        if calls and not unheard:  # every receiver acked: what is left is the engines' calls
+            concurrent.futures.wait(calls, remaining(deadline), return_when=concurrent.futures.FIRST_COMPLETED)
+        elif calls:
+            self.inner.wait(workers, min(deadline, time.monotonic() + SLICE_S))
+        else:
+            self.inner.wait(workers, deadline)
+        self._forward()
+
+    def lost(self, worker: int, reason: str) -> None:
+        assert self.inner is not None
+        with self._lock:
+            self._calls.pop(worker, None)
+            self._held.pop(worker, None)
+        self.inner.lost(worker, reason)
+
+    def poll_rejoin(self) -> Any:
+        assert self.inner is not None
+        return self.inner.poll_rejoin()
+
+    def admit(self, candidate: Any) -> tuple[int, int] | None:
+        assert self.inner is not None
+        return self.inner.admit(candidate)
+
+    def discard(self, candidate: Any) -> None:
+        assert self.inner is not None
+        self.inner.discard(candidate)
+
+    def payload_bytes(self) -> int:
+        assert self.inner is not None
+        return self.inner.payload_bytes()
+
+    def close(self, timeout: float) -> None:
+        if timeout > 0:  # each engine lets its receiver go (it goes on serving the version it holds)
+            stops = [self._pool.submit(c.shutdown, timeout) for c in self.engines.clients]
+            concurrent.futures.wait(stops, timeout)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.inner is not None:
+            self.inner.close(timeout)
+        self.engines._gate = None
+
+    def __getattr__(self, name: str) -> Any:  # what a scheme asks of its own engine (Ray's resubmit, transports)
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+
+def _cause(error: BaseException | None) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _engine_error(worker: int, version: int, error: BaseException, model_id: str | None) -> WeightSyncError:
+    if isinstance(error, WeightSyncError):
+        return error
+    return ReceiverError(
+        type(error).__name__,
+        f"vLLM engine {worker} failed to serve version {version}: {error}",
+        model_id=model_id,
+        worker_idx=worker,
+        version=version,
+    )
+
+
+class VLLMDriver(Driver, name="vllm"):
+    """vLLM engines as the core sees them: a trainer whose context is :class:`VLLMEngines`."""
+
+    def drives(self, context: Any) -> bool:
+        return isinstance(context, VLLMEngines)
+
+    def num_workers(self, context: Any) -> int | None:
+        return context.num_workers if isinstance(context, VLLMEngines) else None
+
+    def sink(self, scheme: Any, sink: Sink) -> Sink:
+        engines = scheme.context
+        if not isinstance(engines, VLLMEngines):
+            return sink
+        if engines._gate is not None:
+            raise ConfigurationError("these VLLMEngines already serve another scheme: give each scheme its own")
+        engines._gate = _Gate(engines, scheme, sink)
+        return engines._gate
+
+    def around(self, scheme: Any, engine: SenderEngine) -> SenderEngine:
+        gate = scheme.context._gate if isinstance(scheme.context, VLLMEngines) else None
+        if gate is None:
+            return engine
+        gate.adopt(engine)
+        return gate
+
+    def check_receiver(self, scheme: Any, context: Any, *, knows_sender: bool) -> None:
+        if isinstance(context, VLLMEngines):
+            raise ConfigurationError(
+                "VLLMEngines is the trainer's context (init_on_sender): an engine's receiver is built by weightsync's "
+                "vLLM backend, from the receiver config the trainer sends it"
+            )

@@ -21,6 +21,7 @@ An update whose names, shapes or dtypes differ from the engine's is refused befo
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,8 +100,11 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.scheme: Any = None
-        self.loads = 0
+        #: Seconds each load took in this worker (vLLM's reload of one version), newest last: the engine's own
+        #: part of an update.
+        self.load_seconds: list[float] = []
         self._loaded: frozenset[str] = frozenset()  # the names of an update that go into the engine
+        self._tied = _tied_modules(model)
 
     # ------------------------------------------------------------ vLLM's calls
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -154,10 +158,34 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         the processing it runs after loading a checkpoint once the layer is whole (on CPU, the packing of linear
         weights the forward pass uses); layers not loaded keep their weights. A plain ``load_weights`` would
         change the parameters and not what the engine computes."""
+        started = time.perf_counter()
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             initialize_layerwise_reload(self.model)
             try:
                 self.model.load_weights((k, v) for k, v in tensors.items() if k in self._loaded)
             finally:
                 finalize_layerwise_reload(self.model, self.model_config)
-        self.loads += 1
+            # vLLM's reload processes a weight shared by two layers for the first only ("tied parameters only
+            # reflect processing from one of the parent layers"): on CPU a tied lm_head would keep computing with
+            # the weights it packed at startup. Its post-load processing runs again, from the shared weight.
+            for module in self._tied:
+                quant_method: Any = module.quant_method
+                quant_method.process_weights_after_loading(module)
+        self.load_seconds = [*self.load_seconds[-999:], time.perf_counter() - started]
+
+
+def _tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers that hold a weight another layer (met first) owns, and process it after loading (a tied
+    ``lm_head``), unless their own copy of it was removed at processing."""
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                owners.setdefault(id(param), []).append(module)
+    return [
+        m
+        for layers in owners.values()
+        for m in layers[1:]
+        if hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")
+        and all(p.numel() for p in m.parameters(recurse=False))
+    ]

@@ -29,20 +29,50 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ...core.drivers import Driver
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import remaining
-from ...errors import ConfigurationError, LifecycleError, ReceiverError, WeightSyncError, WorkerDiedError
+from ...errors import (
+    ConfigurationError,
+    LifecycleError,
+    ReceiverError,
+    SyncTimeoutError,
+    WeightSyncError,
+    WorkerDiedError,
+)
 from .clients import PAUSE_MODES, EngineClient, engine_client
 
-__all__ = ["VLLMDriver", "VLLMEngines"]
+__all__ = ["EngineTiming", "VLLMDriver", "VLLMEngines"]
 
 log = logging.getLogger("weightsync.vllm")
 
 #: The longest slice the sender waits on its engine while an engine's calls are also under way (seconds).
 SLICE_S = 0.002
+
+
+#: How many :class:`EngineTiming` records :class:`VLLMEngines` keeps.
+KEPT = 1000
+
+
+@dataclass(frozen=True)
+class EngineTiming:
+    """One engine's calls for one version.
+
+    Attributes:
+        worker: the engine's worker index.
+        version: the version.
+        seconds: from its pause to its resume (``paused``: how long it did not generate), else from its
+            ``start_weight_update`` call to its prefix cache's reset.
+        paused: the engine was paused.
+    """
+
+    worker: int
+    version: int
+    seconds: float
+    paused: bool
 
 
 class VLLMEngines:
@@ -74,6 +104,16 @@ class VLLMEngines:
         self.clients: list[EngineClient] = [engine_client(e, f"vLLM engine {i}", loop) for i, e in enumerate(engines)]
         self.num_workers = len(self.clients)
         self._gate: _Gate | None = None
+        #: The last updates' calls, per engine (newest last, at most :data:`KEPT`): see :meth:`record`.
+        self.timings: list[EngineTiming] = []
+        self._timings_lock = threading.Lock()
+
+    def record(self, worker: int, version: int, seconds: float, *, paused: bool) -> None:
+        """Note how long engine ``worker``'s calls for ``version`` took: from its pause to its resume when it was
+        paused (how long it did not generate), else from ``start_weight_update`` to the reset of its prefix cache."""
+        with self._timings_lock:
+            self.timings.append(EngineTiming(worker, version, seconds, paused))
+            del self.timings[:-KEPT]
 
     def replace(self, worker_idx: int, engine: Any, timeout: float | None = None) -> None:
         """Serve ``engine`` as worker ``worker_idx`` from now on (an engine restarted after the old one died or was
@@ -111,6 +151,8 @@ class _Gate(SenderEngine):
         self._calls: dict[int, tuple[int, concurrent.futures.Future]] = {}
         #: worker -> the version its receiver acked, held back until its engine's calls are done
         self._held: dict[int, int] = {}
+        #: One engine's calls are made one at a time (an engine's client is not made for concurrent calls).
+        self._turns = [threading.Lock() for _ in range(engines.num_workers)]
 
     # ------------------------------------------------ the sink the scheme's engine reports to
     @property
@@ -153,15 +195,28 @@ class _Gate(SenderEngine):
 
     # ------------------------------------------------ the engines' calls
     def _call(self, worker: int, version: int, steps: Any) -> None:
-        """Run ``steps(client, timeout)`` for ``worker``'s engine in the pool, as its calls for ``version``."""
+        """Run ``steps(client, timeout)`` for ``worker``'s engine in the pool, as its calls for ``version`` (after
+        the engine's earlier calls, if any are still under way, within the same time)."""
         client = self.engines.clients[worker]
         timeout = self.core.timeout if version else self.core.connect_timeout
-        with self._lock:
-            self._calls[worker] = (version, self._pool.submit(steps, client, timeout))
+        turn = self._turns[worker]
 
-    def _paused(self, client: EngineClient, timeout: float, body: Any) -> None:
+        def in_turn() -> None:
+            started = time.monotonic()
+            if not turn.acquire(timeout=timeout):
+                raise SyncTimeoutError(f"{client.name}: its previous calls did not return within {timeout:.1f}s")
+            try:
+                steps(client, max(0.001, timeout - (time.monotonic() - started)))
+            finally:
+                turn.release()
+
+        with self._lock:
+            self._calls[worker] = (version, self._pool.submit(in_turn))
+
+    def _paused(self, client: EngineClient, timeout: float, body: Any, worker: int, version: int) -> None:
         mode = self.engines.pause_mode
         pause = client.pauses and mode != "none"
+        started = time.perf_counter()
         if pause:
             client.pause(mode, timeout)
         try:
@@ -171,27 +226,28 @@ class _Gate(SenderEngine):
                 client.resume(timeout)
         if not pause:  # pausing cleared it; an engine not paused has nothing in flight to keep its cache for
             client.reset_prefix_cache(timeout)
+        self.engines.record(worker, version, time.perf_counter() - started, paused=pause)
 
     def _init_steps(self, worker: int) -> Any:
         init_info = {"receiver": self.scheme.receiver_config(worker)}
 
         def steps(client: EngineClient, timeout: float) -> None:
             def body() -> None:
-                client.init(init_info, timeout)
-                client.set_version("0", timeout)
+                client.init(init_info, timeout)  # returns once the engine loaded the version the trainer holds
+                client.set_version(str(self.scheme.version), timeout)  # (the newest, for an engine that rejoins)
 
-            self._paused(client, timeout, body)
+            self._paused(client, timeout, body, worker, 0)
 
         return steps
 
-    def _update_steps(self, version: int) -> Any:
+    def _update_steps(self, worker: int, version: int) -> Any:
         def steps(client: EngineClient, timeout: float) -> None:
             def body() -> None:
                 client.start(timeout)
                 client.update({"version": version}, timeout)
                 client.finish(str(version), timeout)
 
-            self._paused(client, timeout, body)
+            self._paused(client, timeout, body, worker, version)
 
         return steps
 
@@ -296,7 +352,7 @@ class _Gate(SenderEngine):
         assert self.inner is not None
         if not out.initial:  # (the initial version: the init calls, started at the rendez-vous)
             for worker in out.workers:
-                self._call(worker, out.version, self._update_steps(out.version))
+                self._call(worker, out.version, self._update_steps(worker, out.version))
         self.inner.submit(out, staged)
 
     def poll(self, workers: list[int]) -> None:
@@ -342,12 +398,25 @@ class _Gate(SenderEngine):
 
     def close(self, timeout: float) -> None:
         if timeout > 0:  # each engine lets its receiver go (it goes on serving the version it holds)
-            stops = [self._pool.submit(c.shutdown, timeout) for c in self.engines.clients]
+            stops = [self._pool.submit(self._stop, w, timeout) for w in range(self.engines.num_workers)]
             concurrent.futures.wait(stops, timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.inner is not None:
             self.inner.close(timeout)
         self.engines._gate = None
+
+    def _stop(self, worker: int, timeout: float) -> None:
+        """Tell ``worker``'s engine to let its receiver go, once its other calls returned (within ``timeout``)."""
+        turn = self._turns[worker]
+        if not turn.acquire(timeout=timeout):
+            log.warning("vLLM engine %d: still busy at shutdown; its receiver goes when the trainer's does", worker)
+            return
+        try:
+            self.engines.clients[worker].shutdown(timeout)
+        except Exception as exc:  # noqa: BLE001 - a dead engine has nothing to let go
+            log.info("vLLM engine %d: at shutdown: %s", worker, exc)
+        finally:
+            turn.release()
 
     def __getattr__(self, name: str) -> Any:  # what a scheme asks of its own engine (Ray's resubmit, transports)
         inner = self.__dict__.get("inner")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["BACKEND", "VLLMEngines", "engine_client", "register"]
+__all__ = ["BACKEND", "VLLMEngines", "VLLMWeightSyncScheme", "engine_client", "register"]
 
 #: The backend's name in ``weight_transfer_config``.
 BACKEND = "weightsync"
@@ -30,6 +30,10 @@ def __getattr__(name: str) -> Any:
         from .driver import VLLMEngines
 
         return VLLMEngines
+    if name == "VLLMWeightSyncScheme":
+        from .scheme import VLLMWeightSyncScheme
+
+        return VLLMWeightSyncScheme
     if name == "engine_client":
         from .clients import engine_client
 

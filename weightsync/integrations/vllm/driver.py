@@ -117,21 +117,32 @@ class VLLMEngines:
 
     def replace(self, worker_idx: int, engine: Any, timeout: float | None = None) -> None:
         """Serve ``engine`` as worker ``worker_idx`` from now on (an engine restarted after the old one died or was
-        dropped): it joins the trainer and loads the newest version before this returns.
+        dropped): it joins the trainer (the scheme's engine takes the worker back), then the trainer's weights are
+        sent to it alone as a new version, which it serves when this returns. (The newest version the trainer
+        published may have reached no one: published while this worker was gone, to no other.)
 
         Raises:
             LifecycleError: the scheme these engines serve is not connected.
-            ConfigurationError: no such worker, or ``engine`` is not an engine.
+            ConfigurationError: no such worker, ``engine`` is not an engine, or the scheme's engine does not take
+                workers back.
             WeightSyncError: the engine could not join (named), or not within ``timeout`` (default: the scheme's
-                ``connect_timeout``).
+                ``connect_timeout``); or the send to it failed.
         """
         gate = self._gate
         if gate is None:
             raise LifecycleError("VLLMEngines.replace: the scheme these engines serve is not connected")
         if type(worker_idx) is not int or not 0 <= worker_idx < self.num_workers:
             raise ConfigurationError(f"worker_idx must be an int in [0, {self.num_workers}), got {worker_idx!r}")
+        if not gate.rejoins:
+            raise ConfigurationError(
+                f"{type(gate.scheme).__name__}'s engine does not take a worker back: a restarted engine cannot rejoin "
+                "it (restart the trainer's scheme instead)"
+            )
         self.clients[worker_idx] = engine_client(engine, f"vLLM engine {worker_idx}", self.loop)
         gate.rejoin(worker_idx, gate.core.connect_timeout if timeout is None else float(timeout))
+        gate.scheme.send(worker_ids=[worker_idx])
+        if not gate.scheme.sync:
+            gate.scheme.wait_async()
 
 
 class _Gate(SenderEngine):
@@ -228,13 +239,14 @@ class _Gate(SenderEngine):
             client.reset_prefix_cache(timeout)
         self.engines.record(worker, version, time.perf_counter() - started, paused=pause)
 
-    def _init_steps(self, worker: int) -> Any:
+    def _init_steps(self, worker: int, initial: bool) -> Any:
         init_info = {"receiver": self.scheme.receiver_config(worker)}
 
         def steps(client: EngineClient, timeout: float) -> None:
             def body() -> None:
-                client.init(init_info, timeout)  # returns once the engine loaded the version the trainer holds
-                client.set_version(str(self.scheme.version), timeout)  # (the newest, for an engine that rejoins)
+                client.init(init_info, timeout)  # returns once the engine loaded the version the trainer sent it
+                if initial:  # (an engine that rejoins is sent a version of its own next, which finishes with it)
+                    client.set_version("0", timeout)
 
             self._paused(client, timeout, body, worker, 0)
 
@@ -284,7 +296,7 @@ class _Gate(SenderEngine):
     def rejoin(self, worker: int, timeout: float) -> None:
         """``worker``'s (new) engine joins and loads the newest version, within ``timeout``."""
         assert self.inner is not None
-        self._call(worker, 0, self._init_steps(worker))
+        self._call(worker, 0, self._init_steps(worker, initial=False))
         with self._lock:
             future = self._calls[worker][1]
         try:
@@ -300,7 +312,9 @@ class _Gate(SenderEngine):
         finally:
             with self._lock:
                 self._calls.pop(worker, None)
-                self._held.pop(worker, None)
+                held = self._held.pop(worker, None)
+        if held is not None:  # its receiver's ack of the version it was taken back with
+            self.core.acked(worker, held)
 
     # ------------------------------------------------ the engine the core drives
     def _inner(self) -> SenderEngine:
@@ -337,7 +351,7 @@ class _Gate(SenderEngine):
     def rendezvous(self, deadline: float, timeout: float) -> dict[int, WeightSyncError]:
         assert self.inner is not None
         for worker in range(self.engines.num_workers):
-            self._call(worker, 0, self._init_steps(worker))
+            self._call(worker, 0, self._init_steps(worker, initial=True))
         return self.inner.rendezvous(deadline, timeout)
 
     def rendezvous_complete(self) -> bool:

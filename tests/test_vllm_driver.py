@@ -1,0 +1,300 @@
+"""The trainer's side of vLLM engines (``VLLMEngines``, ``VLLMWeightSyncScheme``), on CPU without vLLM: each
+"engine" here is an object with vLLM's four trainer-side calls whose worker side is what weightsync's vLLM backend
+does (a receiver built from the config it is sent, loading into an ``ExternalModel``). tests/test_vllm.py runs
+the same on real vLLM engines."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import weightsync as ws
+from tests._workers import build
+from weightsync.integrations.vllm import VLLMEngines, VLLMWeightSyncScheme
+from weightsync.integrations.vllm.clients import EngineClient
+from weightsync.tensors.strategy import flatten_weights
+
+
+class Engine:
+    """vLLM's trainer-side calls, with weightsync's backend behind them (in this process)."""
+
+    def __init__(self, spec: dict, fail_update_at: int | None = None, fail_init: bool = False) -> None:
+        self.spec, self.fail_update_at, self.fail_init = spec, fail_update_at, fail_init
+        self.scheme = None
+        self.held: dict[str, torch.Tensor] = {}
+        self.version = "checkpoint"
+        self.calls: list[str] = []
+        self.active = False
+
+    def _load(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.held = {k: v.clone() for k, v in tensors.items()}
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.calls.append("init")
+        if self.fail_init:
+            raise RuntimeError("Weight transfer not configured")
+        if self.scheme is not None:
+            self.scheme.shutdown()
+        scheme = ws.from_config(init_info["receiver"])
+        scheme.init_on_receiver(model=ws.ExternalModel(self.spec, self._load))
+        scheme.connect()
+        self.scheme = scheme
+
+    def start_weight_update(self) -> None:
+        assert not self.active, "a second start before finish"
+        self.calls.append("start")
+        self.active = True
+
+    def update_weights(self, update_info: dict) -> None:
+        self.calls.append(f"update {update_info['version']}")
+        if update_info["version"] == self.fail_update_at:
+            self.active = False
+            raise RuntimeError("the engine could not load these weights")
+        while self.scheme.version < update_info["version"]:
+            self.scheme.receive(timeout=10)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(f"finish {weight_version}")
+        self.active = False
+        self.version = weight_version
+
+    def update_weight_version(self, version: str) -> None:
+        self.version = version
+
+    def reset_prefix_cache(self) -> None:
+        self.calls.append("reset")
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.calls.append("shutdown")
+        if self.scheme is not None:
+            self.scheme.shutdown()
+            self.scheme = None
+
+
+def _spec(model) -> dict:
+    return {k: (tuple(v.shape), v.dtype) for k, v in flatten_weights(model, "tensordict").items()}
+
+
+def _same(engine: Engine, model) -> bool:
+    weights = flatten_weights(model, "tensordict")
+    return engine.held.keys() == weights.keys() and all(torch.equal(engine.held[k], v) for k, v in weights.items())
+
+
+def _step(model, by: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(by)
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem", "distributed"])
+def test_send_returns_when_every_engine_serves_the_version_it_names(name):
+    model = build("tiny")
+    engines = [Engine(_spec(model)), Engine(_spec(model))]
+    scheme = VLLMWeightSyncScheme(name, pause_mode="none", timeout=20, connect_timeout=30)
+    try:
+        scheme.init_on_sender(model=model, engines=engines)
+        scheme.connect()
+        assert all(e.version == "0" and _same(e, model) for e in engines)
+        for step in range(1, 4):
+            _step(model, step)
+            scheme.send()
+            assert all(e.version == str(step) and _same(e, model) for e in engines)
+            assert scheme.acked_versions == {0: step, 1: step}
+        assert engines[0].calls[:3] == ["init", "reset", "start"]
+        assert engines[0].calls[3:7] == ["update 1", "finish 1", "reset", "start"]
+    finally:
+        scheme.shutdown()
+    assert all(e.calls[-1] == "shutdown" and e.scheme is None for e in engines)
+
+
+def test_an_engine_that_fails_to_serve_a_version_is_named_and_the_other_serves_it():
+    model = build("tiny")
+    good, bad = Engine(_spec(model)), Engine(_spec(model), fail_update_at=2)
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=30)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([good, bad], pause_mode="none"))
+        scheme.connect()
+        _step(model, 1)
+        scheme.send()
+        _step(model, 1)
+        with pytest.raises(ws.WeightSyncError, match="worker 1.*could not load"):
+            scheme.send()
+        assert good.version == "2" and _same(good, model)
+        assert bad.version == "1"
+    finally:
+        scheme.shutdown()
+
+
+def test_an_engine_whose_init_fails_is_named_at_once_not_at_the_connect_timeout():
+    model = build("tiny")
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=60)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([Engine(_spec(model), fail_init=True)]))
+        started = time.monotonic()
+        with pytest.raises(ws.WorkerDiedError, match="vLLM engine 0 could not start weightsync.*not configured"):
+            scheme.connect()
+        assert time.monotonic() - started < 30
+    finally:
+        scheme.shutdown()
+
+
+def test_an_engine_that_does_not_fit_the_trainers_model_is_refused_by_name_before_it_loads():
+    model = build("tiny")
+    spec = _spec(model)
+    first = next(iter(spec))
+    spec[first] = ((*spec[first][0], 3), spec[first][1])
+    engine = Engine(spec)
+    scheme = ws.SharedMemWeightSyncScheme(timeout=10, connect_timeout=30)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([engine]))
+        with pytest.raises(ws.WeightSyncError, match=f"{first}|mismatch"):
+            scheme.connect()
+        assert engine.held == {} and engine.version == "checkpoint"
+    finally:
+        scheme.shutdown()
+
+
+def test_a_replaced_engine_serves_the_trainers_weights_as_a_new_version():
+    model = build("tiny")
+    first = Engine(_spec(model))
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=30)
+    engines = VLLMEngines([first], pause_mode="none")
+    try:
+        scheme.init_on_sender(model=model, context=engines)
+        scheme.connect()
+        _step(model, 1)
+        scheme.send()
+        first.shutdown_weight_transfer_engine()  # the engine goes away (its receiver with it)
+        _step(model, 1)
+        with pytest.raises(ws.WeightSyncError, match="worker 0"):
+            scheme.send()
+        second = Engine(_spec(model))
+        engines.replace(0, second)
+        assert second.version == str(scheme.version) == "3" and _same(second, model)
+        _step(model, 1)
+        scheme.send()
+        assert second.version == "4" and _same(second, model)
+    finally:
+        scheme.shutdown()
+
+
+class PausingEngine(Engine):
+    """An engine that pauses (an ``AsyncLLM`` through its client): the pause clears its prefix cache."""
+
+    def __init__(self, spec: dict) -> None:
+        super().__init__(spec)
+        self.generating = True
+
+    def pause_generation(self, mode: str) -> None:
+        self.calls.append(f"pause {mode}")
+        self.generating = False
+
+    def resume_generation(self) -> None:
+        self.calls.append("resume")
+        self.generating = True
+
+
+class PausingClient(EngineClient):
+    pauses = True
+
+    def pause(self, mode: str, timeout: float) -> None:
+        self.target.pause_generation(mode)
+
+    def resume(self, timeout: float) -> None:
+        self.target.resume_generation()
+
+
+@pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
+def test_an_engine_that_can_pause_is_paused_around_each_load_in_the_mode_chosen(mode):
+    model = build("tiny")
+    engine = PausingEngine(_spec(model))
+    engines = VLLMEngines([PausingClient(engine, "engine 0")], pause_mode=mode)
+    scheme = ws.SharedMemWeightSyncScheme(timeout=10, connect_timeout=30)
+    try:
+        scheme.init_on_sender(model=model, context=engines)
+        scheme.connect()
+        _step(model, 1)
+        scheme.send()
+        assert engine.calls == [
+            f"pause {mode}",
+            "init",
+            "resume",
+            f"pause {mode}",
+            "start",
+            "update 1",
+            "finish 1",
+            "resume",
+        ]
+        assert engine.generating and [t.paused for t in engines.timings] == [True, True]
+    finally:
+        scheme.shutdown()
+
+
+def test_engines_and_options_that_are_not_are_refused_by_name():
+    with pytest.raises(ws.ConfigurationError, match="not a vLLM engine.*init_weight_transfer_engine"):
+        VLLMEngines([object()])
+    with pytest.raises(ws.ConfigurationError, match="pause_mode"):
+        VLLMEngines([Engine({})], pause_mode="later")
+    with pytest.raises(ws.ConfigurationError, match="non-empty"):
+        VLLMEngines([])
+    with pytest.raises(ws.ConfigurationError, match="AsyncLLM.*loop"):
+        VLLMEngines([type("AsyncLLM", (), {})()])
+    with pytest.raises(ws.ConfigurationError, match="options"):
+        VLLMWeightSyncScheme(ws.MultiProcessWeightSyncScheme(), timeout=3)
+    with pytest.raises(ws.ConfigurationError, match="pause_mode"):
+        VLLMWeightSyncScheme("multiprocess", pause_mode="soon")
+
+
+def test_the_engines_serve_one_scheme():
+    model = build("tiny")
+    engines = VLLMEngines([Engine(_spec(model))])
+    first = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=30)
+    second = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=30)
+    try:
+        first.init_on_sender(model=model, context=engines)
+        with pytest.raises(ws.ConfigurationError, match="already serve another scheme"):
+            second.init_on_sender(model=model, context=engines)
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+def test_an_engine_client_is_called_by_one_thread_at_a_time():
+    """Each engine's calls are serialized: its client need not be thread-safe."""
+    model = build("tiny")
+    inside = threading.Semaphore(1)
+    overlaps: list[str] = []
+
+    class Watched(Engine):
+        def __getattribute__(self, name):
+            attr = super().__getattribute__(name)
+            if name in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                        "finish_weight_update", "reset_prefix_cache", "shutdown_weight_transfer_engine"):  # fmt: skip
+
+                def watched(*a, **k):
+                    if not inside.acquire(blocking=False):
+                        overlaps.append(name)
+                        return attr(*a, **k)
+                    try:
+                        return attr(*a, **k)
+                    finally:
+                        inside.release()
+
+                return watched
+            return attr
+
+    engine = Watched(_spec(model))
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=30, sync=False, max_staleness=None)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([engine], pause_mode="none"))
+        scheme.connect()
+        for _ in range(5):
+            _step(model, 1)
+            scheme.send()
+        scheme.wait_async()
+    finally:
+        scheme.shutdown()
+    assert overlaps == []

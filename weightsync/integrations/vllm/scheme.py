@@ -1,0 +1,75 @@
+"""``VLLMWeightSyncScheme``: TorchRL's name for a scheme that serves vLLM engines, over any weightsync scheme."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from ... import registry
+from ...core.scheme import WeightSyncScheme
+from ...errors import ConfigurationError
+from .clients import PAUSE_MODES
+from .driver import VLLMEngines
+
+__all__ = ["VLLMWeightSyncScheme"]
+
+
+class VLLMWeightSyncScheme:
+    """A weightsync scheme serving vLLM engines (TorchRL's name; see ``docs/vllm.md``).
+
+    Everything but ``init_on_sender`` is the wrapped scheme's (``connect``, ``send``, ``shutdown``, ``version``,
+    its options, ...). In a Hydra config::
+
+        vllm_sync:
+          _target_: weightsync.integrations.vllm.VLLMWeightSyncScheme
+          pause_mode: keep
+          scheme: ${weightsync.scheme}     # the scheme group's choice, instantiated with it
+
+    Args:
+        scheme: the scheme that moves the bytes (an instance, or a registered name such as ``"shared_mem"``,
+            ``"multiprocess"`` or ``"distributed"``, built with ``options``).
+        pause_mode: what requests in flight do while an engine loads a version (``VLLMEngines``).
+        **options: the options of the scheme ``scheme`` names.
+
+    Raises:
+        ConfigurationError: an unknown scheme or pause mode, or options given with a scheme instance.
+    """
+
+    def __init__(self, scheme: Any = "shared_mem", *, pause_mode: str = "keep", **options: Any) -> None:
+        if isinstance(scheme, str):
+            scheme = registry.get_backend(scheme)(**options)
+        elif options:
+            raise ConfigurationError(
+                f"options {sorted(options)} are for a scheme named by its name: give them to the scheme instance"
+            )
+        if not isinstance(scheme, WeightSyncScheme):
+            raise ConfigurationError(f"scheme must be a weightsync scheme or its name, got {type(scheme).__name__}")
+        if pause_mode not in PAUSE_MODES:
+            raise ConfigurationError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
+        self.scheme = scheme
+        self.pause_mode = pause_mode
+        self.engines: VLLMEngines | None = None
+
+    def init_on_sender(
+        self,
+        model_id: str = "policy",
+        *,
+        engines: Sequence[Any],
+        model: Any = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Serve ``engines`` (one worker each: see :class:`VLLMEngines`) with ``model``, the trainer's
+        ``transformers`` model (``kwargs``: the wrapped scheme's own, such as ``weights=``)."""
+        self.engines = VLLMEngines(engines, pause_mode=self.pause_mode, loop=loop)
+        self.scheme.init_on_sender(model_id, context=self.engines, model=model, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        scheme = self.__dict__.get("scheme")
+        if scheme is None:
+            raise AttributeError(name)
+        return getattr(scheme, name)
+
+    def __repr__(self) -> str:
+        return f"VLLMWeightSyncScheme({self.scheme!r}, pause_mode={self.pause_mode!r})"

@@ -59,6 +59,7 @@ def test_a_tiny_model_writes_reloads_and_its_tokenizer_round_trips_text(tiny):
         p.name for p in tiny.iterdir()
     }
     assert not [p for p in tiny.parent.iterdir() if p.name.startswith(".")], "a staging folder was left behind"
+    assert tiny.stat().st_mode & 0o755 == 0o755
     model = load_llama(tiny)
     assert not model.training
     assert sum(p.numel() for p in model.parameters()) == TINY.num_parameters

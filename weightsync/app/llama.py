@@ -186,6 +186,7 @@ def write_llama(path: str | os.PathLike[str], spec: LlamaSpec = TINY) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
+        staging.chmod(0o755)  # mkdtemp's 0o700 would follow the folder into place
         _write(staging, spec)
         if _spec_in(path) == spec:  # another process wrote it meanwhile
             return path

@@ -298,3 +298,27 @@ def test_an_engine_client_is_called_by_one_thread_at_a_time():
     finally:
         scheme.shutdown()
     assert overlaps == []
+
+
+def test_a_hung_engine_is_a_named_timeout_within_the_schemes_timeout_and_the_other_serves_the_version():
+    model = build("tiny")
+    release = threading.Event()
+
+    class Hung(Engine):
+        def update_weights(self, update_info: dict) -> None:
+            release.wait(60)  # an engine that stopped answering
+
+    good, hung = Engine(_spec(model)), Hung(_spec(model))
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=3, connect_timeout=30)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([good, hung], pause_mode="none"))
+        scheme.connect()
+        _step(model, 1)
+        started = time.monotonic()
+        with pytest.raises(ws.SyncTimeoutError, match="worker 1"):
+            scheme.send()
+        assert time.monotonic() - started < 3 + 2
+        assert good.version == "1" and _same(good, model)
+    finally:
+        release.set()
+        scheme.shutdown()

@@ -32,17 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ... import errors
 from ...core.drivers import Driver
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import remaining
-from ...errors import (
-    ConfigurationError,
-    LifecycleError,
-    ReceiverError,
-    SyncTimeoutError,
-    WeightSyncError,
-    WorkerDiedError,
-)
+from ...errors import ConfigurationError, LifecycleError, WeightSyncError
 from .clients import PAUSE_MODES, EngineClient, engine_client
 
 __all__ = ["EngineTiming", "VLLMDriver", "VLLMEngines"]
@@ -166,13 +160,8 @@ class _Gate(SenderEngine):
         self._turns = [threading.Lock() for _ in range(engines.num_workers)]
 
     # ------------------------------------------------ the sink the scheme's engine reports to
-    @property
-    def timeout(self) -> float:
-        return self.core.timeout
-
-    @property
-    def connect_timeout(self) -> float:
-        return self.core.connect_timeout
+    timeout = property(lambda self: self.core.timeout, doc="The core's (the scheme's ``timeout``).")
+    connect_timeout = property(lambda self: self.core.connect_timeout, doc="The core's (``connect_timeout``).")
 
     def acked(self, worker: int, held: int) -> None:
         with self._lock:
@@ -215,7 +204,7 @@ class _Gate(SenderEngine):
         def in_turn() -> None:
             started = time.monotonic()
             if not turn.acquire(timeout=timeout):
-                raise SyncTimeoutError(f"{client.name}: its previous calls did not return within {timeout:.1f}s")
+                raise errors.SyncTimeoutError(f"{client.name}: its previous calls did not return within {timeout:.1f}s")
             try:
                 steps(client, max(0.001, timeout - (time.monotonic() - started)))
             finally:
@@ -268,7 +257,7 @@ class _Gate(SenderEngine):
             calls = dict(self._calls)
         for worker, (version, future) in calls.items():
             if version == 0 and future.done() and future.exception() is not None:
-                raise WorkerDiedError(
+                raise errors.WorkerDiedError(
                     f"vLLM engine {worker} could not start weightsync: {_cause(future.exception())}",
                     model_id=self.core.model_id,
                     worker_idx=worker,
@@ -302,7 +291,7 @@ class _Gate(SenderEngine):
         try:
             future.result(timeout)
         except concurrent.futures.TimeoutError:
-            raise WorkerDiedError(
+            raise errors.WorkerDiedError(
                 f"vLLM engine {worker} did not join within {timeout:.1f}s",
                 model_id=self.core.model_id,
                 worker_idx=worker,
@@ -446,7 +435,7 @@ def _cause(error: BaseException | None) -> str:
 def _engine_error(worker: int, version: int, error: BaseException, model_id: str | None) -> WeightSyncError:
     if isinstance(error, WeightSyncError):
         return error
-    return ReceiverError(
+    return errors.ReceiverError(
         type(error).__name__,
         f"vLLM engine {worker} failed to serve version {version}: {error}",
         model_id=model_id,

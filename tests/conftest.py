@@ -18,6 +18,17 @@ import weightsync as ws
 
 _CLONE_NEWNS = 0x00020000
 
+#: Groups of tests that run one after the other in one test process (``--dist loadgroup``) and take long:
+#: collected first, so that their process starts on them while the other takes everything else.
+LONG_GROUPS = ("vllm",)
+
+
+def pytest_collection_modifyitems(config, items):
+    def long(item) -> bool:
+        return any(m.args[:1] in [(g,) for g in LONG_GROUPS] for m in item.iter_markers("xdist_group"))
+
+    items[:] = sorted(items, key=lambda item: not long(item))  # (stable: each side keeps its order)
+
 
 def _private_dev_shm() -> bool:
     """Give this test run a ``/dev/shm`` of its own: a tmpfs in a private mount namespace, which every process

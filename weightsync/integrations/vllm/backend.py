@@ -21,6 +21,7 @@ An update whose names, shapes or dtypes differ from the engine's is refused befo
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,9 @@ from ...tensors.strategy import WeightStrategy, flatten_weights
 __all__ = ["WeightsyncEngine", "WeightsyncInitInfo", "WeightsyncUpdateInfo", "checkpoint_spec"]
 
 log = logging.getLogger("weightsync.vllm")
+
+#: How long the stager waits for a version before it looks again whether it must stop (seconds).
+STAGER_POLL_S = 0.05
 
 
 @dataclass
@@ -100,6 +104,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.scheme: Any = None
+        self._stager: _Stager | None = None
         #: Seconds each load took in this worker (vLLM's reload of one version), newest last: the engine's own
         #: part of an update.
         self.load_seconds: list[float] = []
@@ -121,6 +126,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             scheme.shutdown()
             raise
         self.scheme = scheme
+        # (the scheme's receiver core: the stager takes deliveries from its engine, and applies them through it)
+        self._stager = _Stager(scheme._runtime.receiving, f"weightsync-vllm-{scheme.model_id}-stager")
 
     def start_weight_update(self) -> None:
         if self.scheme is None:
@@ -133,20 +140,23 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         timeout = float(scheme.timeout)
         deadline = deadline_after(timeout)
         while scheme.version is None or scheme.version < update_info.version:
-            if remaining(deadline) <= 0:
+            assert self._stager is not None
+            if not self._stager.apply_next(deadline):
                 raise SyncTimeoutError(
                     f"weightsync: version {update_info.version} did not arrive within {timeout:.1f}s "
                     f"(the engine holds {scheme.version})",
                     model_id=scheme.model_id,
                     worker_idx=scheme.worker_idx,
                 )
-            scheme.receive(timeout=remaining(deadline))
 
     def finish_weight_update(self) -> None:
         return None
 
     def shutdown(self) -> None:
         scheme, self.scheme = self.scheme, None
+        stager, self._stager = self._stager, None
+        if stager is not None:
+            stager.stop(float(scheme.timeout) if scheme is not None else 5.0)
         if scheme is not None:
             scheme.shutdown()
 
@@ -189,3 +199,65 @@ def _tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
         if hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")
         and all(p.numel() for p in m.parameters(recurse=False))
     ]
+
+
+class _Stager:
+    """Takes each version off the transport as soon as the trainer publishes it, in a thread of its own, while the
+    engine goes on generating; ``update_weights`` then applies it (checks, loads, acks). The engine is paused for
+    the load, not for the bytes' trip (a ``distributed`` broadcast: it happens here). It takes the next version only
+    once the one it holds was applied: one delivery at a time, as the receiver's engine hands them out."""
+
+    def __init__(self, receiving: Any, name: str) -> None:
+        self.receiving = receiving
+        self._cond = threading.Condition()
+        self._staged: list[Any] | None = None
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._staged is None or self._stop.is_set(), STAGER_POLL_S):
+                    continue
+            if self._stop.is_set():
+                return
+            try:
+                taken = self.receiving.engine.take(STAGER_POLL_S, self.receiving.latest_wins)
+            except BaseException as exc:  # noqa: BLE001 - the sender is gone: update_weights says so
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+            if taken:
+                with self._cond:
+                    self._staged = taken
+                    self._cond.notify_all()
+
+    def apply_next(self, deadline: float) -> bool:
+        """Apply the next version taken (waiting until ``deadline`` for it); ``False`` if none came in time.
+
+        Raises:
+            WeightSyncError: the receiver refused it (acked so), or the sender is gone.
+        """
+        with self._cond:
+            self._cond.wait_for(lambda: self._staged is not None or self._error is not None, remaining(deadline))
+            taken, error = self._staged, self._error
+        if taken is None:
+            if error is not None:
+                raise error
+            return False
+        try:
+            self.receiving.apply(taken)
+        finally:
+            with self._cond:
+                self._staged = None
+                self._cond.notify_all()
+        return True
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout)

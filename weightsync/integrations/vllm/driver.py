@@ -358,10 +358,12 @@ class _Gate(SenderEngine):
 
     def submit(self, out: Outgoing, staged: Any) -> None:
         assert self.inner is not None
+        # The bytes first: each engine's backend takes them while it generates; its pause then holds the load only.
+        self.inner.submit(out, staged)
         if not out.initial:  # (the initial version: the init calls, started at the rendez-vous)
             for worker in out.workers:
-                self._call(worker, out.version, self._update_steps(worker, out.version))
-        self.inner.submit(out, staged)
+                if not self.core.is_dead(worker):
+                    self._call(worker, out.version, self._update_steps(worker, out.version))
 
     def poll(self, workers: list[int]) -> None:
         assert self.inner is not None

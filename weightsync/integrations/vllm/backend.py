@@ -7,12 +7,13 @@ made the name known in every vLLM process). Then, on the trainer's calls through
 1. ``init_weight_transfer_engine({"receiver": <a weightsync receiver config>})`` — the config is checked as data
    (:func:`weightsync.config.from_config`), the receiver is given the engine's model as an
    :class:`~weightsync.ExternalModel` (the names, shapes and dtypes the engine loads, by the Hugging Face names of
-   its checkpoint), joins the trainer and loads the version the trainer holds;
+   its checkpoint), joins the trainer and loads the version the trainer holds; from then on a stager thread
+   takes each version off the transport as soon as the trainer publishes it, while the engine generates;
 2. ``start_weight_update()`` — nothing: the engine computes with its weights until the version is there;
-3. ``update_weights({"version": v})`` — receives until it holds version ``v`` (at most the scheme's ``timeout``),
-   and loads it through vLLM's own path for checkpoint weights (its layerwise reload, which re-runs the
-   processing vLLM does after loading a checkpoint: the CPU backend's packing of linear weights, fusions), then
-   acks it to the trainer;
+3. ``update_weights({"version": v})`` — applies what the stager took until it holds version ``v`` (waiting at
+   most the scheme's ``timeout``): checks each, loads it through vLLM's own path for checkpoint weights (its
+   layerwise reload, which re-runs the processing vLLM does after loading a checkpoint: the CPU backend's
+   packing of linear weights, fusions), then acks it to the trainer;
 4. ``finish_weight_update()`` — nothing left to do (the front end records the version the engine serves).
 
 An update whose names, shapes or dtypes differ from the engine's is refused before vLLM sees any of it.

@@ -14,9 +14,10 @@ core only once its engine serves the version:
 
 - connect: ``init_weight_transfer_engine({"receiver": scheme.receiver_config(i)})``, then the engine's version is
   ``"0"`` and its prefix cache is reset;
-- each version ``v``: pause (``pause_mode``), ``start_weight_update``, ``update_weights({"version": v})`` (the
-  backend waits for ``v`` and loads it), ``finish_weight_update(weight_version=str(v))``, the prefix cache
-  reset (cached keys and values were computed with the old weights), resume.
+- each version ``v``: once the scheme's engine published it (each engine's backend takes the bytes in the
+  background), ``start_weight_update``, pause (``pause_mode``), ``update_weights({"version": v})`` (the backend
+  loads ``v``), ``finish_weight_update(weight_version=str(v))``, the prefix cache reset (cached keys and values
+  were computed with the old weights), resume.
 
 An engine whose calls fail is a failed worker, named; one that does not answer is one that timed out.
 """

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import weightsync as ws
-from tests._workers import build
+from tests._workers import build, connect_pair
 from weightsync.tensors.strategy import flatten_weights
 
 SCHEMES = {
@@ -44,25 +44,6 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _spec(model: torch.nn.Module) -> dict:
     return {k: (tuple(v.shape), v.dtype) for k, v in _weights(model).items()}
-
-
-def _join(sender, receiver) -> None:
-    errors: list[BaseException] = []
-
-    def connect() -> None:
-        try:
-            receiver.connect()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(exc)
-
-    joiner = threading.Thread(target=connect)
-    joiner.start()
-    try:
-        sender.connect()
-    finally:
-        joiner.join(60)
-    if errors:
-        raise errors[0]
 
 
 def _send(sender, receiver) -> None:
@@ -98,7 +79,7 @@ def _pair(name: str, program_of):
 def test_each_version_reaches_the_program_by_the_senders_names_and_is_acked_after_its_load(name):
     model, sender, receiver, program = _pair(name, lambda m: Program(_spec(m)))
     try:
-        _join(sender, receiver)
+        connect_pair(sender, receiver, timeout=60)
         assert program.loads == 1 and receiver.version == 0
         for step in range(1, 4):
             with torch.no_grad():
@@ -126,7 +107,7 @@ def test_a_program_whose_model_does_not_fit_is_refused_before_it_loads_anything(
     model, sender, receiver, program = _pair(name, misfit)
     try:
         with pytest.raises(ws.WeightSyncError, match="shape|mismatch"):
-            _join(sender, receiver)
+            connect_pair(sender, receiver, timeout=60)
         assert program.loads == 0 and program.held == {}
     finally:
         receiver.shutdown()
@@ -136,7 +117,7 @@ def test_a_program_whose_model_does_not_fit_is_refused_before_it_loads_anything(
 def test_a_load_that_fails_is_a_refusal_the_trainer_is_told_of_and_the_version_stays():
     model, sender, receiver, program = _pair("multiprocess", lambda m: Program(_spec(m), fail_at=2))
     try:
-        _join(sender, receiver)
+        connect_pair(sender, receiver, timeout=60)
         before = dict(program.held)
         errors: list[BaseException] = []
 
@@ -158,6 +139,51 @@ def test_a_load_that_fails_is_a_refusal_the_trainer_is_told_of_and_the_version_s
         assert all(torch.equal(before[k], program.held[k]) for k in before)
         _send(sender, receiver)  # the next version loads
         assert receiver.version == 2 and program.loads == 3
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_take_brings_a_version_in_now_and_apply_loads_it_later(name):
+    """``take()``: the bytes come into the worker while its program goes on (an engine generating); the program
+    loads nothing until ``apply()``, which checks, loads and acks as ``receive()`` would. The sender's ``send()``
+    returns only after that ack; no next version is handed out before it."""
+    model, sender, receiver, program = _pair(name, lambda m: Program(_spec(m)))
+    try:
+        connect_pair(sender, receiver, timeout=60)
+        assert receiver.take() is None  # nothing published: only checks
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1)
+        sent = threading.Thread(target=sender.send)
+        sent.start()
+        pending = receiver.take(timeout=20)
+        assert pending is not None and pending.version == 1
+        assert program.loads == 1 and receiver.version == 0  # taken, not loaded: the program computes with v0
+        assert sent.is_alive()  # no ack yet: send() waits for the load
+        assert pending.apply() == 1
+        sent.join(30)
+        assert not sent.is_alive() and sender.acked_versions == {0: 1} and program.loads == 2
+        expected = {f"engine.{k}": v for k, v in _weights(model).items()}
+        assert all(torch.equal(program.held[k], expected[k]) for k in expected)
+        with pytest.raises(ws.LifecycleError, match="applied already"):
+            pending.apply()
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def test_take_is_refused_where_updates_are_applied_as_they_arrive():
+    model, sender, receiver, program = _pair("multiprocess", lambda m: Program(_spec(m)))
+    try:
+        with pytest.raises(ws.LifecycleError, match="take"):
+            receiver.take()  # not connected yet
+        receiver.background_thread = True
+        connect_pair(sender, receiver, timeout=60)
+        assert not receiver.applied_on_arrival
+        with pytest.raises(ws.LifecycleError, match="background thread"):
+            receiver.take()
     finally:
         receiver.shutdown()
         sender.shutdown()

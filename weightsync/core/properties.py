@@ -169,6 +169,13 @@ class SchemeProperties:
         return rt.receiving.version if rt.receiving is not None else None
 
     @property
+    def applied_on_arrival(self) -> bool:
+        """Receiver: its engine's updates are calls into this process, applied as they arrive (Ray's): there is
+        nothing to :meth:`take` or wait for. ``False`` on a sender and before ``init_on_receiver``."""
+        receiving = self._runtime.receiving
+        return receiving is not None and receiving.engine.pushes
+
+    @property
     def layout(self) -> FlatLayout | None:
         """Where each tensor sits in the bytes of a version (``None`` before it is known)."""
         rt = self._runtime

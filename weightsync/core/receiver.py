@@ -17,7 +17,13 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigurationError, ConnectionClosedError, SyncTimeoutError, WeightMismatchError
+from ..errors import (
+    ConfigurationError,
+    ConnectionClosedError,
+    LifecycleError,
+    SyncTimeoutError,
+    WeightMismatchError,
+)
 from ..integrity import check_digest
 from ..tensors import cuda
 from ..tensors.bound import BoundModel, one_device
@@ -29,7 +35,7 @@ from .external import ExternalModel
 from .rejoin import stop_thread
 from .timing import deadline_after, remaining
 
-__all__ = ["Receiver"]
+__all__ = ["PendingUpdate", "Receiver"]
 
 log = logging.getLogger("weightsync.core")
 
@@ -110,15 +116,20 @@ class Receiver:
     # ---------------------------------------------------------------- applying
     def poll_and_apply(self, timeout: float) -> int | None:
         """Apply what the engine delivers within ``timeout``; return the version now held if it changed."""
-        try:
-            taken = self.engine.take(timeout, self.latest_wins)
-        except ConnectionClosedError:
-            self._leave_sender_memory()
-            raise
+        taken = self.take(timeout)
         if not taken:
             return None
         self.apply(taken)
         return self.version
+
+    def take(self, timeout: float) -> list[Delivery]:
+        """The updates the engine delivers within ``timeout`` (``[]``: none), taken off the transport and not
+        applied: :meth:`apply` them (the engine hands out the next ones only then)."""
+        try:
+            return self.engine.take(timeout, self.latest_wins)
+        except ConnectionClosedError:
+            self._leave_sender_memory()
+            raise
 
     def apply(self, taken: list[Delivery]) -> int:
         """Apply the last of ``taken`` (the others are superseded), then ack them all; return its version.
@@ -238,6 +249,11 @@ class Receiver:
             views.update(layout.views_at(buffer, offset))
         return views
 
+    @property
+    def has_thread(self) -> bool:
+        """A background thread applies the updates as they arrive."""
+        return self._thread is not None
+
     # ------------------------------------------------------------- reporting
     def receive(self, timeout: float) -> Any:
         """Apply the pending update (or report what the background thread applied); the weights, or ``None``
@@ -327,3 +343,34 @@ def _materialize(dst: dict[str, torch.Tensor], update: Delivery) -> None:
             if isinstance(tensor, torch.nn.Parameter):
                 real = torch.nn.Parameter(real, requires_grad=tensor.requires_grad)
             torch.utils.swap_tensors(tensor, real)  # the same tensor objects (Parameters stay Parameters), now real
+
+
+class PendingUpdate:
+    """A version taken off the transport and not applied yet (:meth:`~weightsync.core.scheme.WeightSyncScheme.take`):
+    its bytes are in this process; :meth:`apply` checks and applies it as ``receive()`` would, and acks it. The
+    worker takes no other version until it was applied (or refused).
+
+    Attributes:
+        version: the version it is.
+    """
+
+    def __init__(self, receiver: Receiver, taken: list[Delivery]) -> None:
+        self._receiver, self._taken = receiver, taken
+        self.version: int = taken[-1].version
+        self._done = False
+
+    def apply(self) -> int:
+        """Apply it (and ack it); return the version the worker now holds.
+
+        Raises:
+            LifecycleError: it was applied already.
+            WeightMismatchError, IntegrityError, ConfigurationError: it was refused (and acked so); the model
+                kept its weights.
+        """
+        if self._done:
+            raise LifecycleError(f"version {self.version} was applied already", **self._receiver.where)
+        self._done = True
+        return self._receiver.apply(self._taken)
+
+    def __repr__(self) -> str:
+        return f"PendingUpdate(version={self.version}{', applied' if self._done else ''})"

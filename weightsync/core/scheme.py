@@ -35,7 +35,7 @@ from .drivers import driver_for, driver_of
 from .engine import ReceiverEngine, SenderEngine, Sink
 from .facade import SchemeFacades
 from .handoff import SchemeHandoff
-from .receiver import Receiver
+from .receiver import PendingUpdate, Receiver
 from .sender import Sender
 from .states import CLOSED, NEW, RECEIVER, RECEIVER_CONNECTED, SENDER, SENDER_CONNECTED
 from .workers import check_num_workers, targets
@@ -389,6 +389,43 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
         rt = self._runtime
         assert rt.receiving is not None
         return rt.receiving.receive(timeout)
+
+    def take(self, timeout: float | None = 0.0) -> PendingUpdate | None:
+        """Take the next update off the transport now, and apply it later: its bytes come into this process while
+        the worker goes on with its own work, and ``pending.apply()`` then checks and applies it as
+        :meth:`receive` would (a program that must pause to load, such as an inference engine, pauses for the
+        load only). The worker takes no other version until this one was applied.
+
+        Args:
+            timeout: seconds to wait for an update: ``0`` (default) only checks, ``None`` waits up to the
+                scheme's ``timeout``.
+
+        Returns:
+            The update (:class:`~weightsync.core.receiver.PendingUpdate`), or ``None`` if none came in time.
+
+        Raises:
+            LifecycleError: the scheme is not a connected receiver; or its updates are applied as they arrive
+                (a background thread applies them, or the engine's updates are calls into this process, as
+                Ray's are: :attr:`applied_on_arrival`).
+            ConnectionClosedError: the sender shut down or died.
+        """
+        rt = self._runtime
+        rt.require(RECEIVER_CONNECTED, action="take")
+        assert rt.receiving is not None
+        if self.applied_on_arrival or rt.receiving.has_thread:
+            raise LifecycleError(
+                "take(): this worker's updates are applied as they arrive ("
+                + (
+                    "its engine's updates are calls into this process"
+                    if self.applied_on_arrival
+                    else "by its background thread"
+                )
+                + "): use receive()",
+                model_id=self.model_id,
+                worker_idx=rt.worker_idx,
+            )
+        taken = rt.receiving.take(self.timeout if timeout is None else timeout)
+        return PendingUpdate(rt.receiving, taken) if taken else None
 
     def apply_weights(self, weights: Any, inplace: bool = True) -> None:
         """Write ``weights`` into this side's registered model, whole or not at all."""

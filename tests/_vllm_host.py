@@ -20,15 +20,15 @@ from typing import Any
 
 import psutil
 
+from tests.conftest import _held_by
 from weightsync.integrations.vllm.clients import EngineClient
 
 #: How long a host may take to start its engine (2 cores, a loaded CI machine).
 START_S = 240.0
 
 
-def _engine(
-    model_dir: str, kind: str, dtype: str, backend: str | None
-) -> tuple[Any, Any, asyncio.AbstractEventLoop | None]:
+def engine_args(model_dir: str, dtype: str, backend: str | None = "weightsync") -> dict[str, Any]:
+    """A small engine's arguments (a 64 MB KV cache: the CPU backend would otherwise reserve a share of RAM)."""
     args: dict[str, Any] = dict(
         model=model_dir,
         dtype=dtype,
@@ -40,6 +40,13 @@ def _engine(
     )
     if backend is not None:
         args["weight_transfer_config"] = {"backend": backend}
+    return args
+
+
+def _engine(
+    model_dir: str, kind: str, dtype: str, backend: str | None
+) -> tuple[Any, Any, asyncio.AbstractEventLoop | None]:
+    args = engine_args(model_dir, dtype, backend)
     if kind == "llm":
         from vllm import LLM
 
@@ -64,6 +71,7 @@ class _Host:
         self.engine, _, self.loop = _engine(model_dir, kind, dtype, backend)
         self.client = engine_client(self.engine, f"engine in {os.getpid()}", self.loop)
         self.background: dict[int, Any] = {}
+        self.produced: dict[int, int] = {}
 
     # -------------------------------------------------------------- generation
     def _sampling(self, n: int, **kw: Any) -> Any:
@@ -97,20 +105,27 @@ class _Host:
     def _start(self, prompt: list[int], n: int) -> int:
         from vllm.inputs import TokensPrompt
 
+        key = len(self.background)
+        self.produced[key] = 0
+
         async def run(rid: str) -> dict:
             final = None
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt), self._sampling(n), rid):
                 final = out
+                self.produced[key] = len(out.outputs[0].token_ids)
             o = final.outputs[0]
             spans = [(s.version, s.start, s.end) for s in (o.weight_versions or [])]
             return {"tokens": list(o.token_ids), "finish": o.finish_reason, "spans": spans}
 
-        key = len(self.background)
         self.background[key] = asyncio.run_coroutine_threadsafe(run(f"r{key}-{time.time_ns()}"), self.loop)
         return key
 
     def start(self, prompt: list[int], n: int) -> int:
         return self._start(prompt, n)
+
+    def tokens_out(self, key: int) -> int:
+        """How many tokens request ``key`` (of :meth:`start`) has produced so far."""
+        return self.produced[key]
 
     def _collect(self, key: int) -> dict:
         return self.background.pop(key).result(120)
@@ -165,20 +180,6 @@ class HostError(RuntimeError):
 #: What vLLM's processes leave in /dev/shm when they die without their own teardown (SIGKILL): shared memory
 #: and semaphores of Python's multiprocessing, which their resource tracker (killed too) would have removed.
 _ENGINE_SHM = re.compile(r"psm_[0-9a-f]+|sem\.mp-\w+")
-
-
-def _held_anywhere(names: set[str]) -> set[str]:
-    """Those of ``names`` (entries of /dev/shm) that a live process has open or mapped."""
-    held: set[str] = set()
-    for pid in psutil.pids():
-        try:
-            paths = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-            with open(f"/proc/{pid}/maps") as maps:
-                paths += [line.split()[-1] for line in maps if "/dev/shm/" in line]
-        except OSError:
-            continue
-        held |= {os.path.basename(path) for path in paths if path.startswith("/dev/shm/")} & names
-    return held
 
 
 class Host:
@@ -236,7 +237,7 @@ class Host:
         self.proc.join(30)
         psutil.wait_procs(self._group(), timeout=30)
         left = {n for n in set(os.listdir("/dev/shm")) - self._shm_before if _ENGINE_SHM.fullmatch(n)}
-        for name in left - _held_anywhere(left):
+        for name in left - _held_by(psutil.pids(), left):
             try:
                 os.unlink(f"/dev/shm/{name}")
             except FileNotFoundError:

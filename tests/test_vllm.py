@@ -168,7 +168,10 @@ def test_requests_in_flight_follow_the_pause_mode(async_llm, model_dirs, mode):
         engines = _serve(async_llm, scheme, model, pause_mode=mode)
         base = async_llm.ask("version")
         key = async_llm.ask("start", [1, 2, 3], 400)
-        time.sleep(1.0)  # some tokens are out under the version the engine holds
+        deadline = time.monotonic() + 60
+        while async_llm.ask("tokens_out", key) < 20:  # some tokens are out under the version the engine holds
+            assert time.monotonic() < deadline, "the request produced no 20 tokens in 60 s"
+            time.sleep(0.02)
         _step(model, 11)
         scheme.send()
         assert async_llm.ask("version") == "1" and engines.pause_mode == mode
@@ -246,6 +249,70 @@ def test_an_engine_started_without_the_weightsync_backend_is_named_at_connect(mo
     finally:
         scheme.shutdown()
         host.stop()
+
+
+def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_and_a_worker_out_of_its_reach_is_named(model_dirs):
+    """``ray.remote(vllm.LLM)``, with its worker in the actor's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), served
+    by the Ray scheme: each version goes through Ray's object store as a call into the actor, and ``send()``
+    returns when the actor's engine computes it. An engine whose worker is a process of its own (vLLM's default)
+    cannot take Ray's calls: its init is refused, with the way out named."""
+    ray = pytest.importorskip("ray")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tests._vllm_host import engine_args
+    from tests.conftest import local_ray_cluster
+
+    model = load_llama(model_dirs["f32"])
+    _step(model, 100)
+    greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+
+    def engine(multiprocessing: str):
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}
+        actor = ray.remote(LLM).options(num_cpus=1, runtime_env={"env_vars": env})
+        return actor.remote(**engine_args(str(model_dirs["f32"]), "float32"))
+
+    def stop(actor) -> None:
+        """End the engine's own processes and memory (an ``LLM`` has no shutdown of its own), then the actor."""
+        try:
+            ray.get(actor.__ray_call__.remote(lambda llm: llm.llm_engine.engine_core.shutdown()), timeout=60)
+        finally:
+            ray.kill(actor)
+
+    def tokens(actor) -> list[list[int]]:
+        outs = ray.get(
+            actor.generate.remote([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], greedy, use_tqdm=False),
+            timeout=120,
+        )
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    with local_ray_cluster():
+        actor = engine("0")
+        scheme = ws.RayWeightSyncScheme(timeout=60, connect_timeout=120)
+        try:
+            scheme.init_on_sender(model=model, context=VLLMEngines([actor], pause_mode="none"))
+            scheme.connect()
+            assert tokens(actor) == _hf_greedy(model)
+            for step in range(1, 3):
+                before = _hf_greedy(model)
+                _step(model, step)
+                scheme.send()
+                assert _hf_greedy(model) != before
+                assert tokens(actor) == _hf_greedy(model), f"version {step}"
+                assert ray.get(actor.get_weight_version.remote(), timeout=30) == str(step)
+        finally:
+            scheme.shutdown()
+            stop(actor)
+        apart = engine("1")
+        scheme = ws.RayWeightSyncScheme(timeout=60, connect_timeout=120)
+        try:
+            scheme.init_on_sender(model=model, context=VLLMEngines([apart], pause_mode="none"))
+            with pytest.raises(ws.WeightSyncError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0") as refused:
+                scheme.connect()
+            assert "vLLM engine 0" in str(refused.value) and "LlamaModel" not in str(refused.value)
+        finally:
+            scheme.shutdown()
+            stop(apart)
 
 
 def test_engines_that_are_not_engines_are_refused_by_name():

@@ -15,6 +15,7 @@ import weightsync as ws
 from tests._workers import build
 from weightsync.integrations.vllm import VLLMEngines, VLLMWeightSyncScheme
 from weightsync.integrations.vllm.clients import EngineClient
+from weightsync.integrations.vllm.staging import Stager
 from weightsync.tensors.strategy import flatten_weights
 
 
@@ -37,11 +38,13 @@ class Engine:
         if self.fail_init:
             raise RuntimeError("Weight transfer not configured")
         if self.scheme is not None:
+            self.stager.stop(10)
             self.scheme.shutdown()
         scheme = ws.from_config(init_info["receiver"])
         scheme.init_on_receiver(model=ws.ExternalModel(self.spec, self._load))
         scheme.connect()
         self.scheme = scheme
+        self.stager = Stager(scheme, "test-engine-stager")  # as the backend: takes each version while it generates
 
     def start_weight_update(self) -> None:
         assert not self.active, "a second start before finish"
@@ -53,8 +56,9 @@ class Engine:
         if update_info["version"] == self.fail_update_at:
             self.active = False
             raise RuntimeError("the engine could not load these weights")
+        deadline = time.monotonic() + 10
         while self.scheme.version < update_info["version"]:
-            self.scheme.receive(timeout=10)
+            assert self.stager.apply_next(deadline), f"version {update_info['version']} did not come in 10 s"
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.calls.append(f"finish {weight_version}")
@@ -70,6 +74,7 @@ class Engine:
     def shutdown_weight_transfer_engine(self) -> None:
         self.calls.append("shutdown")
         if self.scheme is not None:
+            self.stager.stop(10)
             self.scheme.shutdown()
             self.scheme = None
 

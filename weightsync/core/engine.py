@@ -138,6 +138,9 @@ class SenderEngine(ABC):
     #: Whether a worker that died or was dropped can come back under its index on its own (the engine then
     #: implements :meth:`poll_rejoin` and :meth:`admit`).
     rejoins: ClassVar[bool] = False
+    #: Each update is a call into the worker's process, whose return is its ack (Ray's): the worker's other calls
+    #: made after it run after it, and their return says nothing of it.
+    pushes: ClassVar[bool] = False
 
     sink: Sink
     layout: FlatLayout
@@ -202,6 +205,12 @@ class SenderEngine(ABC):
 
     def lost(self, worker: int, reason: str) -> None:
         """``worker`` is gone: release what it held."""
+        return None
+
+    def wait_sent(self, worker: int, deadline: float) -> None:
+        """Wait (until ``deadline``) until the newest version's bytes left for ``worker``: an engine whose
+        :meth:`submit` returns with some on their way (sent in the background) waits for them; the others
+        return at once. (A driver waits here before it has the worker's program stop to load the version.)"""
         return None
 
     def poll_rejoin(self) -> Any:

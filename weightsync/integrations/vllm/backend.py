@@ -22,7 +22,6 @@ An update whose names, shapes or dtypes differ from the engine's is refused befo
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,13 +41,14 @@ from ...core.external import ExternalModel
 from ...core.timing import deadline_after, remaining
 from ...errors import ConfigurationError, LifecycleError, SyncTimeoutError
 from ...tensors.strategy import WeightStrategy, flatten_weights
+from .staging import Stager
 
 __all__ = ["WeightsyncEngine", "WeightsyncInitInfo", "WeightsyncUpdateInfo", "checkpoint_spec"]
 
 log = logging.getLogger("weightsync.vllm")
 
-#: How long the stager waits for a version before it looks again whether it must stop (seconds).
-STAGER_POLL_S = 0.05
+#: How often ``update_weights`` looks whether a version that arrives as a call (Ray's) was applied (seconds).
+PUSHED_POLL_S = 0.001
 
 
 @dataclass
@@ -105,7 +105,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.scheme: Any = None
-        self._stager: _Stager | None = None
+        self._stager: Stager | None = None
         #: Seconds each load took in this worker (vLLM's reload of one version), newest last: the engine's own
         #: part of an update.
         self.load_seconds: list[float] = []
@@ -122,13 +122,20 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         spec, self._loaded = checkpoint_spec(self.model_config, strategy.extract_as)
         scheme.init_on_receiver(model=ExternalModel(spec, self._load, device=torch.device(self.device)))
         try:
-            scheme.connect()  # joins the trainer and loads the version it holds
+            if scheme.applied_on_arrival and not _in_ray_actor():
+                raise ConfigurationError(
+                    f"weightsync: the {type(scheme).__name__}'s updates are calls into the Ray actor that holds the "
+                    "engine, and this vLLM worker runs in a process of its own: start the engine in the actor with "
+                    "VLLM_ENABLE_V1_MULTIPROCESSING=0 in its environment (vLLM then runs its worker in the actor's "
+                    "process), or use another transport (docs/vllm.md)"
+                )
+            scheme.connect()  # joins the trainer and loads the version it holds (Ray's: it arrives as a call)
         except BaseException:
             scheme.shutdown()
             raise
         self.scheme = scheme
-        # (the scheme's receiver core: the stager takes deliveries from its engine, and applies them through it)
-        self._stager = _Stager(scheme._runtime.receiving, f"weightsync-vllm-{scheme.model_id}-stager")
+        if not scheme.applied_on_arrival:  # each version is taken while the engine generates, applied in update_weights
+            self._stager = Stager(scheme, f"weightsync-vllm-{scheme.model_id}-stager")
 
     def start_weight_update(self) -> None:
         if self.scheme is None:
@@ -141,8 +148,12 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         timeout = float(scheme.timeout)
         deadline = deadline_after(timeout)
         while scheme.version is None or scheme.version < update_info.version:
-            assert self._stager is not None
-            if not self._stager.apply_next(deadline):
+            if self._stager is not None:
+                arrived = self._stager.apply_next(deadline)
+            else:  # Ray's updates: the trainer's call applies each in this process (before it calls this one)
+                time.sleep(max(0.0, min(PUSHED_POLL_S, remaining(deadline))))
+                arrived = remaining(deadline) > 0
+            if not arrived:
                 raise SyncTimeoutError(
                     f"weightsync: version {update_info.version} did not arrive within {timeout:.1f}s "
                     f"(the engine holds {scheme.version})",
@@ -202,63 +213,9 @@ def _tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
-class _Stager:
-    """Takes each version off the transport as soon as the trainer publishes it, in a thread of its own, while the
-    engine goes on generating; ``update_weights`` then applies it (checks, loads, acks). The engine is paused for
-    the load, not for the bytes' trip (a ``distributed`` broadcast: it happens here). It takes the next version only
-    once the one it holds was applied: one delivery at a time, as the receiver's engine hands them out."""
+def _in_ray_actor() -> bool:
+    """This process is a Ray actor's (calls into the actor run here)."""
+    import sys
 
-    def __init__(self, receiving: Any, name: str) -> None:
-        self.receiving = receiving
-        self._cond = threading.Condition()
-        self._staged: list[Any] | None = None
-        self._error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with self._cond:
-                if not self._cond.wait_for(lambda: self._staged is None or self._stop.is_set(), STAGER_POLL_S):
-                    continue
-            if self._stop.is_set():
-                return
-            try:
-                taken = self.receiving.engine.take(STAGER_POLL_S, self.receiving.latest_wins)
-            except BaseException as exc:  # noqa: BLE001 - the sender is gone: update_weights says so
-                with self._cond:
-                    self._error = exc
-                    self._cond.notify_all()
-                return
-            if taken:
-                with self._cond:
-                    self._staged = taken
-                    self._cond.notify_all()
-
-    def apply_next(self, deadline: float) -> bool:
-        """Apply the next version taken (waiting until ``deadline`` for it); ``False`` if none came in time.
-
-        Raises:
-            WeightSyncError: the receiver refused it (acked so), or the sender is gone.
-        """
-        with self._cond:
-            self._cond.wait_for(lambda: self._staged is not None or self._error is not None, remaining(deadline))
-            taken, error = self._staged, self._error
-        if taken is None:
-            if error is not None:
-                raise error
-            return False
-        try:
-            self.receiving.apply(taken)
-        finally:
-            with self._cond:
-                self._staged = None
-                self._cond.notify_all()
-        return True
-
-    def stop(self, timeout: float) -> None:
-        self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
-        self._thread.join(timeout)
+    ray = sys.modules.get("ray")  # (an actor's process imported Ray: a process that did not is none)
+    return ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None

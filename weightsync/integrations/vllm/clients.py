@@ -4,8 +4,9 @@ vLLM's weight-transfer interface is driven from outside the engine: ``init_weigh
 ``start_weight_update``, ``update_weights``, ``finish_weight_update`` (the calls of vLLM's trainer-side protocol,
 ``VLLMWeightSyncClient``), plus, where the engine serves requests while it is updated, ``pause_generation`` and
 ``resume_generation``. An :class:`EngineClient` makes the trainer's calls the same whatever holds the engine: a
-``vllm.LLM``, a ``vllm.v1.engine.async_llm.AsyncLLM`` running on an event loop, or any object with vLLM's
-four calls (vLLM's ``RayVLLMWeightSyncClient`` and ``HTTPVLLMWeightSyncClient``, or a client of your own).
+``vllm.LLM``, a ``vllm.v1.engine.async_llm.AsyncLLM`` running on an event loop, a Ray actor holding an engine,
+or any object with vLLM's four calls (vLLM's ``RayVLLMWeightSyncClient`` and ``HTTPVLLMWeightSyncClient``, or a
+client of your own).
 Nothing here imports vLLM.
 """
 
@@ -15,9 +16,9 @@ import asyncio
 import concurrent.futures
 from typing import Any
 
-from ...errors import ConfigurationError, SyncTimeoutError
+from ...errors import ConfigurationError, SyncTimeoutError, WorkerDiedError
 
-__all__ = ["PAUSE_MODES", "EngineClient", "engine_client"]
+__all__ = ["PAUSE_MODES", "EngineClient", "RayActorClient", "engine_client"]
 
 #: What happens to requests in flight while an engine loads a version (vLLM's pause modes), or ``"none"``: the
 #: engine is not paused (an ``LLM`` driven between its ``generate`` calls has nothing in flight).
@@ -42,6 +43,11 @@ class EngineClient:
 
     def __init__(self, target: Any, name: str) -> None:
         self.target, self.name = target, name
+
+    def queue_init(self, init_info: dict[str, Any]) -> None:
+        """Called in the sender's thread before its scheme publishes the initial version, and before :meth:`init`
+        (in another thread): a client whose engine runs its calls in the order they were made (a Ray actor) makes
+        the init call here, so that it comes before the scheme's own calls into the engine."""
 
     def init(self, init_info: dict[str, Any], timeout: float) -> None:
         self.target.init_weight_transfer_engine(init_info)
@@ -154,6 +160,92 @@ class AsyncLLMClient(EngineClient):
         self._run(self.target.shutdown_weight_transfer_engine(), timeout, "shutdown_weight_transfer_engine")
 
 
+class RayActorClient(EngineClient):
+    """A Ray actor holding an engine (``ray.remote(vllm.LLM)``, or an actor class with the same methods), as vLLM's
+    ``RayVLLMWeightSyncClient`` drives one: each call is ``actor.<call>.remote(...)``, waited for at most
+    ``timeout``. The actor runs its calls in the order they were made, the scheme's own (Ray's updates) included.
+    It pauses if the actor has ``pause_generation`` (an ``AsyncLLM``'s)."""
+
+    def __init__(self, target: Any, name: str) -> None:
+        super().__init__(target, name)
+        self.pauses = _has_method(target, "pause_generation") and _has_method(target, "resume_generation")
+        self._queued: tuple[dict[str, Any], Any] | None = None
+
+    def _get(self, ref: Any, timeout: float, what: str) -> Any:
+        import ray
+
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref)
+            raise SyncTimeoutError(f"{self.name}: {what} did not return within {timeout:.1f}s") from None
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerDiedError(f"{self.name}: its actor died ({type(exc).__name__}) during {what}") from exc
+        except ray.exceptions.RayTaskError as exc:  # the engine's own error, without Ray's dump of the actor
+            cause = exc.cause if isinstance(exc.cause, Exception) else None
+            if cause is None:
+                raise
+            raise cause from None
+
+    def _call(self, call: str, timeout: float, *args: Any, **kwargs: Any) -> Any:
+        return self._get(getattr(self.target, call).remote(*args, **kwargs), timeout, call)
+
+    def queue_init(self, init_info: dict[str, Any]) -> None:
+        self._queued = (init_info, self.target.init_weight_transfer_engine.remote(_request("init", init_info)))
+
+    def init(self, init_info: dict[str, Any], timeout: float) -> None:
+        queued, self._queued = self._queued, None
+        if queued is not None and queued[0] is init_info:
+            self._get(queued[1], timeout, "init_weight_transfer_engine")
+        else:
+            self._call("init_weight_transfer_engine", timeout, _request("init", init_info))
+
+    def start(self, timeout: float) -> None:
+        self._call("start_weight_update", timeout)
+
+    def update(self, update_info: dict[str, Any], timeout: float) -> None:
+        self._call("update_weights", timeout, _request("update", update_info))
+
+    def finish(self, version: str, timeout: float) -> None:
+        self._call("finish_weight_update", timeout, weight_version=version)
+
+    def set_version(self, version: str, timeout: float) -> None:
+        self._call("update_weight_version", timeout, version)
+
+    def reset_prefix_cache(self, timeout: float) -> None:
+        self._call("reset_prefix_cache", timeout)
+
+    def pause(self, mode: str, timeout: float) -> None:
+        self._call("pause_generation", timeout, mode=mode, clear_cache=True)
+
+    def resume(self, timeout: float) -> None:
+        self._call("resume_generation", timeout)
+
+    def shutdown(self, timeout: float) -> None:
+        self._call("shutdown_weight_transfer_engine", timeout)
+
+
+def _has_method(actor: Any, name: str) -> bool:
+    try:
+        getattr(actor, name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _request(kind: str, info: dict[str, Any]) -> Any:
+    """vLLM's request object for ``init_weight_transfer_engine`` / ``update_weights`` (what an ``AsyncLLM`` takes;
+    an ``LLM`` takes it too), or its dict form where vLLM is not installed beside the trainer (an ``LLM`` takes
+    that)."""
+    try:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+    except ImportError:
+        return {f"{kind}_info": info}
+    if kind == "init":
+        return WeightTransferInitRequest(init_info=info)
+    return WeightTransferUpdateRequest(update_info=info)
+
+
 def engine_client(target: Any, name: str, loop: asyncio.AbstractEventLoop | None = None) -> EngineClient:
     """The client of an engine ``target``: an :class:`EngineClient` as it is, a ``vllm.LLM``, an ``AsyncLLM`` (with
     ``loop``, the running event loop it was made on), or any object with vLLM's four trainer-side calls.
@@ -164,6 +256,8 @@ def engine_client(target: Any, name: str, loop: asyncio.AbstractEventLoop | None
     if isinstance(target, EngineClient):
         return target
     kind = type(target).__name__
+    if kind == "ActorHandle":
+        return RayActorClient(target, name)
     if kind == "AsyncLLM" or asyncio.iscoroutinefunction(getattr(target, "start_weight_update", None)):
         if loop is None or loop.is_closed():
             raise ConfigurationError(

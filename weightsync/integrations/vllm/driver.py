@@ -38,7 +38,7 @@ from ...core.drivers import Driver
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import remaining
 from ...errors import ConfigurationError, LifecycleError, WeightSyncError
-from .clients import PAUSE_MODES, EngineClient, engine_client
+from .clients import PAUSE_MODES, EngineClient, RayActorClient, engine_client
 
 __all__ = ["EngineTiming", "VLLMDriver", "VLLMEngines"]
 
@@ -102,6 +102,20 @@ class VLLMEngines:
         #: The last updates' calls, per engine (newest last, at most :data:`KEPT`): see :meth:`record`.
         self.timings: list[EngineTiming] = []
         self._timings_lock = threading.Lock()
+
+    @property
+    def remote_collectors(self) -> list[Any]:
+        """The Ray actors holding the engines, for a Ray scheme (whose updates are calls into each actor).
+
+        Raises:
+            ConfigurationError: an engine is not a Ray actor."""
+        actors = [c.target for c in self.clients if isinstance(c, RayActorClient)]
+        if len(actors) != self.num_workers:
+            raise ConfigurationError(
+                "a Ray scheme reaches vLLM engines held by Ray actors: give VLLMEngines each engine's actor handle "
+                "(ray.remote(vllm.LLM)...), or use another transport"
+            )
+        return actors
 
     def record(self, worker: int, version: int, seconds: float, *, paused: bool) -> None:
         """Note how long engine ``worker``'s calls for ``version`` took: from its pause to its resume when it was
@@ -236,6 +250,8 @@ class _Gate(SenderEngine):
 
     def _init_steps(self, worker: int, initial: bool) -> Any:
         init_info = {"receiver": self.scheme.receiver_config(worker)}
+        # (in this thread: before the scheme's engine publishes the version this engine is to load first)
+        self.engines.clients[worker].queue_init(init_info)
 
         def steps(client: EngineClient, timeout: float) -> None:
             def body() -> None:
@@ -253,8 +269,14 @@ class _Gate(SenderEngine):
                 client.update({"version": version}, timeout)
                 client.finish(str(version), timeout)
 
-            # (the engine computes with its weights until update_weights: start_weight_update need not be paused)
-            self._paused(client, timeout, body, worker, version, before=lambda: client.start(timeout))
+            def before() -> None:
+                # The engine stops for the load, not for the bytes' trip: they are all out to it first (while it
+                # generates, its backend takes them); it computes with its weights until update_weights, so
+                # start_weight_update need not be paused either.
+                self._inner().wait_sent(worker, time.monotonic() + timeout)
+                client.start(timeout)
+
+            self._paused(client, timeout, body, worker, version, before=before)
 
         return steps
 
@@ -283,7 +305,7 @@ class _Gate(SenderEngine):
                     self.core.failed(worker, _engine_error(worker, version, error, self.core.model_id))
             elif worker in held:
                 self.core.acked(worker, held[worker])
-            else:  # the calls returned, so the receiver acked: its ack is on its way
+            elif not self._inner().pushes:  # the calls returned, so the receiver acked: its ack is on its way
                 with self._lock:
                     self._held.pop(worker, None)
                 self.core.acked(worker, version)

@@ -311,6 +311,12 @@ class DistributedSender(SenderEngine):
         else:  # nothing on its way from them: nothing can come before the deadline
             time.sleep(remaining(deadline))
 
+    def wait_sent(self, worker: int, deadline: float) -> None:
+        newest = self.newest
+        works = newest[0].readers.get(worker, []) if newest is not None else []
+        if works:  # gloo's sends of the newest version to this worker, each done once its bytes were taken
+            wait_futures(works, timeout=max(remaining(deadline), 0.0))
+
     def lost(self, worker: int, reason: str) -> None:
         self.transports[worker].drop(reason)
         if self.pool is not None:

@@ -44,6 +44,8 @@ class RaySender(SenderEngine):
         extract_as: the strategy's format, for the actor's method.
     """
 
+    pushes = True
+
     def __init__(
         self,
         sink: Sink,

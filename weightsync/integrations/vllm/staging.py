@@ -1,0 +1,84 @@
+"""Taking each version off the transport while an engine generates, and applying it when the engine loads it.
+
+An inference engine stops generating to load a version; the bytes' trip need not stop it. A :class:`Stager`
+takes each version as soon as the trainer publishes it (``scheme.take``), in a thread of its own; the engine's
+``update_weights`` then applies it (:meth:`Stager.apply_next`: checks, loads, acks). weightsync's vLLM backend
+uses it; it needs no vLLM.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ...core.receiver import PendingUpdate
+from ...core.timing import remaining
+
+__all__ = ["STAGER_POLL_S", "Stager"]
+
+#: How long the stager waits for a version before it looks again whether it must stop (seconds).
+STAGER_POLL_S = 0.05
+
+
+class Stager:
+    """Takes each version off ``scheme`` (a connected receiver) as soon as the trainer publishes it, in a thread
+    named ``name``, while the engine goes on generating; :meth:`apply_next` applies it (checks, loads, acks). The
+    engine is paused for the load, not for the bytes' trip (a ``distributed`` broadcast: it happens here). The
+    receiver hands out the next version only once the one taken was applied: one at a time."""
+
+    def __init__(self, scheme: Any, name: str) -> None:
+        self.scheme = scheme
+        self._cond = threading.Condition()
+        self._staged: PendingUpdate | None = None
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._staged is None or self._stop.is_set(), STAGER_POLL_S):
+                    continue
+            if self._stop.is_set():
+                return
+            try:
+                pending = self.scheme.take(STAGER_POLL_S)
+            except BaseException as exc:  # noqa: BLE001 - the sender is gone: update_weights says so
+                self._hand(None, exc)
+                return
+            if pending is not None:
+                self._hand(pending, None)
+
+    def _hand(self, pending: PendingUpdate | None, error: BaseException | None) -> None:
+        """Hand ``apply_next`` a version taken, or the error that ended the taking."""
+        with self._cond:
+            self._staged, self._error = pending, error
+            self._cond.notify_all()
+
+    def apply_next(self, deadline: float) -> bool:
+        """Apply the next version taken (waiting until ``deadline`` for it); ``False`` if none came in time.
+
+        Raises:
+            WeightSyncError: the receiver refused it (acked so), or the sender is gone.
+        """
+        with self._cond:
+            self._cond.wait_for(lambda: self._staged is not None or self._error is not None, remaining(deadline))
+            pending, error = self._staged, self._error
+        if pending is None:
+            if error is not None:
+                raise error
+            return False
+        try:
+            pending.apply()
+        finally:
+            with self._cond:
+                self._staged = None
+                self._cond.notify_all()
+        return True
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout)

@@ -147,6 +147,44 @@ def test_a_scheme_composes_its_transport_and_the_command_line_swaps_or_tunes_it(
         instantiate(bad.weightsync.scheme)
 
 
+def test_the_vllm_option_serves_engines_over_the_scheme_the_command_line_composes_into_it():
+    """``weightsync/scheme=vllm`` is TorchRL's ``VLLMWeightSyncScheme``; its ``scheme`` is one of weightsync's scheme
+    group (``shared_mem`` by default), swapped and tuned from the command line. No vLLM is needed to build it (only
+    to run engines)."""
+    from weightsync.integrations.vllm import VLLMWeightSyncScheme
+
+    extra: list[str] = []
+    with initialize(version_base="1.3"):
+        default = compose(overrides=[*extra, "+weightsync/scheme=vllm"])
+        tuned = compose(
+            overrides=[
+                *extra,
+                "+weightsync/scheme=vllm",
+                "weightsync/scheme@weightsync.scheme.scheme=multiprocess",
+                "weightsync.scheme.scheme.timeout=7.5",
+                "weightsync/scheme/transport@weightsync.scheme.scheme.transport=shared_mem",
+                "weightsync.scheme.pause_mode=abort",
+            ]
+        )
+    built = instantiate(default.weightsync.scheme)
+    assert isinstance(built, VLLMWeightSyncScheme) and built.pause_mode == "keep"
+    assert isinstance(built.scheme, ws.SharedMemWeightSyncScheme)
+    built = instantiate(tuned.weightsync.scheme)
+    assert isinstance(built.scheme, ws.MultiProcessWeightSyncScheme) and built.pause_mode == "abort"
+    assert built.scheme.timeout == 7.5 and built.scheme.transport_class is ws.SharedMemTransport
+    with initialize(version_base="1.3"):
+        bad = compose(overrides=[*extra, "+weightsync/scheme=vllm", "weightsync.scheme.pause_mode=later"])
+    with pytest.raises(HydraException, match="pause_mode must be one of"):
+        instantiate(bad.weightsync.scheme)
+
+
+def test_torchrl_s_group_has_the_vllm_scheme_too():
+    with initialize(version_base="1.3"):
+        cfg = compose(overrides=["+weight_sync_scheme@sync=weightsync_vllm"])
+    assert cfg.sync._target_ == "weightsync.integrations.vllm.VLLMWeightSyncScheme"
+    assert cfg.sync.scheme._target_ == "weightsync.SharedMemWeightSyncScheme"
+
+
 def test_top_level_from_config_is_the_hydra_layer_one():
     assert ws.from_config is wc.from_config
 

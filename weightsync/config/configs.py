@@ -124,8 +124,31 @@ class WeightStrategyConfig:
     extract_as: str = "tensordict"
 
 
+# -------------------------------------------------------------- vLLM engines
+@dataclasses.dataclass
+class VLLMWeightSyncSchemeConfig:
+    """A scheme serving vLLM engines (:class:`~weightsync.integrations.vllm.VLLMWeightSyncScheme`, TorchRL's name).
+
+    Attributes:
+        scheme: the scheme that moves the bytes: a scheme's config (the group ``weightsync/scheme`` composes one
+            here: ``weightsync/scheme@weightsync.scheme.scheme=distributed``), or a scheme's name.
+        pause_mode: what requests in flight do while an engine loads a version: ``keep``, ``wait``, ``abort`` or
+            ``none``.
+    """
+
+    _target_: str = "weightsync.integrations.vllm.VLLMWeightSyncScheme"
+    scheme: Any = "shared_mem"
+    pause_mode: str = "keep"
+
+
 _build()
 
 __all__ = sorted(
-    ["SCHEMES", "TRANSPORTS", "WeightStrategyConfig", *(c.__name__ for c in [*TRANSPORTS.values(), *_CONFIGS.values()])]
+    [
+        "SCHEMES",
+        "TRANSPORTS",
+        "VLLMWeightSyncSchemeConfig",
+        "WeightStrategyConfig",
+        *(c.__name__ for c in [*TRANSPORTS.values(), *_CONFIGS.values()]),
+    ]
 )

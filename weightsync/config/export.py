@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .store import SCHEMES, STRATEGIES, TRANSPORTS, composed
+from .store import SCHEMES, STRATEGIES, TRANSPORTS, composed, serving_vllm
 
 __all__ = ["export", "group_yaml"]
 
@@ -24,7 +24,7 @@ def group_yaml() -> dict[str, str]:
     weightsync's own (an installed package's engines have their configs in the ConfigStore, not in ``conf/``)."""
     out = {}
     groups = (
-        ("scheme", {name: composed(node) for name, node in SCHEMES.items()}),
+        ("scheme", {**{name: composed(node) for name, node in SCHEMES.items()}, "vllm": serving_vllm()}),
         ("scheme/transport", TRANSPORTS),
         ("transport", TRANSPORTS),
         ("strategy", STRATEGIES),

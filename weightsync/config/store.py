@@ -3,6 +3,7 @@
 Groups (each option is the dataclass of the same name in :mod:`weightsync.config.configs`)::
 
     weightsync/scheme/{multiprocess,shared_mem,no_sync,ray,ray_module_transform,rpc,distributed}
+    weightsync/scheme/vllm   (VLLMWeightSyncScheme: serving vLLM engines over the scheme at its ``scheme``)
     weightsync/scheme/transport/{mp,shared_mem,ray,ray_actor,rpc,distributed}   (a scheme's transport)
     weightsync/transport/{mp,shared_mem,ray,ray_actor,rpc,distributed}
     weightsync/strategy/{tensordict,state_dict}
@@ -29,9 +30,17 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from .configs import SCHEMES, TRANSPORTS, WeightStrategyConfig
+from .configs import SCHEMES, TRANSPORTS, VLLMWeightSyncSchemeConfig, WeightStrategyConfig
 
-__all__ = ["SCHEMES", "STRATEGIES", "TRANSPORTS", "composed", "register_configs", "register_scheme_group"]
+__all__ = [
+    "SCHEMES",
+    "STRATEGIES",
+    "TRANSPORTS",
+    "composed",
+    "register_configs",
+    "register_scheme_group",
+    "serving_vllm",
+]
 
 STRATEGIES: dict[str, WeightStrategyConfig] = {
     "tensordict": WeightStrategyConfig(extract_as="tensordict"),
@@ -77,6 +86,21 @@ def register_scheme_group(group: str, prefix: str = "") -> None:
         cs.store(group=f"{group}/transport", name=name, node=node)
 
 
+def serving_vllm() -> Any:
+    """:class:`VLLMWeightSyncSchemeConfig` as the scheme groups store it (``vllm``): its ``scheme`` composed from
+    weightsync's scheme group, ``shared_mem`` unless the command line says another
+    (``weightsync/scheme@weightsync.scheme.scheme=distributed``)."""
+    fields = [
+        (
+            "defaults",
+            list[Any],
+            dataclasses.field(default_factory=lambda: [{"/weightsync/scheme@scheme": "shared_mem"}, "_self_"]),
+        ),
+        ("scheme", Any, dataclasses.field(default=MISSING)),
+    ]
+    return dataclasses.make_dataclass(VLLMWeightSyncSchemeConfig.__name__, fields, bases=(VLLMWeightSyncSchemeConfig,))
+
+
 _registered = False
 
 
@@ -88,6 +112,8 @@ def register_configs() -> None:
     register_scheme_group("weightsync/scheme")
     register_scheme_group(TORCHRL_GROUP, TORCHRL_PREFIX)
     cs = ConfigStore.instance()
+    for group, name in (("weightsync/scheme", "vllm"), (TORCHRL_GROUP, TORCHRL_PREFIX + "vllm")):
+        cs.store(group=group, name=name, node=serving_vllm())
     for name, node in TRANSPORTS.items():
         cs.store(group="weightsync/transport", name=name, node=node)
     for name, strategy in STRATEGIES.items():

@@ -21,9 +21,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-import torch
-
 import weightsync as ws
+from tests._hf_llama import hf_greedy, step
 from weightsync.app.llama import load_llama
 from weightsync.integrations.vllm import VLLMEngines
 
@@ -78,23 +77,6 @@ def served(url: str) -> list[list[int]]:
     return out
 
 
-def hf_greedy(model: Any) -> list[list[int]]:
-    out = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=TOKENS, do_sample=False, pad_token_id=0)
-            out.append(ids[0, len(prompt) :].tolist())
-    return out
-
-
-def step(model: Any, seed: int, scale: float = 0.05) -> None:
-    """One 'training step': every weight moves (what the engine computes changes)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * scale)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("url")
@@ -117,7 +99,7 @@ def main() -> None:
         scheme.connect()
         result["connect_s"] = round(time.monotonic() - started, 3)
         for version in range(args.versions + 1):
-            before = hf_greedy(model)
+            before = hf_greedy(model, PROMPTS, TOKENS)
             if version:
                 step(model, version)
                 started = time.monotonic()
@@ -125,7 +107,7 @@ def main() -> None:
                 send_s = round(time.monotonic() - started, 3)
             else:
                 send_s = None
-            now = hf_greedy(model)
+            now = hf_greedy(model, PROMPTS, TOKENS)
             result["versions"].append({
                 "version": version,
                 "send_s": send_s,

@@ -3,7 +3,8 @@ is on host A's address, and one engine behind ``vllm serve`` on host B, given by
 
     python -m tests._vllm_remote_trainer URL MODEL_DIR MASTER_ADDR [--versions N] [--wait-s S]
 
-It first waits (at most ``--wait-s``) until the server answers ``/health``.
+It first waits (at most ``--wait-s``) until the server answers ``/health``, then makes one call out of order
+(``start_weight_update`` before the engine's receiver exists) and records the error the server answers.
 
 For each version it changes every weight (seeded), sends, then asks the server, as any client of it would, for
 greedy completions of fixed prompts (token ids in, token ids out: ``/v1/completions`` with ``return_token_ids``)
@@ -25,6 +26,7 @@ import weightsync as ws
 from tests._hf_llama import hf_greedy, step
 from weightsync.app.llama import load_llama
 from weightsync.integrations.vllm import VLLMEngines
+from weightsync.integrations.vllm.clients import EngineHTTPError, HTTPEngineClient
 
 #: A short prompt, and a long one that fills prefix-cache blocks (the engine's cache is on by default).
 PROMPTS = [[1, 5, 9, 33, 200], list(range(3, 200))]
@@ -92,6 +94,10 @@ def main() -> None:
     engines = VLLMEngines([args.url], pause_mode="keep")
     result: dict[str, Any] = {"versions": []}
     result["server_up_s"] = round(wait_healthy(args.url, args.wait_s), 1)
+    try:  # a call out of order: the engine's error, as the server answers it
+        HTTPEngineClient(args.url, "vLLM engine 0").start(30)
+    except EngineHTTPError as exc:
+        result["refused"] = {"status": exc.status, "route": exc.route, "error": str(exc)}
     try:
         scheme.init_on_sender(model=model, context=engines)
         result["connection"] = scheme.receiver_config(0)["connection"]  # what the engine was sent over HTTP

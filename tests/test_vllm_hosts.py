@@ -5,7 +5,8 @@ Two hosts (tests/_hosts.py: network namespaces on a switch of their own, real TC
 host A runs the trainer (tests/_vllm_remote_trainer.py), which knows the engine by its URL alone: the driver
 calls the server's routes, the bytes go over a gloo group from A into the engine's worker process on B. What is
 checked is what the server answers any client: its greedy completions, token for token against HF ``generate``
-with the trainer's weights, and its weight version. Skipped without root (the hosts are namespaces).
+with the trainer's weights, and its weight version; and that an engine's error comes back through the routes,
+named. Skipped without root (the hosts are namespaces).
 """
 
 from __future__ import annotations
@@ -107,6 +108,11 @@ def test_an_engine_behind_vllm_serve_on_another_host_serves_each_version_sent_ov
     assert trainer.returncode == 0 and lines, f"trainer:\n{said.text()}\nserver:\n{served.text()}"
     result = json.loads(lines[-1][len("RESULT ") :])
     versions = result["versions"]
+    # A call out of order: the engine's own error reaches the trainer, with the route and the server named.
+    refused = result.get("refused") or {}
+    assert refused.get("status") == 500 and refused.get("route") == "/start_weight_update", result
+    assert f"POST /start_weight_update at http://{b.addr}:{PORT} answered 500" in refused["error"]
+    assert "weightsync: start_weight_update before init_weight_transfer_engine" in refused["error"]
     assert [v["version"] for v in versions] == [0, 1, 2, 3]
     for v in versions:
         assert v["changed"], f"version {v['version']}: the step did not change HF's tokens (the check would be moot)"

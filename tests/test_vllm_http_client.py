@@ -42,7 +42,8 @@ class Server:
 
     A route answers like vLLM's (``{"message": ...}``; ``/reset_prefix_cache``: ``{"success": true}``) after
     calling the same-named method of ``engine``, if one is given; ``fail[route] = (status, text)`` makes it answer
-    that instead, and a route in ``hang`` never answers (until the server stops)."""
+    that instead; a route in ``hang`` never answers, and one in ``trickle`` answers a byte at a time without end
+    (until the server stops)."""
 
     CALLS = {
         "/init_weight_transfer_engine": lambda e, q, b: e.init_weight_transfer_engine(b["init_info"]),
@@ -61,6 +62,7 @@ class Server:
         self.calls: list[Call] = []
         self.fail: dict[str, tuple[int, str]] = {}
         self.hang: set[str] = set()
+        self.trickle: set[str] = set()
         self.answers: dict[str, Any] = {}
         self.released = threading.Event()
         server = self
@@ -74,6 +76,12 @@ class Server:
                 server.calls.append(Call(route, dict(urllib.parse.parse_qsl(parts.query)), body))
                 if route in server.hang:
                     server.released.wait(HANG_S)
+                    return
+                if route in server.trickle:  # a header one byte at a time, each well within a socket timeout
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                    while not server.released.wait(0.05):
+                        self.wfile.write(b"a")
+                        self.wfile.flush()
                     return
                 status, answer = server.fail.get(route) or server._answer(route, parts.query, body)
                 data = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
@@ -201,6 +209,14 @@ def test_a_server_that_never_answers_is_a_named_timeout_within_the_calls_timeout
     with pytest.raises(ws.SyncTimeoutError, match="engine 3: POST /update_weights .* did not return within 0.5s"):
         client.update({"version": 1}, 0.5)
     assert 0.4 < time.monotonic() - started < 3
+
+
+def test_a_server_that_answers_a_byte_at_a_time_is_cut_off_at_the_calls_timeout(server):
+    server.trickle.add("/pause")
+    started = time.monotonic()
+    with pytest.raises(ws.SyncTimeoutError, match="engine 0: POST /pause .* did not return within 1.0s"):
+        HTTPEngineClient(server.url, "engine 0").pause("keep", 1.0)
+    assert 0.9 < time.monotonic() - started < 3
 
 
 def test_nothing_listening_at_the_url_is_a_connection_error_naming_it():

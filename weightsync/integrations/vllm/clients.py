@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import http.client
 import json
-import urllib.error
+import socket
+import ssl
+import threading
+import time
 import urllib.parse
-import urllib.request
 from typing import Any
 
 from ... import checks
@@ -180,14 +183,6 @@ class EngineHTTPError(RuntimeError):
         self.route, self.status, self.body = route, status, body
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    """A redirect is an error: it would send the call elsewhere (without its body), and an engine's routes answer
-    where they are."""
-
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
 class HTTPEngineClient(EngineClient):
     """An engine served by ``vllm serve``, on this host or another, through vLLM's RL routes, which the server
     mounts when it runs with ``VLLM_SERVER_DEV_MODE=1``: ``/init_weight_transfer_engine``,
@@ -206,8 +201,8 @@ class HTTPEngineClient(EngineClient):
     Each call raises:
         EngineHTTPError: the server answered with an error status (the route, the status and the start of its
             answer named).
-        SyncTimeoutError: the server did not answer within the call's ``timeout`` (which bounds each wait on the
-            connection).
+        SyncTimeoutError: the server did not answer within the call's ``timeout`` (which bounds the whole call:
+            a server that answers a byte at a time is cut off too).
         ConnectionError: nothing answers at the URL (refused, unreachable, an unknown host), or the server broke
             the connection off.
     """
@@ -217,49 +212,68 @@ class HTTPEngineClient(EngineClient):
     def __init__(self, url: str, name: str) -> None:
         self.url = _server_url(url, name)
         super().__init__(self.url, name)
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects())
+        parts = urllib.parse.urlsplit(self.url)
+        self._host, self._port, self._path = str(parts.hostname), parts.port, parts.path
+        self._tls = ssl.create_default_context() if parts.scheme == "https" else None
 
     def _post(self, route: str, timeout: float, body: dict[str, Any] | None = None, **query: str) -> Any:
-        """POST ``body`` (as JSON) to ``route`` with ``query``; the server's answer, parsed (``None`` if it is not
-        JSON)."""
-        url = self.url + route + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        """POST ``body`` (as JSON) to ``route`` with ``query``, within ``timeout``; the server's answer, parsed
+        (``None`` if it is not JSON)."""
+        path = self._path + route + (f"?{urllib.parse.urlencode(query)}" if query else "")
         data = b"" if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + timeout
+        conn = (
+            http.client.HTTPSConnection(self._host, self._port, timeout=timeout, context=self._tls)
+            if self._tls is not None
+            else http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+        )
         try:
-            with self._opener.open(request, timeout=timeout) as response:
-                answer = response.read(READ_BYTES)
-        except urllib.error.HTTPError as exc:
-            raise self._refused(route, exc) from None
-        except urllib.error.URLError as exc:
-            if isinstance(exc.reason, TimeoutError):
+            try:
+                conn.connect()
+            except TimeoutError:
                 raise self._timed_out(route, timeout) from None
-            raise ConnectionError(
-                f"{self.name}: nothing answers at {self.url} ({exc.reason}): is `vllm serve` running there, and "
-                "reachable from this host?"
-            ) from None
-        except TimeoutError:
-            raise self._timed_out(route, timeout) from None
-        except (OSError, http.client.HTTPException) as exc:
-            raise ConnectionError(f"{self.name}: the server at {self.url} broke off POST {route}: {exc!r}") from None
+            except OSError as exc:
+                raise ConnectionError(
+                    f"{self.name}: nothing answers at {self.url} ({exc}): is `vllm serve` running there, and "
+                    "reachable from this host?"
+                ) from None
+            # The socket's timeout bounds each wait on it; a server answering a byte at a time is cut off at the
+            # deadline.
+            cut = threading.Event()
+            cutoff = threading.Timer(max(0.0, deadline - time.monotonic()), _cut, (conn.sock, cut))
+            cutoff.name, cutoff.daemon = "weightsync-vllm-http-deadline", True
+            cutoff.start()
+            try:
+                conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+                response = conn.getresponse()
+                answer = response.read(READ_BYTES)
+                if cut.is_set():  # (what was read before the cut may even parse: it is not the server's answer)
+                    raise self._timed_out(route, timeout)
+            except (OSError, http.client.HTTPException) as exc:
+                if isinstance(exc, TimeoutError) or cut.is_set():
+                    raise self._timed_out(route, timeout) from None
+                raise ConnectionError(
+                    f"{self.name}: the server at {self.url} broke off POST {route}: {exc!r}"
+                ) from None
+            finally:
+                cutoff.cancel()
+                cutoff.join()
+        finally:
+            conn.close()
+        if not 200 <= response.status < 300:  # (a redirect too: it would send the call elsewhere)
+            text = answer[: 4 * QUOTED_CHARS].decode("utf-8", "replace")
+            text = text if len(text) <= QUOTED_CHARS else text[: QUOTED_CHARS - 3] + "..."
+            raise EngineHTTPError(
+                f"{self.name}: POST {route} at {self.url} answered {response.status} {response.reason[:80]}: "
+                f"{text or '(no body)'}",
+                route,
+                response.status,
+                text,
+            )
         try:
             return json.loads(answer)
         except ValueError:
             return None
-
-    def _refused(self, route: str, exc: urllib.error.HTTPError) -> EngineHTTPError:
-        try:
-            text = exc.read(4 * QUOTED_CHARS).decode("utf-8", "replace")
-        except (OSError, http.client.HTTPException):
-            text = ""
-        finally:
-            exc.close()
-        text = text if len(text) <= QUOTED_CHARS else text[: QUOTED_CHARS - 3] + "..."
-        return EngineHTTPError(
-            f"{self.name}: POST {route} at {self.url} answered {exc.code} {exc.reason}: {text or '(no body)'}",
-            route,
-            exc.code,
-            text,
-        )
 
     def _timed_out(self, route: str, timeout: float) -> SyncTimeoutError:
         return SyncTimeoutError(f"{self.name}: POST {route} at {self.url} did not return within {timeout:.1f}s")
@@ -297,6 +311,14 @@ class HTTPEngineClient(EngineClient):
 
     def shutdown(self, timeout: float) -> None:
         self._post("/shutdown_weight_transfer_engine", timeout)
+
+
+def _cut(sock: socket.socket | None, cut: threading.Event) -> None:
+    """End every wait on ``sock`` (its deadline passed), and say so in ``cut``."""
+    cut.set()
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def _server_url(url: Any, name: str) -> str:

@@ -251,6 +251,7 @@ def test_proxies_from_the_environment_are_not_used(server, monkeypatch):
         "http://host:port",
         "http://host:8000/?debug=1",
         "http://host:8000/#top",
+        "http://host:8000/?",
         "http://user:secret@host:8000",
         "http://host :8000",
         "http://host:8000\n",

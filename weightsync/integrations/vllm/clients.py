@@ -338,7 +338,7 @@ def _server_url(url: Any, name: str) -> str:
         raise ConfigurationError(f"{name}: {checks.shown(url)} has a bad port ({exc}): {hint}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigurationError(f"{name}: {checks.shown(url)} is not an http(s) URL with a host: {hint}")
-    if parts.query or parts.fragment or "@" in parts.netloc:
+    if "?" in url or "#" in url or "@" in parts.netloc:
         raise ConfigurationError(
             f"{name}: {checks.shown(url)} has a query, a fragment or a user name: {hint} (and a path prefix, if any)"
         )

@@ -23,6 +23,8 @@ import pytest
 import torch
 
 import weightsync as ws
+from tests._hf_llama import hf_greedy
+from tests._hf_llama import step as _step
 from tests._vllm_host import Host
 
 if not (sys.platform == "linux" and platform.machine() == "x86_64"):
@@ -53,20 +55,7 @@ def _scheme(name: str, **kw):
 
 
 def _hf_greedy(model, prompts=PROMPTS, n=TOKENS) -> list[list[int]]:
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
-            out.append(ids[0, len(p) :].tolist())
-    return out
-
-
-def _step(model, seed: int, scale: float = 0.05) -> None:
-    """One 'training step': every weight moves (what the engine computes changes)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * scale)
+    return hf_greedy(model, prompts, n)
 
 
 @pytest.fixture(scope="module")

@@ -74,13 +74,17 @@ class VLLMEngines:
     """The vLLM engines one trainer's scheme serves: give it as ``init_on_sender(context=...)``.
 
     Args:
-        engines: one per worker, in worker order: a ``vllm.LLM``, an ``AsyncLLM`` (with ``loop``), or any object
-            with vLLM's trainer-side calls (``RayVLLMWeightSyncClient``, ``HTTPVLLMWeightSyncClient``). Each was
-            started with ``weight_transfer_config={"backend": "weightsync"}``.
+        engines: one per worker, in worker order: a ``vllm.LLM``, an ``AsyncLLM`` (with ``loop``), the URL of a
+            ``vllm serve`` server run with ``VLLM_SERVER_DEV_MODE=1``, here or on another host
+            (``"http://host:8000"``, or vLLM's ``HTTPVLLMWeightSyncClient`` of it: paused through its routes), or
+            a Ray actor holding an engine (its handle; ``ray.remote(vllm.LLM)``), or any object with vLLM's
+            trainer-side calls (``RayVLLMWeightSyncClient``). Each was started with
+            ``weight_transfer_config={"backend": "weightsync"}``.
         pause_mode: what requests in flight do while an engine loads a version: ``"keep"`` (frozen, then
             continued under the new version), ``"wait"`` (finished under the old one first), ``"abort"``, or
             ``"none"`` (no pause: an ``LLM`` driven between its ``generate`` calls has nothing in flight). Engines
-            that cannot pause (``LLM``, vLLM's clients) are not paused whatever the mode.
+            that cannot pause (an ``LLM``, in an actor or not; vLLM's ``RayVLLMWeightSyncClient``) are not paused
+            whatever the mode.
         loop: the event loop an ``AsyncLLM`` runs on (running in another thread than the trainer's sends).
 
     Raises:

@@ -187,3 +187,31 @@ def test_take_is_refused_where_updates_are_applied_as_they_arrive():
     finally:
         receiver.shutdown()
         sender.shutdown()
+
+
+def test_a_distributed_sender_knows_when_the_worker_took_a_version_before_it_applies_it():
+    """``wait_sent`` (what the vLLM driver waits on before it pauses an engine): it returns once the worker took the
+    newest version off the wire and checked it (the worker says so in the store, sealed with the run key), not
+    when gloo's sends returned; a worker that has not taken it is waited for until the deadline, no longer."""
+    model, sender, receiver, program = _pair("distributed", lambda m: Program(_spec(m)))
+    try:
+        connect_pair(sender, receiver, timeout=60)
+        engine = sender._runtime.sending.engine
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1)
+        sender.send_async()
+        started = time.monotonic()
+        engine.wait_sent(0, started + 0.5)  # nothing taken yet: the whole 0.5 s
+        assert 0.45 <= time.monotonic() - started < 5
+        pending = receiver.take(timeout=20)
+        assert pending is not None and pending.version == 1 and program.loads == 1
+        started = time.monotonic()
+        engine.wait_sent(0, started + 20)  # taken: at once
+        assert time.monotonic() - started < 2
+        pending.apply()
+        sender.wait_async(20)
+        assert sender.acked_versions == {0: 1}
+    finally:
+        receiver.shutdown()
+        sender.shutdown()

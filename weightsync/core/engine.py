@@ -208,9 +208,10 @@ class SenderEngine(ABC):
         return None
 
     def wait_sent(self, worker: int, deadline: float) -> None:
-        """Wait (until ``deadline``) until the newest version's bytes left for ``worker``: an engine whose
-        :meth:`submit` returns with some on their way (sent in the background) waits for them; the others
-        return at once. (A driver waits here before it has the worker's program stop to load the version.)"""
+        """Wait (until ``deadline``) until the newest version's bytes reached ``worker``: an engine whose
+        :meth:`submit` returns with some on their way (sent in the background) waits until the worker took and
+        checked them; the others return at once. (A driver waits here before it has the worker's program stop
+        to load the version; a worker that does not say so in time is waited for no longer.)"""
         return None
 
     def poll_rejoin(self) -> Any:

@@ -275,10 +275,10 @@ class _Gate(SenderEngine):
 
             def before() -> None:
                 # The engine stops for the load, not for the bytes' trip: they are all out to it first (while it
-                # generates, its backend takes them); it computes with its weights until update_weights, so
-                # start_weight_update need not be paused either.
-                self._inner().wait_sent(worker, time.monotonic() + timeout)
+                # generates, its backend takes them). It computes with its weights until update_weights, so
+                # start_weight_update need not wait for them, nor be paused.
                 client.start(timeout)
+                self._inner().wait_sent(worker, time.monotonic() + timeout)
 
             self._paused(client, timeout, body, worker, version, before=before)
 

@@ -306,6 +306,7 @@ class DistributedReceiver(ReceiverEngine):
                 return self._rejoin(max(remaining(deadline), self.update_timeout))
             seqs.append(transport.seq)
             refusal = self._verify(mac, transport.seq, version, self.update_timeout)
+            transport.say_taken()  # here and checked (a driver waits for it to stop the worker's program to load)
             if not newest or refusal is not None:
                 break
         if seqs:

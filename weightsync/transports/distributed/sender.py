@@ -316,6 +316,9 @@ class DistributedSender(SenderEngine):
         works = newest[0].readers.get(worker, []) if newest is not None else []
         if works:  # gloo's sends of the newest version to this worker, each done once its bytes were taken
             wait_futures(works, timeout=max(remaining(deadline), 0.0))
+        transport = self.transports.get(worker)
+        if transport is not None and not self.sink.is_dead(worker):  # ... and the worker's check of them, last
+            transport.wait_taken(deadline)
 
     def lost(self, worker: int, reason: str) -> None:
         self.transports[worker].drop(reason)

@@ -38,6 +38,7 @@ from ...errors import (
     LifecycleError,
     SyncTimeoutError,
     TransportError,
+    WeightSyncError,
     WorkerDiedError,
     first_line,
 )
@@ -58,6 +59,8 @@ TAG_DATA, TAG_ACK = 1, 2
 ACK_OK, ACK_FAILED = 0, 1
 #: The longest error message a worker leaves in the store for the sender.
 MAX_ERROR_TEXT = 4000
+#: How often a sender waiting for a worker to say it took a message looks again (seconds).
+TAKEN_POLL_S = 0.001
 #: A worker waiting for the next announcement looks at the store again after this long, doubling up to the
 #: longest pause: it answers within microseconds when updates come back to back, and costs little when idle.
 FIRST_PAUSE_S, LONGEST_PAUSE_S = 0.0005, 0.02
@@ -181,6 +184,22 @@ class DistributedTransport(PeerTransport):
         the bytes against before applying them."""
         key = f"digest/{self.worker_idx}/{self.seq}"
         store_set(self.store, key, self.sealer.seal(key, digest, version))
+
+    def wait_taken(self, deadline: float) -> bool:
+        """Wait (until ``deadline``) until the worker took the message announced last off the wire and checked it
+        (:meth:`say_taken`); ``False`` if it did not say so in time. A value not sealed with the run key is not
+        its word, and is waited past."""
+        key = f"taken/{self.worker_idx}"
+        while True:
+            try:
+                self.store.wait([key], as_timedelta(max(min(remaining(deadline), TAKEN_POLL_S), 0.001)))
+                if int(self._opened(key)) >= self.seq:
+                    return True
+            except (dist.DistError, WeightSyncError, ValueError):
+                pass  # not there yet, or not the worker's
+            if remaining(deadline) <= 0:
+                return False
+            time.sleep(min(TAKEN_POLL_S, max(remaining(deadline), 0.0)))
 
     def expect_ack(self, version: int) -> None:
         """Post the receive of the ack of the message announced last (every part of it sent)."""
@@ -318,6 +337,15 @@ class DistributedTransport(PeerTransport):
             if is_timeout(exc):
                 raise SyncTimeoutError("the announced update did not arrive in time", **self._where(version)) from None
             raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where(version)) from None
+
+    def say_taken(self) -> None:
+        """Tell the sender the message received last is here, checked (one key per worker, overwritten: nothing
+        piles up in the store); a store that went away is left to the next read of it to report."""
+        key = f"taken/{self.worker_idx}"
+        try:
+            store_set(self.store, key, self.sealer.seal(key, str(self.seq)))
+        except dist.DistError as exc:
+            log.debug("could not say message %d was taken: %s", self.seq, first_line(exc))
 
     def was_dropped(self) -> bool:
         """Whether the sender dropped this worker: asked once a message arrived whole, so that bytes sent from a

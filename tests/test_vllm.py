@@ -240,11 +240,12 @@ def test_an_engine_started_without_the_weightsync_backend_is_named_at_connect(mo
         host.stop()
 
 
-def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_and_a_worker_out_of_its_reach_is_named(model_dirs):
+def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_rejoins_and_a_worker_out_of_reach_is_named(model_dirs):
     """``ray.remote(vllm.LLM)``, with its worker in the actor's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), served
     by the Ray scheme: each version goes through Ray's object store as a call into the actor, and ``send()``
-    returns when the actor's engine computes it. An engine whose worker is a process of its own (vLLM's default)
-    cannot take Ray's calls: its init is refused, with the way out named."""
+    returns when the actor's engine computes it. A killed actor is a named error of the next send; a new actor
+    given to ``engines.replace`` rejoins and serves the trainer's weights. An engine whose worker is a process of
+    its own (vLLM's default) cannot take Ray's calls: its init is refused, with the way out named."""
     ray = pytest.importorskip("ray")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -277,9 +278,10 @@ def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_and_a_worker_out_o
 
     with local_ray_cluster():
         actor = engine("0")
-        scheme = ws.RayWeightSyncScheme(timeout=60, connect_timeout=120)
+        scheme = ws.RayWeightSyncScheme(timeout=30, connect_timeout=120)
         try:
-            scheme.init_on_sender(model=model, context=VLLMEngines([actor], pause_mode="none"))
+            engines = VLLMEngines([actor], pause_mode="none")
+            scheme.init_on_sender(model=model, context=engines)
             scheme.connect()
             assert tokens(actor) == _hf_greedy(model)
             for step in range(1, 3):
@@ -289,6 +291,15 @@ def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_and_a_worker_out_o
                 assert _hf_greedy(model) != before
                 assert tokens(actor) == _hf_greedy(model), f"version {step}"
                 assert ray.get(actor.get_weight_version.remote(), timeout=30) == str(step)
+            ray.kill(actor, no_restart=True)  # the engine's process is gone
+            _step(model, 3)
+            with pytest.raises(ws.WeightSyncError, match="worker 0|engine 0") as died:
+                scheme.send()
+            assert "died" in str(died.value).lower() or "gone" in str(died.value).lower()
+            actor = engine("0")  # a new one, started from its own config, rejoins
+            engines.replace(0, actor)
+            assert tokens(actor) == _hf_greedy(model)
+            assert ray.get(actor.get_weight_version.remote(), timeout=30) == str(scheme.version)
         finally:
             scheme.shutdown()
             stop(actor)

@@ -187,10 +187,8 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
                 f"worker_idx {worker_idx!r} is not in 0..{len(sending.ledger.peers) - 1}", model_id=self.model_id
             )
         with self._runtime.lock:
-            from ..transports.ray.sender import RaySender
-
-            engine = sending.engine
-            assert isinstance(engine, RaySender)  # this scheme's engine
+            # this scheme's engine (RaySender), or a driver's wrapping it (vLLM engines: VLLMEngines.replace)
+            engine: Any = sending.engine
             version = engine.resubmit(worker_idx, actor)
             deadline = deadline_after(self.timeout if timeout is None else timeout)
             failures = sending.collect({worker_idx: version}, deadline)

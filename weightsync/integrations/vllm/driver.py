@@ -146,7 +146,7 @@ class VLLMEngines:
             raise LifecycleError("VLLMEngines.replace: the scheme these engines serve is not connected")
         if type(worker_idx) is not int or not 0 <= worker_idx < self.num_workers:
             raise ConfigurationError(f"worker_idx must be an int in [0, {self.num_workers}), got {worker_idx!r}")
-        if not gate.rejoins:
+        if not gate.takes_back:
             raise ConfigurationError(
                 f"{type(gate.scheme).__name__}'s engine does not take a worker back: a restarted engine cannot rejoin "
                 "it (restart the trainer's scheme instead)"
@@ -314,12 +314,34 @@ class _Gate(SenderEngine):
                     self._held.pop(worker, None)
                 self.core.acked(worker, version)
 
+    @property
+    def takes_back(self) -> bool:
+        """A worker whose engine was replaced can join again: the scheme's engine takes workers back, or its
+        updates are calls into the engine's actor (Ray's), which the scheme makes to the new one."""
+        inner = self.inner
+        return inner is not None and (inner.rejoins or (inner.pushes and hasattr(self.scheme, "rejoin")))
+
     def rejoin(self, worker: int, timeout: float) -> None:
         """``worker``'s (new) engine joins and loads the newest version, within ``timeout``."""
         assert self.inner is not None
         self._call(worker, 0, self._init_steps(worker, initial=False))
         with self._lock:
             future = self._calls[worker][1]
+        if self.inner.pushes:  # Ray's: the scheme calls into the new actor, after the init call queued there
+            try:
+                self.scheme.rejoin(worker, actor=self.engines.clients[worker].target, timeout=timeout)
+                future.result(timeout)  # (returned already: the actor ran the init before the version)
+            except concurrent.futures.TimeoutError:
+                raise errors.WorkerDiedError(
+                    f"vLLM engine {worker} did not join within {timeout:.1f}s",
+                    model_id=self.core.model_id,
+                    worker_idx=worker,
+                ) from None
+            finally:
+                with self._lock:
+                    self._calls.pop(worker, None)
+                    self._held.pop(worker, None)
+            return
         try:
             future.result(timeout)
         except concurrent.futures.TimeoutError:

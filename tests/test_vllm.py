@@ -12,6 +12,7 @@ engine's weightsync receiver back (``shutdown_weight_transfer_engine``) when it 
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import subprocess
@@ -19,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -250,7 +252,7 @@ def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_rejoins_and_a_work
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from tests._vllm_host import engine_args
+    from tests._vllm_host import engine_args, remove_engine_leftovers
     from tests.conftest import local_ray_cluster
 
     model = load_llama(model_dirs["f32"])
@@ -263,9 +265,11 @@ def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_rejoins_and_a_work
         return actor.remote(**engine_args(str(model_dirs["f32"]), "float32"))
 
     def stop(actor) -> None:
-        """End the engine's own processes and memory (an ``LLM`` has no shutdown of its own), then the actor."""
+        """End the engine's own processes and memory (an ``LLM`` has no shutdown of its own), then the actor, as a
+        process exits (vLLM's named locks are removed by their finalizers; a killed actor would leave them)."""
         try:
             ray.get(actor.__ray_call__.remote(lambda llm: llm.llm_engine.engine_core.shutdown()), timeout=60)
+            ray.wait([actor.__ray_terminate__.remote()], timeout=60)
         finally:
             ray.kill(actor)
 
@@ -276,6 +280,7 @@ def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_rejoins_and_a_work
         )
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    shm_before = set(os.listdir("/dev/shm"))
     with local_ray_cluster():
         actor = engine("0")
         scheme = ws.RayWeightSyncScheme(timeout=30, connect_timeout=120)
@@ -291,7 +296,10 @@ def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_rejoins_and_a_work
                 assert _hf_greedy(model) != before
                 assert tokens(actor) == _hf_greedy(model), f"version {step}"
                 assert ray.get(actor.get_weight_version.remote(), timeout=30) == str(step)
+            pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
             ray.kill(actor, no_restart=True)  # the engine's process is gone
+            psutil.wait_procs([psutil.Process(pid)], timeout=30)
+            remove_engine_leftovers(shm_before)  # (what the killed process could not remove itself)
             _step(model, 3)
             with pytest.raises(ws.WeightSyncError, match="worker 0|engine 0") as died:
                 scheme.send()

@@ -264,14 +264,24 @@ def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_rejoins_and_a_work
         actor = ray.remote(LLM).options(num_cpus=1, runtime_env={"env_vars": env})
         return actor.remote(**engine_args(str(model_dirs["f32"]), "float32"))
 
+    def processes(actor) -> list[psutil.Process]:
+        """The actor's process and its children (a vLLM engine core and worker, unless they run in the actor)."""
+        me = psutil.Process(ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30))
+        return [me, *me.children(recursive=True)]
+
     def stop(actor) -> None:
         """End the engine's own processes and memory (an ``LLM`` has no shutdown of its own), then the actor, as a
-        process exits (vLLM's named locks are removed by their finalizers; a killed actor would leave them)."""
+        process exits (vLLM's named locks are removed by their finalizers; a killed actor would leave them); wait
+        for them all, and remove what vLLM's processes left in /dev/shm after their ends (its spawned processes'
+        queues and locks go with their resource tracker, which outlives them)."""
+        procs = processes(actor)
         try:
             ray.get(actor.__ray_call__.remote(lambda llm: llm.llm_engine.engine_core.shutdown()), timeout=60)
             ray.wait([actor.__ray_terminate__.remote()], timeout=60)
         finally:
             ray.kill(actor)
+            psutil.wait_procs(procs, timeout=30)
+            remove_engine_leftovers(shm_before)
 
     def tokens(actor) -> list[list[int]]:
         outs = ray.get(
@@ -296,9 +306,9 @@ def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_rejoins_and_a_work
                 assert _hf_greedy(model) != before
                 assert tokens(actor) == _hf_greedy(model), f"version {step}"
                 assert ray.get(actor.get_weight_version.remote(), timeout=30) == str(step)
-            pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+            procs = processes(actor)
             ray.kill(actor, no_restart=True)  # the engine's process is gone
-            psutil.wait_procs([psutil.Process(pid)], timeout=30)
+            psutil.wait_procs(procs, timeout=30)
             remove_engine_leftovers(shm_before)  # (what the killed process could not remove itself)
             _step(model, 3)
             with pytest.raises(ws.WeightSyncError, match="worker 0|engine 0") as died:

@@ -238,17 +238,6 @@ class Host:
         psutil.wait_procs(self._group(), timeout=30)
         remove_engine_leftovers(self._shm_before)
 
-
-def remove_engine_leftovers(before: set[str]) -> None:
-    """Remove what killed engines left in /dev/shm since ``before`` (vLLM's message queues, the named locks of its
-    spawned processes), unless a live process still holds it: a process killed cannot remove its own."""
-    left = {n for n in set(os.listdir("/dev/shm")) - before if _ENGINE_SHM.fullmatch(n)}
-    for name in left - _held_by(psutil.pids(), left):
-        try:
-            os.unlink(f"/dev/shm/{name}")
-        except FileNotFoundError:
-            pass
-
     def stop(self) -> None:
         """Shut the engine down, let its processes end on their own (their resource trackers clean up), then end
         whatever is left."""
@@ -261,6 +250,17 @@ def remove_engine_leftovers(before: set[str]) -> None:
         psutil.wait_procs(self._group(), timeout=20)
         self.kill()
         self.conn.close()
+
+
+def remove_engine_leftovers(before: set[str]) -> None:
+    """Remove what killed engines left in /dev/shm since ``before`` (vLLM's message queues, the named locks of its
+    spawned processes), unless a live process still holds it: a process killed cannot remove its own."""
+    left = {n for n in set(os.listdir("/dev/shm")) - before if _ENGINE_SHM.fullmatch(n)}
+    for name in left - _held_by(psutil.pids(), left):
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except FileNotFoundError:
+            pass
 
 
 class HostClient(EngineClient):

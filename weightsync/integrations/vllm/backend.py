@@ -17,6 +17,10 @@ made the name known in every vLLM process). Then, on the trainer's calls through
 4. ``finish_weight_update()`` — nothing left to do (the front end records the version the engine serves).
 
 An update whose names, shapes or dtypes differ from the engine's is refused before vLLM sees any of it.
+
+With the ``ray`` scheme there is no stager: each version is the trainer's call into the Ray actor that holds the
+engine (its worker in the actor's process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), checked and loaded by that call,
+between the actor's other calls; ``update_weights`` finds it loaded.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 from ... import checks
 from ...config import from_config
 from ...core.external import ExternalModel
-from ...core.timing import deadline_after, remaining
+from ...core.timing import deadline_after
 from ...errors import ConfigurationError, LifecycleError, SyncTimeoutError
 from ...tensors.strategy import WeightStrategy, flatten_weights
 from .staging import Stager
@@ -46,9 +50,6 @@ from .staging import Stager
 __all__ = ["WeightsyncEngine", "WeightsyncInitInfo", "WeightsyncUpdateInfo", "checkpoint_spec"]
 
 log = logging.getLogger("weightsync.vllm")
-
-#: How often ``update_weights`` looks whether a version that arrives as a call (Ray's) was applied (seconds).
-PUSHED_POLL_S = 0.001
 
 
 @dataclass
@@ -147,13 +148,18 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             raise LifecycleError("weightsync: update_weights before init_weight_transfer_engine")
         timeout = float(scheme.timeout)
         deadline = deadline_after(timeout)
+        if self._stager is None and (scheme.version is None or scheme.version < update_info.version):
+            # Ray's updates are the trainer's calls into this actor, which runs its calls in the order they were
+            # made: the one applying this version ran before this one, and failed (the trainer was told why).
+            raise LifecycleError(
+                f"weightsync: version {update_info.version} was not applied in this actor (the engine holds "
+                f"{scheme.version}): the trainer's call that brought it failed",
+                model_id=scheme.model_id,
+                worker_idx=scheme.worker_idx,
+            )
         while scheme.version is None or scheme.version < update_info.version:
-            if self._stager is not None:
-                arrived = self._stager.apply_next(deadline)
-            else:  # Ray's updates: the trainer's call applies each in this process (before it calls this one)
-                time.sleep(max(0.0, min(PUSHED_POLL_S, remaining(deadline))))
-                arrived = remaining(deadline) > 0
-            if not arrived:
+            assert self._stager is not None
+            if not self._stager.apply_next(deadline):
                 raise SyncTimeoutError(
                     f"weightsync: version {update_info.version} did not arrive within {timeout:.1f}s "
                     f"(the engine holds {scheme.version})",

@@ -72,6 +72,7 @@ class _Host:
         self.client = engine_client(self.engine, f"engine in {os.getpid()}", self.loop)
         self.background: dict[int, Any] = {}
         self.produced: dict[int, int] = {}
+        self._progress = threading.Condition()  # notified at each output of a request of start()
 
     # -------------------------------------------------------------- generation
     def _sampling(self, n: int, **kw: Any) -> Any:
@@ -112,7 +113,9 @@ class _Host:
             final = None
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt), self._sampling(n), rid):
                 final = out
-                self.produced[key] = len(out.outputs[0].token_ids)
+                with self._progress:
+                    self.produced[key] = len(out.outputs[0].token_ids)
+                    self._progress.notify_all()
             o = final.outputs[0]
             spans = [(s.version, s.start, s.end) for s in (o.weight_versions or [])]
             return {"tokens": list(o.token_ids), "finish": o.finish_reason, "spans": spans}
@@ -123,9 +126,12 @@ class _Host:
     def start(self, prompt: list[int], n: int) -> int:
         return self._start(prompt, n)
 
-    def tokens_out(self, key: int) -> int:
-        """How many tokens request ``key`` (of :meth:`start`) has produced so far."""
-        return self.produced[key]
+    def tokens_out(self, key: int, at_least: int, timeout: float) -> int:
+        """How many tokens request ``key`` (of :meth:`start`) has produced, once that is ``at_least`` or it ended
+        (waiting at most ``timeout``)."""
+        with self._progress:
+            self._progress.wait_for(lambda: self.produced[key] >= at_least or self.background[key].done(), timeout)
+            return self.produced[key]
 
     def _collect(self, key: int) -> dict:
         return self.background.pop(key).result(120)

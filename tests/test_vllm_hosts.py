@@ -96,7 +96,8 @@ def test_an_engine_behind_vllm_serve_on_another_host_serves_each_version_sent_ov
                 pytest.fail(
                     f"the trainer did not end within {START_S + RUN_S} s:\n{said.text()}\nserver:\n{served.text()}"
                 )
-            time.sleep(0.5)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # its end, or another look at the server
+                trainer.wait(0.5)
         for thread in said.threads:
             thread.join(10)
         with contextlib.suppress(ProcessLookupError):  # as ctrl-C would: the server and its engine's processes

@@ -327,22 +327,9 @@ class _Gate(SenderEngine):
         self._call(worker, 0, self._init_steps(worker, initial=False))
         with self._lock:
             future = self._calls[worker][1]
-        if self.inner.pushes:  # Ray's: the scheme calls into the new actor, after the init call queued there
-            try:
-                self.scheme.rejoin(worker, actor=self.engines.clients[worker].target, timeout=timeout)
-                future.result(timeout)  # (returned already: the actor ran the init before the version)
-            except concurrent.futures.TimeoutError:
-                raise errors.WorkerDiedError(
-                    f"vLLM engine {worker} did not join within {timeout:.1f}s",
-                    model_id=self.core.model_id,
-                    worker_idx=worker,
-                ) from None
-            finally:
-                with self._lock:
-                    self._calls.pop(worker, None)
-                    self._held.pop(worker, None)
-            return
         try:
+            if self.inner.pushes:  # Ray's: the scheme calls into the new actor, after the init call queued there
+                self.scheme.rejoin(worker, actor=self.engines.clients[worker].target, timeout=timeout)
             future.result(timeout)
         except concurrent.futures.TimeoutError:
             raise errors.WorkerDiedError(
@@ -356,7 +343,8 @@ class _Gate(SenderEngine):
             with self._lock:
                 self._calls.pop(worker, None)
                 held = self._held.pop(worker, None)
-        if held is not None:  # its receiver's ack of the version it was taken back with
+        if held is not None and not self.inner.pushes:  # its receiver's ack of the version it was taken back with
+            # (Ray's: the scheme's rejoin passed it on)
             self.core.acked(worker, held)
 
     # ------------------------------------------------ the engine the core drives

@@ -152,7 +152,7 @@ class Engine:
         return stream
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        self.llm.shutdown(timeout=60)
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 

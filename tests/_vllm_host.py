@@ -152,6 +152,7 @@ class _Host:
 def serve(conn: Any, model_dir: str, kind: str, dtype: str, backend: str | None) -> None:
     """The host's loop: answer each ``(method, args)`` with ``("ok", result)`` or ``("err", type, text)``."""
     os.setpgid(0, 0)  # the engine's processes join this group: the test kills them all at once
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60")  # its 5 s can kill a slow exit on 2 cores
     try:
         host = _Host(model_dir, kind, dtype, backend)
     except BaseException as exc:  # noqa: BLE001 - reported to the test
@@ -171,9 +172,9 @@ def serve(conn: Any, model_dir: str, kind: str, dtype: str, backend: str | None)
             conn.send(("err", type(exc).__name__, f"{exc}"))
     try:
         if host.kind == "llm":
-            host.engine.llm_engine.engine_core.shutdown()  # (an LLM has no shutdown of its own)
+            host.engine.llm_engine.engine_core.shutdown(timeout=60)  # (an LLM has none of its own)
         else:
-            host.engine.shutdown()
+            host.engine.shutdown(timeout=60)  # vLLM's 5 s default kills a slow exit: leaked /dev/shm
     except Exception:  # noqa: BLE001 - the process ends anyway
         traceback.print_exc()
     conn.send(("ok", None))

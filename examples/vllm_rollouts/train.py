@@ -97,7 +97,7 @@ def main(cfg: DictConfig) -> None:
         same = served == trained[0, len(prompt) :].tolist()
     finally:
         scheme.shutdown()
-        llm.llm_engine.engine_core.shutdown()  # (an LLM has no shutdown of its own)
+        llm.llm_engine.engine_core.shutdown(timeout=60)  # (an LLM has none of its own; 60 s to exit cleanly)
     log.info(
         "mean reward %.3f -> %.3f; the engine computes the trained model: %s", first, last, "yes" if same else "NO"
     )

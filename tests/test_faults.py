@@ -23,11 +23,16 @@ from tests._workers import build, checksum, serve
 from tests.conftest import SCHEMES
 
 LOCAL = ["multiprocess", "shared_mem", "shared_mem-per_worker"]
-REJOINING = [*LOCAL, "distributed-gloo"]
+#: distributed sending only what changed (``delta=True``: changes even where every value changed, as each
+#: optimizer_step here changes them): every fault below holds for changes as for whole versions.
+DELTA = "distributed-delta"
+REJOINING = [*LOCAL, "distributed-gloo", DELTA]
 TIMEOUT = 2.0  # the schemes' ack timeout in these tests: a hung worker costs this much
 
 
 def _scheme(name: str, **kw) -> ws.WeightSyncScheme:
+    if name == DELTA:
+        return SCHEMES["distributed-gloo"](delta=True, **kw)
     return SCHEMES[name](**kw)
 
 
@@ -120,7 +125,9 @@ def test_closed_channel_is_named_or_dropped(workers, name, policy):
     scheme.shutdown()
 
 
-@pytest.mark.parametrize("name", [*REJOINING, "multiprocess+checksum", "distributed-gloo+checksum"])
+@pytest.mark.parametrize(
+    "name", [*REJOINING, "multiprocess+checksum", "distributed-gloo+checksum", f"{DELTA}+checksum"]
+)
 def test_restarted_worker_rejoins_and_gets_the_current_version(workers, name):
     name, _, checked = name.partition("+")
     model, scheme, group = _connected(name, workers, on_failure="drop", **({"checksum": True} if checked else {}))
@@ -198,7 +205,7 @@ def test_a_live_worker_index_cannot_be_taken_and_a_stranger_is_refused(workers, 
     scheme.shutdown()
 
 
-@pytest.mark.parametrize("name", ["multiprocess", "shared_mem", "distributed-gloo"])
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem", "distributed-gloo", DELTA])
 def test_200_sends_with_random_restarts_lose_and_repeat_no_version(workers, name):
     rng = random.Random(6)
     model, scheme, group = _connected(name, workers, n=3, on_failure="drop")
@@ -233,6 +240,8 @@ def test_200_sends_with_random_restarts_lose_and_repeat_no_version(workers, name
         expected[scheme.version] = checksum(model)
     for w in range(3):
         retire(w)
+    if name == DELTA:  # changes, but to a worker that had not acked the base (gone, or just back): whole
+        assert scheme.stats()["changes_sent"] > 450
     final = scheme.version
     by_worker = {}
     for w, applied in lives:
@@ -287,7 +296,7 @@ def test_staleness_bound_is_enforced_and_reported(workers, name):
     scheme.shutdown()
 
 
-@pytest.mark.parametrize("name", ["multiprocess", "distributed-gloo"])
+@pytest.mark.parametrize("name", ["multiprocess", "distributed-gloo", DELTA])
 def test_send_metrics_name_the_version_bytes_and_every_ack(workers, name):
     model, scheme, group = _connected(name, workers)
     for step in (1, 2, 3):
@@ -297,8 +306,12 @@ def test_send_metrics_name_the_version_bytes_and_every_ack(workers, name):
     assert record.version == 3 and record.workers == [0, 1] and record.nbytes == scheme.layout.nbytes
     assert set(record.acks) == {0, 1} and all(0 < s <= record.seconds for s in record.acks.values())
     stats = scheme.stats()
-    assert stats["sends"] == 3 and stats["bytes_sent"] == 3 * 2 * scheme.layout.nbytes
-    assert stats["send_seconds"]["median"] > 0 and stats["acked_versions"] == {0: 3, 1: 3}
+    if name == DELTA:  # each version as what changed (every value, each the same size): the bytes counted
+        assert stats["changes_sent"] == 6 and set(record.changes) == {0, 1}
+        assert stats["bytes_sent"] == 3 * 2 * record.changes[0] > 3 * 2 * scheme.layout.nbytes
+    else:
+        assert stats["bytes_sent"] == 3 * 2 * scheme.layout.nbytes
+    assert stats["sends"] == 3 and stats["send_seconds"]["median"] > 0 and stats["acked_versions"] == {0: 3, 1: 3}
     assert stats["lag"] == {0: 0, 1: 0} and stats["worker_failures"] == 0
     group.stop()
     scheme.shutdown()

@@ -9,6 +9,7 @@ the keys involved, both in its message and as attributes::
     ├── LifecycleError                a call out of order (also RuntimeError)
     ├── InvalidWeightsError           weights that cannot be sent (also TypeError)
     │   └── WeightMismatchError       keys, shapes or dtypes differ from the target
+    ├── DeltaBaseError                a delta against a version the worker does not hold (sent whole instead)
     ├── TransportError                the data plane broke
     │   ├── AuthenticationError       a peer failed the auth-key challenge
     │   ├── ConnectionClosedError     the peer closed its end (sender shut down)
@@ -29,6 +30,7 @@ __all__ = [
     "AuthenticationError",
     "ConfigurationError",
     "ConnectionClosedError",
+    "DeltaBaseError",
     "IntegrityError",
     "InvalidWeightsError",
     "LifecycleError",
@@ -137,6 +139,12 @@ class WeightMismatchError(InvalidWeightsError):
 
 def _triples(mismatched: Mapping[str, tuple[str, str]]) -> list[tuple[str, str, str]]:
     return [(k, a, b) for k, (a, b) in sorted(mismatched.items())]
+
+
+class DeltaBaseError(WeightSyncError):
+    """A worker was sent the changes against a version it does not hold (another version, other bytes, or a
+    model that keeps no copy of them) and refused them, writing nothing: the sender sends that worker the
+    version whole, in the same ``send()`` when it waits for acks."""
 
 
 class TransportError(WeightSyncError):

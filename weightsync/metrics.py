@@ -27,6 +27,7 @@ class SendRecord:
         failed: workers that failed in this send, with the error's type and message.
         staleness_wait: seconds spent first waiting for workers that lagged more than
             ``max_staleness`` versions.
+        changes: the workers sent only what changed (the scheme's ``delta``), with the bytes that took.
     """
 
     version: int | None
@@ -36,6 +37,7 @@ class SendRecord:
     acks: dict[int, float] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     staleness_wait: float = 0.0
+    changes: dict[int, int] = field(default_factory=dict)
 
     def __str__(self) -> str:
         acks = ", ".join(f"{w}: {s * 1e3:.2f} ms" for w, s in sorted(self.acks.items()))
@@ -45,6 +47,8 @@ class SendRecord:
         )
         if self.staleness_wait:
             text += f", {self.staleness_wait * 1e3:.2f} ms waiting for lagging workers"
+        if self.changes:
+            text += f", only what changed to workers {sorted(self.changes)} ({max(self.changes.values())} bytes)"
         if self.failed:
             text += f", failed: {self.failed}"
         return text
@@ -62,6 +66,7 @@ class SendMetrics:
         self.rejoins: dict[int, int] = {}  # worker -> how many times it rejoined
         self.max_lag = 0
         self.staleness_waits = 0
+        self.changes_sent = 0  # updates of one worker sent as what changed
 
     @property
     def last(self) -> SendRecord | None:
@@ -69,7 +74,8 @@ class SendMetrics:
 
     def add(self, record: SendRecord) -> None:
         self.sends += 1
-        self.bytes += record.nbytes * (len(record.workers) - len(record.failed))
+        self.bytes += sum(record.changes.get(w, record.nbytes) for w in record.workers if w not in record.failed)
+        self.changes_sent += sum(1 for w in record.changes if w not in record.failed)
         self.failures += len(record.failed)
         self.records.append(record)
 
@@ -90,6 +96,7 @@ class SendMetrics:
             "lag": {w: None if a is None or version is None else version - a for w, a in acked.items()},
             "max_lag_seen": self.max_lag,
             "staleness_waits": self.staleness_waits,
+            "changes_sent": self.changes_sent,
         }
 
 

@@ -217,6 +217,18 @@ WIRE_DTYPE = Option(
 )
 
 
+DELTA = Option(
+    "delta",
+    False,
+    Any,
+    "Send each worker only the values that changed since the version it acked (lossless: the same bits as a "
+    'whole send): ``false``, every version whole; ``true``, always the changes; ``"auto"``, per chunk of about '
+    "4 MB whichever is smaller on the wire, and the whole version where the changes are most of it. The trainer "
+    "keeps one copy of the newest version's bytes to compare the next with (docs/delta.md).",
+    checks.one_of(False, True, "auto"),
+)
+
+
 class _Declaration:
     """What :func:`option` leaves in a class body, until the class is made and reads it."""
 

@@ -22,6 +22,7 @@ from ..tensors.copies import copy_tensors, write_into
 
 if TYPE_CHECKING:
     from ..errors import WeightMismatchError, WeightSyncError
+    from ..tensors.delta import Delta
     from ..tensors.layout import FlatLayout
 
 __all__ = ["Delivery", "Outgoing", "ReceiverEngine", "SenderEngine", "Sink"]
@@ -84,6 +85,10 @@ class Outgoing:
         whole: their one buffer, every tensor in its place (``flatten_sender``), else ``None``.
         workers: the live targeted workers.
         initial: version 0, sent during ``connect()``.
+        delta: the changes from the version :attr:`delta_workers` hold (engines that :attr:`SenderEngine.takes_deltas`).
+        delta_workers: the workers sent :attr:`delta` instead of the whole version.
+        published: with :attr:`delta`, the version's bytes as they travel (the layout's), which the core keeps
+            unchanged until its next send: an engine that sent only changes sends a worker that rejoins these.
     """
 
     version: int
@@ -91,6 +96,9 @@ class Outgoing:
     whole: torch.Tensor | None
     workers: list[int]
     initial: bool = False
+    delta: Delta | None = None
+    delta_workers: list[int] = field(default_factory=list)
+    published: torch.Tensor | None = None
 
     def write(self, buffer: torch.Tensor, views: dict[str, torch.Tensor], *, non_blocking: bool = False) -> None:
         """Copy this version's bytes into ``buffer``, laid out as the layout says (``views``: its typed views by
@@ -141,6 +149,8 @@ class SenderEngine(ABC):
     #: Each update is a call into the worker's process, whose return is its ack (Ray's): the worker's other calls
     #: made after it run after it, and their return says nothing of it.
     pushes: ClassVar[bool] = False
+    #: It sends :attr:`Outgoing.delta` to :attr:`Outgoing.delta_workers` (the scheme's ``delta`` option).
+    takes_deltas: ClassVar[bool] = False
 
     sink: Sink
     layout: FlatLayout
@@ -258,6 +268,8 @@ class Delivery:
         fence: the bytes are in GPU memory another process writes: the event its stream records after writing
             (:class:`~weightsync.tensors.cuda.SlotEvent`), which the model's stream waits on before reading them.
         token: the engine's own, for its ack.
+        delta: the changes from the version the worker holds, its body arrived (``pieces`` then empty): the core
+            makes the whole version of them before anything else.
     """
 
     version: int
@@ -270,6 +282,7 @@ class Delivery:
     refusal: BaseException | None = None
     fence: Any = None
     token: Any = None
+    delta: Delta | None = None
 
 
 class ReceiverEngine(ABC):

@@ -20,14 +20,16 @@ import torch
 from ..errors import (
     ConfigurationError,
     ConnectionClosedError,
+    DeltaBaseError,
     LifecycleError,
     SyncTimeoutError,
     WeightMismatchError,
 )
-from ..integrity import check_digest
+from ..integrity import check_digest, digest
 from ..tensors import cuda
 from ..tensors.bound import BoundModel, one_device
 from ..tensors.copies import write_into
+from ..tensors.delta import Chunk, apply_delta, chunks_of
 from ..tensors.layout import FlatLayout
 from ..tensors.strategy import check_spec, flatten_weights, weights_spec
 from .engine import Delivery, ReceiverEngine
@@ -73,6 +75,11 @@ class Receiver:
         self._thread_error: BaseException | None = None
         #: Called after each update applied (a driving program counts its model's versions).
         self.on_applied: Callable[[], None] | None = None
+        #: Under the scheme's ``delta``: a copy of the bytes of the version held (the layout's buffer, its views and
+        #: chunks), which changes sent against it are applied to; and the version it holds (``None``: none whole).
+        self._deltas = bool(getattr(scheme, "delta", False))
+        self._kept: tuple[torch.Tensor, dict[str, torch.Tensor], list[Chunk]] | None = None
+        self._kept_version: int | None = None
         engine.attach(self.apply)
 
     def set_model(self, model: Any) -> None:
@@ -150,7 +157,10 @@ class Receiver:
             layout = self.engine.layout
             if layout is None:
                 raise ConfigurationError("received an update before the layout", **where)
+            if update.delta is not None:
+                update = self._whole_version(update, layout, where)
             check_digest([piece for _, piece in update.pieces], update.digest, **where)
+            self._keep(update, layout)
             if isinstance(self.model, ExternalModel):  # the program loads it: no tensor of ours to write
                 self._hand_over(self.model, update, layout, where, deadline)
             else:
@@ -171,6 +181,8 @@ class Receiver:
                     if gpus:  # the copies are queued on the model's stream: done before the ack says so
                         cuda.settle(gpus, deadline, whole_device=cuda.settle_whole_device(self.engine.placement))
                     self.version = update.version
+            if self._deltas:
+                self._kept_version = update.version
         except Exception as exc:
             if gpus:  # copies queued before the failure may still read the slot: done before the ack frees it
                 try:  # a deadline of its own: the failure may be that the first one ran out
@@ -183,6 +195,48 @@ class Receiver:
         if self.on_applied is not None:
             self.on_applied()
         return update.version
+
+    def _whole_version(self, update: Delivery, layout: FlatLayout, where: dict[str, Any]) -> Delivery:
+        """The whole version ``update``'s changes make of the version this worker holds: the copy of its bytes
+        kept here (as they travelled, the sender's), with the changes written in. Nothing of the model is written.
+
+        Raises:
+            DeltaBaseError: the changes are against another version than the one kept here (none kept, a version
+                whose apply failed, or bytes other than the sender's under ``checksum``).
+            ConfigurationError: the changes do not fit the layout.
+        """
+        delta = update.delta
+        assert delta is not None
+        kept, self._kept_version = self._kept_version, None  # until the version made here is applied
+        if self._kept is None or kept is None or delta.base != kept or kept != self.version:
+            raise DeltaBaseError(
+                f"the update holds the changes from version {delta.base}, and this worker holds {self.version} "
+                f"(the bytes kept to apply changes to: {kept}): refused, nothing written",
+                **where,
+            )
+        buffer, _, chunks = self._kept
+        if delta.base_digest is not None and digest([buffer]) != delta.base_digest:
+            raise DeltaBaseError(
+                f"the update holds the changes from version {delta.base}, and the copy of that version kept here "
+                "does not hash to the sender's: refused, nothing written",
+                **where,
+            )
+        apply_delta(buffer, chunks, delta)
+        return Delivery(update.version, [(0, buffer)], delta.digest, token=update.token)
+
+    def _keep(self, update: Delivery, layout: FlatLayout) -> None:
+        """Under the scheme's ``delta``: copy the bytes of ``update`` (checked, about to be applied), tensor by
+        tensor, where the next changes will be applied to (the padding stays zero, as the sender's copy's)."""
+        if not self._deltas:
+            return
+        if self._kept is None or self._kept[0].numel() != layout.nbytes:
+            buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+            self._kept = (buffer, layout.views(buffer), chunks_of(layout))
+        buffer, views, _ = self._kept
+        if update.pieces and update.pieces[0][1].data_ptr() == buffer.data_ptr():
+            return  # made here from changes: the copy holds it already
+        self._kept_version = None
+        write_into(views, self._views_of(update, layout))
 
     def _hand_over(
         self, model: ExternalModel, update: Delivery, layout: FlatLayout, where: dict[str, Any], deadline: float

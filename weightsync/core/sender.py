@@ -20,14 +20,17 @@ import torch
 
 from ..errors import (
     InvalidWeightsError,
+    ReceiverError,
     SyncTimeoutError,
     TransportError,
     WeightSyncError,
     WorkerDiedError,
     raise_failures,
 )
+from ..integrity import digest
 from ..metrics import SendMetrics, SendRecord
 from ..tensors.bound import BoundModel
+from ..tensors.delta import DeltaBase, wire_sources
 from ..tensors.layout import FlatLayout
 from ..tensors.strategy import check_spec, flatten_weights, weights_spec
 from .children import KnownProcesses
@@ -39,6 +42,10 @@ from .timing import Progress, deadline_after, remaining
 __all__ = ["Sender", "SenderOptions", "by_worker"]
 
 log = logging.getLogger("weightsync.core")
+
+#: Under ``delta="auto"``, a version whose changes take at least this share of its bytes goes whole: the few
+#: bytes saved do not pay for the worker's work of applying them.
+AUTO_WHOLE_SHARE = 0.9
 
 
 def by_worker(exc: WeightSyncError) -> dict[int, WeightSyncError]:
@@ -107,6 +114,10 @@ class Sender:
         #: The worker processes this sender knows of: one that exits before it connected is named at once.
         self.processes = KnownProcesses()
         self._progress: Progress | None = None
+        #: Under the scheme's ``delta``: the newest version's bytes, which the next one is compared with.
+        self.deltas: DeltaBase | None = None
+        self._base_digest: str | None = None  # their checksum (under ``checksum``)
+        self._changes_sent: dict[int, int] = {}  # the last send's workers sent only changes, and its bytes
 
     # --------------------------------------------------------------- the sink
     @property
@@ -157,9 +168,11 @@ class Sender:
             self._progress.tick(lambda: f"{n - len(missing())} of {n} connected, missing {missing()}")
 
     def rejoining(self, worker: int) -> None:
-        """``worker`` is coming back: from here on, a failure is the new process's."""
+        """``worker`` is coming back: from here on, a failure is the new process's, and what it holds is what it
+        acks next (the earlier process's acks say nothing of it)."""
         self.ledger.dead.pop(worker, None)
         self.ledger.errors.pop(worker, None)
+        self.ledger.peers[worker].acked = None
 
     def send_to(self, weights: Any, workers: list[int], *, wait: bool | None) -> None:
         with self._lock:
@@ -279,7 +292,12 @@ class Sender:
             failures = {w: ledger.dead[w] for w in targets if w in ledger.dead}
             live = ledger.live(targets)
             out = Outgoing(version, flat, whole, live, initial)
-            self.engine.submit(out, self.engine.stage(out, deadline))
+            self._changes_sent = {}
+            staged = self.engine.stage(out, deadline)
+            self._changes(out)  # once nothing stops the send: the copy it updates is then the newest version's
+            self.engine.submit(out, staged)
+            if out.delta is not None:
+                self._changes_sent = {w: out.delta.nbytes for w in out.delta_workers}
             for w in live:
                 ledger.peers[w].sent = version
             failures.update({w: ledger.dead[w] for w in live if w in ledger.dead})  # found gone just now
@@ -289,8 +307,41 @@ class Sender:
             self._naming = None
         if wait:
             failures.update(self.collect({w: version for w in live if w not in failures}, deadline))
+            refused = [w for w in out.delta_workers if _refused_base(failures.get(w))]
+            if refused:  # a worker that does not hold the base gets the version whole, in this send
+                for w in refused:
+                    del failures[w]
+                    del self._changes_sent[w]
+                log.info("model %r: workers %s refused the changes of version %s; sent whole", self.model_id,
+                         refused, version)  # fmt: skip
+                again = Outgoing(version, flat, whole, ledger.live(refused))
+                self.engine.submit(again, self.engine.stage(again, deadline))
+                failures.update({w: ledger.dead[w] for w in refused if w in ledger.dead})
+                failures.update(self.collect({w: version for w in refused if w not in failures}, deadline))
         failures.update(ledger.take_errors([w for w in targets if w not in failures]))
         raise_failures(failures, model_id=self.model_id, version=version)
+
+    def _changes(self, out: Outgoing) -> None:
+        """Under the scheme's ``delta``: bring the trainer's copy of the newest version up to ``out``, and give
+        ``out`` the changes for the workers that acked the version it held (their base), when it pays."""
+        mode = getattr(self.options, "delta", False)
+        engine = self.engine
+        if not mode or engine is None or not getattr(engine, "takes_deltas", False):
+            return
+        if self.deltas is None:
+            self.deltas = DeltaBase(self.layout)
+        base = self.deltas.version
+        delta = self.deltas.update(wire_sources(self.layout, out.flat), out.version, whole_if_larger=mode == "auto")
+        checked = bool(getattr(self.options, "checksum", False))  # (the workers check the base, then the result)
+        base_digest, self._base_digest = self._base_digest, digest([self.deltas.buffer]) if checked else None
+        peers = self.ledger.peers
+        workers = [w for w in out.workers if base is not None and peers[w].acked == base and peers[w].sent == base]
+        if delta is None or out.initial or not workers:
+            return
+        if mode == "auto" and delta.nbytes >= AUTO_WHOLE_SHARE * self.layout.nbytes:
+            return
+        delta.base_digest, delta.digest = base_digest, self._base_digest
+        out.delta, out.delta_workers, out.published = delta, workers, self.deltas.buffer
 
     def collect(self, expected: dict[int, int], deadline: float) -> dict[int, WeightSyncError]:
         """Wait until each worker of ``expected`` acked at least its version, or ``deadline``; return failures."""
@@ -343,6 +394,7 @@ class Sender:
             },
             failed={w: f"{type(e).__name__}: {e.detail}" for w, e in failures.items()},
             staleness_wait=stale_wait,
+            changes=self._changes_sent,
         )
         self.metrics.add(record)
         log.debug("model %r: send %s", self.model_id, record)
@@ -438,3 +490,9 @@ class Sender:
         if self.engine is not None:
             self.engine.close(timeout)
         self.bound.forget()
+        self.deltas = None
+
+
+def _refused_base(error: WeightSyncError | None) -> bool:
+    """Whether ``error`` is a worker's refusal of changes against a version it does not hold."""
+    return isinstance(error, ReceiverError) and error.remote_type == "DeltaBaseError"

@@ -38,6 +38,7 @@ from ...errors import (
     TransportError,
     first_line,
 )
+from ...tensors.delta import Chunk, Delta, body_size, chunks_of
 from ...tensors.layout import FlatLayout
 from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphaned
 from ..plainjson import loads_object
@@ -108,6 +109,8 @@ class DistributedReceiver(ReceiverEngine):
         self._views: list[dict[str, torch.Tensor]] = []
         self._at = 0  # the buffer the next message lands in
         self._buckets: list[tuple[int, int, int, int]] = []
+        self._chunks: list[Chunk] = []  # how the layout is cut for changes sent against the version held
+        self._body = torch.empty(0, dtype=torch.uint8)  # where changes land (grown to the largest)
         self._initial = True  # the initial weights come without an announcement
         self._closed = False
         self._stores: tuple[dist.Store, dist.Store] | None = None
@@ -190,6 +193,7 @@ class DistributedReceiver(ReceiverEngine):
             self._buffers.append(torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.device))
             self._views.append(self.layout.views(self._buffers[-1]))
         self._buckets = self.layout.buckets(self.settings.bucket_bytes)
+        self._chunks = chunks_of(self.layout)
 
     def _opened_json(self, store: dist.Store, key: str) -> dict[str, Any]:
         """The JSON object the sender sealed under ``key`` (AuthenticationError: not sealed with the run key;
@@ -282,7 +286,7 @@ class DistributedReceiver(ReceiverEngine):
             return self._rejoin(max(timeout, self.update_timeout))
         deadline = deadline_after(timeout)
         seqs: list[int] = []
-        version, refusal = None, None
+        version, refusal, delta = None, None, None
         while True:
             try:
                 msg = transport.next_message(0.0 if seqs else remaining(deadline))
@@ -300,8 +304,13 @@ class DistributedReceiver(ReceiverEngine):
                     break
                 return self._rejoin(max(remaining(deadline), self.update_timeout))
             version = int(msg["version"])
-            mac = self._mac(msg)
-            transport.receive_into(self._parts(), self.update_timeout, version, mac)
+            delta = self._delta(msg)
+            if delta is None:
+                mac = self._mac(msg)
+                transport.receive_into(self._parts(), self.update_timeout, version, mac)
+            else:
+                mac = self.sealer.payload_mac(self._layout_tag, delta.body, version, msg["nonce"], msg["mac"])
+                transport.receive_into([delta.body] if delta.nbytes else [], self.update_timeout, version, mac)
             if self._dropped_meanwhile():
                 return self._rejoin(max(remaining(deadline), self.update_timeout))
             seqs.append(transport.seq)
@@ -311,6 +320,9 @@ class DistributedReceiver(ReceiverEngine):
                 break
         if seqs:
             assert version is not None
+            if delta is not None:  # (its body is where the next changes land: applied before the next take)
+                delta.body = delta.body.cpu()
+                return [Delivery(version, [], refusal=refusal, token=seqs, delta=delta)]
             return [self._delivery(version, seqs, refusal)]
         if self._closed:
             raise ConnectionClosedError("the sender shut down", **self.where)
@@ -337,6 +349,27 @@ class DistributedReceiver(ReceiverEngine):
             return False
         self._dropped = "it did not ack in time"
         return True
+
+    def _delta(self, said: dict[str, Any]) -> Delta | None:
+        """The changes message ``said`` announces, their body's buffer ready to receive into (``None``: the
+        whole version comes).
+
+        Raises:
+            TransportError: a description that does not fit the layout (the sender sealed it: not a peer's).
+        """
+        if "delta" not in said:
+            return None
+        try:
+            delta = Delta.from_plain(said["delta"], self._chunks)
+        except ConfigurationError as exc:
+            raise TransportError(
+                f"the sender announced changes that do not fit the layout: {exc}", **self.where
+            ) from None
+        size = body_size(delta, self._chunks)
+        if self._body.numel() < size:
+            self._body = torch.empty(size, dtype=torch.uint8, device=self.device)
+        delta.body = self._body[:size]
+        return delta
 
     def _mac(self, said: dict[str, Any]) -> PayloadMac:
         """The keyed digest of the message ``said`` announces, fed as its bytes land in the staging buffer."""

@@ -82,6 +82,7 @@ class DistributedSender(SenderEngine):
     """
 
     rejoins = True
+    takes_deltas = True
 
     def __init__(
         self,
@@ -126,6 +127,8 @@ class DistributedSender(SenderEngine):
         self._gens: dict[int, int] = {}  # worker -> the generation (connection count) admitted last
         self._rejoins_seen = 0
         self._admit_store: dist.Store | None = None  # the rejoin thread's own client of the store
+        #: The newest version's bytes (the sender core's) and version, where only changes were sent of it.
+        self._unstaged: tuple[torch.Tensor | None, int] | None = None
 
     def handoff(self) -> dict[str, Any]:
         return {**self._where_to(), "authkey": self.authkey.hex()}
@@ -228,8 +231,11 @@ class DistributedSender(SenderEngine):
         return staging
 
     def submit(self, out: Outgoing, staging: Staging) -> None:
+        changed = set(out.delta_workers) if out.delta is not None else set()
         sending = []
         for w in out.workers:
+            if w in changed:
+                continue
             try:
                 self.transports[w].announce(out.version, self._nonce, MAC, initial=out.initial)
             except RuntimeError as exc:  # the store or the peer is gone
@@ -237,7 +243,13 @@ class DistributedSender(SenderEngine):
                 continue
             sending.append(w)
             staging.readers[w] = []
-        # Bucket by bucket: while gloo sends one, the next is copied into the staging buffer.
+        if changed:
+            self._send_changes(out, sorted(changed), staging)
+            if not sending:  # the version's bytes are copied (and hashed) only for a worker that rejoins
+                self.newest, self._unstaged = None, (out.published, out.version)
+                return
+        # Bucket by bucket: while gloo sends one, the next is copied into the staging buffer (also where only
+        # changes were sent: a worker that rejoins is sent the newest version from there).
         if staging.views is None:
             staging.views = self.layout.views(staging.tensor)
         mac = self.sealer.payload_mac(self.layout_tag, staging.tensor, out.version, self._nonce, MAC)
@@ -261,6 +273,26 @@ class DistributedSender(SenderEngine):
             except RuntimeError as exc:  # the peer died since its parts went out: gloo refuses the receive
                 self._gone(w, exc)
         self.newest = (staging, out.version, payload_digest, self._nonce)  # what a worker that rejoins is sent
+        self._unstaged = None
+
+    def _send_changes(self, out: Outgoing, workers: list[int], staging: Staging) -> None:
+        """Send ``out.delta`` to ``workers`` (they hold its base): announced with its description, its body one
+        part under a keyed digest of its own."""
+        delta = out.delta
+        assert delta is not None
+        nonce = new_nonce()
+        body = delta.body.to(self.device)  # (the CPU's own tensor with gloo)
+        mac = self.sealer.payload_mac(self.layout_tag, body, out.version, nonce, MAC)
+        digest, described = mac.hexdigest(), delta.to_plain()
+        for w in workers:
+            transport = self.transports[w]
+            try:
+                transport.announce(out.version, nonce, MAC, delta=described)
+                staging.readers[w] = [transport.send_part(body)] if body.numel() else []
+                transport.set_digest(digest, out.version)
+                transport.expect_ack(out.version)
+            except RuntimeError as exc:  # the peer is gone: gloo refuses to send to it
+                self._gone(w, exc)
 
     def _gone(self, w: int, exc: BaseException) -> None:
         """Worker ``w``'s rank went away (gloo or the store refused, or a send to it failed): it is dead."""
@@ -440,6 +472,8 @@ class DistributedSender(SenderEngine):
         self.hellos[w] = hello
         if self.pool is not None:
             self.pool.forget(w)
+        if self.newest is None and self._unstaged is not None:
+            self._stage_unstaged()
         if self.newest is None:
             self.sink.died(w, "failed to rejoin: no whole version to send")
             return None
@@ -455,6 +489,23 @@ class DistributedSender(SenderEngine):
             self._gone(w, exc)
             return None
         return w, version
+
+    def _stage_unstaged(self) -> None:
+        """Stage the newest version, of which only changes were sent, for a worker that rejoins."""
+        assert self._unstaged is not None
+        published, version = self._unstaged
+        if published is None or self.pool is None:
+            return
+        try:
+            staging = self.pool.acquire(deadline_after(self.sink.timeout), model_id=self.sink.model_id, version=version)
+        except SyncTimeoutError as exc:
+            log.warning("model %r: no buffer to send version %d to a worker that rejoins: %s", self.sink.model_id,
+                        version, exc)  # fmt: skip
+            return
+        copy_tensors([staging.tensor[: published.numel()]], [published])
+        nonce = new_nonce()
+        mac = self.sealer.payload_mac(self.layout_tag, staging.tensor, version, nonce, MAC)
+        self.newest, self._unstaged = (staging, version, mac.hexdigest(), nonce), None
 
     # --------------------------------------------------------------- shutdown
     def close(self, timeout: float) -> None:

@@ -157,18 +157,24 @@ class DistributedTransport(PeerTransport):
         return {"model_id": self.model_id, "worker_idx": self.worker_idx, "version": version}
 
     # ----------------------------------------------------------------- sender
-    def announce(self, version: int, nonce: str, mac: str, *, initial: bool = False) -> None:
+    def announce(
+        self, version: int, nonce: str, mac: str, *, initial: bool = False, delta: dict[str, Any] | None = None
+    ) -> None:
         """Start message ``version``: announce it in the store (the parts follow over the group).
 
         The initial weights are sent without an announcement: the worker is in ``connect()`` waiting for
         exactly them (their version, ``nonce`` and ``mac`` are in the store's ``initial``). ``nonce`` and ``mac``:
-        the message's one-time key and MAC (:class:`~.auth.PayloadMac`).
+        the message's one-time key and MAC (:class:`~.auth.PayloadMac`). ``delta``: the message is the changes
+        this description says (:meth:`~weightsync.tensors.delta.Delta.to_plain`), its body the one part.
         """
         _, store = self._group()
         seq = 0 if initial else self.seq + 1
         if not initial:
             key = f"msg/{self.worker_idx}/{seq}"
-            store_set(store, key, self.sealer.seal(key, json.dumps({"version": version, "nonce": nonce, "mac": mac})))
+            said: dict[str, Any] = {"version": version, "nonce": nonce, "mac": mac}
+            if delta is not None:
+                said["delta"] = delta
+            store_set(store, key, self.sealer.seal(key, json.dumps(said)))
         self.seq = seq
         if self._waiter is None:
             self._waiter = Waiter(f"weightsync-{self.model_id}-rank{self.rank}")
@@ -294,7 +300,8 @@ class DistributedTransport(PeerTransport):
     def next_message(self, timeout: float) -> dict[str, Any] | None:
         """The next announcement for this worker, waiting up to ``timeout``; ``None`` if none came.
 
-        Returns one of ``{"version": int, "nonce": str, "mac": str}``, ``{"closed": True}``, ``{"dropped": str}``.
+        Returns one of ``{"version": int, "nonce": str, "mac": str}`` (with ``"delta"``, the description of the
+        changes its one part holds), ``{"closed": True}``, ``{"dropped": str}``.
 
         Raises:
             AuthenticationError: the announcement is not sealed with the run key.
@@ -431,7 +438,8 @@ def _announcement(content: bytes, key: str, **where: Any) -> dict[str, Any]:
     msg = loads_object(content, f"store key {key!r}", max_bytes=MAX_STORE_JSON)
     version, nonce = msg.get("version"), msg.get("nonce")
     if (
-        set(msg) == {"version", "nonce", "mac"}
+        set(msg) - {"delta"} == {"version", "nonce", "mac"}
+        and isinstance(msg.get("delta", {}), dict)
         and type(version) is int
         and version >= 0
         and isinstance(nonce, str)

@@ -1,0 +1,356 @@
+"""Deltas: only what changed since the version a worker holds, bit for bit what a whole send gives.
+
+The codec on every dtype (changes found by bits, refused when malformed before anything is written), then the
+``distributed`` engine with workers in this process: many versions with and without ``wire_dtype`` and
+``checksum``, a worker that missed versions, a worker whose base is not the sender's (refused, then sent whole in
+the same ``send()``), and a worker's own change to its model. Restarts, kills and drops mid-send run with deltas
+in ``tests/test_faults.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import weightsync as ws
+from tests._workers import build, connect_pair
+from weightsync.errors import ConfigurationError
+from weightsync.tensors.delta import PATCH, SAME, WHOLE, Delta, DeltaBase, apply_delta, body_size, chunks_of
+from weightsync.tensors.layout import FlatLayout
+
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
+
+
+def _tensors(dtype: torch.dtype, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Tensors of ``dtype`` of several sizes, odd ones included (a tail shorter than 8 bytes), and a float32 one."""
+    out = {}
+    for i, n in enumerate([3, 1, 1000, 70_001, 5]):
+        raw = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), generator=gen)
+        out[f"t{i}"] = raw.to(torch.uint8).view(dtype) if dtype != torch.bool else raw.to(torch.uint8).bool()
+    out["f"] = torch.randn(999, generator=gen)
+    return out
+
+
+def _change(flat: dict[str, torch.Tensor], fraction: float, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """``flat`` with about ``fraction`` of its values' bits changed (a fresh dict of fresh tensors)."""
+    out = {}
+    for key, tensor in flat.items():
+        raw = tensor.clone().reshape(-1)
+        if raw.dtype == torch.bool:
+            mask = torch.rand(raw.shape, generator=gen) < fraction
+            raw[mask] = ~raw[mask]
+        else:
+            size = raw.element_size()
+            words = raw.view(torch.uint8).view(-1, size)
+            mask = torch.rand(words.shape[0], generator=gen) < fraction
+            words[mask, 0] ^= 1  # one bit of each chosen value
+        out[key] = raw.view(tensor.shape)
+    return out
+
+
+def _bytes(layout: FlatLayout, flat: dict[str, torch.Tensor]) -> torch.Tensor:
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    for key, view in layout.views(buffer).items():
+        view.copy_(flat[key])
+    return buffer
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("auto", [True, False], ids=["auto", "true"])
+def test_changes_make_the_new_bytes_exactly_for_every_dtype(dtype, auto):
+    gen = torch.Generator().manual_seed(0)
+    flat = _tensors(dtype, gen)
+    layout = FlatLayout.from_weights(flat)
+    base = DeltaBase(layout, chunk_bytes=4096)  # many chunks: patches and whole ones side by side
+    assert base.update(flat, 0) is None  # the first version fills the copy
+    for version, fraction in enumerate([0.0, 0.001, 0.05, 0.6, 1.0, 0.01], start=1):
+        old = base.buffer.clone()
+        flat = _change(flat, fraction, gen)
+        delta = base.update(flat, version, whole_if_larger=auto)
+        assert delta is not None and (delta.base, delta.version) == (version - 1, version)
+        expected = _bytes(layout, flat)
+        assert torch.equal(base.buffer, expected)  # the sender's copy is the new version
+        apply_delta(old, base.chunks, delta)
+        assert torch.equal(old, expected)  # ... and so is what the worker makes of its copy
+        if fraction == 0.0:
+            assert delta.nbytes == 0 and set(delta.kinds) == {SAME}
+        if auto:
+            assert delta.nbytes <= layout.nbytes + 8 * len(base.chunks)
+        elif fraction == 1.0:
+            assert WHOLE not in delta.kinds
+
+
+def test_changes_are_found_by_bits_not_values():
+    flat = {"w": torch.tensor([0.0, float("nan"), 1.0, 2.0])}
+    layout = FlatLayout.from_weights(flat)
+    base = DeltaBase(layout)
+    base.update(flat, 0)
+    nan_bits = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)  # another NaN
+    new = {"w": torch.cat([torch.tensor([-0.0]), nan_bits, torch.tensor([1.0, 2.0])])}
+    delta = base.update(new, 1, whole_if_larger=False)
+    assert delta is not None and delta.kinds == [PATCH] and delta.counts == [2]
+    assert torch.equal(base.buffer, _bytes(layout, new))
+
+
+def test_most_changed_goes_whole_under_auto_and_nothing_changed_sends_nothing():
+    gen = torch.Generator().manual_seed(1)
+    flat = {"a": torch.randn(100_000, generator=gen), "b": torch.randn(10, generator=gen)}
+    layout = FlatLayout.from_weights(flat)
+    base = DeltaBase(layout, chunk_bytes=65536)
+    base.update(flat, 0)
+    same = base.update(flat, 1)
+    assert same is not None and same.nbytes == 0 and set(same.kinds) == {SAME}
+    moved = {k: v + 1 for k, v in flat.items()}
+    whole = base.update(moved, 2)
+    assert whole is not None and set(whole.kinds) == {WHOLE} and whole.nbytes == layout.nbytes
+
+
+def test_changes_that_do_not_fit_are_refused_before_anything_is_written():
+    gen = torch.Generator().manual_seed(2)
+    flat = {"a": torch.randn(1000, generator=gen)}
+    layout = FlatLayout.from_weights(flat)
+    chunks = chunks_of(layout)
+    base = DeltaBase(layout)
+    base.update(flat, 0)
+    target = base.buffer.clone()
+    flat = _change(flat, 0.01, gen)
+    delta = base.update(flat, 1, whole_if_larger=False)
+    assert delta is not None and delta.kinds == [PATCH] and delta.counts[0] >= 2
+    before = target.clone()
+    count = delta.counts[0]
+    for bad in ("beyond", "negative", "unsorted", "short"):
+        broken = Delta(delta.base, delta.version, list(delta.kinds), list(delta.counts), delta.body.clone())
+        positions = broken.body[: count * 4].view(torch.int32)
+        if bad == "beyond":
+            positions[-1] = chunks[0].words
+        elif bad == "negative":
+            positions[0] = -1
+        elif bad == "unsorted":
+            positions[0], positions[1] = int(positions[1]), int(positions[0])
+        else:
+            broken.body = broken.body[:-8]
+        with pytest.raises(ConfigurationError):
+            apply_delta(target, chunks, broken)
+        assert torch.equal(target, before), bad
+    plain = delta.to_plain()
+    assert Delta.from_plain(plain, chunks).counts == delta.counts
+    assert body_size(Delta.from_plain(plain, chunks), chunks) == delta.nbytes
+    for wrong in (
+        {**plain, "counts": [True]},
+        {**plain, "kinds": [PATCH, PATCH]},
+        {**plain, "nbytes": plain["nbytes"] + 8},
+        {**plain, "counts": [chunks[0].words + 1]},
+        {k: v for k, v in plain.items() if k != "base"},
+        {**plain, "digest": 5},
+    ):
+        with pytest.raises(ConfigurationError):
+            Delta.from_plain(wrong, chunks)
+
+
+# ---------------------------------------------------------------- the distributed engine
+class _Worker:
+    """An in-process worker: a receiver applying in a thread of its own until stopped."""
+
+    def __init__(self, scheme: ws.WeightSyncScheme, idx: int, model: torch.nn.Module) -> None:
+        import pickle
+
+        self.model = model
+        self.scheme = pickle.loads(pickle.dumps(scheme))
+        self.scheme.init_on_receiver(model_id=scheme.model_id, model=model, worker_idx=idx)
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.scheme.receive(timeout=0.05)
+            except ws.ConnectionClosedError:
+                return
+            except ws.WeightSyncError as exc:
+                self.errors.append(exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.scheme.shutdown()
+
+
+def _connected(n: int = 2, **kw):
+    model = build("tiny")
+    scheme = ws.DistributedWeightSyncScheme(timeout=20, connect_timeout=60, delta="auto", **kw)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=n)
+    workers = [_Worker(scheme, i, build("tiny")) for i in range(n)]
+    joiners = [threading.Thread(target=w.scheme.connect) for w in workers]
+    for t in joiners:
+        t.start()
+    scheme.connect()
+    for t in joiners:
+        t.join(30)
+    for w in workers:
+        w.start()
+    return model, scheme, workers
+
+
+def _sparse_step(model: torch.nn.Module, seed: int, fraction: float = 0.01) -> None:
+    """An update that changes about ``fraction`` of the values (as small steps in bfloat16 do)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in ws.WeightStrategy().flat(model).values():
+            if tensor.is_floating_point():
+                mask = torch.rand(tensor.shape, generator=gen) < fraction
+                tensor[mask] += torch.randn(int(mask.sum()), generator=gen)
+
+
+def _holds(replica: torch.nn.Module, model: torch.nn.Module, wire_dtype: str | None = None) -> bool:
+    """Whether ``replica`` holds, bit for bit, what a whole send of ``model`` gives (cast to ``wire_dtype`` and
+    back)."""
+    wire = None if wire_dtype is None else getattr(torch, wire_dtype)
+    got, sent = replica.state_dict(), model.state_dict()
+    for key, tensor in sent.items():
+        expected = tensor.to(wire).to(tensor.dtype) if wire is not None and tensor.is_floating_point() else tensor
+        if not torch.equal(got[key].reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("wire_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("checked", [False, True], ids=["", "checksum"])
+def test_many_versions_of_changes_are_bit_exact_on_every_worker(wire_dtype, checked):
+    model, scheme, workers = _connected(wire_dtype=wire_dtype, checksum=checked)
+    try:
+        for step in range(1, 13):
+            _sparse_step(model, step, fraction=0.9 if step == 7 else 0.01)  # most changed: sent whole
+            scheme.send()
+            for w in workers:
+                assert w.scheme.version == step and _holds(w.model, model, wire_dtype)
+        stats = scheme.stats()
+        # Every version to both workers as changes, but the one most changed in, in float32; in bfloat16 the tiny
+        # model's tensors are mostly the 64-byte padding of the layout, and changes pay even there.
+        assert stats["changes_sent"] == 2 * (11 if wire_dtype is None else 12)
+        assert all(not w.errors for w in workers)
+    finally:
+        for w in workers:
+            w.stop()
+        scheme.shutdown()
+
+
+def test_a_worker_that_missed_versions_is_sent_the_version_whole():
+    model, scheme, workers = _connected()
+    try:
+        for step in (1, 2):
+            _sparse_step(model, step)
+            scheme.send(worker_ids=[0])  # worker 1 holds version 0
+        _sparse_step(model, 3)
+        scheme.send()
+        assert scheme.stats()["changes_sent"] == 3  # worker 0 each time; worker 1 got version 2 whole
+        for w in workers:
+            assert w.scheme.version == 3 and _holds(w.model, model)
+        _sparse_step(model, 4)
+        scheme.send()  # both hold the base now
+        assert scheme.stats()["changes_sent"] == 5
+        assert all(_holds(w.model, model) for w in workers)
+    finally:
+        for w in workers:
+            w.stop()
+        scheme.shutdown()
+
+
+def test_a_worker_whose_copy_is_not_the_base_refuses_and_is_sent_the_version_whole_in_the_same_send():
+    model, scheme, workers = _connected(checksum=True)
+    try:
+        _sparse_step(model, 1)
+        scheme.send()
+        kept = workers[1].scheme._runtime.receiving._kept[0]
+        kept[0] ^= 0xFF  # worker 1's copy of version 1 is no longer the sender's bytes
+        _sparse_step(model, 2)
+        scheme.send()  # no error: refused, then sent whole
+        assert all(w.scheme.version == 2 and _holds(w.model, model) for w in workers)
+        assert scheme.stats()["changes_sent"] == 2 + 1
+        assert not workers[1].errors or all(isinstance(e, ws.DeltaBaseError) for e in workers[1].errors)
+        _sparse_step(model, 3)
+        scheme.send()  # its copy is whole again: changes reach both
+        assert scheme.stats()["changes_sent"] == 3 + 2
+        assert all(_holds(w.model, model) for w in workers)
+    finally:
+        for w in workers:
+            w.stop()
+        scheme.shutdown()
+
+
+def test_a_workers_own_change_to_its_model_is_gone_at_the_next_update_as_with_whole_versions():
+    model, scheme, workers = _connected()
+    try:
+        for step in (1, 2, 3):
+            _sparse_step(model, step)
+            with workers[0].scheme.weights_lock, torch.no_grad():
+                next(workers[0].model.parameters()).add_(100.0)
+            scheme.send()
+            assert _holds(workers[0].model, model)
+        assert scheme.stats()["changes_sent"] == 6
+    finally:
+        for w in workers:
+            w.stop()
+        scheme.shutdown()
+
+
+def test_delta_is_an_option_of_the_config_and_refuses_what_it_does_not_know():
+    with pytest.raises(ConfigurationError, match="delta"):
+        ws.DistributedWeightSyncScheme(delta="sometimes")
+    assert ws.DistributedWeightSyncScheme(delta="auto").delta == "auto"
+    scheme = ws.DistributedWeightSyncScheme(delta=True)
+    scheme.init_on_sender(model_id="policy", model=build("tiny"), num_workers=1)
+    try:
+        assert scheme.receiver_config(0)["scheme"]["delta"] is True
+    finally:
+        scheme.shutdown()
+
+
+def test_a_version_with_nothing_changed_is_an_empty_body_and_still_arrives():
+    model = build("tiny")
+    scheme = ws.DistributedWeightSyncScheme(timeout=20, connect_timeout=60, delta=True)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    import pickle
+
+    receiver = pickle.loads(pickle.dumps(scheme))
+    replica = build("tiny")
+    receiver.init_on_receiver(model_id="policy", model=replica, worker_idx=0)
+    connect_pair(scheme, receiver)
+    try:
+        _sparse_step(model, 1, fraction=0.0)  # nothing changed: an empty body
+        scheme.send_async()
+        assert receiver.receive(timeout=10) is not None
+        scheme.wait_async()
+        assert receiver.version == 1 and _holds(replica, model)
+        assert scheme.stats()["changes_sent"] == 1
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+@pytest.mark.parametrize(("given", "held"), [("false", False), ("true", True), ("auto", "auto")])
+def test_delta_is_one_command_line_override_away(given, held):
+    from hydra import compose, initialize
+    from hydra.utils import instantiate
+
+    import weightsync.config  # noqa: F401 - registers the weightsync/... config groups
+
+    with initialize(version_base="1.3"):
+        cfg = compose(overrides=["+weightsync/scheme=distributed", f"weightsync.scheme.delta={given}"])
+    assert instantiate(cfg.weightsync.scheme).delta == held

@@ -4,6 +4,11 @@
     python benchmarks/bench_two_hosts.py                 # 1 and 10 Gbit/s, prints the table (needs root)
     python benchmarks/bench_two_hosts.py --write         # ... and rewrites its section of docs/benchmarks.md
     python benchmarks/bench_two_hosts.py --mb 10 --rounds 3 --rates 1e9 --engines ray --wire-dtypes float32
+    python benchmarks/bench_two_hosts.py --changed 0 0.001 0.01 0.1 0.5 --rates 1e9 --write   # delta rows
+
+With ``--changed``, each round changes that share of the values (at random places) and the scheme sends with
+``delta="auto"``; a row of whole sends (``delta=false``) per engine is the reference. Those rows go to the
+``delta`` section of docs/delta.md, against the whole model's floor and the floor of the bytes actually sent.
 
 The hosts are network namespaces joined by a switch of their own (tests/_hosts.py); the trainer's host sends
 through a token bucket (``tbf``) at the rate. The trainer runs on host A, one worker on host B built from the
@@ -37,6 +42,7 @@ def trainer(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(1024, int(args.mb * 2**20 / 4 / 1024), bias=False)
     kwargs = {"master_addr": args.addr, "master_port": 29612, "timeout": 120, "wire_dtype": args.wire_dtype}
+    kwargs["delta"] = {"false": False, "true": True}.get(args.delta, args.delta)
     if args.engine == "rpc":  # the benchmark's hosts are a private network namespace of its own
         kwargs["allow_store_peers_to_run_code"] = True
     scheme = ws.WeightSyncScheme.from_backend(args.engine, **kwargs)
@@ -46,7 +52,7 @@ def trainer(args: argparse.Namespace) -> None:
     (out / "w.part").rename(out / "worker0.yaml")
     try:
         scheme.connect()
-        timed_sends(scheme, model, args.rounds, args.wire_dtype)
+        timed_sends(scheme, model, args.rounds, args.wire_dtype, args.fraction)
     finally:
         scheme.shutdown()
 
@@ -71,19 +77,28 @@ def worker(args: argparse.Namespace) -> None:
         scheme.shutdown()
 
 
-def timed_sends(scheme, model, rounds: int, wire_dtype: str) -> None:
-    """``rounds`` sync sends of ``model`` (a step between each); prints their median and the bytes on the wire."""
+def timed_sends(scheme, model, rounds: int, wire_dtype: str, fraction: float | None = None) -> None:
+    """``rounds`` sync sends of ``model`` (a step between each: every value, or ``fraction`` of them at random
+    places); prints their median, the bytes of the whole model on the wire and the median bytes sent."""
     import torch
 
-    times = []
+    times, sent = [], []
+    gen = torch.Generator().manual_seed(0)
     for _ in range(rounds):
         with torch.no_grad():
-            model.weight.add_(1e-3)
+            if fraction is None:
+                model.weight.add_(1e-3)
+            else:
+                mask = torch.rand(model.weight.shape, generator=gen) < fraction
+                model.weight[mask] += 1e-3
         began = time.perf_counter()
         scheme.send()
         times.append(time.perf_counter() - began)
+        record = scheme.last_send
+        sent.append(record.changes.get(0, record.nbytes))
     nbytes = model.weight.numel() * (2 if wire_dtype == "bfloat16" else 4)
-    print(json.dumps({"median": statistics.median(times), "wire_bytes": nbytes}), flush=True)
+    print(json.dumps({"median": statistics.median(times), "wire_bytes": nbytes, "sent_bytes": statistics.median(sent)}),
+          flush=True)  # fmt: skip
 
 
 def ray_trainer(args: argparse.Namespace) -> None:
@@ -108,18 +123,19 @@ def ray_trainer(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(1024, int(args.mb * 2**20 / 4 / 1024), bias=False)
     actor = Worker.remote(args.mb)
-    scheme = ws.RayWeightSyncScheme(allow_pickle=True, timeout=120, wire_dtype=args.wire_dtype)
+    delta = {"false": False, "true": True}.get(args.delta, args.delta)
+    scheme = ws.RayWeightSyncScheme(allow_pickle=True, timeout=120, wire_dtype=args.wire_dtype, delta=delta)
     scheme.init_on_sender(model_id="policy", model=model, remote_collectors=[actor])
     ray.get(actor.join.remote(scheme.receiver_config(0), 0))
     scheme.connect()
     try:
-        timed_sends(scheme, model, args.rounds, args.wire_dtype)
+        timed_sends(scheme, model, args.rounds, args.wire_dtype, args.fraction)
     finally:
         scheme.shutdown()
         ray.shutdown()
 
 
-def one_ray(a, b, wire_dtype: str, mb: float, rounds: int) -> dict:
+def one_ray(a, b, wire_dtype: str, mb: float, rounds: int, extra: list[str]) -> dict:
     import secrets
 
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
@@ -130,18 +146,19 @@ def one_ray(a, b, wire_dtype: str, mb: float, rounds: int) -> dict:
         b.spawn(["ray", "start", "--address", f"{a.addr}:6379", "--node-ip-address", b.addr, "--resources",
                  '{"hostB": 1}', "--temp-dir", f"{tmp}/b", *common], env=env)  # fmt: skip
         t = a.spawn(["python", __file__, "--role", "ray-trainer", "--addr", f"{a.addr}:6379", "--rounds", str(rounds),
-                     "--wire-dtype", wire_dtype, "--mb", str(mb)], env=env)  # fmt: skip
+                     "--wire-dtype", wire_dtype, "--mb", str(mb), *extra], env=env)  # fmt: skip
         stdout, stderr = t.communicate(timeout=900)
     if t.returncode != 0:
         raise SystemExit(f"ray {wire_dtype}: the trainer failed:\n{stderr[-3000:]}")
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-def one(a, b, engine: str, wire_dtype: str, mb: float, rounds: int) -> dict:
+def one(a, b, engine: str, wire_dtype: str, mb: float, rounds: int, delta: str = "false", fraction=None) -> dict:
+    extra = ["--delta", delta, *(["--fraction", str(fraction)] if fraction is not None else [])]
     if engine == "ray":
-        return one_ray(a, b, wire_dtype, mb, rounds)
+        return one_ray(a, b, wire_dtype, mb, rounds, extra)
     out = Path(tempfile.mkdtemp())
-    common = ["--engine", engine, "--wire-dtype", wire_dtype, "--mb", str(mb)]
+    common = ["--engine", engine, "--wire-dtype", wire_dtype, "--mb", str(mb), *extra]
     t = a.spawn(["python", __file__, "--role", "trainer", "--out", str(out), "--addr", a.addr, "--rounds",
                  str(rounds), *common])  # fmt: skip
     deadline = time.monotonic() + 120
@@ -179,6 +196,9 @@ def main() -> None:
     dtypes = ["float32", "bfloat16"]
     parser.add_argument("--wire-dtypes", nargs="*", default=dtypes, choices=dtypes)
     parser.add_argument("--write", action="store_true", help="rewrite the two-host section of docs/benchmarks.md")
+    parser.add_argument("--changed", type=float, nargs="*", help="delta rows: the shares of values each step changes")
+    parser.add_argument("--delta", default="false", help=argparse.SUPPRESS)
+    parser.add_argument("--fraction", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role == "trainer":
         return trainer(args)
@@ -193,6 +213,8 @@ def main() -> None:
 
     if os.geteuid() != 0:
         sys.exit("bench_two_hosts.py makes network namespaces: run it as root")
+    if args.changed:
+        return delta_rows(args, hosts, replace_section)
     began = time.perf_counter()
     lines = [
         "| link | engine | wire dtype | median send (s) | link floor (s) | x floor |",
@@ -224,6 +246,50 @@ def main() -> None:
     print(text)
     if args.write:
         replace_section(ROOT / "docs" / "benchmarks.md", "two-hosts", text)
+
+
+def delta_rows(args: argparse.Namespace, hosts, replace_section) -> None:
+    """Per engine: whole sends, then ``delta="auto"`` at each share changed, against the whole model's floor and
+    the floor of the bytes sent; per rate and wire dtype."""
+    import torch
+
+    began = time.perf_counter()
+    lines = [
+        "| link | engine | wire dtype | changed | delta | median send (s) | sent MB | whole floor (s) | sent floor (s) "
+        "| x whole floor | x whole send |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rate in args.rates:
+        for engine in args.engines:
+            for wire_dtype in args.wire_dtypes:
+                whole = None
+                for delta, fraction in [("false", 0.01), *(("auto", f) for f in args.changed)]:
+                    with hosts(2) as (a, b):
+                        a.shape(rate)
+                        row = one(a, b, engine, wire_dtype, args.mb, args.rounds, delta, fraction)
+                    if whole is None:
+                        whole = row["median"]
+                    floor, sent_floor = row["wire_bytes"] * 8 / rate, row["sent_bytes"] * 8 / rate
+                    lines.append(
+                        f"| {rate_name(rate)} | {engine} | {wire_dtype} | {fraction:.1%} | {delta} | "
+                        f"{row['median']:.3f} | {row['sent_bytes'] / 1e6:.2f} | {floor:.3f} | {sent_floor:.4f} | "
+                        f"{row['median'] / floor:.3f} | {row['median'] / whole:.2f} |"
+                    )
+                    print(lines[-1], flush=True)
+    text = "\n".join(
+        [
+            f"A {args.mb:g} MB float32 model (one tensor), trainer on host A, one worker on host B, median of "
+            f"{args.rounds} sync sends per row, each after a step that changed that share of the values; one run "
+            f"of `benchmarks/bench_two_hosts.py --changed` ({time.perf_counter() - began:.0f} s, torch "
+            f"{torch.__version__}, {os.cpu_count()} cores). *x whole send*: against the row of whole sends "
+            "(``delta=false``) of the same engine.",
+            "",
+            *lines,
+        ]
+    )
+    print(text)
+    if args.write:
+        replace_section(ROOT / "docs" / "delta.md", "delta-two-hosts", text)
 
 
 if __name__ == "__main__":

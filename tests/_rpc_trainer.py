@@ -56,6 +56,8 @@ def run(scenario: str, conn, host_address: str | None = None) -> None:
             body(scheme, workers, strategy)
         else:
             body(scheme, workers)
+        if kwargs.get("delta") and not scheme.stats()["changes_sent"]:
+            raise AssertionError(f"{scenario}: no version went as changes")
         conn.send(("ok", None))
     except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
         conn.send(("failed", traceback.format_exc()))

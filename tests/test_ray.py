@@ -38,9 +38,10 @@ def _joined(scheme, model, n=2, kinds=None):
 
 @pytest.mark.parametrize("strategy", ["state_dict", "tensordict"])
 @pytest.mark.parametrize("handed_as", ["pickled", "receiver_config"])
-def test_every_send_reaches_every_targeted_actor(strategy, handed_as):
+@pytest.mark.parametrize("delta", [False, True], ids=["", "delta"])
+def test_every_send_reaches_every_targeted_actor(strategy, handed_as, delta):
     model = build("tiny")
-    scheme = ws.RayWeightSyncScheme(strategy=strategy, timeout=30)
+    scheme = ws.RayWeightSyncScheme(strategy=strategy, timeout=30, delta=delta)
     actors = _collectors()
     if handed_as == "pickled":  # the collector pattern: the scheme goes to the actor before init
         ray.get([a.join.remote(scheme, i) for i, a in enumerate(actors)])
@@ -61,6 +62,8 @@ def test_every_send_reaches_every_targeted_actor(strategy, handed_as):
             held[w] = step
         assert scheme.acked_versions == held
         assert ray.get([a.state.remote() for a in actors]) == [(held[w], expected[held[w]]) for w in range(2)]
+    # As changes: each send to an actor that acked the version before (worker 0 missed version 3, worker 1 version 4)
+    assert scheme.stats()["changes_sent"] == (2 + 2 + 1 + 0 + 1 if delta else 0)
     scheme.shutdown()
     for a in actors:
         ray.kill(a)
@@ -299,11 +302,12 @@ def test_hung_actor_costs_one_timeout_then_is_raised_or_dropped(policy):
         ray.kill(a)
 
 
-def test_a_replaced_or_restarted_actor_rejoins_and_gets_the_current_version():
+@pytest.mark.parametrize("delta", [False, True], ids=["", "delta"])
+def test_a_replaced_or_restarted_actor_rejoins_and_gets_the_current_version(delta):
     from tests._ray_actors import Collector
 
     model = build("tiny")
-    scheme = ws.RayWeightSyncScheme(timeout=20, on_failure="drop")
+    scheme = ws.RayWeightSyncScheme(timeout=20, on_failure="drop", delta=delta)
     actors = [Collector.remote(), Collector.options(max_restarts=1).remote()]
     ray.get([a.join.remote(scheme, i) for i, a in enumerate(actors)])
     scheme.init_on_sender(model_id="policy", model=model, remote_collectors=actors)
@@ -330,6 +334,8 @@ def test_a_replaced_or_restarted_actor_rejoins_and_gets_the_current_version():
     scheme.send()
     assert [ray.get(a.state.remote()) for a in (newcomer, actors[1])] == [(3, checksum(model, "tensordict"))] * 2
     assert scheme.acked_versions == {0: 3, 1: 3}
+    if delta:  # version 3 went to both as changes: each had acked the version sent when it rejoined
+        assert scheme.last_send.changes.keys() == {0, 1}
     with pytest.raises(ws.ConfigurationError, match="worker_idx 2 is not in 0..1"):
         scheme.rejoin(2, newcomer)
     scheme.shutdown()
@@ -392,13 +398,14 @@ def test_actor_without_a_receiver_and_bad_arguments():
 
 @pytest.mark.parametrize("strategy", ["state_dict", "tensordict"])
 @pytest.mark.parametrize("handed_as", ["pickled", "receiver_config"])
-def test_module_hosted_in_one_actor_follows_the_trainer(strategy, handed_as):
+@pytest.mark.parametrize("delta", [False, True], ids=["", "delta"])
+def test_module_hosted_in_one_actor_follows_the_trainer(strategy, handed_as, delta):
     import torch
 
     from tests._ray_actors import make_value
 
     model = build("value")
-    scheme = ws.RayModuleTransformScheme(strategy=strategy, timeout=30)
+    scheme = ws.RayModuleTransformScheme(strategy=strategy, timeout=30, delta=delta)
     Host = ray.remote(num_cpus=0)(ws.ModuleActor)
     if handed_as == "pickled":
         host = Host.remote(make_value, scheme, "transform")
@@ -417,7 +424,7 @@ def test_module_hosted_in_one_actor_follows_the_trainer(strategy, handed_as):
         assert ray.get(host.weights_version.remote()) == step
         state = ray.get(host.get_weights.remote())
         assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
-    assert scheme.acked_versions == {0: 3}
+    assert scheme.acked_versions == {0: 3} and scheme.stats()["changes_sent"] == (3 if delta else 0)
     with torch.no_grad():
         expected = model(batch)
     assert torch.allclose(ray.get(host.forward.remote(batch)), expected)

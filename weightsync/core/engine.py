@@ -100,6 +100,12 @@ class Outgoing:
     delta_workers: list[int] = field(default_factory=list)
     published: torch.Tensor | None = None
 
+    @property
+    def whole_to(self) -> list[int]:
+        """The workers sent the whole version (not :attr:`delta`)."""
+        changed = set(self.delta_workers) if self.delta is not None else set()
+        return [w for w in self.workers if w not in changed]
+
     def write(self, buffer: torch.Tensor, views: dict[str, torch.Tensor], *, non_blocking: bool = False) -> None:
         """Copy this version's bytes into ``buffer``, laid out as the layout says (``views``: its typed views by
         key): one copy of ``whole`` where the weights already lie in one buffer in their places, else tensor by
@@ -194,8 +200,9 @@ class SenderEngine(ABC):
 
     @abstractmethod
     def stage(self, out: Outgoing, deadline: float) -> Any:
-        """Put ``out``'s bytes where its workers will read them, and return what :meth:`submit` needs. May wait,
-        until ``deadline``, for a buffer no worker still reads.
+        """Put ``out``'s bytes where its workers will read them, and return what :meth:`submit` needs (an engine
+        that :attr:`takes_deltas` stages nothing whole when every worker of ``out`` is sent its changes). May
+        wait, until ``deadline``, for a buffer no worker still reads.
 
         Raises:
             SyncTimeoutError: no free buffer in time; nothing was published.

@@ -206,8 +206,10 @@ class Sender:
             self.mark_dead(w, failure)
 
     def rejoined(self, worker: int, version: int | None) -> None:
-        """``worker`` is back, and was sent ``version``: it counts as live again."""
-        self.rejoining(worker)
+        """``worker`` is back, and was sent ``version``: it counts as live again (its engine said it was coming
+        back before it sent it: :meth:`rejoining`; an ack that came since stands)."""
+        self.ledger.dead.pop(worker, None)
+        self.ledger.errors.pop(worker, None)
         self.ledger.peers[worker].sent = version
         self.metrics.dropped.pop(worker, None)
         self.metrics.rejoins[worker] = self.metrics.rejoins.get(worker, 0) + 1
@@ -293,8 +295,13 @@ class Sender:
             live = ledger.live(targets)
             out = Outgoing(version, flat, whole, live, initial)
             self._changes_sent = {}
-            staged = self.engine.stage(out, deadline)
-            self._changes(out)  # once nothing stops the send: the copy it updates is then the newest version's
+            self._changes(out)  # first: an engine stages the whole version only for workers not sent changes
+            try:
+                staged = self.engine.stage(out, deadline)
+            except BaseException:
+                if self.deltas is not None:  # its copy is of a version never published: the next one fills it
+                    self.deltas.forget()
+                raise
             self.engine.submit(out, staged)
             if out.delta is not None:
                 self._changes_sent = {w: out.delta.nbytes for w in out.delta_workers}

@@ -221,6 +221,10 @@ class DeltaBase:
         self._mask = np.empty(max(c.end - c.start for c in self.chunks) // 8 + 1, dtype=np.bool_)
         self._views = layout.views(self.buffer)
 
+    def forget(self) -> None:
+        """The buffer holds no version any more (the next :meth:`update` fills it whole)."""
+        self.version = None
+
     def update(self, sources: dict[str, torch.Tensor], version: int, *, whole_if_larger: bool = True) -> Delta | None:
         """Make the buffer hold ``version``, whose tensors are ``sources`` (by key, the layout's wire dtypes,
         contiguous, on the CPU: :meth:`wire_sources`), and return the delta from the version it held (``None``

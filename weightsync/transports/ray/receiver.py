@@ -9,6 +9,7 @@ import torch
 
 from ...core.engine import Delivery, ReceiverEngine
 from ...errors import ConfigurationError
+from ...tensors.delta import Delta, chunks_of
 from ...tensors.layout import FlatLayout
 from .transport import register_receiver, unregister_receiver
 
@@ -38,19 +39,31 @@ class RayReceiver(ReceiverEngine):
         pass  # nothing to join: the sender's connect() delivers version 0 as a call to this actor
 
     def push(
-        self, version: int, buffers: list[torch.Tensor], ranges: list, layout: dict | None, digest: str | None
+        self,
+        version: int,
+        buffers: list[torch.Tensor],
+        ranges: list,
+        layout: dict | None,
+        digest: str | None,
+        changes: dict | None = None,
     ) -> int:
-        """Called inside the actor by the sender's call: apply the update; return the version held."""
-        refusal, pieces = None, []
+        """Called inside the actor by the sender's call: apply the update (``changes``: the description of the
+        changes ``buffers[0]`` holds, against the version held); return the version held."""
+        refusal, pieces, delta = None, [], None
         try:
             if layout is not None:
                 self.layout = FlatLayout.from_plain(layout)
-            if self.layout is not None:
+            if self.layout is not None and changes is not None:
+                delta = Delta.from_plain(changes, chunks_of(self.layout))
+                if len(buffers) != 1 or buffers[0].dtype != torch.uint8:
+                    raise ConfigurationError(f"a body of changes in {len(buffers)} buffers, where one is sent")
+                delta.body = buffers[0]
+            elif self.layout is not None:
                 pieces = self.layout.placed(buffers, [tuple(r) for r in ranges])
         except ConfigurationError as exc:
             refusal = exc
         assert self._apply is not None
-        return self._apply([Delivery(version, pieces, digest, refusal=refusal)])
+        return self._apply([Delivery(version, pieces, digest, refusal=refusal, delta=delta)])
 
     def close(self) -> None:
         unregister_receiver(self.where["model_id"] or "", self)

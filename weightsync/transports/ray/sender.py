@@ -45,6 +45,7 @@ class RaySender(SenderEngine):
     """
 
     pushes = True
+    takes_deltas = True
 
     def __init__(
         self,
@@ -67,6 +68,8 @@ class RaySender(SenderEngine):
         self._staging_views: dict[str, torch.Tensor] = {}
         self.newest: tuple[int, Any] | None = None  # (version, object ref) of the last send, for rejoins
         self._has_layout: set[int] = set()  # actors that applied once: they hold the layout
+        #: The newest version's bytes (the sender core's) and version, where only changes were sent of it.
+        self._unstaged: tuple[torch.Tensor | None, int] | None = None
 
     def _transport(self, actor: Any, worker: int) -> RayTransport:
         return self.transport_class(actor, worker, self.sink.model_id, self.extract_as, self.sink)
@@ -82,6 +85,8 @@ class RaySender(SenderEngine):
         return self._staging
 
     def stage(self, out: Outgoing, deadline: float) -> Any:
+        if not out.whole_to:  # every actor is sent its changes: nothing whole goes into the store
+            return None
         if out.whole is not None and out.whole.is_cpu:  # flatten_sender: the weights lie in one buffer, in place
             buffers, ranges = self.layout.whole(out.whole)
         elif out.whole is not None:  # ... on a GPU: one copy out of it
@@ -95,14 +100,26 @@ class RaySender(SenderEngine):
         return ray().put((ranges, [b.numpy() for b in buffers], self.digest(buffers)))
 
     def submit(self, out: Outgoing, staged: Any) -> None:
-        for w in out.workers:
+        if out.delta is not None:
+            changes = ray().put(((), [out.delta.body.numpy()], None, out.delta.to_plain()))
+            for w in out.delta_workers:  # (they applied a version: they hold the layout)
+                self.transports[w].submit(out.version, changes, None)
+        if staged is None:  # an actor that rejoins is sent the core's copy of the version, put then
+            self.newest, self._unstaged = None, (out.published, out.version)
+            return
+        for w in out.whole_to:
             # The layout travels until the actor has applied once (its first update carries it).
             self.transports[w].submit(out.version, staged, None if w in self._has_layout else self.layout.to_plain())
-        self.newest = (out.version, staged)
+        self.newest, self._unstaged = (out.version, staged), None
 
     def resubmit(self, worker: int, actor: Any = None) -> int:
         """A new actor for ``worker`` (``None``: the same handle, restarted by Ray) is sent the newest version
         published; return that version."""
+        if self.newest is None and self._unstaged is not None:
+            published, version = self._unstaged
+            assert published is not None
+            buffers, ranges = self.layout.whole(published)
+            self.newest = (version, ray().put((ranges, [b.numpy() for b in buffers], self.digest(buffers))))
         assert self.newest is not None  # connect() published version 0
         version, payload = self.newest
         old = self.transports[worker]

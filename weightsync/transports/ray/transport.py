@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["RayActorTransport", "RayTransport", "apply_in_actor", "register_receiver", "unregister_receiver"]
 
 # The receivers living in this process (an actor's worker process), by model id: each takes
-# ``(version, buffers, ranges, layout, checksum)`` and returns the version it holds.
+# ``(version, buffers, ranges, layout, checksum, changes)`` and returns the version it holds.
 _RECEIVERS: dict[str, Any] = {}
 
 
@@ -52,12 +52,12 @@ def apply_in_actor(actor: Any, model_id: str, version: int, payload: tuple, layo
             f"{model_id!r}, model=..., worker_idx=...) in the actor before the sender connects",
             model_id=model_id,
         )
-    ranges, arrays, expected = payload
+    ranges, arrays, expected, *changes = payload  # (changes: the description of a body of changes)
     with warnings.catch_warnings():
         # The object store hands out read-only arrays; we only read from them.
         warnings.simplefilter("ignore", UserWarning)
         buffers = [torch.from_numpy(np.asarray(a)) for a in arrays]
-    return receiver.push(version, buffers, ranges, layout, expected)
+    return receiver.push(version, buffers, ranges, layout, expected, changes[0] if changes else None)
 
 
 class RayTransport(PeerTransport):

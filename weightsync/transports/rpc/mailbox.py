@@ -25,6 +25,7 @@ class Arrival:
     buffer: torch.Tensor
     layout: dict | None
     digest: str | None = None  # the sender's checksum of ``buffer``, when it computes one
+    delta: dict | None = None  # ``buffer`` is the body of the changes this describes (against the version held)
     future: torch.futures.Future = field(default_factory=torch.futures.Future)
 
 
@@ -60,10 +61,16 @@ def drop_mailbox(model_id: str) -> None:
 
 @rpc.functions.async_execution
 def deliver(
-    model_id: str, version: int, buffer: torch.Tensor, layout: dict | None, digest: str | None = None
+    model_id: str,
+    version: int,
+    buffer: torch.Tensor,
+    layout: dict | None,
+    digest: str | None = None,
+    delta: dict | None = None,
 ) -> torch.futures.Future:
-    """Runs in the worker's RPC agent: queue the update; the answer comes once the worker applied it."""
-    arrival = Arrival(version, buffer, layout, digest)
+    """Runs in the worker's RPC agent: queue the update (``delta``: the description of the changes ``buffer``
+    holds); the answer comes once the worker applied it."""
+    arrival = Arrival(version, buffer, layout, digest, delta)
     box = mailbox(model_id)
     with box.cond:
         box.queue.append(arrival)

@@ -6,9 +6,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ...core.engine import Delivery, ReceiverEngine
 from ...core.timing import remaining
 from ...errors import ConfigurationError, ConnectionClosedError
+from ...tensors.delta import Delta, chunks_of
 from ...tensors.layout import FlatLayout
 from ..store import SILENT_TIMEOUTS
 from .mailbox import Arrival, drop_mailbox, mailbox
@@ -102,6 +105,8 @@ class RPCReceiver(ReceiverEngine):
             refusal = exc
         if self.layout is None:
             return Delivery(update.version, [], refusal=refusal, token=update)
+        if update.delta is not None:
+            return self._changes(update, refusal)
         self.placement = "take" if self._take and not self.layout.casts else "write"
         # A message's buffer is this process's alone, so a CPU model can take its memory instead of a copy; the
         # memory it held before is freed with the buffer.
@@ -111,6 +116,17 @@ class RPCReceiver(ReceiverEngine):
         return Delivery(
             update.version, [(0, buffer)], update.digest, storage=take, whole=whole, refusal=refusal, token=update
         )
+
+    def _changes(self, update: Arrival, refusal: BaseException | None) -> Delivery:
+        """The delivery of changes against the version held (``update.buffer`` their body)."""
+        assert self.layout is not None and update.delta is not None
+        delta = None
+        try:
+            delta = Delta.from_plain(update.delta, chunks_of(self.layout))
+            delta.body = update.buffer.reshape(-1).view(torch.uint8)
+        except (ConfigurationError, RuntimeError) as exc:  # not a description, or a body of another dtype
+            refusal = refusal or ConfigurationError(f"changes refused: {exc}", **self.where)
+        return Delivery(update.version, [], refusal=refusal, token=update, delta=delta)
 
     def ack(self, taken: list[Delivery], held: int | None, error: BaseException | None = None) -> None:
         answer: dict[str, Any] = {"held": held}

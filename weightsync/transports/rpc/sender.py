@@ -50,6 +50,8 @@ class RPCSender(SenderEngine):
         master: the store's host and port, for a world the engine runs.
     """
 
+    takes_deltas = True
+
     def __init__(
         self,
         sink: Sink,
@@ -101,7 +103,9 @@ class RPCSender(SenderEngine):
     def rendezvous_complete(self) -> bool:
         return self.session is None or self.session.started
 
-    def stage(self, out: Outgoing, deadline: float) -> tuple[Staging, str | None]:
+    def stage(self, out: Outgoing, deadline: float) -> tuple[Staging, str | None] | None:
+        if not out.whole_to:  # every worker is sent its changes
+            return None
         if self.pool is None:
             cpu = torch.device("cpu")
             limit = self.settings.max_buffers
@@ -112,18 +116,38 @@ class RPCSender(SenderEngine):
         out.write(staging.tensor, staging.views)
         return staging, self.digest([staging.tensor])
 
-    def submit(self, out: Outgoing, staged: tuple[Staging, str | None]) -> None:
+    def submit(self, out: Outgoing, staged: tuple[Staging, str | None] | None) -> None:
+        if out.delta is not None:
+            described = out.delta.to_plain()
+            for w in out.delta_workers:  # (they acked a version: they hold the layout)
+                self._submit(w, out.version, out.delta.body, None, None, described)
+        if staged is None:
+            return
         staging, payload_digest = staged
-        for w in out.workers:
-            transport = self.transports[w]
+        for w in out.whole_to:
             layout = None if w in self._has_layout else self.layout.to_plain()  # until the worker has it
-            try:
-                future = transport.submit(out.version, staging.tensor, layout, self.sink.timeout, payload_digest)
-            except RuntimeError as exc:
-                self.sink.died(w, f"RPC peer {transport.worker_name} went away ({first_line(exc)})")
-                continue
-            future.add_done_callback(lambda _: self._answered.set())
-            staging.readers[w] = future
+            future = self._submit(w, out.version, staging.tensor, layout, payload_digest)
+            if future is not None:
+                staging.readers[w] = future
+
+    def _submit(
+        self,
+        w: int,
+        version: int,
+        buffer: torch.Tensor,
+        layout: dict | None,
+        payload_digest: str | None,
+        delta: dict | None = None,
+    ) -> Any:
+        """One RPC bringing ``version`` to worker ``w``; its future, or ``None`` if the worker is gone."""
+        transport = self.transports[w]
+        try:
+            future = transport.submit(version, buffer, layout, self.sink.timeout, payload_digest, delta)
+        except RuntimeError as exc:
+            self.sink.died(w, f"RPC peer {transport.worker_name} went away ({first_line(exc)})")
+            return None
+        future.add_done_callback(lambda _: self._answered.set())
+        return future
 
     def _settle(self, w: int, future: Any, seconds: float) -> bool:
         self._answered.wait(seconds)

@@ -43,11 +43,18 @@ class RPCTransport(PeerTransport):
         self.in_flight: dict[int, torch.futures.Future] = {}  # version -> the RPC's future
 
     def submit(
-        self, version: int, buffer: torch.Tensor, layout: dict | None, timeout: float, digest: str | None = None
+        self,
+        version: int,
+        buffer: torch.Tensor,
+        layout: dict | None,
+        timeout: float,
+        digest: str | None = None,
+        delta: dict | None = None,
     ) -> torch.futures.Future:
-        """Send ``version`` to the worker; the returned future completes with its answer (the ack)."""
+        """Send ``version`` to the worker (``delta``: ``buffer`` is the body of the changes it describes); the
+        returned future completes with its answer (the ack)."""
         future = rpc.rpc_async(
-            self.worker_name, deliver, args=(self.model_id, version, buffer, layout, digest), timeout=timeout
+            self.worker_name, deliver, args=(self.model_id, version, buffer, layout, digest, delta), timeout=timeout
         )
         self.in_flight[version] = future
         return future

@@ -338,14 +338,16 @@ class Sender:
         if self.deltas is None:
             self.deltas = DeltaBase(self.layout)
         base = self.deltas.version
-        delta = self.deltas.update(wire_sources(self.layout, out.flat), out.version, whole_if_larger=mode == "auto")
+        auto = mode == "auto"
+        most = int(AUTO_WHOLE_SHARE * self.layout.nbytes) if auto else None
+        delta = self.deltas.update(wire_sources(self.layout, out.flat), out.version, whole_if_larger=auto, most=most)
         checked = bool(getattr(self.options, "checksum", False))  # (the workers check the base, then the result)
         base_digest, self._base_digest = self._base_digest, digest([self.deltas.buffer]) if checked else None
         peers = self.ledger.peers
         workers = [w for w in out.workers if base is not None and peers[w].acked == base and peers[w].sent == base]
         if delta is None or out.initial or not workers:
             return
-        if mode == "auto" and delta.nbytes >= AUTO_WHOLE_SHARE * self.layout.nbytes:
+        if most is not None and delta.nbytes >= most:
             return
         delta.base_digest, delta.digest = base_digest, self._base_digest
         out.delta, out.delta_workers, out.published = delta, workers, self.deltas.buffer
@@ -497,7 +499,9 @@ class Sender:
         if self.engine is not None:
             self.engine.close(timeout)
         self.bound.forget()
-        self.deltas = None
+        if self.deltas is not None:
+            self.deltas.close()
+            self.deltas = None
 
 
 def _refused_base(error: WeightSyncError | None) -> bool:

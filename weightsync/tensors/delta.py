@@ -23,7 +23,9 @@ buffer; :func:`apply_delta` checks both against the chunks before it writes anyt
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +56,8 @@ CHUNK_BYTES = 4 << 20
 SEGMENT_ALIGN = 8
 #: Bytes a patch spends per changed word besides its value: its position.
 INDEX_BYTES = 4
+#: The most threads a comparison runs on (it reads memory: more cores than memory channels do not help).
+MAX_THREADS = 4
 #: Past one changed 8-byte word in this many, a piece is compared word by word rather than by gathering them.
 DIRECT_SHARE = 16
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -126,11 +130,13 @@ class Delta:
     body: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
     base_digest: str | None = None
     digest: str | None = None
+    #: Bytes of the body where it was not packed (too large to pay: sent whole); ``None``: ``body``'s own.
+    size: int | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes of the body."""
-        return int(self.body.numel())
+        return int(self.body.numel()) if self.size is None else self.size
 
     def to_plain(self) -> dict[str, Any]:
         """The description, JSON-able (the body travels on its own)."""
@@ -202,10 +208,12 @@ def body_size(delta: Delta, chunks: Sequence[Chunk]) -> int:
 class DeltaBase:
     """The trainer's copy of the newest version's bytes, against which the next version's delta is computed.
 
-    One buffer of the layout's size (host memory, padding zero) and a mask of one byte per 8 of a chunk: what
-    deltas cost the trainer in memory. :meth:`update` compares the next version with it, chunk by chunk in the
-    cache (a comparison of 8-byte words, then of the changed words' own words), and writes the changes into it:
-    no copy of the model is made, the base becomes the new version by the changes alone.
+    One buffer of the layout's size (host memory, padding zero), and per thread a mask of one byte per 8 of a
+    chunk: what deltas cost the trainer in memory. :meth:`update` compares the next version with it chunk by
+    chunk (a comparison of 8-byte words, then of the changed words' own words), on as many threads as torch's
+    (the comparison reads memory; one core does not read it as fast as two), and writes the changes into it: no
+    copy of the model is made, the base becomes the new version by the changes alone. :meth:`close` ends the
+    threads.
 
     Args:
         layout: the versions' layout.
@@ -218,19 +226,36 @@ class DeltaBase:
         self.buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
         #: The version the buffer holds (``None``: none yet).
         self.version: int | None = None
-        self._mask = np.empty(max(c.end - c.start for c in self.chunks) // 8 + 1, dtype=np.bool_)
+        self._mask_bytes = max(c.end - c.start for c in self.chunks) // 8 + 8
+        self._local = threading.local()
         self._views = layout.views(self.buffer)
+        self._pool: ThreadPoolExecutor | None = None
 
     def forget(self) -> None:
         """The buffer holds no version any more (the next :meth:`update` fills it whole)."""
         self.version = None
 
-    def update(self, sources: dict[str, torch.Tensor], version: int, *, whole_if_larger: bool = True) -> Delta | None:
+    def close(self) -> None:
+        """End the threads (a later :meth:`update` starts them again)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def update(
+        self,
+        sources: dict[str, torch.Tensor],
+        version: int,
+        *,
+        whole_if_larger: bool = True,
+        most: int | None = None,
+    ) -> Delta | None:
         """Make the buffer hold ``version``, whose tensors are ``sources`` (by key, the layout's wire dtypes,
         contiguous, on the CPU: :meth:`wire_sources`), and return the delta from the version it held (``None``
         if it held none: the buffer was filled whole).
 
-        ``whole_if_larger``: a chunk whose patch would be larger than its bytes goes whole (``auto``).
+        ``whole_if_larger``: a chunk whose patch would be larger than its bytes goes whole (``auto``). ``most``:
+        a body of at least this many bytes is not packed (the delta says its size and has no body: the version
+        goes whole).
         """
         base = self.version
         self.version = None  # until every chunk holds the new bytes
@@ -240,35 +265,46 @@ class DeltaBase:
             self.version = version
             return None
         buffer = self.buffer.numpy()
-        kinds: list[int] = []
-        counts: list[int] = []
-        parts: list[tuple[Chunk, np.ndarray | None, np.ndarray]] = []  # chunk, positions (None: whole), values
         pieces = self._pieces(sources)
         offsets = [offset for offset, _ in pieces]
-        for chunk in self.chunks:
-            words = buffer[chunk.start : chunk.end].view(_np_word(chunk))
-            found = self._changes(chunk, pieces, offsets, buffer, whole_if_larger)
-            if found is None:  # more changed than a patch would pay for: the whole chunk
-                for offset, data in pieces[max(bisect.bisect_right(offsets, chunk.start) - 1, 0) :]:
-                    start, end = max(offset, chunk.start), min(offset + data.size, chunk.end)
-                    if offset >= chunk.end:
-                        break
-                    if start < end:
-                        buffer[start:end] = data[start - offset : end - offset]
-                kinds.append(WHOLE)
-                counts.append(chunk.words)
-                parts.append((chunk, None, buffer[chunk.start : chunk.end]))
-                continue
-            at, values = found
-            count = int(at.size)
-            kinds.append(PATCH if count else SAME)
-            counts.append(count)
-            if count:
-                words[at] = values
-                parts.append((chunk, at, values))
-        body = _pack(parts)
+
+        def one(chunk: Chunk) -> tuple[int, int, tuple[Chunk, np.ndarray | None, np.ndarray] | None]:
+            return self._chunk(chunk, pieces, offsets, buffer, whole_if_larger)
+
+        threads = min(torch.get_num_threads(), len(self.chunks), MAX_THREADS)
+        if threads > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(threads, thread_name_prefix="weightsync-delta")
+            done = list(self._pool.map(one, self.chunks))
+        else:
+            done = [one(chunk) for chunk in self.chunks]
+        parts = [part for _, _, part in done if part is not None]
+        size = sum(_part_bytes(chunk, at) for chunk, at, _ in parts)
+        body = _pack(parts) if most is None or size < most else torch.empty(0, dtype=torch.uint8)
         self.version = version
-        return Delta(base, version, kinds, counts, body)
+        return Delta(base, version, [kind for kind, _, _ in done], [count for _, count, _ in done], body, size=size)
+
+    def _chunk(
+        self,
+        chunk: Chunk,
+        pieces: list[tuple[int, np.ndarray]],
+        offsets: list[int],
+        buffer: np.ndarray,
+        whole_if_larger: bool,
+    ) -> tuple[int, int, tuple[Chunk, np.ndarray | None, np.ndarray] | None]:
+        """Compare ``chunk`` and bring the buffer's bytes there up to date; its kind, count and part of the body
+        (``None``: nothing to send)."""
+        found = self._changes(chunk, pieces, offsets, buffer, whole_if_larger)
+        if found is None:  # more changed than a patch would pay for: the whole chunk
+            for offset, data in self._within(chunk, pieces, offsets):
+                start, end = max(offset, chunk.start), min(offset + data.size, chunk.end)
+                buffer[start:end] = data[start - offset : end - offset]
+            return WHOLE, chunk.words, (chunk, None, buffer[chunk.start : chunk.end])
+        at, values = found
+        if not at.size:
+            return SAME, 0, None
+        buffer[chunk.start : chunk.end].view(_np_word(chunk))[at] = values
+        return PATCH, int(at.size), (chunk, at, values)
 
     def _pieces(self, sources: dict[str, torch.Tensor]) -> list[tuple[int, np.ndarray]]:
         """Each tensor's bytes, with their offset in the layout, in layout order."""
@@ -277,6 +313,17 @@ class DeltaBase:
             for slot in self.layout.slots
             if slot.nbytes
         ]
+
+    @staticmethod
+    def _within(chunk: Chunk, pieces: list[tuple[int, np.ndarray]], offsets: list[int]) -> list[tuple[int, np.ndarray]]:
+        """The pieces with bytes inside ``chunk``."""
+        out = []
+        for offset, data in pieces[max(bisect.bisect_right(offsets, chunk.start) - 1, 0) :]:
+            if offset >= chunk.end:
+                break
+            if offset + data.size > chunk.start:
+                out.append((offset, data))
+        return out
 
     def _changes(
         self,
@@ -287,29 +334,29 @@ class DeltaBase:
         whole_if_larger: bool,
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """The positions (in ``chunk.word`` words from its start) and new values of the words that changed in
-        ``chunk``; ``None`` (under ``whole_if_larger``) once so many 8-byte words changed that a patch of them
-        would be larger than the chunk."""
+        ``chunk``; ``None`` (under ``whole_if_larger``) once so many changed that a patch of them would be larger
+        than the chunk."""
         word = _np_word(chunk)
         size = chunk.itemsize
         found_at: list[np.ndarray] = []
         found_values: list[np.ndarray] = []
         limit = (chunk.end - chunk.start) if whole_if_larger else None
-        lo = bisect.bisect_right(offsets, chunk.start) - 1
-        for offset, data in pieces[max(lo, 0) :]:
-            if offset >= chunk.end:
-                break
+        mask = getattr(self._local, "mask", None)
+        if mask is None:
+            mask = self._local.mask = np.empty(self._mask_bytes, dtype=np.bool_)
+        for offset, data in self._within(chunk, pieces, offsets):
             start, end = max(offset, chunk.start), min(offset + data.size, chunk.end)
-            if start >= end:
-                continue
             new, old = data[start - offset : end - offset], buffer[start:end]
             first = (start - chunk.start) // size
             wide = (end - start) // 8 * 8  # compared as 8-byte words, then the changed ones word by word
-            mask = np.not_equal(new[:wide].view(np.int64), old[:wide].view(np.int64), out=self._mask[: wide // 8])
-            hit = np.flatnonzero(mask)
+            hit = _changed_words(new[:wide].view(np.int64), old[:wide].view(np.int64), mask)
             if size < 8 and hit.size * DIRECT_SHARE > wide // 8:
                 # Many changed: word by word over the piece costs less than gathering the changed 8-byte words.
                 news, olds = new[: (end - start) // size * size].view(word), old[: (end - start) // size * size]
-                sub = np.flatnonzero(news != olds.view(word))
+                differ = news != olds.view(word)
+                if limit is not None and _patch_bytes(int(np.count_nonzero(differ)), size) >= limit:
+                    return None  # counted, not gathered: the chunk goes whole
+                sub = np.flatnonzero(differ)
                 found_at.append(first + sub)
                 found_values.append(news[sub])
             else:
@@ -329,7 +376,24 @@ class DeltaBase:
                 return None
         if not found_at:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=word)
+        if len(found_at) == 1:
+            return found_at[0], found_values[0]
         return np.concatenate(found_at), np.concatenate(found_values)
+
+
+def _changed_words(new: np.ndarray, old: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """The positions where the int64 arrays ``new`` and ``old`` differ (``mask``: scratch of at least their size
+    plus 8). The comparison's mask is searched 8 bytes at a time, then only the groups of 8 that hold a change:
+    sparse changes cost a fraction of one ``flatnonzero`` over the whole mask."""
+    n = new.size
+    np.not_equal(new, old, out=mask[:n])
+    groups = -(-n // 8)
+    mask[n : groups * 8] = False
+    marked = np.flatnonzero(mask[: groups * 8].view(np.uint64))
+    if marked.size * 4 > groups:  # dense: the plain search is as cheap
+        return np.flatnonzero(mask[:n])
+    lanes = np.flatnonzero(mask[: groups * 8].reshape(groups, 8)[marked])
+    return marked[lanes // 8] * 8 + lanes % 8
 
 
 def wire_sources(layout: FlatLayout, flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -348,11 +412,13 @@ def _np_word(chunk: Chunk) -> Any:
     return np.dtype(str(chunk.word).removeprefix("torch."))
 
 
+def _part_bytes(chunk: Chunk, at: np.ndarray | None) -> int:
+    return chunk.end - chunk.start if at is None else _patch_bytes(int(at.size), chunk.itemsize)
+
+
 def _pack(parts: list[tuple[Chunk, np.ndarray | None, np.ndarray]]) -> torch.Tensor:
     """The body: per chunk sent, its positions (int32) then its values, or its whole bytes, each padded to 8."""
-    sizes = [
-        chunk.end - chunk.start if at is None else _patch_bytes(int(at.size), chunk.itemsize) for chunk, at, _ in parts
-    ]
+    sizes = [_part_bytes(chunk, at) for chunk, at, _ in parts]
     out = np.zeros(sum(sizes), dtype=np.uint8)
     offset = 0
     for (chunk, at, values), size in zip(parts, sizes):
@@ -376,10 +442,10 @@ def apply_delta(target: torch.Tensor, chunks: Sequence[Chunk], delta: Delta) -> 
         ConfigurationError: the body does not fit the delta, or a position is out of place; ``target`` unchanged.
     """
     size = body_size(delta, chunks)
-    body = delta.body
-    if body.dtype != torch.uint8 or body.numel() != size:
-        raise ConfigurationError(f"a delta body of {body.numel()} bytes where its description says {size}")
-    writes: list[tuple[Chunk, torch.Tensor | None, torch.Tensor]] = []  # chunk, positions (None: whole), values
+    if delta.body.dtype != torch.uint8 or delta.body.numel() != size:
+        raise ConfigurationError(f"a delta body of {delta.body.numel()} bytes where its description says {size}")
+    body = delta.body.reshape(-1).numpy()
+    writes: list[tuple[Chunk, np.ndarray | None, np.ndarray]] = []  # chunk, positions (None: whole), values
     offset = 0
     for chunk, kind, count in zip(chunks, delta.kinds, delta.counts):
         if kind == SAME:
@@ -388,17 +454,18 @@ def apply_delta(target: torch.Tensor, chunks: Sequence[Chunk], delta: Delta) -> 
             writes.append((chunk, None, body[offset : offset + chunk.end - chunk.start]))
             offset += chunk.end - chunk.start
             continue
-        at = body[offset : offset + count * INDEX_BYTES].view(torch.int32)
+        at = body[offset : offset + count * INDEX_BYTES].view(np.int32)
         offset += _padded(count * INDEX_BYTES)
-        values = body[offset : offset + count * chunk.itemsize].view(chunk.word)
+        values = body[offset : offset + count * chunk.itemsize].view(_np_word(chunk))
         offset += _padded(count * chunk.itemsize)
-        if int(at[0]) < 0 or int(at[-1]) >= chunk.words or (count > 1 and not bool((at[1:] > at[:-1]).all())):
+        if at[0] < 0 or at[-1] >= chunk.words or (count > 1 and not bool((at[1:] > at[:-1]).all())):
             raise ConfigurationError(
                 f"a delta patch for bytes {chunk.start}..{chunk.end} holds positions out of place; nothing applied"
             )
         writes.append((chunk, at, values))
+    out = target.numpy()
     for chunk, positions, values in writes:
         if positions is None:
-            target[chunk.start : chunk.end].copy_(values)
+            out[chunk.start : chunk.end] = values
         else:
-            target[chunk.start : chunk.end].view(chunk.word).index_copy_(0, positions.long(), values)
+            out[chunk.start : chunk.end].view(values.dtype)[positions] = values

@@ -106,3 +106,22 @@ def test_a_tiny_llama_trains_and_the_figures_hold_up(tmp_path):
     assert text.index("<!-- workload:begin -->") < text.index("## How much changes per step")
     assert text.index("## How much changes per step") < text.index("<!-- workload:end -->")
     assert "| (c) fp32 master, bf16 wire | 0.01 | 0.01 |" in text
+    # --from-json writes the same section from the recorded run, without training.
+    again = tmp_path / "again.md"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_delta_workload.py",
+            "--from-json",
+            str(out_json),
+            "--write",
+            "--doc",
+            str(again),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert again.read_text() == text

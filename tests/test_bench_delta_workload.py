@@ -24,6 +24,13 @@ def _bench():
     return module
 
 
+def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "benchmarks/bench_delta_workload.py", *args]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
 def test_changes_chunks_and_runs_are_counted_exactly():
     bench = _bench()
     # bfloat16 bits: 64 KiB chunks of 32768 values; one tensor of 2.5 chunks, one of 10 values, all unchanged.
@@ -65,14 +72,7 @@ def test_a_tiny_llama_trains_and_the_figures_hold_up(tmp_path):
     # [[lr, ...]] per run: steps 1 (warm-up), 2 and 3 (measured).
     args = ["--layers", "2", "--hidden", "64", "--vocab", "512", "--batch", "2", "--seq", "32", "--warmup", "1"]
     args += ["--steps", "2", "--lrs", "0", "1e-2", "--json", str(out_json), "--write", "--doc", str(doc)]
-    out = subprocess.run(
-        [sys.executable, "benchmarks/bench_delta_workload.py", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    _run(*args, timeout=110)
     result = json.loads(out_json.read_text())
     assert result["model"]["num_parameters"] == sum(
         (512 * 64 * 2, 2 * (4 * 64 * 64 + 3 * 64 * 192 + 2 * 64), 64)
@@ -108,20 +108,5 @@ def test_a_tiny_llama_trains_and_the_figures_hold_up(tmp_path):
     assert "| (c) fp32 master, bf16 wire | 0.01 | 0.01 |" in text
     # --from-json writes the same section from the recorded run, without training.
     again = tmp_path / "again.md"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/bench_delta_workload.py",
-            "--from-json",
-            str(out_json),
-            "--write",
-            "--doc",
-            str(again),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    _run("--from-json", str(out_json), "--write", "--doc", str(again), timeout=60)
     assert again.read_text() == text

@@ -10,6 +10,8 @@ Each chunk travels as one of:
 
 - ``SAME``: nothing changed, nothing sent;
 - ``PATCH``: the changed words' positions in the chunk (``int32``) and their new values;
+- ``BITMAP``: one bit per word of the chunk (set: changed) and the changed words' new values, which is smaller
+  than positions once more than one word in 32 changed;
 - ``WHOLE``: the chunk's bytes (a patch would be larger).
 
 :class:`DeltaBase` is the trainer's side: its copy of the newest version, which
@@ -36,6 +38,7 @@ from ..errors import ConfigurationError
 from .layout import FlatLayout
 
 __all__ = [
+    "BITMAP",
     "PATCH",
     "SAME",
     "WHOLE",
@@ -49,7 +52,7 @@ __all__ = [
     "word_dtype",
 ]
 
-SAME, PATCH, WHOLE = 0, 1, 2
+SAME, PATCH, WHOLE, BITMAP = 0, 1, 2, 3
 #: The largest chunk, in bytes: the unit ``auto`` chooses between a patch and the whole bytes for.
 CHUNK_BYTES = 4 << 20
 #: Every segment of a delta's body starts at a multiple of this (a typed view of it needs its alignment).
@@ -115,7 +118,7 @@ class Delta:
     Attributes:
         base: the version it applies to.
         version: the version it makes.
-        kinds: per chunk, ``SAME``, ``PATCH`` or ``WHOLE``.
+        kinds: per chunk, ``SAME``, ``PATCH``, ``BITMAP`` or ``WHOLE``.
         counts: per chunk, the changed words (a patch's length; a whole chunk's words).
         body: the bytes, chunk by chunk: a patch's positions (int32) then its values, or a whole chunk's bytes,
             each part padded to 8 bytes (uint8, CPU; empty until a received body is in).
@@ -178,6 +181,17 @@ def _padded(n: int) -> int:
     return -(-n // SEGMENT_ALIGN) * SEGMENT_ALIGN
 
 
+def _bitmap_bytes(count: int, chunk: Chunk) -> int:
+    """Bytes of one chunk's bitmap: a bit per word, then the changed words' values, each padded to 8 bytes."""
+    return _padded(-(-chunk.words // 8)) + _padded(count * chunk.itemsize)
+
+
+def _changes_bytes(count: int, chunk: Chunk) -> tuple[int, int]:
+    """The smaller encoding of ``count`` changed words of ``chunk`` (``PATCH`` or ``BITMAP``), and its bytes."""
+    patch, bitmap = _patch_bytes(count, chunk.itemsize), _bitmap_bytes(count, chunk)
+    return (PATCH, patch) if patch <= bitmap else (BITMAP, bitmap)
+
+
 def _patch_bytes(count: int, itemsize: int) -> int:
     """Bytes of one chunk's patch: its positions, then its values, each padded to 8 bytes."""
     return _padded(count * INDEX_BYTES) + _padded(count * itemsize)
@@ -195,6 +209,8 @@ def body_size(delta: Delta, chunks: Sequence[Chunk]) -> int:
     for chunk, kind, count in zip(chunks, delta.kinds, delta.counts):
         if kind == PATCH and 0 < count <= chunk.words:
             total += _patch_bytes(count, chunk.itemsize)
+        elif kind == BITMAP and 0 < count <= chunk.words:
+            total += _bitmap_bytes(count, chunk)
         elif kind == WHOLE and count == chunk.words:
             total += chunk.end - chunk.start
         elif kind != SAME or count != 0:
@@ -268,7 +284,7 @@ class DeltaBase:
         pieces = self._pieces(sources)
         offsets = [offset for offset, _ in pieces]
 
-        def one(chunk: Chunk) -> tuple[int, int, tuple[Chunk, np.ndarray | None, np.ndarray] | None]:
+        def one(chunk: Chunk) -> tuple[int, int, _Part | None]:
             return self._chunk(chunk, pieces, offsets, buffer, whole_if_larger)
 
         threads = min(torch.get_num_threads(), len(self.chunks), MAX_THREADS)
@@ -279,7 +295,7 @@ class DeltaBase:
         else:
             done = [one(chunk) for chunk in self.chunks]
         parts = [part for _, _, part in done if part is not None]
-        size = sum(_part_bytes(chunk, at) for chunk, at, _ in parts)
+        size = sum(_part_bytes(part) for part in parts)
         body = _pack(parts) if most is None or size < most else torch.empty(0, dtype=torch.uint8)
         self.version = version
         return Delta(base, version, [kind for kind, _, _ in done], [count for _, count, _ in done], body, size=size)
@@ -291,20 +307,21 @@ class DeltaBase:
         offsets: list[int],
         buffer: np.ndarray,
         whole_if_larger: bool,
-    ) -> tuple[int, int, tuple[Chunk, np.ndarray | None, np.ndarray] | None]:
+    ) -> tuple[int, int, _Part | None]:
         """Compare ``chunk`` and bring the buffer's bytes there up to date; its kind, count and part of the body
         (``None``: nothing to send)."""
         found = self._changes(chunk, pieces, offsets, buffer, whole_if_larger)
-        if found is None:  # more changed than a patch would pay for: the whole chunk
+        if found is None:  # more changed than changes would pay for: the whole chunk
             for offset, data in self._within(chunk, pieces, offsets):
                 start, end = max(offset, chunk.start), min(offset + data.size, chunk.end)
                 buffer[start:end] = data[start - offset : end - offset]
-            return WHOLE, chunk.words, (chunk, None, buffer[chunk.start : chunk.end])
+            return WHOLE, chunk.words, (chunk, WHOLE, None, buffer[chunk.start : chunk.end])
         at, values = found
         if not at.size:
             return SAME, 0, None
         buffer[chunk.start : chunk.end].view(_np_word(chunk))[at] = values
-        return PATCH, int(at.size), (chunk, at, values)
+        kind, _ = _changes_bytes(int(at.size), chunk)
+        return kind, int(at.size), (chunk, kind, at, values)
 
     def _pieces(self, sources: dict[str, torch.Tensor]) -> list[tuple[int, np.ndarray]]:
         """Each tensor's bytes, with their offset in the layout, in layout order."""
@@ -354,7 +371,7 @@ class DeltaBase:
                 # Many changed: word by word over the piece costs less than gathering the changed 8-byte words.
                 news, olds = new[: (end - start) // size * size].view(word), old[: (end - start) // size * size]
                 differ = news != olds.view(word)
-                if limit is not None and _patch_bytes(int(np.count_nonzero(differ)), size) >= limit:
+                if limit is not None and _changes_bytes(int(np.count_nonzero(differ)), chunk)[1] >= limit:
                     return None  # counted, not gathered: the chunk goes whole
                 sub = np.flatnonzero(differ)
                 found_at.append(first + sub)
@@ -372,7 +389,7 @@ class DeltaBase:
                     sub = np.flatnonzero(tail_new != tail_old)
                     found_at.append(first + wide // size + sub)
                     found_values.append(tail_new[sub])
-            if limit is not None and _patch_bytes(sum(int(a.size) for a in found_at), size) >= limit:
+            if limit is not None and _changes_bytes(sum(int(a.size) for a in found_at), chunk)[1] >= limit:
                 return None
         if not found_at:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=word)
@@ -412,23 +429,37 @@ def _np_word(chunk: Chunk) -> Any:
     return np.dtype(str(chunk.word).removeprefix("torch."))
 
 
-def _part_bytes(chunk: Chunk, at: np.ndarray | None) -> int:
-    return chunk.end - chunk.start if at is None else _patch_bytes(int(at.size), chunk.itemsize)
+#: One chunk's part of a body: the chunk, its kind, the changed words' positions (``None``: whole), the values.
+_Part = tuple[Chunk, int, "np.ndarray | None", np.ndarray]
 
 
-def _pack(parts: list[tuple[Chunk, np.ndarray | None, np.ndarray]]) -> torch.Tensor:
-    """The body: per chunk sent, its positions (int32) then its values, or its whole bytes, each padded to 8."""
-    sizes = [_part_bytes(chunk, at) for chunk, at, _ in parts]
+def _part_bytes(part: _Part) -> int:
+    chunk, kind, at, _ = part
+    if at is None:
+        return chunk.end - chunk.start
+    return _bitmap_bytes(int(at.size), chunk) if kind == BITMAP else _patch_bytes(int(at.size), chunk.itemsize)
+
+
+def _pack(parts: list[_Part]) -> torch.Tensor:
+    """The body: per chunk sent, its positions (int32) or its bitmap, then its values; or its whole bytes; each
+    part padded to 8 bytes."""
+    sizes = [_part_bytes(part) for part in parts]
     out = np.zeros(sum(sizes), dtype=np.uint8)
     offset = 0
-    for (chunk, at, values), size in zip(parts, sizes):
+    for (chunk, kind, at, values), size in zip(parts, sizes):
         if at is None:
             out[offset : offset + size] = values
         else:
-            n = int(at.size)
-            out[offset : offset + n * INDEX_BYTES].view(np.int32)[:] = at
-            start = offset + _padded(n * INDEX_BYTES)
-            out[start : start + n * chunk.itemsize].view(values.dtype)[:] = values
+            if kind == BITMAP:
+                bits = np.zeros(chunk.words, dtype=np.bool_)
+                bits[at] = True
+                packed = np.packbits(bits, bitorder="little")
+                out[offset : offset + packed.size] = packed
+                start = offset + _padded(packed.size)
+            else:
+                out[offset : offset + at.size * INDEX_BYTES].view(np.int32)[:] = at
+                start = offset + _padded(int(at.size) * INDEX_BYTES)
+            out[start : start + at.size * chunk.itemsize].view(values.dtype)[:] = values
         offset += size
     return torch.from_numpy(out)
 
@@ -454,14 +485,25 @@ def apply_delta(target: torch.Tensor, chunks: Sequence[Chunk], delta: Delta) -> 
             writes.append((chunk, None, body[offset : offset + chunk.end - chunk.start]))
             offset += chunk.end - chunk.start
             continue
-        at = body[offset : offset + count * INDEX_BYTES].view(np.int32)
-        offset += _padded(count * INDEX_BYTES)
+        if kind == BITMAP:
+            nbits = -(-chunk.words // 8)
+            changed = np.unpackbits(body[offset : offset + nbits], count=chunk.words, bitorder="little").view(np.bool_)
+            offset += _padded(nbits)
+            if int(np.count_nonzero(changed)) != count:
+                raise ConfigurationError(
+                    f"a delta bitmap for bytes {chunk.start}..{chunk.end} marks other than its {count} words; "
+                    "nothing applied"
+                )
+            at = np.flatnonzero(changed)
+        else:
+            at = body[offset : offset + count * INDEX_BYTES].view(np.int32)
+            offset += _padded(count * INDEX_BYTES)
+            if at[0] < 0 or at[-1] >= chunk.words or (count > 1 and not bool((at[1:] > at[:-1]).all())):
+                raise ConfigurationError(
+                    f"a delta patch for bytes {chunk.start}..{chunk.end} holds positions out of place; nothing applied"
+                )
         values = body[offset : offset + count * chunk.itemsize].view(_np_word(chunk))
         offset += _padded(count * chunk.itemsize)
-        if at[0] < 0 or at[-1] >= chunk.words or (count > 1 and not bool((at[1:] > at[:-1]).all())):
-            raise ConfigurationError(
-                f"a delta patch for bytes {chunk.start}..{chunk.end} holds positions out of place; nothing applied"
-            )
         writes.append((chunk, at, values))
     out = target.numpy()
     for chunk, positions, values in writes:

@@ -322,8 +322,11 @@ class Sender:
                 log.info("model %r: workers %s refused the changes of version %s; sent whole", self.model_id,
                          refused, version)  # fmt: skip
                 again = Outgoing(version, flat, whole, ledger.live(refused))
-                self.engine.submit(again, self.engine.stage(again, deadline))
-                failures.update({w: ledger.dead[w] for w in refused if w in ledger.dead})
+                try:
+                    self.engine.submit(again, self.engine.stage(again, deadline))
+                except WeightSyncError as exc:  # no free buffer in time: those workers keep the version they hold
+                    failures.update({w: exc for w in refused})
+                failures.update({w: ledger.dead[w] for w in refused if w in ledger.dead and w not in failures})
                 failures.update(self.collect({w: version for w in refused if w not in failures}, deadline))
         failures.update(ledger.take_errors([w for w in targets if w not in failures]))
         raise_failures(failures, model_id=self.model_id, version=version)

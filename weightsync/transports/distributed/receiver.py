@@ -423,7 +423,10 @@ class DistributedReceiver(ReceiverEngine):
 
     def ack(self, taken: list[Delivery], held: int | None, error: BaseException | None = None) -> None:
         assert self.transport is not None
-        self.transport.send_ack(taken[-1].version, error=error, held=held, seqs=tuple(taken[-1].token))
+        try:
+            self.transport.send_ack(taken[-1].version, error=error, held=held, seqs=tuple(taken[-1].token))
+        finally:
+            self.transport.sweep()
 
     def taken(self, delivery: Delivery, left: Any, swapped: bool) -> None:
         if not swapped:  # the model is bound to this buffer now: the next message lands in the other one

@@ -130,6 +130,7 @@ class DistributedTransport(PeerTransport):
         self.pending: deque[_Pending] = deque()
         self._waiter: Waiter | None = None
         self.bell = bell
+        self._spent: list[str] = []  # on a worker: keys read and not deleted yet (:meth:`sweep`)
 
     def _group(self) -> tuple[Any, dist.Store]:
         if self.link.pg is None or self.link.store is None:
@@ -336,9 +337,9 @@ class DistributedTransport(PeerTransport):
                 else:  # no bell, or it stopped listening: periodic looks
                     time.sleep(pause)
             raw = store.get(key)
-            store.delete_key(key)
         except dist.DistError as exc:
             raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
+        self._spent.append(key)
         msg = _announcement(self.sealer.open(raw, key, **self._where()), key, **self._where())
         self.seq += 1
         return msg
@@ -402,12 +403,23 @@ class DistributedTransport(PeerTransport):
         try:
             store.wait([key], as_timedelta(timeout))
             raw = store.get(key)
-            store.delete_key(key)
         except dist.DistError as exc:
             raise ConnectionClosedError(
                 f"no digest from the sender ({first_line(exc)}); nothing was applied", **self._where(version)
             ) from None
+        self._spent.append(key)
         return self.sealer.open(raw, key, version, **self._where(version)).decode("ascii", "replace")
+
+    def sweep(self) -> None:
+        """Delete the store keys of the messages read since the last sweep (announcements, digests): after the ack,
+        so that a store round trip each costs the update nothing; a store that went away is left to the next
+        read of it to report."""
+        spent, self._spent = self._spent, []
+        try:
+            for key in spent:
+                self.store.delete_key(key)
+        except dist.DistError as exc:
+            log.debug("could not delete %d spent store keys: %s", len(spent), first_line(exc))
 
     def initial_message(self, timeout: float) -> dict[str, Any]:
         """What the initial weights are: ``{"version", "nonce", "mac"}``, sealed by the sender before it sent them.

@@ -31,6 +31,7 @@ import argparse
 import importlib
 import multiprocessing as mp
 import platform
+import random
 import statistics
 import sys
 import time
@@ -45,6 +46,12 @@ from bench_local import make_model, passive_openmp, processes  # noqa: E402
 import weightsync as ws  # noqa: E402
 
 ENGINES = ["distributed", "rpc", "ray", "ray_module_transform"]
+#: Seconds a distributed worker waits in ``receive()`` before each timed send, and in the raw broadcast before
+#: each timed raw round (untimed, drawn per round from this range, the same draws for both), as between a
+#: trainer's steps: a worker that learns of a new version late (polling on a back-off) shows it in the send's
+#: time, at a phase of its polling that a fixed pause would pin. The rpc and Ray workers wait all along (an rpc
+#: worker's loop; a Ray update is a call to the actor).
+WORKER_IDLE_S = (0.02, 0.06)
 
 
 # ---------------------------------------------------------------- distributed
@@ -102,10 +109,13 @@ def bench_distributed(
     pg = new_group("gloo", dist.PrefixStore("raw", store), 0, workers + 1, 120, "127.0.0.1")
     buf = torch.randn(sum(p.numel() for p in model.parameters()))
     replies = [torch.zeros(1) for _ in range(workers)]
+    idle = random.Random(0)
     raw, sends = [], []
     for r in range(rounds + 1):
+        pause = idle.uniform(*WORKER_IDLE_S)
         for parent, _ in pipes:
             parent.send("raw+reply" if reply else "raw")
+        time.sleep(pause)  # the workers wait in the broadcast as long as they wait in receive() below
         start = time.perf_counter()
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
@@ -117,6 +127,7 @@ def bench_distributed(
         _perturb(model, r)
         for parent, _ in pipes:
             parent.send("send")
+        time.sleep(pause)
         start = time.perf_counter()
         scheme.send()
         sends.append(time.perf_counter() - start)
@@ -147,9 +158,12 @@ def bench_distributed_pair(
         schemes.append(scheme)
         pipes.append([parent for parent, _ in ends])
 
+    idle = random.Random(0)
+
     def tell(i: int) -> None:
         for parent in pipes[i]:
             parent.send("send")
+        time.sleep(idle.uniform(*WORKER_IDLE_S))
 
     sends = _alternate(models, schemes, rounds, tell)
     for parent in pipes[0] + pipes[1]:

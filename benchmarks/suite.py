@@ -207,10 +207,12 @@ def case_small_engines(args: argparse.Namespace) -> list[Row]:
     for engine, what in SMALL_ENGINES.items():
         if engine.split("_")[0] not in args.schemes:  # ray_module_transform goes with ray
             continue
-        r = isolated(small_engine_run, engine, max(args.rounds, 200))  # a few ms each: many rounds are cheap
+        rounds = max(args.rounds, 200)  # a few ms each: many rounds are cheap
+        r = isolated(small_engine_run, engine, rounds)
         send, floor = med(r["sends"]), med(r["floor"])
         workers = "1 actor" if engine == "ray_module_transform" else "2 workers"
-        rows.append(Row(f"{engine}, 1 MB, {workers}", f"{send:.2f} ms", f"{floor:.2f} ms ({what})", send / floor, 2.0))
+        case = f"{engine}, 1 MB, {workers}, {rounds} rounds"
+        rows.append(Row(case, f"{send:.2f} ms", f"{floor:.2f} ms ({what})", send / floor, 2.0))
     return rows
 
 

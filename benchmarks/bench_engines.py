@@ -11,6 +11,12 @@ Per round, interleaved so that machine load hits both alike:
   returns at once), then one ``send()`` of RPCWeightSyncScheme.
 - ``ray``: one ``ray.put`` of a tensor of the model's bytes fetched by each actor and copied into
   its model, then one ``send()`` of RayWeightSyncScheme to the same actors.
+- ``ray_module_transform``: the same against RayModuleTransformScheme, whose module lives in ONE actor
+  (``--workers`` does not apply).
+
+``--round-trip``: the raw ``distributed`` engine also gets a reply from each worker (one small gloo send
+back to the trainer), as a send gets its acks: the floor of a small model's sync, where the round trip is
+most of it. The rpc and Ray floors are round trips already (the call returns).
 
 ``bench_<engine>_pair`` alternates the sends of two models instead (2000 tensors against 1), each
 scheme with workers of its own (rpc: the same workers, holding both models).
@@ -22,8 +28,10 @@ fresh process (torch.distributed.rpc starts once per process).
 from __future__ import annotations
 
 import argparse
+import importlib
 import multiprocessing as mp
 import platform
+import random
 import statistics
 import sys
 import time
@@ -37,7 +45,13 @@ from bench_local import make_model, passive_openmp, processes  # noqa: E402
 
 import weightsync as ws  # noqa: E402
 
-ENGINES = ["distributed", "rpc", "ray"]
+ENGINES = ["distributed", "rpc", "ray", "ray_module_transform"]
+#: Seconds a distributed worker waits in ``receive()`` before each timed send, and in the raw broadcast before
+#: each timed raw round (untimed, drawn per round from this range, the same draws for both), as between a
+#: trainer's steps: a worker that learns of a new version late (polling on a back-off) shows it in the send's
+#: time, at a phase of its polling that a fixed pause would pin. The rpc and Ray workers wait all along (an rpc
+#: worker's loop; a Ray update is a call to the actor).
+WORKER_IDLE_S = (0.02, 0.06)
 
 
 # ---------------------------------------------------------------- distributed
@@ -57,10 +71,12 @@ def _dist_worker(scheme, idx, mb, port, cmd, tensors=0) -> None:
         buf = torch.empty(sum(p.numel() for p in model.parameters()))
     while True:
         op = cmd.recv()
-        if op == "raw":
+        if op in ("raw", "raw+reply"):
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             pg.broadcast([buf], opts).wait()
+            if op == "raw+reply":
+                pg.send([torch.ones(1)], 0, 0).wait()
         elif op == "send":
             version = scheme.version
             while scheme.version == version:
@@ -71,9 +87,10 @@ def _dist_worker(scheme, idx, mb, port, cmd, tensors=0) -> None:
 
 
 def bench_distributed(
-    mb: float, workers: int, rounds: int, tensors: int = 0, **scheme_kw: Any
+    mb: float, workers: int, rounds: int, tensors: int = 0, reply: bool = False, **scheme_kw: Any
 ) -> tuple[list[float], list[float]]:
-    """``scheme_kw``: more arguments of the scheme (``wire_dtype``, ``bucket_mb``)."""
+    """``reply``: the raw engine's round trip (the broadcast, then a small send back from each worker);
+    ``scheme_kw``: more arguments of the scheme (``wire_dtype``, ``bucket_mb``)."""
     import torch.distributed as dist
 
     from weightsync.transports.distributed import new_group
@@ -91,18 +108,26 @@ def bench_distributed(
     scheme.connect()
     pg = new_group("gloo", dist.PrefixStore("raw", store), 0, workers + 1, 120, "127.0.0.1")
     buf = torch.randn(sum(p.numel() for p in model.parameters()))
+    replies = [torch.zeros(1) for _ in range(workers)]
+    idle = random.Random(0)
     raw, sends = [], []
     for r in range(rounds + 1):
+        pause = idle.uniform(*WORKER_IDLE_S)
         for parent, _ in pipes:
-            parent.send("raw")
+            parent.send("raw+reply" if reply else "raw")
+        time.sleep(pause)  # the workers wait in the broadcast as long as they wait in receive() below
         start = time.perf_counter()
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         pg.broadcast([buf], opts).wait()
+        if reply:
+            for work in [pg.recv([replies[i]], i + 1, 0) for i in range(workers)]:
+                work.wait()
         raw.append(time.perf_counter() - start)
         _perturb(model, r)
         for parent, _ in pipes:
             parent.send("send")
+        time.sleep(pause)
         start = time.perf_counter()
         scheme.send()
         sends.append(time.perf_counter() - start)
@@ -133,9 +158,12 @@ def bench_distributed_pair(
         schemes.append(scheme)
         pipes.append([parent for parent, _ in ends])
 
+    idle = random.Random(0)
+
     def tell(i: int) -> None:
         for parent in pipes[i]:
             parent.send("send")
+        time.sleep(idle.uniform(*WORKER_IDLE_S))
 
     sends = _alternate(models, schemes, rounds, tell)
     for parent in pipes[0] + pipes[1]:
@@ -279,20 +307,63 @@ def bench_ray(mb: float, workers: int, rounds: int, tensors: int = 0) -> tuple[l
     try:
         model = make_model(mb, tensors)
         scheme, actors = _ray_scheme(model, mb, workers, tensors)
-        payload = torch.randn(sum(p.numel() for p in model.parameters()))
-        raw, sends = [], []
-        for r in range(rounds + 1):
-            start = time.perf_counter()
-            ref = ray.put(payload.numpy())
-            ray.get([a.fetch_and_copy.remote(ref) for a in actors])
-            raw.append(time.perf_counter() - start)
-            del ref
-            _perturb(model, r)
-            start = time.perf_counter()
-            scheme.send()
-            sends.append(time.perf_counter() - start)
+        raw, sends = _ray_rounds(model, scheme, actors, rounds)
         scheme.shutdown()
-        return raw[1:], sends[1:]
+        return raw, sends
+    finally:
+        ray.shutdown()
+
+
+def _ray_rounds(model: torch.nn.Module, scheme: Any, actors: list, rounds: int) -> tuple[list[float], list[float]]:
+    """Per round, the raw floor (one ``ray.put`` fetched and copied by each actor) then one ``send()``; the
+    first round warms up and is left out."""
+    import ray
+
+    payload = torch.randn(sum(p.numel() for p in model.parameters()))
+    raw, sends = [], []
+    for r in range(rounds + 1):
+        start = time.perf_counter()
+        ref = ray.put(payload.numpy())
+        ray.get([a.fetch_and_copy.remote(ref) for a in actors])
+        raw.append(time.perf_counter() - start)
+        del ref
+        _perturb(model, r)
+        start = time.perf_counter()
+        scheme.send()
+        sends.append(time.perf_counter() - start)
+    return raw[1:], sends[1:]
+
+
+class _RayModuleHost(ws.ModuleActor):
+    """The actor of RayModuleTransformScheme (a :class:`~weightsync.ModuleActor`), with the raw floor's method."""
+
+    def __init__(self, scheme, mb, tensors):
+        torch.set_num_threads(1)
+        model = make_model(mb, tensors)
+        self.flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+        super().__init__(model, scheme, model_id="policy")
+
+    def fetch_and_copy(self, array):
+        self.flat.copy_(torch.from_numpy(array))
+        return True
+
+
+def bench_ray_module_transform(
+    mb: float, workers: int, rounds: int, tensors: int = 0
+) -> tuple[list[float], list[float]]:
+    """RayModuleTransformScheme: the module in ONE actor, whatever ``workers``."""
+    import ray
+
+    _ray_init(mb, 1)
+    try:
+        model = make_model(mb, tensors)
+        scheme = ws.RayModuleTransformScheme(timeout=120)
+        host = ray.remote(num_cpus=0)(_RayModuleHost).remote(scheme, mb, tensors)
+        scheme.init_on_sender(model_id="policy", model=model, actor=host)
+        scheme.connect()
+        raw, sends = _ray_rounds(model, scheme, [host], rounds)
+        scheme.shutdown()
+        return raw, sends
     finally:
         ray.shutdown()
 
@@ -339,9 +410,12 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
             p.add_(1e-3 * (seed + 1))
 
 
-def _run_one(engine: str, mb: float, workers: int, rounds: int, out, tensors: int = 0) -> None:
+def _run_one(engine: str, mb: float, workers: int, rounds: int, out, tensors: int = 0, reply: bool = False) -> None:
     try:
-        out.send(globals()[f"bench_{engine}"](mb, workers, rounds, tensors))
+        options = {"reply": True} if reply and engine == "distributed" else {}
+        # By module name, not from __main__: Ray's workers import the actor classes from where they are defined.
+        module = importlib.import_module("bench_engines")
+        out.send(getattr(module, f"bench_{engine}")(mb, workers, rounds, tensors, **options))
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
         out.send(f"{type(exc).__name__}: {exc}")
 
@@ -352,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mb", type=float, default=100.0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument(
+        "--round-trip", action="store_true", help="the raw distributed engine gets a reply from each worker too"
+    )
     parser.add_argument("--markdown", type=Path, default=None, help="write the table to this file")
     args = parser.parse_args(argv)
     policy = passive_openmp()  # each engine runs in a fresh process; OMP_WAIT_POLICY=ACTIVE: without
@@ -359,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for engine in args.engines:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_run_one, args=(engine, args.mb, args.workers, args.rounds, child))
+        proc = ctx.Process(
+            target=_run_one, args=(engine, args.mb, args.workers, args.rounds, child, 0, args.round_trip)
+        )
         proc.start()
         result = parent.recv() if parent.poll(900) else "timed out after 900 s"
         proc.join(60)
@@ -372,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = sum(p.numel() * p.element_size() for p in mb.parameters())
     table = "\n".join(
         [
-            f"{nbytes / 1e6:.1f} MB float32, {args.workers} workers, median of {args.rounds} rounds, "
+            f"{nbytes / 1e6:.1f} MB float32, {args.workers} workers (ray_module_transform: its one actor), "
+            f"median of {args.rounds} rounds, raw distributed {'with' if args.round_trip else 'without'} replies, "
             f"{platform.machine()} / {mp.cpu_count()} cores, torch {torch.__version__}, OMP_WAIT_POLICY={policy}",
             "",
             "| scheme | send | raw engine | ratio |",

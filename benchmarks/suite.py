@@ -41,7 +41,14 @@ BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
 LOCAL = ["shared_mem", "multiprocess"]
 ENGINES = ["distributed", "rpc", "ray"]
 FLATTEN_SENDER = ["shared_mem", "multiprocess", "distributed", "rpc", "ray"]  # the schemes with that option
-CASES = ["floors", "tensors", "small", "scaling", "memory", "wire", "checksum", "plot"]
+CASES = ["floors", "tensors", "small", "small_engines", "scaling", "memory", "wire", "checksum", "plot"]
+#: The network engines of the small-sync case: each scheme against its raw engine's round trip.
+SMALL_ENGINES = {
+    "distributed": "one gloo broadcast + a reply from each worker",
+    "rpc": "one RPC of the bytes to each worker",
+    "ray": "one ray.put fetched + copied by each actor",
+    "ray_module_transform": "one ray.put fetched + copied by its actor",
+}
 
 
 # ------------------------------------------------------------ measurements (each in a fresh process)
@@ -184,6 +191,28 @@ def case_small(args: argparse.Namespace) -> list[Row]:
         rows.append(
             Row(f"{scheme}, 0.4 MB round trip", f"{med(r['sends']):.3f} ms", "-", med(r["sends"]), target, " ms")
         )
+    return rows
+
+
+def small_engine_run(engine: str, rounds: int) -> dict[str, Any]:
+    """A 1 MB model to 2 workers (ray_module_transform: its one actor), against the raw engine's round trip."""
+    options = {"reply": True} if engine == "distributed" else {}
+    raw, sends = getattr(bench_engines, f"bench_{engine}")(1.0, 2, rounds, 0, **options)
+    return {"sends": sends, "floor": raw}
+
+
+def case_small_engines(args: argparse.Namespace) -> list[Row]:
+    """RL policies are small and synced every few steps: a sync must cost the engine's round trip, not a pause."""
+    rows = []
+    for engine, what in SMALL_ENGINES.items():
+        if engine.split("_")[0] not in args.schemes:  # ray_module_transform goes with ray
+            continue
+        rounds = max(args.rounds, 200)  # a few ms each: many rounds are cheap
+        r = isolated(small_engine_run, engine, rounds)
+        send, floor = med(r["sends"]), med(r["floor"])
+        workers = "1 actor" if engine == "ray_module_transform" else "2 workers"
+        case = f"{engine}, 1 MB, {workers}, {rounds} rounds"
+        rows.append(Row(case, f"{send:.2f} ms", f"{floor:.2f} ms ({what})", send / floor, 2.0))
     return rows
 
 

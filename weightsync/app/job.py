@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
@@ -35,6 +36,9 @@ from .models import ModelSpec, build_model, checksum
 __all__ = ["JobConfig", "resolve_schemes", "run_job"]
 
 log = logging.getLogger("weightsync.app")
+
+#: Seconds a worker's loop waits for an update before it looks whether it must stop.
+RECEIVE_WAIT_S = 0.05
 
 
 @dataclass
@@ -80,6 +84,8 @@ def _worker(idx: int, configs: dict, specs: dict, reports, stop) -> None:
     """A worker process: build each model, join each scheme from its receiver config, report every version."""
     torch.set_num_threads(1)
     schemes, models = {}, {}
+    threads: list[threading.Thread] = []
+    leaving = threading.Event()  # this process leaves (a failure here): its receive threads end too
     try:
         for model_id, cfg in configs.items():
             models[model_id] = build_model(specs[model_id])
@@ -90,14 +96,20 @@ def _worker(idx: int, configs: dict, specs: dict, reports, stop) -> None:
         for model_id, scheme in schemes.items():
             scheme.connect()
             reports.put(("applied", idx, model_id, scheme.version, checksum(models[model_id])))
-        # Local schemes wake this loop when the trainer writes; the other engines are polled.
+        # Local schemes wake this loop when the trainer writes; each other model has a thread blocked in its own
+        # receive(), which its engine wakes (polled from this loop, each update waited for the poll: up to 10 ms).
         channels = {m: s.receiver_transport.channel.connection for m, s in schemes.items() if _has_channel(s)}
         open_models = {m for m, s in schemes.items() if not isinstance(s, NoWeightSyncScheme)}
-        while not stop.is_set() and open_models:
-            wait(
-                [channels[m] for m in open_models if m in channels],
-                timeout=0.01 if len(channels) < len(schemes) else 0.05,
-            )
+        for model_id in sorted(open_models - set(channels)):
+            args = (idx, model_id, schemes[model_id], models[model_id], reports, (stop, leaving))
+            threads.append(threading.Thread(target=_receive_loop, args=args, name=f"receive-{model_id}"))
+            threads[-1].start()
+        open_models &= set(channels)
+        while not stop.is_set() and (open_models or any(t.is_alive() for t in threads)):
+            if not open_models:
+                stop.wait(RECEIVE_WAIT_S)
+                continue
+            wait([channels[m] for m in open_models], timeout=RECEIVE_WAIT_S)
             for model_id in sorted(open_models):
                 scheme = schemes[model_id]
                 try:
@@ -108,8 +120,24 @@ def _worker(idx: int, configs: dict, specs: dict, reports, stop) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the trainer, which names the worker
         reports.put(("failed", idx, f"{type(exc).__name__}: {exc}"))
     finally:
+        leaving.set()
+        for thread in threads:  # each ends within one receive once stop is set or its sender said goodbye
+            thread.join(2 * RECEIVE_WAIT_S + 1.0)
         for scheme in schemes.values():
             scheme.shutdown()
+
+
+def _receive_loop(idx: int, model_id: str, scheme: WeightSyncScheme, model: nn.Module, reports, stops: tuple) -> None:
+    """Worker ``idx``'s loop for one model of a network scheme: receive (woken by its engine when an update comes)
+    and report every version, until one of ``stops`` is set or the trainer is done with the model."""
+    try:
+        while not any(event.is_set() for event in stops):
+            if scheme.receive(RECEIVE_WAIT_S) is not None:
+                reports.put(("applied", idx, model_id, scheme.version, checksum(model)))
+    except ConnectionClosedError:
+        return  # the trainer is done with this model
+    except Exception as exc:  # noqa: BLE001 - reported to the trainer, which names the worker
+        reports.put(("failed", idx, f"{type(exc).__name__}: {exc}"))
 
 
 def _has_channel(scheme: WeightSyncScheme) -> bool:

@@ -43,8 +43,9 @@ from ...tensors.layout import FlatLayout
 from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphaned
 from ..plainjson import loads_object
 from ..processes import process_identity
-from ..store import MAX_STORE_JSON, SILENT_TIMEOUTS, await_key, connect_store
+from ..store import MAX_STORE_JSON, SILENT_TIMEOUTS, as_timedelta, await_key, connect_store
 from .auth import PayloadMac, Sealer, layout_tag, proof, run_prefix
+from .doorbell import IDLE_S, Doorbell
 from .group import gpu_identity, new_group_within
 from .sender import GROUP_TIMEOUT_FACTOR, REJOIN_POLL_S
 from .settings import DistributedSettings
@@ -185,7 +186,12 @@ class DistributedReceiver(ReceiverEngine):
         if refusal is not None:
             raise refusal
         self.transport = DistributedTransport(
-            w, link=link, device=self.device, timeout=self.update_timeout, model_id=where["model_id"]
+            w,
+            link=link,
+            device=self.device,
+            timeout=self.update_timeout,
+            model_id=where["model_id"],
+            bell=self._doorbell(link, remaining(deadline)),
         )
         self.placement = self._placement()
         # A model that takes the buffer an update arrived in leaves the other one for the next update.
@@ -194,6 +200,20 @@ class DistributedReceiver(ReceiverEngine):
             self._views.append(self.layout.views(self._buffers[-1]))
         self._buckets = self.layout.buckets(self.settings.bucket_bytes)
         self._chunks = chunks_of(self.layout)
+
+    def _doorbell(self, link: Link, timeout: float) -> Doorbell:
+        """This worker's doorbell in ``link``'s store, on a store client of its own (its thread blocks on it),
+        connected within ``timeout``."""
+        where, w = self.where, self.where["worker_idx"]
+        host, port = self.handoff["master_addr"], int(self.handoff["master_port"])
+        silence = SILENT_TIMEOUTS * self.update_timeout  # a sender's host that vanished ends the thread's wait
+        client = connect_store(host, port, max(timeout, 1.0), silence=silence, **where)
+        client.set_timeout(as_timedelta(IDLE_S))
+        store: dist.Store = dist.PrefixStore(self.prefix, client)
+        assert link.sealer is not None
+        if link.sealer.scope:  # a rejoined worker's pair: its keys lie under the pair's scope, as its sealer's do
+            store = dist.PrefixStore(link.sealer.scope.rstrip("/"), store)
+        return Doorbell(store, f"bell/{w}", f"weightsync-{where['model_id']}-doorbell{w}")
 
     def _opened_json(self, store: dist.Store, key: str) -> dict[str, Any]:
         """The JSON object the sender sealed under ``key`` (AuthenticationError: not sealed with the run key;
@@ -257,8 +277,15 @@ class DistributedReceiver(ReceiverEngine):
             raise ConnectionClosedError(
                 f"the sender dropped this worker ({why}) and refused it back: {reason}", **self.where
             )
+        if self.transport is not None:
+            self.transport.hang_up()
         self.transport = DistributedTransport(
-            w, link=link, device=self.device, timeout=self.update_timeout, model_id=self.where["model_id"]
+            w,
+            link=link,
+            device=self.device,
+            timeout=self.update_timeout,
+            model_id=self.where["model_id"],
+            bell=self._doorbell(link, remaining(deadline)),
         )
         self._dropped = None
         return self._take_initial(timeout)  # the newest version comes as the initial weights did
@@ -396,7 +423,10 @@ class DistributedReceiver(ReceiverEngine):
 
     def ack(self, taken: list[Delivery], held: int | None, error: BaseException | None = None) -> None:
         assert self.transport is not None
-        self.transport.send_ack(taken[-1].version, error=error, held=held, seqs=tuple(taken[-1].token))
+        try:
+            self.transport.send_ack(taken[-1].version, error=error, held=held, seqs=tuple(taken[-1].token))
+        finally:
+            self.transport.sweep()
 
     def taken(self, delivery: Delivery, left: Any, swapped: bool) -> None:
         if not swapped:  # the model is bound to this buffer now: the next message lands in the other one
@@ -406,6 +436,8 @@ class DistributedReceiver(ReceiverEngine):
         if self._key_file is not None and self._closed:
             # A sender that shut down removed its key file; one that was killed could not (on its own host).
             remove_key_file_if_orphaned(self._key_file, grace=ORPHAN_GRACE_S)
+        if self.transport is not None:
+            self.transport.hang_up()
         self.transport = None
         self._buffers, self._views = [], []  # a model that took one keeps it: it is the model's memory now
         self._stores = None

@@ -266,9 +266,15 @@ class DistributedSender(SenderEngine):
                     sending.remove(w)
             mac.ready(end)  # hashed while gloo's thread sends the bucket
         payload_digest = mac.hexdigest()
-        for w in sending:
+        # Every worker's digest first: each worker waits for its own to check the bytes, and waits on nothing else.
+        for w in list(sending):
             try:
                 self.transports[w].set_digest(payload_digest, out.version)  # the workers check it before applying
+            except RuntimeError as exc:  # the store is gone
+                self._gone(w, exc)
+                sending.remove(w)
+        for w in sending:
+            try:
                 self.transports[w].expect_ack(out.version)
             except RuntimeError as exc:  # the peer died since its parts went out: gloo refuses the receive
                 self._gone(w, exc)

@@ -46,6 +46,7 @@ from ..base import PeerTransport
 from ..plainjson import loads_object
 from ..store import MAX_STORE_JSON, as_timedelta, store_json, store_set
 from .auth import ACK_TAG_WORDS, MACS, PayloadMac, Sealer
+from .doorbell import Doorbell, ring
 from .group import Waiter, is_timeout
 
 if TYPE_CHECKING:
@@ -61,9 +62,9 @@ ACK_OK, ACK_FAILED = 0, 1
 MAX_ERROR_TEXT = 4000
 #: How often a sender waiting for a worker to say it took a message looks again (seconds).
 TAKEN_POLL_S = 0.001
-#: A worker waiting for the next announcement looks at the store again after this long, doubling up to the
-#: longest pause: it answers within microseconds when updates come back to back, and costs little when idle.
-FIRST_PAUSE_S, LONGEST_PAUSE_S = 0.0005, 0.02
+#: A worker waiting for the next announcement looks at the store when its doorbell rings (:mod:`.doorbell`), and
+#: at least this often: a ring lost, or taken away by a stranger, delays it this long at most.
+LOOK_AGAIN_S = 0.1
 
 
 @dataclass
@@ -102,6 +103,8 @@ class DistributedTransport(PeerTransport):
             ``sync`` says).
         model_id: the model, for errors.
         sink: on the sender, where the older API's calls go.
+        bell: on a worker, the doorbell the sender rings with each announcement (:mod:`.doorbell`); without one,
+            the worker looks at the store every :data:`LOOK_AGAIN_S` while it waits.
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class DistributedTransport(PeerTransport):
         sync: bool | None = None,
         model_id: str | None = None,
         sink: Sink | None = None,
+        bell: Doorbell | None = None,
     ) -> None:
         super().__init__(worker_idx, sink)
         self.model_id = model_id
@@ -125,6 +129,8 @@ class DistributedTransport(PeerTransport):
         self.seq = 0  # sequence number of the last message to this worker (the initial weights are 0)
         self.pending: deque[_Pending] = deque()
         self._waiter: Waiter | None = None
+        self.bell = bell
+        self._spent: list[str] = []  # on a worker: keys read and not deleted yet (:meth:`sweep`)
 
     def _group(self) -> tuple[Any, dist.Store]:
         if self.link.pg is None or self.link.store is None:
@@ -156,6 +162,11 @@ class DistributedTransport(PeerTransport):
     def _where(self, version: int | None = None) -> dict[str, Any]:
         return {"model_id": self.model_id, "worker_idx": self.worker_idx, "version": version}
 
+    @property
+    def bell_key(self) -> str:
+        """The key of this worker's doorbell in :attr:`store`."""
+        return f"bell/{self.worker_idx}"
+
     # ----------------------------------------------------------------- sender
     def announce(
         self, version: int, nonce: str, mac: str, *, initial: bool = False, delta: dict[str, Any] | None = None
@@ -175,6 +186,7 @@ class DistributedTransport(PeerTransport):
             if delta is not None:
                 said["delta"] = delta
             store_set(store, key, self.sealer.seal(key, json.dumps(said)))
+            ring(store, self.bell_key)  # a worker waiting for it looks now (the ring is a hint; the key is the word)
         self.seq = seq
         if self._waiter is None:
             self._waiter = Waiter(f"weightsync-{self.model_id}-rank{self.rank}")
@@ -283,6 +295,7 @@ class DistributedTransport(PeerTransport):
         with contextlib.suppress(LifecycleError, dist.DistError):
             key = f"msg/{self.worker_idx}/{self.seq + 1}"
             store_set(self.store, key, self.sealer.seal(key, json.dumps(msg)))
+            ring(self.store, self.bell_key, last=True)
 
     def stop_waiting(self, timeout: float) -> None:
         """End the waiter thread; one still blocked on a stalled peer ends at gloo's operation timeout."""
@@ -298,7 +311,8 @@ class DistributedTransport(PeerTransport):
 
     # --------------------------------------------------------------- receiver
     def next_message(self, timeout: float) -> dict[str, Any] | None:
-        """The next announcement for this worker, waiting up to ``timeout``; ``None`` if none came.
+        """The next announcement for this worker, waiting up to ``timeout``; ``None`` if none came. It looks at the
+        store when its doorbell rings, and every :data:`LOOK_AGAIN_S` at least.
 
         Returns one of ``{"version": int, "nonce": str, "mac": str}`` (with ``"delta"``, the description of the
         changes its one part holds), ``{"closed": True}``, ``{"dropped": str}``.
@@ -309,20 +323,32 @@ class DistributedTransport(PeerTransport):
         """
         _, store = self._group()
         key = f"msg/{self.worker_idx}/{self.seq + 1}"
-        deadline, pause = deadline_after(timeout), FIRST_PAUSE_S
+        deadline = deadline_after(timeout)
         try:
-            while not store.check([key]):
+            while True:
+                rang = self.bell.rings if self.bell is not None else 0  # counted before the look: none is missed
+                if store.check([key]):
+                    break
                 if remaining(deadline) <= 0:
                     return None
-                time.sleep(min(pause, remaining(deadline)))
-                pause = min(pause * 2, LONGEST_PAUSE_S)
+                pause = min(LOOK_AGAIN_S, remaining(deadline))
+                if self.bell is not None and self.bell.ended is None:
+                    self.bell.wait(rang, pause)
+                else:  # no bell, or it stopped listening: periodic looks
+                    time.sleep(pause)
             raw = store.get(key)
-            store.delete_key(key)
         except dist.DistError as exc:
             raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
+        self._spent.append(key)
         msg = _announcement(self.sealer.open(raw, key, **self._where()), key, **self._where())
         self.seq += 1
         return msg
+
+    def hang_up(self) -> None:
+        """Stop listening for the doorbell (the worker closes, or rejoined through a new transport)."""
+        if self.bell is not None:
+            self.bell.close(self.link.store)
+            self.bell = None
 
     def receive_into(
         self, parts: list[torch.Tensor], timeout: float, version: int | None, mac: PayloadMac | None = None
@@ -377,12 +403,23 @@ class DistributedTransport(PeerTransport):
         try:
             store.wait([key], as_timedelta(timeout))
             raw = store.get(key)
-            store.delete_key(key)
         except dist.DistError as exc:
             raise ConnectionClosedError(
                 f"no digest from the sender ({first_line(exc)}); nothing was applied", **self._where(version)
             ) from None
+        self._spent.append(key)
         return self.sealer.open(raw, key, version, **self._where(version)).decode("ascii", "replace")
+
+    def sweep(self) -> None:
+        """Delete the store keys of the messages read since the last sweep (announcements, digests): after the ack,
+        so that a store round trip each costs the update nothing; a store that went away is left to the next
+        read of it to report."""
+        spent, self._spent = self._spent, []
+        try:
+            for key in spent:
+                self.store.delete_key(key)
+        except dist.DistError as exc:
+            log.debug("could not delete %d spent store keys: %s", len(spent), first_line(exc))
 
     def initial_message(self, timeout: float) -> dict[str, Any]:
         """What the initial weights are: ``{"version", "nonce", "mac"}``, sealed by the sender before it sent them.

@@ -1,0 +1,176 @@
+"""A ``distributed`` worker waiting for the next version wakes at its doorbell (a ring in the store the sender
+pushes with each announcement), not on a polling back-off; the ring is a hint that nothing trusts.
+
+In-process receivers on a real TCP store and gloo group on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch.distributed as dist
+
+import weightsync as ws
+from tests._bodies import optimizer_step
+from tests._workers import build, checksum, in_process_receiver
+from weightsync.transports.distributed import doorbell
+from weightsync.transports.distributed import transport as transport_module
+
+
+def _pair():
+    model = build("tiny")
+    scheme = ws.DistributedWeightSyncScheme(timeout=20, connect_timeout=60, sync=False)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    return model, scheme, replica, in_process_receiver(scheme, replica)
+
+
+def _transport(receiver):
+    return receiver._runtime.receiving.engine.transport
+
+
+def _stranger_store(scheme) -> dist.Store:
+    """A client of the sender's store under the run's prefix, holding no key (anyone on the host can be one)."""
+    engine = scheme._sending.engine
+    host, port = engine.address
+    return dist.PrefixStore(engine.prefix, dist.TCPStore(host, port, is_master=False))
+
+
+def _doorbell_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if "doorbell" in t.name]
+
+
+def _receive_in_thread(receiver, timeout: float) -> tuple[threading.Thread, list]:
+    got: list = []
+
+    def run() -> None:
+        try:
+            got.append(receiver.receive(timeout=timeout))
+        except BaseException as exc:  # noqa: BLE001 - looked at by the test
+            got.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, got
+
+
+def _send_while_receiving(model, scheme, replica, receiver, step: int) -> None:
+    """Send version ``step`` while the worker waits in ``receive``; it must get it whole."""
+    optimizer_step(model, step)
+    thread, got = _receive_in_thread(receiver, 60)
+    scheme.send_async()
+    thread.join(90)
+    scheme.wait_async()
+    assert got and got[0] is not None, got
+    assert receiver.version == step and checksum(replica) == checksum(model)
+
+
+def _when_waiting(monkeypatch, woken_by_ring: list | None = None) -> threading.Event:
+    """An event set once a worker waits on its doorbell; ``woken_by_ring`` gets, for each wait, whether a ring
+    ended it."""
+    waiting = threading.Event()
+    real_wait = doorbell.Doorbell.wait
+
+    def wait(self, seen, timeout):
+        waiting.set()
+        real_wait(self, seen, timeout)
+        if woken_by_ring is not None:
+            woken_by_ring.append(self.rings != seen)
+
+    monkeypatch.setattr(doorbell.Doorbell, "wait", wait)
+    return waiting
+
+
+def test_a_waiting_worker_wakes_at_the_doorbell(monkeypatch):
+    # No periodic look within the receive's timeout: the worker looks again only when a ring ends its wait.
+    monkeypatch.setattr(transport_module, "LOOK_AGAIN_S", 3600.0)
+    woken_by_ring: list[bool] = []
+    waiting = _when_waiting(monkeypatch, woken_by_ring)
+    model, scheme, replica, receiver = _pair()
+    try:
+        for step in (1, 2):
+            waiting.clear()
+            thread, got = _receive_in_thread(receiver, 30)
+            assert waiting.wait(60), "the worker never waited on its doorbell"
+            optimizer_step(model, step)
+            scheme.send_async()
+            thread.join(90)
+            scheme.wait_async()
+            assert got and got[0] is not None, got
+            assert receiver.version == step and checksum(replica) == checksum(model)
+            assert woken_by_ring[-1], "the wait before the version was not ended by the sender's ring"
+        assert _transport(receiver).bell.rings >= 2
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+def test_a_lost_ring_only_delays_the_worker_to_its_next_look(monkeypatch):
+    model, scheme, replica, receiver = _pair()
+    monkeypatch.setattr(transport_module, "ring", lambda *args, **kwargs: None)  # the sender's rings never come
+    try:
+        _send_while_receiving(model, scheme, replica, receiver, 1)
+        assert _transport(receiver).bell.rings == 0
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+@pytest.mark.parametrize("what", [b"", b"garbage \xff" * 100, doorbell.LAST], ids=["empty", "garbage", "last"])
+def test_a_strangers_rings_make_the_worker_apply_nothing(what, monkeypatch):
+    """Rings from a client without the key wake the worker; it looks, finds no sealed announcement and applies
+    nothing; the sender's next version still arrives (a stranger's ``LAST`` only ends the bell: periodic looks)."""
+    waiting = _when_waiting(monkeypatch)
+    model, scheme, replica, receiver = _pair()
+    stranger = _stranger_store(scheme)
+    try:
+        before = checksum(replica)
+        thread, got = _receive_in_thread(receiver, 2)
+        assert waiting.wait(60)
+        for _ in range(20):
+            stranger.queue_push("bell/0", what)
+        thread.join(30)
+        assert got == [None], got
+        assert receiver.version == 0 and checksum(replica) == before
+        _send_while_receiving(model, scheme, replica, receiver, 1)
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+def test_a_ring_with_an_unsealed_announcement_is_refused():
+    model, scheme, replica, receiver = _pair()
+    stranger = _stranger_store(scheme)
+    try:
+        before = checksum(replica)
+        stranger.set("msg/0/1", '{"version": 9, "nonce": "aa", "mac": "poly1305"}')
+        doorbell.ring(stranger, "bell/0")
+        with pytest.raises(ws.AuthenticationError, match="msg/0/1"):
+            receiver.receive(timeout=10)
+        assert receiver.version == 0 and checksum(replica) == before
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+@pytest.mark.parametrize("first", ["worker", "sender"])
+def test_closing_ends_the_doorbell_thread_whoever_closes_first(first, monkeypatch):
+    waiting = _when_waiting(monkeypatch)
+    model, scheme, replica, receiver = _pair()
+    try:
+        assert len(_doorbell_threads()) == 1
+        thread, got = _receive_in_thread(receiver, 60 if first == "sender" else 1)
+        assert waiting.wait(60)
+        if first == "sender":  # its goodbye is the last ring: the worker wakes, hears it, and the bell ends
+            scheme.shutdown()
+            thread.join(90)
+            assert len(got) == 1 and isinstance(got[0], ws.ConnectionClosedError), got
+        else:  # the bell's thread still blocks on the store, the sender alive: the worker rings it itself
+            thread.join(30)
+            assert got == [None]
+        receiver.shutdown()
+        assert _doorbell_threads() == []
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()

@@ -1,0 +1,116 @@
+"""A worker's doorbell: the sender rings it right after it announces a message in the store, so that a worker
+waiting for the next announcement looks at once instead of polling the store on a back-off.
+
+A ring is a push to a queue of the store (``bell/<worker>``, under the transport's prefix). A thread of the
+worker's, on a store client of its own, blocks popping that queue and counts the rings; the worker waits on that
+count, with its own timeout, and looks at the store whenever it moves. A ring carries nothing a worker acts on:
+the announcement it then reads is sealed with the run key and checked exactly as without a bell. Anyone who
+reaches the store may ring (the worker looks, finds nothing new, and waits again) or take a ring away (the worker
+then looks at its next periodic look: late, never wrong).
+
+Why not a message on the process group, or the store's own wait:
+
+- a receive posted on a gloo group cannot be taken back. Nothing wakes a thread waiting on one (``abort()``,
+  ``shutdown()`` or dropping the group leave it blocked, and the process aborts at exit), and one left waiting past
+  the group's operation timeout closes every connection of the group: an idle worker would lose its group;
+- a store wait that times out logs two warnings of torch's: waiting on the store in short slices floods the logs.
+  The bell's thread waits in one long slice (:data:`IDLE_S`) and is woken at close by a ring of the worker's own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch.distributed as dist
+
+from ...errors import first_line
+
+__all__ = ["IDLE_S", "LAST", "Doorbell", "ring"]
+
+log = logging.getLogger("weightsync.transports.distributed")
+
+#: The longest one wait of the bell's thread (its store client's timeout): an idle worker's thread times out,
+#: and torch logs it, this seldom.
+IDLE_S = 3600.0
+#: What the sender's last ring says (it said goodbye, or dropped the worker): the thread stops listening, so that
+#: the sender's store going away next leaves it nothing to fail on. A stranger's ``LAST`` only slows the worker
+#: down to its periodic looks.
+LAST = b"last"
+#: Seconds :meth:`Doorbell.close` waits for the thread to end once it rang the bell itself.
+CLOSE_WAIT_S = 2.0
+
+
+def ring(store: dist.Store, key: str, last: bool = False) -> None:
+    """Ring the doorbell at ``key`` of ``store`` (``last``: the sender's last word to that worker)."""
+    store.queue_push(key, LAST if last else b"")
+
+
+class Doorbell:
+    """Counts the rings of the doorbell at ``key``, popped on a thread of its own from ``client``.
+
+    Args:
+        client: a store client for this bell alone (its calls block the thread), its timeout :data:`IDLE_S`, under
+            the same prefix as the store the sender rings.
+        key: the bell's key.
+        name: the thread's name.
+    """
+
+    def __init__(self, client: dist.Store, key: str, name: str) -> None:
+        self._client: dist.Store | None = client
+        self.key = key
+        self.rings = 0
+        #: Why the thread stopped listening (the store went away, the sender's last ring, close): ``None`` while
+        #: it listens.
+        self.ended: str | None = None
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._listen, name=name, daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        client = self._client
+        assert client is not None
+        while True:
+            try:
+                said = client.queue_pop(self.key, True)
+            except dist.DistStoreError:  # IDLE_S without a ring: wait again
+                if self.ended is None:
+                    continue
+                return
+            except dist.DistError as exc:  # the store went away: the worker's next look at it says so
+                self._end(f"the store went away ({first_line(exc)})")
+                return
+            with self._cond:
+                if self.ended is not None:  # closed: the ring was the worker's own
+                    return
+                self.rings += 1
+                self._cond.notify_all()
+            if said == LAST:
+                self._end("the sender's last ring")
+                return
+
+    def _end(self, why: str) -> None:
+        with self._cond:
+            if self.ended is None:
+                self.ended = why
+            self._cond.notify_all()
+
+    def wait(self, seen: int, timeout: float) -> None:
+        """Wait until the bell rang since the count was ``seen``, at most ``timeout`` seconds (at once if it stopped
+        listening: the caller then looks on its own)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.rings != seen or self.ended is not None, timeout)
+
+    def close(self, ringer: dist.Store | None) -> None:
+        """Stop listening: ring the bell through ``ringer`` (another client of the same store) to wake the thread,
+        and wait for it a moment; one whose store went silent ends with its connection (the client's keepalive)."""
+        self._end("closed")
+        if self._thread.is_alive() and ringer is not None:
+            try:
+                ring(ringer, self.key)
+            except dist.DistError as exc:  # the store is gone: so is the thread's connection to it
+                log.debug("could not ring the doorbell %r to close it: %s", self.key, first_line(exc))
+            self._thread.join(CLOSE_WAIT_S)
+        if self._thread.is_alive():
+            log.debug("the doorbell %r is still waiting on its store; it ends with its connection", self.key)
+        self._client = None

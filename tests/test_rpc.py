@@ -142,7 +142,7 @@ def test_a_buffer_an_rpc_may_still_write_is_never_reused():
     futures: list[torch.futures.Future] = []
 
     def submitter(transport):
-        def submit(version, buffer, layout, timeout, digest=None):
+        def submit(version, buffer, layout, timeout, digest=None, delta=None):
             futures.append(torch.futures.Future())
             transport.in_flight[version] = futures[-1]
             return futures[-1]

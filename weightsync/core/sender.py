@@ -502,9 +502,7 @@ class Sender:
         if self.engine is not None:
             self.engine.close(timeout)
         self.bound.forget()
-        if self.deltas is not None:
-            self.deltas.close()
-            self.deltas = None
+        self.deltas = None
 
 
 def _refused_base(error: WeightSyncError | None) -> bool:

@@ -228,8 +228,7 @@ class DeltaBase:
     chunk: what deltas cost the trainer in memory. :meth:`update` compares the next version with it chunk by
     chunk (a comparison of 8-byte words, then of the changed words' own words), on as many threads as torch's
     (the comparison reads memory; one core does not read it as fast as two), and writes the changes into it: no
-    copy of the model is made, the base becomes the new version by the changes alone. :meth:`close` ends the
-    threads.
+    copy of the model is made, the base becomes the new version by the changes alone.
 
     Args:
         layout: the versions' layout.
@@ -245,17 +244,10 @@ class DeltaBase:
         self._mask_bytes = max(c.end - c.start for c in self.chunks) // 8 + 8
         self._local = threading.local()
         self._views = layout.views(self.buffer)
-        self._pool: ThreadPoolExecutor | None = None
 
     def forget(self) -> None:
         """The buffer holds no version any more (the next :meth:`update` fills it whole)."""
         self.version = None
-
-    def close(self) -> None:
-        """End the threads (a later :meth:`update` starts them again)."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
 
     def update(
         self,
@@ -288,10 +280,9 @@ class DeltaBase:
             return self._chunk(chunk, pieces, offsets, buffer, whole_if_larger)
 
         threads = min(torch.get_num_threads(), len(self.chunks), MAX_THREADS)
-        if threads > 1:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(threads, thread_name_prefix="weightsync-delta")
-            done = list(self._pool.map(one, self.chunks))
+        if threads > 1:  # (threads of this call's own: none outlives it, whatever happens to the caller)
+            with ThreadPoolExecutor(threads, thread_name_prefix="weightsync-delta") as pool:
+                done = list(pool.map(one, self.chunks))
         else:
             done = [one(chunk) for chunk in self.chunks]
         parts = [part for _, _, part in done if part is not None]

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from weightsync.tensors.delta import DeltaBase, apply_delta  # noqa: E402
+from weightsync.tensors.delta import apply_delta  # noqa: E402
+from weightsync.tensors.delta_base import DeltaBase  # noqa: E402
 from weightsync.tensors.layout import FlatLayout  # noqa: E402
 
 

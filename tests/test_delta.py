@@ -17,7 +17,8 @@ import torch
 import weightsync as ws
 from tests._workers import build, connect_pair
 from weightsync.errors import ConfigurationError
-from weightsync.tensors.delta import BITMAP, PATCH, SAME, WHOLE, Delta, DeltaBase, apply_delta, body_size, chunks_of
+from weightsync.tensors.delta import BITMAP, PATCH, SAME, WHOLE, Delta, apply_delta, body_size, chunks_of
+from weightsync.tensors.delta_base import DeltaBase
 from weightsync.tensors.layout import FlatLayout
 
 DTYPES = [

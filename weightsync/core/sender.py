@@ -30,7 +30,7 @@ from ..errors import (
 from ..integrity import digest
 from ..metrics import SendMetrics, SendRecord
 from ..tensors.bound import BoundModel
-from ..tensors.delta import DeltaBase, wire_sources
+from ..tensors.delta_base import DeltaBase, wire_sources
 from ..tensors.layout import FlatLayout
 from ..tensors.strategy import check_spec, flatten_weights, weights_spec
 from .children import KnownProcesses

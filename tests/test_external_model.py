@@ -14,6 +14,7 @@ import torch
 import weightsync as ws
 from tests._workers import build, connect_pair
 from weightsync.tensors.strategy import flatten_weights
+from weightsync.transports.local.channel import Channel
 
 SCHEMES = {
     "multiprocess": lambda: ws.MultiProcessWeightSyncScheme(timeout=20, connect_timeout=30),
@@ -169,6 +170,32 @@ def test_take_brings_a_version_in_now_and_apply_loads_it_later(name):
         assert all(torch.equal(program.held[k], expected[k]) for k in expected)
         with pytest.raises(ws.LifecycleError, match="applied already"):
             pending.apply()
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def test_take_waits_past_a_slots_share_for_the_update_that_names_it(monkeypatch):
+    """A local sender shares a new slot in a message of its own, then announces the update in it: a ``take()`` that
+    reads the share before the update is written goes on waiting for the update (it once returned ``None`` there,
+    long before its timeout)."""
+    model, sender, receiver, program = _pair("shared_mem", lambda m: Program(_spec(m)))  # (its first send: a new slot)
+    send = Channel.send
+
+    def late_update(channel, msg):
+        if msg.get("op") == "update":
+            time.sleep(0.5)  # the share is on the wire and read; the update comes later
+        send(channel, msg)
+
+    try:
+        connect_pair(sender, receiver, timeout=60)
+        monkeypatch.setattr(Channel, "send", late_update)
+        sent = threading.Thread(target=sender.send)
+        sent.start()
+        pending = receiver.take(timeout=20)
+        assert pending is not None and pending.version == 1 and pending.apply() == 1
+        sent.join(30)
+        assert not sent.is_alive() and sender.acked_versions == {0: 1}
     finally:
         receiver.shutdown()
         sender.shutdown()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...core.timing import deadline_after, remaining
 from ...errors import (
     ConnectionClosedError,
     IntegrityError,
@@ -163,7 +164,7 @@ class MPTransport(PeerTransport, TransportBackend):
         return self.channel.poll(timeout)
 
     def receive_weights(self, timeout: float | None = 0.0, **kwargs: Any) -> list[Update]:
-        """Read every message the sender has queued (waiting up to ``timeout`` for the first).
+        """Read every message the sender has queued, waiting up to ``timeout`` for the first update.
 
         Maps newly announced slots and returns the pending updates, oldest
         first; an empty list when nothing arrived.
@@ -176,13 +177,26 @@ class MPTransport(PeerTransport, TransportBackend):
         updates: list[Update] = []
         if self.closed_by_sender:
             raise ConnectionClosedError("the sender has shut down", worker_idx=self.worker_idx)
-        try:
-            msg = self.channel.recv(timeout or 0.0)
-        except ConnectionClosedError:
-            self.closed_by_sender = True
-            raise ConnectionClosedError(
-                "the sender closed the channel (shut down or died)", worker_idx=self.worker_idx
-            ) from None
+        deadline = deadline_after(timeout or 0.0)
+        # A slot's share comes in a message of its own, ahead of the update that names it: the wait goes on until
+        # an update (or the deadline), never ends on a share alone.
+        while not updates and not self.closed_by_sender:
+            try:
+                msg = self.channel.recv(remaining(deadline))
+            except ConnectionClosedError:
+                self.closed_by_sender = True
+                raise ConnectionClosedError(
+                    "the sender closed the channel (shut down or died)", worker_idx=self.worker_idx
+                ) from None
+            if msg is None:
+                break
+            self._read(msg, updates)
+        if not updates and self.closed_by_sender:
+            raise ConnectionClosedError("the sender has shut down", worker_idx=self.worker_idx)
+        return updates
+
+    def _read(self, msg: dict[str, Any] | None, updates: list[Update]) -> None:
+        """Act on ``msg`` and every message queued behind it, adding the updates to ``updates``."""
         while msg is not None:
             op = msg["op"]
             if op == "slot":
@@ -193,17 +207,14 @@ class MPTransport(PeerTransport, TransportBackend):
                 self._unmap(int(msg["slot"]))
             elif op == "bye":
                 self.closed_by_sender = True
-                break
+                return
             else:
                 raise TransportError(f"unexpected message {op!r} from the sender", worker_idx=self.worker_idx)
             try:
                 msg = self.channel.recv(0.0)
             except ConnectionClosedError:
                 self.closed_by_sender = True
-                break
-        if not updates and self.closed_by_sender:
-            raise ConnectionClosedError("the sender has shut down", worker_idx=self.worker_idx)
-        return updates
+                return
 
     def _map_slot(self, msg: dict[str, Any]) -> None:
         slot, nbytes = int(msg["slot"]), int(msg["nbytes"])

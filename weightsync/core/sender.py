@@ -20,19 +20,17 @@ import torch
 
 from ..errors import (
     InvalidWeightsError,
-    ReceiverError,
     SyncTimeoutError,
     TransportError,
     WeightSyncError,
     WorkerDiedError,
     raise_failures,
 )
-from ..integrity import digest
 from ..metrics import SendMetrics, SendRecord
 from ..tensors.bound import BoundModel
-from ..tensors.delta_base import DeltaBase, wire_sources
 from ..tensors.layout import FlatLayout
 from ..tensors.strategy import check_spec, flatten_weights, weights_spec
+from .changes import Changes
 from .children import KnownProcesses
 from .engine import Outgoing, SenderEngine
 from .ledger import Ledger, Peer
@@ -42,10 +40,6 @@ from .timing import Progress, deadline_after, remaining
 __all__ = ["Sender", "SenderOptions", "by_worker"]
 
 log = logging.getLogger("weightsync.core")
-
-#: Under ``delta="auto"``, a version whose changes take at least this share of its bytes goes whole: the few
-#: bytes saved do not pay for the worker's work of applying them.
-AUTO_WHOLE_SHARE = 0.9
 
 
 def by_worker(exc: WeightSyncError) -> dict[int, WeightSyncError]:
@@ -114,10 +108,8 @@ class Sender:
         #: The worker processes this sender knows of: one that exits before it connected is named at once.
         self.processes = KnownProcesses()
         self._progress: Progress | None = None
-        #: Under the scheme's ``delta``: the newest version's bytes, which the next one is compared with.
-        self.deltas: DeltaBase | None = None
-        self._base_digest: str | None = None  # their checksum (under ``checksum``)
-        self._changes_sent: dict[int, int] = {}  # the last send's workers sent only changes, and its bytes
+        #: Under the scheme's ``delta``: the trainer's copy of the newest version, and who is sent changes.
+        self.changes = Changes(scheme, layout)
 
     # --------------------------------------------------------------- the sink
     @property
@@ -294,17 +286,15 @@ class Sender:
             failures = {w: ledger.dead[w] for w in targets if w in ledger.dead}
             live = ledger.live(targets)
             out = Outgoing(version, flat, whole, live, initial)
-            self._changes_sent = {}
-            self._changes(out)  # first: an engine stages the whole version only for workers not sent changes
+            # First: an engine stages the whole version only for workers not sent changes.
+            self.changes.plan(out, ledger.peers, getattr(self.engine, "takes_deltas", False))
             try:
                 staged = self.engine.stage(out, deadline)
             except BaseException:
-                if self.deltas is not None:  # its copy is of a version never published: the next one fills it
-                    self.deltas.forget()
+                self.changes.unpublished()
                 raise
             self.engine.submit(out, staged)
-            if out.delta is not None:
-                self._changes_sent = {w: out.delta.nbytes for w in out.delta_workers}
+            self.changes.submitted(out)
             for w in live:
                 ledger.peers[w].sent = version
             failures.update({w: ledger.dead[w] for w in live if w in ledger.dead})  # found gone just now
@@ -314,11 +304,8 @@ class Sender:
             self._naming = None
         if wait:
             failures.update(self.collect({w: version for w in live if w not in failures}, deadline))
-            refused = [w for w in out.delta_workers if _refused_base(failures.get(w))]
+            refused = self.changes.refused(out, failures)
             if refused:  # a worker that does not hold the base gets the version whole, in this send
-                for w in refused:
-                    del failures[w]
-                    del self._changes_sent[w]
                 log.info("model %r: workers %s refused the changes of version %s; sent whole", self.model_id,
                          refused, version)  # fmt: skip
                 again = Outgoing(version, flat, whole, ledger.live(refused))
@@ -330,30 +317,6 @@ class Sender:
                 failures.update(self.collect({w: version for w in refused if w not in failures}, deadline))
         failures.update(ledger.take_errors([w for w in targets if w not in failures]))
         raise_failures(failures, model_id=self.model_id, version=version)
-
-    def _changes(self, out: Outgoing) -> None:
-        """Under the scheme's ``delta``: bring the trainer's copy of the newest version up to ``out``, and give
-        ``out`` the changes for the workers that acked the version it held (their base), when it pays."""
-        mode = getattr(self.options, "delta", False)
-        engine = self.engine
-        if not mode or engine is None or not getattr(engine, "takes_deltas", False):
-            return
-        if self.deltas is None:
-            self.deltas = DeltaBase(self.layout)
-        base = self.deltas.version
-        auto = mode == "auto"
-        most = int(AUTO_WHOLE_SHARE * self.layout.nbytes) if auto else None
-        delta = self.deltas.update(wire_sources(self.layout, out.flat), out.version, whole_if_larger=auto, most=most)
-        checked = bool(getattr(self.options, "checksum", False))  # (the workers check the base, then the result)
-        base_digest, self._base_digest = self._base_digest, digest([self.deltas.buffer]) if checked else None
-        peers = self.ledger.peers
-        workers = [w for w in out.workers if base is not None and peers[w].acked == base and peers[w].sent == base]
-        if delta is None or out.initial or not workers:
-            return
-        if most is not None and delta.nbytes >= most:
-            return
-        delta.base_digest, delta.digest = base_digest, self._base_digest
-        out.delta, out.delta_workers, out.published = delta, workers, self.deltas.buffer
 
     def collect(self, expected: dict[int, int], deadline: float) -> dict[int, WeightSyncError]:
         """Wait until each worker of ``expected`` acked at least its version, or ``deadline``; return failures."""
@@ -406,7 +369,7 @@ class Sender:
             },
             failed={w: f"{type(e).__name__}: {e.detail}" for w, e in failures.items()},
             staleness_wait=stale_wait,
-            changes=self._changes_sent,
+            changes=self.changes.sent,
         )
         self.metrics.add(record)
         log.debug("model %r: send %s", self.model_id, record)
@@ -502,9 +465,4 @@ class Sender:
         if self.engine is not None:
             self.engine.close(timeout)
         self.bound.forget()
-        self.deltas = None
-
-
-def _refused_base(error: WeightSyncError | None) -> bool:
-    """Whether ``error`` is a worker's refusal of changes against a version it does not hold."""
-    return isinstance(error, ReceiverError) and error.remote_type == "DeltaBaseError"
+        self.changes.close()

@@ -38,7 +38,6 @@ from ...errors import (
     ConfigurationError,
     ReceiverError,
     SyncTimeoutError,
-    TransportError,
     WeightSyncError,
     first_line,
 )
@@ -47,9 +46,10 @@ from ...tensors.layout import FlatLayout
 from ..keyfiles import KEY_BYTES, key_name, remove_key_file, write_key_file
 from ..processes import process_is_gone
 from ..staging import Staging, StagingPool
-from ..store import connect_store, open_store, store_count, store_json, store_set
-from .auth import MAC, Sealer, layout_tag, new_nonce, proven, run_prefix
+from ..store import open_store, store_set
+from .auth import MAC, Sealer, layout_tag, new_nonce, run_prefix
 from .group import gpu_identity, new_group_within
+from .rejoins import RejoinRequests, read_hello
 from .settings import DistributedSettings
 from .transport import ACK_OK, DistributedTransport, Link
 
@@ -65,8 +65,6 @@ CLOSE_WAIT_S = 5.0
 #: Seconds between two looks at the store while workers join, or ask to rejoin.
 STORE_POLL_S = 0.01
 REJOIN_POLL_S = 0.05
-#: Why a hello without a valid proof is refused.
-UNPROVEN = "the process did not prove it holds the run key (the receiver config's authkey_file)"
 
 
 class DistributedSender(SenderEngine):
@@ -124,9 +122,7 @@ class DistributedSender(SenderEngine):
         #: (staging, version, keyed digest, its nonce) of the last send
         self.newest: tuple[Staging, int, str, str] | None = None
         self.hellos: dict[int, dict[str, Any]] = {}  # what each worker said when it (re)joined
-        self._gens: dict[int, int] = {}  # worker -> the generation (connection count) admitted last
-        self._rejoins_seen = 0
-        self._admit_store: dist.Store | None = None  # the rejoin thread's own client of the store
+        self.requests = RejoinRequests(self.prefix, self.address, num_workers, sink.model_id)
         #: The newest version's bytes (the sender core's) and version, where only changes were sent of it.
         self._unstaged: tuple[torch.Tensor | None, int] | None = None
 
@@ -170,7 +166,7 @@ class DistributedSender(SenderEngine):
             holders = {gpu_identity(): "the sender"} if self.settings.backend == "nccl" else {}
             verdict = {}
             for w, key in enumerate(hellos):
-                hello, problem = _read_hello(self.store, key, self.authkey, w, 1)
+                hello, problem = read_hello(self.store, key, self.authkey, w, 1)
                 self.hellos[w] = hello
                 if problem is not None:
                     verdict[str(w)] = problem
@@ -203,9 +199,7 @@ class DistributedSender(SenderEngine):
                 model_id=model_id,
             )
             self.link.store = self.store
-            self._admit_store = dist.PrefixStore(
-                self.prefix, connect_store(*self.address, remaining(deadline), model_id=model_id)
-            )
+            self.requests.open(remaining(deadline))
         except dist.DistError as exc:
             raise SyncTimeoutError(
                 f"the process group did not form within {timeout:.0f}s: {first_line(exc)}", model_id=model_id
@@ -370,39 +364,19 @@ class DistributedSender(SenderEngine):
         A restarted worker announces itself by bumping ``gen/<w>`` and ``rejoins``; it is refused if its
         earlier process is still alive.
         """
-        store = self._admit_store
-        if store is None:
-            raise EOFError
+        requests = self.requests
         try:
-            try:
-                asked = store_count(store, "rejoins")
-            except ValueError:  # a process that reached the store wrote there: put back what this thread counted
-                log.warning("model %r: the store's count of rejoins was overwritten; restored", self.sink.model_id)
-                store.set("rejoins", str(self._rejoins_seen))
-                asked = self._rejoins_seen
-            found = None
-            if asked > self._rejoins_seen:
-                for w in range(self.num_workers):
-                    try:
-                        gen = store_count(store, f"gen/{w}")
-                    except ValueError:  # that worker's count was overwritten: it cannot rejoin, the others can
-                        continue
-                    if gen > self._gens.get(w, 1) and store.check([f"rejoin/{w}/{gen}"]):
-                        self._gens[w] = gen  # read once, whatever it holds: garbage is answered, not read again
-                        found = w, gen
-                        break
-                self._rejoins_seen = self._rejoins_seen + 1 if found else asked
+            found = requests.next()
             if found is None:
                 time.sleep(REJOIN_POLL_S)
                 return None
             w, gen = found
-            hello, problem = _read_hello(store, f"rejoin/{w}/{gen}", self.authkey, w, gen)
+            store = requests.store
+            assert store is not None
+            hello, problem = read_hello(store, f"rejoin/{w}/{gen}", self.authkey, w, gen)
             if problem is None:
                 problem = self._rejoin_problem(w, hello)
-            key = f"verdict/{w}/{gen}"
-            store_set(
-                store, key, self.sealer.seal(key, json.dumps({"ok": True} if problem is None else {"refused": problem}))
-            )
+            requests.answer(w, gen, problem, self.sealer)
             if problem is not None:
                 log.warning("model %r: refused worker %d connecting again: %s", self.sink.model_id, w, problem)
                 return None
@@ -423,25 +397,14 @@ class DistributedSender(SenderEngine):
                 worker_idx=w,
             )
         except (dist.DistError, WeightSyncError, ValueError) as exc:  # ValueError: a counter that is no number
-            if self._admit_store is None:
+            if requests.store is None:  # closed meanwhile
                 raise EOFError from None
             log.warning("model %r: a worker connecting again could not join: %s", self.sink.model_id, first_line(exc))
             if isinstance(exc, dist.DistError):  # the store dropped this client (a counter it could not add to)
-                self._reconnect_admit_store()
+                requests.reconnect()
             time.sleep(REJOIN_POLL_S)  # whatever failed may fail again at once: never a loop without a pause
             return None
         return w, gen, hello, pg, pair
-
-    def _reconnect_admit_store(self) -> None:
-        """A new client of the store for the rejoin thread (torch's client never reconnects once the store closed
-        it), or none until the next failure, if the store does not answer within a second."""
-        try:
-            fresh = dist.PrefixStore(self.prefix, connect_store(*self.address, 1.0, model_id=self.sink.model_id))
-        except (dist.DistError, WeightSyncError) as exc:
-            log.warning("model %r: could not reach the store again: %s", self.sink.model_id, first_line(exc))
-            return
-        if self._admit_store is not None:  # not closed meanwhile
-            self._admit_store = fresh
 
     def _rejoin_problem(self, w: int, hello: dict[str, Any]) -> str | None:
         """Why worker ``w`` may not come back with ``hello`` (``None``: it may)."""
@@ -515,7 +478,7 @@ class DistributedSender(SenderEngine):
 
     # --------------------------------------------------------------- shutdown
     def close(self, timeout: float) -> None:
-        self._admit_store = None
+        self.requests.close()
         if self._key_file is not None:
             remove_key_file(self._key_file)
             self._key_file = None
@@ -530,27 +493,3 @@ class DistributedSender(SenderEngine):
         self.newest = None
         self.link.pg = self.link.store = None
         self.store = self._base_store = None
-
-
-def _read_hello(store: dist.Store, key: str, key_bytes: bytes, w: int, gen: int) -> tuple[dict[str, Any], str | None]:
-    """The hello (or request to rejoin) at ``key``, and why it is refused (``None``: it is proven and well formed).
-
-    Anyone who reaches the store may write there: it is read bounded, its fields are checked for type, and its
-    proof with the run key; whatever is wrong refuses that worker and nothing else.
-    """
-    try:
-        hello = store_json(store, key)
-    except TransportError as exc:
-        return {}, f"{exc}"
-    if not proven(key_bytes, w, gen, hello):
-        return {}, UNPROVEN
-    process, gpu = hello.get("process"), hello.get("gpu")
-    if (
-        type(hello.get("ok")) is not bool
-        or not isinstance(hello.get("type", ""), str)
-        or not isinstance(hello.get("message", ""), str)
-        or not (process is None or (isinstance(process, dict) and all(isinstance(k, str) for k in process)))
-        or not (gpu is None or isinstance(gpu, str))
-    ):
-        return {}, f"store key {key!r} is not a hello a worker writes"
-    return hello, None

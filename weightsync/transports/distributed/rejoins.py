@@ -1,0 +1,122 @@
+"""What the distributed sender reads of workers that join and rejoin: hellos, checked before anything in them is
+believed, and the requests to rejoin that restarted workers leave in the store (read by the rejoin thread, on a
+client of the store of its own)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+from ...errors import TransportError, WeightSyncError, first_line
+from ..store import connect_store, store_count, store_json, store_set
+from .auth import Sealer, proven
+
+__all__ = ["UNPROVEN", "RejoinRequests", "read_hello"]
+
+log = logging.getLogger("weightsync.transports.distributed")
+
+#: Why a hello without a valid proof is refused.
+UNPROVEN = "the process did not prove it holds the run key (the receiver config's authkey_file)"
+
+
+def read_hello(store: dist.Store, key: str, key_bytes: bytes, w: int, gen: int) -> tuple[dict[str, Any], str | None]:
+    """The hello (or request to rejoin) at ``key``, and why it is refused (``None``: it is proven and well formed).
+
+    Anyone who reaches the store may write there: it is read bounded, its fields are checked for type, and its
+    proof with the run key; whatever is wrong refuses that worker and nothing else.
+    """
+    try:
+        hello = store_json(store, key)
+    except TransportError as exc:
+        return {}, f"{exc}"
+    if not proven(key_bytes, w, gen, hello):
+        return {}, UNPROVEN
+    process, gpu = hello.get("process"), hello.get("gpu")
+    if (
+        type(hello.get("ok")) is not bool
+        or not isinstance(hello.get("type", ""), str)
+        or not isinstance(hello.get("message", ""), str)
+        or not (process is None or (isinstance(process, dict) and all(isinstance(k, str) for k in process)))
+        or not (gpu is None or isinstance(gpu, str))
+    ):
+        return {}, f"store key {key!r} is not a hello a worker writes"
+    return hello, None
+
+
+class RejoinRequests:
+    """The requests to rejoin, as the rejoin thread finds them in the store: a restarted worker ``w`` bumps
+    ``gen/<w>`` and ``rejoins``, and leaves its hello at ``rejoin/<w>/<gen>``; each is read once, whatever it holds
+    (garbage is answered, never read again), and answered with a sealed verdict.
+
+    Args:
+        prefix: the run's prefix in the store.
+        address: the store's host and port.
+        num_workers: how many workers may ask.
+        model_id: the model's name (in log lines).
+    """
+
+    def __init__(self, prefix: str, address: tuple[str, int], num_workers: int, model_id: str | None) -> None:
+        self.prefix, self.address, self.num_workers, self.model_id = prefix, address, num_workers, model_id
+        #: The thread's own client of the store (``None``: closed, or not open yet).
+        self.store: dist.Store | None = None
+        self._gens: dict[int, int] = {}  # worker -> the generation (connection count) read last
+        self._seen = 0
+
+    def open(self, timeout: float) -> None:
+        """Connect the thread's client (within ``timeout``)."""
+        self.store = dist.PrefixStore(self.prefix, connect_store(*self.address, timeout, model_id=self.model_id))
+
+    def next(self) -> tuple[int, int] | None:
+        """The worker and generation of a request not read yet (``None``: none).
+
+        Raises:
+            EOFError: closed.
+            dist.DistError, ValueError: the store failed, or a counter there is no number.
+        """
+        store = self.store
+        if store is None:
+            raise EOFError
+        try:
+            asked = store_count(store, "rejoins")
+        except ValueError:  # a process that reached the store wrote there: put back what this thread counted
+            log.warning("model %r: the store's count of rejoins was overwritten; restored", self.model_id)
+            store.set("rejoins", str(self._seen))
+            asked = self._seen
+        if asked <= self._seen:
+            return None
+        for w in range(self.num_workers):
+            try:
+                gen = store_count(store, f"gen/{w}")
+            except ValueError:  # that worker's count was overwritten: it cannot rejoin, the others can
+                continue
+            if gen > self._gens.get(w, 1) and store.check([f"rejoin/{w}/{gen}"]):
+                self._gens[w] = gen
+                self._seen += 1
+                return w, gen
+        self._seen = asked
+        return None
+
+    def answer(self, w: int, gen: int, problem: str | None, sealer: Sealer) -> None:
+        """Tell worker ``w`` (generation ``gen``) whether it may rejoin (``problem``: why not), sealed."""
+        assert self.store is not None
+        key = f"verdict/{w}/{gen}"
+        store_set(
+            self.store, key, sealer.seal(key, json.dumps({"ok": True} if problem is None else {"refused": problem}))
+        )
+
+    def reconnect(self) -> None:
+        """A new client of the store (torch's client never reconnects once the store closed it), or none until the
+        next failure, if the store does not answer within a second."""
+        try:
+            fresh = dist.PrefixStore(self.prefix, connect_store(*self.address, 1.0, model_id=self.model_id))
+        except (dist.DistError, WeightSyncError) as exc:
+            log.warning("model %r: could not reach the store again: %s", self.model_id, first_line(exc))
+            return
+        if self.store is not None:  # not closed meanwhile
+            self.store = fresh
+
+    def close(self) -> None:
+        self.store = None

@@ -22,7 +22,9 @@ anything. The trainer's side, which finds the changes, is
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +57,8 @@ SAME, PATCH, WHOLE, BITMAP = 0, 1, 2, 3
 CHUNK_BYTES = 4 << 20
 #: Every segment of a delta's body starts at a multiple of this (a typed view of it needs its alignment).
 SEGMENT_ALIGN = 8
+#: The most threads a comparison or an apply runs on (they read memory: more cores than memory channels do not help).
+MAX_THREADS = 4
 #: Bytes a patch spends per changed word besides its value: its position.
 INDEX_BYTES = 4
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -78,7 +82,7 @@ class Chunk:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.word).element_size()
+        return self.word.itemsize
 
     @property
     def words(self) -> int:
@@ -215,8 +219,12 @@ def body_size(delta: Delta, chunks: Sequence[Chunk]) -> int:
     return total
 
 
+_NP_WORDS = {torch.uint8: np.dtype(np.uint8), torch.int16: np.dtype(np.int16), torch.int32: np.dtype(np.int32),
+             torch.int64: np.dtype(np.int64)}  # fmt: skip
+
+
 def np_word(chunk: Chunk) -> Any:
-    return np.dtype(str(chunk.word).removeprefix("torch."))
+    return _NP_WORDS[chunk.word]
 
 
 #: One chunk's part of a body: the chunk, its kind, the changed words' positions (``None``: whole), the values.
@@ -230,28 +238,34 @@ def part_bytes(part: Part) -> int:
     return _bitmap_bytes(int(at.size), chunk) if kind == BITMAP else _patch_bytes(int(at.size), chunk.itemsize)
 
 
-def pack_body(parts: list[Part]) -> torch.Tensor:
+def pack_body(parts: list[Part], each: Callable[..., Iterable[Any]] = map) -> torch.Tensor:
     """The body: per chunk sent, its positions (int32) or its bitmap, then its values; or its whole bytes; each
-    part padded to 8 bytes."""
+    part padded to 8 bytes. ``each``: how the parts are written, ``map``-like (a thread pool's ``map`` writes them
+    on its threads)."""
     sizes = [part_bytes(part) for part in parts]
     out = np.zeros(sum(sizes), dtype=np.uint8)
-    offset = 0
-    for (chunk, kind, at, values), size in zip(parts, sizes):
-        if at is None:
-            out[offset : offset + size] = values
-        else:
-            if kind == BITMAP:
-                bits = np.zeros(chunk.words, dtype=np.bool_)
-                bits[at] = True
-                packed = np.packbits(bits, bitorder="little")
-                out[offset : offset + packed.size] = packed
-                start = offset + _padded(packed.size)
-            else:
-                out[offset : offset + at.size * INDEX_BYTES].view(np.int32)[:] = at
-                start = offset + _padded(int(at.size) * INDEX_BYTES)
-            out[start : start + at.size * chunk.itemsize].view(values.dtype)[:] = values
-        offset += size
+    offsets = [0, *itertools.accumulate(sizes)][:-1]
+    for _ in each(lambda part, offset, size: _pack_part(part, out[offset : offset + size]), parts, offsets, sizes):
+        pass
     return torch.from_numpy(out)
+
+
+def _pack_part(part: Part, out: np.ndarray) -> None:
+    """Write one chunk's ``part`` of the body into ``out`` (its bytes there, zeros)."""
+    chunk, kind, at, values = part
+    if at is None:
+        out[:] = values
+        return
+    if kind == BITMAP:
+        bits = np.zeros(chunk.words, dtype=np.bool_)
+        bits[at] = True
+        packed = np.packbits(bits, bitorder="little")
+        out[: packed.size] = packed
+        start = _padded(packed.size)
+    else:
+        out[: at.size * INDEX_BYTES].view(np.int32)[:] = at
+        start = _padded(int(at.size) * INDEX_BYTES)
+    out[start : start + at.size * chunk.itemsize].view(values.dtype)[:] = values
 
 
 def apply_delta(target: torch.Tensor, chunks: Sequence[Chunk], delta: Delta) -> None:
@@ -296,8 +310,19 @@ def apply_delta(target: torch.Tensor, chunks: Sequence[Chunk], delta: Delta) -> 
         offset += _padded(count * chunk.itemsize)
         writes.append((chunk, at, values))
     out = target.numpy()
-    for chunk, positions, values in writes:
+
+    def write(chunk: Chunk, positions: np.ndarray | None, values: np.ndarray) -> None:
         if positions is None:
             out[chunk.start : chunk.end] = values
         else:
             out[chunk.start : chunk.end].view(values.dtype)[positions] = values
+
+    # On torch's threads (at most 4): each write is a scatter into memory the cache does not hold, and two cores
+    # wait on two misses at once.
+    threads = min(torch.get_num_threads(), len(writes), MAX_THREADS)
+    if threads > 1:
+        with ThreadPoolExecutor(threads, thread_name_prefix="weightsync-delta") as pool:
+            list(pool.map(write, *zip(*writes)))
+    else:
+        for each in writes:
+            write(*each)

@@ -17,6 +17,7 @@ import torch
 
 from .delta import (
     CHUNK_BYTES,
+    MAX_THREADS,
     SAME,
     WHOLE,
     Chunk,
@@ -32,8 +33,6 @@ from .layout import FlatLayout
 
 __all__ = ["DeltaBase", "wire_sources"]
 
-#: The most threads a comparison runs on (it reads memory: more cores than memory channels do not help).
-MAX_THREADS = 4
 #: Past one changed 8-byte word in this many, a piece is compared word by word rather than by gathering them.
 DIRECT_SHARE = 16
 
@@ -97,14 +96,12 @@ class DeltaBase:
             return self._chunk(chunk, pieces, offsets, buffer, whole_if_larger)
 
         threads = min(torch.get_num_threads(), len(self.chunks), MAX_THREADS)
-        if threads > 1:  # (threads of this call's own: none outlives it, whatever happens to the caller)
-            with ThreadPoolExecutor(threads, thread_name_prefix="weightsync-delta") as pool:
-                done = list(pool.map(one, self.chunks))
-        else:
-            done = [one(chunk) for chunk in self.chunks]
-        parts = [part for _, _, part in done if part is not None]
-        size = sum(part_bytes(part) for part in parts)
-        body = pack_body(parts) if most is None or size < most else torch.empty(0, dtype=torch.uint8)
+        # (threads of this call's own: none outlives it, whatever happens to the caller)
+        with ThreadPoolExecutor(threads, thread_name_prefix="weightsync-delta") if threads > 1 else _Inline() as pool:
+            done = list(pool.map(one, self.chunks))
+            parts = [part for _, _, part in done if part is not None]
+            size = sum(part_bytes(part) for part in parts)
+            body = pack_body(parts, pool.map) if most is None or size < most else torch.empty(0, dtype=torch.uint8)
         self.version = version
         return Delta(base, version, [kind for kind, _, _ in done], [count for _, count, _ in done], body, size=size)
 
@@ -190,7 +187,8 @@ class DeltaBase:
                     got = new[:wide].view(np.int64)[hit].view(word).reshape(-1, per)
                     had = old[:wide].view(np.int64)[hit].view(word).reshape(-1, per)
                     sub = np.flatnonzero(got != had)
-                    found_at.append(first + hit[sub // per] * per + sub % per)
+                    shift = per.bit_length() - 1  # (per is a power of two: shifts cost less than divisions)
+                    found_at.append(first + ((hit[sub >> shift] << shift) | (sub & (per - 1))))
                     found_values.append(got.reshape(-1)[sub])
                 if wide < end - start:  # a tail shorter than 8 bytes
                     tail_new, tail_old = new[wide:].view(word), old[wide:].view(word)
@@ -214,11 +212,24 @@ def _changed_words(new: np.ndarray, old: np.ndarray, mask: np.ndarray) -> np.nda
     np.not_equal(new, old, out=mask[:n])
     groups = -(-n // 8)
     mask[n : groups * 8] = False
-    marked = np.flatnonzero(mask[: groups * 8].view(np.uint64))
+    packed = mask[: groups * 8].view(np.uint64)
+    marked = np.flatnonzero(packed != 0)  # (numpy finds the true ones of a bool array faster than the nonzero words)
     if marked.size * 4 > groups:  # dense: the plain search is as cheap
         return np.flatnonzero(mask[:n])
-    lanes = np.flatnonzero(mask[: groups * 8].reshape(groups, 8)[marked])
-    return marked[lanes // 8] * 8 + lanes % 8
+    lanes = np.flatnonzero(packed[marked].view(np.bool_))
+    return marked[lanes >> 3] * 8 + (lanes & 7)
+
+
+class _Inline:
+    """A pool of no thread: ``map`` is the builtin's."""
+
+    map = staticmethod(map)
+
+    def __enter__(self) -> _Inline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 def wire_sources(layout: FlatLayout, flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

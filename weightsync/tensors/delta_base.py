@@ -11,6 +11,7 @@ import bisect
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -88,12 +89,11 @@ class DeltaBase:
                 self._views[slot.key].copy_(sources[slot.key])
             self.version = version
             return None
-        buffer = self.buffer.numpy()
         pieces = self._pieces(sources)
-        offsets = [offset for offset, _ in pieces]
+        compared = _Comparison(pieces, [offset for offset, _ in pieces], self.buffer.numpy(), whole_if_larger)
 
         def one(chunk: Chunk) -> tuple[int, int, Part | None]:
-            return self._chunk(chunk, pieces, offsets, buffer, whole_if_larger)
+            return self._chunk(chunk, compared)
 
         threads = min(torch.get_num_threads(), len(self.chunks), MAX_THREADS)
         # (threads of this call's own: none outlives it, whatever happens to the caller)
@@ -105,19 +105,13 @@ class DeltaBase:
         self.version = version
         return Delta(base, version, [kind for kind, _, _ in done], [count for _, count, _ in done], body, size=size)
 
-    def _chunk(
-        self,
-        chunk: Chunk,
-        pieces: list[tuple[int, np.ndarray]],
-        offsets: list[int],
-        buffer: np.ndarray,
-        whole_if_larger: bool,
-    ) -> tuple[int, int, Part | None]:
+    def _chunk(self, chunk: Chunk, compared: _Comparison) -> tuple[int, int, Part | None]:
         """Compare ``chunk`` and bring the buffer's bytes there up to date; its kind, count and part of the body
         (``None``: nothing to send)."""
-        found = self._changes(chunk, pieces, offsets, buffer, whole_if_larger)
+        buffer = compared.buffer
+        found = self._changes(chunk, compared)
         if found is None:  # more changed than changes would pay for: the whole chunk
-            for offset, data in self._within(chunk, pieces, offsets):
+            for offset, data in compared.within(chunk):
                 start, end = max(offset, chunk.start), min(offset + data.size, chunk.end)
                 buffer[start:end] = data[start - offset : end - offset]
             return WHOLE, chunk.words, (chunk, WHOLE, None, buffer[chunk.start : chunk.end])
@@ -136,25 +130,7 @@ class DeltaBase:
             if slot.nbytes
         ]
 
-    @staticmethod
-    def _within(chunk: Chunk, pieces: list[tuple[int, np.ndarray]], offsets: list[int]) -> list[tuple[int, np.ndarray]]:
-        """The pieces with bytes inside ``chunk``."""
-        out = []
-        for offset, data in pieces[max(bisect.bisect_right(offsets, chunk.start) - 1, 0) :]:
-            if offset >= chunk.end:
-                break
-            if offset + data.size > chunk.start:
-                out.append((offset, data))
-        return out
-
-    def _changes(
-        self,
-        chunk: Chunk,
-        pieces: list[tuple[int, np.ndarray]],
-        offsets: list[int],
-        buffer: np.ndarray,
-        whole_if_larger: bool,
-    ) -> tuple[np.ndarray, np.ndarray] | None:
+    def _changes(self, chunk: Chunk, compared: _Comparison) -> tuple[np.ndarray, np.ndarray] | None:
         """The positions (in ``chunk.word`` words from its start) and new values of the words that changed in
         ``chunk``; ``None`` (under ``whole_if_larger``) once so many changed that a patch of them would be larger
         than the chunk."""
@@ -162,11 +138,12 @@ class DeltaBase:
         size = chunk.itemsize
         found_at: list[np.ndarray] = []
         found_values: list[np.ndarray] = []
-        limit = (chunk.end - chunk.start) if whole_if_larger else None
+        limit = (chunk.end - chunk.start) if compared.whole_if_larger else None
+        buffer = compared.buffer
         mask = getattr(self._local, "mask", None)
         if mask is None:
             mask = self._local.mask = np.empty(self._mask_bytes, dtype=np.bool_)
-        for offset, data in self._within(chunk, pieces, offsets):
+        for offset, data in compared.within(chunk):
             start, end = max(offset, chunk.start), min(offset + data.size, chunk.end)
             new, old = data[start - offset : end - offset], buffer[start:end]
             first = (start - chunk.start) // size
@@ -218,6 +195,28 @@ def _changed_words(new: np.ndarray, old: np.ndarray, mask: np.ndarray) -> np.nda
         return np.flatnonzero(mask[:n])
     lanes = np.flatnonzero(packed[marked].view(np.bool_))
     return marked[lanes >> 3] * 8 + (lanes & 7)
+
+
+@dataclass(frozen=True)
+class _Comparison:
+    """What one :meth:`DeltaBase.update` compares: the new version's tensors as bytes with their offsets in the
+    layout (in layout order), those offsets, the base's buffer, and whether a chunk that changed more than a patch
+    pays for goes whole."""
+
+    pieces: list[tuple[int, np.ndarray]]
+    offsets: list[int]
+    buffer: np.ndarray
+    whole_if_larger: bool
+
+    def within(self, chunk: Chunk) -> list[tuple[int, np.ndarray]]:
+        """The pieces with bytes inside ``chunk``."""
+        out = []
+        for offset, data in self.pieces[max(bisect.bisect_right(self.offsets, chunk.start) - 1, 0) :]:
+            if offset >= chunk.end:
+                break
+            if offset + data.size > chunk.start:
+                out.append((offset, data))
+        return out
 
 
 class _Inline:

@@ -1,5 +1,6 @@
 """A ``distributed`` worker waiting for the next version wakes at its doorbell (a ring in the store the sender
-pushes with each announcement), not on a polling back-off; the ring is a hint that nothing trusts.
+pushes with each announcement, carrying a copy of it), not on a polling back-off; what a ring carries is taken only
+once it opens with the run key under the key the worker expects.
 
 In-process receivers on a real TCP store and gloo group on 127.0.0.1.
 """
@@ -129,6 +130,50 @@ def test_a_strangers_rings_make_the_worker_apply_nothing(what, monkeypatch):
         thread, got = _receive_in_thread(receiver, 2)
         assert waiting.wait(60)
         for _ in range(20):
+            stranger.queue_push("bell/0", what)
+        thread.join(30)
+        assert got == [None], got
+        assert receiver.version == 0 and checksum(replica) == before
+        _send_while_receiving(model, scheme, replica, receiver, 1)
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+def test_the_ring_carries_the_announcement_so_the_worker_reads_no_store_key_for_it(monkeypatch):
+    """Each ring carries the sealed announcement the sender wrote to the store: the worker takes it from the ring
+    (checked as the store's copy is), and reads the store for it only when no ring carried it."""
+    carried: list[bytes | None] = []
+    real = transport_module.DistributedTransport._rung
+
+    def rung(self, key):
+        carried.append(real(self, key))
+        return carried[-1]
+
+    monkeypatch.setattr(transport_module.DistributedTransport, "_rung", rung)
+    model, scheme, replica, receiver = _pair()
+    try:
+        for step in (1, 2, 3):
+            _send_while_receiving(model, scheme, replica, receiver, step)
+        assert sum(raw is not None for raw in carried) == 3, carried  # each version's announcement, from its ring
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+def test_a_strangers_ring_carrying_a_forged_or_moved_announcement_is_not_taken(monkeypatch):
+    """A ring carrying something that looks sealed (a made-up MAC, or a value the sender sealed for another key)
+    is not taken for the next announcement: the worker applies nothing, then takes the sender's next version."""
+    waiting = _when_waiting(monkeypatch)
+    model, scheme, replica, receiver = _pair()
+    stranger = _stranger_store(scheme)
+    try:
+        before = checksum(replica)
+        forged = b"f" * 64 + b':{"version": 9, "nonce": "aa", "mac": "poly1305"}'
+        moved = stranger.get("layout")  # sealed by the sender, for the key "layout"
+        thread, got = _receive_in_thread(receiver, 2)
+        assert waiting.wait(60)
+        for what in (forged, moved):
             stranger.queue_push("bell/0", what)
         thread.join(30)
         assert got == [None], got

@@ -219,11 +219,17 @@ def test_take_is_refused_where_updates_are_applied_as_they_arrive():
 def test_a_distributed_sender_knows_when_the_worker_took_a_version_before_it_applies_it():
     """``wait_sent`` (what the vLLM driver waits on before it pauses an engine): it returns once the worker took the
     newest version off the wire and checked it (the worker says so in the store, sealed with the run key), not
-    when gloo's sends returned; a worker that has not taken it is waited for until the deadline, no longer."""
+    when gloo's sends returned; a worker that has not taken it is waited for until the deadline, no longer. The
+    workers say so only where a driver asked for it (``reports_taken``, set before the first send), and not
+    otherwise: a store write each that nobody would read."""
     model, sender, receiver, program = _pair("distributed", lambda m: Program(_spec(m)))
     try:
         connect_pair(sender, receiver, timeout=60)
         engine = sender._runtime.sending.engine
+        store = engine.transports[0].store
+        _send(sender, receiver)  # no driver: the worker does not say it took the version
+        assert not store.check(["taken/0"])
+        engine.reports_taken = True  # (what the vLLM driver sets when it wraps the engine)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1)
@@ -232,13 +238,13 @@ def test_a_distributed_sender_knows_when_the_worker_took_a_version_before_it_app
         engine.wait_sent(0, started + 0.5)  # nothing taken yet: the whole 0.5 s
         assert 0.45 <= time.monotonic() - started < 5
         pending = receiver.take(timeout=20)
-        assert pending is not None and pending.version == 1 and program.loads == 1
+        assert pending is not None and pending.version == 2 and program.loads == 2
         started = time.monotonic()
         engine.wait_sent(0, started + 20)  # taken: at once
         assert time.monotonic() - started < 2
         pending.apply()
         sender.wait_async(20)
-        assert sender.acked_versions == {0: 1}
+        assert sender.acked_versions == {0: 2}
     finally:
         receiver.shutdown()
         sender.shutdown()

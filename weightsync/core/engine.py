@@ -166,6 +166,10 @@ class SenderEngine(ABC):
     gpu: torch.device | None = None
     #: One transport per worker (the older API's ``sender_transports``).
     transports: dict[int, Any] = field(default_factory=dict, init=False)
+    #: A driver that calls :meth:`wait_sent` sets this before the first send: the workers of an engine whose
+    #: :meth:`submit` returns with bytes on their way then say when they took each version (a store write each,
+    #: which a send that nobody waits on in that way does not pay).
+    reports_taken: bool = field(default=False, init=False)
 
     @property
     def pin(self) -> bool:

@@ -360,6 +360,7 @@ class _Gate(SenderEngine):
     def adopt(self, engine: SenderEngine) -> None:
         """Wrap ``engine``: what the core reads of an engine is its."""
         self.inner = engine
+        engine.reports_taken = True  # (before any send: this driver waits in wait_sent before each load)
         self.layout, self.num_workers, self.checksum, self.gpu = (
             engine.layout,
             engine.num_workers,

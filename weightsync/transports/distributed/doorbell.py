@@ -3,10 +3,13 @@ waiting for the next announcement looks at once instead of polling the store on 
 
 A ring is a push to a queue of the store (``bell/<worker>``, under the transport's prefix). A thread of the
 worker's, on a store client of its own, blocks popping that queue and counts the rings; the worker waits on that
-count, with its own timeout, and looks at the store whenever it moves. A ring carries nothing a worker acts on:
-the announcement it then reads is sealed with the run key and checked exactly as without a bell. Anyone who
-reaches the store may ring (the worker looks, finds nothing new, and waits again) or take a ring away (the worker
-then looks at its next periodic look: late, never wrong).
+count, with its own timeout, and looks whenever it moves. A ring carries a copy of the sealed announcement the
+sender just wrote to the store, which saves the worker the store's round trips to read it (three: torch's ``get``
+waits for the key first): the worker takes it only if it opens with the run key under the very key it expects
+(:meth:`~weightsync.transports.distributed.auth.Sealer.open`, as the store's copy must), and otherwise reads
+the store as without it. Anyone who reaches the store may ring, with anything (the worker finds nothing it
+expects, and waits again; at most :data:`KEPT` rings of at most :data:`MAX_SAID_BYTES` are kept), or take a ring
+away (the worker then looks at its next periodic look: late, never wrong).
 
 Why not a message on the process group, or the store's own wait:
 
@@ -19,14 +22,16 @@ Why not a message on the process group, or the store's own wait:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections import deque
 
 import torch.distributed as dist
 
 from ...errors import first_line
 
-__all__ = ["IDLE_S", "LAST", "Doorbell", "ring"]
+__all__ = ["IDLE_S", "KEPT", "LAST", "MAX_SAID_BYTES", "Doorbell", "ring"]
 
 log = logging.getLogger("weightsync.transports.distributed")
 
@@ -39,11 +44,17 @@ IDLE_S = 3600.0
 LAST = b"last"
 #: Seconds :meth:`Doorbell.close` waits for the thread to end once it rang the bell itself.
 CLOSE_WAIT_S = 2.0
+#: The most rings whose content a bell keeps until the worker looks (the newest), and the largest it keeps: an
+#: announcement is a few hundred bytes (a delta's description, a few bytes per 4 MB of the model), and one that
+#: is not kept is read from the store.
+KEPT = 8
+MAX_SAID_BYTES = 1 << 20
 
 
-def ring(store: dist.Store, key: str, last: bool = False) -> None:
-    """Ring the doorbell at ``key`` of ``store`` (``last``: the sender's last word to that worker)."""
-    store.queue_push(key, LAST if last else b"")
+def ring(store: dist.Store, key: str, last: bool = False, said: bytes = b"") -> None:
+    """Ring the doorbell at ``key`` of ``store`` with ``said`` (the sealed announcement just written; ``last``:
+    the sender's last word to that worker)."""
+    store.queue_push(key, LAST if last else said)
 
 
 class Doorbell:
@@ -63,6 +74,7 @@ class Doorbell:
         #: Why the thread stopped listening (the store went away, the sender's last ring, close): ``None`` while
         #: it listens.
         self.ended: str | None = None
+        self._said: deque[bytes] = deque(maxlen=KEPT)
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._listen, name=name, daemon=True)
         self._thread.start()
@@ -84,6 +96,8 @@ class Doorbell:
                 if self.ended is not None:  # closed: the ring was the worker's own
                     return
                 self.rings += 1
+                if said and said != LAST and len(said) <= MAX_SAID_BYTES:
+                    self._said.append(said)
                 self._cond.notify_all()
             if said == LAST:
                 self._end("the sender's last ring")
@@ -94,6 +108,17 @@ class Doorbell:
             if self.ended is None:
                 self.ended = why
             self._cond.notify_all()
+
+    def said(self) -> list[bytes]:
+        """What the rings kept carried, oldest first (unchecked: anyone may ring)."""
+        with self._cond:
+            return list(self._said)
+
+    def forget(self, said: bytes) -> None:
+        """Drop ``said`` (taken, or no longer awaited)."""
+        with self._cond:
+            with contextlib.suppress(ValueError):
+                self._said.remove(said)
 
     def wait(self, seen: int, timeout: float) -> None:
         """Wait until the bell rang since the count was ``seen``, at most ``timeout`` seconds (at once if it stopped

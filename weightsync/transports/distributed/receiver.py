@@ -342,7 +342,8 @@ class DistributedReceiver(ReceiverEngine):
                 return self._rejoin(max(remaining(deadline), self.update_timeout))
             seqs.append(transport.seq)
             refusal = self._verify(mac, transport.seq, version, self.update_timeout)
-            transport.say_taken()  # here and checked (a driver waits for it to stop the worker's program to load)
+            if msg.get("taken"):  # here and checked (a driver waits for it to stop the worker's program to load)
+                transport.say_taken()
             if not newest or refusal is not None:
                 break
         if seqs:

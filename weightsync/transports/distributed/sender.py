@@ -231,7 +231,9 @@ class DistributedSender(SenderEngine):
             if w in changed:
                 continue
             try:
-                self.transports[w].announce(out.version, self._nonce, MAC, initial=out.initial)
+                self.transports[w].announce(
+                    out.version, self._nonce, MAC, initial=out.initial, taken=self.reports_taken
+                )
             except RuntimeError as exc:  # the store or the peer is gone
                 self._gone(w, exc)
                 continue
@@ -287,7 +289,7 @@ class DistributedSender(SenderEngine):
         for w in workers:
             transport = self.transports[w]
             try:
-                transport.announce(out.version, nonce, MAC, delta=described)
+                transport.announce(out.version, nonce, MAC, delta=described, taken=self.reports_taken)
                 staging.readers[w] = [transport.send_part(body)] if body.numel() else []
                 transport.set_digest(digest, out.version)
                 transport.expect_ack(out.version)

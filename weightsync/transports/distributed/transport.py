@@ -169,7 +169,14 @@ class DistributedTransport(PeerTransport):
 
     # ----------------------------------------------------------------- sender
     def announce(
-        self, version: int, nonce: str, mac: str, *, initial: bool = False, delta: dict[str, Any] | None = None
+        self,
+        version: int,
+        nonce: str,
+        mac: str,
+        *,
+        initial: bool = False,
+        delta: dict[str, Any] | None = None,
+        taken: bool = False,
     ) -> None:
         """Start message ``version``: announce it in the store (the parts follow over the group).
 
@@ -177,6 +184,7 @@ class DistributedTransport(PeerTransport):
         exactly them (their version, ``nonce`` and ``mac`` are in the store's ``initial``). ``nonce`` and ``mac``:
         the message's one-time key and MAC (:class:`~.auth.PayloadMac`). ``delta``: the message is the changes
         this description says (:meth:`~weightsync.tensors.delta.Delta.to_plain`), its body the one part.
+        ``taken``: the worker says when it took the message (:meth:`say_taken`; a driver waits for that).
         """
         _, store = self._group()
         seq = 0 if initial else self.seq + 1
@@ -185,8 +193,11 @@ class DistributedTransport(PeerTransport):
             said: dict[str, Any] = {"version": version, "nonce": nonce, "mac": mac}
             if delta is not None:
                 said["delta"] = delta
-            store_set(store, key, self.sealer.seal(key, json.dumps(said)))
-            ring(store, self.bell_key)  # a worker waiting for it looks now (the ring is a hint; the key is the word)
+            if taken:
+                said["taken"] = True
+            sealed = self.sealer.seal(key, json.dumps(said))
+            store_set(store, key, sealed)
+            ring(store, self.bell_key, said=sealed)  # a worker waiting for it takes it now (checked as the key's)
         self.seq = seq
         if self._waiter is None:
             self._waiter = Waiter(f"weightsync-{self.model_id}-rank{self.rank}")
@@ -311,11 +322,13 @@ class DistributedTransport(PeerTransport):
 
     # --------------------------------------------------------------- receiver
     def next_message(self, timeout: float) -> dict[str, Any] | None:
-        """The next announcement for this worker, waiting up to ``timeout``; ``None`` if none came. It looks at the
-        store when its doorbell rings, and every :data:`LOOK_AGAIN_S` at least.
+        """The next announcement for this worker, waiting up to ``timeout``; ``None`` if none came. It takes it from
+        the ring of its doorbell that carried it (sealed), else looks at the store when the doorbell rings, and
+        every :data:`LOOK_AGAIN_S` at least.
 
         Returns one of ``{"version": int, "nonce": str, "mac": str}`` (with ``"delta"``, the description of the
-        changes its one part holds), ``{"closed": True}``, ``{"dropped": str}``.
+        changes its one part holds; with ``"taken": True``, the sender waits for :meth:`say_taken`),
+        ``{"closed": True}``, ``{"dropped": str}``.
 
         Raises:
             AuthenticationError: the announcement is not sealed with the run key.
@@ -327,7 +340,11 @@ class DistributedTransport(PeerTransport):
         try:
             while True:
                 rang = self.bell.rings if self.bell is not None else 0  # counted before the look: none is missed
+                raw = self._rung(key)
+                if raw is not None:
+                    break
                 if store.check([key]):
+                    raw = store.get(key)
                     break
                 if remaining(deadline) <= 0:
                     return None
@@ -336,13 +353,26 @@ class DistributedTransport(PeerTransport):
                     self.bell.wait(rang, pause)
                 else:  # no bell, or it stopped listening: periodic looks
                     time.sleep(pause)
-            raw = store.get(key)
         except dist.DistError as exc:
             raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
         self._spent.append(key)
         msg = _announcement(self.sealer.open(raw, key, **self._where()), key, **self._where())
         self.seq += 1
         return msg
+
+    def _rung(self, key: str) -> bytes | None:
+        """The announcement at ``key`` as a ring of the doorbell carried it, if one did and it opens with the run
+        key under ``key`` (what else the bell kept is someone else's, or another message's: not taken)."""
+        if self.bell is None:
+            return None
+        for said in self.bell.said():
+            try:
+                self.sealer.open(said, key)
+            except AuthenticationError:
+                continue
+            self.bell.forget(said)
+            return said
+        return None
 
     def hang_up(self) -> None:
         """Stop listening for the doorbell (the worker closes, or rejoined through a new transport)."""
@@ -475,8 +505,9 @@ def _announcement(content: bytes, key: str, **where: Any) -> dict[str, Any]:
     msg = loads_object(content, f"store key {key!r}", max_bytes=MAX_STORE_JSON)
     version, nonce = msg.get("version"), msg.get("nonce")
     if (
-        set(msg) - {"delta"} == {"version", "nonce", "mac"}
+        set(msg) - {"delta", "taken"} == {"version", "nonce", "mac"}
         and isinstance(msg.get("delta", {}), dict)
+        and msg.get("taken", True) is True
         and type(version) is int
         and version >= 0
         and isinstance(nonce, str)

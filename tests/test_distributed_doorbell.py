@@ -151,10 +151,22 @@ def test_the_ring_carries_the_announcement_so_the_worker_reads_no_store_key_for_
         return carried[-1]
 
     monkeypatch.setattr(transport_module.DistributedTransport, "_rung", rung)
+    # The worker looks only when a ring ends its wait (no periodic look), and the sender sends only once the
+    # worker waits: its look before waiting cannot find the store's copy before the ring comes.
+    monkeypatch.setattr(transport_module, "LOOK_AGAIN_S", 3600.0)
+    waiting = _when_waiting(monkeypatch)
     model, scheme, replica, receiver = _pair()
     try:
         for step in (1, 2, 3):
-            _send_while_receiving(model, scheme, replica, receiver, step)
+            waiting.clear()
+            thread, got = _receive_in_thread(receiver, 30)
+            assert waiting.wait(60), "the worker never waited on its doorbell"
+            optimizer_step(model, step)
+            scheme.send_async()
+            thread.join(90)
+            scheme.wait_async()
+            assert got and got[0] is not None, got
+            assert receiver.version == step and checksum(replica) == checksum(model)
         assert sum(raw is not None for raw in carried) == 3, carried  # each version's announcement, from its ring
     finally:
         receiver.shutdown()

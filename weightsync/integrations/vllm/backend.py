@@ -51,6 +51,9 @@ __all__ = ["WeightsyncEngine", "WeightsyncInitInfo", "WeightsyncUpdateInfo", "ch
 
 log = logging.getLogger("weightsync.vllm")
 
+#: The longest the engine's shutdown waits for the thread that takes versions off the transport (seconds).
+STOP_WAIT_S = 5.0
+
 
 @dataclass
 class WeightsyncInitInfo(WeightTransferInitInfo):
@@ -173,8 +176,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     def shutdown(self) -> None:
         scheme, self.scheme = self.scheme, None
         stager, self._stager = self._stager, None
-        if stager is not None:
-            stager.stop(float(scheme.timeout) if scheme is not None else 5.0)
+        if stager is not None:  # (its takes poll every 50 ms: a stager that does not end in a few seconds is stuck,
+            # and vLLM gives the whole worker a bounded time to exit before it kills it, leaking its shared memory)
+            stager.stop(min(float(scheme.timeout), STOP_WAIT_S) if scheme is not None else STOP_WAIT_S)
         if scheme is not None:
             scheme.shutdown()
 

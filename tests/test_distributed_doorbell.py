@@ -83,6 +83,19 @@ def _when_waiting(monkeypatch, woken_by_ring: list | None = None) -> threading.E
     return waiting
 
 
+def _send_once_waiting(model, scheme, replica, receiver, waiting: threading.Event, step: int) -> None:
+    """Send version ``step`` once the worker waits on its doorbell; it must get it whole."""
+    waiting.clear()
+    thread, got = _receive_in_thread(receiver, 30)
+    assert waiting.wait(60), "the worker never waited on its doorbell"
+    optimizer_step(model, step)
+    scheme.send_async()
+    thread.join(90)
+    scheme.wait_async()
+    assert got and got[0] is not None, got
+    assert receiver.version == step and checksum(replica) == checksum(model)
+
+
 def test_a_waiting_worker_wakes_at_the_doorbell(monkeypatch):
     # No periodic look within the receive's timeout: the worker looks again only when a ring ends its wait.
     monkeypatch.setattr(transport_module, "LOOK_AGAIN_S", 3600.0)
@@ -91,15 +104,7 @@ def test_a_waiting_worker_wakes_at_the_doorbell(monkeypatch):
     model, scheme, replica, receiver = _pair()
     try:
         for step in (1, 2):
-            waiting.clear()
-            thread, got = _receive_in_thread(receiver, 30)
-            assert waiting.wait(60), "the worker never waited on its doorbell"
-            optimizer_step(model, step)
-            scheme.send_async()
-            thread.join(90)
-            scheme.wait_async()
-            assert got and got[0] is not None, got
-            assert receiver.version == step and checksum(replica) == checksum(model)
+            _send_once_waiting(model, scheme, replica, receiver, waiting, step)
             assert woken_by_ring[-1], "the wait before the version was not ended by the sender's ring"
         assert _transport(receiver).bell.rings >= 2
     finally:
@@ -144,13 +149,13 @@ def test_the_ring_carries_the_announcement_so_the_worker_reads_no_store_key_for_
     """Each ring carries the sealed announcement the sender wrote to the store: the worker takes it from the ring
     (checked as the store's copy is), and reads the store for it only when no ring carried it."""
     carried: list[bytes | None] = []
-    real = transport_module.DistributedTransport._rung
+    real = doorbell.Doorbell.take
 
-    def rung(self, key):
-        carried.append(real(self, key))
+    def take(self, check):
+        carried.append(real(self, check))
         return carried[-1]
 
-    monkeypatch.setattr(transport_module.DistributedTransport, "_rung", rung)
+    monkeypatch.setattr(doorbell.Doorbell, "take", take)
     # The worker looks only when a ring ends its wait (no periodic look), and the sender sends only once the
     # worker waits: its look before waiting cannot find the store's copy before the ring comes.
     monkeypatch.setattr(transport_module, "LOOK_AGAIN_S", 3600.0)
@@ -158,15 +163,7 @@ def test_the_ring_carries_the_announcement_so_the_worker_reads_no_store_key_for_
     model, scheme, replica, receiver = _pair()
     try:
         for step in (1, 2, 3):
-            waiting.clear()
-            thread, got = _receive_in_thread(receiver, 30)
-            assert waiting.wait(60), "the worker never waited on its doorbell"
-            optimizer_step(model, step)
-            scheme.send_async()
-            thread.join(90)
-            scheme.wait_async()
-            assert got and got[0] is not None, got
-            assert receiver.version == step and checksum(replica) == checksum(model)
+            _send_once_waiting(model, scheme, replica, receiver, waiting, step)
         assert sum(raw is not None for raw in carried) == 3, carried  # each version's announcement, from its ring
     finally:
         receiver.shutdown()

@@ -15,6 +15,7 @@ import weightsync as ws
 from tests._workers import build, connect_pair
 from weightsync.tensors.strategy import flatten_weights
 from weightsync.transports.local.channel import Channel
+from weightsync.transports.local.mp import MPTransport
 
 SCHEMES = {
     "multiprocess": lambda: ws.MultiProcessWeightSyncScheme(timeout=20, connect_timeout=30),
@@ -180,16 +181,22 @@ def test_take_waits_past_a_slots_share_for_the_update_that_names_it(monkeypatch)
     reads the share before the update is written goes on waiting for the update (it once returned ``None`` there,
     long before its timeout)."""
     model, sender, receiver, program = _pair("shared_mem", lambda m: Program(_spec(m)))  # (its first send: a new slot)
-    send = Channel.send
+    send, map_slot = Channel.send, MPTransport._map_slot
+    mapped = threading.Event()
+
+    def mapping(transport, msg):
+        map_slot(transport, msg)
+        mapped.set()
 
     def late_update(channel, msg):
         if msg.get("op") == "update":
-            time.sleep(0.5)  # the share is on the wire and read; the update comes later
+            assert mapped.wait(20), "the worker never read the slot's share"  # the update comes after it was read
         send(channel, msg)
 
     try:
         connect_pair(sender, receiver, timeout=60)
         monkeypatch.setattr(Channel, "send", late_update)
+        monkeypatch.setattr(MPTransport, "_map_slot", mapping)
         sent = threading.Thread(target=sender.send)
         sent.start()
         pending = receiver.take(timeout=20)

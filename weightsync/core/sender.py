@@ -287,7 +287,7 @@ class Sender:
             live = ledger.live(targets)
             out = Outgoing(version, flat, whole, live, initial)
             # First: an engine stages the whole version only for workers not sent changes.
-            self.changes.plan(out, ledger.peers, getattr(self.engine, "takes_deltas", False))
+            self.changes.plan(out, ledger.peers, self.engine.takes_deltas)
             try:
                 staged = self.engine.stage(out, deadline)
             except BaseException:

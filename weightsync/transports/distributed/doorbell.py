@@ -22,14 +22,14 @@ Why not a message on the process group, or the store's own wait:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 
 import torch.distributed as dist
 
-from ...errors import first_line
+from ...errors import WeightSyncError, first_line
 
 __all__ = ["IDLE_S", "KEPT", "LAST", "MAX_SAID_BYTES", "Doorbell", "ring"]
 
@@ -109,16 +109,18 @@ class Doorbell:
                 self.ended = why
             self._cond.notify_all()
 
-    def said(self) -> list[bytes]:
-        """What the rings kept carried, oldest first (unchecked: anyone may ring)."""
+    def take(self, check: Callable[[bytes], object]) -> bytes | None:
+        """The oldest thing a ring carried that ``check`` accepts (it raises a :class:`WeightSyncError` for what it
+        refuses: anyone may ring), taken out of those kept; ``None`` if none is."""
         with self._cond:
-            return list(self._said)
-
-    def forget(self, said: bytes) -> None:
-        """Drop ``said`` (taken, or no longer awaited)."""
-        with self._cond:
-            with contextlib.suppress(ValueError):
+            for said in self._said:
+                try:
+                    check(said)
+                except WeightSyncError:
+                    continue
                 self._said.remove(said)
+                return said
+        return None
 
     def wait(self, seen: int, timeout: float) -> None:
         """Wait until the bell rang since the count was ``seen``, at most ``timeout`` seconds (at once if it stopped

@@ -49,6 +49,7 @@ from ..staging import Staging, StagingPool
 from ..store import open_store, store_set
 from .auth import MAC, Sealer, layout_tag, new_nonce, run_prefix
 from .group import gpu_identity, new_group_within
+from .messages import announcement
 from .rejoins import RejoinRequests, read_hello
 from .settings import DistributedSettings
 from .transport import ACK_OK, DistributedTransport, Link
@@ -220,7 +221,7 @@ class DistributedSender(SenderEngine):
         self._nonce = new_nonce()
         if out.initial:
             assert self.store is not None
-            said = {"version": out.version, "nonce": self._nonce, "mac": MAC}
+            said = announcement(out.version, self._nonce, MAC)
             store_set(self.store, "initial", self.sealer.seal("initial", json.dumps(said)))
         return staging
 
@@ -450,7 +451,7 @@ class DistributedSender(SenderEngine):
             return None
         staging, version, payload_digest, nonce = self.newest
         try:
-            said = {"version": version, "nonce": nonce, "mac": MAC}
+            said = announcement(version, nonce, MAC)
             store_set(pair, "initial", transport.sealer.seal("initial", json.dumps(said)))
             transport.announce(version, nonce, MAC, initial=True)
             staging.readers[w] = [transport.send_part(staging.tensor[start:end]) for *_, start, end in self.buckets]

@@ -43,11 +43,11 @@ from ...errors import (
     first_line,
 )
 from ..base import PeerTransport
-from ..plainjson import loads_object
-from ..store import MAX_STORE_JSON, as_timedelta, store_json, store_set
-from .auth import ACK_TAG_WORDS, MACS, PayloadMac, Sealer
+from ..store import as_timedelta, store_json, store_set
+from .auth import ACK_TAG_WORDS, PayloadMac, Sealer
 from .doorbell import Doorbell, ring
 from .group import Waiter, is_timeout
+from .messages import announcement, checked_announcement
 
 if TYPE_CHECKING:
     from ...core.engine import Sink
@@ -190,12 +190,7 @@ class DistributedTransport(PeerTransport):
         seq = 0 if initial else self.seq + 1
         if not initial:
             key = f"msg/{self.worker_idx}/{seq}"
-            said: dict[str, Any] = {"version": version, "nonce": nonce, "mac": mac}
-            if delta is not None:
-                said["delta"] = delta
-            if taken:
-                said["taken"] = True
-            sealed = self.sealer.seal(key, json.dumps(said))
+            sealed = self.sealer.seal(key, json.dumps(announcement(version, nonce, mac, delta, taken)))
             store_set(store, key, sealed)
             ring(store, self.bell_key, said=sealed)  # a worker waiting for it takes it now (checked as the key's)
         self.seq = seq
@@ -340,7 +335,8 @@ class DistributedTransport(PeerTransport):
         try:
             while True:
                 rang = self.bell.rings if self.bell is not None else 0  # counted before the look: none is missed
-                raw = self._rung(key)
+                # The copy the sender's ring carried, if one did and it opens under this key.
+                raw = self.bell.take(lambda said: self.sealer.open(said, key)) if self.bell is not None else None
                 if raw is not None:
                     break
                 if store.check([key]):
@@ -356,23 +352,9 @@ class DistributedTransport(PeerTransport):
         except dist.DistError as exc:
             raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
         self._spent.append(key)
-        msg = _announcement(self.sealer.open(raw, key, **self._where()), key, **self._where())
+        msg = checked_announcement(self.sealer.open(raw, key, **self._where()), key, **self._where())
         self.seq += 1
         return msg
-
-    def _rung(self, key: str) -> bytes | None:
-        """The announcement at ``key`` as a ring of the doorbell carried it, if one did and it opens with the run
-        key under ``key`` (what else the bell kept is someone else's, or another message's: not taken)."""
-        if self.bell is None:
-            return None
-        for said in self.bell.said():
-            try:
-                self.sealer.open(said, key)
-            except AuthenticationError:
-                continue
-            self.bell.forget(said)
-            return said
-        return None
 
     def hang_up(self) -> None:
         """Stop listening for the doorbell (the worker closes, or rejoined through a new transport)."""
@@ -465,7 +447,7 @@ class DistributedTransport(PeerTransport):
             raise ConnectionClosedError(
                 f"the sender named no initial version ({first_line(exc)})", **self._where()
             ) from None
-        msg = _announcement(content, "initial", **self._where())
+        msg = checked_announcement(content, "initial", **self._where())
         if "version" not in msg:
             raise TransportError("store key 'initial' names no version; refusing it", **self._where())
         return msg
@@ -498,23 +480,3 @@ class DistributedTransport(PeerTransport):
 
     def check_connection(self) -> bool:
         return super().check_connection() and self.link.pg is not None
-
-
-def _announcement(content: bytes, key: str, **where: Any) -> dict[str, Any]:
-    """An opened announcement, checked to be one of the three a sender writes."""
-    msg = loads_object(content, f"store key {key!r}", max_bytes=MAX_STORE_JSON)
-    version, nonce = msg.get("version"), msg.get("nonce")
-    if (
-        set(msg) - {"delta", "taken"} == {"version", "nonce", "mac"}
-        and isinstance(msg.get("delta", {}), dict)
-        and msg.get("taken", True) is True
-        and type(version) is int
-        and version >= 0
-        and isinstance(nonce, str)
-        and 0 < len(nonce) <= 64
-        and msg["mac"] in MACS
-    ):
-        return msg
-    if msg == {"closed": True} or (set(msg) == {"dropped"} and isinstance(msg["dropped"], str)):
-        return msg
-    raise TransportError(f"store key {key!r} holds no announcement a sender makes; refusing it", **where)

@@ -1,0 +1,51 @@
+"""The announcements a ``distributed`` sender writes for a worker (sealed, in the store and on its doorbell), and
+the check a worker makes of one once it opened it: both sides of their shape in one place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import TransportError
+from ..plainjson import loads_object
+from ..store import MAX_STORE_JSON
+from .auth import MACS
+
+__all__ = ["announcement", "checked_announcement"]
+
+
+def announcement(
+    version: int, nonce: str, mac: str, delta: dict[str, Any] | None = None, taken: bool = False
+) -> dict[str, Any]:
+    """What a sender says of message ``version``: its one-time key ``nonce`` and ``mac``; ``delta``: the description
+    of the changes its one part holds; ``taken``: the worker is to say when it took it."""
+    said: dict[str, Any] = {"version": version, "nonce": nonce, "mac": mac}
+    if delta is not None:
+        said["delta"] = delta
+    if taken:
+        said["taken"] = True
+    return said
+
+
+def checked_announcement(content: bytes, key: str, **where: Any) -> dict[str, Any]:
+    """An opened announcement (read at ``key``), checked to be one a sender writes: :func:`announcement`'s,
+    ``{"closed": True}`` or ``{"dropped": str}``.
+
+    Raises:
+        TransportError: it is none of these.
+    """
+    msg = loads_object(content, f"store key {key!r}", max_bytes=MAX_STORE_JSON)
+    version, nonce = msg.get("version"), msg.get("nonce")
+    if (
+        set(msg) - {"delta", "taken"} == {"version", "nonce", "mac"}
+        and isinstance(msg.get("delta", {}), dict)
+        and msg.get("taken", True) is True
+        and type(version) is int
+        and version >= 0
+        and isinstance(nonce, str)
+        and 0 < len(nonce) <= 64
+        and msg["mac"] in MACS
+    ):
+        return msg
+    if msg == {"closed": True} or (set(msg) == {"dropped"} and isinstance(msg["dropped"], str)):
+        return msg
+    raise TransportError(f"store key {key!r} holds no announcement a sender makes; refusing it", **where)

@@ -11,13 +11,25 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
 import weightsync as ws
 from tests._workers import build, connect_pair
 from weightsync.errors import ConfigurationError
-from weightsync.tensors.delta import BITMAP, PATCH, SAME, WHOLE, Delta, apply_delta, body_size, chunks_of
+from weightsync.tensors.compare import ROOM, scan
+from weightsync.tensors.delta import (
+    BITMAP,
+    PATCH,
+    SAME,
+    WHOLE,
+    Delta,
+    apply_delta,
+    body_size,
+    changes_bytes,
+    chunks_of,
+)
 from weightsync.tensors.delta_base import DeltaBase
 from weightsync.tensors.layout import FlatLayout
 
@@ -119,6 +131,60 @@ def test_most_changed_goes_whole_under_auto_and_nothing_changed_sends_nothing():
     moved = {k: v + 1 for k, v in flat.items()}
     whole = base.update(moved, 2)
     assert whole is not None and set(whole.kinds) == {WHOLE} and whole.nbytes == layout.nbytes
+
+
+@pytest.mark.parametrize("more", [0, 1], ids=["at-the-bound", "one-past"])
+def test_a_chunk_goes_whole_exactly_when_a_patch_would_not_be_smaller(more):
+    flat = {"w": torch.zeros(50_000, dtype=torch.float32)}
+    layout = FlatLayout.from_weights(flat)
+    base = DeltaBase(layout)
+    base.update(flat, 0)
+    (chunk,) = base.chunks
+    most = next(n for n in range(chunk.words, 0, -1) if changes_bytes(n, chunk)[1] < chunk.end - chunk.start)
+    new = flat["w"].clone()
+    new[torch.randperm(chunk.words, generator=torch.Generator().manual_seed(3))[: most + more]] = 1.0
+    delta = base.update({"w": new}, 1)
+    assert delta is not None and delta.kinds == ([WHOLE] if more else [changes_bytes(most, chunk)[0]])
+    assert torch.equal(base.buffer, _bytes(layout, {"w": new}))
+
+
+def test_tensors_that_start_off_an_8_byte_boundary_are_compared_as_well():
+    whole = torch.randn(20_001, generator=torch.Generator().manual_seed(4))
+    flat = {"a": whole[1:10_001], "b": whole[10_001:]}  # views 4 bytes past 8-byte boundaries
+    layout = FlatLayout.from_weights(flat)
+    base = DeltaBase(layout)
+    base.update(flat, 0)
+    old = base.buffer.clone()
+    whole[[2, 9_999, 10_002, 20_000]] += 1.0
+    delta = base.update(flat, 1)
+    assert delta is not None and sum(delta.counts) == 4
+    apply_delta(old, base.chunks, delta)
+    assert torch.equal(old, _bytes(layout, flat)) and torch.equal(base.buffer, old)
+
+
+@pytest.mark.parametrize("word", [np.uint8, np.int16, np.int32, np.int64])
+def test_one_pass_finds_every_changed_word_and_stops_past_the_most_it_may_find(word):
+    rng = np.random.default_rng(5)
+    itemsize = np.dtype(word).itemsize
+    for size in [0, 1, 7, 128 * 8 // itemsize - 1, 128 * 8 // itemsize + 3, 5000]:
+        for changed in [0, 1, 3, size // 50, size // 3, size]:
+            old = rng.integers(0, 100, size).astype(word)
+            new = old.copy()
+            where = np.sort(rng.choice(size, min(changed, size), replace=False))
+            new[where] += 1
+            for most in sorted({0, where.size - 1, where.size, where.size + 1, size} - {-1}):
+                at, values = np.empty(most + ROOM, np.int32), np.empty(most + ROOM, word)
+                mine = old.copy()
+                n = scan(new, mine, 10, at, values, 0, most)
+                if where.size > most:
+                    assert n == -1, (size, changed, most)
+                else:
+                    assert (
+                        n == where.size
+                        and np.array_equal(at[:n], where + 10)
+                        and np.array_equal(values[:n], new[where])
+                    )
+                    assert np.array_equal(mine, new)
 
 
 def test_changes_that_do_not_fit_are_refused_before_anything_is_written():

@@ -1,8 +1,8 @@
 """The trainer's copy of the newest version's bytes, and the comparison of each next version with it.
 
 :class:`DeltaBase` compares chunk by chunk (:mod:`~weightsync.tensors.delta` says what a chunk is and how its changes
-travel): as 8-byte words first, then the changed ones word by word, or word by word over a piece where many changed;
-vectorized numpy calls, no loop over values; on torch's threads, which read memory faster than one.
+travel), each in one compiled pass (:mod:`~weightsync.tensors.compare`), on torch's threads, which read memory
+faster than one.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from .compare import ROOM, scan
 from .delta import (
     CHUNK_BYTES,
     MAX_THREADS,
@@ -34,18 +36,16 @@ from .layout import FlatLayout
 
 __all__ = ["DeltaBase", "wire_sources"]
 
-#: Past one changed 8-byte word in this many, a piece is compared word by word rather than by gathering them.
-DIRECT_SHARE = 16
-
 
 class DeltaBase:
     """The trainer's copy of the newest version's bytes, against which the next version's delta is computed.
 
-    One buffer of the layout's size (host memory, padding zero), and per thread a mask of one byte per 8 of a
-    chunk: what deltas cost the trainer in memory. :meth:`update` compares the next version with it chunk by
-    chunk (a comparison of 8-byte words, then of the changed words' own words), on as many threads as torch's
-    (the comparison reads memory; one core does not read it as fast as two), and writes the changes into it: no
-    copy of the model is made, the base becomes the new version by the changes alone.
+    One buffer of the layout's size (host memory, padding zero), and per thread room for one chunk's changed
+    positions and values (under ``whole_if_larger``, less than the chunk's bytes; without it, up to 5 times those for
+    1-byte words): what deltas cost the trainer in memory. :meth:`update` compares the next version with it chunk by
+    chunk, one pass per chunk that finds the changes and writes them into the buffer, on as many threads as torch's
+    (the comparison reads memory; one core does not read it as fast as two): no copy of the model is made, the base
+    becomes the new version by the changes alone.
 
     Args:
         layout: the versions' layout.
@@ -58,7 +58,8 @@ class DeltaBase:
         self.buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
         #: The version the buffer holds (``None``: none yet).
         self.version: int | None = None
-        self._mask_bytes = max(c.end - c.start for c in self.chunks) // 8 + 8
+        #: Per chunk, the most changed words a patch of which is smaller than the chunk.
+        self._most = {chunk: _most_changes(chunk) for chunk in self.chunks}
         self._local = threading.local()
         self._views = layout.views(self.buffer)
 
@@ -118,7 +119,6 @@ class DeltaBase:
         at, values = found
         if not at.size:
             return SAME, 0, None
-        buffer[chunk.start : chunk.end].view(np_word(chunk))[at] = values
         kind, _ = changes_bytes(int(at.size), chunk)
         return kind, int(at.size), (chunk, kind, at, values)
 
@@ -132,69 +132,41 @@ class DeltaBase:
 
     def _changes(self, chunk: Chunk, compared: _Comparison) -> tuple[np.ndarray, np.ndarray] | None:
         """The positions (in ``chunk.word`` words from its start) and new values of the words that changed in
-        ``chunk``; ``None`` (under ``whole_if_larger``) once so many changed that a patch of them would be larger
-        than the chunk."""
+        ``chunk``, which the buffer then holds; ``None`` (under ``whole_if_larger``) once so many changed that a
+        patch of them would be larger than the chunk (the buffer there is then partly up to date)."""
         word = np_word(chunk)
-        size = chunk.itemsize
-        found_at: list[np.ndarray] = []
-        found_values: list[np.ndarray] = []
-        limit = (chunk.end - chunk.start) if compared.whole_if_larger else None
-        buffer = compared.buffer
-        mask = getattr(self._local, "mask", None)
-        if mask is None:
-            mask = self._local.mask = np.empty(self._mask_bytes, dtype=np.bool_)
+        most = self._most[chunk] if compared.whole_if_larger else chunk.words
+        at, values = self._scratch(word, most + ROOM)
+        n = 0
         for offset, data in compared.within(chunk):
             start, end = max(offset, chunk.start), min(offset + data.size, chunk.end)
-            new, old = data[start - offset : end - offset], buffer[start:end]
-            first = (start - chunk.start) // size
-            wide = (end - start) // 8 * 8  # compared as 8-byte words, then the changed ones word by word
-            hit = _changed_words(new[:wide].view(np.int64), old[:wide].view(np.int64), mask)
-            if size < 8 and hit.size * DIRECT_SHARE > wide // 8:
-                # Many changed: word by word over the piece costs less than gathering the changed 8-byte words.
-                news, olds = new[: (end - start) // size * size].view(word), old[: (end - start) // size * size]
-                differ = news != olds.view(word)
-                if limit is not None and changes_bytes(int(np.count_nonzero(differ)), chunk)[1] >= limit:
-                    return None  # counted, not gathered: the chunk goes whole
-                sub = np.flatnonzero(differ)
-                found_at.append(first + sub)
-                found_values.append(news[sub])
-            else:
-                if hit.size:
-                    per = 8 // size
-                    got = new[:wide].view(np.int64)[hit].view(word).reshape(-1, per)
-                    had = old[:wide].view(np.int64)[hit].view(word).reshape(-1, per)
-                    sub = np.flatnonzero(got != had)
-                    shift = per.bit_length() - 1  # (per is a power of two: shifts cost less than divisions)
-                    found_at.append(first + ((hit[sub >> shift] << shift) | (sub & (per - 1))))
-                    found_values.append(got.reshape(-1)[sub])
-                if wide < end - start:  # a tail shorter than 8 bytes
-                    tail_new, tail_old = new[wide:].view(word), old[wide:].view(word)
-                    sub = np.flatnonzero(tail_new != tail_old)
-                    found_at.append(first + wide // size + sub)
-                    found_values.append(tail_new[sub])
-            if limit is not None and changes_bytes(sum(int(a.size) for a in found_at), chunk)[1] >= limit:
+            # (a piece holds whole words: tensors are whole elements, chunks start at a tensor's 64-byte offset)
+            new, old = data[start - offset : end - offset].view(word), compared.buffer[start:end].view(word)
+            n = scan(new, old, (start - chunk.start) // chunk.itemsize, at, values, n, most)
+            if n < 0:
                 return None
-        if not found_at:
-            return np.empty(0, dtype=np.int64), np.empty(0, dtype=word)
-        if len(found_at) == 1:
-            return found_at[0], found_values[0]
-        return np.concatenate(found_at), np.concatenate(found_values)
+        return at[:n].copy(), values[:n].copy()
+
+    def _scratch(self, word: np.dtype[Any], words: int) -> tuple[np.ndarray, np.ndarray]:
+        """This thread's room for ``words`` changed positions and values (``word`` values)."""
+        room = getattr(self._local, "room", None)
+        if room is None:
+            room = self._local.room = {}
+        if word not in room or room[word][0].size < words:
+            room[word] = (np.empty(words, dtype=np.int32), np.empty(words, dtype=word))
+        return room[word]
 
 
-def _changed_words(new: np.ndarray, old: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """The positions where the int64 arrays ``new`` and ``old`` differ (``mask``: scratch of at least their size
-    plus 8). The comparison's mask is searched 8 bytes at a time, then only the groups of 8 that hold a change:
-    sparse changes cost a fraction of one ``flatnonzero`` over the whole mask."""
-    n = new.size
-    np.not_equal(new, old, out=mask[:n])
-    groups = -(-n // 8)
-    mask[n : groups * 8] = False
-    packed = mask[: groups * 8].view(np.uint64)
-    marked = np.flatnonzero(packed != 0)  # (numpy finds the true ones of a bool array faster than the nonzero words)
-    if marked.size * 4 > groups:  # dense: the plain search is as cheap
-        return np.flatnonzero(mask[:n])
-    lanes = np.flatnonzero(packed[marked].view(np.bool_))
-    return marked[lanes >> 3] * 8 + (lanes & 7)
+def _most_changes(chunk: Chunk) -> int:
+    """The most changed words of ``chunk`` whose patch (or bitmap) is smaller than the chunk's bytes."""
+    low, high = 0, chunk.words  # changes_bytes grows with the count: the largest count under the chunk's bytes
+    while low < high:
+        mid = (low + high + 1) // 2
+        if changes_bytes(mid, chunk)[1] < chunk.end - chunk.start:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """vLLM engines as weightsync workers (``docs/vllm.md``).
 
 In the trainer, any weightsync scheme serves running vLLM engines given as its context
-(:class:`~weightsync.integrations.vllm.driver.VLLMEngines`); in each vLLM worker process, weightsync is a
+(:class:`~weightsync.integrations.vllm.engines.VLLMEngines`); in each vLLM worker process, weightsync is a
 weight-transfer backend (``weight_transfer_config={"backend": "weightsync"}``), which vLLM finds through the
 plugin :func:`register` (the ``vllm.general_plugins`` entry point ``weightsync``).
 """
@@ -27,7 +27,7 @@ def register() -> None:
 
 def __getattr__(name: str) -> Any:
     if name == "VLLMEngines":
-        from .driver import VLLMEngines
+        from .engines import VLLMEngines
 
         return VLLMEngines
     if name == "VLLMWeightSyncScheme":

@@ -24,13 +24,10 @@ An engine whose calls fail is a failed worker, named; one that does not answer i
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ... import errors
@@ -38,124 +35,15 @@ from ...core.drivers import Driver
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import remaining
 from ...errors import ConfigurationError, LifecycleError, WeightSyncError
-from .clients import PAUSE_MODES, EngineClient, RayActorClient, engine_client
+from .clients import EngineClient
+from .engines import VLLMEngines
 
-__all__ = ["EngineTiming", "VLLMDriver", "VLLMEngines"]
+__all__ = ["VLLMDriver"]
 
 log = logging.getLogger("weightsync.vllm")
 
 #: The longest slice the sender waits on its engine while an engine's calls are also under way (seconds).
 SLICE_S = 0.002
-
-
-#: How many :class:`EngineTiming` records :class:`VLLMEngines` keeps.
-KEPT = 1000
-
-
-@dataclass(frozen=True)
-class EngineTiming:
-    """One engine's calls for one version.
-
-    Attributes:
-        worker: the engine's worker index.
-        version: the version.
-        seconds: from its pause to its resume (``paused``: how long it did not generate), else from its
-            ``start_weight_update`` call to its prefix cache's reset.
-        paused: the engine was paused.
-    """
-
-    worker: int
-    version: int
-    seconds: float
-    paused: bool
-
-
-class VLLMEngines:
-    """The vLLM engines one trainer's scheme serves: give it as ``init_on_sender(context=...)``.
-
-    Args:
-        engines: one per worker, in worker order: a ``vllm.LLM``, an ``AsyncLLM`` (with ``loop``), the URL of a
-            ``vllm serve`` server run with ``VLLM_SERVER_DEV_MODE=1``, here or on another host
-            (``"http://host:8000"``, or vLLM's ``HTTPVLLMWeightSyncClient`` of it: paused through its routes), or
-            a Ray actor holding an engine (its handle; ``ray.remote(vllm.LLM)``), or any object with vLLM's
-            trainer-side calls (``RayVLLMWeightSyncClient``). Each was started with
-            ``weight_transfer_config={"backend": "weightsync"}``.
-        pause_mode: what requests in flight do while an engine loads a version: ``"keep"`` (frozen, then
-            continued under the new version), ``"wait"`` (finished under the old one first), ``"abort"``, or
-            ``"none"`` (no pause: an ``LLM`` driven between its ``generate`` calls has nothing in flight). Engines
-            that cannot pause (an ``LLM``, in an actor or not; vLLM's ``RayVLLMWeightSyncClient``) are not paused
-            whatever the mode.
-        loop: the event loop an ``AsyncLLM`` runs on (running in another thread than the trainer's sends).
-
-    Raises:
-        ConfigurationError: an unknown pause mode, no engine, or an engine that is not one.
-    """
-
-    def __init__(
-        self, engines: Sequence[Any], *, pause_mode: str = "keep", loop: asyncio.AbstractEventLoop | None = None
-    ) -> None:
-        if pause_mode not in PAUSE_MODES:
-            raise ConfigurationError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
-        if isinstance(engines, (str, bytes)) or not isinstance(engines, Sequence) or not engines:
-            raise ConfigurationError("VLLMEngines needs a non-empty list of engines, one per worker")
-        self.pause_mode = pause_mode
-        self.loop = loop
-        self.clients: list[EngineClient] = [engine_client(e, f"vLLM engine {i}", loop) for i, e in enumerate(engines)]
-        self.num_workers = len(self.clients)
-        self._gate: _Gate | None = None
-        #: The last updates' calls, per engine (newest last, at most :data:`KEPT`): see :meth:`record`.
-        self.timings: list[EngineTiming] = []
-        self._timings_lock = threading.Lock()
-
-    @property
-    def remote_collectors(self) -> list[Any]:
-        """The Ray actors holding the engines, for a Ray scheme (whose updates are calls into each actor).
-
-        Raises:
-            ConfigurationError: an engine is not a Ray actor."""
-        actors = [c.target for c in self.clients if isinstance(c, RayActorClient)]
-        if len(actors) != self.num_workers:
-            raise ConfigurationError(
-                "a Ray scheme reaches vLLM engines held by Ray actors: give VLLMEngines each engine's actor handle "
-                "(ray.remote(vllm.LLM)...), or use another transport"
-            )
-        return actors
-
-    def record(self, worker: int, version: int, seconds: float, *, paused: bool) -> None:
-        """Note how long engine ``worker``'s calls for ``version`` took: from its pause to its resume when it was
-        paused (how long it did not generate), else from ``start_weight_update`` to the reset of its prefix cache."""
-        with self._timings_lock:
-            self.timings.append(EngineTiming(worker, version, seconds, paused))
-            del self.timings[:-KEPT]
-
-    def replace(self, worker_idx: int, engine: Any, timeout: float | None = None) -> None:
-        """Serve ``engine`` as worker ``worker_idx`` from now on (an engine restarted after the old one died or was
-        dropped): it joins the trainer (the scheme's engine takes the worker back), then the trainer's weights are
-        sent to it alone as a new version, which it serves when this returns. (The newest version the trainer
-        published may have reached no one: published while this worker was gone, to no other.)
-
-        Raises:
-            LifecycleError: the scheme these engines serve is not connected.
-            ConfigurationError: no such worker, ``engine`` is not an engine, or the scheme's engine does not take
-                workers back.
-            WeightSyncError: the engine could not join (named), or not within ``timeout`` (default: the scheme's
-                ``connect_timeout``); or the send to it failed.
-        """
-        gate = self._gate
-        if gate is None:
-            raise LifecycleError("VLLMEngines.replace: the scheme these engines serve is not connected")
-        if type(worker_idx) is not int or not 0 <= worker_idx < self.num_workers:
-            raise ConfigurationError(f"worker_idx must be an int in [0, {self.num_workers}), got {worker_idx!r}")
-        if not gate.takes_back:
-            raise ConfigurationError(
-                f"{type(gate.scheme).__name__}'s engine does not take a worker back: a restarted engine cannot rejoin "
-                "it (restart the trainer's scheme instead)"
-            )
-        self.clients[worker_idx] = engine_client(engine, f"vLLM engine {worker_idx}", self.loop)
-        gate.rejoin(worker_idx, gate.core.connect_timeout if timeout is None else float(timeout))
-        gate.scheme.send(worker_ids=[worker_idx])
-        if not gate.scheme.sync:
-            gate.scheme.wait_async()
 
 
 class _Gate(SenderEngine):
@@ -504,12 +392,12 @@ class VLLMDriver(Driver, name="vllm"):
             return sink
         if engines._gate is not None:
             raise ConfigurationError("these VLLMEngines already serve another scheme: give each scheme its own")
-        engines._gate = _Gate(engines, scheme, sink)
-        return engines._gate
+        gate = engines._gate = _Gate(engines, scheme, sink)
+        return gate
 
     def around(self, scheme: Any, engine: SenderEngine) -> SenderEngine:
         gate = scheme.context._gate if isinstance(scheme.context, VLLMEngines) else None
-        if gate is None:
+        if not isinstance(gate, _Gate):
             return engine
         gate.adopt(engine)
         return gate

@@ -10,7 +10,7 @@ from ... import registry
 from ...core.scheme import WeightSyncScheme
 from ...errors import ConfigurationError
 from .clients import PAUSE_MODES
-from .driver import VLLMEngines
+from .engines import VLLMEngines
 
 __all__ = ["VLLMWeightSyncScheme"]
 

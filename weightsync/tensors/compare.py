@@ -13,12 +13,12 @@ one per word dtype.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ROOM", "scan"]
+__all__ = ["ROOM", "prepare", "scan"]
 
 #: 8-byte words tested together before any one of them is looked at (1 KB).
 BLOCK = 128
@@ -51,6 +51,14 @@ def scan(new: np.ndarray, old: np.ndarray, first: int, at: np.ndarray, values: n
             most,
         )
     )
+
+
+def prepare(words: Iterable[np.dtype[Any]]) -> None:
+    """Compile (or load from numba's cache) the loop for each of ``words``, so that the first comparison does not
+    pay for it (about 1.5 s for four word sizes compiled, 0.4 s loaded from the cache)."""
+    for word in set(words):
+        empty = np.zeros(0, dtype=word)
+        scan(empty, empty.copy(), 0, np.empty(ROOM, dtype=np.int32), np.empty(ROOM, dtype=word), 0, 0)
 
 
 @functools.cache

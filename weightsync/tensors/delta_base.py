@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .compare import ROOM, scan
+from .compare import ROOM, prepare, scan
 from .delta import (
     CHUNK_BYTES,
     MAX_THREADS,
@@ -88,6 +88,7 @@ class DeltaBase:
         if base is None:
             for slot in self.layout.slots:
                 self._views[slot.key].copy_(sources[slot.key])
+            prepare(np_word(chunk) for chunk in self.chunks)  # (the first version, at connect, pays for it)
             self.version = version
             return None
         pieces = self._pieces(sources)

@@ -455,6 +455,27 @@ def agents_listen_on_loopback_only(scheme, workers):
     scheme.shutdown()
 
 
+def agents_sit_idle_between_sends(scheme, workers):
+    """Between sends the RPC agents of the trainer and of its workers use no core: TensorPipe's shared-memory
+    transport, which weightsync does not start, polls on a thread that never sleeps (a core per process)."""
+    import os
+    import time
+
+    import psutil
+
+    scheme.init_on_sender(model_id="policy", model=build("tiny"), num_workers=2)
+    group, ready = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    assert all(errors == {} for _, _, errors in ready)
+    scheme.send()
+    procs = [psutil.Process(pid) for pid in (os.getpid(), *(proc.pid for proc in group.procs))]
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    time.sleep(2.0)
+    used = [round(sum(p.cpu_times()[:2]) - b, 2) for p, b in zip(procs, before)]
+    assert max(used) < 0.5, f"CPU seconds in 2 s idle, trainer then workers: {used}"  # a poller: about 2 each
+    group.stop()
+    scheme.shutdown()
+
+
 def restarted_worker_is_refused_with_the_reason(scheme, workers):
     """A worker that died and is started again under its index is refused at once, with the reason; the
     others are still served."""

@@ -46,6 +46,8 @@ log = logging.getLogger("weightsync.transports.rpc")
 RENDEZVOUS_SCHEME = "weightsync"
 
 SENDER_NAME = "weightsync-trainer"
+#: The TensorPipe transports of an agent weightsync starts (:func:`backend_options`).
+TRANSPORTS = ["uv"]
 #: Seconds a clean shutdown waits for the other processes of the RPC world to shut down too.
 GRACEFUL_S = 3.0
 
@@ -200,9 +202,7 @@ def start_agent(
             # init_rpc prefixes its keys with a per-process counter: both sides must use the sender's.
             with rpc._init_counter_lock:
                 rpc._init_counter = sess.counter
-            options = rpc.TensorPipeRpcBackendOptions(
-                init_method=f"{RENDEZVOUS_SCHEME}://{sess.token}", rpc_timeout=timeout
-            )
+            options = backend_options(f"{RENDEZVOUS_SCHEME}://{sess.token}", timeout)
             # TensorPipe, and the gloo group init_rpc forms for itself, listen on the address the host name
             # resolves to, unless told an interface: name the one that reaches the sender (loopback for a local
             # sender), so a single-host run stays on 127.0.0.1 and a worker on another host is reachable.
@@ -219,6 +219,19 @@ def start_agent(
         finally:
             _STORES.pop(sess.token, None)
         sess.started = True
+
+
+def backend_options(init_method: str, timeout: float) -> rpc.TensorPipeRpcBackendOptions:
+    """TensorPipe's options for an agent weightsync starts: its TCP transport (``uv``) alone. TensorPipe's
+    shared-memory transport polls its rings on a thread that never sleeps: each process of the world would keep a
+    core busy for as long as it lives (measured: 3.0 s of CPU in 3 s idle, none with ``uv`` alone), which on a
+    trainer's host takes a core from the training and from the sends. Tensors between processes of one host still
+    go through TensorPipe's cross-process copy (its ``cma`` channel) where the host allows it. (``_transports`` is
+    an argument of torch's since 1.8, underscored: without it, torch's default.)"""
+    try:
+        return rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout, _transports=TRANSPORTS)
+    except TypeError:  # pragma: no cover - a torch without the argument
+        return rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout)
 
 
 def _await_world(sess: Session, store: dist.Store, timeout: float, waiting: Waiting | None, **where: Any) -> None:

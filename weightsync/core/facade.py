@@ -1,11 +1,12 @@
-"""The older API, for code written against it: ``get_sender()``/``WeightSender``, ``get_receiver()``/
-``WeightReceiver``, ``create_transport(...)``, and the older transports' ``send_to``/``wait_for``. (The older names
-of the lifecycle's calls are the scheme's own: :class:`~weightsync.core.scheme.WeightSyncScheme`.)"""
+"""The older API, for code written against it: the lifecycle's older names (``init_on_worker``,
+``setup_connection_and_weights``, ``synchronize_weights``), ``apply_weights``, ``get_sender()``/``WeightSender``,
+``get_receiver()``/``WeightReceiver``, ``create_transport(...)``, and the older transports' ``send_to``/``wait_for``,
+each over the scheme's own calls (:class:`~weightsync.core.scheme.WeightSyncScheme`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import ConfigurationError, LifecycleError
 from .properties import SchemeProperties
@@ -63,6 +64,35 @@ class SchemeFacades(SchemeProperties):
 
     sender_facade: ClassVar[type] = WeightSender
     receiver_facade: ClassVar[type] = WeightReceiver
+
+    if TYPE_CHECKING:  # the lifecycle's calls, the scheme's own (:class:`~weightsync.core.scheme.WeightSyncScheme`)
+
+        def init_on_receiver(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None: ...
+
+        def connect(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def init_on_worker(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
+        """Older name of :meth:`init_on_receiver`."""
+        self.init_on_receiver(model_id, context, **kwargs)
+
+    def setup_connection_and_weights(self, **kwargs: Any) -> None:
+        """Older name of :meth:`connect`."""
+        self.connect(**kwargs)
+
+    def synchronize_weights(self, **kwargs: Any) -> None:
+        """Older name of :meth:`connect`."""
+        self.connect(**kwargs)
+
+    def apply_weights(self, weights: Any, inplace: bool = True) -> None:
+        """Write ``weights`` into this side's registered model, whole or not at all."""
+        rt = self._runtime
+        if not inplace:
+            raise ConfigurationError(
+                "apply_weights(inplace=False) is not supported: weights are always written in place"
+            )
+        if rt.model is None:
+            raise LifecycleError("apply_weights needs a registered model (init_on_sender/init_on_receiver)")
+        rt.strategy.apply_weights(rt.model, weights, model_id=rt.model_id, worker_idx=rt.worker_idx)
 
     def get_sender(self) -> Any:
         """The sender facade. Raises :class:`LifecycleError` before ``init_on_sender``."""

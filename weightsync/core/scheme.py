@@ -427,17 +427,6 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
         taken = rt.receiving.take(self.timeout if timeout is None else timeout)
         return PendingUpdate(rt.receiving, taken) if taken else None
 
-    def apply_weights(self, weights: Any, inplace: bool = True) -> None:
-        """Write ``weights`` into this side's registered model, whole or not at all."""
-        rt = self._runtime
-        if not inplace:
-            raise ConfigurationError(
-                "apply_weights(inplace=False) is not supported: weights are always written in place"
-            )
-        if rt.model is None:
-            raise LifecycleError("apply_weights needs a registered model (init_on_sender/init_on_receiver)")
-        rt.strategy.apply_weights(rt.model, weights, model_id=rt.model_id, worker_idx=rt.worker_idx)
-
     def shutdown(self) -> None:
         """Release every process, thread, socket and shared-memory slot this side holds. Idempotent."""
         with self._runtime.lock:
@@ -460,19 +449,6 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
             rt.sending.close(timeout)
         if rt.receiving is not None:
             rt.receiving.close(timeout)
-
-    # ------------------------------------------------------------ older names
-    def init_on_worker(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
-        """Older name of :meth:`init_on_receiver`."""
-        self.init_on_receiver(model_id, context, **kwargs)
-
-    def setup_connection_and_weights(self, **kwargs: Any) -> None:
-        """Older name of :meth:`connect`."""
-        self.connect(**kwargs)
-
-    def synchronize_weights(self, **kwargs: Any) -> None:
-        """Older name of :meth:`connect`."""
-        self.connect(**kwargs)
 
     def __enter__(self) -> WeightSyncScheme:
         return self

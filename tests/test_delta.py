@@ -18,7 +18,6 @@ import torch
 import weightsync as ws
 from tests._workers import build, connect_pair
 from weightsync.errors import ConfigurationError
-from weightsync.tensors.compare import ROOM, scan
 from weightsync.tensors.delta import (
     BITMAP,
     PATCH,
@@ -31,6 +30,7 @@ from weightsync.tensors.delta import (
     chunks_of,
 )
 from weightsync.tensors.delta_base import DeltaBase
+from weightsync.tensors.kernels import ROOM, scan
 from weightsync.tensors.layout import FlatLayout
 
 DTYPES = [
@@ -439,6 +439,15 @@ def test_a_bitmap_that_marks_other_words_than_its_count_is_refused_before_anythi
     before = target.clone()
     with pytest.raises(ConfigurationError, match="bitmap"):
         apply_delta(target, base.chunks, broken)
+    assert torch.equal(target, before)
+    # As many marks, one of them past the chunk's last word (in the bitmap's padding): refused, nothing written.
+    past = Delta(delta.base, delta.version, list(delta.kinds), list(delta.counts), delta.body.clone())
+    bits = past.body[:12_504].numpy()  # 100 000 words: 12 500 bytes of marks, padded to 8
+    first = int(np.flatnonzero(bits)[0])
+    bits[first] &= bits[first] - 1  # its lowest mark off ...
+    bits[12_500] = 1  # ... and word 100 000 marked instead
+    with pytest.raises(ConfigurationError, match="bitmap"):
+        apply_delta(target, base.chunks, past)
     assert torch.equal(target, before)
     apply_delta(target, base.chunks, delta)
     assert torch.equal(target, base.buffer)

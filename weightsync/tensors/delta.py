@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigurationError
+from .kernels import bitmap_count, write_bitmap, write_patch
 from .layout import FlatLayout
 
 __all__ = [
@@ -280,42 +281,43 @@ def apply_delta(target: torch.Tensor, chunks: Sequence[Chunk], delta: Delta) -> 
     if delta.body.dtype != torch.uint8 or delta.body.numel() != size:
         raise ConfigurationError(f"a delta body of {delta.body.numel()} bytes where its description says {size}")
     body = delta.body.reshape(-1).numpy()
-    writes: list[tuple[Chunk, np.ndarray | None, np.ndarray]] = []  # chunk, positions (None: whole), values
+    writes: list[tuple[Chunk, int, np.ndarray | None, np.ndarray]] = []  # chunk, kind, positions or bits, values
     offset = 0
     for chunk, kind, count in zip(chunks, delta.kinds, delta.counts):
         if kind == SAME:
             continue
         if kind == WHOLE:
-            writes.append((chunk, None, body[offset : offset + chunk.end - chunk.start]))
+            writes.append((chunk, kind, None, body[offset : offset + chunk.end - chunk.start]))
             offset += chunk.end - chunk.start
             continue
         if kind == BITMAP:
-            nbits = -(-chunk.words // 8)
-            changed = np.unpackbits(body[offset : offset + nbits], count=chunk.words, bitorder="little").view(np.bool_)
-            offset += _padded(nbits)
-            if int(np.count_nonzero(changed)) != count:
+            nbits = _padded(-(-chunk.words // 8))
+            marks = body[offset : offset + nbits].view(np.uint64)  # (bit j of byte b: word 8 * b + j; little-endian)
+            offset += nbits
+            if bitmap_count(marks, chunk.words) != count:
                 raise ConfigurationError(
                     f"a delta bitmap for bytes {chunk.start}..{chunk.end} marks other than its {count} words; "
                     "nothing applied"
                 )
-            at = np.flatnonzero(changed)
         else:
-            at = body[offset : offset + count * INDEX_BYTES].view(np.int32)
+            marks = body[offset : offset + count * INDEX_BYTES].view(np.int32)
             offset += _padded(count * INDEX_BYTES)
-            if at[0] < 0 or at[-1] >= chunk.words or (count > 1 and not bool((at[1:] > at[:-1]).all())):
+            if marks[0] < 0 or marks[-1] >= chunk.words or (count > 1 and not bool((marks[1:] > marks[:-1]).all())):
                 raise ConfigurationError(
                     f"a delta patch for bytes {chunk.start}..{chunk.end} holds positions out of place; nothing applied"
                 )
         values = body[offset : offset + count * chunk.itemsize].view(np_word(chunk))
         offset += _padded(count * chunk.itemsize)
-        writes.append((chunk, at, values))
+        writes.append((chunk, kind, marks, values))
     out = target.numpy()
 
-    def write(chunk: Chunk, positions: np.ndarray | None, values: np.ndarray) -> None:
-        if positions is None:
+    def write(chunk: Chunk, kind: int, marks: np.ndarray | None, values: np.ndarray) -> None:
+        if marks is None:
             out[chunk.start : chunk.end] = values
+        elif kind == BITMAP:
+            write_bitmap(out[chunk.start : chunk.end].view(values.dtype), marks, values)
         else:
-            out[chunk.start : chunk.end].view(values.dtype)[positions] = values
+            write_patch(out[chunk.start : chunk.end].view(values.dtype), marks, values)
 
     # On torch's threads (at most 4): each write is a scatter into memory the cache does not hold, and two cores
     # wait on two misses at once.

@@ -1,7 +1,7 @@
 """The trainer's copy of the newest version's bytes, and the comparison of each next version with it.
 
 :class:`DeltaBase` compares chunk by chunk (:mod:`~weightsync.tensors.delta` says what a chunk is and how its changes
-travel), each in one compiled pass (:mod:`~weightsync.tensors.compare`), on torch's threads, which read memory
+travel), each in one compiled pass (:mod:`~weightsync.tensors.kernels`), on torch's threads, which read memory
 faster than one.
 """
 
@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from .compare import ROOM, prepare, scan
 from .delta import (
     CHUNK_BYTES,
     MAX_THREADS,
@@ -32,6 +31,7 @@ from .delta import (
     pack_body,
     part_bytes,
 )
+from .kernels import ROOM, prepare, scan
 from .layout import FlatLayout
 
 __all__ = ["DeltaBase", "wire_sources"]

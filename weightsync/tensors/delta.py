@@ -291,9 +291,9 @@ def apply_delta(target: torch.Tensor, chunks: Sequence[Chunk], delta: Delta) -> 
             offset += chunk.end - chunk.start
             continue
         if kind == BITMAP:
-            nbits = _padded(-(-chunk.words // 8))
-            marks = body[offset : offset + nbits].view(np.uint64)  # (bit j of byte b: word 8 * b + j; little-endian)
-            offset += nbits
+            marked = _padded(-(-chunk.words // 8))  # bytes of marks, a bit per word
+            marks = body[offset : offset + marked].view(np.uint64)  # (bit j of byte b: word 8 * b + j; little-endian)
+            offset += marked
             if bitmap_count(marks, chunk.words) != count:
                 raise ConfigurationError(
                     f"a delta bitmap for bytes {chunk.start}..{chunk.end} marks other than its {count} words; "

@@ -29,7 +29,7 @@ ROOM = 512
 
 
 def scan(new: np.ndarray, old: np.ndarray, first: int, at: np.ndarray, values: np.ndarray, n: int, most: int) -> int:
-    """Compare ``new`` with ``old`` (1-D arrays of one integer dtype, same size, aligned to 8 bytes): for each word
+    """Compare ``new`` with ``old`` (1-D arrays of one integer dtype of at most 8 bytes, same size): for each word
     that differs, write its position plus ``first`` into ``at[n], at[n+1], ...`` (int32), its new value into
     ``values`` (``new``'s dtype) and into ``old``.
 

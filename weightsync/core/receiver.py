@@ -29,7 +29,8 @@ from ..integrity import check_digest, digest
 from ..tensors import cuda
 from ..tensors.bound import BoundModel, one_device
 from ..tensors.copies import write_into
-from ..tensors.delta import Chunk, apply_delta, chunks_of
+from ..tensors.delta import Chunk, apply_delta, chunks_of, np_word
+from ..tensors.kernels import prepare_writes
 from ..tensors.layout import FlatLayout
 from ..tensors.strategy import check_spec, flatten_weights, weights_spec
 from .engine import Delivery, ReceiverEngine
@@ -232,6 +233,7 @@ class Receiver:
         if self._kept is None or self._kept[0].numel() != layout.nbytes:
             buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
             self._kept = (buffer, layout.views(buffer), chunks_of(layout))
+            prepare_writes(np_word(chunk) for chunk in self._kept[2])  # (the version kept first, at connect, pays)
         buffer, views, _ = self._kept
         if update.pieces and update.pieces[0][1].data_ptr() == buffer.data_ptr():
             return  # made here from changes: the copy holds it already

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ROOM", "bitmap_count", "prepare", "scan", "write_bitmap", "write_patch"]
+__all__ = ["ROOM", "bitmap_count", "prepare", "prepare_writes", "scan", "write_bitmap", "write_patch"]
 
 #: 8-byte words tested together before any one of them is looked at (1 KB).
 BLOCK = 128
@@ -77,6 +77,17 @@ def prepare(words: Iterable[np.dtype[Any]]) -> None:
     for word in set(words):
         empty = np.zeros(0, dtype=word)
         scan(empty, empty.copy(), 0, np.empty(ROOM, dtype=np.int32), np.empty(ROOM, dtype=word), 0, 0)
+
+
+def prepare_writes(words: Iterable[np.dtype[Any]]) -> None:
+    """Compile (or load) the worker's loops (:func:`write_patch`, :func:`write_bitmap`, :func:`bitmap_count`) for
+    each of ``words``, so that the first changes a worker applies do not pay for it (about 1 s compiled)."""
+    none, marks = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.uint64)
+    bitmap_count(marks, 0)
+    for word in set(words):
+        empty = np.zeros(0, dtype=word)
+        write_patch(empty, none, empty)
+        write_bitmap(empty, marks, empty)
 
 
 @functools.cache

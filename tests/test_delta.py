@@ -187,6 +187,26 @@ def test_one_pass_finds_every_changed_word_and_stops_past_the_most_it_may_find(w
                     assert np.array_equal(mine, new)
 
 
+def test_the_loops_compile_where_numba_has_nowhere_to_cache_them():
+    """A read-only install with no writable home: numba refuses to cache, and the loops are compiled in the
+    process instead (in a process of its own: numba's locators are changed for the test)."""
+    import subprocess
+    import sys
+
+    code = """
+import numba.core.caching as caching
+import numpy as np
+for locator in caching.CacheImpl._locator_classes:
+    locator.from_function = classmethod(lambda cls, function, path: None)
+from weightsync.tensors import kernels
+target = np.zeros(8, dtype=np.int32)
+kernels.write_patch(target, np.array([2, 5], dtype=np.int32), np.array([7, 9], dtype=np.int32))
+assert target.tolist() == [0, 0, 7, 0, 0, 9, 0, 0], target
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_changes_that_do_not_fit_are_refused_before_anything_is_written():
     gen = torch.Generator().manual_seed(2)
     flat = {"a": torch.randn(1000, generator=gen)}

@@ -469,7 +469,7 @@ def agents_sit_idle_between_sends(scheme, workers):
     scheme.send()
     procs = [psutil.Process(pid) for pid in (os.getpid(), *(proc.pid for proc in group.procs))]
     before = [sum(p.cpu_times()[:2]) for p in procs]
-    time.sleep(2.0)
+    time.sleep(2.0)  # the idle time measured (nothing to wait for: the test is that nothing happens)
     used = [round(sum(p.cpu_times()[:2]) - b, 2) for p, b in zip(procs, before)]
     assert max(used) < 0.5, f"CPU seconds in 2 s idle, trainer then workers: {used}"  # a poller: about 2 each
     group.stop()

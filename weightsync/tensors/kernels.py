@@ -94,10 +94,11 @@ def prepare_writes(words: Iterable[np.dtype[Any]]) -> None:
 def _compiled(loop: Callable[..., Any]) -> Callable[..., Any]:
     import numba  # noqa: PLC0415  (its import and the compiling are paid by the first delta, not by every import)
 
+    options = {"nogil": True, "boundscheck": False, "error_model": "numpy"}
     try:
-        return numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")(loop)
+        return numba.njit(cache=True, **options)(loop)
     except RuntimeError:  # nowhere to cache it (a read-only install, no writable home): compiled in each process
-        return numba.njit(nogil=True, boundscheck=False, error_model="numpy")(loop)
+        return numba.njit(**options)(loop)
 
 
 # The loops, as numba compiles them (as Python they would take minutes).

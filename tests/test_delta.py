@@ -23,6 +23,7 @@ from weightsync.tensors.delta import (
     PATCH,
     SAME,
     WHOLE,
+    BodyWriter,
     Delta,
     apply_delta,
     body_size,
@@ -108,6 +109,70 @@ def test_changes_make_the_new_bytes_exactly_for_every_dtype(dtype, auto):
             assert WHOLE not in delta.kinds
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_chunks_compared_on_any_number_of_threads_pack_one_body_in_order(threads, monkeypatch):
+    # Each thread writes its chunk's part where the chunks before it end: the body is the same whoever packs it.
+    gen = torch.Generator().manual_seed(5)
+    flat = {"a": torch.randn(60_000, generator=gen), "b": torch.randn(70_000, generator=gen).to(torch.bfloat16)}
+    flat["same"] = torch.randn(20_000, generator=gen)
+    layout = FlatLayout.from_weights(flat)
+    changed = {**_change({k: flat[k] for k in "ab"}, 0.03, gen), "same": flat["same"]}
+    bodies = []
+    for count in (1, threads):
+        monkeypatch.setattr(torch, "get_num_threads", lambda count=count: count)
+        base = DeltaBase(layout, chunk_bytes=4096)
+        base.update(flat, 0)
+        delta = base.update(changed, 1)
+        assert delta is not None and {PATCH, BITMAP, SAME} <= set(delta.kinds)
+        bodies.append(delta.body.clone())
+    assert torch.equal(bodies[0], bodies[1])
+
+
+def test_a_chunk_that_cannot_be_compared_fails_the_update_and_the_next_one_sends_the_version_whole(monkeypatch):
+    gen = torch.Generator().manual_seed(7)
+    flat = {"w": torch.randn(200_000, generator=gen)}
+    layout = FlatLayout.from_weights(flat)
+    base = DeltaBase(layout, chunk_bytes=4096)
+    base.update(flat, 0)
+    compare = DeltaBase._changes
+    calls = 0
+    lock = threading.Lock()
+
+    def fails_once(self, chunk, compared):
+        nonlocal calls
+        with lock:
+            calls += 1
+            if calls == 7:
+                raise MemoryError("no room")
+        return compare(self, chunk, compared)
+
+    monkeypatch.setattr(DeltaBase, "_changes", fails_once)
+    monkeypatch.setattr(BodyWriter, "WAIT_S", 3600.0)  # the chunks after it hear of it, they do not wait it out
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    changed = _change(flat, 0.01, gen)
+    with pytest.raises(MemoryError, match="no room"):
+        base.update(changed, 1)
+    assert base.version is None  # its copy is partly the new version: it holds none
+    assert base.update(changed, 2) is None and torch.equal(base.buffer, _bytes(layout, changed))
+
+
+def test_a_body_of_at_least_most_bytes_is_not_packed_and_says_its_size():
+    gen = torch.Generator().manual_seed(8)
+    flat = {"w": torch.randn(100_000, generator=gen)}
+    layout = FlatLayout.from_weights(flat)
+    base = DeltaBase(layout, chunk_bytes=4096)
+    base.update(flat, 0)
+    changed = _change(flat, 0.02, gen)
+    full = base.update(changed, 1)
+    assert full is not None and full.nbytes > 0
+    base.update(flat, 2)
+    base.update(changed, 3, most=full.nbytes + 1)  # (from version 2, the same changes again)
+    base.update(flat, 4)
+    over = base.update(changed, 5, most=full.nbytes)
+    assert over is not None and over.body.numel() == 0 and over.nbytes == full.nbytes
+    assert torch.equal(base.buffer, _bytes(layout, changed))  # the copy is the new version all the same
+
+
 def test_changes_are_found_by_bits_not_values():
     flat = {"w": torch.tensor([0.0, float("nan"), 1.0, 2.0])}
     layout = FlatLayout.from_weights(flat)
@@ -168,10 +233,11 @@ def test_one_pass_finds_every_changed_word_and_stops_past_the_most_it_may_find(w
     itemsize = np.dtype(word).itemsize
     for size in [0, 1, 7, 128 * 8 // itemsize - 1, 128 * 8 // itemsize + 3, 5000]:
         for changed in [0, 1, 3, size // 50, size // 3, size]:
-            old = rng.integers(0, 100, size).astype(word)
+            info = np.iinfo(word)  # every bit in play: lanes are cut out of 8-byte words, signs and all
+            old = rng.integers(info.min, info.max, size, dtype=word, endpoint=True)
             new = old.copy()
             where = np.sort(rng.choice(size, min(changed, size), replace=False))
-            new[where] += 1
+            new[where] = ~new[where]
             for most in sorted({0, where.size - 1, where.size, where.size + 1, size} - {-1}):
                 at, values = np.empty(most + ROOM, np.int32), np.empty(most + ROOM, word)
                 mine = old.copy()

@@ -22,8 +22,8 @@ anything. The trainer's side, which finds the changes, is
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ConfigurationError
-from .kernels import bitmap_count, write_bitmap, write_patch
+from ..errors import ConfigurationError, WeightSyncError
+from .kernels import bitmap_count, mark, write_bitmap, write_patch
 from .layout import FlatLayout
 
 __all__ = [
@@ -40,13 +40,13 @@ __all__ = [
     "PATCH",
     "SAME",
     "WHOLE",
+    "BodyWriter",
     "Chunk",
     "Delta",
     "Part",
     "apply_delta",
     "chunks_of",
     "np_word",
-    "pack_body",
     "part_bytes",
     "body_size",
     "changes_bytes",
@@ -239,16 +239,79 @@ def part_bytes(part: Part) -> int:
     return _bitmap_bytes(int(at.size), chunk) if kind == BITMAP else _patch_bytes(int(at.size), chunk.itemsize)
 
 
-def pack_body(parts: list[Part], each: Callable[..., Iterable[Any]] = map) -> torch.Tensor:
-    """The body: per chunk sent, its positions (int32) or its bitmap, then its values; or its whole bytes; each
-    part padded to 8 bytes. ``each``: how the parts are written, ``map``-like (a thread pool's ``map`` writes them
-    on its threads)."""
-    sizes = [part_bytes(part) for part in parts]
-    out = np.zeros(sum(sizes), dtype=np.uint8)
-    offsets = [0, *itertools.accumulate(sizes)][:-1]
-    for _ in each(lambda part, offset, size: _pack_part(part, out[offset : offset + size]), parts, offsets, sizes):
-        pass
-    return torch.from_numpy(out)
+class BodyWriter:
+    """A body written part by part while its chunks are compared on several threads: each thread writes its chunk's
+    part from where it found the changes straight to where the parts before it end, once those are known.
+
+    1) :meth:`place`, once per chunk, from any thread, chunks taken up in order (as a thread pool's ``map`` takes
+       them: a chunk's wait is on chunks that some thread already holds);
+    2) :meth:`fail` instead, from the thread of a chunk that could not be compared;
+    3) :meth:`body`, once every chunk was placed.
+
+    Room for the largest body is reserved; only the pages written are ever touched.
+
+    Args:
+        chunks: the chunks, in order.
+        whole_if_larger: no part is larger than its chunk (``auto``); without it, one may be a bitmap of every
+            word and all their values.
+        most: a body of at least this many bytes is not written (``None``: any size is).
+    """
+
+    #: Seconds :meth:`place` waits for the chunk before its own, which another thread is comparing (milliseconds'
+    #: work): past this, that thread is stuck.
+    WAIT_S = 60.0
+
+    def __init__(self, chunks: Sequence[Chunk], whole_if_larger: bool, most: int | None = None) -> None:
+        room = sum(
+            chunk.end - chunk.start
+            if whole_if_larger
+            else max(chunk.end - chunk.start, changes_bytes(chunk.words, chunk)[1])
+            for chunk in chunks
+        )
+        self._out = np.zeros(room, dtype=np.uint8)  # (zero pages mapped on first write: padding and bitmaps zero)
+        self._ends: list[int | None] = [None] * len(chunks)
+        self._placed = threading.Condition()
+        self._failed = len(chunks)  # the first chunk that could not be compared (none)
+        self._most = most
+
+    def place(self, index: int, part: Part | None) -> None:
+        """Write chunk ``index``'s ``part`` (``None``: nothing to send) where chunk ``index - 1``'s ends, waiting
+        for that to be known.
+
+        Raises:
+            WeightSyncError: another chunk failed, or chunk ``index - 1`` was not placed within :data:`WAIT_S`.
+        """
+        size = 0 if part is None else part_bytes(part)
+        with self._placed:
+            if not self._placed.wait_for(
+                lambda: index == 0 or self._ends[index - 1] is not None or self._failed < index, self.WAIT_S
+            ):
+                raise WeightSyncError(f"chunk {index - 1} of a delta was not compared within {self.WAIT_S} s")
+            if self._failed < index:
+                raise WeightSyncError(f"chunk {index} of a delta was not packed: chunk {self._failed} failed")
+            start = 0 if index == 0 else self._ends[index - 1]
+            assert start is not None
+            self._ends[index] = start + size
+            self._placed.notify_all()
+        if part is not None and (self._most is None or start + size < self._most):
+            _pack_part(part, self._out[start : start + size])
+
+    def fail(self, index: int) -> None:
+        """Chunk ``index`` could not be compared: the chunks after it are not placed (:meth:`place` raises)."""
+        with self._placed:
+            self._failed = min(self._failed, index)
+            self._placed.notify_all()
+
+    @property
+    def size(self) -> int:
+        """The body's bytes (every chunk placed)."""
+        return (self._ends[-1] or 0) if self._ends else 0
+
+    def body(self) -> torch.Tensor:
+        """The body (empty where it is at least ``most`` bytes: not written)."""
+        if self._most is not None and self.size >= self._most:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.from_numpy(self._out[: self.size])
 
 
 def _pack_part(part: Part, out: np.ndarray) -> None:
@@ -258,11 +321,8 @@ def _pack_part(part: Part, out: np.ndarray) -> None:
         out[:] = values
         return
     if kind == BITMAP:
-        bits = np.zeros(chunk.words, dtype=np.bool_)
-        bits[at] = True
-        packed = np.packbits(bits, bitorder="little")
-        out[: packed.size] = packed
-        start = _padded(packed.size)
+        start = _padded(-(-chunk.words // 8))
+        mark(out[:start].view(np.uint64), at)
     else:
         out[: at.size * INDEX_BYTES].view(np.int32)[:] = at
         start = _padded(int(at.size) * INDEX_BYTES)

@@ -22,14 +22,13 @@ from .delta import (
     MAX_THREADS,
     SAME,
     WHOLE,
+    BodyWriter,
     Chunk,
     Delta,
     Part,
     changes_bytes,
     chunks_of,
     np_word,
-    pack_body,
-    part_bytes,
 )
 from .kernels import ROOM, prepare, scan
 from .layout import FlatLayout
@@ -93,19 +92,25 @@ class DeltaBase:
             return None
         pieces = self._pieces(sources)
         compared = _Comparison(pieces, [offset for offset, _ in pieces], self.buffer.numpy(), whole_if_larger)
+        writer = BodyWriter(self.chunks, whole_if_larger, most)
 
-        def one(chunk: Chunk) -> tuple[int, int, Part | None]:
-            return self._chunk(chunk, compared)
+        def one(item: tuple[int, Chunk]) -> tuple[int, int]:
+            index, chunk = item
+            try:
+                kind, count, part = self._chunk(chunk, compared)
+                writer.place(index, part)  # (before this thread's next chunk reuses its room)
+            except BaseException:
+                writer.fail(index)
+                raise
+            return kind, count
 
         threads = min(torch.get_num_threads(), len(self.chunks), MAX_THREADS)
         # (threads of this call's own: none outlives it, whatever happens to the caller)
         with ThreadPoolExecutor(threads, thread_name_prefix="weightsync-delta") if threads > 1 else _Inline() as pool:
-            done = list(pool.map(one, self.chunks))
-            parts = [part for _, _, part in done if part is not None]
-            size = sum(part_bytes(part) for part in parts)
-            body = pack_body(parts, pool.map) if most is None or size < most else torch.empty(0, dtype=torch.uint8)
+            done = list(pool.map(one, enumerate(self.chunks)))
         self.version = version
-        return Delta(base, version, [kind for kind, _, _ in done], [count for _, count, _ in done], body, size=size)
+        kinds, counts = [kind for kind, _ in done], [count for _, count in done]
+        return Delta(base, version, kinds, counts, writer.body(), size=writer.size)
 
     def _chunk(self, chunk: Chunk, compared: _Comparison) -> tuple[int, int, Part | None]:
         """Compare ``chunk`` and bring the buffer's bytes there up to date; its kind, count and part of the body
@@ -146,7 +151,7 @@ class DeltaBase:
             n = scan(new, old, (start - chunk.start) // chunk.itemsize, at, values, n, most)
             if n < 0:
                 return None
-        return at[:n].copy(), values[:n].copy()
+        return at[:n], values[:n]  # (this thread's room: packed before its next chunk)
 
     def _scratch(self, word: np.dtype[Any], words: int) -> tuple[np.ndarray, np.ndarray]:
         """This thread's room for ``words`` changed positions and values (``word`` values)."""

@@ -1,5 +1,5 @@
-"""Deltas' loops, compiled by numba: the trainer's comparison of two versions (:func:`scan`) and the worker's
-writes of the changes (:func:`write_patch`, :func:`write_bitmap`).
+"""Deltas' loops, compiled by numba: the trainer's comparison of two versions (:func:`scan`) and its bitmaps of
+the changes (:func:`mark`), and the worker's writes of them (:func:`write_patch`, :func:`write_bitmap`).
 
 numpy would take five passes over memory to compare (compare, search the mask, gather, compute positions, scatter),
 and its scatter and search for set bits cost tens of nanoseconds a word; these loops read each word once.
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ROOM", "bitmap_count", "prepare", "prepare_writes", "scan", "write_bitmap", "write_patch"]
+__all__ = ["ROOM", "bitmap_count", "mark", "prepare", "prepare_writes", "scan", "write_bitmap", "write_patch"]
 
 #: 8-byte words tested together before any one of them is looked at (1 KB).
 BLOCK = 128
@@ -43,7 +43,6 @@ def scan(new: np.ndarray, old: np.ndarray, first: int, at: np.ndarray, values: n
             old[: wide * per].view(np.int64),
             new,
             old,
-            per,
             first,
             at,
             values,
@@ -51,6 +50,12 @@ def scan(new: np.ndarray, old: np.ndarray, first: int, at: np.ndarray, values: n
             most,
         )
     )
+
+
+def mark(bits: np.ndarray, at: np.ndarray) -> None:
+    """Set bit ``at[i] % 64`` of ``bits[at[i] // 64]`` for each ``i`` (``bits``: uint64, zero, room for every
+    position of ``at``, which is not checked)."""
+    _compiled(_mark)(bits, at)
 
 
 def write_patch(target: np.ndarray, at: np.ndarray, values: np.ndarray) -> None:
@@ -77,6 +82,7 @@ def prepare(words: Iterable[np.dtype[Any]]) -> None:
     for word in set(words):
         empty = np.zeros(0, dtype=word)
         scan(empty, empty.copy(), 0, np.empty(ROOM, dtype=np.int32), np.empty(ROOM, dtype=word), 0, 0)
+    mark(np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int32))
 
 
 def prepare_writes(words: Iterable[np.dtype[Any]]) -> None:
@@ -109,7 +115,6 @@ def _scan(
     old64: np.ndarray,
     new: np.ndarray,
     old: np.ndarray,
-    per: int,
     first: int,
     at: np.ndarray,
     values: np.ndarray,
@@ -117,8 +122,11 @@ def _scan(
     most: int,
 ) -> int:
     """:func:`scan`'s loop, as numba compiles it (as Python it would take minutes): ``new64`` and ``old64`` are the
-    8-byte words of ``new`` and ``old``'s first bytes, ``per`` words each."""
+    8-byte words of ``new`` and ``old``'s first bytes (lanes of ``new``'s words)."""
     one = np.uint64(1)
+    per = 8 // new.itemsize
+    bits = 64 // per
+    mask = (one << np.uint64(bits)) - one if per > 1 else ~np.uint64(0)  # one lane's bits
     blocks = new64.size // BLOCK
     for k in range(blocks):
         s = k * BLOCK
@@ -137,13 +145,15 @@ def _scan(
                 low = marks & (~marks + one)
                 marks ^= low
                 u = half + _DE_BRUIJN_POSITION[(low * _DE_BRUIJN) >> np.uint64(58)]
-                for i in range(u * per, (u + 1) * per):  # every word written, the count moved where one differs
-                    v = new[i]
-                    differs = v != old[i]
-                    at[n] = first + i
-                    values[n] = v
-                    old[i] = v
-                    n += differs
+                # Every lane of the word written, the count moved where one differs: no lane waits on the one before
+                # (per is the dtype's, a constant the compiler unrolls; lane 0 is the low bits, little-endian).
+                w = np.uint64(new64[u])
+                x = w ^ np.uint64(old64[u])
+                old64[u] = new64[u]
+                for lane in range(per):
+                    at[n] = first + u * per + lane
+                    values[n] = w >> np.uint64(lane * bits)
+                    n += ((x >> np.uint64(lane * bits)) & mask) != 0
             if n > most:
                 return -1
     for i in range(blocks * BLOCK * per, new.size):  # the last block's words, one by one
@@ -156,6 +166,21 @@ def _scan(
             old[i] = v
             n += 1
     return n
+
+
+def _mark(bits: np.ndarray, at: np.ndarray) -> None:
+    one = np.uint64(1)
+    word, acc = -1, np.uint64(0)  # the word being marked, held in a register until the positions leave it
+    for i in range(at.size):
+        p = np.int64(at[i])
+        w = p >> 6
+        if w != word:
+            if word >= 0:
+                bits[word] |= acc
+            word, acc = w, np.uint64(0)
+        acc |= one << np.uint64(p & 63)
+    if word >= 0:
+        bits[word] |= acc
 
 
 def _write_patch(target: np.ndarray, at: np.ndarray, values: np.ndarray) -> None:

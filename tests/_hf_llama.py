@@ -10,11 +10,15 @@ import torch
 
 
 def hf_greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """HF ``generate``'s greedy continuation of ``n`` tokens for each prompt (token ids)."""
+    """HF ``generate``'s greedy continuation of ``n`` tokens for each prompt (token ids), past the end-of-sequence
+    token as the engines are asked for theirs (``ignore_eos``): a step whose model says it after a token or two
+    must not make the two differ in length."""
     out = []
     with torch.no_grad():
         for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+            ids = model.generate(
+                torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None
+            )
             out.append(ids[0, len(p) :].tolist())
     return out
 

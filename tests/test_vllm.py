@@ -108,6 +108,36 @@ def test_each_version_is_what_the_engine_generates_when_send_returns(llm, model_
         scheme.shutdown()
 
 
+def _sparse_step(model, seed: int, fraction: float) -> None:
+    """A step that moves about ``fraction`` of each tensor's values (as small steps in bfloat16 do)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            mask = torch.rand(p.shape, generator=gen) < fraction
+            p[mask] += torch.randn(int(mask.sum()), generator=gen).to(p.dtype) * 0.5
+
+
+def test_versions_sent_as_their_changes_alone_are_what_the_engine_generates(llm, model_dirs):
+    # The engine's worker keeps a copy of the version it was sent, applies the changes to it, and hands vLLM's
+    # loader the whole version: what it computes is the trainer's model, version after version.
+    model = load_llama(model_dirs["f32"])
+    scheme = _scheme("distributed", delta="auto")
+    try:
+        _serve(llm, scheme, model, pause_mode="none")
+        for step in range(1, 5):
+            before = _hf_greedy(model)
+            _sparse_step(model, step, fraction=0.02)
+            scheme.send()
+            now = _hf_greedy(model)
+            assert now != before  # the step changed the tokens
+            assert llm.ask("greedy", PROMPTS, TOKENS) == now, f"version {step}"
+            assert llm.ask("version") == str(step)
+        stats = scheme.stats()
+        assert stats["changes_sent"] == 4  # every version as changes, none whole
+    finally:
+        scheme.shutdown()
+
+
 def test_the_prefix_cache_does_not_serve_keys_computed_with_the_old_weights(llm, model_dirs):
     model = load_llama(model_dirs["f32"])
     scheme = _scheme("shared_mem")
@@ -242,10 +272,11 @@ def test_an_engine_started_without_the_weightsync_backend_is_named_at_connect(mo
 
 def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_rejoins_and_a_worker_out_of_reach_is_named(model_dirs):
     """``ray.remote(vllm.LLM)``, with its worker in the actor's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), served
-    by the Ray scheme: each version goes through Ray's object store as a call into the actor, and ``send()``
-    returns when the actor's engine computes it. A killed actor is a named error of the next send; a new actor
-    given to ``engines.replace`` rejoins and serves the trainer's weights. An engine whose worker is a process of
-    its own (vLLM's default) cannot take Ray's calls: its init is refused, with the way out named."""
+    by the Ray scheme: each version goes through Ray's object store as a call into the actor (as its changes
+    alone, under ``delta``), and ``send()`` returns when the actor's engine computes it. A killed actor is a named
+    error of the next send; a new actor given to ``engines.replace`` rejoins and serves the trainer's weights. An
+    engine whose worker is a process of its own (vLLM's default) cannot take Ray's calls: its init is refused, with
+    the way out named."""
     ray = pytest.importorskip("ray")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -291,7 +322,7 @@ def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_rejoins_and_a_work
     shm_before = set(os.listdir("/dev/shm"))
     with local_ray_cluster():
         actor = engine("0")
-        scheme = ws.RayWeightSyncScheme(timeout=30, connect_timeout=120)
+        scheme = ws.RayWeightSyncScheme(timeout=30, connect_timeout=120, delta="auto")
         try:
             engines = VLLMEngines([actor], pause_mode="none")
             scheme.init_on_sender(model=model, context=engines)
@@ -299,11 +330,12 @@ def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_rejoins_and_a_work
             assert tokens(actor) == _hf_greedy(model)
             for step in range(1, 3):
                 before = _hf_greedy(model)
-                _step(model, step)
+                _sparse_step(model, step, fraction=0.02)
                 scheme.send()
                 assert _hf_greedy(model) != before
                 assert tokens(actor) == _hf_greedy(model), f"version {step}"
                 assert ray.get(actor.get_weight_version.remote(), timeout=30) == str(step)
+            assert scheme.stats()["changes_sent"] == 2  # each version as its changes alone
             procs = processes(actor)
             ray.kill(actor, no_restart=True)  # the engine's process is gone
             psutil.wait_procs(procs, timeout=30)

@@ -115,6 +115,23 @@ def test_send_returns_when_every_engine_serves_the_version_it_names(name):
     assert all(e.calls[-1] == "shutdown" and e.scheme is None for e in engines)
 
 
+def test_engines_are_sent_each_version_as_its_changes_under_delta():
+    model = build("tiny")
+    engines = [Engine(_spec(model)), Engine(_spec(model))]
+    scheme = VLLMWeightSyncScheme("distributed", pause_mode="none", timeout=20, connect_timeout=30, delta="auto")
+    try:
+        scheme.init_on_sender(model=model, engines=engines)
+        scheme.connect()
+        for step in range(1, 4):
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[step] += 1.0  # one value of the model
+            scheme.send()
+            assert all(e.version == str(step) and _same(e, model) for e in engines)
+        assert scheme.stats()["changes_sent"] == 2 * 3  # each version to each engine as its changes
+    finally:
+        scheme.shutdown()
+
+
 def test_an_engine_that_fails_to_serve_a_version_is_named_and_the_other_serves_it():
     model = build("tiny")
     good, bad = Engine(_spec(model)), Engine(_spec(model), fail_update_at=2)

@@ -245,6 +245,12 @@ class _Gate(SenderEngine):
     def rejoins(self) -> bool:  # type: ignore[override]
         return self.inner is not None and self.inner.rejoins
 
+    @property
+    def takes_deltas(self) -> bool:  # type: ignore[override]
+        """The scheme's engine's: a class attribute of every engine, which ``__getattr__`` would never be asked for
+        (without this, ``delta`` was silently off for engines)."""
+        return self.inner is not None and self.inner.takes_deltas
+
     def adopt(self, engine: SenderEngine) -> None:
         """Wrap ``engine``: what the core reads of an engine is its."""
         self.inner = engine

@@ -91,8 +91,10 @@ class Chunk:
 
 
 def chunks_of(layout: FlatLayout, max_bytes: int = CHUNK_BYTES) -> list[Chunk]:
-    """Tile the layout's ``[0, nbytes)`` with chunks of one wire dtype each, at most ``max_bytes`` (rounded to
-    the word size). The layout pads each tensor to 64 bytes, so every run of one wire dtype is whole words."""
+    """Tile the layout's ``[0, nbytes)`` with chunks of one wire dtype each, at most ``max_bytes`` (rounded down to
+    64 bytes, a multiple of every word: each part of a body then starts 8-byte aligned, whole chunks too). The
+    layout pads each tensor to 64 bytes, so every run of one wire dtype is whole words."""
+    max_bytes = max(max_bytes - max_bytes % 64, 64)
     runs: list[tuple[int, torch.dtype]] = []  # (start, wire dtype) of each run of one wire dtype
     for slot in layout.slots:
         if not runs or runs[-1][1] != slot.wire:
@@ -245,7 +247,9 @@ class BodyWriter:
 
     1) :meth:`place`, once per chunk, from any thread, chunks taken up in order (as a thread pool's ``map`` takes
        them: a chunk's wait is on chunks that some thread already holds);
-    2) :meth:`fail` instead, from the thread of a chunk that could not be compared;
+    2) :meth:`fail`, from the thread of a chunk that could not be compared or packed (the chunks after it raise in
+       :meth:`place`; some may have been written already: the body is not to be used), or with ``-1`` from the
+       caller when it stops waiting for the threads (an interrupt);
     3) :meth:`body`, once every chunk was placed.
 
     Room for the largest body is reserved; only the pages written are ever touched.
@@ -268,6 +272,8 @@ class BodyWriter:
             else max(chunk.end - chunk.start, changes_bytes(chunk.words, chunk)[1])
             for chunk in chunks
         )
+        if most is not None:  # (no part that ends past it is written)
+            room = min(room, most)
         self._out = np.zeros(room, dtype=np.uint8)  # (zero pages mapped on first write: padding and bitmaps zero)
         self._ends: list[int | None] = [None] * len(chunks)
         self._placed = threading.Condition()
@@ -297,7 +303,8 @@ class BodyWriter:
             _pack_part(part, self._out[start : start + size])
 
     def fail(self, index: int) -> None:
-        """Chunk ``index`` could not be compared: the chunks after it are not placed (:meth:`place` raises)."""
+        """Chunk ``index`` failed (``-1``: the whole body): the chunks after it are not placed (:meth:`place`
+        raises)."""
         with self._placed:
             self._failed = min(self._failed, index)
             self._placed.notify_all()

@@ -79,7 +79,7 @@ class DeltaBase:
         if it held none: the buffer was filled whole).
 
         ``whole_if_larger``: a chunk whose patch would be larger than its bytes goes whole (``auto``). ``most``:
-        a body of at least this many bytes is not packed (the delta says its size and has no body: the version
+        a body of at least this many bytes is not kept (the delta says its size and has no body: the version
         goes whole).
         """
         base = self.version
@@ -107,7 +107,11 @@ class DeltaBase:
         threads = min(torch.get_num_threads(), len(self.chunks), MAX_THREADS)
         # (threads of this call's own: none outlives it, whatever happens to the caller)
         with ThreadPoolExecutor(threads, thread_name_prefix="weightsync-delta") if threads > 1 else _Inline() as pool:
-            done = list(pool.map(one, enumerate(self.chunks)))
+            try:
+                done = list(pool.map(one, enumerate(self.chunks)))
+            except BaseException:  # (an interrupt cancels chunks not started: the threads' waits on them end too)
+                writer.fail(-1)
+                raise
         self.version = version
         kinds, counts = [kind for kind, _ in done], [count for _, count in done]
         return Delta(base, version, kinds, counts, writer.body(), size=writer.size)

@@ -15,10 +15,13 @@ dtype and cached on disk.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
+
+from ..errors import ConfigurationError
 
 __all__ = ["ROOM", "bitmap_count", "mark", "prepare", "prepare_writes", "scan", "write_bitmap", "write_patch"]
 
@@ -77,8 +80,8 @@ def write_bitmap(target: np.ndarray, bits: np.ndarray, values: np.ndarray) -> No
 
 
 def prepare(words: Iterable[np.dtype[Any]]) -> None:
-    """Compile (or load from numba's cache) :func:`scan` for each of ``words``, so that the first comparison does not
-    pay for it (about 1.5 s for four word sizes compiled, 0.4 s loaded from the cache)."""
+    """Compile (or load from numba's cache) :func:`scan` for each of ``words``, and :func:`mark`, so that the first
+    comparison does not pay for it (about 1.5 s for four word sizes compiled, 0.4 s loaded from the cache)."""
     for word in set(words):
         empty = np.zeros(0, dtype=word)
         scan(empty, empty.copy(), 0, np.empty(ROOM, dtype=np.int32), np.empty(ROOM, dtype=word), 0, 0)
@@ -98,13 +101,35 @@ def prepare_writes(words: Iterable[np.dtype[Any]]) -> None:
 
 @functools.cache
 def _compiled(loop: Callable[..., Any]) -> Callable[..., Any]:
-    import numba  # noqa: PLC0415  (its import and the compiling are paid by the first delta, not by every import)
-
+    numba = _numba()
     options = {"nogil": True, "boundscheck": False, "error_model": "numpy"}
     try:
         return numba.njit(cache=True, **options)(loop)
     except RuntimeError:  # nowhere to cache it (a read-only install, no writable home): compiled in each process
         return numba.njit(**options)(loop)
+
+
+@functools.cache
+def _numba() -> Any:
+    """numba, imported (its import and the compiling are paid by the first delta, not by every import), with
+    :func:`_lanes` taught to it."""
+    if sys.byteorder != "little":  # the loops cut words' lanes, and bitmaps' bits, out of little-endian words
+        raise ConfigurationError(f"delta updates need a little-endian host; this one is {sys.byteorder}-endian")
+    import numba  # noqa: PLC0415
+    from numba.extending import overload  # noqa: PLC0415
+
+    # (numba matches this signature with the lambda's, annotations and all: it has none)
+    @overload(_lanes)
+    def _lanes_of(words):
+        lanes = 64 // words.dtype.bitwidth  # (a constant of the array's type: loops over lanes are unrolled)
+        return lambda words: lanes
+
+    return numba
+
+
+def _lanes(words: np.ndarray) -> int:
+    """How many of ``words``' words an 8-byte word holds."""
+    return 8 // words.itemsize
 
 
 # The loops, as numba compiles them (as Python they would take minutes).
@@ -124,7 +149,7 @@ def _scan(
     """:func:`scan`'s loop, as numba compiles it (as Python it would take minutes): ``new64`` and ``old64`` are the
     8-byte words of ``new`` and ``old``'s first bytes (lanes of ``new``'s words)."""
     one = np.uint64(1)
-    per = 8 // new.itemsize
+    per = _lanes(new)
     bits = 64 // per
     mask = (one << np.uint64(bits)) - one if per > 1 else ~np.uint64(0)  # one lane's bits
     blocks = new64.size // BLOCK
@@ -146,7 +171,8 @@ def _scan(
                 marks ^= low
                 u = half + _DE_BRUIJN_POSITION[(low * _DE_BRUIJN) >> np.uint64(58)]
                 # Every lane of the word written, the count moved where one differs: no lane waits on the one before
-                # (per is the dtype's, a constant the compiler unrolls; lane 0 is the low bits, little-endian).
+                # (lanes cut out of the 8-byte word in a register, as many as the dtype's, a constant the compiler
+                # unrolls; lane 0 is the low bits: little-endian).
                 w = np.uint64(new64[u])
                 x = w ^ np.uint64(old64[u])
                 old64[u] = new64[u]

@@ -5,6 +5,10 @@ same run.
     pip install "torch==2.13.0" -e ".[vllm]"              # see docs/vllm.md
     python benchmarks/bench_vllm.py --sizes 7 --repeats 2  # a smoke run: the 7 MB two-layer model (TINY)
     python benchmarks/bench_vllm.py --sizes 50 500 --repeats 5 --torchrl-python /tmp/trl-venv/bin/python --write
+    python benchmarks/bench_vllm.py --sizes 500 --schemes distributed distributed+delta --no-stream --changed 0.01
+
+The last: ``distributed`` against ``distributed`` with ``delta="auto"`` whose steps move 1% of the values (at random
+places): what sending the changes alone does for an engine, whose own load of the whole version stays.
 
 Per model size (``spec_for_size(mb, dtype="float32", tie_word_embeddings=False)``: an untied random Llama; size 7
 is ``TINY``), one ``AsyncLLM`` runs in this process, on an event loop in a thread, with
@@ -67,6 +71,8 @@ from _doc import replace_section  # noqa: E402
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "vllm"
 SCHEMES = ("shared_mem", "multiprocess", "distributed")
+#: ``distributed`` with ``delta="auto"``, whose steps move ``--changed`` of the values (not a row by default).
+DELTA = "distributed+delta"
 PROMPTS = [[0, 5, 9, 33, 100, 7], [0, 200, 300, 41]]
 CHECK_TOKENS = 8
 STREAM_TOKENS = 64
@@ -83,6 +89,8 @@ def spec_for(mb: float):
 def make_scheme(name: str):
     import weightsync as ws
 
+    if name == DELTA:
+        return ws.DistributedWeightSyncScheme(timeout=TIMEOUT, connect_timeout=TIMEOUT, delta="auto")
     cls = {
         "shared_mem": ws.SharedMemWeightSyncScheme,
         "multiprocess": ws.MultiProcessWeightSyncScheme,
@@ -185,11 +193,16 @@ def agrees(engine_tokens: list[list[int]], trainer_tokens: list[list[int]]) -> b
     return all(e[: len(t)] == t for e, t in zip(engine_tokens, trainer_tokens))
 
 
-def step(model: Any, direction: list[torch.Tensor]) -> None:
-    """An optimizer-like step: every weight moves in place."""
+def step(model: Any, direction: list[torch.Tensor], share: float = 1.0, gen: torch.Generator | None = None) -> None:
+    """An optimizer-like step: every weight moves in place (``share`` < 1: that share of each tensor's values, at
+    random places drawn from ``gen``)."""
     with torch.no_grad():
         for p, d in zip(model.parameters(), direction):
-            p.add_(d, alpha=STEP)
+            if share >= 1.0:
+                p.add_(d, alpha=STEP)
+            else:
+                where = torch.rand(p.shape, generator=gen) < share
+                p[where] += d[where] * STEP
 
 
 def copy_times(nbytes: int, n: int = 20) -> list[float]:
@@ -285,8 +298,11 @@ class Probe:
         return {n: statistics.median(u.get(n, 0.0) for u in self.updates) for n in self.CALLS}
 
 
-def run_row(engine: Engine, model: Any, direction: list, scheme_name: str, repeats: int, stream: bool, base):
-    """One scheme serving the engine: connect, ``repeats`` timed updates, the check, shutdown."""
+def run_row(
+    engine: Engine, model: Any, direction: list, scheme_name: str, repeats: int, stream: bool, base, changed: float
+):
+    """One scheme serving the engine: connect, ``repeats`` timed updates, the check, shutdown (``changed``: the
+    share of the values each step of the :data:`DELTA` row moves)."""
     from weightsync.integrations.vllm import VLLMEngines
 
     scheme = make_scheme(scheme_name)
@@ -299,9 +315,11 @@ def run_row(engine: Engine, model: Any, direction: list, scheme_name: str, repea
     loads_before = len(engine.load_seconds())
     gen = engine.start_stream() if stream else None
     latency, pause, stopped = [], [], []
+    share = changed if scheme_name == DELTA else 1.0
+    draws = torch.Generator().manual_seed(2)
     try:
         for _ in range(repeats):
-            step(model, direction)
+            step(model, direction, share, draws)
             t = time.perf_counter()
             scheme.send()
             latency.append(time.perf_counter() - t)
@@ -317,11 +335,14 @@ def run_row(engine: Engine, model: Any, direction: list, scheme_name: str, repea
     served = engine.greedy(PROMPTS, CHECK_TOKENS)
     version = engine.run(engine.llm.get_weight_version())
     loads = engine.load_seconds()[loads_before:]
+    changes_sent = scheme.stats()["changes_sent"]
     scheme.shutdown()
     trained = hf_greedy(model, PROMPTS, CHECK_TOKENS)
     correct = agrees(served, trained) and served != base and version == str(repeats)
     return {
         "scheme": scheme_name,
+        "changed": share,
+        "changes_sent": changes_sent,
         "stream": stream,
         "connect_s": connect_s,
         "latency": latency,
@@ -379,7 +400,15 @@ def torchrl_version(python: str | None) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ one size
-def measure_size(mb: float, repeats: int, models: Path, torchrl_python: str | None, streams: list[bool]) -> dict:
+def measure_size(
+    mb: float,
+    repeats: int,
+    models: Path,
+    torchrl_python: str | None,
+    streams: list[bool],
+    schemes: tuple[str, ...] | list[str] = SCHEMES,
+    changed: float = 0.01,
+) -> dict:
     from weightsync.app.llama import load_llama, write_llama
 
     spec = spec_for(mb)
@@ -401,9 +430,9 @@ def measure_size(mb: float, repeats: int, models: Path, torchrl_python: str | No
         base = engine.greedy(PROMPTS, CHECK_TOKENS)
         if not agrees(base, hf_greedy(model, PROMPTS, CHECK_TOKENS)):
             print("warning: the engine's tokens differ from the trainer's before any update", flush=True)
-        for name in SCHEMES:
+        for name in schemes:
             for stream in streams:
-                row = run_row(engine, model, direction, name, repeats, stream, base)
+                row = run_row(engine, model, direction, name, repeats, stream, base, changed)
                 rows.append(row)
                 print(
                     f"{name:12s} {'generating' if stream else 'idle':10s} latency {row['latency_s'] * 1e3:7.1f} ms  "
@@ -465,7 +494,7 @@ def text(sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | 
             floor = s["copy_s"] + r["load_s"]
             state = f"generating ({r['tokens_per_s']:.0f} tok/s)" if r["stream"] else "idle"
             lines.append(
-                f"| weightsync {r['scheme']} | {s['mb']:.0f} | {state} | {ms(r['latency_s'])} | {ms(r['pause_s'])} "
+                f"| weightsync {_name(r)} | {s['mb']:.0f} | {state} | {ms(r['latency_s'])} | {ms(r['pause_s'])} "
                 f"| {ms(_still(r))} | {ms(s['copy_s'])} + {ms(r['load_s'])} = {ms(floor)} "
                 f"| {r['latency_s'] / floor:.2f} | {(_still(r) - r['load_s']) * 1e3:+.1f} "
                 f"| {'yes' if r['correct'] else 'NO'} |"
@@ -496,7 +525,7 @@ def text(sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | 
         for r in s["rows"]:
             c = r["calls"]
             lines.append(
-                f"| {r['scheme']} | {s['mb']:.0f} | {'generating' if r['stream'] else 'idle'} | {ms(c['stage'])} "
+                f"| {_name(r)} | {s['mb']:.0f} | {'generating' if r['stream'] else 'idle'} | {ms(c['stage'])} "
                 f"| {ms(c['start'])} | {ms(c['pause'])} | {ms(c['update'])} ({ms(r['load_s'])}) | {ms(c['finish'])} "
                 f"| {ms(c['resume'])} | {ms(r['pause_s'])} | {ms(r['latency_s'])} |"
             )
@@ -555,6 +584,14 @@ def text(sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | 
     return "\n".join(lines)
 
 
+def _name(row: dict) -> str:
+    """The row's scheme, and the share of values its steps moved where not all."""
+    changed = row.get("changed", 1.0)
+    if changed >= 1.0:
+        return row["scheme"]
+    return f"{row['scheme']} ({changed:.0%} changed, {row['changes_sent']} sent as changes)"
+
+
 def _still(row: dict) -> float:
     """How long the engine stood still (median), or the whole pause for a run saved before it was measured."""
     return row.get("stopped_s", row["pause_s"])
@@ -562,13 +599,16 @@ def _still(row: dict) -> float:
 
 def targets(sizes: list[dict]) -> list[str]:
     """The issue's targets, one statement per row: the floor, the pause, and TorchRL's correct (fixed) scheme and
-    the reload from disk (TorchRL as documented loads nothing: no target is set against it)."""
+    the reload from disk (TorchRL as documented loads nothing: no target is set against it). Rows whose steps moved
+    a share of the values only are not the issue's updates: none is stated for them."""
     out = []
     for s in sizes:
         trl = {r["scheme"]: r for r in s["torchrl"] or []}
         fixed = trl.get("TorchRL VLLMDoubleBufferSyncScheme (fixed)")
         disk = trl.get("vLLM reload_weights from disk")
         for r in s["rows"]:
+            if r.get("changed", 1.0) < 1.0:  # (its steps move a share of the values: not the issue's updates)
+                continue
             name = f"{r['scheme']}, {s['mb']:.0f} MB, {'generating' if r['stream'] else 'idle'}"
             floor = s["copy_s"] + r["load_s"]
             ratio, extra = r["latency_s"] / floor, (r["pause_s"] - r["load_s"]) * 1e3
@@ -607,6 +647,10 @@ def main() -> None:
     parser.add_argument("--models", default=os.path.join(os.path.expanduser("~"), ".cache", "weightsync", "bench-vllm"))
     parser.add_argument("--torchrl-python", help="an interpreter with torchrl 0.14.1, ray and vllm, if not this one")
     parser.add_argument("--no-stream", action="store_true", help="only the idle rows (no generation during updates)")
+    parser.add_argument(
+        "--schemes", nargs="+", default=list(SCHEMES), choices=[*SCHEMES, DELTA], help=f"rows ({DELTA}: delta='auto')"
+    )
+    parser.add_argument("--changed", type=float, default=0.01, help=f"the share of values each {DELTA} step moves")
     parser.add_argument("--json", help="also write the measurements here")
     parser.add_argument("--from-json", help="measure nothing: write the text of a run --json saved")
     parser.add_argument("--write", action="store_true", help="rewrite the vLLM section of docs/benchmarks.md")
@@ -619,7 +663,10 @@ def main() -> None:
         bench_local.passive_openmp()
         began = time.perf_counter()
         streams = [False] if args.no_stream else [False, True]
-        sizes = [measure_size(mb, args.repeats, Path(args.models), args.torchrl_python, streams) for mb in args.sizes]
+        sizes = [
+            measure_size(mb, args.repeats, Path(args.models), args.torchrl_python, streams, args.schemes, args.changed)
+            for mb in args.sizes
+        ]
         seconds = time.perf_counter() - began
         out = text(sizes, args.repeats, seconds, args.torchrl_python)
         if args.json:

@@ -322,13 +322,17 @@ def test_changes_that_do_not_fit_are_refused_before_anything_is_written():
 class _Worker:
     """An in-process worker: a receiver applying in a thread of its own until stopped."""
 
-    def __init__(self, scheme: ws.WeightSyncScheme, idx: int, model: torch.nn.Module) -> None:
+    def __init__(self, scheme: ws.WeightSyncScheme, idx: int, model: torch.nn.Module, taking: bool = False) -> None:
         import pickle
 
         self.model = model
         self.scheme = pickle.loads(pickle.dumps(scheme))
         self.scheme.init_on_receiver(model_id=scheme.model_id, model=model, worker_idx=idx)
         self.errors: list[BaseException] = []
+        #: With ``taking``: each version is taken, then applied (as an inference engine's stager does); per version
+        #: taken, the bytes of the copy kept for changes and of the model between the two.
+        self.taking = taking
+        self.between: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -338,7 +342,12 @@ class _Worker:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.scheme.receive(timeout=0.05)
+                if not self.taking:
+                    self.scheme.receive(timeout=0.05)
+                elif (pending := self.scheme.take(0.05)) is not None:
+                    kept = self.scheme._runtime.receiving._kept[0].clone()
+                    self.between.append((kept, _flat_bytes(self.model)))
+                    pending.apply()
             except ws.ConnectionClosedError:
                 return
             except ws.WeightSyncError as exc:
@@ -350,11 +359,15 @@ class _Worker:
         self.scheme.shutdown()
 
 
-def _connected(n: int = 2, **kw):
+def _flat_bytes(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ws.WeightStrategy().flat(model).values()])
+
+
+def _connected(n: int = 2, taking: bool = False, **kw):
     model = build("tiny")
     scheme = ws.DistributedWeightSyncScheme(timeout=20, connect_timeout=60, delta="auto", **kw)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=n)
-    workers = [_Worker(scheme, i, build("tiny")) for i in range(n)]
+    workers = [_Worker(scheme, i, build("tiny"), taking) for i in range(n)]
     joiners = [threading.Thread(target=w.scheme.connect) for w in workers]
     for t in joiners:
         t.start()
@@ -449,6 +462,30 @@ def test_a_worker_whose_copy_is_not_the_base_refuses_and_is_sent_the_version_who
     finally:
         for w in workers:
             w.stop()
+        scheme.shutdown()
+
+
+def test_changes_taken_ahead_are_made_whole_before_the_apply_and_a_refusal_is_the_applys():
+    # A worker that takes a version ahead and applies it later (an inference engine pauses for the apply alone)
+    # has the whole version made of the changes when it takes them: its model is still the old version then.
+    model, scheme, (worker,) = _connected(1, taking=True, checksum=True)
+    try:
+        before = _flat_bytes(worker.model)
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[:2] += 1.0  # a step that changed two values
+        scheme.send()
+        kept, held = worker.between[-1]
+        assert torch.equal(held, before) and not torch.equal(held, _flat_bytes(model))
+        assert torch.equal(kept, scheme._runtime.sending.changes.base.buffer)  # the new version, made of the changes
+        assert _holds(worker.model, model) and scheme.stats()["changes_sent"] == 1
+        worker.scheme._runtime.receiving._kept[0][0] ^= 0xFF  # its copy is no longer the sender's bytes
+        _sparse_step(model, 2)
+        scheme.send()  # refused when taken, acked so when applied, then sent whole in the same send
+        assert worker.scheme.version == 2 and _holds(worker.model, model)
+        assert [type(e) for e in worker.errors] == [ws.DeltaBaseError]
+        assert scheme.stats()["changes_sent"] == 1
+    finally:
+        worker.stop()
         scheme.shutdown()
 
 

@@ -306,7 +306,8 @@ class ReceiverEngine(ABC):
     2) :meth:`join`, once, at ``connect``: the engine then knows its :attr:`layout`, and the initial version
        follows as any other;
     3) for each update, unless the engine :attr:`pushes` them (it then calls the apply path itself, which
-       does 4 and 5): :meth:`take`, from ``receive()`` or the core's background thread;
+       does 4 and 5): :meth:`take`, from ``receive()``, ``take()`` or the core's background thread, then
+       :meth:`ready` once what it delivered is ready to apply (changes made into the whole version);
     4) once the core placed the last delivery taken: :meth:`taken`, if the model took its storage;
     5) :meth:`ack`, once per :meth:`take` that delivered anything, applied or refused;
     6) :meth:`close`, once.
@@ -346,6 +347,11 @@ class ReceiverEngine(ABC):
             ConnectionClosedError: the sender shut down or died, and nothing is left to apply.
         """
         return []
+
+    def ready(self, taken: list[Delivery]) -> None:
+        """What :meth:`take` delivered is ready to apply: an engine whose sender waits to hear that (a driver that
+        pauses the worker's program for the load alone) says so now."""
+        return None
 
     def ack(self, taken: list[Delivery], held: int | None, error: BaseException | None = None) -> None:
         """Tell the sender the updates ``taken`` were applied (``held`` is the version now held), or failed."""

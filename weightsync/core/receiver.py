@@ -10,6 +10,7 @@ by tensor — and acked. Weights and version change together under
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -131,13 +132,33 @@ class Receiver:
         return self.version
 
     def take(self, timeout: float) -> list[Delivery]:
-        """The updates the engine delivers within ``timeout`` (``[]``: none), taken off the transport and not
-        applied: :meth:`apply` them (the engine hands out the next ones only then)."""
+        """The updates the engine delivers within ``timeout`` (``[]``: none), taken off the transport, ready and
+        not applied (the last one's changes made into its whole version: :meth:`_resolve`): :meth:`apply` them
+        (the engine hands out the next ones only then)."""
         try:
-            return self.engine.take(timeout, self.latest_wins)
+            taken = self.engine.take(timeout, self.latest_wins)
         except ConnectionClosedError:
             self._leave_sender_memory()
             raise
+        if taken:
+            taken = self._resolve(taken)
+            self.engine.ready(taken)
+        return taken
+
+    def _resolve(self, taken: list[Delivery]) -> list[Delivery]:
+        """``taken``, its last update's changes made into the whole version they make (in the copy kept here) when
+        taken rather than when applied: a worker that takes a version ahead and pauses to apply it (an inference
+        engine) pauses for the load alone. Changes refused (not against the version kept here, not fitting the
+        layout) come back with that refusal, which :meth:`apply` acks."""
+        update = taken[-1]
+        layout = self.engine.layout
+        if update.delta is None or update.refusal is not None or layout is None:
+            return taken
+        try:
+            whole = self._whole_version(update, layout, {**self.where, "version": update.version})
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the apply acks it
+            whole = dataclasses.replace(update, refusal=exc)
+        return [*taken[:-1], whole]
 
     def apply(self, taken: list[Delivery]) -> int:
         """Apply the last of ``taken`` (the others are superseded), then ack them all; return its version.

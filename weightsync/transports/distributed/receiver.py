@@ -116,6 +116,7 @@ class DistributedReceiver(ReceiverEngine):
         self._closed = False
         self._stores: tuple[dist.Store, dist.Store] | None = None
         self._dropped: str | None = None  # why the sender dropped this worker, until it rejoined
+        self._say_taken = False  # the message taken last asked to hear when it is ready to apply
         self._hello: dict[str, Any] = {}  # what this worker told the sender, said again when it rejoins
 
     @classmethod
@@ -342,8 +343,7 @@ class DistributedReceiver(ReceiverEngine):
                 return self._rejoin(max(remaining(deadline), self.update_timeout))
             seqs.append(transport.seq)
             refusal = self._verify(mac, transport.seq, version, self.update_timeout)
-            if msg.get("taken"):  # here and checked (a driver waits for it to stop the worker's program to load)
-                transport.say_taken()
+            self._say_taken = bool(msg.get("taken"))  # (said once ready: a driver waits for it to pause for the load)
             if not newest or refusal is not None:
                 break
         if seqs:
@@ -421,6 +421,11 @@ class DistributedReceiver(ReceiverEngine):
         buffer, views = self._buffers[self._at], self._views[self._at]
         storage = buffer.untyped_storage() if self.placement == "take" else None
         return Delivery(version, [(0, buffer)], None, views, storage, views, refusal=refusal, token=seqs)
+
+    def ready(self, taken: list[Delivery]) -> None:
+        if self._say_taken and self.transport is not None:  # here, checked, and its changes made whole
+            self._say_taken = False
+            self.transport.say_taken()
 
     def ack(self, taken: list[Delivery], held: int | None, error: BaseException | None = None) -> None:
         assert self.transport is not None

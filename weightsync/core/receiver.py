@@ -167,7 +167,7 @@ class Receiver:
             IntegrityError, WeightMismatchError, ConfigurationError: the update was refused (and acked so);
                 the model kept its weights.
         """
-        update = taken[-1]
+        update = self._resolve(taken)[-1]  # (done when taken, unless the engine pushes its updates)
         where = {**self.where, "version": update.version}
         gpus: set[torch.device] = set()
         deadline = deadline_after(self.update_timeout)
@@ -179,8 +179,6 @@ class Receiver:
             layout = self.engine.layout
             if layout is None:
                 raise ConfigurationError("received an update before the layout", **where)
-            if update.delta is not None:
-                update = self._whole_version(update, layout, where)
             check_digest([piece for _, piece in update.pieces], update.digest, **where)
             self._keep(update, layout)
             if isinstance(self.model, ExternalModel):  # the program loads it: no tensor of ours to write

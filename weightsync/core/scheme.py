@@ -391,11 +391,10 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
         return rt.receiving.receive(timeout)
 
     def take(self, timeout: float | None = 0.0) -> PendingUpdate | None:
-        """Take the next update off the transport now, and apply it later: its bytes come into this process (and,
-        under ``delta``, the whole version its changes make) while the worker goes on with its own work, and
-        ``pending.apply()`` then checks and applies it as :meth:`receive` would (a program that must pause to
-        load, such as an inference engine, pauses for the load only). The worker takes no other version until
-        this one was applied.
+        """Take the next update off the transport now (its bytes, under ``delta`` the version its changes make),
+        while the worker goes on with its own work; ``pending.apply()`` then checks and applies it as
+        :meth:`receive` would (a program that must pause to load, such as an inference engine, pauses for the
+        load only). The worker takes no other version until this one was applied.
 
         Args:
             timeout: seconds to wait for an update: ``0`` (default) only checks, ``None`` waits up to the

@@ -39,7 +39,7 @@ def scan(new: np.ndarray, old: np.ndarray, first: int, at: np.ndarray, values: n
     ``at`` and ``values`` need room for ``most + ROOM`` words from ``n``. Returns the new ``n``; ``-1`` once more
     than ``most`` words were found in all (then ``old`` is partly brought up to date: the caller copies it whole)."""
     wide = new.nbytes // 8  # tested as 8-byte words (numba widens narrower integers before operating on them)
-    per = 8 // new.itemsize
+    per = _lanes(new)
     return int(
         _compiled(_scan)(
             new[: wide * per].view(np.int64),
@@ -196,17 +196,9 @@ def _scan(
 
 def _mark(bits: np.ndarray, at: np.ndarray) -> None:
     one = np.uint64(1)
-    word, acc = -1, np.uint64(0)  # the word being marked, held in a register until the positions leave it
     for i in range(at.size):
         p = np.int64(at[i])
-        w = p >> 6
-        if w != word:
-            if word >= 0:
-                bits[word] |= acc
-            word, acc = w, np.uint64(0)
-        acc |= one << np.uint64(p & 63)
-    if word >= 0:
-        bits[word] |= acc
+        bits[p >> 6] |= one << np.uint64(p & 63)
 
 
 def _write_patch(target: np.ndarray, at: np.ndarray, values: np.ndarray) -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import gc
 import multiprocessing as mp
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 import threading
 
 import psutil
@@ -46,6 +49,13 @@ def _private_dev_shm() -> bool:
 
 # Made before any test process or thread exists (unshare refuses a process with threads).
 PRIVATE_SHM = _private_dev_shm()
+
+# vLLM's engines leave their IPC sockets (files named by a uuid) in its VLLM_RPC_BASE_PATH, the temp directory by
+# default: this run's engines (and the processes of its doc blocks and examples) put them in a folder of its own,
+# removed when the run ends.
+if "VLLM_RPC_BASE_PATH" not in os.environ:
+    os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="weightsync-tests-vllm-")
+    atexit.register(shutil.rmtree, os.environ["VLLM_RPC_BASE_PATH"], True)
 
 # Workers fork from a server that has already imported torch: a worker starts in
 # milliseconds instead of seconds, and still gets its scheme pickled like a spawned one.

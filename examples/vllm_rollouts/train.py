@@ -15,6 +15,7 @@ equal ``generate`` of the trainer's model.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 from pathlib import Path
 
@@ -47,11 +48,15 @@ def main(cfg: DictConfig) -> None:
     model_dir = write_llama(Path(cfg.model_dir), TINY)
     model = load_llama(model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
-    # The engine, started from its own config: only the backend says weightsync.
+    # The engine, started from its own config: only the backend says weightsync. Its engine core runs in this
+    # process, its worker in its own: an engine core process can miss the SIGTERM that stops it (docs/vllm.md,
+    # "Stopping an engine").
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     llm = LLM(
         model=str(model_dir),
         dtype="float32",
         enforce_eager=True,
+        distributed_executor_backend="mp",
         max_model_len=512,
         max_num_seqs=cfg.group_size * cfg.prompts,
         kv_cache_memory_bytes=64 * 2**20,

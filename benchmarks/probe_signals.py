@@ -40,27 +40,37 @@ def main() -> None:
         threading.Thread(target=busy, daemon=True).start()
     wake: queue.Queue[str | None] = queue.Queue()
     missed = 0
+    failed: list[str] = []
 
     def sender() -> None:
         nonlocal missed
-        for _ in range(args.signals):
-            time.sleep(0.02)
-            before = len(handled)
-            subprocess.run(["kill", "-USR1", str(os.getpid())], check=True, timeout=10)
-            sent = time.monotonic()
-            while len(handled) == before and time.monotonic() - sent < 1.0:
-                time.sleep(0.001)
-            if len(handled) == before:
-                missed += 1
-                wake.put("wake")  # the handler runs once the main thread wakes
-                while len(handled) == before:
+        try:
+            for _ in range(args.signals):
+                time.sleep(0.02)
+                before = len(handled)
+                subprocess.run(["kill", "-USR1", str(os.getpid())], check=True, timeout=10)
+                sent = time.monotonic()
+                while len(handled) == before and time.monotonic() - sent < 1.0:
                     time.sleep(0.001)
-        wake.put(None)
+                if len(handled) == before:
+                    missed += 1
+                    wake.put("wake")  # the handler runs once the main thread wakes
+                    woken = time.monotonic()
+                    while len(handled) == before:
+                        if time.monotonic() - woken > 10:
+                            raise RuntimeError("the handler did not run within 10 s of waking the main thread")
+                        time.sleep(0.001)
+        except Exception as exc:  # noqa: BLE001 - reported by the main thread
+            failed.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            wake.put(None)
 
     threading.Thread(target=sender, daemon=True).start()
     while wake.get(timeout=600) is not None:
         pass
     stop.set()
+    if failed:
+        raise SystemExit(failed[0])
     print(f"{missed} of {args.signals} signals missed the waiting main thread for more than 1 s")
 
 

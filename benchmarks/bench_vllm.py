@@ -277,6 +277,8 @@ class Probe:
         client = engines.clients[0]
         for name in self.CALLS[1:]:
             setattr(client, name, self._timed(name, getattr(client, name)))
+        # (an AsyncLLM's start goes with its pause, in one call that returns when both did: timed as the pause)
+        client.start_and_pause = self._timed("pause", client.start_and_pause)
         gate = engines._gate
         gate.stage = self._timed("stage", gate.stage)
 
@@ -512,9 +514,11 @@ def text(sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | 
         "Where the time goes (medians, ms): the scheme's staging of the version in the trainer (`shared_mem`: the "
         "copy into its slot); the bytes' trip into the engine's worker, where the backend's stager takes them "
         "while the engine generates (`VLLMEngines` waits until it took them: a `distributed` worker says so); "
-        "then the engine's calls, made by `VLLMEngines` one after the other: `start_weight_update` (while the bytes "
-        'travel), `pause_generation(mode="keep", clear_cache=True)` (as `AsyncLLM.pause_generation` does it, '
-        "without the 20 ms sleep it ends with), `update_weights` (the worker checks and loads the version it took), "
+        "then the engine's calls, made by `VLLMEngines` one after the other: `start_weight_update` and "
+        '`pause_generation(mode="keep", clear_cache=True)` at once (an `AsyncLLM` takes both between the same two '
+        "steps: the start column is 0, and the pause column waits for the step in flight; the pause as "
+        "`AsyncLLM.pause_generation` does it, without the 20 ms sleep it ends with), `update_weights` (the worker "
+        "checks and loads the version it took), "
         "`finish_weight_update`, `resume_generation`.",
         "",
         "| scheme | model MB | engine | stage | start | pause_generation | update_weights (of which load) | finish "

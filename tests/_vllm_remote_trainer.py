@@ -26,7 +26,7 @@ import weightsync as ws
 from tests._hf_llama import hf_greedy, step
 from weightsync.app.llama import load_llama
 from weightsync.integrations.vllm import VLLMEngines
-from weightsync.integrations.vllm.clients import EngineHTTPError, HTTPEngineClient
+from weightsync.integrations.vllm.served import EngineHTTPError, HTTPEngineClient
 
 #: A short prompt, and a long one that fills prefix-cache blocks (the engine's cache is on by default).
 PROMPTS = [[1, 5, 9, 33, 200], list(range(3, 200))]

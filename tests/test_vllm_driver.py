@@ -5,6 +5,7 @@ the same on real vLLM engines."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -14,7 +15,7 @@ import torch
 import weightsync as ws
 from tests._workers import build
 from weightsync.integrations.vllm import VLLMEngines, VLLMWeightSyncScheme
-from weightsync.integrations.vllm.clients import EngineClient
+from weightsync.integrations.vllm.clients import AsyncLLMClient, EngineClient
 from weightsync.integrations.vllm.staging import Stager
 from weightsync.tensors.strategy import flatten_weights
 
@@ -253,6 +254,87 @@ def test_an_engine_that_can_pause_is_paused_around_each_load_in_the_mode_chosen(
         assert engine.generating and [t.paused for t in engines.timings] == [True, True]
     finally:
         scheme.shutdown()
+
+
+class JoinedClient(PausingClient):
+    """A client whose engine takes start_weight_update and the pause at once (as an ``AsyncLLM``'s does)."""
+
+    starts_with_pause = True
+
+    def start_and_pause(self, mode: str, timeout: float) -> None:
+        self.target.calls.append("start and pause")
+        self.target.start_weight_update()
+        self.target.pause_generation(mode)
+
+
+def test_an_engine_that_takes_its_start_with_its_pause_is_sent_both_at_once_once_the_bytes_are_out():
+    model = build("tiny")
+    engine = PausingEngine(_spec(model))
+    engines = VLLMEngines([JoinedClient(engine, "engine 0")], pause_mode="keep")
+    scheme = ws.SharedMemWeightSyncScheme(timeout=10, connect_timeout=30)
+    try:
+        scheme.init_on_sender(model=model, context=engines)
+        scheme.connect()
+        for version in (1, 2):
+            _step(model, 1)
+            scheme.send()
+            assert engine.calls[-6:] == [
+                "start and pause",  # (one call: both are answered at the end of the engine's step in flight)
+                "start",
+                "pause keep",
+                f"update {version}",
+                f"finish {version}",
+                "resume",
+            ]
+            assert engine.version == str(version) and _same(engine, model) and engine.generating
+    finally:
+        scheme.shutdown()
+
+
+class AsyncTarget:
+    """An ``AsyncLLM``'s calls that ``AsyncLLMClient.start_and_pause`` makes, one of them failing (``fail``)."""
+
+    def __init__(self, fail: str | None) -> None:
+        self.fail, self.calls = fail, []
+
+    async def start_weight_update(self) -> None:
+        self.calls.append("start")
+        if self.fail == "start":
+            raise RuntimeError("start_weight_update called while a weight update is already active")
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        self.calls.append(f"pause {mode}")
+        if self.fail == "pause":
+            raise RuntimeError("the engine is dead")
+
+    async def resume_generation(self) -> None:
+        self.calls.append("resume")
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(f"finish {weight_version}")
+
+
+@pytest.mark.parametrize("fail", [None, "start", "pause"])
+def test_an_async_engines_start_and_pause_go_together_and_one_that_fails_undoes_the_other(fail):
+    """Where the start fails the engine generates again; where the pause fails its update session is ended."""
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    target = AsyncTarget(fail)
+    client = AsyncLLMClient(target, "engine 0", loop)
+    try:
+        if fail is None:
+            client.start_and_pause("keep", 5)
+            assert sorted(target.calls) == ["pause keep", "start"]
+        else:
+            with pytest.raises(RuntimeError, match="already active" if fail == "start" else "dead"):
+                client.start_and_pause("keep", 5)
+            undone = "resume" if fail == "start" else "finish None"
+            assert sorted(target.calls) == sorted(["pause keep", "start", undone])
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()
 
 
 def test_engines_and_options_that_are_not_are_refused_by_name():

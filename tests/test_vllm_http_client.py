@@ -24,7 +24,8 @@ import weightsync as ws
 from tests._workers import build
 from tests.test_vllm_driver import PausingEngine, _same, _spec, _step
 from weightsync.integrations.vllm import VLLMEngines
-from weightsync.integrations.vllm.clients import QUOTED_CHARS, EngineHTTPError, HTTPEngineClient, engine_client
+from weightsync.integrations.vllm.engines import engine_client
+from weightsync.integrations.vllm.served import QUOTED_CHARS, EngineHTTPError, HTTPEngineClient
 
 #: How long a route told to hang holds its request at most (the tests release it sooner).
 HANG_S = 30.0

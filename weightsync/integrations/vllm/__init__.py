@@ -35,7 +35,7 @@ def __getattr__(name: str) -> Any:
 
         return VLLMWeightSyncScheme
     if name == "engine_client":
-        from .clients import engine_client
+        from .engines import engine_client
 
         return engine_client
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

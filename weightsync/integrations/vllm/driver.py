@@ -17,7 +17,10 @@ core only once its engine serves the version:
 - each version ``v``: once the scheme's engine published it (each engine's backend takes the bytes in the
   background), ``start_weight_update``, pause (``pause_mode``), ``update_weights({"version": v})`` (the backend
   loads ``v``), ``finish_weight_update(weight_version=str(v))``, the prefix cache reset (cached keys and values
-  were computed with the old weights), resume.
+  were computed with the old weights), resume. An engine that pauses with its start
+  (:attr:`~weightsync.integrations.vllm.clients.EngineClient.starts_with_pause`: an ``AsyncLLM``) is sent both at
+  once when the bytes are out: each waits for the step the engine is computing to end, and together they wait for
+  one step, not two. Another is started first, while the bytes travel.
 
 An engine whose calls fail is a failed worker, named; one that does not answer is one that timed out.
 """
@@ -121,15 +124,28 @@ class _Gate(SenderEngine):
             self._calls[worker] = (version, self._pool.submit(in_turn))
 
     def _paused(
-        self, client: EngineClient, timeout: float, body: Any, worker: int, version: int, before: Any = None
+        self,
+        client: EngineClient,
+        timeout: float,
+        body: Any,
+        worker: int,
+        version: int,
+        before: Any = None,
+        start: bool = False,
     ) -> None:
-        """``before()``, then ``body()`` with the engine paused (if it pauses), then the prefix cache reset."""
+        """``before()``, then ``body()`` with the engine paused (if it pauses), then the prefix cache reset; with
+        ``start``, ``start_weight_update`` first (with the pause, where the engine takes both at once)."""
         mode = self.engines.pause_mode
         pause = client.pauses and mode != "none"
+        together = start and pause and client.starts_with_pause
+        if start and not together:
+            client.start(timeout)
         if before is not None:
             before()
         started = time.perf_counter()
-        if pause:
+        if together:
+            client.start_and_pause(mode, timeout)
+        elif pause:
             client.pause(mode, timeout)
         try:
             body()
@@ -165,10 +181,9 @@ class _Gate(SenderEngine):
                 # The engine stops for the load, not for the bytes' trip: they are all out to it first (while it
                 # generates, its backend takes them). It computes with its weights until update_weights, so
                 # start_weight_update need not wait for them, nor be paused.
-                client.start(timeout)
                 self._inner().wait_sent(worker, time.monotonic() + timeout)
 
-            self._paused(client, timeout, body, worker, version, before=before)
+            self._paused(client, timeout, body, worker, version, before=before, start=True)
 
         return steps
 

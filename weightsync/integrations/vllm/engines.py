@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ...errors import ConfigurationError, LifecycleError
-from .clients import PAUSE_MODES, EngineClient, RayActorClient, engine_client
+from .clients import PAUSE_MODES, PROTOCOL, AsyncLLMClient, EngineClient, LLMClient, RayActorClient
+from .served import HTTPEngineClient
 
-__all__ = ["EngineTiming", "VLLMEngines"]
+__all__ = ["EngineTiming", "VLLMEngines", "engine_client"]
 
 
 class _Serving(Protocol):
@@ -137,3 +138,41 @@ class VLLMEngines:
         gate.scheme.send(worker_ids=[worker_idx])
         if not gate.scheme.sync:
             gate.scheme.wait_async()
+
+
+def engine_client(target: Any, name: str, loop: asyncio.AbstractEventLoop | None = None) -> EngineClient:
+    """The client of an engine ``target``: an :class:`EngineClient` as it is, a ``vllm.LLM``, an ``AsyncLLM`` (with
+    ``loop``, the running event loop it was made on), the URL of a ``vllm serve`` server (``"http://host:8000"``)
+    or vLLM's ``HTTPVLLMWeightSyncClient`` of one (both: an :class:`HTTPEngineClient`, which also pauses it and
+    resets its prefix cache), a Ray actor's handle (:class:`RayActorClient`), or any object with vLLM's four
+    trainer-side calls.
+
+    Raises:
+        ConfigurationError: ``target`` is none of those (the message names what it lacks), or a URL that is not one.
+    """
+    if isinstance(target, EngineClient):
+        return target
+    if isinstance(target, str):
+        return HTTPEngineClient(target, name)
+    if type(target).__name__ == "HTTPVLLMWeightSyncClient" and isinstance(getattr(target, "base_url", None), str):
+        # (its own calls have no pause, and no reset of the prefix cache: the engine would serve stale keys)
+        return HTTPEngineClient(target.base_url, name)
+    kind = type(target).__name__
+    if kind == "ActorHandle":
+        return RayActorClient(target, name)
+    if kind == "AsyncLLM" or asyncio.iscoroutinefunction(getattr(target, "start_weight_update", None)):
+        if loop is None or loop.is_closed():
+            raise ConfigurationError(
+                f"{name} is an {kind}, whose calls run on its event loop: give VLLMEngines(..., loop=<that loop>) "
+                "(it must be running, in another thread than the one that sends)"
+            )
+        return AsyncLLMClient(target, name, loop)
+    if kind == "LLM" and hasattr(target, "llm_engine"):
+        return LLMClient(target, name)
+    missing = [call for call in PROTOCOL if not callable(getattr(target, call, None))]
+    if missing:
+        raise ConfigurationError(
+            f"{name} ({kind}) is not a vLLM engine or a client of one: it has no {', '.join(missing)} (give a "
+            "vllm.LLM, an AsyncLLM with its loop, or an object with vLLM's trainer-side calls)"
+        )
+    return EngineClient(target, name)

@@ -50,7 +50,12 @@ def _engine(
     if kind == "llm":
         from vllm import LLM
 
-        return LLM(**args), None, None
+        # Its engine core in this process and its worker in a process of its own, as docs/vllm.md's "Stopping an
+        # engine" says: an engine core process idle in queue.get() can miss its SIGTERM (its main thread never
+        # runs the handler), and its shutdown then waits a minute. The worker ends when its pipe closes.
+        # (An AsyncLLM cannot: vLLM runs its engine core in a process of its own.)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        return LLM(**args, distributed_executor_backend="mp"), None, None
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -145,6 +145,17 @@ def local_ray_cluster(**init_kwargs):
     psutil.wait_procs(alive, timeout=10)
 
 
+def kill_actor(actor, **kill_kwargs) -> None:
+    """``ray.kill(actor)``, returning once the actor's process has ended (at most 30 s): ``ray.kill`` returns before
+    that, and a call sent at once can reach the actor alive and be answered (CI saw an update applied so)."""
+    import ray
+
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    ray.kill(actor, **kill_kwargs)
+    with contextlib.suppress(psutil.NoSuchProcess):
+        psutil.Process(pid).wait(30)
+
+
 def _is_leak(proc: psutil.Process) -> bool:
     try:
         if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:

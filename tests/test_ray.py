@@ -10,6 +10,7 @@ import torch
 import weightsync as ws
 from tests._bodies import optimizer_step, rounded, send_past_hung_worker_1, wire_nbytes
 from tests._workers import _scramble, build, checksum
+from tests.conftest import kill_actor
 
 ray = pytest.importorskip("ray", reason="Ray is an optional engine; `pip install -e .[test]` installs it")
 
@@ -242,7 +243,7 @@ def test_killed_actor_is_named_and_the_others_are_updated():
     scheme = ws.RayWeightSyncScheme(timeout=20)
     actors = _joined(scheme, model)
     scheme.connect()
-    ray.kill(actors[1], no_restart=True)
+    kill_actor(actors[1], no_restart=True)  # (its process ended: the next send cannot reach it)
     optimizer_step(model, 1)
     start = time.monotonic()
     with pytest.raises(ws.WorkerDiedError) as info:
@@ -264,7 +265,7 @@ def test_drop_policy_goes_on_without_a_killed_actor():
     scheme = ws.RayWeightSyncScheme(timeout=20, on_failure="drop")
     actors = _joined(scheme, model)
     scheme.connect()
-    ray.kill(actors[1], no_restart=True)
+    kill_actor(actors[1], no_restart=True)  # (its process ended: the next send cannot reach it)
     for step in (1, 2):
         optimizer_step(model, step)
         scheme.send()  # dropped at the first, skipped at the second

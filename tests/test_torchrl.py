@@ -232,10 +232,10 @@ def _end_torchrl_nodes(jobs) -> None:
 
 
 def test_ray_collector():
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray")
     from torchrl.collectors.distributed import RayCollector
 
-    from tests.conftest import local_ray_cluster
+    from tests.conftest import kill_actor, local_ray_cluster
 
     tests_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with local_ray_cluster(runtime_env={"env_vars": {"PYTHONPATH": tests_root}}):
@@ -258,7 +258,7 @@ def test_ray_collector():
             assert actions(next(batches)) == {0.0}
             collector.update_policy_weights_()
             assert [actions(next(batches)) for _ in range(2)] == [{1.0}] * 2
-            ray.kill(collector.remote_collectors[1])
+            kill_actor(collector.remote_collectors[1])  # (its process ended: the next update cannot reach it)
             trainer_step(policy, 2.0)
             with pytest.raises(ws.WorkerDiedError, match="worker 1") as err:
                 collector.update_policy_weights_()

@@ -63,7 +63,7 @@ class EngineClient:
     def update(self, update_info: dict[str, Any], timeout: float) -> None:
         self.target.update_weights(update_info)
 
-    def finish(self, version: str | None, timeout: float) -> None:
+    def finish(self, version: str, timeout: float) -> None:
         self.target.finish_weight_update(weight_version=version)
 
     def set_version(self, version: str, timeout: float) -> None:
@@ -85,14 +85,10 @@ class EngineClient:
         """Generate again."""
 
     def start_and_pause(self, mode: str, timeout: float) -> None:
-        """:meth:`start`, then :meth:`pause`; where it raises, the engine generates, with no update begun."""
-        self.start(timeout)
-        try:
-            self.pause(mode, timeout)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.finish(None, timeout)
-            raise
+        """:meth:`start` and :meth:`pause` at once, for a client that :attr:`starts_with_pause` (the driver calls
+        :meth:`start` and :meth:`pause` apart otherwise); where it raises, the engine generates, with no update
+        begun."""
+        raise NotImplementedError(f"{type(self).__name__} sets starts_with_pause without a start_and_pause")
 
     def shutdown(self, timeout: float) -> None:
         """Let the engine's weightsync receiver go (the engine goes on serving)."""
@@ -144,7 +140,7 @@ class AsyncLLMClient(EngineClient):
 
         self._run(self.target.update_weights(WeightTransferUpdateRequest(update_info)), timeout, "update_weights")
 
-    def finish(self, version: str | None, timeout: float) -> None:
+    def finish(self, version: str, timeout: float) -> None:
         self._run(self.target.finish_weight_update(weight_version=version), timeout, "finish_weight_update")
 
     def set_version(self, version: str, timeout: float) -> None:
@@ -244,7 +240,7 @@ class RayActorClient(EngineClient):
     def update(self, update_info: dict[str, Any], timeout: float) -> None:
         self._call("update_weights", timeout, _request("update", update_info))
 
-    def finish(self, version: str | None, timeout: float) -> None:
+    def finish(self, version: str, timeout: float) -> None:
         self._call("finish_weight_update", timeout, weight_version=version)
 
     def set_version(self, version: str, timeout: float) -> None:

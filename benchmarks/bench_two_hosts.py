@@ -5,10 +5,13 @@
     python benchmarks/bench_two_hosts.py --write         # ... and rewrites its section of docs/benchmarks.md
     python benchmarks/bench_two_hosts.py --mb 10 --rounds 3 --rates 1e9 --engines ray --wire-dtypes float32
     python benchmarks/bench_two_hosts.py --changed 0 0.001 0.01 0.1 0.5 --rates 1e9 --write   # delta rows
+    python benchmarks/bench_two_hosts.py --changed 0 0.01 --track-writes --rates 1e9 --wire-dtypes float32 --write
 
 With ``--changed``, each round changes that share of the values (at random places) and the scheme sends with
 ``delta="auto"``; a row of whole sends (``delta=false``) per engine is the reference. Those rows go to the
 ``delta`` section of docs/delta.md, against the whole model's floor and the floor of the bytes actually sent.
+``--track-writes`` adds, per share, a row with ``track_writes=True`` too, and per engine a row of whole sends of a
+4 KB model: what a small message costs on that engine and link (those rows go to the ``track-writes`` section).
 
 The hosts are network namespaces joined by a switch of their own (tests/_hosts.py); the trainer's host sends
 through a token bucket (``tbf``) at the rate. The trainer runs on host A, one worker on host B built from the
@@ -43,6 +46,7 @@ def trainer(args: argparse.Namespace) -> None:
     model = torch.nn.Linear(1024, int(args.mb * 2**20 / 4 / 1024), bias=False)
     kwargs = {"master_addr": args.addr, "master_port": 29612, "timeout": 120, "wire_dtype": args.wire_dtype}
     kwargs["delta"] = {"false": False, "true": True}.get(args.delta, args.delta)
+    kwargs["track_writes"] = args.track
     if args.engine == "rpc":  # the benchmark's hosts are a private network namespace of its own
         kwargs["allow_store_peers_to_run_code"] = True
     scheme = ws.WeightSyncScheme.from_backend(args.engine, **kwargs)
@@ -79,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def timed_sends(scheme, model, rounds: int, wire_dtype: str, fraction: float | None = None) -> None:
     """``rounds`` sync sends of ``model`` (a step between each: every value, or ``fraction`` of them at random
-    places); prints their median, the bytes of the whole model on the wire and the median bytes sent."""
+    places, or none at 0); prints their median, the bytes of the whole model on the wire and the median bytes sent."""
     import torch
 
     times, sent = [], []
@@ -88,6 +92,8 @@ def timed_sends(scheme, model, rounds: int, wire_dtype: str, fraction: float | N
         with torch.no_grad():
             if fraction is None:
                 model.weight.add_(1e-3)
+            elif fraction == 0:  # (no step: a mask of nothing would cost 125 MB of random numbers, which slow
+                pass  # any send after them, a small one too: 1.1-2.0 ms became 2.7-4.0 on one host)
             else:
                 mask = torch.rand(model.weight.shape, generator=gen) < fraction
                 model.weight[mask] += 1e-3
@@ -124,7 +130,9 @@ def ray_trainer(args: argparse.Namespace) -> None:
     model = torch.nn.Linear(1024, int(args.mb * 2**20 / 4 / 1024), bias=False)
     actor = Worker.remote(args.mb)
     delta = {"false": False, "true": True}.get(args.delta, args.delta)
-    scheme = ws.RayWeightSyncScheme(allow_pickle=True, timeout=120, wire_dtype=args.wire_dtype, delta=delta)
+    scheme = ws.RayWeightSyncScheme(
+        allow_pickle=True, timeout=120, wire_dtype=args.wire_dtype, delta=delta, track_writes=args.track
+    )
     scheme.init_on_sender(model_id="policy", model=model, remote_collectors=[actor])
     ray.get(actor.join.remote(scheme.receiver_config(0), 0))
     scheme.connect()
@@ -153,8 +161,11 @@ def one_ray(a, b, wire_dtype: str, mb: float, rounds: int, extra: list[str]) -> 
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-def one(a, b, engine: str, wire_dtype: str, mb: float, rounds: int, delta: str = "false", fraction=None) -> dict:
+def one(
+    a, b, engine: str, wire_dtype: str, mb: float, rounds: int, delta: str = "false", fraction=None, track=False
+) -> dict:
     extra = ["--delta", delta, *(["--fraction", str(fraction)] if fraction is not None else [])]
+    extra += ["--track"] if track else []
     if engine == "ray":
         return one_ray(a, b, wire_dtype, mb, rounds, extra)
     out = Path(tempfile.mkdtemp())
@@ -172,6 +183,10 @@ def one(a, b, engine: str, wire_dtype: str, mb: float, rounds: int, delta: str =
     if t.returncode != 0:
         raise SystemExit(f"{engine} {wire_dtype}: the trainer failed:\n{stderr}")
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+#: The model of a small message's row (``--track-writes``): 4 KB.
+SMALL_MB = 4 / 1024
 
 
 def rate_name(bits: float) -> str:
@@ -199,6 +214,10 @@ def main() -> None:
     parser.add_argument("--changed", type=float, nargs="*", help="delta rows: the shares of values each step changes")
     parser.add_argument("--delta", default="false", help=argparse.SUPPRESS)
     parser.add_argument("--fraction", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--track", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--track-writes", action="store_true", help="delta rows: with track_writes=True too, and a small message's"
+    )
     args = parser.parse_args()
     if args.role == "trainer":
         return trainer(args)
@@ -263,33 +282,49 @@ def delta_rows(args: argparse.Namespace, hosts, replace_section) -> None:
         for engine in args.engines:
             for wire_dtype in args.wire_dtypes:
                 whole = None
-                for delta, fraction in [("false", 0.01), *(("auto", f) for f in args.changed)]:
+                cases = [("false", 0.01, False)]
+                for fraction in args.changed:
+                    cases += [("auto", fraction, False), *([("auto", fraction, True)] if args.track_writes else [])]
+                if args.track_writes:
+                    cases.append(("small", None, False))
+                for delta, fraction, track in cases:
+                    mb = args.mb if delta != "small" else SMALL_MB
                     with hosts(2) as (a, b):
                         a.shape(rate)
-                        row = one(a, b, engine, wire_dtype, args.mb, args.rounds, delta, fraction)
+                        row = one(a, b, engine, wire_dtype, mb, args.rounds, delta.replace("small", "false"),
+                                  fraction, track)  # fmt: skip
                     if whole is None:
                         whole = row["median"]
                     floor, sent_floor = row["wire_bytes"] * 8 / rate, row["sent_bytes"] * 8 / rate
+                    share = "a 4 KB model, whole" if fraction is None else f"{fraction:.1%}"
+                    mode = "false" if delta == "small" else delta + (", track_writes" if track else "")
                     lines.append(
-                        f"| {rate_name(rate)} | {engine} | {wire_dtype} | {fraction:.1%} | {delta} | "
-                        f"{row['median']:.3f} | {row['sent_bytes'] / 1e6:.2f} | {floor:.3f} | {sent_floor:.4f} | "
+                        f"| {rate_name(rate)} | {engine} | {wire_dtype} | {share} | {mode} | "
+                        f"{row['median']:.4f} | {row['sent_bytes'] / 1e6:.2f} | {floor:.3f} | {sent_floor:.4f} | "
                         f"{row['median'] / floor:.3f} | {row['median'] / whole:.2f} |"
                     )
                     print(lines[-1], flush=True)
+    small = (
+        " *a 4 KB model, whole*: a small message on the same engine and link (a model of 1024 float32 values, "
+        "``delta=false``); at 0% no step is made (see the script)."
+        if args.track_writes
+        else ""
+    )
+    command = " ".join(sys.argv[1:]).replace(" --write", "")
     text = "\n".join(
         [
             f"A {args.mb:g} MB float32 model (one tensor), trainer on host A, one worker on host B, median of "
             f"{args.rounds} sync sends per row, each after a step that changed that share of the values; one run "
-            f"of `benchmarks/bench_two_hosts.py --changed` ({time.perf_counter() - began:.0f} s, torch "
+            f"of `benchmarks/bench_two_hosts.py {command}` ({time.perf_counter() - began:.0f} s, torch "
             f"{torch.__version__}, {os.cpu_count()} cores). *x whole send*: against the row of whole sends "
-            "(``delta=false``) of the same engine.",
+            f"(``delta=false``) of the same engine.{small}",
             "",
             *lines,
         ]
     )
     print(text)
     if args.write:
-        replace_section(ROOT / "docs" / "delta.md", "delta-two-hosts", text)
+        replace_section(ROOT / "docs" / "delta.md", "track-writes" if args.track_writes else "delta-two-hosts", text)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 The codec on every dtype (changes found by bits, refused when malformed before anything is written), then the
 ``distributed`` engine with workers in this process: many versions with and without ``wire_dtype`` and
 ``checksum``, a worker that missed versions, a worker whose base is not the sender's (refused, then sent whole in
-the same ``send()``), and a worker's own change to its model. Restarts, kills and drops mid-send run with deltas
-in ``tests/test_faults.py``.
+the same ``send()``), and a worker's own change to its model. The many versions, the missed ones and the
+worker's own change run with ``track_writes`` too (the trainer and the workers read only the pages written since
+the last version: ``tests/test_written.py``).
+Restarts, kills and drops mid-send run with deltas in ``tests/test_faults.py``.
 """
 
 from __future__ import annotations
@@ -401,10 +403,14 @@ def _holds(replica: torch.nn.Module, model: torch.nn.Module, wire_dtype: str | N
     return True
 
 
+TRACKED = pytest.mark.parametrize("track", [False, True], ids=["", "track_writes"])
+
+
 @pytest.mark.parametrize("wire_dtype", [None, "bfloat16"])
 @pytest.mark.parametrize("checked", [False, True], ids=["", "checksum"])
-def test_many_versions_of_changes_are_bit_exact_on_every_worker(wire_dtype, checked):
-    model, scheme, workers = _connected(wire_dtype=wire_dtype, checksum=checked)
+@TRACKED
+def test_many_versions_of_changes_are_bit_exact_on_every_worker(wire_dtype, checked, track):
+    model, scheme, workers = _connected(wire_dtype=wire_dtype, checksum=checked, track_writes=track)
     try:
         for step in range(1, 13):
             _sparse_step(model, step, fraction=1.0 if step == 7 else 0.01)  # one step changes every value
@@ -422,8 +428,9 @@ def test_many_versions_of_changes_are_bit_exact_on_every_worker(wire_dtype, chec
         scheme.shutdown()
 
 
-def test_a_worker_that_missed_versions_is_sent_the_version_whole():
-    model, scheme, workers = _connected()
+@TRACKED
+def test_a_worker_that_missed_versions_is_sent_the_version_whole(track):
+    model, scheme, workers = _connected(track_writes=track)
     try:
         for step in (1, 2):
             _sparse_step(model, step)
@@ -489,16 +496,22 @@ def test_changes_taken_ahead_are_made_whole_before_the_apply_and_a_refusal_is_th
         scheme.shutdown()
 
 
-def test_a_workers_own_change_to_its_model_is_gone_at_the_next_update_as_with_whole_versions():
-    model, scheme, workers = _connected()
+@TRACKED
+def test_a_workers_own_change_to_its_model_is_gone_at_the_next_update_as_with_whole_versions(track):
+    model, scheme, workers = _connected(track_writes=track)
     try:
-        for step in (1, 2, 3):
-            _sparse_step(model, step)
+        for step in (1, 2, 3, 4, 5):
+            if step != 4:  # (version 4: nothing changed in the trainer, the worker's own write alone to undo)
+                _sparse_step(model, step)
             with workers[0].scheme.weights_lock, torch.no_grad():
-                next(workers[0].model.parameters()).add_(100.0)
+                last = list(workers[0].model.parameters())[-1]
+                if step % 2:
+                    last.add_(100.0)
+                else:  # written where no version counter sees it
+                    last.data.view(-1)[-1:].numpy()[:] = 7.0
             scheme.send()
-            assert _holds(workers[0].model, model)
-        assert scheme.stats()["changes_sent"] == 6
+            assert _holds(workers[0].model, model) and _holds(workers[1].model, model)
+        assert scheme.stats()["changes_sent"] == 10
     finally:
         for w in workers:
             w.stop()
@@ -547,8 +560,15 @@ def test_delta_is_one_command_line_override_away(given, held):
     import weightsync.config  # noqa: F401 - registers the weightsync/... config groups
 
     with initialize(version_base="1.3"):
-        cfg = compose(overrides=["+weightsync/scheme=distributed", f"weightsync.scheme.delta={given}"])
-    assert instantiate(cfg.weightsync.scheme).delta == held
+        cfg = compose(
+            overrides=[
+                "+weightsync/scheme=distributed",
+                f"weightsync.scheme.delta={given}",
+                f"weightsync.scheme.track_writes={given != 'false'}",
+            ]
+        )
+    scheme = instantiate(cfg.weightsync.scheme)
+    assert scheme.delta == held and scheme.track_writes is (given != "false")
 
 
 def test_a_bitmap_that_marks_other_words_than_its_count_is_refused_before_anything_is_written():
@@ -577,3 +597,36 @@ def test_a_bitmap_that_marks_other_words_than_its_count_is_refused_before_anythi
     assert torch.equal(target, before)
     apply_delta(target, base.chunks, delta)
     assert torch.equal(target, base.buffer)
+
+
+def test_changes_whose_body_is_not_the_senders_are_refused_and_the_model_kept(monkeypatch):
+    # Over `distributed` the changes' keyed digest travels in their sealed announcement: bytes altered on the wire
+    # (or sent by a process that is not the trainer) do not hash to it.
+    from weightsync.transports.distributed.messages import checked_announcement
+    from weightsync.transports.distributed.transport import DistributedTransport
+
+    model, scheme, (worker,) = _connected(1)
+    send_part = DistributedTransport.send_part
+
+    def altered(self, part):
+        if part.numel():
+            part = part.clone()
+            part[-1] ^= 0x01
+        return send_part(self, part)
+
+    try:
+        _sparse_step(model, 1)
+        scheme.send()
+        held = _flat_bytes(worker.model)
+        _sparse_step(model, 2)
+        monkeypatch.setattr(DistributedTransport, "send_part", altered)
+        with pytest.raises(ws.WeightSyncError, match="keyed digest"):
+            scheme.send()
+        assert worker.scheme.version == 1 and torch.equal(_flat_bytes(worker.model), held)
+        assert [type(e) for e in worker.errors] == [ws.AuthenticationError]
+    finally:
+        worker.stop()
+        scheme.shutdown()
+    said = b'{"version": 3, "nonce": "ab", "mac": "poly1305", "digest": "00"}'  # a digest with no changes to check
+    with pytest.raises(ws.TransportError, match="no announcement a sender makes"):
+        checked_announcement(said, "msg/0/3")

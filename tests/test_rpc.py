@@ -55,6 +55,7 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str
         "agents_sit_idle_between_sends",
         # Only what changed (delta=true: even where every value changed): the same guarantees.
         "every_send_reaches_every_targeted_worker:state_dict:delta=true",
+        "every_send_reaches_every_targeted_worker:tensordict:delta=auto,track_writes=true",
         "killed_worker_is_named_and_the_others_are_served::delta=true",
         "dropped_worker_is_named_and_the_others_go_on::on_failure=drop,delta=true",
         "hung_worker_costs_one_timeout::on_failure=drop,delta=true",

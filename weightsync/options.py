@@ -227,6 +227,14 @@ DELTA = Option(
     "keeps one copy of the newest version's bytes to compare the next with (docs/delta.md).",
     checks.one_of(False, True, "auto"),
 )
+TRACK_WRITES = _flag(
+    "track_writes",
+    False,
+    "Under ``delta``: the trainer and each worker ask Linux (6.7 and later) which pages of the model were written "
+    "since the last version, and compare or write only those (a model mostly frozen, or not stepped between two "
+    "sends, then costs a small message); the first write to each 4 KB page after a send costs a page fault (about "
+    "0.5 us). Where the kernel keeps no such record, every byte is read, as without it (docs/delta.md).",
+)
 
 
 class _Declaration:

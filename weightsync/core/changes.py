@@ -57,12 +57,12 @@ class Changes:
         if not mode or not takes_deltas:
             return
         if self.base is None:
-            self.base = DeltaBase(self.layout)
+            self.base = DeltaBase(self.layout, track_writes=bool(getattr(self.options, "track_writes", False)))
         before = self.base.version
         most = int(AUTO_WHOLE_SHARE * self.layout.nbytes) if mode == "auto" else None
-        delta = self.base.update(
-            wire_sources(self.layout, out.flat), out.version, whole_if_larger=mode == "auto", most=most
-        )
+        sources = wire_sources(self.layout, out.flat)
+        own = [key for key, tensor in sources.items() if tensor.data_ptr() == out.flat[key].data_ptr()]
+        delta = self.base.update(sources, out.version, whole_if_larger=mode == "auto", most=most, own=own)
         checked = bool(getattr(self.options, "checksum", False))
         base_digest, self._digest = self._digest, digest([self.base.buffer]) if checked else None
         workers = [w for w in out.workers if before is not None and peers[w].acked == before == peers[w].sent]
@@ -92,6 +92,8 @@ class Changes:
 
     def close(self) -> None:
         """Let the copy go."""
+        if self.base is not None:
+            self.base.close()
         self.base = None
 
 

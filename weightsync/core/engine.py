@@ -281,6 +281,8 @@ class Delivery:
         token: the engine's own, for its ack.
         delta: the changes from the version the worker holds, its body arrived (``pieces`` then empty): the core
             makes the whole version of them before anything else.
+        changed: of a version the core made from changes, the layout's byte ranges where it may differ from the
+            version the worker held (``None``: anywhere).
     """
 
     version: int
@@ -294,6 +296,7 @@ class Delivery:
     fence: Any = None
     token: Any = None
     delta: Delta | None = None
+    changed: list[tuple[int, int]] | None = None
 
 
 class ReceiverEngine(ABC):

@@ -10,7 +10,7 @@ from .. import checks
 from ..core.engine import ReceiverEngine, SenderEngine, Sink
 from ..errors import ConfigurationError
 from ..integrity import digest_device_check
-from ..options import DELTA, MAX_BUFFERS, WIRE_DTYPE, option
+from ..options import DELTA, MAX_BUFFERS, TRACK_WRITES, WIRE_DTYPE, option
 from ..tensors.layout import FlatLayout
 from ..transports.distributed.settings import BACKEND, BUCKET_MB, DistributedSettings
 from .network import WORLD_SIZE, NetworkScheme
@@ -72,6 +72,7 @@ class DistributedWeightSyncScheme(NetworkScheme, name="distributed", aliases=("t
     bucket_mb: float | None = option(BUCKET_MB)
     max_buffers: int = option(MAX_BUFFERS)
     delta: Any = option(DELTA)  # false, true or "auto"
+    track_writes: bool = option(TRACK_WRITES)
 
     TRANSPORTS = (DistributedSettings,)
     RECEIVER_HANDLES = ("master_addr", "master_port", "world_size", "authkey", "authkey_file")

@@ -14,7 +14,7 @@ from ..core.settings import TransportSettings
 from ..core.states import SENDER_CONNECTED
 from ..core.timing import deadline_after
 from ..errors import ConfigurationError, raise_failures
-from ..options import DELTA, WIRE_DTYPE, option
+from ..options import DELTA, TRACK_WRITES, WIRE_DTYPE, option
 from ..tensors.layout import FlatLayout
 from ..transports.ray.settings import RayActorSettings, RaySettings
 from .payload import PayloadScheme
@@ -75,6 +75,7 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
     allow_pickle: bool = option(options.ALLOW_PICKLE)
     wire_dtype: str | None = option(WIRE_DTYPE)
     delta: Any = option(DELTA)  # false, true or "auto"
+    track_writes: bool = option(TRACK_WRITES)
 
     TRANSPORTS: ClassVar[tuple[type[TransportSettings], ...]] = (RaySettings, RayActorSettings)
     SENDER_HANDLES = ("remote_collectors", "actors", "actor")

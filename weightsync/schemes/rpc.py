@@ -7,7 +7,7 @@ from typing import Any
 from .. import checks, options
 from ..core.engine import ReceiverEngine, SenderEngine, Sink
 from ..errors import ConfigurationError
-from ..options import DELTA, MAX_BUFFERS, WIRE_DTYPE, option
+from ..options import DELTA, MAX_BUFFERS, TRACK_WRITES, WIRE_DTYPE, option
 from ..tensors.layout import FlatLayout
 from ..transports.rpc.settings import RPCSettings
 from .network import WORLD_SIZE, NetworkScheme
@@ -64,6 +64,7 @@ class RPCWeightSyncScheme(NetworkScheme, name="rpc"):
     wire_dtype: str | None = option(WIRE_DTYPE)
     max_buffers: int = option(MAX_BUFFERS)
     delta: Any = option(DELTA)  # false, true or "auto"
+    track_writes: bool = option(TRACK_WRITES)
 
     TRANSPORTS = (RPCSettings,)
     SENDER_HANDLES = ("worker_names",)

@@ -17,11 +17,13 @@ Each chunk travels as one of:
 A :class:`Delta` is a plain description (:meth:`Delta.to_plain`) and one body
 buffer; :func:`apply_delta` checks both against the chunks before it writes
 anything. The trainer's side, which finds the changes, is
-:class:`~weightsync.tensors.delta_base.DeltaBase`.
+:class:`~weightsync.tensors.delta_base.DeltaBase`; a worker under ``track_writes`` then writes into its model only
+what :func:`changed_spans` says may differ.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +47,7 @@ __all__ = [
     "Delta",
     "Part",
     "apply_delta",
+    "changed_spans",
     "chunks_of",
     "np_word",
     "part_bytes",
@@ -395,3 +398,45 @@ def apply_delta(target: torch.Tensor, chunks: Sequence[Chunk], delta: Delta) -> 
     else:
         for each in writes:
             write(*each)
+
+
+def changed_spans(
+    dst: Mapping[str, torch.Tensor],
+    buffer: torch.Tensor,
+    layout: FlatLayout,
+    changed: list[tuple[int, int]],
+    written: Mapping[str, list[tuple[int, int]] | None],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """What to copy into the model's tensors ``dst`` from ``buffer`` (a version's bytes, as ``layout`` places them)
+    where they may differ from it: the layout's byte ranges ``changed`` (since the version they held) and, per
+    tensor, the ranges written since it was applied (``written``, from its first byte; ``None``: all of it). Returns
+    the byte views to write and those to read (:func:`copy_tensors` them), in order, none overlapping.
+
+    ``None`` where ``dst`` cannot be written byte for byte (a tensor not contiguous, not on the CPU, or not of its
+    wire dtype): the caller writes the version whole.
+    """
+    slots = [slot for slot in layout.slots if slot.nbytes]
+    for slot in slots:
+        tensor = dst[slot.key]
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dtype != slot.wire:
+            return None
+    starts = [lo for lo, _ in changed]
+    targets, sources = [], []
+    for slot in slots:
+        end = slot.offset + slot.nbytes
+        ranges = written.get(slot.key)
+        spans = [(0, slot.nbytes)] if ranges is None else list(ranges)
+        for lo, hi in changed[max(bisect.bisect_right(starts, slot.offset) - 1, 0) :]:
+            if lo >= end:
+                break
+            if hi > slot.offset:
+                spans.append((max(lo, slot.offset) - slot.offset, min(hi, end) - slot.offset))
+        out = dst[slot.key].detach().reshape(-1).view(torch.uint8)
+        at = 0  # (the spans in order, overlaps written once)
+        for lo, hi in sorted(spans):
+            lo = max(lo, at)
+            if lo < hi:
+                targets.append(out[lo:hi])
+                sources.append(buffer[slot.offset + lo : slot.offset + hi])
+                at = hi
+    return targets, sources

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +32,7 @@ from .delta import (
 )
 from .kernels import ROOM, prepare, scan
 from .layout import FlatLayout
+from .written import Ranges, WrittenPages, open_tracker
 
 __all__ = ["DeltaBase", "wire_sources"]
 
@@ -46,12 +47,16 @@ class DeltaBase:
     (the comparison reads memory; one core does not read it as fast as two): no copy of the model is made, the base
     becomes the new version by the changes alone.
 
+    Under ``track_writes`` (where the kernel keeps the record: :mod:`~weightsync.tensors.written`), only the bytes
+    of the pages written since the last update are compared: the rest cannot have changed.
+
     Args:
         layout: the versions' layout.
         chunk_bytes: the largest chunk (:func:`chunks_of`).
+        track_writes: ask the kernel which pages of the sources were written, and compare only those.
     """
 
-    def __init__(self, layout: FlatLayout, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, layout: FlatLayout, chunk_bytes: int = CHUNK_BYTES, track_writes: bool = False) -> None:
         self.layout = layout
         self.chunks = chunks_of(layout, chunk_bytes)
         self.buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
@@ -61,10 +66,21 @@ class DeltaBase:
         self._most = {chunk: _most_changes(chunk) for chunk in self.chunks}
         self._local = threading.local()
         self._views = layout.views(self.buffer)
+        self._tracker: WrittenPages | None = open_tracker() if track_writes else None
+
+    @property
+    def tracks_writes(self) -> bool:
+        """Whether only the pages written since the last update are compared (asked, and the kernel can say)."""
+        return self._tracker is not None
 
     def forget(self) -> None:
         """The buffer holds no version any more (the next :meth:`update` fills it whole)."""
         self.version = None
+
+    def close(self) -> None:
+        """Stop asking the kernel about the sources' pages."""
+        if self._tracker is not None:
+            self._tracker.close()
 
     def update(
         self,
@@ -73,6 +89,7 @@ class DeltaBase:
         *,
         whole_if_larger: bool = True,
         most: int | None = None,
+        own: Collection[str] | None = None,
     ) -> Delta | None:
         """Make the buffer hold ``version``, whose tensors are ``sources`` (by key, the layout's wire dtypes,
         contiguous, on the CPU: :meth:`wire_sources`), and return the delta from the version it held (``None``
@@ -80,17 +97,25 @@ class DeltaBase:
 
         ``whole_if_larger``: a chunk whose patch would be larger than its bytes goes whole (``auto``). ``most``:
         a body of at least this many bytes is not kept (the delta says its size and has no body: the version
-        goes whole).
+        goes whole). ``own``: the keys whose tensors are memory that lives from version to version (the model's
+        own, not copies made for this call), the only ones whose writes are asked about (``None``: all).
         """
         base = self.version
         self.version = None  # until every chunk holds the new bytes
+        # (asked first: the pages are protected again before they are read, so a write from now on shows next time)
+        written: dict[str, Ranges | None] = {}
+        if self._tracker is not None:
+            written = self._tracker.written(sources if own is None else {k: sources[k] for k in own})
         if base is None:
             for slot in self.layout.slots:
                 self._views[slot.key].copy_(sources[slot.key])
             prepare(np_word(chunk) for chunk in self.chunks)  # (the first version, at connect, pays for it)
             self.version = version
             return None
-        pieces = self._pieces(sources)
+        pieces = self._pieces(sources, written)
+        if not pieces:  # nothing written since the last version: no chunk to compare
+            self.version = version
+            return Delta(base, version, [SAME] * len(self.chunks), [0] * len(self.chunks))
         compared = _Comparison(pieces, [offset for offset, _ in pieces], self.buffer.numpy(), whole_if_larger)
         writer = BodyWriter(self.chunks, whole_if_larger, most)
 
@@ -132,13 +157,24 @@ class DeltaBase:
         kind, _ = changes_bytes(int(at.size), chunk)
         return kind, int(at.size), (chunk, kind, at, values)
 
-    def _pieces(self, sources: dict[str, torch.Tensor]) -> list[tuple[int, np.ndarray]]:
-        """Each tensor's bytes, with their offset in the layout, in layout order."""
-        return [
-            (slot.offset, sources[slot.key].reshape(-1).view(torch.uint8).numpy())
-            for slot in self.layout.slots
-            if slot.nbytes
-        ]
+    def _pieces(
+        self, sources: dict[str, torch.Tensor], written: dict[str, Ranges | None]
+    ) -> list[tuple[int, np.ndarray]]:
+        """The bytes to compare, with their offset in the layout, in layout order: each tensor's, or, where
+        ``written`` has its ranges, those alone (widened to whole 8-byte words: a piece holds whole words)."""
+        out = []
+        for slot in self.layout.slots:
+            if not slot.nbytes:
+                continue
+            data = sources[slot.key].reshape(-1).view(torch.uint8).numpy()
+            ranges = written.get(slot.key)
+            if ranges is None:
+                out.append((slot.offset, data))
+                continue
+            for lo, hi in ranges:
+                lo, hi = lo - lo % 8, min(-(-hi // 8) * 8, data.size)
+                out.append((slot.offset + lo, data[lo:hi]))
+        return out
 
     def _changes(self, chunk: Chunk, compared: _Comparison) -> tuple[np.ndarray, np.ndarray] | None:
         """The positions (in ``chunk.word`` words from its start) and new values of the words that changed in

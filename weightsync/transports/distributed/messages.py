@@ -14,13 +14,21 @@ __all__ = ["announcement", "checked_announcement"]
 
 
 def announcement(
-    version: int, nonce: str, mac: str, delta: dict[str, Any] | None = None, taken: bool = False
+    version: int,
+    nonce: str,
+    mac: str,
+    delta: dict[str, Any] | None = None,
+    taken: bool = False,
+    digest: str | None = None,
 ) -> dict[str, Any]:
     """What a sender says of message ``version``: its one-time key ``nonce`` and ``mac``; ``delta``: the description
-    of the changes its one part holds; ``taken``: the worker is to say when it took it."""
+    of the changes its one part holds, and ``digest`` their keyed digest (known before they are sent: the worker
+    needs no other word to check them); ``taken``: the worker is to say when it took it."""
     said: dict[str, Any] = {"version": version, "nonce": nonce, "mac": mac}
     if delta is not None:
         said["delta"] = delta
+        if digest is not None:
+            said["digest"] = digest
     if taken:
         said["taken"] = True
     return said
@@ -36,8 +44,9 @@ def checked_announcement(content: bytes, key: str, **where: Any) -> dict[str, An
     msg = loads_object(content, f"store key {key!r}", max_bytes=MAX_STORE_JSON)
     version, nonce = msg.get("version"), msg.get("nonce")
     if (
-        set(msg) - {"delta", "taken"} == {"version", "nonce", "mac"}
+        set(msg) - {"delta", "taken", "digest"} == {"version", "nonce", "mac"}
         and isinstance(msg.get("delta", {}), dict)
+        and ("digest" not in msg or ("delta" in msg and isinstance(msg["digest"], str) and len(msg["digest"]) <= 128))
         and msg.get("taken", True) is True
         and type(version) is int
         and version >= 0

@@ -342,7 +342,7 @@ class DistributedReceiver(ReceiverEngine):
             if self._dropped_meanwhile():
                 return self._rejoin(max(remaining(deadline), self.update_timeout))
             seqs.append(transport.seq)
-            refusal = self._verify(mac, transport.seq, version, self.update_timeout)
+            refusal = self._verify(mac, transport.seq, version, self.update_timeout, msg.get("digest"))
             self._say_taken = bool(msg.get("taken"))  # (said once ready: a driver waits for it to pause for the load)
             if not newest or refusal is not None:
                 break
@@ -404,11 +404,14 @@ class DistributedReceiver(ReceiverEngine):
         buffer = self._buffers[self._at]
         return self.sealer.payload_mac(self._layout_tag, buffer, said["version"], said["nonce"], said["mac"])
 
-    def _verify(self, mac: PayloadMac, seq: int, version: int, timeout: float) -> AuthenticationError | None:
-        """Why the bytes of message ``seq`` (version ``version``) in the staging buffer may not be applied:
-        ``None`` when they hash, with the run key, to the digest the sender sealed for them."""
+    def _verify(
+        self, mac: PayloadMac, seq: int, version: int, timeout: float, said: str | None = None
+    ) -> AuthenticationError | None:
+        """Why the bytes of message ``seq`` (version ``version``) may not be applied: ``None`` when they hash, with
+        the run key, to the digest the sender sealed for them (``said`` in the message's sealed announcement, the
+        changes' digest; else from the store, where the sender sets it once the buckets went out)."""
         assert self.transport is not None
-        expected = self.transport.expected_digest(seq, version, timeout)
+        expected = said if said is not None else self.transport.expected_digest(seq, version, timeout)
         if hmac.compare_digest(mac.hexdigest(), expected):
             return None
         return AuthenticationError(

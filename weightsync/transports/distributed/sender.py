@@ -279,8 +279,8 @@ class DistributedSender(SenderEngine):
         self._unstaged = None
 
     def _send_changes(self, out: Outgoing, workers: list[int], staging: Staging) -> None:
-        """Send ``out.delta`` to ``workers`` (they hold its base): announced with its description, its body one
-        part under a keyed digest of its own."""
+        """Send ``out.delta`` to ``workers`` (they hold its base): announced with its description and the keyed
+        digest of its body, which follows as one part."""
         delta = out.delta
         assert delta is not None
         nonce = new_nonce()
@@ -290,9 +290,8 @@ class DistributedSender(SenderEngine):
         for w in workers:
             transport = self.transports[w]
             try:
-                transport.announce(out.version, nonce, MAC, delta=described, taken=self.reports_taken)
+                transport.announce(out.version, nonce, MAC, delta=described, taken=self.reports_taken, digest=digest)
                 staging.readers[w] = [transport.send_part(body)] if body.numel() else []
-                transport.set_digest(digest, out.version)
                 transport.expect_ack(out.version)
             except RuntimeError as exc:  # the peer is gone: gloo refuses to send to it
                 self._gone(w, exc)

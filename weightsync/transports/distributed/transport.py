@@ -177,20 +177,22 @@ class DistributedTransport(PeerTransport):
         initial: bool = False,
         delta: dict[str, Any] | None = None,
         taken: bool = False,
+        digest: str | None = None,
     ) -> None:
         """Start message ``version``: announce it in the store (the parts follow over the group).
 
         The initial weights are sent without an announcement: the worker is in ``connect()`` waiting for
         exactly them (their version, ``nonce`` and ``mac`` are in the store's ``initial``). ``nonce`` and ``mac``:
         the message's one-time key and MAC (:class:`~.auth.PayloadMac`). ``delta``: the message is the changes
-        this description says (:meth:`~weightsync.tensors.delta.Delta.to_plain`), its body the one part.
+        this description says (:meth:`~weightsync.tensors.delta.Delta.to_plain`), its body the one part, whose keyed
+        digest is ``digest`` (sealed in the announcement: no :meth:`set_digest` follows).
         ``taken``: the worker says when it took the message (:meth:`say_taken`; a driver waits for that).
         """
         _, store = self._group()
         seq = 0 if initial else self.seq + 1
         if not initial:
             key = f"msg/{self.worker_idx}/{seq}"
-            sealed = self.sealer.seal(key, json.dumps(announcement(version, nonce, mac, delta, taken)))
+            sealed = self.sealer.seal(key, json.dumps(announcement(version, nonce, mac, delta, taken, digest)))
             store_set(store, key, sealed)
             ring(store, self.bell_key, said=sealed)  # a worker waiting for it takes it now (checked as the key's)
         self.seq = seq

@@ -198,8 +198,15 @@ class Host:
     """The test's handle on a rollout process: start it, ask it things, kill it. One caller at a time."""
 
     def __init__(
-        self, model_dir: str, kind: str = "llm", dtype: str = "float32", backend: str | None = "weightsync"
+        self,
+        model_dir: str,
+        kind: str = "llm",
+        dtype: str = "float32",
+        backend: str | None = "weightsync",
+        wait: bool = True,
     ) -> None:
+        """Start the host; with ``wait`` (the default), return once its engine serves; without, the first question
+        (or :meth:`wait`) waits for that: a test starts an engine it needs later while it works with another."""
         self._lock = threading.Lock()
         self._shm_before = set(os.listdir("/dev/shm"))
         ctx = mp.get_context("spawn")
@@ -208,7 +215,14 @@ class Host:
         self.proc.start()
         child.close()
         self.kind = kind
-        self.pid = self.ask_raw(START_S)
+        self.pid: int | None = None
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Return once the engine serves (at most ``START_S``)."""
+        if self.pid is None:
+            self.pid = self.ask_raw(START_S)
 
     def ask_raw(self, timeout: float, method: str | None = None, *args: Any) -> Any:
         with self._lock:  # one question, one answer: a question that timed out leaves the pipe to no one
@@ -225,9 +239,11 @@ class Host:
         return reply[1]
 
     def ask(self, method: str, *args: Any, timeout: float = 120.0) -> Any:
+        self.wait()
         return self.ask_raw(timeout, method, *args)
 
     def client(self) -> HostClient:
+        self.wait()
         return HostClient(self)
 
     def _group(self) -> list[psutil.Process]:

@@ -12,6 +12,7 @@ Restarts, kills and drops mid-send run with deltas in ``tests/test_faults.py``.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -623,6 +624,9 @@ def test_changes_whose_body_is_not_the_senders_are_refused_and_the_model_kept(mo
         with pytest.raises(ws.WeightSyncError, match="keyed digest"):
             scheme.send()
         assert worker.scheme.version == 1 and torch.equal(_flat_bytes(worker.model), held)
+        deadline = time.monotonic() + 10  # (the worker's thread records its refusal after acking it)
+        while not worker.errors and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert [type(e) for e in worker.errors] == [ws.AuthenticationError]
     finally:
         worker.stop()

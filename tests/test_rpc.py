@@ -53,9 +53,9 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str
         "connect_waits_its_timeout_for_absent_workers::connect_timeout=2",
         "rpc_shutdown_waits_a_bounded_time_for_workers_that_stay",
         "agents_sit_idle_between_sends",
-        # Only what changed (delta=true: even where every value changed): the same guarantees.
-        "every_send_reaches_every_targeted_worker:state_dict:delta=true",
-        "every_send_reaches_every_targeted_worker:tensordict:delta=auto,track_writes=true",
+        # Only what changed (delta=true: even where every value changed): the same guarantees (the first also
+        # reading only the pages written since the last version).
+        "every_send_reaches_every_targeted_worker:state_dict:delta=true,track_writes=true",
         "killed_worker_is_named_and_the_others_are_served::delta=true",
         "dropped_worker_is_named_and_the_others_go_on::on_failure=drop,delta=true",
         "hung_worker_costs_one_timeout::on_failure=drop,delta=true",

@@ -227,9 +227,10 @@ def test_weights_that_do_not_fit_the_engine_are_refused_before_anything_is_writt
 
 def test_a_killed_engine_is_a_named_error_and_a_restarted_one_rejoins_with_the_newest_version(model_dirs):
     model = load_llama(model_dirs["f32"])
+    # (the engine that will restart starts now, beside the one to be killed: the test waits for one start, not two)
+    fresh = Host(str(model_dirs["f32"]), "llm", "float32", wait=False)
     doomed = Host(str(model_dirs["f32"]), "llm", "float32")
     scheme = _scheme("multiprocess", timeout=20)
-    fresh = None
     try:
         engines = _serve(doomed, scheme, model, pause_mode="none")
         _step(model, 1)
@@ -241,8 +242,8 @@ def test_a_killed_engine_is_a_named_error_and_a_restarted_one_rejoins_with_the_n
             scheme.send()
         assert time.monotonic() - started < 20 + 10
         assert isinstance(caught.value, (ws.WorkerDiedError, ws.ReceiverError, ws.ConnectionClosedError))
-        fresh = Host(str(model_dirs["f32"]), "llm", "float32")  # the restarted engine, from its own checkpoint
-        engines.replace(0, fresh.client())  # version 2 reached no one: the trainer's weights come as version 3
+        # The restarted engine, from its own checkpoint; version 2 reached no one: the trainer's weights come as 3.
+        engines.replace(0, fresh.client())
         assert fresh.ask("version") == "3" == str(scheme.version)
         assert fresh.ask("greedy", PROMPTS, TOKENS) == _hf_greedy(model)
         _step(model, 3)
@@ -251,8 +252,7 @@ def test_a_killed_engine_is_a_named_error_and_a_restarted_one_rejoins_with_the_n
     finally:
         scheme.shutdown()
         doomed.stop()
-        if fresh is not None:
-            fresh.stop()
+        fresh.stop()
 
 
 def test_an_engine_started_without_the_weightsync_backend_is_named_at_connect(model_dirs):
@@ -322,6 +322,7 @@ def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_rejoins_and_a_work
     shm_before = set(os.listdir("/dev/shm"))
     with local_ray_cluster():
         actor = engine("0")
+        apart = engine("1")  # (needed last; started now, beside the first: the test waits for one start, not two)
         scheme = ws.RayWeightSyncScheme(timeout=30, connect_timeout=120, delta="auto")
         try:
             engines = VLLMEngines([actor], pause_mode="none")
@@ -348,10 +349,12 @@ def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_rejoins_and_a_work
             engines.replace(0, actor)
             assert tokens(actor) == _hf_greedy(model)
             assert ray.get(actor.get_weight_version.remote(), timeout=30) == str(scheme.version)
+        except BaseException:
+            stop(apart)
+            raise
         finally:
             scheme.shutdown()
             stop(actor)
-        apart = engine("1")
         scheme = ws.RayWeightSyncScheme(timeout=60, connect_timeout=120)
         try:
             scheme.init_on_sender(model=model, context=VLLMEngines([apart], pause_mode="none"))

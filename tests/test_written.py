@@ -189,3 +189,29 @@ def test_pages_protected_after_a_write_forget_it_and_the_others_keep_theirs():
         assert tracker.written({"t": t}) == {"t": [(5 * PAGE, 6 * PAGE)]}
     finally:
         tracker.close()
+
+
+def test_a_tracker_made_before_a_fork_knows_nothing_in_the_child_and_touches_nothing_of_the_parent():
+    import multiprocessing
+
+    tracker = open_tracker()
+    assert tracker is not None
+    try:
+        t = _own_pages(1 << 16)
+        tracker.written({"t": t})
+        assert tracker.written({"t": t}) == {"t": []}
+        ctx = multiprocessing.get_context("fork")
+        child = ctx.Process(target=_in_child, args=(tracker, t))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+        t[0] = 1.0  # the parent's record is its own still: the child's calls changed nothing of it
+        assert tracker.written({"t": t}) == {"t": [_pages_of(t, 0, 3)]}
+    finally:
+        tracker.close()
+
+
+def _in_child(tracker, t) -> None:
+    assert tracker.written({"t": t}) == {"t": None}
+    tracker.unprotect([t])
+    tracker.protect([t])

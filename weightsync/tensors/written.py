@@ -79,6 +79,8 @@ class _Kernel:
             os.close(fd)
             raise
         self.uffd = fd
+        #: The process whose memory this is (a forked child inherits the descriptors, which still speak of it).
+        self.pid = os.getpid()
         self.lock = threading.Lock()
         self.claims: dict[int, list[tuple[int, int]]] = {}  # owner's id: the page runs it tracks
         self._regions = np.zeros(3 * _REGIONS, dtype=np.uint64)  # struct page_region {start, end, categories}
@@ -148,7 +150,8 @@ class _Kernel:
 class WrittenPages:
     """One owner's view of the kernel's record: which bytes of its tensors were written since it last looked.
 
-    Made by :func:`open_tracker`; thread-safe; :meth:`close` gives its memory back to other owners.
+    Made by :func:`open_tracker`; thread-safe; :meth:`close` gives its memory back to other owners. In a process
+    forked from the one that made it, it knows nothing (every tensor is written whole) and changes nothing.
     """
 
     def __init__(self, kernel: _Kernel) -> None:
@@ -166,6 +169,8 @@ class WrittenPages:
         """
         kernel = self._kernel
         out: dict[str, Ranges | None] = dict.fromkeys(tensors)
+        if kernel.pid != os.getpid():  # (made before a fork: its record is of the parent's pages)
+            return out
         extents = [(where, key) for key, where in ((k, _extent(t)) for k, t in tensors.items()) if where is not None]
         # (tensors sharing a page are scanned as one run: a scan clears the marks of the whole page)
         runs: list[tuple[int, int, list[tuple[str, tuple[int, int]]]]] = []
@@ -215,6 +220,8 @@ class WrittenPages:
             else:
                 runs.append((lo, hi))
         kernel = self._kernel
+        if kernel.pid != os.getpid():
+            return
         with kernel.lock:
             mine = kernel.claims.get(id(self), [])
             for lo, hi in runs:

@@ -8,8 +8,8 @@ the kernel lift the protection (a minor fault, about half a microsecond) and mar
 reads those marks and protects the pages again, in one ioctl per run of memory. A page is reported written
 whenever the kernel cannot say otherwise: the first time a tensor is seen, memory unmapped and mapped again, a
 tensor moved or resized. What it does not see: writes by another process into memory it shares (such memory is
-never tracked: the kernel refuses to register it here, and the tensor counts as written whole), and writes by a
-device (DMA: GPU tensors are not tracked).
+never tracked: only memory that ``/proc/self/maps`` shows private and anonymous is registered, and any other
+tensor counts as written whole), and writes by a device (DMA: GPU tensors are not tracked).
 
 Where the kernel lacks either feature, or a seccomp profile refuses the ``userfaultfd`` system call (Docker's
 default does), :func:`open_tracker` returns ``None`` and callers read everything, as without it.

@@ -12,7 +12,6 @@ Restarts, kills and drops mid-send run with deltas in ``tests/test_faults.py``.
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -332,6 +331,7 @@ class _Worker:
         self.scheme = pickle.loads(pickle.dumps(scheme))
         self.scheme.init_on_receiver(model_id=scheme.model_id, model=model, worker_idx=idx)
         self.errors: list[BaseException] = []
+        self.erred = threading.Event()  # (set once an error is recorded: a refusal is acked before it is)
         #: With ``taking``: each version is taken, then applied (as an inference engine's stager does); per version
         #: taken, the bytes of the copy kept for changes and of the model between the two.
         self.taking = taking
@@ -355,6 +355,7 @@ class _Worker:
                 return
             except ws.WeightSyncError as exc:
                 self.errors.append(exc)
+                self.erred.set()
 
     def stop(self) -> None:
         self._stop.set()
@@ -624,9 +625,7 @@ def test_changes_whose_body_is_not_the_senders_are_refused_and_the_model_kept(mo
         with pytest.raises(ws.WeightSyncError, match="keyed digest"):
             scheme.send()
         assert worker.scheme.version == 1 and torch.equal(_flat_bytes(worker.model), held)
-        deadline = time.monotonic() + 10  # (the worker's thread records its refusal after acking it)
-        while not worker.errors and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert worker.erred.wait(10)  # (the worker's thread records its refusal after acking it)
         assert [type(e) for e in worker.errors] == [ws.AuthenticationError]
     finally:
         worker.stop()

@@ -23,6 +23,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture
+def tracker():
+    made = open_tracker()
+    assert made is not None
+    yield made
+    made.close()
+
+
 def _own_pages(numel: int) -> torch.Tensor:
     """Zeros (float32) on pages no other memory shares: no write elsewhere marks them (the record is by page)."""
     per_page = PAGE // 4
@@ -39,47 +47,37 @@ def _pages_of(tensor: torch.Tensor, first: int, last: int) -> tuple[int, int]:
     return max(lo, 0), min(hi, tensor.numel() * tensor.element_size())
 
 
-def test_every_way_of_writing_shows_and_nothing_else_does(tmp_path):
+def test_every_way_of_writing_shows_and_nothing_else_does(tracker, tmp_path):
     big, other = _own_pages(1 << 20), torch.zeros(1 << 20)
-    tracker = open_tracker()
-    assert tracker is not None
-    try:
-        assert tracker.written({"big": big}) == {"big": None}  # first seen: all of it
-        assert tracker.written({"big": big}) == {"big": []}
-        other.add_(1.0)  # memory it was not asked about
-        _ = big.sum()  # reads
-        assert tracker.written({"big": big}) == {"big": []}
+    assert tracker.written({"big": big}) == {"big": None}  # first seen: all of it
+    assert tracker.written({"big": big}) == {"big": []}
+    other.add_(1.0)  # memory it was not asked about
+    _ = big.sum()  # reads
+    assert tracker.written({"big": big}) == {"big": []}
 
-        big[10] = 1.0  # an in-place op
-        big.data[300_000] = 2.0  # through .data, where torch's version counter does not see it
-        big.numpy()[600_000] = 3.0  # through numpy
-        path = tmp_path / "blob"
-        path.write_bytes(b"\x01" * 8)
-        with open(path, "rb") as f:  # by the kernel, in a system call
-            f.readinto(big.numpy().view("uint8")[3_600_000:3_600_008])
-        expected = [_pages_of(big, 40, 43), _pages_of(big, 1_200_000, 1_200_003)]
-        expected += [_pages_of(big, 2_400_000, 2_400_003), _pages_of(big, 3_600_000, 3_600_007)]
-        assert tracker.written({"big": big}) == {"big": expected}
-        assert tracker.written({"big": big}) == {"big": []}  # protected again
-    finally:
-        tracker.close()
+    big[10] = 1.0  # an in-place op
+    big.data[300_000] = 2.0  # through .data, where torch's version counter does not see it
+    big.numpy()[600_000] = 3.0  # through numpy
+    path = tmp_path / "blob"
+    path.write_bytes(b"\x01" * 8)
+    with open(path, "rb") as f:  # by the kernel, in a system call
+        f.readinto(big.numpy().view("uint8")[3_600_000:3_600_008])
+    expected = [_pages_of(big, 40, 43), _pages_of(big, 1_200_000, 1_200_003)]
+    expected += [_pages_of(big, 2_400_000, 2_400_003), _pages_of(big, 3_600_000, 3_600_007)]
+    assert tracker.written({"big": big}) == {"big": expected}
+    assert tracker.written({"big": big}) == {"big": []}  # protected again
 
 
-def test_a_tensor_moved_resized_or_in_memory_the_kernel_will_not_protect_is_written_whole():
-    tracker = open_tracker()
-    assert tracker is not None
-    try:
-        a, b = torch.zeros(100_000), torch.zeros(100_000)
-        tracker.written({"w": a})
-        assert tracker.written({"w": a}) == {"w": []}
-        assert tracker.written({"w": b}) == {"w": None}  # another tensor under the key
-        assert tracker.written({"w": b[:50_000]}) == {"w": None}  # resized
-        shared = torch.zeros(100_000).share_memory_()  # another process may write it: never trusted
-        strided = torch.zeros(100, 100).t()
-        for _ in range(2):
-            assert tracker.written({"shared": shared, "strided": strided}) == {"shared": None, "strided": None}
-    finally:
-        tracker.close()
+def test_a_tensor_moved_resized_or_in_memory_the_kernel_will_not_protect_is_written_whole(tracker):
+    a, b = torch.zeros(100_000), torch.zeros(100_000)
+    tracker.written({"w": a})
+    assert tracker.written({"w": a}) == {"w": []}
+    assert tracker.written({"w": b}) == {"w": None}  # another tensor under the key
+    assert tracker.written({"w": b[:50_000]}) == {"w": None}  # resized
+    shared = torch.zeros(100_000).share_memory_()  # another process may write it: never trusted
+    strided = torch.zeros(100, 100).t()
+    for _ in range(2):
+        assert tracker.written({"shared": shared, "strided": strided}) == {"shared": None, "strided": None}
 
 
 def test_memory_one_owner_tracks_is_all_written_to_another_until_it_lets_go():
@@ -162,53 +160,38 @@ def test_where_the_kernel_keeps_no_record_everything_is_compared(monkeypatch):
     assert os.getpid() in written_module._kernels
 
 
-def test_pages_unprotected_before_a_write_count_as_written_until_protected_again():
-    tracker = open_tracker()
-    assert tracker is not None
-    try:
-        t, elsewhere = _own_pages(1 << 20), torch.zeros(1 << 16)
-        tracker.written({"t": t})
-        assert tracker.written({"t": t}) == {"t": []}
-        tracker.unprotect([t[: 2 * PAGE // 4], elsewhere])  # two pages of it; memory it does not track: nothing
-        assert tracker.written({"t": t}) == {"t": [(0, 2 * PAGE)]}
-        assert tracker.written({"t": t}) == {"t": []}
-    finally:
-        tracker.close()
+def test_pages_unprotected_before_a_write_count_as_written_until_protected_again(tracker):
+    t, elsewhere = _own_pages(1 << 20), torch.zeros(1 << 16)
+    tracker.written({"t": t})
+    assert tracker.written({"t": t}) == {"t": []}
+    tracker.unprotect([t[: 2 * PAGE // 4], elsewhere])  # two pages of it; memory it does not track: nothing
+    assert tracker.written({"t": t}) == {"t": [(0, 2 * PAGE)]}
+    assert tracker.written({"t": t}) == {"t": []}
 
 
-def test_pages_protected_after_a_write_forget_it_and_the_others_keep_theirs():
-    tracker = open_tracker()
-    assert tracker is not None
-    try:
-        t = _own_pages(1 << 20)
-        tracker.written({"t": t})
-        tracker.written({"t": t})
-        t[0] = 1.0  # the update's write ...
-        t[5 * PAGE // 4] = 1.0  # ... and the program's, elsewhere
-        tracker.protect([t[:1], t[1:2]])
-        assert tracker.written({"t": t}) == {"t": [(5 * PAGE, 6 * PAGE)]}
-    finally:
-        tracker.close()
+def test_pages_protected_after_a_write_forget_it_and_the_others_keep_theirs(tracker):
+    t = _own_pages(1 << 20)
+    tracker.written({"t": t})
+    tracker.written({"t": t})
+    t[0] = 1.0  # the update's write ...
+    t[5 * PAGE // 4] = 1.0  # ... and the program's, elsewhere
+    tracker.protect([t[:1], t[1:2]])
+    assert tracker.written({"t": t}) == {"t": [(5 * PAGE, 6 * PAGE)]}
 
 
-def test_a_tracker_made_before_a_fork_knows_nothing_in_the_child_and_touches_nothing_of_the_parent():
+def test_a_tracker_made_before_a_fork_knows_nothing_in_the_child_and_touches_nothing_of_the_parent(tracker):
     import multiprocessing
 
-    tracker = open_tracker()
-    assert tracker is not None
-    try:
-        t = _own_pages(1 << 16)
-        tracker.written({"t": t})
-        assert tracker.written({"t": t}) == {"t": []}
-        ctx = multiprocessing.get_context("fork")
-        child = ctx.Process(target=_in_child, args=(tracker, t))
-        child.start()
-        child.join(60)
-        assert child.exitcode == 0
-        t[0] = 1.0  # the parent's record is its own still: the child's calls changed nothing of it
-        assert tracker.written({"t": t}) == {"t": [_pages_of(t, 0, 3)]}
-    finally:
-        tracker.close()
+    t = _own_pages(1 << 16)
+    tracker.written({"t": t})
+    assert tracker.written({"t": t}) == {"t": []}
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=_in_child, args=(tracker, t))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    t[0] = 1.0  # the parent's record is its own still: the child's calls changed nothing of it
+    assert tracker.written({"t": t}) == {"t": [_pages_of(t, 0, 3)]}
 
 
 def _in_child(tracker, t) -> None:

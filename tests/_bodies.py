@@ -29,6 +29,18 @@ def optimizer_step(model: torch.nn.Module, seed: int) -> None:
                 tensor.add_(1)
 
 
+def sparse_step(tensors, seed: int, fraction: float = 0.01, scale: float = 1.0) -> None:
+    """A step that moves about ``fraction`` of the values of each floating tensor of ``tensors`` (as small steps in
+    bfloat16 do), wherever they live: the same values for the same seed on every device."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in tensors:
+            if tensor.is_floating_point():
+                mask = torch.rand(tensor.shape, generator=gen) < fraction
+                moved = torch.randn(int(mask.sum()), generator=gen) * scale
+                tensor[mask.to(tensor.device)] += moved.to(tensor.device, tensor.dtype)
+
+
 def start_readers(workers, scheme, background: bool = False, device: str = "", kind: str = "flat4"):
     """A "flat4" model (or ``kind``) on the sender and 2 workers reading theirs continuously (``torn_reader``),
     connected."""

@@ -154,6 +154,10 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
                 elif op == "storage":  # where the model's first parameter lives now, and its storage object
                     storage = next(models[args[0]].parameters()).untyped_storage()
                     cmd.send((storage.data_ptr(), storage._cdata))
+                elif op == "scribble":  # the worker's program writes into its model (undone by the next update)
+                    with getattr(schemes[args[0]], "weights_lock", None) or threading.RLock(), torch.no_grad():
+                        list(models[args[0]].parameters())[-1].add_(100.0)
+                    cmd.send("written")
                 elif op == "break_model":  # the worker's model changes shape after connect
                     models[args[0]].body[3] = nn.Linear(8, 3)
                     cmd.send("broken")

@@ -10,7 +10,7 @@ import torch
 
 import weightsync as ws
 from tests import _bodies as bodies
-from tests._bodies import optimizer_step, start
+from tests._bodies import on, optimizer_step, sparse_step, start
 from tests._workers import build, checksum, serve
 from weightsync.core.timing import deadline_after, wait_until
 
@@ -47,6 +47,30 @@ def test_cuda_models_on_both_sides(workers, name):
             slot.buffer.is_cuda and slot.buffer.device == model.body[0].weight.device for slot in slots
         )
     _sends_arrive_then_stop(scheme, model, group)
+
+
+@pytest.mark.parametrize("track", [False, True], ids=["", "track_writes"])
+@pytest.mark.parametrize(("trainer", "worker"), [("cuda:0", "cuda:0"), ("cuda:0", ""), ("", "cuda:0")])
+def test_changes_alone_reach_models_on_gpus_bit_exact(workers, trainer, worker, track):
+    # Over gloo (one GPU here): the trainer compares its GPU model with its host copy of the last version, the worker
+    # applies the changes to its host copy and writes its GPU model from that; its own writes are undone.
+    model = build(on("tiny", trainer))
+    scheme = ws.DistributedWeightSyncScheme(
+        timeout=20, connect_timeout=60, delta="auto", track_writes=track, checksum=True
+    )
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, ready = start(workers, {"policy": scheme}, {"policy": on("tiny", worker)}, n=2)
+    assert [r[2] for r in ready] == [{}, {}]
+    for step in range(1, 7):
+        if step == 3:
+            assert group.ask(1, "scribble", "policy") == "written"
+        sparse_step(ws.WeightStrategy().flat(model).values(), step, fraction=1.0 if step == 5 else 0.05)
+        scheme.send()
+        for w in range(2):
+            assert group.ask(w, "state")["policy"] == (step, checksum(model)), (step, w)
+    assert scheme.stats()["changes_sent"] == 2 * 6
+    group.stop()
+    scheme.shutdown()
 
 
 def test_nccl_refuses_a_worker_on_the_senders_gpu_by_name(workers):

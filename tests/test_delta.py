@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import weightsync as ws
+from tests._bodies import sparse_step
 from tests._workers import build, connect_pair
 from weightsync.errors import ConfigurationError
 from weightsync.tensors.delta import (
@@ -384,13 +385,7 @@ def _connected(n: int = 2, taking: bool = False, **kw):
 
 
 def _sparse_step(model: torch.nn.Module, seed: int, fraction: float = 0.01) -> None:
-    """An update that changes about ``fraction`` of the values (as small steps in bfloat16 do)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for tensor in ws.WeightStrategy().flat(model).values():
-            if tensor.is_floating_point():
-                mask = torch.rand(tensor.shape, generator=gen) < fraction
-                tensor[mask] += torch.randn(int(mask.sum()), generator=gen)
+    sparse_step(ws.WeightStrategy().flat(model).values(), seed, fraction)
 
 
 def _holds(replica: torch.nn.Module, model: torch.nn.Module, wire_dtype: str | None = None) -> bool:

@@ -497,3 +497,23 @@ def test_flatten_sender_refuses_weights_on_several_devices():
         scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
     assert model["here"].is_cpu and model["there"].is_meta  # nothing moved
     scheme.shutdown()
+
+
+@pytest.mark.parametrize(("name", "own"), [("multiprocess", False), ("shared_mem", False), ("shared_mem", True)])
+def test_the_shared_transport_is_the_pool_every_worker_reads(workers, name, own):
+    # (The GPU tests read a pool's slots through it; on the CPU nothing else would notice it gone.)
+    extra = {"per_worker_weights": True} if own else {}
+    scheme = ws.WeightSyncScheme.from_backend(name, timeout=20, **extra)
+    assert scheme.shared_transport is None  # before init_on_sender
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    group, ready = start_workers(workers, {"policy": scheme}, {"policy": "tiny"}, n=1)
+    assert ready[0][2] == {}
+    scheme.send()
+    if own:  # a pool per worker: none that every worker reads
+        assert scheme.shared_transport is None
+    else:
+        slots = scheme.shared_transport.slots
+        assert slots and all(not slot.buffer.is_cuda for slot in slots)
+    group.stop()
+    scheme.shutdown()

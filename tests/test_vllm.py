@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import weightsync as ws
+from tests._bodies import sparse_step
 from tests._hf_llama import hf_greedy
 from tests._hf_llama import step as _step
 from tests._vllm_host import Host
@@ -108,15 +109,6 @@ def test_each_version_is_what_the_engine_generates_when_send_returns(llm, model_
         scheme.shutdown()
 
 
-def _sparse_step(model, seed: int, fraction: float) -> None:
-    """A step that moves about ``fraction`` of each tensor's values (as small steps in bfloat16 do)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            mask = torch.rand(p.shape, generator=gen) < fraction
-            p[mask] += torch.randn(int(mask.sum()), generator=gen).to(p.dtype) * 0.5
-
-
 def test_versions_sent_as_their_changes_alone_are_what_the_engine_generates(llm, model_dirs):
     # The engine's worker keeps a copy of the version it was sent, applies the changes to it, and hands vLLM's
     # loader the whole version: what it computes is the trainer's model, version after version.
@@ -126,7 +118,7 @@ def test_versions_sent_as_their_changes_alone_are_what_the_engine_generates(llm,
         _serve(llm, scheme, model, pause_mode="none")
         for step in range(1, 5):
             before = _hf_greedy(model)
-            _sparse_step(model, step, fraction=0.02)
+            sparse_step(model.parameters(), step, fraction=0.02, scale=0.5)
             scheme.send()
             now = _hf_greedy(model)
             assert now != before  # the step changed the tokens
@@ -337,7 +329,7 @@ def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_rejoins_and_a_work
             assert tokens(actor) == _hf_greedy(model)
             for step in range(1, 3):
                 before = _hf_greedy(model)
-                _sparse_step(model, step, fraction=0.02)
+                sparse_step(model.parameters(), step, fraction=0.02, scale=0.5)
                 scheme.send()
                 assert _hf_greedy(model) != before
                 assert tokens(actor) == _hf_greedy(model), f"version {step}"

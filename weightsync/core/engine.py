@@ -176,6 +176,11 @@ class SenderEngine(ABC):
         """Whether host buffers the trainer's weights are copied into are page-locked (the weights are on a GPU)."""
         return self.gpu is not None
 
+    @property
+    def shared(self) -> Any:
+        """The buffer every worker reads (the scheme's ``shared_transport``): ``None`` where the engine has none."""
+        return None
+
     def digest(self, buffers: list[torch.Tensor]) -> str | None:
         """The checksum of a version's bytes, ``buffers`` in order (host memory), for the workers to check;
         ``None`` without ``checksum``."""

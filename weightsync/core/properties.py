@@ -249,8 +249,8 @@ class SchemeProperties:
     @property
     def shared_transport(self) -> Any:
         """Sender: the buffer every worker reads (the local schemes' slot pool), or ``None``."""
-        engine = self._runtime.sending.engine if self._runtime.sending is not None else None
-        return getattr(engine, "shared", None)
+        sending = self._runtime.sending
+        return sending.engine.shared if sending is not None and sending.engine is not None else None
 
     @property
     def last_send(self) -> SendRecord | None:

@@ -16,6 +16,7 @@ import os
 import select
 import socket
 import struct
+from collections.abc import Callable
 
 __all__ = ["PeerProcess"]
 
@@ -66,9 +67,10 @@ class PeerProcess:
             self.close()
         return self._gone
 
-    def close(self) -> None:
+    # (os.close bound at definition: at interpreter exit, the module's ``os`` may be gone before this object)
+    def close(self, _close: Callable[[int], None] = os.close) -> None:
         if self._fd >= 0:
-            os.close(self._fd)
+            _close(self._fd)
             self._fd = -1
 
     def __del__(self) -> None:

@@ -110,6 +110,12 @@ class LocalSender(SenderEngine):
         self.listener: ChannelListener | None = ChannelListener(self._authkey, address)
         log.debug("model %r: listening on %s for %d workers", sink.model_id, self.listener.address, num_workers)
 
+    @property
+    def shared(self) -> SlotPool | None:
+        """The pool of slots every worker reads (``None`` with a pool per worker, or before a worker joined): the
+        GPU's, if workers read one."""
+        return self.pools.get(("cuda", None)) or self.pools.get(("host", None))
+
     def handoff(self) -> dict[str, Any]:
         assert self.listener is not None
         return {"address": self.listener.address, "authkey": self._authkey.hex()}

@@ -370,7 +370,7 @@ def _flat_bytes(model: torch.nn.Module) -> torch.Tensor:
 
 def _connected(n: int = 2, taking: bool = False, **kw):
     model = build("tiny")
-    scheme = ws.DistributedWeightSyncScheme(timeout=20, connect_timeout=60, delta="auto", **kw)
+    scheme = ws.DistributedWeightSyncScheme(timeout=20, connect_timeout=60, **{"delta": "auto", **kw})
     scheme.init_on_sender(model_id="policy", model=model, num_workers=n)
     workers = [_Worker(scheme, i, build("tiny"), taking) for i in range(n)]
     joiners = [threading.Thread(target=w.scheme.connect) for w in workers]
@@ -596,13 +596,18 @@ def test_a_bitmap_that_marks_other_words_than_its_count_is_refused_before_anythi
     assert torch.equal(target, base.buffer)
 
 
-def test_changes_whose_body_is_not_the_senders_are_refused_and_the_model_kept(monkeypatch):
-    # Over `distributed` the changes' keyed digest travels in their sealed announcement: bytes altered on the wire
-    # (or sent by a process that is not the trainer) do not hash to it.
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"delta": False}, {"delta": False, "bucket_mb": 0.0003}],
+    ids=["changes", "whole", "whole-in-buckets"],
+)
+def test_bytes_that_are_not_the_senders_are_refused_and_the_model_kept(monkeypatch, kw):
+    # Over `distributed` the keyed digest of changes travels in their sealed announcement, that of a whole version
+    # follows its bytes: bytes altered on the wire (or sent by a process that is not the trainer) do not hash to it.
     from weightsync.transports.distributed.messages import checked_announcement
     from weightsync.transports.distributed.transport import DistributedTransport
 
-    model, scheme, (worker,) = _connected(1)
+    model, scheme, (worker,) = _connected(1, **kw)
     send_part = DistributedTransport.send_part
 
     def altered(self, part):
@@ -625,6 +630,6 @@ def test_changes_whose_body_is_not_the_senders_are_refused_and_the_model_kept(mo
     finally:
         worker.stop()
         scheme.shutdown()
-    said = b'{"version": 3, "nonce": "ab", "mac": "poly1305", "digest": "00"}'  # a digest with no changes to check
+    said = b'{"version": 3, "nonce": "ab", "mac": "aes-gmac", "digest": "00"}'  # a digest with no changes to check
     with pytest.raises(ws.TransportError, match="no announcement a sender makes"):
         checked_announcement(said, "msg/0/3")

@@ -57,7 +57,7 @@ class DistributedWeightSyncScheme(NetworkScheme, name="distributed", aliases=("t
     everything a worker acts on from the sender (layout, verdicts,
     announcements, digests) is sealed with it; and each update's bytes are
     checked, in the buffer they arrived in and before the model sees them,
-    against a keyed digest the sender sealed (Poly1305 under a one-time key,
+    against a keyed digest the sender sealed (AES-GMAC under a one-time key,
     or HMAC-SHA256 where the ``cryptography`` package is missing). A process
     that claims rank 0 without the key cannot make a worker apply anything.
     ``checksum=True`` adds nothing to that check here.

@@ -10,7 +10,7 @@ no secret), and so is the group's formation: anyone may claim rank 0. Hence, wit
 - everything a worker acts on from the sender is sealed (:class:`Sealer`): an HMAC-SHA256 over a domain-separated
   message binding the run's prefix, the key's name, the version and the content (layout, verdicts, ``initial``,
   announcements, digests, the word that a worker was dropped). A worker refuses anything unsealed;
-- the bytes of each update carry a keyed digest (:class:`PayloadMac`: Poly1305 under a one-time key drawn from the
+- the bytes of each update carry a keyed digest (:class:`PayloadMac`: AES-GMAC under a one-time key drawn from the
   run key, the version, a fresh nonce and the layout): the sender publishes it, sealed, once every byte went out,
   and a worker checks the bytes in its staging buffer against it before any of them is written into the model.
   Whoever holds rank 0 without the key cannot make a worker apply anything.
@@ -30,12 +30,16 @@ import torch
 
 from ...errors import AuthenticationError, ConfigurationError, TransportError
 
-#: Poly1305's constructor (a one-time key in, a MAC out); ``None`` without the cryptography package.
-Poly1305: Callable[[bytes], Any] | None
-try:  # Poly1305 runs at several GB/s; hashlib has nothing as fast that is a MAC
-    from cryptography.hazmat.primitives.poly1305 import Poly1305
-except ImportError:  # pragma: no cover - HMAC-SHA256 then, several times slower
-    Poly1305 = None
+#: AES-GCM's encryptor (a one-time key and a nonce in); ``None`` without the cryptography package.
+_gcm: Callable[[bytes, bytes], Any] | None
+try:  # AES-GMAC runs at about 8 GB/s a core where the CPU multiplies carry-less; hashlib has no MAC near that
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    def _gcm(key: bytes, nonce: bytes) -> Any:
+        return Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+
+except ImportError:  # pragma: no cover - HMAC-SHA256 then, about 9 times slower
+    _gcm = None
 
 __all__ = [
     "ACK_TAG_WORDS",
@@ -58,9 +62,11 @@ _ACK_TAG = b"weightsync distributed ack v1\0"
 #: The int64 words of an ack's tag (HMAC-SHA256, 32 bytes).
 ACK_TAG_WORDS = 4
 _MAC_HEX = 64  # HMAC-SHA256, in hex
+#: GMAC's nonce: each key serves one message (:class:`PayloadMac`), so one nonce serves them all.
+_GMAC_NONCE = bytes(12)
 #: The MACs a worker knows for an update's bytes; :data:`MAC` is the one this process's sender uses.
-MACS = ("poly1305", "hmac-sha256")
-MAC = "poly1305" if Poly1305 is not None else "hmac-sha256"
+MACS = ("aes-gmac", "hmac-sha256")
+MAC = "aes-gmac" if _gcm is not None else "hmac-sha256"
 
 
 def new_nonce() -> str:
@@ -164,10 +170,11 @@ class PayloadMac:
 
     Each message gets a one-time key, an HMAC-SHA256 with the run key of the prefix, the version, a nonce the
     sender draws for it, the layout's digest (``layout_tag``: entries in order, so that bytes are never read
-    under another order) and the size; with it, Poly1305 (``"poly1305"``, from the ``cryptography`` package:
-    about 2.4 GB/s on one core in docs/benchmarks.md) or HMAC-SHA256 (``"hmac-sha256"``, where ``cryptography``
-    is missing: about 0.95 GB/s) authenticates the bytes. A one-time key never serves two messages: the nonce
-    is fresh per send.
+    under another order) and the size; with it, AES-256-GMAC (``"aes-gmac"``: GCM's tag over the bytes as
+    associated data, nothing encrypted; from the ``cryptography`` package, about 8 GB/s on one core in
+    docs/benchmarks.md) or HMAC-SHA256 (``"hmac-sha256"``, where ``cryptography`` is missing: about 0.95 GB/s)
+    authenticates the bytes. A one-time key never serves two messages (the nonce of each send is fresh), which is
+    what lets GMAC's own nonce be fixed.
     """
 
     def __init__(
@@ -177,15 +184,17 @@ class PayloadMac:
         self._buffer, self.nbytes = flat, flat.numel()
         said = _framed(prefix.encode(), str(version).encode(), nonce.encode(), layout_tag, str(self.nbytes).encode())
         once = hmac.new(key, _PAYLOAD_TAG + said, hashlib.sha256).digest()
-        if alg == "poly1305":
-            if Poly1305 is None:
+        if alg == "aes-gmac":
+            if _gcm is None:
                 raise ConfigurationError(
-                    "the sender authenticates updates with Poly1305, from the cryptography package: "
+                    "the sender authenticates updates with AES-GMAC, from the cryptography package: "
                     "pip install cryptography"
                 )
-            self._state: Any = Poly1305(once)
+            self._state: Any = _gcm(once, _GMAC_NONCE)
+            self._update = self._state.authenticate_additional_data
         elif alg == "hmac-sha256":
             self._state = hmac.new(once, digestmod=hashlib.sha256)
+            self._update = self._state.update
         else:
             raise TransportError(f"unknown MAC {alg[:40]!r} named by the sender")
         self._alg = alg
@@ -198,12 +207,13 @@ class PayloadMac:
         part = self._buffer[self._next : upto]
         if part.device.type != "cpu":  # NCCL: the bytes are on the GPU, and hashed from a host copy
             part = part.cpu()
-        self._state.update(part.numpy().data)
+        self._update(part.numpy().data)
         self._next = upto
 
     def hexdigest(self) -> str:
         """The digest, once every byte is hashed (the rest is hashed now)."""
         self.ready(self.nbytes)
-        if self._alg == "poly1305":
-            return self._state.finalize().hex()
+        if self._alg == "aes-gmac":
+            self._state.finalize()
+            return self._state.tag.hex()
         return self._state.hexdigest()

@@ -140,7 +140,9 @@ class RPCReceiver(ReceiverEngine):
         said_goodbye = self.mailbox.closed  # the sender is shutting down the world: leave with it
         drop_mailbox(self.where["model_id"] or "")
         if self.session is not None:
-            if self._answered_at is not None:  # (a refusal at connect, answered just before this)
+            # Leaving alone, give the last answer (a refusal at connect, answered just before this) time to go out.
+            # Leaving with the sender, the world's barrier flushes it: the sender's agent waits for its answers.
+            if self._answered_at is not None and not said_goodbye:
                 time.sleep(max(0.0, ANSWER_FLUSH_S - (time.monotonic() - self._answered_at)))
             leave_session(self.session, clean=said_goodbye)
             self.session = None

@@ -48,8 +48,10 @@ RENDEZVOUS_SCHEME = "weightsync"
 SENDER_NAME = "weightsync-trainer"
 #: The TensorPipe transports of an agent weightsync starts (:func:`backend_options`).
 TRANSPORTS = ["uv"]
-#: Seconds a clean shutdown waits for the other processes of the RPC world to shut down too.
-GRACEFUL_S = 3.0
+#: Seconds a clean shutdown waits for the other processes of the RPC world to shut down too (each of the barrier's
+#: two halves). 3 s was too short once in CI, on 2 cores under load: the trainer stopped on its own and a worker's
+#: agent logged the connection it closed.
+GRACEFUL_S = 5.0
 
 
 def default_worker_name(worker_idx: int) -> str:

@@ -57,10 +57,10 @@ if "VLLM_RPC_BASE_PATH" not in os.environ:
     os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="weightsync-tests-vllm-")
     atexit.register(shutil.rmtree, os.environ["VLLM_RPC_BASE_PATH"], True)
 
-# Workers fork from a server that has already imported torch: a worker starts in
+# Workers fork from a server that has already imported torch (and compiled the deltas' loops): a worker starts in
 # milliseconds instead of seconds, and still gets its scheme pickled like a spawned one.
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "tensordict", "weightsync", "tests._workers"])
+_CTX.set_forkserver_preload(["torch", "tensordict", "weightsync", "tests._workers", "tests._compiled"])
 
 LOCAL_SCHEMES = {
     "multiprocess": lambda **kw: ws.MultiProcessWeightSyncScheme(timeout=20, connect_timeout=60, **kw),

@@ -35,7 +35,9 @@ def run(scenario: str, conn, host_address: str | None = None) -> None:
             resolve_host_name_to(host_address)
         import weightsync as ws
         from tests import _bodies as bodies
-        from tests.conftest import _CTX, WorkerGroup
+        from tests.conftest import _CTX, PRELOAD, WorkerGroup
+
+        _CTX.set_forkserver_preload(PRELOAD)  # this process's own server: one a test, no compiling in it
 
         def workers(target, n, make_args):
             groups.append(WorkerGroup(_CTX, target, n, make_args))

@@ -283,20 +283,27 @@ def doomed_trainer(name: str, n: int, reports: list, cmd, device: str = "") -> N
     import multiprocessing as mp
 
     opt_in = {"allow_store_peers_to_run_code": True} if name == "rpc" else {}  # what an rpc world allows
-    scheme = ws.WeightSyncScheme.from_backend(name, timeout=5, connect_timeout=60, **opt_in)
-    kind = f"tiny@{device}" if device else "tiny"
-    model = build(kind)
-    scheme.init_on_sender(model_id="policy", model=model, num_workers=n)
-    configs = [scheme.receiver_config(w) for w in range(n)]
-    start = mp.get_context("spawn" if device else "fork")  # CUDA, once started here, does not survive a fork
-    procs = [start.Process(target=until_sender_dies, args=(configs[w], reports[w], kind)) for w in range(n)]
-    for proc in procs:
-        proc.start()
-    scheme.connect()
-    for step in (1, 2):
-        with torch.no_grad():
-            next(model.parameters()).add_(step)
-        scheme.send()
+    procs = []
+    try:
+        scheme = ws.WeightSyncScheme.from_backend(name, timeout=5, connect_timeout=60, **opt_in)
+        kind = f"tiny@{device}" if device else "tiny"
+        model = build(kind)
+        scheme.init_on_sender(model_id="policy", model=model, num_workers=n)
+        configs = [scheme.receiver_config(w) for w in range(n)]
+        start = mp.get_context("spawn" if device else "fork")  # CUDA, once started here, does not survive a fork
+        procs = [start.Process(target=until_sender_dies, args=(configs[w], reports[w], kind)) for w in range(n)]
+        for proc in procs:
+            proc.start()
+        scheme.connect()
+        for step in (1, 2):
+            with torch.no_grad():
+                next(model.parameters()).add_(step)
+            scheme.send()
+    except Exception:  # noqa: BLE001 - shown by the test (multiprocessing prints it only once its workers exit)
+        cmd.send(("crashed", traceback.format_exc()))
+        for proc in procs:
+            proc.kill()
+        return
     cmd.send(([p.pid for p in procs], configs[0]["connection"].get("authkey_file")))
     cmd.poll(600)  # the test kills this process; a message (or the test's end closing the pipe) ends it too
 

@@ -57,10 +57,13 @@ if "VLLM_RPC_BASE_PATH" not in os.environ:
     os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="weightsync-tests-vllm-")
     atexit.register(shutil.rmtree, os.environ["VLLM_RPC_BASE_PATH"], True)
 
-# Workers fork from a server that has already imported torch (and compiled the deltas' loops): a worker starts in
-# milliseconds instead of seconds, and still gets its scheme pickled like a spawned one.
+# Workers fork from a server that has already imported torch: a worker starts in milliseconds instead of seconds,
+# and still gets its scheme pickled like a spawned one.
+PRELOAD = ["torch", "tensordict", "weightsync", "tests._workers"]
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "tensordict", "weightsync", "tests._workers", "tests._compiled"])
+# The test process's server also compiles the deltas' loops (tests/_compiled.py: 2 s once, 0.6 s saved a worker);
+# the server an RPC test's trainer process starts for its own workers, one a test, does not (_rpc_trainer.py).
+_CTX.set_forkserver_preload([*PRELOAD, "tests._compiled"])
 
 LOCAL_SCHEMES = {
     "multiprocess": lambda **kw: ws.MultiProcessWeightSyncScheme(timeout=20, connect_timeout=60, **kw),

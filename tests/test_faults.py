@@ -36,9 +36,11 @@ def _scheme(name: str, **kw) -> ws.WeightSyncScheme:
     return SCHEMES[name](**kw)
 
 
-def _connected(name, workers, n=2, **kw):
+def _connected(name, workers, n=2, timeout=None, **kw):
     model = build("tiny")
     scheme = _scheme(name, **kw)
+    if timeout is not None:  # before the workers get the scheme: theirs too
+        scheme.timeout = timeout
     scheme.init_on_sender(model_id="policy", model=model, num_workers=n)
     group, ready = start(workers, {"policy": scheme}, {"policy": "tiny"}, n=n)
     assert all(errors == {} for _, _, errors in ready)
@@ -85,7 +87,9 @@ def test_worker_killed_after_a_send_is_found_by_the_next_one(workers, name):
 def test_a_gloo_peer_found_gone_as_its_ack_is_posted_is_named_dead(workers, monkeypatch, checksum_on):
     """gloo may notice a dead peer between the last part sent and the ack's receive posted (under load it
     did, and the raw RuntimeError escaped send()): that worker is named dead like any other, the others served."""
-    model, scheme, group = _connected("distributed-gloo", workers, checksum=checksum_on)
+    # The worker named dead may be left sending its ack, which the trainer never receives, until its timeout
+    # (then it rejoins): TIMEOUT, not the tests' 20 s, before it reads the test's next command.
+    model, scheme, group = _connected("distributed-gloo", workers, timeout=TIMEOUT, checksum=checksum_on)
     transport = scheme._sending.engine.transports[0]
 
     def gone(*args, **kwargs):
@@ -348,7 +352,9 @@ def test_workers_exit_cleanly_when_the_trainer_is_killed(ctx, tmp_path, name, de
     trainer.start()
     try:
         assert parent.poll(60), "the trainer did not start its workers"
-        pids, key_file = parent.recv()  # the local schemes' auth key file; distributed has none
+        said = parent.recv()
+        assert said[0] != "crashed", f"the trainer failed:\n{said[1]}"
+        pids, key_file = said  # the local schemes' auth key file; distributed has none
         assert key_file is None or os.path.exists(key_file)
         workers = [psutil.Process(pid) for pid in pids]
         killed = time.time()

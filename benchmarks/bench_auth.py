@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 import xxhash
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 from torch import nn
 
@@ -54,11 +53,11 @@ MACS = {
 
 
 class _Gmac:
-    """AES-256-GMAC as the engine computes it (GCM's tag over associated data), with ``update``."""
+    """AES-256-GMAC built as the engine builds it (GCM's tag over associated data), with ``update``."""
 
     def __init__(self, key: bytes) -> None:
-        self._gcm = Cipher(algorithms.AES(key), modes.GCM(bytes(12))).encryptor()
-        self.update = self._gcm.authenticate_additional_data
+        assert auth._gcm is not None, "AES-GMAC needs the cryptography package"
+        self.update = auth._gcm(key, auth._GMAC_NONCE).authenticate_additional_data
 
 
 class _NoMac:

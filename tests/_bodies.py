@@ -467,6 +467,24 @@ def agents_listen_on_loopback_only(scheme, workers):
     scheme.shutdown()
 
 
+def agent_environment_holds_until_the_agent_stopped(scheme, workers):
+    """The interface variables TensorPipe and gloo read as the RPC agent starts are set before it starts and put
+    back only once it stopped. Put back while its threads ran, they raced with a peer's call that starts a
+    process: exec read the environment as another thread shifted it (``os.system`` failed with status 127)."""
+    import os
+
+    names = ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+    before = {name: os.environ.get(name) for name in names}
+    scheme.init_on_sender(model_id="policy", model=build("tiny"), num_workers=1)
+    group, ready = start(workers, {"policy": scheme}, {"policy": "tiny"}, n=1)
+    assert all(errors == {} for _, _, errors in ready)
+    scheme.send()
+    assert os.environ.get("TP_SOCKET_IFNAME") == (before["TP_SOCKET_IFNAME"] or "lo")
+    group.stop()
+    scheme.shutdown()
+    assert {name: os.environ.get(name) for name in names} == before
+
+
 def agents_sit_idle_between_sends(scheme, workers):
     """Between sends the RPC agents of the trainer and of its workers use no core: TensorPipe's shared-memory
     transport, which weightsync does not start, polls on a thread that never sleeps (a core per process)."""

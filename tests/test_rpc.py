@@ -53,6 +53,7 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str
         "connect_waits_its_timeout_for_absent_workers::connect_timeout=2",
         "rpc_shutdown_waits_a_bounded_time_for_workers_that_stay",
         "agents_sit_idle_between_sends",
+        "agent_environment_holds_until_the_agent_stopped",
         # Only what changed (delta=true: even where every value changed): the same guarantees (the first also
         # reading only the pages written since the last version).
         "every_send_reaches_every_targeted_worker:state_dict:delta=true,track_writes=true",

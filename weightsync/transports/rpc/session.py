@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -100,6 +100,7 @@ class Session:
     users: int = 0
     pid: int = field(default_factory=os.getpid)  # the process it belongs to (a forked child inherits a copy)
     clean: bool = True  # every scheme that left it so far left cleanly (the whole world is shutting down)
+    environment: dict[str, str | None] = field(default_factory=dict)  # variables set for the agent: old values
 
 
 _SESSION: Session | None = None
@@ -210,10 +211,16 @@ def start_agent(
             # sender), so a single-host run stays on 127.0.0.1 and a worker on another host is reachable.
             ifname = os.environ.get("TP_SOCKET_IFNAME") or interface_for(local_address(sess.host))
             gloo_ifname = os.environ.get("GLOO_SOCKET_IFNAME") or ifname
-            with warnings.catch_warnings(), _environment(TP_SOCKET_IFNAME=ifname, GLOO_SOCKET_IFNAME=gloo_ifname):
+            # Both are read when the agent starts, and set until it stopped: changing the environment while
+            # the agent's threads run (a peer's call may start a process: exec reads the environment as another
+            # thread shifts it) is a race that C's setenv does not survive.
+            sess.environment = _set_environment(TP_SOCKET_IFNAME=ifname, GLOO_SOCKET_IFNAME=gloo_ifname)
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # init_rpc's own use of a gloo group warns about torch internals
                 rpc.init_rpc(name, rank=rank, world_size=sess.world_size, rpc_backend_options=options)
         except RuntimeError as exc:
+            if not agent_running():
+                _restore_environment(sess)
             raise SyncTimeoutError(
                 f"the RPC world ({sess.world_size} processes) did not form within {timeout:.0f}s: {first_line(exc)}",
                 **where,
@@ -267,19 +274,23 @@ def _await_world(sess: Session, store: dist.Store, timeout: float, waiting: Wait
         raise SyncTimeoutError(f"the sender's store went away while the RPC world formed: {gone}", **where) from None
 
 
-@contextlib.contextmanager
-def _environment(**values: str | None) -> Iterator[None]:
-    """Set environment variables (those given as ``None`` are left alone) for the duration of the block."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update({key: value for key, value in values.items() if value is not None})
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+def _set_environment(**values: str | None) -> dict[str, str | None]:
+    """Set environment variables (those given as ``None`` are left alone); return what those set were
+    (``None``: unset), for :func:`_restore_environment`."""
+    given = {key: value for key, value in values.items() if value is not None}
+    saved = {key: os.environ.get(key) for key in given}
+    os.environ.update(given)
+    return saved
+
+
+def _restore_environment(sess: Session) -> None:
+    """Put back the variables the session set to start its agent, once no thread of the agent runs."""
+    saved, sess.environment = sess.environment, {}
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def sender_gone(sess: Session) -> str | None:
@@ -325,6 +336,8 @@ def _stop_agent(sess: Session) -> None:
     # If the barrier fails (a peer did not come), torch still stops this agent, on its own.
     with contextlib.suppress(RuntimeError, dist.DistError):
         rpc.shutdown(graceful=graceful, timeout=GRACEFUL_S)
+    if not agent_running():
+        _restore_environment(sess)
 
 
 def agent_running() -> bool:

@@ -29,6 +29,18 @@ from tests._torchrl_env import actions, factory_policy, make_env, make_policy  #
 
 pytestmark = pytest.mark.timeout(180)
 
+#: On the collectors' processes' PYTHONPATH: TorchRL imports vLLM when installed, 5 s a process (the module says why).
+WITHOUT_VLLM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_without_vllm")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collectors_without_vllm():
+    """The processes the collectors start (spawned: each imports TorchRL anew) do not import vLLM."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [WITHOUT_VLLM, os.environ.get("PYTHONPATH")])))
+        yield
+
+
 MULTI = {"MultiSyncCollector": MultiSyncCollector, "MultiAsyncCollector": MultiAsyncCollector}
 
 
@@ -195,7 +207,15 @@ def test_distributed_collector(sync):
         assert [actions(next(batches)) for _ in range(3)] == [{0.0}] * 3
         collector.update_policy_weights_()
         seen = [actions(next(batches)) for _ in range(6)]
-        assert seen[3:] == [{1.0}] * 3, seen
+        if sync:
+            assert seen[3:] == [{1.0}] * 3, seen
+        else:
+            # Each node may hand over one batch it began before the update, however late: TorchRL takes the
+            # first node it finds done, in rank order, and a node's "done" outlives its next "continue" for a
+            # moment (TorchRL's generic.py), so the first node can be taken again and again while the other's
+            # batch waits (a run beside other tests saw it after four fresh ones). Every other batch acts with the
+            # new weights.
+            assert all(s <= {0.0, 1.0} for s in seen) and sum(s != {1.0} for s in seen) <= 2, seen
         if sync:  # a killed node is an error naming its worker
             collector.jobs[1].kill()
             collector.jobs[1].join(30)
@@ -238,7 +258,7 @@ def test_ray_collector():
     from tests.conftest import kill_actor, local_ray_cluster
 
     tests_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with local_ray_cluster(runtime_env={"env_vars": {"PYTHONPATH": tests_root}}):
+    with local_ray_cluster(runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([tests_root, WITHOUT_VLLM])}}):
         policy = make_policy(0.0)
         scheme = ws.RayWeightSyncScheme(timeout=60)
         collector = RayCollector(

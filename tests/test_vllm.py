@@ -222,17 +222,17 @@ def test_weights_that_do_not_fit_the_engine_are_refused_before_anything_is_writt
         assert llm.ask("greedy", PROMPTS, TOKENS) == served
 
 
-def test_a_killed_engine_is_a_named_error_and_a_restarted_one_rejoins_with_the_newest_version(model_dirs):
+def test_a_killed_engine_is_a_named_error_and_a_restarted_one_rejoins_with_the_newest_version(llm, model_dirs):
+    """The engine that takes the killed one's place is the module's: another engine started from its own config,
+    which this trainer never served (an engine start costs 20 s of CPU here)."""
     model = load_llama(model_dirs["f32"])
-    # (the engine that will restart starts now, beside the one to be killed: the test waits for one start, not two)
-    fresh = Host(str(model_dirs["f32"]), "llm", "float32", wait=False)
+    fresh = llm
     doomed = Host(str(model_dirs["f32"]), "llm", "float32")
     scheme = _scheme("multiprocess", timeout=20)
     try:
         engines = _serve(doomed, scheme, model, pause_mode="none")
         _step(model, 1)
         scheme.send()
-        fresh.wait()  # (started: the killed engine's leftovers are removed below, a starting engine's files with them)
         doomed.kill()
         _step(model, 2)
         started = time.monotonic()
@@ -250,7 +250,6 @@ def test_a_killed_engine_is_a_named_error_and_a_restarted_one_rejoins_with_the_n
     finally:
         scheme.shutdown()
         doomed.stop()
-        fresh.stop()
 
 
 def test_an_engine_started_without_the_weightsync_backend_is_named_at_connect(model_dirs):

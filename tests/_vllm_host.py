@@ -44,7 +44,7 @@ def engine_args(model_dir: str, dtype: str, backend: str | None = "weightsync") 
 
 
 def _engine(
-    model_dir: str, kind: str, dtype: str, backend: str | None
+    model_dir: str, kind: str, dtype: str, backend: str | None, executor: str = "mp"
 ) -> tuple[Any, Any, asyncio.AbstractEventLoop | None]:
     args = engine_args(model_dir, dtype, backend)
     if kind == "llm":
@@ -53,9 +53,11 @@ def _engine(
         # Its engine core in this process and its worker in a process of its own, as docs/vllm.md's "Stopping an
         # engine" says: an engine core process idle in queue.get() can miss its SIGTERM (its main thread never
         # runs the handler), and its shutdown then waits a minute. The worker ends when its pipe closes.
-        # (An AsyncLLM cannot: vLLM runs its engine core in a process of its own.)
+        # (An AsyncLLM cannot: vLLM runs its engine core in a process of its own.) With ``executor="uni"`` the
+        # worker runs in this process too: one import of vLLM less (10 s of CPU here), for the tests whose subject
+        # is not where the worker runs.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        return LLM(**args, distributed_executor_backend="mp"), None, None
+        return LLM(**args, distributed_executor_backend=executor), None, None
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -69,11 +71,11 @@ def _engine(
 
 
 class _Host:
-    def __init__(self, model_dir: str, kind: str, dtype: str, backend: str | None) -> None:
+    def __init__(self, model_dir: str, kind: str, dtype: str, backend: str | None, executor: str) -> None:
         from weightsync.integrations.vllm import engine_client
 
         self.kind = kind
-        self.engine, _, self.loop = _engine(model_dir, kind, dtype, backend)
+        self.engine, _, self.loop = _engine(model_dir, kind, dtype, backend, executor)
         self.client = engine_client(self.engine, f"engine in {os.getpid()}", self.loop)
         self.background: dict[int, Any] = {}
         self.produced: dict[int, int] = {}
@@ -154,12 +156,12 @@ class _Host:
         return getattr(self.client, call)(*args)
 
 
-def serve(conn: Any, model_dir: str, kind: str, dtype: str, backend: str | None) -> None:
+def serve(conn: Any, model_dir: str, kind: str, dtype: str, backend: str | None, executor: str = "mp") -> None:
     """The host's loop: answer each ``(method, args)`` with ``("ok", result)`` or ``("err", type, text)``."""
     os.setpgid(0, 0)  # the engine's processes join this group: the test kills them all at once
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60")  # its 5 s can kill a slow exit on 2 cores
     try:
-        host = _Host(model_dir, kind, dtype, backend)
+        host = _Host(model_dir, kind, dtype, backend, executor)
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         conn.send(("err", type(exc).__name__, traceback.format_exc()))
         return
@@ -204,14 +206,18 @@ class Host:
         dtype: str = "float32",
         backend: str | None = "weightsync",
         wait: bool = True,
+        executor: str = "mp",
     ) -> None:
         """Start the host; with ``wait`` (the default), return once its engine serves; without, the first question
-        (or :meth:`wait`) waits for that: a test starts an engine it needs later while it works with another."""
+        (or :meth:`wait`) waits for that: a test starts an engine it needs later while it works with another.
+        ``executor``: vLLM's ``distributed_executor_backend`` of an ``llm`` host, ``"mp"`` (its worker in a process
+        of its own, as the module's engines) or ``"uni"`` (in the host's process)."""
         self._lock = threading.Lock()
         self._shm_before = set(os.listdir("/dev/shm"))
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child, model_dir, kind, dtype, backend), name=f"vllm-host-{kind}")
+        args = (child, model_dir, kind, dtype, backend, executor)
+        self.proc = ctx.Process(target=serve, args=args, name=f"vllm-host-{kind}")
         self.proc.start()
         child.close()
         self.kind = kind

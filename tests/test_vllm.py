@@ -7,7 +7,9 @@ is what the engine computes: its greedy tokens against HF ``generate`` with the 
 prompt log-probabilities against HF's (bfloat16), never what its parameters hold.
 
 Engines are costly (about 25 s each to start on 2 cores): a module's tests share them, and each test gives its
-engine's weightsync receiver back (``shutdown_weight_transfer_engine``) when it ends.
+engine's weightsync receiver back (``shutdown_weight_transfer_engine``) when it ends. The module's engines run their
+worker in a process of their own; an engine a test starts for itself, where that is not its subject, runs it in the
+host's process (``executor="uni"``: one import of vLLM less).
 """
 
 from __future__ import annotations
@@ -148,7 +150,7 @@ def test_bfloat16_tied_engine_computes_the_trainers_log_probabilities(model_dirs
     """bfloat16, tied embeddings, 50 MB: the engine's prompt log-probabilities match HF's under the trainer's weights
     within 0.05 (both compute in bfloat16, in their own order: 0.008 measured on a small model), and differ from
     the previous version's by far more."""
-    host = Host(str(model_dirs["tied_bf16"]), "llm", "bfloat16")
+    host = Host(str(model_dirs["tied_bf16"]), "llm", "bfloat16", executor="uni")
     model = load_llama(model_dirs["tied_bf16"])
     prompt = list(range(5, 60))
     scheme = _scheme("multiprocess")
@@ -227,7 +229,7 @@ def test_a_killed_engine_is_a_named_error_and_a_restarted_one_rejoins_with_the_n
     which this trainer never served (an engine start costs 20 s of CPU here)."""
     model = load_llama(model_dirs["f32"])
     fresh = llm
-    doomed = Host(str(model_dirs["f32"]), "llm", "float32")
+    doomed = Host(str(model_dirs["f32"]), "llm", "float32", executor="uni")
     scheme = _scheme("multiprocess", timeout=20)
     try:
         engines = _serve(doomed, scheme, model, pause_mode="none")
@@ -254,7 +256,7 @@ def test_a_killed_engine_is_a_named_error_and_a_restarted_one_rejoins_with_the_n
 
 def test_an_engine_started_without_the_weightsync_backend_is_named_at_connect(model_dirs):
     """Its init call fails at once: connect names the engine then, not at its timeout."""
-    host = Host(str(model_dirs["f32"]), "llm", "float32", backend=None)
+    host = Host(str(model_dirs["f32"]), "llm", "float32", backend=None, executor="uni")
     model = load_llama(model_dirs["f32"])
     scheme = _scheme("multiprocess", connect_timeout=120)
     try:

@@ -28,7 +28,17 @@ BLOCKS = blocks()
 RUN = [b for b in BLOCKS if b.lang in RUNNABLE and not b.ci_kind and b.skip is None]
 # What a copy of the repository leaves out: environments, caches, and what earlier runs wrote.
 _NOT_COPIED = shutil.ignore_patterns(
-    ".git", ".venv*", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache", ".hypothesis", "outputs", "multirun"
+    ".git",
+    ".venv*",
+    "__pycache__",
+    "*.egg-info",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".mypy_cache",
+    ".hypothesis",
+    ".whl",
+    "outputs",
+    "multirun",
 )
 
 

@@ -269,13 +269,16 @@ def test_an_engine_started_without_the_weightsync_backend_is_named_at_connect(mo
         host.stop()
 
 
-def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_rejoins_and_a_worker_out_of_reach_is_named(model_dirs):
+def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_rejoins_and_a_worker_out_of_reach_is_named(
+    model_dirs, capfd
+):
     """``ray.remote(vllm.LLM)``, with its worker in the actor's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), served
     by the Ray scheme: each version goes through Ray's object store as a call into the actor (as its changes
     alone, under ``delta``), and ``send()`` returns when the actor's engine computes it. A killed actor is a named
     error of the next send; a new actor given to ``engines.replace`` rejoins and serves the trainer's weights. An
     engine whose worker is a process of its own (vLLM's default) cannot take Ray's calls: its init is refused, with
-    the way out named."""
+    the way out named, and nothing more: the version sent to it all the same failed too, and Ray printed that failure
+    as an unhandled error (a traceback with the model's repr) until the scheme read it at shutdown."""
     ray = pytest.importorskip("ray")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -366,6 +369,7 @@ def test_an_engine_in_a_ray_actor_takes_each_version_over_ray_rejoins_and_a_work
         finally:
             scheme.shutdown()
             stop(apart)
+    assert "Unhandled error" not in capfd.readouterr().err
 
 
 def test_engines_that_are_not_engines_are_refused_by_name():

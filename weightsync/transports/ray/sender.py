@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -169,5 +170,14 @@ class RaySender(SenderEngine):
             time.sleep(remaining(deadline))
 
     def close(self, timeout: float) -> None:
+        # A call that failed and that no one read (an actor whose engine refused to start is sent version 0 all the
+        # same) would be printed by Ray as an unhandled error, traceback and all, once its ref is dropped: those that
+        # ended are read here. (One still running when Ray reports it is the actor's to report.)
+        refs = list(self._refs(list(self.transports)))
+        with contextlib.suppress(Exception):  # Ray may be shut down already: nothing is reported then
+            ready, _ = ray().wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+            for ref in ready:
+                with contextlib.suppress(Exception):
+                    ray().get(ref, timeout=0)
         self.transports.clear()
         self.newest = None

@@ -205,11 +205,9 @@ class Host:
         kind: str = "llm",
         dtype: str = "float32",
         backend: str | None = "weightsync",
-        wait: bool = True,
         executor: str = "mp",
     ) -> None:
-        """Start the host; with ``wait`` (the default), return once its engine serves; without, the first question
-        (or :meth:`wait`) waits for that: a test starts an engine it needs later while it works with another.
+        """Start the host and return once its engine serves (at most ``START_S``).
         ``executor``: vLLM's ``distributed_executor_backend`` of an ``llm`` host, ``"mp"`` (its worker in a process
         of its own, as the module's engines) or ``"uni"`` (in the host's process)."""
         self._lock = threading.Lock()
@@ -222,8 +220,7 @@ class Host:
         child.close()
         self.kind = kind
         self.pid: int | None = None
-        if wait:
-            self.wait()
+        self.wait()
 
     def wait(self) -> None:
         """Return once the engine serves (at most ``START_S``)."""

@@ -12,6 +12,7 @@ Restarts, kills and drops mid-send run with deltas in ``tests/test_faults.py``.
 from __future__ import annotations
 
 import threading
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ import torch
 import weightsync as ws
 from tests._bodies import sparse_step
 from tests._workers import build, connect_pair
-from weightsync.errors import ConfigurationError
+from weightsync.errors import ConfigurationError, SyncTimeoutError
 from weightsync.tensors.delta import (
     BITMAP,
     PATCH,
@@ -332,6 +333,7 @@ class _Worker:
         self.scheme = pickle.loads(pickle.dumps(scheme))
         self.scheme.init_on_receiver(model_id=scheme.model_id, model=model, worker_idx=idx)
         self.errors: list[BaseException] = []
+        self.closed: ws.ConnectionClosedError | None = None  # why its loop ended, if the sender ended it
         self.erred = threading.Event()  # (set once an error is recorded: a refusal is acked before it is)
         #: With ``taking``: each version is taken, then applied (as an inference engine's stager does); per version
         #: taken, the bytes of the copy kept for changes and of the model between the two.
@@ -352,7 +354,8 @@ class _Worker:
                     kept = self.scheme._runtime.receiving._kept[0].clone()
                     self.between.append((kept, _flat_bytes(self.model)))
                     pending.apply()
-            except ws.ConnectionClosedError:
+            except ws.ConnectionClosedError as exc:
+                self.closed = exc
                 return
             except ws.WeightSyncError as exc:
                 self.errors.append(exc)
@@ -441,6 +444,45 @@ def test_a_worker_that_missed_versions_is_sent_the_version_whole(track):
         scheme.send()  # both hold the base now
         assert scheme.stats()["changes_sent"] == 5
         assert all(_holds(w.model, model) for w in workers)
+    finally:
+        for w in workers:
+            w.stop()
+        scheme.shutdown()
+
+
+def test_a_worker_that_rejoins_after_a_failed_send_is_never_sent_the_bytes_of_that_send():
+    """Version 1 goes as changes alone: the trainer's only whole copy of it is the one it compares with. The next send
+    fails after that copy took its bytes (no free buffer): a worker that rejoins then is refused by name, not sent
+    those bytes as version 1; one that connects again after a send succeeded holds that send's version."""
+    model, scheme, workers = _connected()
+    core = scheme._runtime.sending
+    try:
+        _sparse_step(model, 1)
+        scheme.send()
+        assert scheme.stats()["changes_sent"] == 2
+        version_1 = {k: v.clone() for k, v in model.state_dict().items()}
+        _sparse_step(model, 2, fraction=0.5)
+        engine = core.engine
+
+        def busy(deadline, **where):
+            raise SyncTimeoutError("no free staging buffer (the test's)", **where)
+
+        with mock.patch.object(engine.pool, "acquire", busy), pytest.raises(SyncTimeoutError):
+            scheme.send()
+        core.mark_dead(1, ws.WeightSyncError("dropped by the test", worker_idx=1))  # it asks to rejoin
+        workers[1]._thread.join(30)
+        assert "refused it back: no whole version to send" in str(workers[1].closed)
+        assert workers[1].scheme.version == 1
+        assert all(torch.equal(workers[1].model.state_dict()[k], v) for k, v in version_1.items())
+        with pytest.raises(ws.WeightSyncError, match="dropped by the test"):
+            scheme.send()  # worker 0 is sent version 2 whole (the copy was forgotten); worker 1 is out
+        assert workers[0].scheme.version == 2 and _holds(workers[0].model, model)
+        workers[1].stop()
+        again = _Worker(scheme, 1, build("tiny"))  # a new process for worker 1
+        again.scheme.connect()
+        again.start()
+        workers[1] = again
+        assert again.scheme.version == 2 and _holds(again.model, model)
     finally:
         for w in workers:
             w.stop()

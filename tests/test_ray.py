@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -339,6 +340,17 @@ def test_a_replaced_or_restarted_actor_rejoins_and_gets_the_current_version(delt
     assert scheme.acked_versions == {0: 3, 1: 3}
     if delta:  # version 3 went to both as changes: each had acked the version sent when it rejoined
         assert scheme.last_send.changes.keys() == {0, 1}
+        # A send that fails once the trainer's copy took its bytes: they are no version sent, and a rejoin until a
+        # send succeeds is refused by name rather than sent them as version 3.
+        optimizer_step(model, 4)
+        engine = scheme._runtime.sending.engine
+        with mock.patch.object(engine, "submit", side_effect=RuntimeError("the test's")), pytest.raises(RuntimeError):
+            scheme.send()
+        with pytest.raises(ws.LifecycleError, match="no whole version to send"):
+            scheme.rejoin(0, newcomer)
+        scheme.send()
+        assert scheme.rejoin(0, newcomer) == 4
+        assert ray.get(newcomer.state.remote()) == (4, checksum(model, "tensordict"))
     with pytest.raises(ws.ConfigurationError, match="worker_idx 2 is not in 0..1"):
         scheme.rejoin(2, newcomer)
     scheme.shutdown()
@@ -454,8 +466,6 @@ def test_module_actor_failures_are_named():
 
 
 def test_corrupted_payload_is_refused_and_the_actors_keep_their_weights():
-    from unittest import mock
-
     model = build("tiny")
     scheme = ws.RayWeightSyncScheme(timeout=30, checksum=True)
     actors = _joined(scheme, model)

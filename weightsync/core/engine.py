@@ -88,7 +88,8 @@ class Outgoing:
         delta: the changes from the version :attr:`delta_workers` hold (engines that :attr:`SenderEngine.takes_deltas`).
         delta_workers: the workers sent :attr:`delta` instead of the whole version.
         published: with :attr:`delta`, the version's bytes as they travel (the layout's), which the core keeps
-            unchanged until its next send: an engine that sent only changes sends a worker that rejoins these.
+            unchanged until its next send: an engine that sent only changes sends a worker that rejoins these
+            (until :meth:`SenderEngine.unpublished`).
     """
 
     version: int
@@ -129,7 +130,8 @@ class SenderEngine(ABC):
        says whether the workers that joined are served;
     3) for each version, the initial one included: :meth:`poll` (what came back since), :meth:`stage` once,
        :meth:`submit` once, then :meth:`poll` and :meth:`wait` in turn until every targeted worker acked or the
-       deadline passed; :meth:`payload_bytes` for the metrics;
+       deadline passed; :meth:`payload_bytes` for the metrics; :meth:`unpublished` instead, if staging or
+       submitting it raised;
     4) :meth:`lost`, whenever the core gives up on a worker (dead, or dropped), at any step from 2) on;
     5) where :attr:`rejoins`: :meth:`poll_rejoin` in a thread of the core's own, and :meth:`admit` (under the
        core's lock, between sends) for each worker it returns, or :meth:`discard` once the core shuts down (an
@@ -231,6 +233,12 @@ class SenderEngine(ABC):
 
     def lost(self, worker: int, reason: str) -> None:
         """``worker`` is gone: release what it held."""
+        return None
+
+    def unpublished(self) -> None:
+        """Staging or submitting a version raised: the core's copy handed with the last send of changes alone
+        (:attr:`Outgoing.published`) may hold that version's bytes now, which were not sent, or not to everyone;
+        a worker that rejoins must not be sent them as the version they were handed with."""
         return None
 
     def wait_sent(self, worker: int, deadline: float) -> None:

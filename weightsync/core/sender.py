@@ -286,14 +286,16 @@ class Sender:
             failures = {w: ledger.dead[w] for w in targets if w in ledger.dead}
             live = ledger.live(targets)
             out = Outgoing(version, flat, whole, live, initial)
-            # First: an engine stages the whole version only for workers not sent changes.
-            self.changes.plan(out, ledger.peers, self.engine.takes_deltas)
             try:
-                staged = self.engine.stage(out, deadline)
+                # First: an engine stages the whole version only for workers not sent changes.
+                self.changes.plan(out, ledger.peers, self.engine.takes_deltas)
+                self.engine.submit(out, self.engine.stage(out, deadline))
             except BaseException:
+                # The copy may hold bytes of this version, which was not sent (or not to everyone): the next send
+                # fills it whole, and the engine no longer takes it for the newest version (for one that rejoins).
                 self.changes.unpublished()
+                self.engine.unpublished()
                 raise
-            self.engine.submit(out, staged)
             self.changes.submitted(out)
             for w in live:
                 ledger.peers[w].sent = version

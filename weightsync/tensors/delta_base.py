@@ -40,9 +40,11 @@ __all__ = ["DeltaBase", "wire_sources"]
 class DeltaBase:
     """The trainer's copy of the newest version's bytes, against which the next version's delta is computed.
 
-    One buffer of the layout's size (host memory, padding zero), and per thread room for one chunk's changed
-    positions and values (under ``whole_if_larger``, less than the chunk's bytes; without it, up to 5 times those for
-    1-byte words): what deltas cost the trainer in memory. :meth:`update` compares the next version with it chunk by
+    One buffer of the layout's size (host memory, padding zero), and per thread and per word size of the layout room
+    for one chunk's changed positions and values (a position is 4 bytes, beside the value: with 4 MB chunks, up to
+    7.8 MiB for 4-byte words and 17.5 MiB for 1-byte words under ``whole_if_larger``, whose bitmaps hold more changes
+    than patches; 8 and 20 MiB without; its pages are taken as changes are written): what deltas cost the trainer
+    in memory. :meth:`update` compares the next version with it chunk by
     chunk, one pass per chunk that finds the changes and writes them into the buffer, on as many threads as torch's
     (the comparison reads memory; one core does not read it as fast as two): no copy of the model is made, the base
     becomes the new version by the changes alone.

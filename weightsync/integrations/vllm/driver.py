@@ -337,6 +337,10 @@ class _Gate(SenderEngine):
             self._held.pop(worker, None)
         self.inner.lost(worker, reason)
 
+    def unpublished(self) -> None:
+        assert self.inner is not None
+        self.inner.unpublished()
+
     def poll_rejoin(self) -> Any:
         assert self.inner is not None
         return self.inner.poll_rejoin()

@@ -66,6 +66,11 @@ CLOSE_WAIT_S = 5.0
 #: Seconds between two looks at the store while workers join, or ask to rejoin.
 STORE_POLL_S = 0.01
 REJOIN_POLL_S = 0.05
+#: Why a worker that rejoins is turned away when the trainer holds no whole copy of the newest version.
+NO_WHOLE_VERSION = (
+    "no whole version to send (the newest went as changes alone, and a send after it failed before it was "
+    "published); connect again after a send succeeded"
+)
 
 
 class DistributedSender(SenderEngine):
@@ -354,6 +359,9 @@ class DistributedSender(SenderEngine):
         if transport is not None and not self.sink.is_dead(worker):  # ... and the worker's check of them, last
             transport.wait_taken(deadline)
 
+    def unpublished(self) -> None:
+        self._unstaged = None  # (a whole version staged before, in self.newest, still stands)
+
     def lost(self, worker: int, reason: str) -> None:
         self.transports[worker].drop(reason)
         if self.pool is not None:
@@ -412,6 +420,8 @@ class DistributedSender(SenderEngine):
         """Why worker ``w`` may not come back with ``hello`` (``None``: it may)."""
         if not hello.get("ok"):
             return f"{hello.get('type', 'Error')}: {hello.get('message', '')}"
+        if self.newest is None and self._unstaged is None:  # (admit() looks again, under the core's lock)
+            return NO_WHOLE_VERSION
         earlier = self.hellos.get(w, {}).get("process")
         gone = True if self.sink.is_dead(w) else process_is_gone(earlier)
         if gone is False:
@@ -446,7 +456,7 @@ class DistributedSender(SenderEngine):
         if self.newest is None and self._unstaged is not None:
             self._stage_unstaged()
         if self.newest is None:
-            self.sink.died(w, "failed to rejoin: no whole version to send")
+            self.sink.died(w, f"failed to rejoin: {NO_WHOLE_VERSION}")
             return None
         staging, version, payload_digest, nonce = self.newest
         try:

@@ -10,7 +10,7 @@ import torch
 
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import remaining
-from ...errors import ReceiverError, WeightSyncError
+from ...errors import LifecycleError, ReceiverError, WeightSyncError
 from ...tensors.layout import FlatLayout
 from .settings import RaySettings
 from .transport import RayTransport
@@ -121,7 +121,13 @@ class RaySender(SenderEngine):
             assert published is not None
             buffers, ranges = self.layout.whole(published)
             self.newest = (version, ray().put((ranges, [b.numpy() for b in buffers], self.digest(buffers))))
-        assert self.newest is not None  # connect() published version 0
+        if self.newest is None:  # (connect() published version 0: changes alone went since, then a send failed)
+            raise LifecycleError(
+                "no whole version to send: the newest went as changes alone, and a send after it failed before it "
+                "was published; rejoin after a send succeeded",
+                model_id=self.sink.model_id,
+                worker_idx=worker,
+            )
         version, payload = self.newest
         old = self.transports[worker]
         self.transports[worker] = self._transport(old.actor if actor is None else actor, worker)
@@ -129,6 +135,9 @@ class RaySender(SenderEngine):
         self.sink.rejoining(worker)  # from here on, a failure is this actor's
         self.transports[worker].submit(version, payload, self.layout.to_plain())
         return version
+
+    def unpublished(self) -> None:
+        self._unstaged = None  # (a whole version put before, in self.newest, still stands)
 
     def _refs(self, workers: list[int]) -> dict[Any, tuple[int, int]]:
         return {ref: (w, v) for w in workers for v, ref in self.transports[w].in_flight.items()}

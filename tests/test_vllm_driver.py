@@ -63,8 +63,11 @@ class Engine:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.calls.append(f"finish {weight_version}")
+        if not self.active:  # (vLLM's worker: an update that raised ended the session)
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
         self.active = False
-        self.version = weight_version
+        if weight_version is not None:
+            self.version = weight_version
 
     def update_weight_version(self, version: str) -> None:
         self.version = version
@@ -426,3 +429,75 @@ def test_a_hung_engine_is_a_named_timeout_within_the_schemes_timeout_and_the_oth
     finally:
         release.set()
         scheme.shutdown()
+
+
+class SlowToPause:
+    """An ``AsyncLLM`` as vLLM 0.32 behaves (on the loop the test runs): its engine core takes the pause at once
+    and answers once the requests in flight drained (``pause_mode="wait"``, here while ``draining``), and its worker
+    refuses a second ``start_weight_update`` before ``finish_weight_update`` (the :class:`Engine`'s assertion)."""
+
+    def __init__(self, spec: dict) -> None:
+        self.engine = Engine(spec)
+        self.paused, self.draining = False, False
+
+    async def init_weight_transfer_engine(self, request) -> None:
+        await asyncio.to_thread(self.engine.init_weight_transfer_engine, request.init_info)
+
+    async def start_weight_update(self) -> None:
+        self.engine.start_weight_update()
+
+    async def update_weights(self, request) -> None:
+        await asyncio.to_thread(self.engine.update_weights, request.update_info)
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.engine.finish_weight_update(weight_version)
+
+    async def update_weight_version(self, version: str) -> None:
+        self.engine.version = version
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        self.paused = True
+        while self.draining:
+            await asyncio.sleep(0.05)
+
+    async def resume_generation(self) -> None:
+        self.paused = False
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        self.engine.shutdown_weight_transfer_engine()
+
+
+def test_an_update_that_fails_in_the_middle_leaves_the_engine_generating_with_no_update_open():
+    """A pause that outlasts the timeout (requests that take long to drain, ``pause_mode="wait"``): the send names
+    the engine, and the engine is resumed and its update session ended, so that the next versions are served (the
+    call that timed out, ended past its send, is reported by the next one, naming its version)."""
+    pytest.importorskip("vllm")  # (the client builds vLLM's request objects)
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    model = build("tiny")
+    target = SlowToPause(_spec(model))
+    scheme = ws.SharedMemWeightSyncScheme(timeout=2, connect_timeout=30)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([target], pause_mode="wait", loop=loop))
+        scheme.connect()
+        target.draining = True
+        _step(model, 1)
+        with pytest.raises(ws.SyncTimeoutError, match="worker 0"):
+            scheme.send()
+        deadline = time.monotonic() + 10
+        while (target.paused or target.engine.active) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not target.paused and not target.engine.active
+        target.draining = False
+        _step(model, 1)
+        with pytest.raises(ws.SyncTimeoutError, match=r"version 1\] vLLM engine 0: start_weight_update and pause"):
+            scheme.send()
+        _step(model, 1)
+        scheme.send()
+        assert target.engine.version == "3" and _same(target.engine, model) and not target.paused
+    finally:
+        scheme.shutdown()
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()

@@ -63,7 +63,7 @@ class EngineClient:
     def update(self, update_info: dict[str, Any], timeout: float) -> None:
         self.target.update_weights(update_info)
 
-    def finish(self, version: str, timeout: float) -> None:
+    def finish(self, version: str | None, timeout: float) -> None:
         self.target.finish_weight_update(weight_version=version)
 
     def set_version(self, version: str, timeout: float) -> None:
@@ -140,7 +140,7 @@ class AsyncLLMClient(EngineClient):
 
         self._run(self.target.update_weights(WeightTransferUpdateRequest(update_info)), timeout, "update_weights")
 
-    def finish(self, version: str, timeout: float) -> None:
+    def finish(self, version: str | None, timeout: float) -> None:
         self._run(self.target.finish_weight_update(weight_version=version), timeout, "finish_weight_update")
 
     def set_version(self, version: str, timeout: float) -> None:
@@ -240,7 +240,7 @@ class RayActorClient(EngineClient):
     def update(self, update_info: dict[str, Any], timeout: float) -> None:
         self._call("update_weights", timeout, _request("update", update_info))
 
-    def finish(self, version: str, timeout: float) -> None:
+    def finish(self, version: str | None, timeout: float) -> None:
         self._call("finish_weight_update", timeout, weight_version=version)
 
     def set_version(self, version: str, timeout: float) -> None:

@@ -28,6 +28,7 @@ An engine whose calls fail is a failed worker, named; one that does not answer i
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -138,21 +139,37 @@ class _Gate(SenderEngine):
         mode = self.engines.pause_mode
         pause = client.pauses and mode != "none"
         together = start and pause and client.starts_with_pause
-        if start and not together:
-            client.start(timeout)
-        if before is not None:
-            before()
+        begun = paused = False  # set before each call: one that raised (timed out) may have taken effect
         started = time.perf_counter()
-        if together:
-            client.start_and_pause(mode, timeout)
-        elif pause:
-            client.pause(mode, timeout)
         try:
-            body()
-        finally:
-            if pause:
-                client.resume(timeout)
-        if not pause:  # pausing cleared it; an engine not paused has nothing in flight to keep its cache for
+            if start and not together:
+                begun = True
+                client.start(timeout)
+            if before is not None:
+                before()
+            started = time.perf_counter()
+            if together:
+                begun = paused = True
+                client.start_and_pause(mode, timeout)
+            elif pause:
+                paused = True
+                client.pause(mode, timeout)
+            body()  # (an update's ends with finish_weight_update: the session it began is over)
+            begun = False
+        except BaseException:
+            # The engine back to generating with no update open, best effort (the failure raised is the first):
+            # an open session refuses every later start, and a pause left on stops generation for good. Each
+            # call waits behind the engine's own call in progress, if one still is (one that timed out here).
+            if begun:
+                with contextlib.suppress(Exception):
+                    client.finish(None, timeout)
+            if paused:
+                with contextlib.suppress(Exception):
+                    client.resume(timeout)
+            raise
+        if paused:
+            client.resume(timeout)
+        else:  # pausing cleared it; an engine not paused has nothing in flight to keep its cache for
             client.reset_prefix_cache(timeout)
         self.engines.record(worker, version, time.perf_counter() - started, paused=pause)
 
@@ -391,6 +408,10 @@ def _cause(error: BaseException | None) -> str:
 
 
 def _engine_error(worker: int, version: int, error: BaseException, model_id: str | None) -> WeightSyncError:
+    if isinstance(error, (errors.SyncTimeoutError, errors.WorkerDiedError)) and error.worker_idx is None:
+        # A client's, which names the engine alone: a call that ends past the send it was for is reported by the
+        # next one, and says which version it was for.
+        return type(error)(error.detail, model_id=model_id, worker_idx=worker, version=version)
     if isinstance(error, WeightSyncError):
         return error
     return errors.ReceiverError(

@@ -142,7 +142,7 @@ class HTTPEngineClient(EngineClient):
     def update(self, update_info: dict[str, Any], timeout: float) -> None:
         self._post("/update_weights", timeout, {"update_info": update_info})
 
-    def finish(self, version: str, timeout: float) -> None:
+    def finish(self, version: str | None, timeout: float) -> None:
         self._post("/finish_weight_update", timeout, {"weight_version": version})
 
     def set_version(self, version: str, timeout: float) -> None:

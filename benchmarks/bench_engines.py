@@ -16,7 +16,9 @@ Per round, interleaved so that machine load hits both alike:
 
 ``--round-trip``: the raw ``distributed`` engine also gets a reply from each worker (one small gloo send
 back to the trainer), as a send gets its acks: the floor of a small model's sync, where the round trip is
-most of it. The rpc and Ray floors are round trips already (the call returns).
+most of it. The rpc and Ray floors are round trips already (the call returns). ``--idle LO HI``: how long the
+``distributed`` workers wait before each timed round (:data:`WORKER_IDLE_S` by default, as between a trainer's
+steps), the same draws before the raw round and the send.
 
 ``bench_<engine>_pair`` alternates the sends of two models instead (2000 tensors against 1), each
 scheme with workers of its own (rpc: the same workers, holding both models).
@@ -87,10 +89,17 @@ def _dist_worker(scheme, idx, mb, port, cmd, tensors=0) -> None:
 
 
 def bench_distributed(
-    mb: float, workers: int, rounds: int, tensors: int = 0, reply: bool = False, **scheme_kw: Any
+    mb: float,
+    workers: int,
+    rounds: int,
+    tensors: int = 0,
+    reply: bool = False,
+    idle: tuple[float, float] = WORKER_IDLE_S,
+    **scheme_kw: Any,
 ) -> tuple[list[float], list[float]]:
-    """``reply``: the raw engine's round trip (the broadcast, then a small send back from each worker);
-    ``scheme_kw``: more arguments of the scheme (``wire_dtype``, ``bucket_mb``)."""
+    """``reply``: the raw engine's round trip (the broadcast, then a small send back from each worker); ``idle``:
+    the range of the workers' pause before each round (:data:`WORKER_IDLE_S`); ``scheme_kw``: more arguments of
+    the scheme (``wire_dtype``, ``bucket_mb``)."""
     import torch.distributed as dist
 
     from weightsync.transports.distributed import new_group
@@ -109,10 +118,10 @@ def bench_distributed(
     pg = new_group("gloo", dist.PrefixStore("raw", store), 0, workers + 1, 120, "127.0.0.1")
     buf = torch.randn(sum(p.numel() for p in model.parameters()))
     replies = [torch.zeros(1) for _ in range(workers)]
-    idle = random.Random(0)
+    draws = random.Random(0)
     raw, sends = [], []
     for r in range(rounds + 1):
-        pause = idle.uniform(*WORKER_IDLE_S)
+        pause = draws.uniform(*idle)
         for parent, _ in pipes:
             parent.send("raw+reply" if reply else "raw")
         time.sleep(pause)  # the workers wait in the broadcast as long as they wait in receive() below
@@ -410,9 +419,11 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
             p.add_(1e-3 * (seed + 1))
 
 
-def _run_one(engine: str, mb: float, workers: int, rounds: int, out, tensors: int = 0, reply: bool = False) -> None:
+def _run_one(
+    engine: str, mb: float, workers: int, rounds: int, out, tensors: int = 0, reply: bool = False, idle=WORKER_IDLE_S
+) -> None:
     try:
-        options = {"reply": True} if reply and engine == "distributed" else {}
+        options = {"reply": reply, "idle": tuple(idle)} if engine == "distributed" else {}
         # By module name, not from __main__: Ray's workers import the actor classes from where they are defined.
         module = importlib.import_module("bench_engines")
         out.send(getattr(module, f"bench_{engine}")(mb, workers, rounds, tensors, **options))
@@ -429,6 +440,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--round-trip", action="store_true", help="the raw distributed engine gets a reply from each worker too"
     )
+    parser.add_argument(
+        "--idle",
+        type=float,
+        nargs=2,
+        default=WORKER_IDLE_S,
+        metavar=("LO", "HI"),
+        help="the distributed workers' pause before each round, drawn from LO to HI seconds",
+    )
     parser.add_argument("--markdown", type=Path, default=None, help="write the table to this file")
     args = parser.parse_args(argv)
     policy = passive_openmp()  # each engine runs in a fresh process; OMP_WAIT_POLICY=ACTIVE: without
@@ -437,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     for engine in args.engines:
         parent, child = ctx.Pipe()
         proc = ctx.Process(
-            target=_run_one, args=(engine, args.mb, args.workers, args.rounds, child, 0, args.round_trip)
+            target=_run_one, args=(engine, args.mb, args.workers, args.rounds, child, 0, args.round_trip, args.idle)
         )
         proc.start()
         result = parent.recv() if parent.poll(900) else "timed out after 900 s"
@@ -453,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             f"{nbytes / 1e6:.1f} MB float32, {args.workers} workers (ray_module_transform: its one actor), "
             f"median of {args.rounds} rounds, raw distributed {'with' if args.round_trip else 'without'} replies, "
+            f"distributed workers idle {args.idle[0] * 1e3:g} to {args.idle[1] * 1e3:g} ms before each round, "
             f"{platform.machine()} / {mp.cpu_count()} cores, torch {torch.__version__}, OMP_WAIT_POLICY={policy}",
             "",
             "| scheme | send | raw engine | ratio |",

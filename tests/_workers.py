@@ -312,3 +312,38 @@ def fails_at_start(*args) -> None:
     """A worker process that fails before it reaches the scheme (as a spawned child of a script without a
     ``__main__`` guard does)."""
     raise SystemExit(3)
+
+
+def _fork_idle() -> int:
+    """Fork a child that holds every descriptor of this process for a minute (the test kills it); its pid."""
+    import time
+
+    child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    return child
+
+
+def forks_then_serves(cfg: dict, pipe) -> None:
+    """A worker that forks a child once connected (as an environment started with ``fork`` would be: it inherits
+    the worker's end of its channel, and outlives it), says the child's pid, then serves until killed."""
+    from weightsync.config import from_config
+
+    scheme = from_config(cfg)
+    scheme.init_on_receiver(model=build("tiny"))
+    scheme.connect()
+    pipe.send(_fork_idle())
+    while True:
+        scheme.receive(timeout=0.1)
+
+
+def trainer_that_forks(name: str, pipe) -> None:
+    """A trainer that hands the test a worker's receiver config, connects it, forks a helper (which inherits the
+    trainer's end of every channel), says the helper's pid, and waits to be killed."""
+    scheme = ws.WeightSyncScheme.from_backend(name, timeout=2.0, connect_timeout=60)
+    scheme.init_on_sender(model_id="policy", model=build("tiny"), num_workers=1)
+    pipe.send(scheme.receiver_config(0))
+    scheme.connect()
+    pipe.send(_fork_idle())
+    pipe.poll(600)

@@ -378,6 +378,71 @@ def test_workers_exit_cleanly_when_the_trainer_is_killed(ctx, tmp_path, name, de
     assert key_file is None or not os.path.exists(key_file), "the auth key file outlived the sender and its workers"
 
 
+@pytest.mark.parametrize("name", LOCAL)
+def test_a_killed_worker_whose_child_holds_its_channel_is_named_dead_at_once(ctx, name):
+    """A worker's child forked after it connected (an environment started with ``fork``) holds its end of the
+    channel: its death closes nothing, and the trainer sees it exit by its process (a pidfd), not at a timeout."""
+    from tests._workers import forks_then_serves
+
+    scheme = _scheme(name)
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    parent, child = ctx.Pipe()
+    worker = ctx.Process(target=forks_then_serves, args=(scheme.receiver_config(0), child), daemon=True)
+    worker.start()
+    forked = None
+    try:
+        scheme.connect()
+        assert parent.poll(30)
+        forked = parent.recv()
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        optimizer_step(model, 1)
+        began = time.monotonic()
+        with pytest.raises(ws.WorkerDiedError, match=f"its process {worker.pid} exited"):
+            scheme.send()
+        assert time.monotonic() - began < TIMEOUT / 2
+    finally:
+        if forked is not None:
+            os.kill(forked, signal.SIGKILL)
+        worker.kill()
+        scheme.shutdown()
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem"])
+def test_a_worker_sees_its_trainer_killed_while_a_child_of_the_trainer_holds_the_channel(ctx, name):
+    """The trainer's child forked after connect (a helper started with ``fork``) holds the trainer's end of each
+    channel: its workers see the trainer's process exit (a pidfd), within the scheme's timeout."""
+    from tests._workers import trainer_that_forks
+    from weightsync.config import from_config
+
+    parent, child = ctx.Pipe()
+    trainer = ctx.Process(target=trainer_that_forks, args=(name, child))
+    trainer.start()
+    helper = None
+    try:
+        assert parent.poll(60)
+        scheme = from_config(parent.recv())
+        scheme.init_on_receiver(model=build("tiny"))
+        scheme.connect()
+        assert parent.poll(30)
+        helper = parent.recv()
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.join(10)
+        killed = time.monotonic()
+        with pytest.raises(ws.ConnectionClosedError, match="exited"):
+            while time.monotonic() - killed < 3 * TIMEOUT + 1:
+                scheme.receive(timeout=0.1)
+        assert time.monotonic() - killed < TIMEOUT + 1
+        scheme.shutdown()
+    finally:
+        if helper is not None:
+            os.kill(helper, signal.SIGKILL)
+        if trainer.is_alive():
+            trainer.kill()
+            trainer.join(5)
+
+
 def test_truncated_shared_segment_is_refused_not_mapped(workers):
     # Mapping past the end of a segment would kill the worker (SIGBUS): it must refuse the slot instead.
     from unittest import mock

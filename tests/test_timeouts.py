@@ -106,3 +106,41 @@ def test_a_worker_whose_trainer_was_killed_waits_its_connect_timeout_quietly(tmp
         assert isinstance(error, ws.SyncTimeoutError) and "no TCP store answered" in str(error), (backend, error)
         assert f"within {T:.0f}s (Connection refused)" in str(error), error
         assert within_its_timeout(took, T), (backend, took)
+
+
+@pytest.mark.parametrize("backend", ["multiprocess", "shared_mem"])
+def test_a_worker_that_stops_reading_its_welcome_is_named_within_the_send_bound(backend):
+    """The welcome carries the layout (about 100 bytes a tensor): 10,000 tensors fill a Unix socket's buffer, and a
+    worker that proved the key and then stopped reading (a stopped process) used to hold the trainer's connect()
+    in that write for good."""
+    import json
+    import os
+    import threading
+
+    from tests._attack_local import key_holder
+    from weightsync.transports.keyfiles import read_key_file
+    from weightsync.transports.local.channel import SEND_TIMEOUT
+
+    model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(5000)])
+    scheme = ws.WeightSyncScheme.from_backend(backend, timeout=T, connect_timeout=T)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    connection = scheme.receiver_config(0)["connection"]
+    key = bytes.fromhex(read_key_file(connection["authkey_file"]))
+    said = {"op": "hello", "worker_idx": 0, "pid": os.getpid(), "model_id": "policy", "nonce": "00" * 32}
+    outcome: list = []
+    connecting = threading.Thread(target=lambda: outcome.append(timed(scheme.connect)), daemon=True)
+    connecting.start()
+    sock = None
+    try:
+        time.sleep(0.3)
+        sock = key_holder(connection["address"], key, json.dumps(said).encode())  # ... and never reads
+        connecting.join(SEND_TIMEOUT + T + 5)
+        assert not connecting.is_alive(), "connect() is still writing to a worker that does not read"
+        took, error = outcome[0]
+        assert isinstance(error, ws.ConnectionClosedError) and "did not take a message" in str(error), error
+        assert took < SEND_TIMEOUT + T + 1
+    finally:
+        if sock is not None:
+            sock.close()
+        connecting.join(10)
+        scheme.shutdown()

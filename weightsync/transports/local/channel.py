@@ -67,6 +67,9 @@ _HELLO_MAX = 4096
 MAX_MESSAGE = 64 * 1024 * 1024
 #: Seconds the rest of a frame may take to arrive once its first byte did (the sender writes a frame at once).
 FRAME_TIMEOUT = 5.0
+#: Seconds a message may take to leave: a peer that stopped reading (a stopped process) leaves a write waiting once
+#: the socket's buffer is full (a welcome carrying a large layout fills it), and the channel is then closed.
+SEND_TIMEOUT = 5.0
 #: Seconds a connecting peer has to complete the auth handshake, counted from its connection.
 HANDSHAKE_TIMEOUT = 5.0
 #: The most peers in the middle of a handshake at once; one more drops the oldest.
@@ -114,6 +117,11 @@ class Channel:
         self.closed = False
         self._poller = select.poll()
         self._poller.register(conn.fileno(), select.POLLIN)
+        # Writes go through a socket object of the same connection: each one without blocking (MSG_DONTWAIT),
+        # waited for with poll(2) until SEND_TIMEOUT; the descriptor itself stays blocking for its reader.
+        self._sock = socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
+        self._writable = select.poll()
+        self._writable.register(self._sock.fileno(), select.POLLOUT)
 
     def fileno(self) -> int:
         return self._conn.fileno()
@@ -129,8 +137,22 @@ class Channel:
             self._send_bytes(data)
 
     def _send_bytes(self, data: bytes) -> None:
+        """Write ``data`` as one frame, all of it within :data:`SEND_TIMEOUT` (else the channel is closed: a frame
+        written in part leaves nothing readable after it)."""
+        out = memoryview(frame(data))
+        deadline = deadline_after(SEND_TIMEOUT)
         try:
-            self._conn.send_bytes(data)
+            while out:
+                try:
+                    out = out[self._sock.send(out, socket.MSG_DONTWAIT) :]
+                except BlockingIOError:  # the peer's buffer is full: wait until it reads, or the deadline
+                    if remaining(deadline) <= 0:
+                        self.close()
+                        raise ConnectionClosedError(
+                            f"{self.peer} did not take a message within {SEND_TIMEOUT:.0f}s (it stopped reading); "
+                            "closed the channel"
+                        ) from None
+                    self._writable.poll(_poll_ms(remaining(deadline)))
         except (BrokenPipeError, ConnectionResetError, OSError) as exc:
             self.closed = True
             raise ConnectionClosedError(f"channel to {self.peer} is closed ({exc})") from exc
@@ -140,12 +162,11 @@ class Channel:
         data = json.dumps(msg, separators=(",", ":")).encode()
         with self._send_lock:
             self._send_bytes(data)
-            with socket.fromfd(self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                try:
-                    socket.send_fds(sock, [b"F"], fds)
-                except OSError as exc:
-                    self.closed = True
-                    raise ConnectionClosedError(f"channel to {self.peer} is closed ({exc})") from exc
+            try:
+                socket.send_fds(self._sock, [b"F"], fds)
+            except OSError as exc:
+                self.closed = True
+                raise ConnectionClosedError(f"channel to {self.peer} is closed ({exc})") from exc
 
     def recv_fds(self, count: int, timeout: float) -> list[int]:
         """Receive ``count`` descriptors sent by :meth:`send_with_fds` after the message just read."""
@@ -199,10 +220,9 @@ class Channel:
 
     def close(self) -> None:
         self.closed = True
-        try:
-            self._conn.close()
-        except OSError:
-            pass
+        for end in (self._sock, self._conn):
+            with contextlib.suppress(OSError):
+                end.close()
 
 
 class _Pending:

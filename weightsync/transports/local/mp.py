@@ -38,6 +38,9 @@ __all__ = ["Ack", "MPTransport", "Update"]
 
 #: Seconds a worker waits for a slot's descriptor once the message announcing it arrived (it follows at once).
 FD_WAIT_S = 5.0
+#: A worker waiting for an update looks this often whether the sender's process is still there: its death closes
+#: the channel, unless a process it forked holds the channel's end too.
+PEER_LOOK_S = 0.5
 
 
 def _is_int(value: Any) -> bool:
@@ -81,7 +84,9 @@ class MPTransport(PeerTransport, TransportBackend):
         self.slots_sent: set[int] = set()
         # The CUDA IPC shares handed to this worker, by slot: what its process holds a reference of until it lets go.
         self.shares: dict[int, list[dict[str, Any]]] = {}
-        self.process: PeerProcess | None = None  # the worker's process (the sender sets it): what maps the slots
+        #: The process at the other end, as the kernel named it: on the sender, the worker's (what maps the slots);
+        #: on a worker, the sender's (a channel can outlive it: a child it forked holds its end).
+        self.process: PeerProcess | None = None
         self.last_error: ReceiverError | None = None  # the worker's last failure, until a later success
         # Receiver side.
         self.slot_buffers: dict[int, torch.Tensor] = {}
@@ -182,14 +187,24 @@ class MPTransport(PeerTransport, TransportBackend):
         # an update (or the deadline), never ends on a share alone.
         while not updates and not self.closed_by_sender:
             try:
-                msg = self.channel.recv(remaining(deadline))
+                # (in slices: the sender's process is looked at between them)
+                msg = self.channel.recv(min(remaining(deadline), PEER_LOOK_S))
             except ConnectionClosedError:
                 self.closed_by_sender = True
                 raise ConnectionClosedError(
                     "the sender closed the channel (shut down or died)", worker_idx=self.worker_idx
                 ) from None
             if msg is None:
-                break
+                if self.process is not None and self.process.gone() and not self.channel.poll(0):
+                    self.closed_by_sender = True
+                    raise ConnectionClosedError(
+                        f"the sender's process {self.process.pid} exited (its channel is held open by another "
+                        "process, a child it forked)",
+                        worker_idx=self.worker_idx,
+                    )
+                if remaining(deadline) <= 0:
+                    break
+                continue
             self._read(msg, updates)
         if not updates and self.closed_by_sender:
             raise ConnectionClosedError("the sender has shut down", worker_idx=self.worker_idx)

@@ -53,6 +53,10 @@ class PeerProcess:
             return cls(None)
         return cls(pid)
 
+    def fileno(self) -> int:
+        """Its ``pidfd`` (readable once it exited), or ``-1`` where there is none (unknown, gone, or no pidfd)."""
+        return self._fd
+
     def gone(self) -> bool:
         """Whether the process has exited (once gone, always gone)."""
         if self._gone:

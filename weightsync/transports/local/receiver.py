@@ -18,6 +18,7 @@ from ...tensors.layout import FlatLayout
 from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphaned
 from .channel import connect_channel
 from .mp import MPTransport, Update
+from .peers import PeerProcess
 from .settings import MPSettings
 
 __all__ = ["LocalReceiver", "gpu_uuid"]
@@ -134,6 +135,7 @@ class LocalReceiver(ReceiverEngine):
             self.layout = FlatLayout.from_plain(welcome["layout"])
             self.num_workers = int(welcome["num_workers"])
             self.transport = self.transport_class(channel, self.where["worker_idx"])
+            self.transport.process = PeerProcess.of_socket(channel.fileno())  # the sender's
             self.transport.pin_host = self.device is not None and self.device.startswith("cuda")
         except BaseException:
             channel.close()

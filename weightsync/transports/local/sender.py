@@ -43,7 +43,7 @@ import torch
 
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import WAIT_TICK_S, remaining
-from ...errors import SyncTimeoutError, WeightSyncError, WorkerDiedError
+from ...errors import ConnectionClosedError, SyncTimeoutError, WeightSyncError, WorkerDiedError
 from ...tensors import cuda
 from ...tensors.layout import FlatLayout
 from ..keyfiles import KEY_BYTES, remove_key_file, write_key_file
@@ -256,6 +256,10 @@ class LocalSender(SenderEngine):
             acks, closed = transport.acks(self.sink.model_id)
             for ack in acks:
                 self._on_ack(w, ack)
+            if closed is None and transport.process is not None and transport.process.gone():
+                # (after its acks were read: a process that acked, then exited, did its part) Its channel may
+                # outlive it: a child it forked holds its end.
+                closed = ConnectionClosedError(f"its process {transport.process.pid} exited")
             if closed is not None:
                 # A worker that reported a failure and then left is remembered for that failure.
                 self.sink.died(w, transport.last_error or f"its channel closed ({closed.detail})")
@@ -269,8 +273,10 @@ class LocalSender(SenderEngine):
             self.sink.acked(w, ack.held)
 
     def wait(self, workers: list[int], deadline: float) -> None:
-        channels = [self.transports[w].channel for w in workers if w in self.transports and not self.sink.is_dead(w)]
-        fds = [c.fileno() for c in channels if not c.connection.closed]
+        transports = [self.transports[w] for w in workers if w in self.transports and not self.sink.is_dead(w)]
+        fds = [t.channel.fileno() for t in transports if not t.channel.connection.closed]
+        # ... and each worker's process: its exit wakes this wait even where its channel stays open
+        fds += [t.process.fileno() for t in transports if t.process is not None and t.process.fileno() >= 0]
         if fds:
             readable(fds, remaining(deadline))
 

@@ -88,7 +88,10 @@ def _spec(model) -> dict:
 
 
 def _same(engine: Engine, model) -> bool:
-    weights = flatten_weights(model, "tensordict")
+    return _same_as(engine, flatten_weights(model, "tensordict"))
+
+
+def _same_as(engine: Engine, weights: dict[str, torch.Tensor]) -> bool:
     return engine.held.keys() == weights.keys() and all(torch.equal(engine.held[k], v) for k, v in weights.items())
 
 
@@ -501,3 +504,37 @@ def test_an_update_that_fails_in_the_middle_leaves_the_engine_generating_with_no
         loop.call_soon_threadsafe(loop.stop)
         runner.join(5)
         loop.close()
+
+
+def test_an_engine_behind_by_several_versions_names_each_one_it_computes_with():
+    """Async sends faster than the engine loads: each update_weights(v) loads version v itself, so that the
+    weight version finish_weight_update gives the engine is the one it computes with (a receiver that takes only
+    the newest of the versions waiting, as workers do by default, had it compute with v + 1 under the name v)."""
+    model = build("tiny")
+    sent: dict[int, dict[str, torch.Tensor]] = {}
+    named_wrong: list[tuple[int, list[int]]] = []
+
+    class Slow(Engine):
+        def update_weights(self, update_info: dict) -> None:
+            time.sleep(0.2)  # the step in flight, the load: the next versions come meanwhile
+            super().update_weights(update_info)
+
+        def finish_weight_update(self, weight_version: str | None = None) -> None:
+            if weight_version is not None and not _same_as(self, sent[int(weight_version)]):
+                named_wrong.append((int(weight_version), [v for v, w in sent.items() if _same_as(self, w)]))
+            super().finish_weight_update(weight_version)
+
+    engine = Slow(_spec(model))
+    scheme = ws.SharedMemWeightSyncScheme(timeout=10, connect_timeout=30, sync=False)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([engine], pause_mode="none"))
+        scheme.connect()
+        for version in range(1, 6):
+            _step(model, 1)
+            sent[version] = {k: v.clone() for k, v in flatten_weights(model, "tensordict").items()}
+            scheme.send()
+        scheme.wait_async()
+        assert named_wrong == []  # (version named, versions held)
+        assert engine.version == "5" and _same(engine, model)
+    finally:
+        scheme.shutdown()

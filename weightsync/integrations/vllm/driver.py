@@ -174,7 +174,12 @@ class _Gate(SenderEngine):
         self.engines.record(worker, version, time.perf_counter() - started, paused=pause)
 
     def _init_steps(self, worker: int, initial: bool) -> Any:
-        init_info = {"receiver": self.scheme.receiver_config(worker)}
+        config = self.scheme.receiver_config(worker)
+        if isinstance(config.get("scheme"), dict):
+            # An engine takes the versions one at a time (latest_wins off), however far behind: update_weights(v)
+            # then loads v, never a newer version that finish_weight_update would name v.
+            config["scheme"] = {**config["scheme"], "latest_wins": False}
+        init_info = {"receiver": config}
         # (in this thread: before the scheme's engine publishes the version this engine is to load first)
         self.engines.clients[worker].queue_init(init_info)
 

@@ -72,8 +72,9 @@ class Engine:
     def update_weight_version(self, version: str) -> None:
         self.version = version
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         self.calls.append("reset")
+        return True
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.calls.append("shutdown")
@@ -538,3 +539,43 @@ def test_an_engine_behind_by_several_versions_names_each_one_it_computes_with():
         assert engine.version == "5" and _same(engine, model)
     finally:
         scheme.shutdown()
+
+
+class Resetting:
+    """An ``AsyncLLM``'s ``reset_prefix_cache``, as vLLM 0.32 answers it: ``False`` while a request runs, unless
+    the running requests are reset too."""
+
+    def __init__(self) -> None:
+        self.asked: list[bool] = []
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        self.asked.append(reset_running_requests)
+        return reset_running_requests
+
+
+def test_an_engine_not_paused_resets_its_running_requests_prefixes_too_and_a_refused_reset_is_an_error():
+    """With ``pause_mode="none"`` a request may run while the engine is updated: its cached prefix is reset with
+    the others (vLLM refuses a reset of the cache while a request holds part of it), and a refusal is raised, not
+    left as a warning in the engine's log while stale keys and values are reused."""
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    target = Resetting()
+    try:
+        AsyncLLMClient(target, "engine 0", loop).reset_prefix_cache(5)
+        assert target.asked == [True]
+
+        async def refuse(reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+            return False
+
+        target.reset_prefix_cache = refuse  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="engine 0: the engine did not reset its prefix cache"):
+            AsyncLLMClient(target, "engine 0", loop).reset_prefix_cache(5)
+        with pytest.raises(RuntimeError, match="did not reset its prefix cache"):
+            EngineClient(
+                type("LLM", (), {"reset_prefix_cache": lambda self, **kw: False})(), "engine 1"
+            ).reset_prefix_cache(5)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()

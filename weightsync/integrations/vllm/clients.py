@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import inspect
 from typing import Any
 
 from ...errors import SyncTimeoutError, WorkerDiedError
@@ -73,10 +74,20 @@ class EngineClient:
             setter(version)
 
     def reset_prefix_cache(self, timeout: float) -> None:
-        """Forget every cached prefix (its keys and values were computed with the previous weights)."""
+        """Forget every cached prefix (its keys and values were computed with the previous weights), the running
+        requests' too (they are computed again, with the new weights): without them vLLM's reset fails while a
+        request runs (it returns ``False`` and logs a warning). Raises where the engine says it did not."""
         reset = getattr(self.target, "reset_prefix_cache", None)
         if reset is not None:
-            reset()
+            kwargs = {"reset_running_requests": True} if _takes(reset, "reset_running_requests") else {}
+            self._reset_done(reset(**kwargs))
+
+    def _reset_done(self, done: Any) -> None:
+        if done is False:
+            raise RuntimeError(
+                f"{self.name}: the engine did not reset its prefix cache: its cached keys and values were computed "
+                "with the old weights"
+            )
 
     def pause(self, mode: str, timeout: float) -> None:
         """Stop generating (``mode``: what requests in flight do, :data:`PAUSE_MODES`); clears the prefix cache."""
@@ -147,7 +158,8 @@ class AsyncLLMClient(EngineClient):
         self._run(self.target.update_weight_version(version), timeout, "update_weight_version")
 
     def reset_prefix_cache(self, timeout: float) -> None:
-        self._run(self.target.reset_prefix_cache(), timeout, "reset_prefix_cache")
+        call = self.target.reset_prefix_cache(reset_running_requests=True)
+        self._reset_done(self._run(call, timeout, "reset_prefix_cache"))
 
     def pause(self, mode: str, timeout: float) -> None:
         self._run(self._pause(mode), timeout, f"pause_generation({mode})")
@@ -247,7 +259,7 @@ class RayActorClient(EngineClient):
         self._call("update_weight_version", timeout, version)
 
     def reset_prefix_cache(self, timeout: float) -> None:
-        self._call("reset_prefix_cache", timeout)
+        self._reset_done(self._call("reset_prefix_cache", timeout, reset_running_requests=True))
 
     def pause(self, mode: str, timeout: float) -> None:
         self._call("pause_generation", timeout, mode=mode, clear_cache=True)
@@ -257,6 +269,15 @@ class RayActorClient(EngineClient):
 
     def shutdown(self, timeout: float) -> None:
         self._call("shutdown_weight_transfer_engine", timeout)
+
+
+def _takes(call: Any, name: str) -> bool:
+    """Whether ``call`` takes a keyword argument ``name`` (``False`` where its signature cannot be read)."""
+    try:
+        parameters = inspect.signature(call).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def _has_method(actor: Any, name: str) -> bool:

@@ -69,6 +69,9 @@ class _Gate(SenderEngine):
         self._held: dict[int, int] = {}
         #: One engine's calls are made one at a time (an engine's client is not made for concurrent calls).
         self._turns = [threading.Lock() for _ in range(engines.num_workers)]
+        #: worker -> the newest version its engine was updated to and named: a turn is not taken in the order the
+        #: calls were made, and an older version's, coming after, has nothing left to do
+        self._served: dict[int, int] = {}
 
     # ------------------------------------------------ the sink the scheme's engine reports to
     timeout = property(lambda self: self.core.timeout, doc="The core's (the scheme's ``timeout``).")
@@ -195,9 +198,15 @@ class _Gate(SenderEngine):
 
     def _update_steps(self, worker: int, version: int) -> Any:
         def steps(client: EngineClient, timeout: float) -> None:
+            with self._lock:
+                if version <= self._served.get(worker, -1):
+                    return  # (its engine loaded this version on the way to a later one, and is named after that)
+
             def body() -> None:
                 client.update({"version": version}, timeout)
                 client.finish(str(version), timeout)
+                with self._lock:
+                    self._served[worker] = max(version, self._served.get(worker, -1))
 
             def before() -> None:
                 # The engine stops for the load, not for the bytes' trip: they are all out to it first (while it
@@ -249,6 +258,8 @@ class _Gate(SenderEngine):
     def rejoin(self, worker: int, timeout: float) -> None:
         """``worker``'s (new) engine joins and loads the newest version, within ``timeout``."""
         assert self.inner is not None
+        with self._lock:
+            self._served.pop(worker, None)  # a new engine: named by its own updates from now on
         self._call(worker, 0, self._init_steps(worker, initial=False))
         with self._lock:
             future = self._calls[worker][1]

@@ -178,9 +178,10 @@ class _Gate(SenderEngine):
 
     def _init_steps(self, worker: int, initial: bool) -> Any:
         config = self.scheme.receiver_config(worker)
-        if isinstance(config.get("scheme"), dict):
+        if isinstance(config.get("scheme"), dict) and "latest_wins" in config["scheme"]:
             # An engine takes the versions one at a time (latest_wins off), however far behind: update_weights(v)
-            # then loads v, never a newer version that finish_weight_update would name v.
+            # then loads v, never a newer version that finish_weight_update would name v. (Ray's are calls into
+            # its actor, one a version.)
             config["scheme"] = {**config["scheme"], "latest_wins": False}
         init_info = {"receiver": config}
         # (in this thread: before the scheme's engine publishes the version this engine is to load first)

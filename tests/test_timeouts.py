@@ -132,7 +132,6 @@ def test_a_worker_that_stops_reading_its_welcome_is_named_within_the_send_bound(
     connecting.start()
     sock = None
     try:
-        time.sleep(0.3)
         sock = key_holder(connection["address"], key, json.dumps(said).encode())  # ... and never reads
         connecting.join(SEND_TIMEOUT + T + 5)
         assert not connecting.is_alive(), "connect() is still writing to a worker that does not read"

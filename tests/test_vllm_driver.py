@@ -443,6 +443,7 @@ class SlowToPause:
     def __init__(self, spec: dict) -> None:
         self.engine = Engine(spec)
         self.paused, self.draining = False, False
+        self.changed = threading.Condition()  # notified when it resumes or its update session ends
 
     async def init_weight_transfer_engine(self, request) -> None:
         await asyncio.to_thread(self.engine.init_weight_transfer_engine, request.init_info)
@@ -454,7 +455,11 @@ class SlowToPause:
         await asyncio.to_thread(self.engine.update_weights, request.update_info)
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.engine.finish_weight_update(weight_version)
+        try:
+            self.engine.finish_weight_update(weight_version)
+        finally:
+            with self.changed:
+                self.changed.notify_all()
 
     async def update_weight_version(self, version: str) -> None:
         self.engine.version = version
@@ -465,7 +470,9 @@ class SlowToPause:
             await asyncio.sleep(0.05)
 
     async def resume_generation(self) -> None:
-        self.paused = False
+        with self.changed:
+            self.paused = False
+            self.changed.notify_all()
 
     async def shutdown_weight_transfer_engine(self) -> None:
         self.engine.shutdown_weight_transfer_engine()
@@ -489,10 +496,8 @@ def test_an_update_that_fails_in_the_middle_leaves_the_engine_generating_with_no
         _step(model, 1)
         with pytest.raises(ws.SyncTimeoutError, match="worker 0"):
             scheme.send()
-        deadline = time.monotonic() + 10
-        while (target.paused or target.engine.active) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not target.paused and not target.engine.active
+        with target.changed:
+            assert target.changed.wait_for(lambda: not target.paused and not target.engine.active, 10)
         target.draining = False
         _step(model, 1)
         with pytest.raises(ws.SyncTimeoutError, match=r"version 1\] vLLM engine 0: start_weight_update and pause"):

@@ -14,12 +14,17 @@ from ...errors import TransportError, WeightSyncError, first_line
 from ..store import connect_store, store_count, store_json, store_set
 from .auth import Sealer, proven
 
-__all__ = ["UNPROVEN", "RejoinRequests", "read_hello"]
+__all__ = ["NO_WHOLE_VERSION", "UNPROVEN", "RejoinRequests", "read_hello"]
 
 log = logging.getLogger("weightsync.transports.distributed")
 
 #: Why a hello without a valid proof is refused.
 UNPROVEN = "the process did not prove it holds the run key (the receiver config's authkey_file)"
+#: Why a worker that rejoins is turned away while the trainer holds no whole copy of the newest version.
+NO_WHOLE_VERSION = (
+    "no whole version to send (the newest went as changes alone, and a send after it failed before it was "
+    "published); connect again after a send succeeded"
+)
 
 
 def read_hello(store: dist.Store, key: str, key_bytes: bytes, w: int, gen: int) -> tuple[dict[str, Any], str | None]:

@@ -1,20 +1,15 @@
 """The trainer's side of the torch.distributed engine: a TCP store, a group of our own, staging buffers.
 
-``init_on_sender`` serves the store (or joins the job's own under a prefix of
-its own) and leaves the layout there; the rendez-vous collects each worker's
-hello (a worker whose model does not fit says so, by name) and forms the
-group, rank 0 the sender. A version is staged in a flat buffer no send still
-reads; submitting it announces it in the store and sends it to each worker
-bucket by bucket, each bucket copied while the previous one is on the wire.
-A restarted worker forms a two-rank group of its own with the sender and is
-sent the newest version published.
+``init_on_sender`` serves the store (or joins the job's own under a prefix of its own) and leaves the layout there;
+the rendez-vous collects each worker's hello (a worker whose model does not fit says so, by name) and forms the group,
+rank 0 the sender. A version is staged in a flat buffer no send still reads; submitting it announces it in the store
+and sends it to each worker bucket by bucket, each bucket copied while the previous one is on the wire. A restarted
+worker forms a two-rank group of its own with the sender and is sent the newest version published.
 
-Everything written to the store for workers is sealed with the run key, and
-each version's bytes get a keyed digest (hashed on threads, bucket by bucket,
-while the buckets go out), published sealed once every bucket was sent. What
-the sender reads from the store (hellos, requests to rejoin) is bounded and
-type-checked before its proof is; garbage there refuses that worker, and never
-stops the rejoin thread.
+Everything written to the store for workers is sealed with the run key, and each version's bytes get a keyed digest
+(hashed bucket by bucket, while the buckets go out), published sealed once every bucket was sent. What the sender
+reads from the store (hellos, requests to rejoin) is bounded and type-checked before its proof is; garbage there
+refuses that worker, and never stops the rejoin thread.
 """
 
 from __future__ import annotations
@@ -50,7 +45,7 @@ from ..store import open_store, store_set
 from .auth import MAC, Sealer, layout_tag, new_nonce, run_prefix
 from .group import gpu_identity, new_group_within
 from .messages import announcement
-from .rejoins import RejoinRequests, read_hello
+from .rejoins import NO_WHOLE_VERSION, RejoinRequests, read_hello
 from .settings import DistributedSettings
 from .transport import ACK_OK, DistributedTransport, Link
 
@@ -66,11 +61,6 @@ CLOSE_WAIT_S = 5.0
 #: Seconds between two looks at the store while workers join, or ask to rejoin.
 STORE_POLL_S = 0.01
 REJOIN_POLL_S = 0.05
-#: Why a worker that rejoins is turned away when the trainer holds no whole copy of the newest version.
-NO_WHOLE_VERSION = (
-    "no whole version to send (the newest went as changes alone, and a send after it failed before it was "
-    "published); connect again after a send succeeded"
-)
 
 
 class DistributedSender(SenderEngine):

@@ -172,8 +172,7 @@ class Channel:
         """Receive ``count`` descriptors sent by :meth:`send_with_fds` after the message just read."""
         if not self.poll(timeout):
             raise SyncTimeoutError(f"no file descriptor from {self.peer} within {timeout:.1f}s")
-        with socket.fromfd(self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            _, fds, _, _ = socket.recv_fds(sock, 1, count)
+        _, fds, _, _ = socket.recv_fds(self._sock, 1, count)
         if len(fds) != count:
             for fd in fds:
                 os.close(fd)

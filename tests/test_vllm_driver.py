@@ -444,6 +444,8 @@ class SlowToPause:
         self.engine = Engine(spec)
         self.paused, self.draining = False, False
         self.changed = threading.Condition()  # notified when it resumes or its update session ends
+        self.resumes = threading.Event()  # cleared: resume_generation waits until it is set
+        self.resumes.set()
 
     async def init_weight_transfer_engine(self, request) -> None:
         await asyncio.to_thread(self.engine.init_weight_transfer_engine, request.init_info)
@@ -470,6 +472,7 @@ class SlowToPause:
             await asyncio.sleep(0.05)
 
     async def resume_generation(self) -> None:
+        await asyncio.to_thread(self.resumes.wait, 10)
         with self.changed:
             self.paused = False
             self.changed.notify_all()
@@ -481,7 +484,8 @@ class SlowToPause:
 def test_an_update_that_fails_in_the_middle_leaves_the_engine_generating_with_no_update_open():
     """A pause that outlasts the timeout (requests that take long to drain, ``pause_mode="wait"``): the send names
     the engine, and the engine is resumed and its update session ended, so that the next versions are served (the
-    call that timed out, ended past its send, is reported by the next one, naming its version)."""
+    call that timed out, ended past its send, is reported by the next one, naming its version, even when that one's
+    calls are made while it is still under way: here its resume is held until after the next send began)."""
     pytest.importorskip("vllm")  # (the client builds vLLM's request objects)
     loop = asyncio.new_event_loop()
     runner = threading.Thread(target=loop.run_forever, daemon=True)
@@ -493,15 +497,17 @@ def test_an_update_that_fails_in_the_middle_leaves_the_engine_generating_with_no
         scheme.init_on_sender(model=model, context=VLLMEngines([target], pause_mode="wait", loop=loop))
         scheme.connect()
         target.draining = True
+        target.resumes.clear()
         _step(model, 1)
         with pytest.raises(ws.SyncTimeoutError, match="worker 0"):
             scheme.send()
-        with target.changed:
-            assert target.changed.wait_for(lambda: not target.paused and not target.engine.active, 10)
         target.draining = False
         _step(model, 1)
+        threading.Timer(0.5, target.resumes.set).start()
         with pytest.raises(ws.SyncTimeoutError, match=r"version 1\] vLLM engine 0: start_weight_update and pause"):
             scheme.send()
+        with target.changed:
+            assert target.changed.wait_for(lambda: not target.paused and not target.engine.active, 10)
         _step(model, 1)
         scheme.send()
         assert target.engine.version == "3" and _same(target.engine, model) and not target.paused

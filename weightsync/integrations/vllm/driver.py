@@ -65,6 +65,9 @@ class _Gate(SenderEngine):
         )
         #: worker -> (version, the future of its engine's calls for it)
         self._calls: dict[int, tuple[int, concurrent.futures.Future]] = {}
+        #: worker -> its engine's calls made before its latest and not passed on yet: each failure is reported
+        #: (a later version's calls never hide it), and the latest counts as done once these are
+        self._earlier: dict[int, list[tuple[int, concurrent.futures.Future]]] = {}
         #: worker -> the version its receiver acked, held back until its engine's calls are done
         self._held: dict[int, int] = {}
         #: One engine's calls are made one at a time (an engine's client is not made for concurrent calls).
@@ -125,7 +128,22 @@ class _Gate(SenderEngine):
                 turn.release()
 
         with self._lock:
+            if worker in self._calls:
+                self._earlier.setdefault(worker, []).append(self._calls[worker])
             self._calls[worker] = (version, self._pool.submit(in_turn))
+
+    def _pending(self, worker: int) -> list[concurrent.futures.Future]:
+        """The futures of ``worker``'s calls not passed on yet (called with the lock held)."""
+        return [f for _, f in self._earlier.get(worker, [])] + (
+            [self._calls[worker][1]] if worker in self._calls else []
+        )
+
+    def _forget(self, worker: int) -> None:
+        """Drop ``worker``'s calls (its engine is gone or replaced: what its calls did is moot)."""
+        with self._lock:
+            self._calls.pop(worker, None)
+            self._earlier.pop(worker, None)
+            self._held.pop(worker, None)
 
     def _paused(
         self,
@@ -233,15 +251,16 @@ class _Gate(SenderEngine):
     def _forward(self) -> None:
         """Pass on each ack whose engine's calls are done; report each engine whose calls failed."""
         with self._lock:
-            done = {w: (v, f) for w, (v, f) in self._calls.items() if f.done()}
-            for w in done:
-                del self._calls[w]
+            ready = [w for w in self._calls if all(f.done() for f in self._pending(w))]
+            done = {w: self._earlier.pop(w, []) + [self._calls.pop(w)] for w in ready}
             held = {w: self._held.pop(w) for w in done if w in self._held}
-        for worker, (version, future) in done.items():
-            error = future.exception()
-            if error is not None:
+        for worker, calls in done.items():
+            version = calls[-1][0]
+            failures = [(v, e) for v, f in calls if (e := f.exception()) is not None]
+            if failures:  # the first (a later one is often its consequence: calls that waited behind it)
+                failed, error = failures[0]
                 if not self.core.is_dead(worker):
-                    self.core.failed(worker, _engine_error(worker, version, error, self.core.model_id))
+                    self.core.failed(worker, _engine_error(worker, failed, error, self.core.model_id))
             elif worker in held:
                 self.core.acked(worker, held[worker])
             elif not self._inner().pushes:  # the calls returned, so the receiver acked: its ack is on its way
@@ -259,6 +278,7 @@ class _Gate(SenderEngine):
     def rejoin(self, worker: int, timeout: float) -> None:
         """``worker``'s (new) engine joins and loads the newest version, within ``timeout``."""
         assert self.inner is not None
+        self._forget(worker)  # (the calls of the engine it replaces, if any are left)
         with self._lock:
             self._served.pop(worker, None)  # a new engine: named by its own updates from now on
         self._call(worker, 0, self._init_steps(worker, initial=False))
@@ -279,6 +299,7 @@ class _Gate(SenderEngine):
         finally:
             with self._lock:
                 self._calls.pop(worker, None)
+                self._earlier.pop(worker, None)
                 held = self._held.pop(worker, None)
         if held is not None and not self.inner.pushes:  # its receiver's ack of the version it was taken back with
             # (Ray's: the scheme's rejoin passed it on)
@@ -354,10 +375,12 @@ class _Gate(SenderEngine):
     def wait(self, workers: list[int], deadline: float) -> None:
         assert self.inner is not None
         with self._lock:
-            calls = [self._calls[w][1] for w in workers if w in self._calls]
+            calls = [f for w in workers for f in self._pending(w)]
             unheard = [w for w in workers if w not in self._held]
         if calls and not unheard:  # every receiver acked: what is left is the engines' calls
-            concurrent.futures.wait(calls, remaining(deadline), return_when=concurrent.futures.FIRST_COMPLETED)
+            running = [f for f in calls if not f.done()]  # (one done and not passed on waits for its later calls)
+            if running:
+                concurrent.futures.wait(running, remaining(deadline), return_when=concurrent.futures.FIRST_COMPLETED)
         elif calls:
             self.inner.wait(workers, min(deadline, time.monotonic() + SLICE_S))
         else:
@@ -366,9 +389,7 @@ class _Gate(SenderEngine):
 
     def lost(self, worker: int, reason: str) -> None:
         assert self.inner is not None
-        with self._lock:
-            self._calls.pop(worker, None)
-            self._held.pop(worker, None)
+        self._forget(worker)
         self.inner.lost(worker, reason)
 
     def unpublished(self) -> None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -510,3 +513,41 @@ def test_a_killed_senders_key_file_is_swept_but_not_another_namespaces():
     finally:
         for path in (foreign, mine):
             remove_key_file(path)
+
+
+def _key_file_writer(address: str, then: str) -> subprocess.Popen:
+    """A process that writes the key file of a sender listening at ``address``, says so, then ``then``: ``"die"``
+    (SIGKILL: no shutdown removes the file) or ``"wait"`` (until its stdin closes)."""
+    code = (
+        "import os, signal, sys\n"
+        "from weightsync.transports.keyfiles import write_key_file\n"
+        f"print(write_key_file({address!r}, b'\\1' * 32), flush=True)\n"
+        f"os.kill(os.getpid(), signal.SIGKILL) if {then!r} == 'die' else sys.stdin.read()\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def test_a_fixed_address_is_taken_again_after_its_sender_was_killed_and_refused_while_one_holds_it():
+    """A key file is named after its address alone when the address is fixed: the file a SIGKILLed sender left is
+    replaced by the next sender at that address (it failed with FileExistsError), and the file of a live one (the
+    same address in another network namespace) is named, and kept."""
+    from weightsync.transports.keyfiles import read_key_file, remove_key_file, write_key_file
+
+    address = f"@weightsync-test-fixed-{os.getpid()}"
+    killed = _key_file_writer(address, "die")
+    left = killed.stdout.readline().strip()
+    assert killed.wait(30) == -signal.SIGKILL and os.path.exists(left)
+    mine = write_key_file(address, b"\2" * 32)
+    try:
+        assert mine == left and read_key_file(mine) == "02" * 32
+    finally:
+        remove_key_file(mine)
+    live, held = _key_file_writer(address, "wait"), ""
+    try:
+        held = live.stdout.readline().strip()
+        with pytest.raises(ws.ConfigurationError, match=rf"{re.escape(held)} is held by a running process"):
+            write_key_file(address, b"\2" * 32)
+        assert read_key_file(held) == "01" * 32
+    finally:
+        live.communicate(timeout=30)
+        remove_key_file(held)

@@ -12,10 +12,16 @@ receiver reads only a path shaped like one the sender writes, for the
 address the same config names (:func:`check_key_file_path`, pure), and only
 a plain file of its own user, not a link, holding a key and nothing else
 (:func:`read_key_file`).
+
+The sender holds a lock on its file (``flock``) until it removes it: a file of the same name found when a sender
+writes its own is one whose sender is gone (killed before its shutdown: the kernel released its lock), replaced,
+unless its lock is still held (a live sender of the same name: the same fixed address in another network
+namespace), which is an error naming it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import secrets
@@ -47,6 +53,8 @@ ORPHAN_GRACE_S = 1.0
 #: Bytes of an auth key, a local scheme's or a run's (stored as twice as many hex digits).
 KEY_BYTES = 32
 _HEX_KEY = re.compile(rf"[0-9a-f]{{{2 * KEY_BYTES}}}")
+#: path -> the descriptor of a key file this process wrote, which holds the file's lock until it is removed
+_HELD: dict[str, int] = {}
 
 
 def _dir_name() -> str:
@@ -135,10 +143,41 @@ def write_key_file(address: str, authkey: bytes) -> str:
         if _owner_is_gone(name):
             remove_key_file(os.path.join(directory, name))
     path = os.path.join(directory, _file_name(address))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(authkey.hex())
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        if not _is_abandoned(path):
+            raise ConfigurationError(
+                f"auth key file {path} is held by a running process: another sender of this user listens at "
+                f"{address!r} (in another network namespace), or a process a killed sender forked still runs; "
+                "give this sender another address"
+            ) from None
+        remove_key_file(path)  # its sender was killed: this process holds the address now
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, authkey.hex().encode("ascii"))
+    except OSError:
+        os.close(fd)
+        remove_key_file(path)
+        raise
+    _HELD[path] = fd
     return path
+
+
+def _is_abandoned(path: str) -> bool:
+    """Whether no process holds the lock of the key file at ``path`` (its sender exited without removing it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def check_key_file_path(path: Any, address: str, where: str) -> str:
@@ -254,3 +293,6 @@ def remove_key_file(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    fd = _HELD.pop(path, None)
+    if fd is not None:  # (after the unlink: no moment where the file is there unlocked)
+        os.close(fd)

@@ -412,6 +412,9 @@ def test_an_engine_client_is_called_by_one_thread_at_a_time():
 
 
 def test_a_hung_engine_is_a_named_timeout_within_the_schemes_timeout_and_the_other_serves_the_version():
+    """...and while its call still hangs, an engine that replaces it is served at once (the hung call holds its
+    old engine's turn, not the new one's), the scheme shuts down within its bound, and no thread of the hung call
+    can hold the trainer's interpreter at exit (a thread pool's are joined there)."""
     model = build("tiny")
     release = threading.Event()
 
@@ -421,8 +424,9 @@ def test_a_hung_engine_is_a_named_timeout_within_the_schemes_timeout_and_the_oth
 
     good, hung = Engine(_spec(model)), Hung(_spec(model))
     scheme = ws.MultiProcessWeightSyncScheme(timeout=3, connect_timeout=30)
+    engines = VLLMEngines([good, hung], pause_mode="none")
     try:
-        scheme.init_on_sender(model=model, context=VLLMEngines([good, hung], pause_mode="none"))
+        scheme.init_on_sender(model=model, context=engines)
         scheme.connect()
         _step(model, 1)
         started = time.monotonic()
@@ -430,9 +434,24 @@ def test_a_hung_engine_is_a_named_timeout_within_the_schemes_timeout_and_the_oth
             scheme.send()
         assert time.monotonic() - started < 3 + 2
         assert good.version == "1" and _same(good, model)
+        hung.shutdown_weight_transfer_engine()  # its process killed: its receiver gone, its call never returns
+        _step(model, 1)
+        with pytest.raises(ws.WeightSyncError, match="worker 1"):
+            scheme.send()
+        fresh = Engine(_spec(model))
+        engines.replace(1, fresh)
+        assert fresh.version == str(scheme.version) == "3" and _same(fresh, model)
+        started = time.monotonic()
+        scheme.shutdown()
+        assert time.monotonic() - started < 10
+        calls = [t for t in threading.enumerate() if t.name.startswith("weightsync-vllm")]
+        assert calls and all(t.daemon for t in calls)  # the hung call's, still waiting
     finally:
         release.set()
         scheme.shutdown()
+        for thread in threading.enumerate():
+            if thread.name.startswith("weightsync-vllm"):
+                thread.join(10)
 
 
 class SlowToPause:

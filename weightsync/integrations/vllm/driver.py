@@ -39,6 +39,7 @@ from ...core.drivers import Driver
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import remaining
 from ...errors import ConfigurationError, LifecycleError, WeightSyncError
+from .calls import cause, engine_error, in_thread
 from .clients import EngineClient
 from .engines import VLLMEngines
 
@@ -60,9 +61,7 @@ class _Gate(SenderEngine):
         self.model_id = core.model_id
         self.inner: SenderEngine | None = None
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(2, engines.num_workers), thread_name_prefix="weightsync-vllm"
-        )
+        self._closing = False  # set at close: calls not begun by then are not made
         #: worker -> (version, the future of its engine's calls for it)
         self._calls: dict[int, tuple[int, concurrent.futures.Future]] = {}
         #: worker -> its engine's calls made before its latest and not passed on yet: each failure is reported
@@ -123,6 +122,8 @@ class _Gate(SenderEngine):
             if not turn.acquire(timeout=timeout):
                 raise errors.SyncTimeoutError(f"{client.name}: its previous calls did not return within {timeout:.1f}s")
             try:
+                if self._closing:
+                    raise LifecycleError(f"{client.name}: the scheme shut down before its calls for version {version}")
                 steps(client, max(0.001, timeout - (time.monotonic() - started)))
             finally:
                 turn.release()
@@ -130,7 +131,7 @@ class _Gate(SenderEngine):
         with self._lock:
             if worker in self._calls:
                 self._earlier.setdefault(worker, []).append(self._calls[worker])
-            self._calls[worker] = (version, self._pool.submit(in_turn))
+            self._calls[worker] = (version, in_thread(in_turn, f"weightsync-vllm-{worker}"))
 
     def _pending(self, worker: int) -> list[concurrent.futures.Future]:
         """The futures of ``worker``'s calls not passed on yet (called with the lock held)."""
@@ -243,7 +244,7 @@ class _Gate(SenderEngine):
         for worker, (version, future) in calls.items():
             if version == 0 and future.done() and future.exception() is not None:
                 raise errors.WorkerDiedError(
-                    f"vLLM engine {worker} could not start weightsync: {_cause(future.exception())}",
+                    f"vLLM engine {worker} could not start weightsync: {cause(future.exception())}",
                     model_id=self.core.model_id,
                     worker_idx=worker,
                 )
@@ -260,7 +261,7 @@ class _Gate(SenderEngine):
             if failures:  # the first (a later one is often its consequence: calls that waited behind it)
                 failed, error = failures[0]
                 if not self.core.is_dead(worker):
-                    self.core.failed(worker, _engine_error(worker, failed, error, self.core.model_id))
+                    self.core.failed(worker, engine_error(worker, failed, error, self.core.model_id))
             elif worker in held:
                 self.core.acked(worker, held[worker])
             elif not self._inner().pushes:  # the calls returned, so the receiver acked: its ack is on its way
@@ -281,6 +282,8 @@ class _Gate(SenderEngine):
         self._forget(worker)  # (the calls of the engine it replaces, if any are left)
         with self._lock:
             self._served.pop(worker, None)  # a new engine: named by its own updates from now on
+            # Its own turn: a call of the engine it replaces that hangs holds the old one.
+            self._turns[worker] = threading.Lock()
         self._call(worker, 0, self._init_steps(worker, initial=False))
         with self._lock:
             future = self._calls[worker][1]
@@ -295,7 +298,7 @@ class _Gate(SenderEngine):
                 worker_idx=worker,
             ) from None
         except Exception as exc:
-            raise _engine_error(worker, 0, exc, self.core.model_id) from exc
+            raise engine_error(worker, 0, exc, self.core.model_id) from exc
         finally:
             with self._lock:
                 self._calls.pop(worker, None)
@@ -413,10 +416,13 @@ class _Gate(SenderEngine):
         return self.inner.payload_bytes()
 
     def close(self, timeout: float) -> None:
+        self._closing = True
         if timeout > 0:  # each engine lets its receiver go (it goes on serving the version it holds)
-            stops = [self._pool.submit(self._stop, w, timeout) for w in range(self.engines.num_workers)]
+            stops = [
+                in_thread(lambda w=w: self._stop(w, timeout), f"weightsync-vllm-{w}")
+                for w in range(self.engines.num_workers)
+            ]
             concurrent.futures.wait(stops, timeout)
-        self._pool.shutdown(wait=False, cancel_futures=True)
         if self.inner is not None:
             self.inner.close(timeout)
         self.engines._gate = None
@@ -439,26 +445,6 @@ class _Gate(SenderEngine):
         if inner is None:
             raise AttributeError(name)
         return getattr(inner, name)
-
-
-def _cause(error: BaseException | None) -> str:
-    return f"{type(error).__name__}: {error}"
-
-
-def _engine_error(worker: int, version: int, error: BaseException, model_id: str | None) -> WeightSyncError:
-    if isinstance(error, (errors.SyncTimeoutError, errors.WorkerDiedError)) and error.worker_idx is None:
-        # A client's, which names the engine alone: a call that ends past the send it was for is reported by the
-        # next one, and says which version it was for.
-        return type(error)(error.detail, model_id=model_id, worker_idx=worker, version=version)
-    if isinstance(error, WeightSyncError):
-        return error
-    return errors.ReceiverError(
-        type(error).__name__,
-        f"vLLM engine {worker} failed to serve version {version}: {error}",
-        model_id=model_id,
-        worker_idx=worker,
-        version=version,
-    )
 
 
 class VLLMDriver(Driver, name="vllm"):

@@ -465,6 +465,8 @@ class SlowToPause:
         self.changed = threading.Condition()  # notified when it resumes or its update session ends
         self.resumes = threading.Event()  # cleared: resume_generation waits until it is set
         self.resumes.set()
+        self.loading_s = 0.0  # how long update_weights takes
+        self.resumed_at: float | None = None  # time.monotonic() of its last resume
 
     async def init_weight_transfer_engine(self, request) -> None:
         await asyncio.to_thread(self.engine.init_weight_transfer_engine, request.init_info)
@@ -473,6 +475,7 @@ class SlowToPause:
         self.engine.start_weight_update()
 
     async def update_weights(self, request) -> None:
+        await asyncio.sleep(self.loading_s)
         await asyncio.to_thread(self.engine.update_weights, request.update_info)
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -493,7 +496,7 @@ class SlowToPause:
     async def resume_generation(self) -> None:
         await asyncio.to_thread(self.resumes.wait, 10)
         with self.changed:
-            self.paused = False
+            self.paused, self.resumed_at = False, time.monotonic()
             self.changed.notify_all()
 
     async def shutdown_weight_transfer_engine(self) -> None:
@@ -530,6 +533,36 @@ def test_an_update_that_fails_in_the_middle_leaves_the_engine_generating_with_no
         _step(model, 1)
         scheme.send()
         assert target.engine.version == "3" and _same(target.engine, model) and not target.paused
+    finally:
+        scheme.shutdown()
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()
+
+
+def test_an_updates_calls_share_the_timeout_so_an_engine_is_not_held_paused_for_several():
+    """A pause that drains for most of the timeout, then a load longer than what is left: the load is cut at the
+    timeout, and the engine resumed then (each call had the whole timeout: the engine stayed paused until the
+    load ended or its own timeout did: 2.4 + 3 s here, against a timeout of 3)."""
+    pytest.importorskip("vllm")  # (the client builds vLLM's request objects)
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    model = build("tiny")
+    target = SlowToPause(_spec(model))
+    scheme = ws.SharedMemWeightSyncScheme(timeout=3, connect_timeout=30)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([target], pause_mode="wait", loop=loop))
+        scheme.connect()
+        target.draining, target.loading_s, target.resumed_at = True, 5.0, None
+        threading.Timer(2.4, lambda: setattr(target, "draining", False)).start()
+        _step(model, 1)
+        started = time.monotonic()
+        with pytest.raises(ws.SyncTimeoutError, match="worker 0"):
+            scheme.send()
+        with target.changed:
+            assert target.changed.wait_for(lambda: target.resumed_at is not None, 10)
+        assert target.resumed_at - started < 4.4
     finally:
         scheme.shutdown()
         loop.call_soon_threadsafe(loop.stop)

@@ -111,20 +111,21 @@ class _Gate(SenderEngine):
 
     # ------------------------------------------------ the engines' calls
     def _call(self, worker: int, version: int, steps: Any) -> None:
-        """Run ``steps(client, timeout)`` for ``worker``'s engine in the pool, as its calls for ``version`` (after
-        the engine's earlier calls, if any are still under way, within the same time)."""
+        """Run ``steps(client, left)`` for ``worker``'s engine in a thread, as its calls for ``version`` (after the
+        engine's earlier calls, if any are still under way, within the same time): ``left()`` is what is left of
+        that time, which the calls share."""
         client = self.engines.clients[worker]
         timeout = self.core.timeout if version else self.core.connect_timeout
         turn = self._turns[worker]
 
         def in_turn() -> None:
-            started = time.monotonic()
+            deadline = time.monotonic() + timeout
             if not turn.acquire(timeout=timeout):
                 raise errors.SyncTimeoutError(f"{client.name}: its previous calls did not return within {timeout:.1f}s")
             try:
                 if self._closing:
                     raise LifecycleError(f"{client.name}: the scheme shut down before its calls for version {version}")
-                steps(client, max(0.001, timeout - (time.monotonic() - started)))
+                steps(client, lambda: max(0.001, remaining(deadline)))
             finally:
                 turn.release()
 
@@ -149,7 +150,7 @@ class _Gate(SenderEngine):
     def _paused(
         self,
         client: EngineClient,
-        timeout: float,
+        left: Any,
         body: Any,
         worker: int,
         version: int,
@@ -157,7 +158,9 @@ class _Gate(SenderEngine):
         start: bool = False,
     ) -> None:
         """``before()``, then ``body()`` with the engine paused (if it pauses), then the prefix cache reset; with
-        ``start``, ``start_weight_update`` first (with the pause, where the engine takes both at once)."""
+        ``start``, ``start_weight_update`` first (with the pause, where the engine takes both at once). The calls
+        share the time ``left()``; a resume, and the undoing of a failed update, have the scheme's ``timeout`` each
+        (an engine must not stay paused because its update took all the time)."""
         mode = self.engines.pause_mode
         pause = client.pauses and mode != "none"
         together = start and pause and client.starts_with_pause
@@ -166,16 +169,16 @@ class _Gate(SenderEngine):
         try:
             if start and not together:
                 begun = True
-                client.start(timeout)
+                client.start(left())
             if before is not None:
                 before()
             started = time.perf_counter()
             if together:
                 begun = paused = True
-                client.start_and_pause(mode, timeout)
+                client.start_and_pause(mode, left())
             elif pause:
                 paused = True
-                client.pause(mode, timeout)
+                client.pause(mode, left())
             body()  # (an update's ends with finish_weight_update: the session it began is over)
             begun = False
         except BaseException:
@@ -184,15 +187,15 @@ class _Gate(SenderEngine):
             # call waits behind the engine's own call in progress, if one still is (one that timed out here).
             if begun:
                 with contextlib.suppress(Exception):
-                    client.finish(None, timeout)
+                    client.finish(None, self.core.timeout)
             if paused:
                 with contextlib.suppress(Exception):
-                    client.resume(timeout)
+                    client.resume(self.core.timeout)
             raise
         if paused:
-            client.resume(timeout)
+            client.resume(self.core.timeout)
         else:  # pausing cleared it; an engine not paused has nothing in flight to keep its cache for
-            client.reset_prefix_cache(timeout)
+            client.reset_prefix_cache(left())
         self.engines.record(worker, version, time.perf_counter() - started, paused=pause)
 
     def _init_steps(self, worker: int, initial: bool) -> Any:
@@ -206,25 +209,25 @@ class _Gate(SenderEngine):
         # (in this thread: before the scheme's engine publishes the version this engine is to load first)
         self.engines.clients[worker].queue_init(init_info)
 
-        def steps(client: EngineClient, timeout: float) -> None:
+        def steps(client: EngineClient, left: Any) -> None:
             def body() -> None:
-                client.init(init_info, timeout)  # returns once the engine loaded the version the trainer sent it
+                client.init(init_info, left())  # returns once the engine loaded the version the trainer sent it
                 if initial:  # (an engine that rejoins is sent a version of its own next, which finishes with it)
-                    client.set_version("0", timeout)
+                    client.set_version("0", left())
 
-            self._paused(client, timeout, body, worker, 0)
+            self._paused(client, left, body, worker, 0)
 
         return steps
 
     def _update_steps(self, worker: int, version: int) -> Any:
-        def steps(client: EngineClient, timeout: float) -> None:
+        def steps(client: EngineClient, left: Any) -> None:
             with self._lock:
                 if version <= self._served.get(worker, -1):
                     return  # (its engine loaded this version on the way to a later one, and is named after that)
 
             def body() -> None:
-                client.update({"version": version}, timeout)
-                client.finish(str(version), timeout)
+                client.update({"version": version}, left())
+                client.finish(str(version), left())
                 with self._lock:
                     self._served[worker] = max(version, self._served.get(worker, -1))
 
@@ -232,9 +235,9 @@ class _Gate(SenderEngine):
                 # The engine stops for the load, not for the bytes' trip: they are all out to it first (while it
                 # generates, its backend takes them). It computes with its weights until update_weights, so
                 # start_weight_update need not wait for them, nor be paused.
-                self._inner().wait_sent(worker, time.monotonic() + timeout)
+                self._inner().wait_sent(worker, time.monotonic() + left())
 
-            self._paused(client, timeout, body, worker, version, before=before, start=True)
+            self._paused(client, left, body, worker, version, before=before, start=True)
 
         return steps
 

@@ -31,6 +31,7 @@ from ..errors import ConfigurationError, ConnectionClosedError, WeightSyncError
 from ..schemes.no_sync import NoWeightSyncScheme
 from ..schemes.ray import RayWeightSyncScheme
 from ..tensors.layout import wire_dtype_from_name
+from .early import PRELOAD
 from .models import ModelSpec, build_model, checksum
 
 __all__ = ["JobConfig", "resolve_schemes", "run_job"]
@@ -168,7 +169,7 @@ def _process_context(
         raise ConfigurationError(f"start_method must be one of {methods} on this platform, got {start_method!r}")
     if start_method == "forkserver":
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "tensordict", __name__])
+        ctx.set_forkserver_preload(PRELOAD)  # (started already by `python -m weightsync`, with the same list)
         return ctx
     # The start methods are these three: what is left of those this platform has is fork.
     return mp.get_context("spawn") if start_method == "spawn" else mp.get_context("fork")

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import logging
+import os
 import sys
+import threading
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -63,5 +68,34 @@ def _app(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """Entry point of ``python -m weightsync`` and the ``weightsync`` command."""
-    _app()
+    """Entry point of ``python -m weightsync`` and the ``weightsync`` command: runs the app, then ends the process
+    with its exit status (:func:`_leave`)."""
+    try:
+        _app()
+    except SystemExit as exc:
+        _leave(exc.code)
+    _leave(0)
+
+
+def _leave(code: str | int | None) -> NoReturn:
+    """End the process with ``code`` (as ``sys.exit`` takes it) once what Python's exit does that matters is done:
+    the other threads ended, the atexit callbacks run (logging's flush, multiprocessing's and Ray's shutdowns,
+    weakref finalizers), the streams flushed. What it leaves out is the interpreter's teardown of every module,
+    which only frees memory: with torch and tensordict loaded it runs garbage collections over their objects,
+    0.7 to 1.3 s, a fifth of the default job. Where any of that cannot be done here, the usual exit."""
+    run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)  # (CPython's: what its exit calls)
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if run_exitfuncs is None or others:
+        sys.exit(code)
+    run_exitfuncs()
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # (sys.exit prints a message, and exits 1)
+        print(code, file=sys.stderr)
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)

@@ -6,12 +6,12 @@ import contextlib
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests._netns import loopback_only_network
+from weightsync.core.timing import deadline_after, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -221,10 +221,13 @@ def test_the_main_jobs_forkserver_starts_before_its_imports_and_ends_with_it(tmp
         stderr=subprocess.PIPE,
     )
     servers: list[psutil.Process] = []
-    with contextlib.suppress(psutil.NoSuchProcess):
-        while not servers and run.poll() is None:
-            servers = [c for c in psutil.Process(run.pid).children() if "forkserver" in " ".join(c.cmdline())]
-            time.sleep(0.005)
+
+    def seen() -> bool:  # (a process has no event for "a child of mine exec'd": looked at every 5 ms)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            servers[:] = [c for c in psutil.Process(run.pid).children() if "forkserver" in " ".join(c.cmdline())]
+        return bool(servers) or run.poll() is not None
+
+    wait_until(seen, deadline_after(60), 0.005)
     _, err = run.communicate(timeout=120)
     assert run.returncode != 0 and b"Could not find 'scheme/pigeon'" in err
     assert servers, "no forkserver while the app imported"

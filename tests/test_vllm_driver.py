@@ -6,6 +6,7 @@ the same on real vLLM engines."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -321,27 +322,31 @@ class AsyncTarget:
         self.calls.append(f"finish {weight_version}")
 
 
-@pytest.mark.parametrize("fail", [None, "start", "pause"])
-def test_an_async_engines_start_and_pause_go_together_and_one_that_fails_undoes_the_other(fail):
-    """Where the start fails the engine generates again; where the pause fails its update session is ended."""
+@pytest.fixture
+def loop():
+    """An event loop running in a thread of its own, as an ``AsyncLLM``'s runs beside the trainer's code."""
     loop = asyncio.new_event_loop()
     runner = threading.Thread(target=loop.run_forever, daemon=True)
     runner.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    runner.join(5)
+    loop.close()
+
+
+@pytest.mark.parametrize("fail", [None, "start", "pause"])
+def test_an_async_engines_start_and_pause_go_together_and_one_that_fails_undoes_the_other(fail, loop):
+    """Where the start fails the engine generates again; where the pause fails its update session is ended."""
     target = AsyncTarget(fail)
     client = AsyncLLMClient(target, "engine 0", loop)
-    try:
-        if fail is None:
+    if fail is None:
+        client.start_and_pause("keep", 5)
+        assert sorted(target.calls) == ["pause keep", "start"]
+    else:
+        with pytest.raises(RuntimeError, match="already active" if fail == "start" else "dead"):
             client.start_and_pause("keep", 5)
-            assert sorted(target.calls) == ["pause keep", "start"]
-        else:
-            with pytest.raises(RuntimeError, match="already active" if fail == "start" else "dead"):
-                client.start_and_pause("keep", 5)
-            undone = "resume" if fail == "start" else "finish None"
-            assert sorted(target.calls) == sorted(["pause keep", "start", undone])
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        runner.join(5)
-        loop.close()
+        undone = "resume" if fail == "start" else "finish None"
+        assert sorted(target.calls) == sorted(["pause keep", "start", undone])
 
 
 def test_engines_and_options_that_are_not_are_refused_by_name():
@@ -503,21 +508,28 @@ class SlowToPause:
         self.engine.shutdown_weight_transfer_engine()
 
 
-def test_an_update_that_fails_in_the_middle_leaves_the_engine_generating_with_no_update_open():
+@contextlib.contextmanager
+def _serving_slow_to_pause(loop, timeout: float):
+    """A connected ``shared_mem`` scheme with ``timeout``, serving one :class:`SlowToPause` (``pause_mode="wait"``):
+    (the trainer's model, the engine, the scheme), shut down after."""
+    pytest.importorskip("vllm")  # (the client builds vLLM's request objects)
+    model = build("tiny")
+    target = SlowToPause(_spec(model))
+    scheme = ws.SharedMemWeightSyncScheme(timeout=timeout, connect_timeout=30)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([target], pause_mode="wait", loop=loop))
+        scheme.connect()
+        yield model, target, scheme
+    finally:
+        scheme.shutdown()
+
+
+def test_an_update_that_fails_in_the_middle_leaves_the_engine_generating_with_no_update_open(loop):
     """A pause that outlasts the timeout (requests that take long to drain, ``pause_mode="wait"``): the send names
     the engine, and the engine is resumed and its update session ended, so that the next versions are served (the
     call that timed out, ended past its send, is reported by the next one, naming its version, even when that one's
     calls are made while it is still under way: here its resume is held until after the next send began)."""
-    pytest.importorskip("vllm")  # (the client builds vLLM's request objects)
-    loop = asyncio.new_event_loop()
-    runner = threading.Thread(target=loop.run_forever, daemon=True)
-    runner.start()
-    model = build("tiny")
-    target = SlowToPause(_spec(model))
-    scheme = ws.SharedMemWeightSyncScheme(timeout=2, connect_timeout=30)
-    try:
-        scheme.init_on_sender(model=model, context=VLLMEngines([target], pause_mode="wait", loop=loop))
-        scheme.connect()
+    with _serving_slow_to_pause(loop, timeout=2) as (model, target, scheme):
         target.draining = True
         target.resumes.clear()
         _step(model, 1)
@@ -533,27 +545,13 @@ def test_an_update_that_fails_in_the_middle_leaves_the_engine_generating_with_no
         _step(model, 1)
         scheme.send()
         assert target.engine.version == "3" and _same(target.engine, model) and not target.paused
-    finally:
-        scheme.shutdown()
-        loop.call_soon_threadsafe(loop.stop)
-        runner.join(5)
-        loop.close()
 
 
-def test_an_updates_calls_share_the_timeout_so_an_engine_is_not_held_paused_for_several():
+def test_an_updates_calls_share_the_timeout_so_an_engine_is_not_held_paused_for_several(loop):
     """A pause that drains for most of the timeout, then a load longer than what is left: the load is cut at the
     timeout, and the engine resumed then (each call had the whole timeout: the engine stayed paused until the
     load ended or its own timeout did: 2.4 + 3 s here, against a timeout of 3)."""
-    pytest.importorskip("vllm")  # (the client builds vLLM's request objects)
-    loop = asyncio.new_event_loop()
-    runner = threading.Thread(target=loop.run_forever, daemon=True)
-    runner.start()
-    model = build("tiny")
-    target = SlowToPause(_spec(model))
-    scheme = ws.SharedMemWeightSyncScheme(timeout=3, connect_timeout=30)
-    try:
-        scheme.init_on_sender(model=model, context=VLLMEngines([target], pause_mode="wait", loop=loop))
-        scheme.connect()
+    with _serving_slow_to_pause(loop, timeout=3) as (model, target, scheme):
         target.draining, target.loading_s, target.resumed_at = True, 5.0, None
         threading.Timer(2.4, lambda: setattr(target, "draining", False)).start()
         _step(model, 1)
@@ -563,11 +561,6 @@ def test_an_updates_calls_share_the_timeout_so_an_engine_is_not_held_paused_for_
         with target.changed:
             assert target.changed.wait_for(lambda: target.resumed_at is not None, 10)
         assert target.resumed_at - started < 4.4
-    finally:
-        scheme.shutdown()
-        loop.call_soon_threadsafe(loop.stop)
-        runner.join(5)
-        loop.close()
 
 
 def test_an_engine_behind_by_several_versions_names_each_one_it_computes_with():
@@ -616,29 +609,21 @@ class Resetting:
         return reset_running_requests
 
 
-def test_an_engine_not_paused_resets_its_running_requests_prefixes_too_and_a_refused_reset_is_an_error():
+def test_an_engine_not_paused_resets_its_running_requests_prefixes_too_and_a_refused_reset_is_an_error(loop):
     """With ``pause_mode="none"`` a request may run while the engine is updated: its cached prefix is reset with
     the others (vLLM refuses a reset of the cache while a request holds part of it), and a refusal is raised, not
     left as a warning in the engine's log while stale keys and values are reused."""
-    loop = asyncio.new_event_loop()
-    runner = threading.Thread(target=loop.run_forever, daemon=True)
-    runner.start()
     target = Resetting()
-    try:
+    AsyncLLMClient(target, "engine 0", loop).reset_prefix_cache(5)
+    assert target.asked == [True]
+
+    async def refuse(reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        return False
+
+    target.reset_prefix_cache = refuse  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="engine 0: the engine did not reset its prefix cache"):
         AsyncLLMClient(target, "engine 0", loop).reset_prefix_cache(5)
-        assert target.asked == [True]
-
-        async def refuse(reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
-            return False
-
-        target.reset_prefix_cache = refuse  # type: ignore[method-assign]
-        with pytest.raises(RuntimeError, match="engine 0: the engine did not reset its prefix cache"):
-            AsyncLLMClient(target, "engine 0", loop).reset_prefix_cache(5)
-        with pytest.raises(RuntimeError, match="did not reset its prefix cache"):
-            EngineClient(
-                type("LLM", (), {"reset_prefix_cache": lambda self, **kw: False})(), "engine 1"
-            ).reset_prefix_cache(5)
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        runner.join(5)
-        loop.close()
+    with pytest.raises(RuntimeError, match="did not reset its prefix cache"):
+        EngineClient(
+            type("LLM", (), {"reset_prefix_cache": lambda self, **kw: False})(), "engine 1"
+        ).reset_prefix_cache(5)

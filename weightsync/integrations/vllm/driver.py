@@ -62,11 +62,10 @@ class _Gate(SenderEngine):
         self.inner: SenderEngine | None = None
         self._lock = threading.Lock()
         self._closing = False  # set at close: calls not begun by then are not made
-        #: worker -> (version, the future of its engine's calls for it)
-        self._calls: dict[int, tuple[int, concurrent.futures.Future]] = {}
-        #: worker -> its engine's calls made before its latest and not passed on yet: each failure is reported
-        #: (a later version's calls never hide it), and the latest counts as done once these are
-        self._earlier: dict[int, list[tuple[int, concurrent.futures.Future]]] = {}
+        #: worker -> (version, the future of its engine's calls for it) of each of its versions not passed on yet,
+        #: the latest last: they are passed on together once all are done, each failure reported (a later
+        #: version's calls never hide it)
+        self._calls: dict[int, list[tuple[int, concurrent.futures.Future]]] = {}
         #: worker -> the version its receiver acked, held back until its engine's calls are done
         self._held: dict[int, int] = {}
         #: One engine's calls are made one at a time (an engine's client is not made for concurrent calls).
@@ -130,21 +129,12 @@ class _Gate(SenderEngine):
                 turn.release()
 
         with self._lock:
-            if worker in self._calls:
-                self._earlier.setdefault(worker, []).append(self._calls[worker])
-            self._calls[worker] = (version, in_thread(in_turn, f"weightsync-vllm-{worker}"))
-
-    def _pending(self, worker: int) -> list[concurrent.futures.Future]:
-        """The futures of ``worker``'s calls not passed on yet (called with the lock held)."""
-        return [f for _, f in self._earlier.get(worker, [])] + (
-            [self._calls[worker][1]] if worker in self._calls else []
-        )
+            self._calls.setdefault(worker, []).append((version, in_thread(in_turn, f"weightsync-vllm-{worker}")))
 
     def _forget(self, worker: int) -> None:
         """Drop ``worker``'s calls (its engine is gone or replaced: what its calls did is moot)."""
         with self._lock:
             self._calls.pop(worker, None)
-            self._earlier.pop(worker, None)
             self._held.pop(worker, None)
 
     def _paused(
@@ -243,8 +233,8 @@ class _Gate(SenderEngine):
 
     def _raise_failed_inits(self) -> None:
         with self._lock:
-            calls = dict(self._calls)
-        for worker, (version, future) in calls.items():
+            calls = [(w, v, f) for w, made in self._calls.items() for v, f in made]
+        for worker, version, future in calls:
             if version == 0 and future.done() and future.exception() is not None:
                 raise errors.WorkerDiedError(
                     f"vLLM engine {worker} could not start weightsync: {cause(future.exception())}",
@@ -255,8 +245,8 @@ class _Gate(SenderEngine):
     def _forward(self) -> None:
         """Pass on each ack whose engine's calls are done; report each engine whose calls failed."""
         with self._lock:
-            ready = [w for w in self._calls if all(f.done() for f in self._pending(w))]
-            done = {w: self._earlier.pop(w, []) + [self._calls.pop(w)] for w in ready}
+            ready = [w for w, calls in self._calls.items() if all(f.done() for _, f in calls)]
+            done = {w: self._calls.pop(w) for w in ready}
             held = {w: self._held.pop(w) for w in done if w in self._held}
         for worker, calls in done.items():
             version = calls[-1][0]
@@ -289,7 +279,7 @@ class _Gate(SenderEngine):
             self._turns[worker] = threading.Lock()
         self._call(worker, 0, self._init_steps(worker, initial=False))
         with self._lock:
-            future = self._calls[worker][1]
+            future = self._calls[worker][-1][1]
         try:
             if self.inner.pushes:  # Ray's: the scheme calls into the new actor, after the init call queued there
                 self.scheme.rejoin(worker, actor=self.engines.clients[worker].target, timeout=timeout)
@@ -305,7 +295,6 @@ class _Gate(SenderEngine):
         finally:
             with self._lock:
                 self._calls.pop(worker, None)
-                self._earlier.pop(worker, None)
                 held = self._held.pop(worker, None)
         if held is not None and not self.inner.pushes:  # its receiver's ack of the version it was taken back with
             # (Ray's: the scheme's rejoin passed it on)
@@ -381,7 +370,7 @@ class _Gate(SenderEngine):
     def wait(self, workers: list[int], deadline: float) -> None:
         assert self.inner is not None
         with self._lock:
-            calls = [f for w in workers for f in self._pending(w)]
+            calls = [f for w in workers for _, f in self._calls.get(w, [])]
             unheard = [w for w in workers if w not in self._held]
         if calls and not unheard:  # every receiver acked: what is left is the engines' calls
             running = [f for f in calls if not f.done()]  # (one done and not passed on waits for its later calls)

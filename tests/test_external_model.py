@@ -40,6 +40,40 @@ class Program:
         self.held = {f"engine.{k}": v.clone() for k, v in tensors.items()}
 
 
+class Preparing(Program):
+    """A program that prepares each version when it is taken (its own copy, made while it goes on), and makes it
+    current when the version is applied; ``prepare_with``: what its preparation does instead (returns ``None``,
+    raises), ``commit_fails``: its commits raise."""
+
+    def __init__(self, spec: dict, prepare_with=None) -> None:
+        super().__init__(spec)
+        self.prepared: list[tuple[str, threading.Thread]] = []  # (what, the thread that prepared it)
+        self.commits = 0
+        self.prepare_with, self.commit_fails = prepare_with, False
+        self.model = ws.ExternalModel(spec, self.load, prepare=self.prepare)
+
+    def prepare(self, tensors: dict[str, torch.Tensor]):
+        self.prepared.append((next(iter(tensors)), threading.current_thread()))
+        if self.prepare_with is not None:
+            return self.prepare_with()
+        staged = {f"engine.{k}": v.clone() for k, v in tensors.items()}
+
+        def commit() -> None:
+            self.commits += 1
+            if self.commit_fails:
+                raise RuntimeError("the engine could not make the prepared weights current")
+            self.held = staged
+
+        return commit
+
+
+def _bump(model: torch.nn.Module, by: float) -> None:
+    """A new version of the trainer's weights: every one moved by ``by``."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(by)
+
+
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return flatten_weights(model, "tensordict")  # what the default strategy sends, by the sender's names
 
@@ -84,9 +118,7 @@ def test_each_version_reaches_the_program_by_the_senders_names_and_is_acked_afte
         connect_pair(sender, receiver, timeout=60)
         assert program.loads == 1 and receiver.version == 0
         for step in range(1, 4):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(step)
+            _bump(model, step)
             _send(sender, receiver)
             assert receiver.version == step and sender.acked_versions == {0: step}
             expected = {f"engine.{k}": v for k, v in _weights(model).items()}
@@ -104,13 +136,13 @@ def test_a_program_whose_model_does_not_fit_is_refused_before_it_loads_anything(
         spec = _spec(model)
         first = next(iter(spec))
         spec[first] = ((*spec[first][0], 2), spec[first][1])  # one shape the sender's does not have
-        return Program(spec)
+        return Preparing(spec)
 
     model, sender, receiver, program = _pair(name, misfit)
     try:
         with pytest.raises(ws.WeightSyncError, match="shape|mismatch"):
             connect_pair(sender, receiver, timeout=60)
-        assert program.loads == 0 and program.held == {}
+        assert program.loads == 0 and program.held == {} and program.prepared == []
     finally:
         receiver.shutdown()
         sender.shutdown()
@@ -155,9 +187,7 @@ def test_take_brings_a_version_in_now_and_apply_loads_it_later(name):
     try:
         connect_pair(sender, receiver, timeout=60)
         assert receiver.take() is None  # nothing published: only checks
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1)
+        _bump(model, 1)
         sent = threading.Thread(target=sender.send)
         sent.start()
         pending = receiver.take(timeout=20)
@@ -174,6 +204,101 @@ def test_take_brings_a_version_in_now_and_apply_loads_it_later(name):
     finally:
         receiver.shutdown()
         sender.shutdown()
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_a_program_prepares_a_version_as_it_is_taken_and_the_apply_makes_it_current(name):
+    """``ExternalModel.prepare``: the taking thread hands the program the version's checked tensors while it goes on
+    (an engine processes them while it generates); the program's model is unchanged until ``apply()``, which makes
+    the prepared version current instead of loading it, and acks it."""
+    model, sender, receiver, program = _pair(name, lambda m: Preparing(_spec(m)))
+    try:
+        connect_pair(sender, receiver, timeout=60)
+        assert receiver.version == 0 and program.commits + program.loads == 1  # (connect's version, applied at once)
+        held, loads = dict(program.held), program.loads
+        for step in range(1, 4):
+            _bump(model, 1)
+            expected = {f"engine.{k}": v.clone() for k, v in _weights(model).items()}
+            sent = threading.Thread(target=sender.send)
+            sent.start()
+            taken: list = []
+            taker = threading.Thread(target=lambda out=taken: out.append(receiver.take(timeout=20)))
+            prepared_before = len(program.prepared)
+            taker.start()
+            taker.join(30)
+            pending = taken[0]
+            assert pending is not None and pending.version == step
+            assert len(program.prepared) == prepared_before + 1 and program.prepared[-1][1] is taker
+            assert receiver.version == step - 1 and sent.is_alive()  # prepared, not current, not acked
+            assert all(torch.equal(program.held[k], held[k]) for k in expected)
+            assert pending.apply() == step
+            sent.join(30)
+            assert not sent.is_alive() and sender.acked_versions == {0: step}
+            assert all(torch.equal(program.held[k], expected[k]) for k in expected)
+            held = expected
+        assert program.loads == loads and program.commits == 4 - loads  # each version taken: prepared, committed
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+@pytest.mark.parametrize("how", ["declines", "raises"])
+def test_a_version_the_program_does_not_prepare_is_loaded_at_apply(how):
+    """A preparation that returns ``None`` (the program cannot prepare this version) or raises leaves the version
+    to ``load`` at apply: nothing is lost, and the trainer is not told of a failure."""
+
+    def fails():
+        raise RuntimeError("no memory for a second copy")
+
+    model, sender, receiver, program = _pair(
+        "multiprocess", lambda m: Preparing(_spec(m), prepare_with=(lambda: None) if how == "declines" else fails)
+    )
+    try:
+        connect_pair(sender, receiver, timeout=60)
+        loads = program.loads
+        _bump(model, 1)
+        sent = threading.Thread(target=sender.send)
+        sent.start()
+        pending = receiver.take(timeout=20)
+        assert pending is not None and program.prepared and program.loads == loads
+        assert pending.apply() == 1
+        sent.join(30)
+        assert not sent.is_alive() and sender.acked_versions == {0: 1}
+        assert program.loads == loads + 1 and program.commits == 0
+        expected = {f"engine.{k}": v for k, v in _weights(model).items()}
+        assert all(torch.equal(program.held[k], expected[k]) for k in expected)
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def test_a_prepared_version_that_fails_to_become_current_is_a_refusal_and_the_version_stays():
+    model, sender, receiver, program = _pair("multiprocess", lambda m: Preparing(_spec(m)))
+    try:
+        connect_pair(sender, receiver, timeout=60)
+        program.commit_fails = True
+        before = dict(program.held)
+        _bump(model, 1)
+        errors: list[BaseException] = []
+        sent = threading.Thread(target=lambda: _raised(sender.send, errors))
+        sent.start()
+        pending = receiver.take(timeout=20)
+        assert pending is not None
+        with pytest.raises(RuntimeError, match="could not make the prepared"):
+            pending.apply()
+        sent.join(30)
+        assert receiver.version == 0 and errors and "could not make the prepared" in str(errors[0])
+        assert all(torch.equal(before[k], program.held[k]) for k in before)
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def _raised(call, errors: list) -> None:
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 - the test reads it
+        errors.append(exc)
 
 
 def test_take_waits_past_a_slots_share_for_the_update_that_names_it(monkeypatch):
@@ -237,9 +362,7 @@ def test_a_distributed_sender_knows_when_the_worker_took_a_version_before_it_app
         _send(sender, receiver)  # no driver: the worker does not say it took the version
         assert not store.check(["taken/0"])
         engine.reports_taken = True  # (what the vLLM driver sets when it wraps the engine)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1)
+        _bump(model, 1)
         sender.send_async()
         started = time.monotonic()
         engine.wait_sent(0, started + 0.5)  # nothing taken yet: the whole 0.5 s
@@ -252,6 +375,51 @@ def test_a_distributed_sender_knows_when_the_worker_took_a_version_before_it_app
         pending.apply()
         sender.wait_async(20)
         assert sender.acked_versions == {0: 2}
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem"])
+def test_a_local_sender_knows_when_the_worker_took_a_version_before_it_applies_it(name):
+    """``wait_sent`` on the local schemes: the bytes are in shared memory when ``send`` returns, but the worker's
+    program takes (and prepares) each version in a thread of its own while it goes on; where a driver asked
+    (``reports_taken``), the worker says when it took it, and ``wait_sent`` returns then, or at its deadline. It
+    returns at once too where the worker holds a version taken and not applied (it takes the next only after)."""
+    model, sender, receiver, program = _pair(name, lambda m: Preparing(_spec(m)))
+    try:
+        connect_pair(sender, receiver, timeout=60)
+        engine = sender._runtime.sending.engine
+        started = time.monotonic()
+        engine.wait_sent(0, started + 5)  # no driver: at once
+        assert time.monotonic() - started < 2
+        prepared = len(program.prepared)  # (connect's version's)
+        engine.reports_taken = True  # (what the vLLM driver sets when it wraps the engine)
+        for step in (1, 2):
+            _bump(model, 1)
+            sender.send_async()  # (nobody reads the worker's channel meanwhile but wait_sent)
+            started = time.monotonic()
+            engine.wait_sent(0, started + 0.5)  # nothing taken yet: the whole 0.5 s
+            assert 0.45 <= time.monotonic() - started < 5
+            pending = receiver.take(timeout=20)
+            assert pending is not None and pending.version == step and len(program.prepared) == prepared + step
+            started = time.monotonic()
+            engine.wait_sent(0, started + 20)  # taken: at once
+            assert time.monotonic() - started < 2
+            pending.apply()
+            sender.wait_async(20)  # (the acks wait_sent read off the channel are handed on)
+            assert sender.acked_versions == {0: step}
+        _bump(model, 1)
+        sender.send_async()
+        pending = receiver.take(timeout=20)  # version 3 taken, not applied ...
+        sender.send_async()  # ... when version 4 is sent: the worker takes it only once 3 is applied
+        started = time.monotonic()
+        engine.wait_sent(0, started + 20)
+        assert time.monotonic() - started < 2
+        pending.apply()
+        receiver.take(timeout=20).apply()
+        sender.wait_async(20)
+        assert sender.acked_versions == {0: 4}
     finally:
         receiver.shutdown()
         sender.shutdown()

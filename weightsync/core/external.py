@@ -30,11 +30,19 @@ class ExternalModel:
             update reuses). What it raises refuses the update (the sender is told, with the cause); the
             program then says what its model holds.
         device: where ``load`` wants the tensors (engines that can deliver into GPU memory put them there).
+        prepare: optional, for a program that takes each version ahead (``scheme.take``) and pauses to load it
+            (``pending.apply()``). Called in the thread that takes it (within ``receive()`` too, which applies at
+            once), while the program goes on, with the checked ``{name: tensor}`` ``load`` would get. It does
+            the part of the load that does not change what the model computes yet (an engine's processing of
+            the weights, into memory of its own) and returns the call that makes the version current, which the
+            apply makes in place of ``load`` (under ``weights_lock``; what it raises refuses the update as
+            ``load``'s would). Returning ``None``, or raising (logged), leaves the version to ``load``.
     """
 
     spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
     load: Callable[[dict[str, torch.Tensor]], None]
     device: torch.device = torch.device("cpu")
+    prepare: Callable[[dict[str, torch.Tensor]], Callable[[], None] | None] | None = None
 
     def __post_init__(self) -> None:
         # torch.Size and lists compare unequal to the tuples a layout holds: one form, so checks compare in C.

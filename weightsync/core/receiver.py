@@ -22,7 +22,6 @@ from ..errors import (
     ConfigurationError,
     ConnectionClosedError,
     DeltaBaseError,
-    LifecycleError,
     SyncTimeoutError,
     WeightMismatchError,
 )
@@ -40,7 +39,7 @@ from .external import ExternalModel
 from .rejoin import stop_thread
 from .timing import deadline_after, remaining
 
-__all__ = ["PendingUpdate", "Receiver"]
+__all__ = ["Receiver"]
 
 log = logging.getLogger("weightsync.core")
 
@@ -86,6 +85,8 @@ class Receiver:
         self._deltas = bool(getattr(scheme, "delta", False))
         self._kept: tuple[torch.Tensor, dict[str, torch.Tensor], list[Chunk]] | None = None
         self._kept_version: int | None = None
+        #: A version taken ahead and prepared by the program (:meth:`_prepare`), with the call that makes it current.
+        self._prepared: tuple[Delivery, Callable[[], None]] | None = None
         #: Under ``track_writes`` too: the kernel's record of the model's pages the program wrote since an update.
         self._tracker = open_tracker() if self._deltas and getattr(scheme, "track_writes", False) else None
         engine.attach(self.apply)
@@ -148,8 +149,30 @@ class Receiver:
             raise
         if taken:
             taken = self._resolve(taken)
+            self._prepared = self._prepare(taken[-1])
             self.engine.ready(taken)
         return taken
+
+    def _prepare(self, update: Delivery) -> tuple[Delivery, Callable[[], None]] | None:
+        """Under an :class:`ExternalModel` with ``prepare``: the checks ``apply`` makes, then its preparation of
+        ``update`` (the call that makes it current, for ``apply``); ``None`` where it is left to ``load``."""
+        model, layout = self.model, self.engine.layout
+        if not isinstance(model, ExternalModel) or model.prepare is None or layout is None:
+            return None
+        if update.refusal is not None or self._refusal is not None:
+            return None
+        where = {**self.where, "version": update.version}
+        try:
+            check_digest([piece for _, piece in update.pieces], update.digest, **where)
+            check_spec(layout.spec, model.spec, **where)
+            views = self._views_of(update, layout)
+            if update.fence is not None:  # bytes another process's GPU stream wrote: read them after it
+                cuda.wait_event(update.fence, cuda.cuda_devices(views.values()), deadline_after(self.update_timeout))
+            commit = model.prepare(views)
+        except Exception as exc:  # noqa: BLE001 - the apply checks again and loads it (or refuses it, and says so)
+            log.info("model %r: version %d left to the load: %s", self.where["model_id"], update.version, exc)
+            return None
+        return None if commit is None else (update, commit)
 
     def _resolve(self, taken: list[Delivery]) -> list[Delivery]:
         """``taken``, its last update's changes made into the whole version they make (in the copy kept here) when
@@ -177,6 +200,8 @@ class Receiver:
         where = {**self.where, "version": update.version}
         gpus: set[torch.device] = set()
         deadline = deadline_after(self.update_timeout)
+        prepared, self._prepared = self._prepared, None
+        commit = prepared[1] if prepared is not None and prepared[0] is update else None
         try:
             if self._refusal is not None:
                 raise self._refusal
@@ -185,10 +210,11 @@ class Receiver:
             layout = self.engine.layout
             if layout is None:
                 raise ConfigurationError("received an update before the layout", **where)
-            check_digest([piece for _, piece in update.pieces], update.digest, **where)
+            if commit is None:  # (a prepared version's bytes were checked before they were prepared)
+                check_digest([piece for _, piece in update.pieces], update.digest, **where)
             self._keep(update, layout)
             if isinstance(self.model, ExternalModel):  # the program loads it: no tensor of ours to write
-                self._hand_over(self.model, update, layout, where, deadline)
+                self._hand_over(self.model, update, layout, where, deadline, commit)
             else:
                 dst = flatten_weights(self.model, self.strategy.extract_as)
                 held = self.engine.placement != "write" and self.bound.holds(dst)  # exactly as bound: checks hold
@@ -296,9 +322,21 @@ class Receiver:
         write_into(views, self._views_of(update, layout))
 
     def _hand_over(
-        self, model: ExternalModel, update: Delivery, layout: FlatLayout, where: dict[str, Any], deadline: float
+        self,
+        model: ExternalModel,
+        update: Delivery,
+        layout: FlatLayout,
+        where: dict[str, Any],
+        deadline: float,
+        commit: Callable[[], None] | None,
     ) -> None:
-        """Check ``update`` against what the program loads, and hand it its tensors to load (it copies them)."""
+        """Check ``update`` against what the program loads, and hand it its tensors to load (it copies them); or
+        make the version the program prepared current (``commit``: checked before it was prepared)."""
+        if commit is not None:
+            with self.weights_lock:
+                commit()
+                self.version = update.version
+            return
         check_spec(layout.spec, model.spec, **where)
         views = self._views_of(update, layout)
         with self.weights_lock:
@@ -456,34 +494,3 @@ def _materialize(dst: dict[str, torch.Tensor], update: Delivery) -> None:
             if isinstance(tensor, torch.nn.Parameter):
                 real = torch.nn.Parameter(real, requires_grad=tensor.requires_grad)
             torch.utils.swap_tensors(tensor, real)  # the same tensor objects (Parameters stay Parameters), now real
-
-
-class PendingUpdate:
-    """A version taken off the transport and not applied yet (:meth:`~weightsync.core.scheme.WeightSyncScheme.take`):
-    its bytes are in this process; :meth:`apply` checks and applies it as ``receive()`` would, and acks it. The
-    worker takes no other version until it was applied (or refused).
-
-    Attributes:
-        version: the version it is.
-    """
-
-    def __init__(self, receiver: Receiver, taken: list[Delivery]) -> None:
-        self._receiver, self._taken = receiver, taken
-        self.version: int = taken[-1].version
-        self._done = False
-
-    def apply(self) -> int:
-        """Apply it (and ack it); return the version the worker now holds.
-
-        Raises:
-            LifecycleError: it was applied already.
-            WeightMismatchError, IntegrityError, ConfigurationError: it was refused (and acked so); the model
-                kept its weights.
-        """
-        if self._done:
-            raise LifecycleError(f"version {self.version} was applied already", **self._receiver.where)
-        self._done = True
-        return self._receiver.apply(self._taken)
-
-    def __repr__(self) -> str:
-        return f"PendingUpdate(version={self.version}{', applied' if self._done else ''})"

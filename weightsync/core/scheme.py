@@ -35,7 +35,8 @@ from .drivers import driver_for, driver_of
 from .engine import ReceiverEngine, SenderEngine, Sink
 from .facade import SchemeFacades
 from .handoff import SchemeHandoff
-from .receiver import PendingUpdate, Receiver
+from .pending import PendingUpdate
+from .receiver import Receiver
 from .sender import Sender
 from .states import CLOSED, NEW, RECEIVER, RECEIVER_CONNECTED, SENDER, SENDER_CONNECTED
 from .workers import check_num_workers, targets
@@ -394,14 +395,14 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
         """Take the next update off the transport now (its bytes, under ``delta`` the version its changes make),
         while the worker goes on with its own work; ``pending.apply()`` then checks and applies it as
         :meth:`receive` would (a program that must pause to load, such as an inference engine, pauses for the
-        load only). The worker takes no other version until this one was applied.
+        load only; an ``ExternalModel``'s ``prepare`` runs here). The worker takes no other version until then.
 
         Args:
             timeout: seconds to wait for an update: ``0`` (default) only checks, ``None`` waits up to the
                 scheme's ``timeout``.
 
         Returns:
-            The update (:class:`~weightsync.core.receiver.PendingUpdate`), or ``None`` if none came in time.
+            The update (:class:`~weightsync.core.pending.PendingUpdate`), or ``None`` if none came in time.
 
         Raises:
             LifecycleError: the scheme is not a connected receiver; or its updates are applied as they arrive
@@ -413,14 +414,11 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
         rt.require(RECEIVER_CONNECTED, action="take")
         assert rt.receiving is not None
         if self.applied_on_arrival or rt.receiving.has_thread:
+            how = "by its background thread"
+            if self.applied_on_arrival:
+                how = "its engine's updates are calls into this process"
             raise LifecycleError(
-                "take(): this worker's updates are applied as they arrive ("
-                + (
-                    "its engine's updates are calls into this process"
-                    if self.applied_on_arrival
-                    else "by its background thread"
-                )
-                + "): use receive()",
+                f"take(): this worker's updates are applied as they arrive ({how}): use receive()",
                 model_id=self.model_id,
                 worker_idx=rt.worker_idx,
             )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ...core.receiver import PendingUpdate
+from ...core.pending import PendingUpdate
 from ...core.timing import remaining
 
 __all__ = ["STAGER_POLL_S", "Stager"]

@@ -10,7 +10,8 @@ receiver copies them into the worker's own model and acks.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,7 @@ from ...errors import (
 )
 from ...tensors import cuda
 from ..base import PeerTransport, TransportBackend
-from .channel import Channel
+from .channel import Channel, readable
 from .peers import PeerProcess
 from .slots import DeviceSlot, SharedSlot, map_fd, map_fd_read_only, map_storage
 
@@ -42,6 +43,9 @@ FD_WAIT_S = 5.0
 #: the channel, unless a process it forked holds the channel's end too.
 PEER_LOOK_S = 0.5
 
+#: How often a wait for a worker's word that it took a version looks whether another thread read it (seconds).
+TAKEN_TICK_S = 0.002
+
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -54,6 +58,7 @@ class Update:
     version: int
     slot: int
     digest: str | None = None  # the sender's checksum of the slot, when it computes one
+    report_taken: bool = False  # the sender waits to hear when it was taken (a driver pauses the worker for the load)
 
 
 @dataclass
@@ -88,6 +93,13 @@ class MPTransport(PeerTransport, TransportBackend):
         #: on a worker, the sender's (a channel can outlive it: a child it forked holds its end).
         self.process: PeerProcess | None = None
         self.last_error: ReceiverError | None = None  # the worker's last failure, until a later success
+        #: The newest version the worker said it took (and its program prepared), where the sender asked, and the
+        #: newest it acked (applied or refused).
+        self.taken, self.acked = -1, -1
+        # A driver's thread reads the channel too while it waits for that (:meth:`wait_taken`): one reader at a time,
+        # and what it finds besides waits here for :meth:`acks`.
+        self._reading = threading.Lock()
+        self._unread: list[dict[str, Any]] = []
         # Receiver side.
         self.slot_buffers: dict[int, torch.Tensor] = {}
         self.bad_slots: dict[int, tuple[type[WeightSyncError], str]] = {}  # slots refused on arrival, and why
@@ -97,8 +109,9 @@ class MPTransport(PeerTransport, TransportBackend):
         self.closed_by_sender = False
 
     # ------------------------------------------------------------ sender side
-    def notify(self, slot: SharedSlot | DeviceSlot, version: int) -> None:
+    def notify(self, slot: SharedSlot | DeviceSlot, version: int, report_taken: bool = False) -> None:
         """Tell the worker that ``slot`` holds ``version``; ship the slot's descriptor (or CUDA share) on first use.
+        ``report_taken``: the worker is to say when it took it (:meth:`wait_taken`).
 
         Raises:
             WorkerDiedError: the channel is closed.
@@ -111,7 +124,8 @@ class MPTransport(PeerTransport, TransportBackend):
                 else:
                     self.channel.send_with_fds(announce, [slot.reader_fd])
                 self.slots_sent.add(slot.id)
-            self.channel.send({"op": "update", "version": version, "slot": slot.id, "digest": slot.digest})
+            update = {"op": "update", "version": version, "slot": slot.id, "digest": slot.digest}
+            self.channel.send({**update, "taken": True} if report_taken else update)
         except ConnectionClosedError as exc:
             raise WorkerDiedError(
                 f"channel closed while sending ({exc.detail})", worker_idx=self.worker_idx, version=version
@@ -130,14 +144,53 @@ class MPTransport(PeerTransport, TransportBackend):
         """The acks already received, without waiting, and how the channel closed if it did (after them)."""
         out: list[Ack] = []
         try:
-            while self.channel.poll(0):
-                msg = self.channel.recv(0)
-                if msg is None:
-                    break
-                out.append(self._ack(msg, model_id))
+            with self._reading:
+                unread, self._unread = self._unread, []
+                out.extend(self._ack(msg, model_id) for msg in unread)
+                for msg in self._messages():
+                    out.append(self._ack(msg, model_id))
         except ConnectionClosedError as exc:
             return out, exc
         return out, None
+
+    def _messages(self) -> Iterator[dict[str, Any]]:
+        """The worker's messages already received (the caller holds ``_reading``), but its word that it took a
+        version, which is recorded (as the newest version acked is)."""
+        while self.channel.poll(0):
+            msg = self.channel.recv(0)
+            if msg is None:
+                return
+            op, version = msg.get("op"), msg.get("version")
+            if isinstance(version, int) and not isinstance(version, bool) and op in ("taken", "ack"):
+                if op == "taken":
+                    self.taken = max(self.taken, version)
+                    continue
+                self.acked = max(self.acked, version)
+            yield msg
+
+    def has_unread(self) -> bool:
+        """Messages :meth:`wait_taken` read that :meth:`acks` has not handed on yet."""
+        return bool(self._unread)
+
+    def wait_taken(self, version: int, deadline: float) -> None:
+        """Wait (until ``deadline``) until the worker said it took ``version`` or a later one, or took one it has not
+        applied yet (it takes the next once that one is applied: in the pause), or its channel closed. The core's
+        thread may be reading the channel for acks meanwhile (it records the word too), or not (an asynchronous
+        send): this reads it where nobody else does, keeping what else comes for :meth:`acks`."""
+
+        def waiting() -> bool:
+            return self.taken < version and self.taken <= self.acked
+
+        while waiting() and remaining(deadline) > 0 and not self.channel.closed:
+            if self._reading.acquire(blocking=False):
+                try:
+                    self._unread.extend(self._messages())
+                except ConnectionClosedError:
+                    return
+                finally:
+                    self._reading.release()
+            if waiting():  # (the other reader records it: looked at again within a tick)
+                readable([self.channel.fileno()], min(remaining(deadline), TAKEN_TICK_S))
 
     def _ack(self, msg: dict[str, Any], model_id: str | None) -> Ack:
         version, held, err = msg.get("version"), msg.get("held"), msg.get("error")
@@ -217,7 +270,7 @@ class MPTransport(PeerTransport, TransportBackend):
             if op == "slot":
                 self._map_slot(msg)
             elif op == "update":
-                updates.append(Update(int(msg["version"]), int(msg["slot"]), msg.get("digest")))
+                updates.append(Update(int(msg["version"]), int(msg["slot"]), msg.get("digest"), bool(msg.get("taken"))))
             elif op == "forget":
                 self._unmap(int(msg["slot"]))
             elif op == "bye":
@@ -318,6 +371,10 @@ class MPTransport(PeerTransport, TransportBackend):
 
     def took(self, slot: int, left: torch.UntypedStorage | None) -> None:
         """The model now reads ``slot``'s spare; ``left`` holds the mapping of the slot it read before."""
+
+    def send_taken(self, version: int) -> None:
+        """Tell the sender ``version`` was taken (and is ready to apply)."""
+        self.channel.send({"op": "taken", "version": version})
 
     def send_ack(self, version: int, error: BaseException | None = None, held: int | None = None) -> None:
         """Tell the sender ``version`` was applied (or failed with ``error``); ``held`` is the version now in use."""

@@ -208,6 +208,12 @@ class LocalReceiver(ReceiverEngine):
             cached = self._spare_views[slot] = (storage, self.layout.views(whole))
         return cached[1]
 
+    def ready(self, taken: list[Delivery]) -> None:
+        assert self.transport is not None
+        update = taken[-1].token
+        if update.report_taken:
+            self.transport.send_taken(update.version)
+
     def ack(self, taken: list[Delivery], held: int | None, error: BaseException | None = None) -> None:
         assert self.transport is not None
         self.transport.send_ack(taken[-1].version, error=error, held=held)

@@ -105,6 +105,7 @@ class LocalSender(SenderEngine):
         # Transports of worker processes given up on or replaced: their CUDA shares are released once each
         # process is known to have exited (a live one may still map the memory).
         self._departed: list[MPTransport] = []
+        self._sent: dict[int, int] = {}  # the newest version notified to each worker
         self._authkey = secrets.token_bytes(KEY_BYTES)
         self._key_file: str | None = None
         self.listener: ChannelListener | None = ChannelListener(self._authkey, address)
@@ -274,6 +275,8 @@ class LocalSender(SenderEngine):
 
     def wait(self, workers: list[int], deadline: float) -> None:
         transports = [self.transports[w] for w in workers if w in self.transports and not self.sink.is_dead(w)]
+        if any(t.has_unread() for t in transports):  # read off the channel by a driver's wait_taken: poll at once
+            return
         fds = [t.channel.fileno() for t in transports if not t.channel.connection.closed]
         # ... and each worker's process: its exit wakes this wait even where its channel stays open
         fds += [t.process.fileno() for t in transports if t.process is not None and t.process.fileno() >= 0]
@@ -379,9 +382,17 @@ class LocalSender(SenderEngine):
     def submit(self, out: Outgoing, staged: dict[int, _Slot]) -> None:
         for w in out.workers:
             try:
-                self.transports[w].notify(staged[w], out.version)
+                self.transports[w].notify(staged[w], out.version, self.reports_taken)
+                self._sent[w] = out.version
             except WorkerDiedError as exc:
                 self.sink.died(w, exc.detail)
+
+    def wait_sent(self, worker: int, deadline: float) -> None:
+        # The bytes are in shared memory already; the worker's program takes (and prepares) each version in a
+        # thread of its own while it goes on, and says so: a driver pauses it for the load after that.
+        transport = self.transports.get(worker)
+        if self.reports_taken and transport is not None and worker in self._sent:
+            transport.wait_taken(self._sent[worker], deadline)
 
     # ----------------------------------------------------------------- rejoin
     def poll_rejoin(self) -> tuple[Channel, dict[str, Any]] | None:

@@ -1,0 +1,44 @@
+"""A version taken off the transport ahead of its apply (``scheme.take``), for a program that pauses to load it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import LifecycleError
+
+if TYPE_CHECKING:
+    from .engine import Delivery
+    from .receiver import Receiver
+
+__all__ = ["PendingUpdate"]
+
+
+class PendingUpdate:
+    """A version taken off the transport and not applied yet (:meth:`~weightsync.core.scheme.WeightSyncScheme.take`):
+    its bytes are in this process; :meth:`apply` checks and applies it as ``receive()`` would, and acks it. The
+    worker takes no other version until it was applied (or refused).
+
+    Attributes:
+        version: the version it is.
+    """
+
+    def __init__(self, receiver: Receiver, taken: list[Delivery]) -> None:
+        self._receiver, self._taken = receiver, taken
+        self.version: int = taken[-1].version
+        self._done = False
+
+    def apply(self) -> int:
+        """Apply it (and ack it); return the version the worker now holds.
+
+        Raises:
+            LifecycleError: it was applied already.
+            WeightMismatchError, IntegrityError, ConfigurationError: it was refused (and acked so); the model
+                kept its weights.
+        """
+        if self._done:
+            raise LifecycleError(f"version {self.version} was applied already", **self._receiver.where)
+        self._done = True
+        return self._receiver.apply(self._taken)
+
+    def __repr__(self) -> str:
+        return f"PendingUpdate(version={self.version}{', applied' if self._done else ''})"

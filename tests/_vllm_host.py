@@ -151,6 +151,15 @@ class _Host:
             return self.engine.get_weight_version()
         return asyncio.run_coroutine_threadsafe(self.engine.get_weight_version(), self.loop).result(30)
 
+    def backend(self, attribute: str) -> list[Any]:
+        """Each worker's weightsync backend's ``attribute``; an ``llm`` host's."""
+        assert self.kind == "llm"
+
+        def look(worker: Any) -> Any:  # (a closure: sent to the worker by value)
+            return getattr(worker.weight_transfer_engine, attribute)
+
+        return self.engine.collective_rpc(look)
+
     # -------------------------------------------------------------- control
     def control(self, call: str, *args: Any) -> Any:
         return getattr(self.client, call)(*args)

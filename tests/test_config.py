@@ -164,13 +164,15 @@ def test_the_vllm_option_serves_engines_over_the_scheme_the_command_line_compose
                 "weightsync.scheme.scheme.timeout=7.5",
                 "weightsync/scheme/transport@weightsync.scheme.scheme.transport=shared_mem",
                 "weightsync.scheme.pause_mode=abort",
+                "weightsync.scheme.load_ahead=true",
             ]
         )
     built = instantiate(default.weightsync.scheme)
-    assert isinstance(built, VLLMWeightSyncScheme) and built.pause_mode == "keep"
+    assert isinstance(built, VLLMWeightSyncScheme) and built.pause_mode == "keep" and built.load_ahead is False
     assert isinstance(built.scheme, ws.SharedMemWeightSyncScheme)
     built = instantiate(tuned.weightsync.scheme)
     assert isinstance(built.scheme, ws.MultiProcessWeightSyncScheme) and built.pause_mode == "abort"
+    assert built.load_ahead is True
     assert built.scheme.timeout == 7.5 and built.scheme.transport_class is ws.SharedMemTransport
     with initialize(version_base="1.3"):
         bad = compose(overrides=[*extra, "+weightsync/scheme=vllm", "weightsync.scheme.pause_mode=later"])

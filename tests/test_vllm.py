@@ -111,6 +111,44 @@ def test_each_version_is_what_the_engine_generates_when_send_returns(llm, model_
         scheme.shutdown()
 
 
+def test_each_version_is_processed_while_the_engine_generates_and_the_pause_only_makes_it_current(llm, model_dirs):
+    # vLLM's processing of each version (on CPU, the packing of every linear weight: most of a load) runs on a
+    # shadow of the model when the version arrives; the pause only swaps it in. With load_ahead=False the whole
+    # reload is made in the pause. Both compute the trainer's model.
+    model = load_llama(model_dirs["f32"])
+    for load_ahead in (True, False):
+        scheme = _scheme("multiprocess")
+        try:
+            _serve(llm, scheme, model, pause_mode="none", load_ahead=load_ahead)
+            prepared = llm.ask("backend", "prepared")[0]
+            for step in range(1, 4):
+                before = _hf_greedy(model)
+                _step(model, step)
+                scheme.send()
+                now = _hf_greedy(model)
+                assert now != before  # the step changed the tokens
+                assert llm.ask("greedy", PROMPTS, TOKENS) == now, f"version {step}, load_ahead={load_ahead}"
+                assert llm.ask("backend", "prepared")[0] == prepared + (step if load_ahead else 0)
+        finally:
+            scheme.shutdown()
+
+
+def test_a_layer_the_shadow_cannot_stand_for_leaves_the_version_to_the_reload_in_the_pause(caplog):
+    # (No engine: the checks themselves.) A model vLLM recorded no checkpoint form for is not prepared, and the layer
+    # is named; the model is untouched. A processed layer fits its live one only with the same tensors' shapes.
+    from weightsync.integrations.vllm.prepared import _fits, prepare
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with caplog.at_level("INFO", "weightsync.vllm"):
+        assert prepare(model, {"0.weight": torch.ones(4, 4), "0.bias": torch.ones(4)}, []) is None
+    assert "Linear: vLLM recorded no checkpoint form" in caplog.text
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert _fits(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    assert not _fits(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    assert not _fits(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, dtype=torch.float64))
+
+
 def test_versions_sent_as_their_changes_alone_are_what_the_engine_generates(llm, model_dirs):
     # The engine's worker keeps a copy of the version it was sent, applies the changes to it, and hands vLLM's
     # loader the whole version: what it computes is the trainer's model, version after version.

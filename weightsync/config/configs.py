@@ -134,11 +134,14 @@ class VLLMWeightSyncSchemeConfig:
             here: ``weightsync/scheme@weightsync.scheme.scheme=distributed``), or a scheme's name.
         pause_mode: what requests in flight do while an engine loads a version: ``keep``, ``wait``, ``abort`` or
             ``none``.
+        load_ahead: a CPU engine processes each version while it generates, and the pause only makes it
+            current (``VLLMEngines``); ``false`` (default): vLLM's whole reload in the pause.
     """
 
     _target_: str = "weightsync.integrations.vllm.VLLMWeightSyncScheme"
     scheme: Any = "shared_mem"
     pause_mode: str = "keep"
+    load_ahead: bool = False
 
 
 _build()

@@ -8,12 +8,15 @@ made the name known in every vLLM process). Then, on the trainer's calls through
    (:func:`weightsync.config.from_config`), the receiver is given the engine's model as an
    :class:`~weightsync.ExternalModel` (the names, shapes and dtypes the engine loads, by the Hugging Face names of
    its checkpoint), joins the trainer and loads the version the trainer holds; from then on a stager thread
-   takes each version off the transport as soon as the trainer publishes it, while the engine generates;
+   takes each version off the transport as soon as the trainer publishes it, while the engine generates, checks
+   it and, on a CPU engine with ``load_ahead``, has vLLM process it on a shadow of the model
+   (:mod:`.prepared`: vLLM's own layerwise reload, its loader and its post-load packing of linear weights);
 2. ``start_weight_update()`` — nothing: the engine computes with its weights until the version is there;
 3. ``update_weights({"version": v})`` — applies what the stager took until it holds version ``v`` (waiting at
-   most the scheme's ``timeout``): checks each, loads it through vLLM's own path for checkpoint weights (its
-   layerwise reload, which re-runs the processing vLLM does after loading a checkpoint: the CPU backend's
-   packing of linear weights, fusions), then acks it to the trainer;
+   most the scheme's ``timeout``): makes a prepared version current (its processed tensors and kernels swapped
+   in), or loads it through vLLM's own path for checkpoint weights (its layerwise reload, which re-runs the
+   processing vLLM does after loading a checkpoint: the CPU backend's packing of linear weights, fusions), then
+   acks it to the trainer;
 4. ``finish_weight_update()`` — nothing left to do (the front end records the version the engine serves).
 
 An update whose names, shapes or dtypes differ from the engine's is refused before vLLM sees any of it.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +49,7 @@ from ...core.external import ExternalModel
 from ...core.timing import deadline_after
 from ...errors import ConfigurationError, LifecycleError, SyncTimeoutError
 from ...tensors.strategy import WeightStrategy, flatten_weights
+from .prepared import prepare
 from .staging import Stager
 
 __all__ = ["WeightsyncEngine", "WeightsyncInitInfo", "WeightsyncUpdateInfo", "checkpoint_spec"]
@@ -61,6 +66,12 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     engine (``scheme.receiver_config(i)``), as plain data."""
 
     receiver: dict[str, Any] = field(default_factory=dict)
+    #: Process each version as it arrives, while the engine generates (``VLLMEngines(load_ahead=...)``).
+    load_ahead: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.load_ahead, bool):
+            raise ConfigurationError(f"init_info load_ahead must be True or False, got {checks.shown(self.load_ahead)}")
 
 
 @dataclass
@@ -110,9 +121,18 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         super().__init__(config, vllm_config, device, model)
         self.scheme: Any = None
         self._stager: Stager | None = None
-        #: Seconds each load took in this worker (vLLM's reload of one version), newest last: the engine's own
-        #: part of an update.
+        #: Seconds each load took in this worker (vLLM's reload of one version, prepared while the engine
+        #: generated or made in the pause), newest last: the engine's own part of an update.
         self.load_seconds: list[float] = []
+        #: Of each, the seconds spent in the pause (the prepared version made current, or the whole reload).
+        self.paused_load_seconds: list[float] = []
+        #: Whether versions are prepared while the engine generates (:mod:`.prepared`): where the trainer asked
+        #: (``load_ahead``), on CPU. On a GPU vLLM's processing of unquantized weights is next to nothing (the load
+        #: is the copy), and a shadow of the model would take the KV cache's memory: a GPU engine reloads in the
+        #: pause.
+        self.prepares = False
+        #: How many versions were made current from a preparation (the others were reloaded in the pause).
+        self.prepared = 0
         self._loaded: frozenset[str] = frozenset()  # the names of an update that go into the engine
         self._tied = _tied_modules(model)
 
@@ -120,11 +140,13 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         if self.scheme is not None:  # a new trainer (or the same one, restarted): the old receiver goes first
             self.shutdown()
+        self.prepares = init_info.load_ahead and torch.device(self.device).type == "cpu"
         scheme = from_config(init_info.receiver)
         strategy = scheme.strategy
         assert isinstance(strategy, WeightStrategy)
         spec, self._loaded = checkpoint_spec(self.model_config, strategy.extract_as)
-        scheme.init_on_receiver(model=ExternalModel(spec, self._load, device=torch.device(self.device)))
+        model = ExternalModel(spec, self._load, device=torch.device(self.device), prepare=self._prepare)
+        scheme.init_on_receiver(model=model)
         try:
             if scheme.applied_on_arrival and not _in_ray_actor():
                 raise ConfigurationError(
@@ -183,6 +205,31 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             scheme.shutdown()
 
     # ------------------------------------------------------------ the load
+    def _prepare(self, tensors: dict[str, torch.Tensor]) -> Callable[[], None] | None:
+        """(In the stager's thread, while the engine generates) vLLM's reload of one version done on a shadow of
+        the model (:mod:`.prepared`); the call that makes it current in the pause, or ``None`` (reloaded there)."""
+        if not self.prepares:
+            return None
+        started = time.perf_counter()
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            prepared = prepare(self.model, {k: v for k, v in tensors.items() if k in self._loaded}, self._tied)
+        if prepared is None:
+            return None
+        took = time.perf_counter() - started
+
+        def commit() -> None:
+            started = time.perf_counter()
+            with torch.no_grad():
+                prepared.commit()
+            self.prepared += 1
+            self._timed(took + time.perf_counter() - started, time.perf_counter() - started)
+
+        return commit
+
+    def _timed(self, load: float, paused: float) -> None:
+        self.load_seconds = [*self.load_seconds[-999:], load]
+        self.paused_load_seconds = [*self.paused_load_seconds[-999:], paused]
+
     def _load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load one version's tensors (the sender's names: the checkpoint's) the way vLLM reloads a checkpoint.
 
@@ -203,7 +250,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             for module in self._tied:
                 quant_method: Any = module.quant_method
                 quant_method.process_weights_after_loading(module)
-        self.load_seconds = [*self.load_seconds[-999:], time.perf_counter() - started]
+        took = time.perf_counter() - started
+        self._timed(took, took)
 
 
 def _tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

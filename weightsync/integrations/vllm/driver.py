@@ -195,7 +195,7 @@ class _Gate(SenderEngine):
             # then loads v, never a newer version that finish_weight_update would name v. (Ray's are calls into
             # its actor, one a version.)
             config["scheme"] = {**config["scheme"], "latest_wins": False}
-        init_info = {"receiver": config}
+        init_info = {"receiver": config, "load_ahead": self.engines.load_ahead}
         # (in this thread: before the scheme's engine publishes the version this engine is to load first)
         self.engines.clients[worker].queue_init(init_info)
 

@@ -68,16 +68,31 @@ class VLLMEngines:
             that cannot pause (an ``LLM``, in an actor or not; vLLM's ``RayVLLMWeightSyncClient``) are not paused
             whatever the mode.
         loop: the event loop an ``AsyncLLM`` runs on (running in another thread than the trainer's sends).
+        load_ahead: ``True``: a CPU engine runs vLLM's processing of each version (its loader and post-load
+            packing, most of a load there) on a shadow of its model as soon as the version arrives, while it goes
+            on generating, and the pause only makes the version current (a few ms). ``False`` (default): vLLM's
+            whole reload in the pause. Where generation keeps every core busy, the processing takes them from it
+            either way: ahead, the engine stops for less time and ``send()`` waits longer (``docs/vllm.md``,
+            "Loading ahead"). A GPU engine always reloads in the pause (its processing of unquantized weights is
+            next to nothing).
 
     Raises:
         ConfigurationError: an unknown pause mode, no engine, or an engine that is not one.
     """
 
     def __init__(
-        self, engines: Sequence[Any], *, pause_mode: str = "keep", loop: asyncio.AbstractEventLoop | None = None
+        self,
+        engines: Sequence[Any],
+        *,
+        pause_mode: str = "keep",
+        loop: asyncio.AbstractEventLoop | None = None,
+        load_ahead: bool = False,
     ) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ConfigurationError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
+        if not isinstance(load_ahead, bool):
+            raise ConfigurationError(f"load_ahead must be True or False, got {load_ahead!r}")
+        self.load_ahead = load_ahead
         if isinstance(engines, (str, bytes)) or not isinstance(engines, Sequence) or not engines:
             raise ConfigurationError("VLLMEngines needs a non-empty list of engines, one per worker")
         self.pause_mode = pause_mode

@@ -24,19 +24,24 @@ class VLLMWeightSyncScheme:
         vllm_sync:
           _target_: weightsync.integrations.vllm.VLLMWeightSyncScheme
           pause_mode: keep
+          load_ahead: false
           scheme: ${weightsync.scheme}     # the scheme group's choice, instantiated with it
 
     Args:
         scheme: the scheme that moves the bytes (an instance, or a registered name such as ``"shared_mem"``,
             ``"multiprocess"`` or ``"distributed"``, built with ``options``).
         pause_mode: what requests in flight do while an engine loads a version (``VLLMEngines``).
+        load_ahead: a CPU engine processes each version while it generates, the pause only making it current
+            (``VLLMEngines``; default: vLLM's whole reload in the pause).
         **options: the options of the scheme ``scheme`` names.
 
     Raises:
         ConfigurationError: an unknown scheme or pause mode, or options given with a scheme instance.
     """
 
-    def __init__(self, scheme: Any = "shared_mem", *, pause_mode: str = "keep", **options: Any) -> None:
+    def __init__(
+        self, scheme: Any = "shared_mem", *, pause_mode: str = "keep", load_ahead: bool = False, **options: Any
+    ) -> None:
         if isinstance(scheme, str):
             scheme = registry.get_backend(scheme)(**options)
         elif options:
@@ -47,8 +52,10 @@ class VLLMWeightSyncScheme:
             raise ConfigurationError(f"scheme must be a weightsync scheme or its name, got {type(scheme).__name__}")
         if pause_mode not in PAUSE_MODES:
             raise ConfigurationError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
+        if not isinstance(load_ahead, bool):
+            raise ConfigurationError(f"load_ahead must be True or False, got {load_ahead!r}")
         self.scheme = scheme
-        self.pause_mode = pause_mode
+        self.pause_mode, self.load_ahead = pause_mode, load_ahead
         self.engines: VLLMEngines | None = None
 
     def init_on_sender(
@@ -62,7 +69,7 @@ class VLLMWeightSyncScheme:
     ) -> None:
         """Serve ``engines`` (one worker each: see :class:`VLLMEngines`) with ``model``, the trainer's
         ``transformers`` model (``kwargs``: the wrapped scheme's own, such as ``weights=``)."""
-        self.engines = VLLMEngines(engines, pause_mode=self.pause_mode, loop=loop)
+        self.engines = VLLMEngines(engines, pause_mode=self.pause_mode, loop=loop, load_ahead=self.load_ahead)
         self.scheme.init_on_sender(model_id, context=self.engines, model=model, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -72,4 +79,4 @@ class VLLMWeightSyncScheme:
         return getattr(scheme, name)
 
     def __repr__(self) -> str:
-        return f"VLLMWeightSyncScheme({self.scheme!r}, pause_mode={self.pause_mode!r})"
+        return f"VLLMWeightSyncScheme({self.scheme!r}, pause_mode={self.pause_mode!r}, load_ahead={self.load_ahead!r})"

@@ -30,10 +30,13 @@ After each row's updates the engine's greedy tokens are compared with the traine
 from what the engine generated before the first update: an engine that loaded nothing fails).
 
 The **floor**: one ``copy_`` of a buffer of the model's bytes (median, in this process) plus vLLM's own load of one
-version in its worker: the median of ``WeightsyncEngine.load_seconds`` (the backend's layerwise reload, from tensors
-already in the worker) over the row's updates. It is read from the worker with ``collective_rpc(<a function>)``,
-which vLLM allows only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in the environment before the engine starts:
-this benchmark sets it (``os.environ.setdefault``) before it starts any engine.
+version in its worker: the median of vLLM's layerwise reload of the model's checkpoint into the running model, in
+place, the engine idle, from tensors already in the worker (timed there before the rows, ``max(repeats, 5)``
+times). The backend's own loads are read too (``WeightsyncEngine.load_seconds``: vLLM's processing of each version,
+made on a shadow of the model while the engine generates; ``paused_load_seconds``: of it, what the pause held).
+Both are read from the worker with ``collective_rpc(<a function>)``, which vLLM allows only with
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in the environment before the engine starts: this benchmark sets it
+(``os.environ.setdefault``) before it starts any engine.
 
 TorchRL's scheme and vLLM's reload from disk run from ``benchmarks/_vllm_torchrl.py`` on the same model folder
 (Ray, TorchRL's own ``AsyncVLLM`` engine wrapper; see that module for what it took): in this interpreter when
@@ -99,9 +102,34 @@ def make_scheme(name: str):
     return cls(timeout=TIMEOUT, connect_timeout=TIMEOUT)
 
 
-def _load_seconds(worker: Any) -> list[float]:
-    """(Runs in the vLLM worker) the seconds of each load weightsync's backend made there."""
-    return list(getattr(worker.weight_transfer_engine, "load_seconds", []))
+def _load_seconds(worker: Any) -> tuple[list[float], list[float]]:
+    """(Runs in the vLLM worker) the seconds of each load weightsync's backend made there, and of each the part
+    made while the engine was paused."""
+    engine = worker.weight_transfer_engine
+    return list(getattr(engine, "load_seconds", [])), list(getattr(engine, "paused_load_seconds", []))
+
+
+def _reload_seconds(worker: Any, folder: str, n: int) -> list[float]:
+    """(Runs in the vLLM worker, the engine idle) vLLM's own layerwise reload of the checkpoint in ``folder`` into
+    the running model, in place, ``n`` times: the seconds of each (the engine's own load, for the floor)."""
+    import glob
+
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        tensors.update(load_file(f))
+    model, out = worker.model_runner.model, []
+    for _ in range(n):
+        started = time.perf_counter()
+        with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+            initialize_layerwise_reload(model)
+            model.load_weights(iter(tensors.items()))
+            finalize_layerwise_reload(model, worker.model_config)
+        out.append(time.perf_counter() - started)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ the engine
@@ -144,8 +172,11 @@ class Engine:
 
         return self.run(all_of())
 
-    def load_seconds(self) -> list[float]:
+    def load_seconds(self) -> tuple[list[float], list[float]]:
         return self.run(self.llm.collective_rpc(_load_seconds))[0]
+
+    def reload_seconds(self, folder: str, n: int) -> list[float]:
+        return self.run(self.llm.collective_rpc(_reload_seconds, args=(folder, n)), 600)[0]
 
     def start_stream(self) -> Stream:
         """Generation requests one after the other (greedy, ``STREAM_TOKENS`` tokens each) until stopped."""
@@ -301,20 +332,28 @@ class Probe:
 
 
 def run_row(
-    engine: Engine, model: Any, direction: list, scheme_name: str, repeats: int, stream: bool, base, changed: float
+    engine: Engine,
+    model: Any,
+    direction: list,
+    scheme_name: str,
+    repeats: int,
+    stream: bool,
+    base,
+    changed: float,
+    load_ahead: bool = False,
 ):
     """One scheme serving the engine: connect, ``repeats`` timed updates, the check, shutdown (``changed``: the
-    share of the values each step of the :data:`DELTA` row moves)."""
+    share of the values each step of the :data:`DELTA` row moves; ``load_ahead``: ``VLLMEngines``')."""
     from weightsync.integrations.vllm import VLLMEngines
 
     scheme = make_scheme(scheme_name)
-    engines = VLLMEngines([engine.llm], pause_mode="keep", loop=engine.loop)
+    engines = VLLMEngines([engine.llm], pause_mode="keep", loop=engine.loop, load_ahead=load_ahead)
     scheme.init_on_sender(model=model, context=engines)
     t = time.perf_counter()
     scheme.connect()
     connect_s = time.perf_counter() - t
     probe = Probe(engines)
-    loads_before = len(engine.load_seconds())
+    loads_before = len(engine.load_seconds()[0])
     gen = engine.start_stream() if stream else None
     latency, pause, stopped = [], [], []
     share = changed if scheme_name == DELTA else 1.0
@@ -336,13 +375,14 @@ def run_row(
         tokens_per_s = gen.end() if gen is not None else None
     served = engine.greedy(PROMPTS, CHECK_TOKENS)
     version = engine.run(engine.llm.get_weight_version())
-    loads = engine.load_seconds()[loads_before:]
+    loads, paused_loads = (times[loads_before:] for times in engine.load_seconds())
     changes_sent = scheme.stats()["changes_sent"]
     scheme.shutdown()
     trained = hf_greedy(model, PROMPTS, CHECK_TOKENS)
     correct = agrees(served, trained) and served != base and version == str(repeats)
     return {
         "scheme": scheme_name,
+        "load_ahead": load_ahead,
         "changed": share,
         "changes_sent": changes_sent,
         "stream": stream,
@@ -350,11 +390,13 @@ def run_row(
         "latency": latency,
         "pause": pause,
         "loads": loads,
+        "paused_loads": paused_loads,
         "latency_s": statistics.median(latency),
         "pause_s": statistics.median(pause),
         "stopped": stopped,
         "stopped_s": statistics.median(stopped),
         "load_s": statistics.median(loads) if loads else float("nan"),
+        "paused_load_s": statistics.median(paused_loads) if paused_loads else float("nan"),
         "correct": correct,
         "calls": probe.medians(),
         "tokens_per_s": tokens_per_s,
@@ -410,6 +452,7 @@ def measure_size(
     streams: list[bool],
     schemes: tuple[str, ...] | list[str] = SCHEMES,
     changed: float = 0.01,
+    aheads: tuple[bool, ...] = (True, False),
 ) -> dict:
     from weightsync.app.llama import load_llama, write_llama
 
@@ -432,17 +475,21 @@ def measure_size(
         base = engine.greedy(PROMPTS, CHECK_TOKENS)
         if not agrees(base, hf_greedy(model, PROMPTS, CHECK_TOKENS)):
             print("warning: the engine's tokens differ from the trainer's before any update", flush=True)
+        reloads = engine.reload_seconds(folder, max(repeats, 5))  # (the checkpoint it holds: nothing changes)
+        print(f"vLLM's own reload, in place, idle: {statistics.median(reloads) * 1e3:.1f} ms", flush=True)
         for name in schemes:
             for stream in streams:
-                row = run_row(engine, model, direction, name, repeats, stream, base, changed)
-                rows.append(row)
-                print(
-                    f"{name:12s} {'generating' if stream else 'idle':10s} latency {row['latency_s'] * 1e3:7.1f} ms  "
-                    f"pause {row['pause_s'] * 1e3:7.1f} ms  still {row['stopped_s'] * 1e3:7.1f} ms  "
-                    f"load {row['load_s'] * 1e3:7.1f} ms  "
-                    f"correct {row['correct']}  load avg {row['loadavg'][0]:.1f}",
-                    flush=True,
-                )
+                for ahead in aheads:
+                    row = run_row(engine, model, direction, name, repeats, stream, base, changed, ahead)
+                    rows.append(row)
+                    print(
+                        f"{_name(row):24s} {'generating' if stream else 'idle':10s} "
+                        f"latency {row['latency_s'] * 1e3:7.1f} ms  "
+                        f"pause {row['pause_s'] * 1e3:7.1f} ms  still {row['stopped_s'] * 1e3:7.1f} ms  "
+                        f"load {row['load_s'] * 1e3:7.1f} ms (paused {row['paused_load_s'] * 1e3:5.1f})  "
+                        f"correct {row['correct']}  load avg {row['loadavg'][0]:.1f}",
+                        flush=True,
+                    )
     finally:
         engine.shutdown()
     del direction
@@ -460,6 +507,7 @@ def measure_size(
         "spec": spec,
         "engine_startup_s": engine.startup_s,
         "copy_s": copy_s,
+        "reload_s": statistics.median(reloads),
         "gloo_s": gloo_s,
         "rows": rows,
         "torchrl": trl,
@@ -493,12 +541,13 @@ def text(sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | 
     ]
     for s in sizes:
         for r in s["rows"]:
-            floor = s["copy_s"] + r["load_s"]
+            load = _engine_load(s, r)
+            floor = s["copy_s"] + load
             state = f"generating ({r['tokens_per_s']:.0f} tok/s)" if r["stream"] else "idle"
             lines.append(
                 f"| weightsync {_name(r)} | {s['mb']:.0f} | {state} | {ms(r['latency_s'])} | {ms(r['pause_s'])} "
-                f"| {ms(_still(r))} | {ms(s['copy_s'])} + {ms(r['load_s'])} = {ms(floor)} "
-                f"| {r['latency_s'] / floor:.2f} | {(_still(r) - r['load_s']) * 1e3:+.1f} "
+                f"| {ms(_still(r))} | {ms(s['copy_s'])} + {ms(load)} = {ms(floor)} "
+                f"| {r['latency_s'] / floor:.2f} | {(_still(r) - load) * 1e3:+.1f} "
                 f"| {'yes' if r['correct'] else 'NO'} |"
             )
     lines += [
@@ -507,31 +556,36 @@ def text(sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | 
         "`pause_generation` to its `resume_generation` (`VLLMEngines.timings`). Still: of the pause, the time the "
         "engine stands still, from `pause_generation`'s return to `resume_generation`'s (vLLM's engine core takes "
         "a pause between two steps: the call returns once the step in flight ended, and that step's tokens come "
-        "out). Load: vLLM's layerwise reload of "
-        "one version in the worker (`WeightsyncEngine.load_seconds`). Correct: after the row's updates the engine's "
-        "greedy tokens are the trainer's `generate`, and differ from the engine's before any update.",
+        "out). Load: vLLM's layerwise reload of one version into the running model, in place, the engine idle "
+        "(timed in the worker apart from the rows, median of several). Correct: after the row's updates the "
+        "engine's greedy tokens are the trainer's `generate`, and differ from the engine's before any update.",
         "",
         "Where the time goes (medians, ms): the scheme's staging of the version in the trainer (`shared_mem`: the "
         "copy into its slot); the bytes' trip into the engine's worker, where the backend's stager takes them "
-        "while the engine generates (`VLLMEngines` waits until it took them: a `distributed` worker says so); "
+        "while the engine generates (`VLLMEngines` waits until it took them, and with `load_ahead` processed them: "
+        "its worker says so); "
         "then the engine's calls, made by `VLLMEngines` one after the other: `start_weight_update` and "
         '`pause_generation(mode="keep", clear_cache=True)` at once (an `AsyncLLM` takes both between the same two '
         "steps: the start column is 0, and the pause column waits for the step in flight; the pause as "
         "`AsyncLLM.pause_generation` does it, without the 20 ms sleep it ends with), `update_weights` (the worker "
         "checks and loads the version it took), "
-        "`finish_weight_update`, `resume_generation`.",
+        '`finish_weight_update`, `resume_generation`. Prepared: with `load_ahead` (the rows "loaded ahead"), '
+        "vLLM's processing of the version, which the backend runs on a shadow of the model as soon as the version "
+        "arrives, while the engine generates (`WeightsyncEngine.load_seconds`); in the pause: what "
+        "`update_weights` held of the load (the prepared version made current, or vLLM's whole reload).",
         "",
-        "| scheme | model MB | engine | stage | start | pause_generation | update_weights (of which load) | finish "
-        "| resume | pause | latency |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| scheme | model MB | engine | stage | prepared | start | pause_generation | update_weights (of which "
+        "load in the pause) | finish | resume | pause | latency |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in sizes:
         for r in s["rows"]:
             c = r["calls"]
+            paused = r.get("paused_load_s", r["load_s"])
             lines.append(
                 f"| {_name(r)} | {s['mb']:.0f} | {'generating' if r['stream'] else 'idle'} | {ms(c['stage'])} "
-                f"| {ms(c['start'])} | {ms(c['pause'])} | {ms(c['update'])} ({ms(r['load_s'])}) | {ms(c['finish'])} "
-                f"| {ms(c['resume'])} | {ms(r['pause_s'])} | {ms(r['latency_s'])} |"
+                f"| {ms(r['load_s'] - paused)} | {ms(c['start'])} | {ms(c['pause'])} | {ms(c['update'])} "
+                f"({ms(paused)}) | {ms(c['finish'])} | {ms(c['resume'])} | {ms(r['pause_s'])} | {ms(r['latency_s'])} |"
             )
     trl_lines = []
     for s in sizes:
@@ -589,11 +643,18 @@ def text(sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | 
 
 
 def _name(row: dict) -> str:
-    """The row's scheme, and the share of values its steps moved where not all."""
+    """The row's scheme, the share of values its steps moved where not all, and where the engine loaded."""
+    name = f"{row['scheme']}, loaded ahead" if row.get("load_ahead", False) else row["scheme"]
     changed = row.get("changed", 1.0)
     if changed >= 1.0:
-        return row["scheme"]
-    return f"{row['scheme']} ({changed:.0%} changed, {row['changes_sent']} sent as changes)"
+        return name
+    return f"{name} ({changed:.0%} changed, {row['changes_sent']} sent as changes)"
+
+
+def _engine_load(size: dict, row: dict) -> float:
+    """vLLM's own load of one version (the floor's): its reload in place, idle; the row's load for a run saved
+    before that was measured apart."""
+    return size.get("reload_s", row["load_s"])
 
 
 def _still(row: dict) -> float:
@@ -613,17 +674,18 @@ def targets(sizes: list[dict]) -> list[str]:
         for r in s["rows"]:
             if r.get("changed", 1.0) < 1.0:  # (its steps move a share of the values: not the issue's updates)
                 continue
-            name = f"{r['scheme']}, {s['mb']:.0f} MB, {'generating' if r['stream'] else 'idle'}"
-            floor = s["copy_s"] + r["load_s"]
-            ratio, extra = r["latency_s"] / floor, (r["pause_s"] - r["load_s"]) * 1e3
-            still = (_still(r) - r["load_s"]) * 1e3
+            name = f"{_name(r)}, {s['mb']:.0f} MB, {'generating' if r['stream'] else 'idle'}"
+            load = _engine_load(s, r)
+            floor = s["copy_s"] + load
+            ratio, extra = r["latency_s"] / floor, (r["pause_s"] - load) * 1e3
+            still = (_still(r) - load) * 1e3
             line = (
                 f"{name}: latency {ratio:.2f}x the floor ({'met' if ratio <= 1.5 else 'NOT met'}, target 1.5x); "
                 f"standing still = load {still:+.1f} ms ({'met' if still <= 10 else 'NOT met'}, target +10 ms; "
                 f"the whole pause = load {extra:+.1f} ms)"
             )
             if r["scheme"] == "distributed" and s.get("gloo_s"):
-                link = s["gloo_s"] + r["load_s"]
+                link = s["gloo_s"] + load
                 line += (
                     f"; its bytes cross a TCP link (here loopback), not a memcpy: one gloo broadcast of them alone "
                     f"{ms(s['gloo_s'])} ms, + load = {ms(link)} ms, latency {r['latency_s'] / link:.2f}x that"
@@ -655,6 +717,10 @@ def main() -> None:
         "--schemes", nargs="+", default=list(SCHEMES), choices=[*SCHEMES, DELTA], help=f"rows ({DELTA}: delta='auto')"
     )
     parser.add_argument("--changed", type=float, default=0.01, help=f"the share of values each {DELTA} step moves")
+    parser.add_argument(
+        "--load", nargs="+", default=["ahead", "pause"], choices=["ahead", "pause"],
+        help="where the engine loads each version: ahead (load_ahead=True: while it generates), or in the pause",
+    )  # fmt: skip
     parser.add_argument("--json", help="also write the measurements here")
     parser.add_argument("--from-json", help="measure nothing: write the text of a run --json saved")
     parser.add_argument("--write", action="store_true", help="rewrite the vLLM section of docs/benchmarks.md")
@@ -668,7 +734,16 @@ def main() -> None:
         began = time.perf_counter()
         streams = [False] if args.no_stream else [False, True]
         sizes = [
-            measure_size(mb, args.repeats, Path(args.models), args.torchrl_python, streams, args.schemes, args.changed)
+            measure_size(
+                mb,
+                args.repeats,
+                Path(args.models),
+                args.torchrl_python,
+                streams,
+                args.schemes,
+                args.changed,
+                tuple(where == "ahead" for where in args.load),
+            )  # fmt: skip
             for mb in args.sizes
         ]
         seconds = time.perf_counter() - began

@@ -455,12 +455,12 @@ def test_truncated_shared_segment_is_refused_not_mapped(workers):
     model, scheme, group = _connected("shared_mem", workers)
     real_notify = MPTransport.notify
 
-    def announce_more_than_there_is(self, slot, version):
+    def announce_more_than_there_is(self, slot, version, *rest):
         if slot.id in self.slots_sent:
-            return real_notify(self, slot, version)
+            return real_notify(self, slot, version, *rest)
         slot.nbytes *= 2
         try:
-            return real_notify(self, slot, version)
+            return real_notify(self, slot, version, *rest)
         finally:
             slot.nbytes //= 2
 

@@ -145,7 +145,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         strategy = scheme.strategy
         assert isinstance(strategy, WeightStrategy)
         spec, self._loaded = checkpoint_spec(self.model_config, strategy.extract_as)
-        model = ExternalModel(spec, self._load, device=torch.device(self.device), prepare=self._prepare)
+        prepare = self._prepare if self.prepares else None  # (None: the receiver hands the version to _load alone)
+        model = ExternalModel(spec, self._load, device=torch.device(self.device), prepare=prepare)
         scheme.init_on_receiver(model=model)
         try:
             if scheme.applied_on_arrival and not _in_ray_actor():
@@ -208,8 +209,6 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     def _prepare(self, tensors: dict[str, torch.Tensor]) -> Callable[[], None] | None:
         """(In the stager's thread, while the engine generates) vLLM's reload of one version done on a shadow of
         the model (:mod:`.prepared`); the call that makes it current in the pause, or ``None`` (reloaded there)."""
-        if not self.prepares:
-            return None
         started = time.perf_counter()
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             prepared = prepare(self.model, {k: v for k, v in tensors.items() if k in self._loaded}, self._tied)

@@ -134,9 +134,10 @@ def test_each_version_is_processed_while_the_engine_generates_and_the_pause_only
 
 
 def test_a_layer_the_shadow_cannot_stand_for_leaves_the_version_to_the_reload_in_the_pause(caplog):
-    # (No engine: the checks themselves.) A model vLLM recorded no checkpoint form for is not prepared, and the layer
-    # is named; the model is untouched. A processed layer fits its live one only with the same tensors' shapes.
-    from weightsync.integrations.vllm.prepared import _fits, prepare
+    # (No engine: the checks and the swap themselves.) A model vLLM recorded no checkpoint form for is not prepared,
+    # and the layer is named; the model is untouched. A processed layer fits its live one only with the same
+    # tensors' shapes and dtypes.
+    from weightsync.integrations.vllm.prepared import _fits, _Shadow, prepare
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -147,6 +148,16 @@ def test_a_layer_the_shadow_cannot_stand_for_leaves_the_version_to_the_reload_in
     assert _fits(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     assert not _fits(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     assert not _fits(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, dtype=torch.float64))
+    # The swap hands the live layer what the processing set or removed on its shadow, and nothing else: what the
+    # engine changed on the live layer while the version was prepared stays.
+    live = torch.nn.Linear(4, 4)
+    live.cpu_linear, live.steps, live.stale = "packed v1", 1, True
+    layer = _Shadow.of(live)
+    layer.copy.cpu_linear = "packed v2"  # (the processing)
+    del layer.copy.stale
+    live.steps = 2  # (the engine, meanwhile)
+    layer.hand_attributes()
+    assert live.cpu_linear == "packed v2" and live.steps == 2 and not hasattr(live, "stale")
 
 
 def test_versions_sent_as_their_changes_alone_are_what_the_engine_generates(llm, model_dirs):

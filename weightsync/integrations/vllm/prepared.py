@@ -46,26 +46,51 @@ _MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persiste
 
 
 @dataclass
+class _Shadow:
+    """A live layer, its shadow (a copy of the module object), and the shadow's attributes as copied."""
+
+    live: torch.nn.Module
+    copy: torch.nn.Module
+    before: dict[str, Any]
+
+    @classmethod
+    def of(cls, live: torch.nn.Module) -> _Shadow:
+        shadow = copy.copy(live)
+        return cls(live, shadow, dict(shadow.__dict__))
+
+    def hand_attributes(self) -> None:
+        """Give the live layer what the processing set on the shadow besides tensors (on CPU, ``cpu_linear``: the
+        kernel holding the packed weight), and drop what it removed; nothing else (what the engine changed on the
+        live layer since the copy stays)."""
+        mine, theirs, before = self.live.__dict__, self.copy.__dict__, self.before
+        for key, value in theirs.items():
+            if key not in _MODULE_STATE and (key not in before or before[key] is not value):
+                mine[key] = value
+        for key in before.keys() - theirs.keys() - _MODULE_STATE:
+            mine.pop(key, None)
+
+
+@dataclass
 class Prepared:
-    """A version processed off to the side: ``layers`` pairs each live layer the version changes with its shadow
-    (processed); ``retied`` the live layers that compute with another layer's weight (a tied ``lm_head``) with a
+    """A version processed off to the side: ``layers``, each live layer the version changes with its shadow
+    (processed); ``retied``, the live layers that compute with another layer's weight (a tied ``lm_head``) with a
     shadow processed from that weight's new value."""
 
-    layers: list[tuple[torch.nn.Module, torch.nn.Module]]
-    retied: list[tuple[torch.nn.Module, torch.nn.Module]]
+    layers: list[_Shadow]
+    retied: list[_Shadow]
 
     def commit(self) -> None:
         """Make the version current (the engine must not be computing: it is paused)."""
-        for live, shadow in self.layers:
+        for layer in self.layers:
             # (vLLM's reload copies the same way: the engine's kernels and CUDA graphs keep their tensors)
             for kind in ("_parameters", "_buffers"):
-                theirs: dict[str, Any] = getattr(shadow, kind)
-                for name, tensor in getattr(live, kind).items():
+                theirs: dict[str, Any] = getattr(layer.copy, kind)
+                for name, tensor in getattr(layer.live, kind).items():
                     if tensor is not None:
                         tensor.data.copy_(theirs[name])
-            _hand_attributes(live, shadow)
-        for live, shadow in self.retied:
-            _hand_attributes(live, shadow)
+            layer.hand_attributes()
+        for layer in self.retied:
+            layer.hand_attributes()
 
 
 def prepare(
@@ -78,9 +103,10 @@ def prepare(
     that compute with a weight another layer owns. Call it under vLLM's config (``set_current_vllm_config``)
     and ``torch.no_grad()``."""
     shadows: dict[int, torch.nn.Module] = {}
-    pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+    pairs: list[_Shadow] = []
     root = _shadow_tree(model, shadows, pairs)
-    for live, shadow in pairs:
+    for pair in pairs:
+        live, shadow = pair.live, pair.copy
         info = LAYERWISE_INFO.get(live)
         if info is None:  # vLLM recorded no checkpoint form for it: it cannot be reloaded layer by layer
             _not_prepared(live, "vLLM recorded no checkpoint form of it")
@@ -94,40 +120,47 @@ def prepare(
         mine.restore_device = info.restore_device
         restore_layer_on_meta(shadow, mine)
         initialize_online_processing(shadow)  # vLLM's loaders: each layer processed once all of it is loaded
+    torchao = root.__dict__.get("_do_torchao_reload")
     root.__dict__["_do_torchao_reload"] = False  # (as vLLM's reload sets it: no second reload from within)
-    load_weights: Any = root.load_weights
-    load_weights(iter(tensors.items()))
+    try:
+        load_weights: Any = root.load_weights
+        load_weights(iter(tensors.items()))
+    finally:
+        if torchao is None:
+            del root.__dict__["_do_torchao_reload"]
+        else:
+            root.__dict__["_do_torchao_reload"] = torchao
 
-    changed: list[tuple[torch.nn.Module, torch.nn.Module]] = []
-    for live, shadow in pairs:
-        info = get_layerwise_info(shadow)
+    changed: list[_Shadow] = []
+    for pair in pairs:
+        info = get_layerwise_info(pair.copy)
         if not info.can_load():  # processed as the last of it was loaded (vLLM resets it then)
-            changed.append((live, shadow))
+            changed.append(pair)
         elif info.load_numel > 0:  # partly loaded (padding the checkpoint does not fill): vLLM processes it too
-            if is_deferred_attention_layer(shadow):
-                _not_prepared(live, "an attention layer whose weights vLLM loads after all others")
+            if is_deferred_attention_layer(pair.copy):
+                _not_prepared(pair.live, "an attention layer whose weights vLLM loads after all others")
                 return None
-            _layerwise_process(shadow, info)
-            changed.append((live, shadow))
-        LAYERWISE_INFO.pop(shadow, None)
-    for live, shadow in changed:
-        if not _fits(live, shadow):
-            _not_prepared(live, "its processed tensors differ from its own, or it has buffers the checkpoint lacks")
+            _layerwise_process(pair.copy, info)
+            changed.append(pair)
+        LAYERWISE_INFO.pop(pair.copy, None)
+    for pair in changed:
+        if not _fits(pair.live, pair.copy):
+            _not_prepared(pair.live, "its processed tensors differ from its own, or it has buffers no checkpoint has")
             return None
-    retied: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+    retied: list[_Shadow] = []
     owners: dict[int, tuple[torch.nn.Module, str]] = {}  # each parameter's first layer (its owner), its name there
     for module in model.modules():
         for name, param in module._parameters.items():
             if param is not None:
                 owners.setdefault(id(param), (module, name))
-    processed = {id(live) for live, _ in changed}
+    processed = {id(pair.live) for pair in changed}
     for live in tied:
         again = _retie(live, owners, shadows, processed)
         if again is None:
             _not_prepared(live, "the layer owning the weight it computes with was not found")
             return None
-        if again is not live:
-            retied.append((live, again))
+        if again.copy is not live:
+            retied.append(again)
     return Prepared(changed, retied)
 
 
@@ -138,20 +171,20 @@ def _not_prepared(layer: torch.nn.Module, why: str) -> None:
 def _shadow_tree(
     module: torch.nn.Module,
     shadows: dict[int, torch.nn.Module],
-    pairs: list[tuple[torch.nn.Module, torch.nn.Module]],
+    pairs: list[_Shadow],
 ) -> torch.nn.Module:
     """A copy of ``module``'s tree of objects (a module met twice is copied once): each copy shares its original's
     attributes but holds its parameters, buffers and children in containers of its own; the layers that hold
     tensors are added to ``pairs``, with copies of the tensors vLLM keeps out of its checkpoint form (``bias``)."""
     if id(module) in shadows:
         return shadows[id(module)]
-    shadow = copy.copy(module)
-    shadows[id(module)] = shadow
+    pair = _Shadow.of(module)
+    shadow = shadows[id(module)] = pair.copy
     shadow._parameters, shadow._buffers = {}, {}
     shadow._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
     shadow._modules = {n: None if c is None else _shadow_tree(c, shadows, pairs) for n, c in module._modules.items()}
     if any(t is not None for t in (*module._parameters.values(), *module._buffers.values())):
-        pairs.append((module, shadow))
+        pairs.append(pair)
         for name, param in module._parameters.items():
             if param is not None and name in SKIP_TENSORS:
                 shadow._parameters[name] = _copy_of(param, module, shadow, meta=False)  # type: ignore[assignment]
@@ -201,12 +234,13 @@ def _retie(
     owners: dict[int, tuple[torch.nn.Module, str]],
     shadows: dict[int, torch.nn.Module],
     processed: set[int],
-) -> torch.nn.Module | None:
+) -> _Shadow | None:
     """A shadow of the tied layer ``live`` holding the new values of the weights it shares (its owners' shadows',
-    processed), processed as ``live`` processes them; ``live`` itself if none of its owners changed (nothing to
-    do), ``None`` if one is not found. ``owners``: each parameter's first layer and name there."""
-    shadow = copy.copy(live)
-    shadow._parameters = params = {}
+    processed), processed as ``live`` processes them; one whose copy is ``live`` itself if none of its owners
+    changed (nothing to do), ``None`` if one is not found. ``owners``: each parameter's first layer and name
+    there."""
+    pair = _Shadow.of(live)
+    pair.copy._parameters = params = {}
     changed = False
     for name, param in live._parameters.items():
         if param is None:
@@ -217,18 +251,7 @@ def _retie(
         changed |= id(owner) in processed
         params[name] = shadows[id(owner)]._parameters[name_there]
     if not changed:
-        return live
+        return _Shadow(live, live, {})
     quant_method: Any = live.quant_method
-    quant_method.process_weights_after_loading(shadow)
-    return shadow
-
-
-def _hand_attributes(live: torch.nn.Module, shadow: torch.nn.Module) -> None:
-    """Give ``live`` what the processing set on ``shadow`` besides tensors (on CPU, ``cpu_linear``: the kernel
-    holding the packed weight), and drop what it removed."""
-    mine, theirs = live.__dict__, shadow.__dict__
-    for key, value in theirs.items():
-        if key not in _MODULE_STATE and (key not in mine or mine[key] is not value):
-            mine[key] = value
-    for key in [k for k in mine if k not in theirs and k not in _MODULE_STATE]:
-        del mine[key]
+    quant_method.process_weights_after_loading(pair.copy)
+    return pair

@@ -164,11 +164,8 @@ class Receiver:
         where = {**self.where, "version": update.version}
         try:
             check_digest([piece for _, piece in update.pieces], update.digest, **where)
-            check_spec(layout.spec, model.spec, **where)
-            views = self._views_of(update, layout)
-            if update.fence is not None:  # bytes another process's GPU stream wrote: read them after it
-                cuda.wait_event(update.fence, cuda.cuda_devices(views.values()), deadline_after(self.update_timeout))
-            commit = model.prepare(views)
+            deadline = deadline_after(self.update_timeout)
+            commit = model.prepare(self._program_views(model, update, layout, where, deadline))
         except Exception as exc:  # noqa: BLE001 - the apply checks again and loads it (or refuses it, and says so)
             log.info("model %r: version %d left to the load: %s", self.where["model_id"], update.version, exc)
             return None
@@ -337,13 +334,20 @@ class Receiver:
                 commit()
                 self.version = update.version
             return
-        check_spec(layout.spec, model.spec, **where)
-        views = self._views_of(update, layout)
+        views = self._program_views(model, update, layout, where, deadline)
         with self.weights_lock:
-            if update.fence is not None:  # bytes another process's GPU stream wrote: read them after it
-                cuda.wait_event(update.fence, cuda.cuda_devices(views.values()), deadline)
             model.load(views)
             self.version = update.version
+
+    def _program_views(
+        self, model: ExternalModel, update: Delivery, layout: FlatLayout, where: dict[str, Any], deadline: float
+    ) -> dict[str, torch.Tensor]:
+        """``update``'s tensors for the program (to load or prepare): checked, and readable (after ``update.fence``)."""
+        check_spec(layout.spec, model.spec, **where)
+        views = self._views_of(update, layout)
+        if update.fence is not None:
+            cuda.wait_event(update.fence, cuda.cuda_devices(views.values()), deadline)
+        return views
 
     def _gpus(self, dst: dict[str, torch.Tensor], held: bool) -> set[torch.device]:
         """The GPUs the model's tensors ``dst`` are on (``held``: all in the bound storage, whose device says)."""

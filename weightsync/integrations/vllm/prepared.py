@@ -8,10 +8,11 @@ The engine stands still for all of it; on CPU the processing is most of it.
 
 :func:`prepare` runs the same steps, with vLLM's own functions, on a *shadow* of the model: for each layer a
 copy of the module object (its configuration, its ``quant_method``) holding tensors of its own, in checkpoint
-form, which the model's own ``load_weights`` fills (the same names, fusions and shards as a reload). The live
-layers are not touched: the engine goes on generating with them. :meth:`Prepared.commit`, in the pause, then
-does what the end of vLLM's reload does for each processed layer: copies its processed tensors into the live
-layer's and hands the live layer what the processing set on it besides tensors (the packed weights' kernels).
+form, which the model's own ``load_weights`` fills (the same names, fusions and shards as a reload; each loader
+runs once, where vLLM's reload runs it twice: :func:`_note_loads`). The live layers are not touched: the engine
+goes on generating with them. :meth:`Prepared.commit`, in the pause, then does what the end of vLLM's reload does
+for each processed layer: copies its processed tensors into the live layer's and hands the live layer what the
+processing set on it besides tensors (the packed weights' kernels).
 
 A layer shaped otherwise than this expects (deferred attention weights, a processed tensor that does not fit
 the live one) makes :func:`prepare` return ``None``: the version is then loaded by vLLM's reload in the pause,
@@ -28,14 +29,16 @@ from typing import Any
 
 import torch
 from vllm.model_executor.layers.attention import is_deferred_attention_layer
-from vllm.model_executor.model_loader.reload.layerwise import (
-    LAYERWISE_INFO,
-    _layerwise_process,
-    get_layerwise_info,
-    initialize_online_processing,
+from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, _layerwise_process, get_layerwise_info
+from vllm.model_executor.model_loader.reload.meta import (
+    SKIP_LOAD_TENSORS,
+    SKIP_TENSORS,
+    materialize_layer,
+    restore_layer_on_meta,
 )
-from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS, restore_layer_on_meta
 from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
+from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 __all__ = ["Prepared", "prepare"]
 
@@ -105,6 +108,7 @@ def prepare(
     shadows: dict[int, torch.nn.Module] = {}
     pairs: list[_Shadow] = []
     root = _shadow_tree(model, shadows, pairs)
+    loaded: set[int] = set()  # the shadows a loader wrote to
     for pair in pairs:
         live, shadow = pair.live, pair.copy
         info = LAYERWISE_INFO.get(live)
@@ -119,7 +123,8 @@ def prepare(
         )
         mine.restore_device = info.restore_device
         restore_layer_on_meta(shadow, mine)
-        initialize_online_processing(shadow)  # vLLM's loaders: each layer processed once all of it is loaded
+        materialize_layer(shadow, mine)
+        _note_loads(shadow, loaded)
     torchao = root.__dict__.get("_do_torchao_reload")
     root.__dict__["_do_torchao_reload"] = False  # (as vLLM's reload sets it: no second reload from within)
     try:
@@ -133,14 +138,11 @@ def prepare(
 
     changed: list[_Shadow] = []
     for pair in pairs:
-        info = get_layerwise_info(pair.copy)
-        if not info.can_load():  # processed as the last of it was loaded (vLLM resets it then)
-            changed.append(pair)
-        elif info.load_numel > 0:  # partly loaded (padding the checkpoint does not fill): vLLM processes it too
+        if id(pair.copy) in loaded:  # (a layer the version does not load keeps its weights, as in vLLM's reload)
             if is_deferred_attention_layer(pair.copy):
                 _not_prepared(pair.live, "an attention layer whose weights vLLM loads after all others")
                 return None
-            _layerwise_process(pair.copy, info)
+            _layerwise_process(pair.copy, get_layerwise_info(pair.copy))
             changed.append(pair)
         LAYERWISE_INFO.pop(pair.copy, None)
     for pair in changed:
@@ -162,6 +164,29 @@ def prepare(
         if again.copy is not live:
             retied.append(again)
     return Prepared(changed, retied)
+
+
+def _note_loads(shadow: torch.nn.Module, loaded: set[int]) -> None:
+    """Have each loader of ``shadow``'s tensors note in ``loaded`` that it wrote to ``shadow``.
+
+    vLLM's reload wraps each loader to count the elements each call writes (the call run once more, on meta
+    tensors, under a dispatch mode): it buffers each layer's loads until the count says the layer is whole, so
+    that only a layer at a time is held in checkpoint form. The shadow holds all of them anyway: its tensors are
+    made first, the model's loaders write into them once, and each layer written to is processed after the
+    whole version is loaded (a layer loaded in part, which vLLM's reload processes at its end, included).
+    """
+    for name, tensor in get_layer_tensors(shadow).items():
+        if name not in SKIP_LOAD_TENSORS:  # (vLLM's loading loop falls back to its default loader, as here)
+            loader = getattr(tensor, "weight_loader", default_weight_loader)
+            tensor.weight_loader = _noting(loader, loaded, id(shadow))
+
+
+def _noting(loader: Any, loaded: set[int], key: int) -> Any:
+    def noting_loader(*args: Any, **kwargs: Any) -> Any:
+        loaded.add(key)
+        return loader(*args, **kwargs)
+
+    return noting_loader
 
 
 def _not_prepared(layer: torch.nn.Module, why: str) -> None:

@@ -152,11 +152,25 @@ class _Host:
         return asyncio.run_coroutine_threadsafe(self.engine.get_weight_version(), self.loop).result(30)
 
     def backend(self, attribute: str) -> list[Any]:
-        """Each worker's weightsync backend's ``attribute``; an ``llm`` host's."""
+        """Each worker's weightsync backend's ``attribute`` (a dotted path: ``"_stager.cpus"``); an ``llm`` host's."""
         assert self.kind == "llm"
 
         def look(worker: Any) -> Any:  # (a closure: sent to the worker by value)
-            return getattr(worker.weight_transfer_engine, attribute)
+            found = worker.weight_transfer_engine
+            for name in attribute.split("."):
+                found = getattr(found, name)
+            return found
+
+        return self.engine.collective_rpc(look)
+
+    def compute_cpus(self) -> list[list[int]]:
+        """The CPUs each worker's main thread (the one vLLM binds to compute) runs on; an ``llm`` host's."""
+        assert self.kind == "llm"
+
+        def look(worker: Any) -> list[int]:
+            import os
+
+            return sorted(os.sched_getaffinity(0))
 
         return self.engine.collective_rpc(look)
 

@@ -129,6 +129,10 @@ def test_each_version_is_processed_while_the_engine_generates_and_the_pause_only
                 assert now != before  # the step changed the tokens
                 assert llm.ask("greedy", PROMPTS, TOKENS) == now, f"version {step}, load_ahead={load_ahead}"
                 assert llm.ask("backend", "prepared")[0] == prepared + (step if load_ahead else 0)
+            # The thread that takes and processes each version runs on a core vLLM keeps off its compute threads
+            # (with 2 cores or more, vLLM keeps the last for its engine core), not on the worker's.
+            stager, compute = llm.ask("backend", "_stager.cpus")[0], set(llm.ask("compute_cpus")[0])
+            assert stager and (stager.isdisjoint(compute) or len(os.sched_getaffinity(0)) < 2), (stager, compute)
         finally:
             scheme.shutdown()
 
@@ -158,6 +162,23 @@ def test_a_layer_the_shadow_cannot_stand_for_leaves_the_version_to_the_reload_in
     live.steps = 2  # (the engine, meanwhile)
     layer.hand_attributes()
     assert live.cpu_linear == "packed v2" and live.steps == 2 and not hasattr(live, "stale")
+
+
+def test_a_cpu_engines_stager_runs_on_a_core_vllm_keeps_off_its_compute_threads_and_a_gpu_engines_on_none():
+    # (No engine: the choice itself, with the data vLLM gives: a worker's device, the physical cores of each NUMA
+    # node, the cores its compute threads are bound to.)
+    from weightsync.integrations.vllm.backend import WeightsyncEngine, _spare_cpus
+
+    assert _spare_cpus([[0, 1]], {0}) == {1}
+    assert _spare_cpus([[0, 1]], {0, 1}) is None  # (bound to every core: nothing spare)
+    assert _spare_cpus([], {0}) is None  # (no NUMA topology read)
+    two_nodes = [list(range(8)), list(range(8, 16))]
+    assert _spare_cpus(two_nodes, set(range(7))) == {7}  # (the node it computes on, not the other's)
+    assert _spare_cpus(two_nodes, {*range(7), *range(8, 15)}) == {7, 15}
+    config = type("Config", (), {"parallel_config": None, "model_config": None})()
+    for device, cpu in ((torch.device("cuda:0"), False), (torch.device("cuda", 1), False), (torch.device("cpu"), True)):
+        engine = WeightsyncEngine(None, config, device, torch.nn.Linear(2, 2))
+        assert engine._cpu is cpu, device  # (a GPU engine neither loads ahead nor moves its stager)
 
 
 def test_versions_sent_as_their_changes_alone_are_what_the_engine_generates(llm, model_dirs):
@@ -198,11 +219,10 @@ def test_the_prefix_cache_does_not_serve_keys_computed_with_the_old_weights(llm,
 def test_bfloat16_tied_engine_computes_the_trainers_log_probabilities(model_dirs):
     """bfloat16, tied embeddings, 50 MB: the engine's prompt log-probabilities match HF's under the trainer's weights
     within 0.05 (both compute in bfloat16, in their own order: 0.008 measured on a small model), and differ from
-    the previous version's by far more."""
+    the previous version's by far more; reloaded in the pause, and processed ahead on a shadow (whose tied lm_head
+    is processed again from the new embedding)."""
     host = Host(str(model_dirs["tied_bf16"]), "llm", "bfloat16", executor="uni")
-    model = load_llama(model_dirs["tied_bf16"])
     prompt = list(range(5, 60))
-    scheme = _scheme("multiprocess")
 
     def hf_logprobs() -> torch.Tensor:
         with torch.no_grad():
@@ -210,17 +230,25 @@ def test_bfloat16_tied_engine_computes_the_trainers_log_probabilities(model_dirs
         return torch.log_softmax(logits, -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
 
     try:
-        _serve(host, scheme, model, pause_mode="none")
-        for step in range(1, 3):
-            previous = hf_logprobs()
-            _step(model, step, scale=0.02)
-            scheme.send()
-            wanted = hf_logprobs()
-            got = torch.tensor(host.ask("prompt_logprobs", prompt))
-            assert (got - wanted).abs().max() < 0.05, f"version {step}"
-            assert (got - previous).abs().max() > 0.2, f"version {step} is still the previous one"
+        for load_ahead in (False, True):
+            # (each from the checkpoint: bfloat16's differences from HF grow as the steps grow the weights)
+            model = load_llama(model_dirs["tied_bf16"])
+            scheme, steps = _scheme("multiprocess"), (1, 2)
+            try:
+                _serve(host, scheme, model, pause_mode="none", load_ahead=load_ahead)
+                prepared = host.ask("backend", "prepared")[0]
+                for step in steps:
+                    previous = hf_logprobs()
+                    _step(model, step, scale=0.02)
+                    scheme.send()
+                    wanted = hf_logprobs()
+                    got = torch.tensor(host.ask("prompt_logprobs", prompt))
+                    assert (got - wanted).abs().max() < 0.05, f"version {step}, load_ahead={load_ahead}"
+                    assert (got - previous).abs().max() > 0.2, f"version {step} is still the previous one"
+                assert host.ask("backend", "prepared")[0] == prepared + (len(steps) if load_ahead else 0)
+            finally:
+                scheme.shutdown()
     finally:
-        scheme.shutdown()
         host.stop()
 
 

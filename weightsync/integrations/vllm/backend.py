@@ -10,7 +10,9 @@ made the name known in every vLLM process). Then, on the trainer's calls through
    its checkpoint), joins the trainer and loads the version the trainer holds; from then on a stager thread
    takes each version off the transport as soon as the trainer publishes it, while the engine generates, checks
    it and, on a CPU engine with ``load_ahead``, has vLLM process it on a shadow of the model
-   (:mod:`.prepared`: vLLM's own layerwise reload, its loader and its post-load packing of linear weights);
+   (:mod:`.prepared`: vLLM's own loader and its post-load packing of linear weights). On a CPU engine the
+   receiver's threads (the transport's, the stager) run on the core vLLM keeps off its compute threads
+   (:func:`_spare_cpus`);
 2. ``start_weight_update()`` — nothing: the engine computes with its weights until the version is there;
 3. ``update_weights({"version": v})`` — applies what the stager took until it holds version ``v`` (waiting at
    most the scheme's ``timeout``): makes a prepared version current (its processed tensors and kernels swapped
@@ -29,8 +31,10 @@ between the actor's other calls; ``update_weights`` finds it loaded.
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,35 +138,38 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         #: How many versions were made current from a preparation (the others were reloaded in the pause).
         self.prepared = 0
         self._loaded: frozenset[str] = frozenset()  # the names of an update that go into the engine
+        self._cpu = torch.device(device).type == "cpu"
         self._tied = _tied_modules(model)
 
     # ------------------------------------------------------------ vLLM's calls
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         if self.scheme is not None:  # a new trainer (or the same one, restarted): the old receiver goes first
             self.shutdown()
-        self.prepares = init_info.load_ahead and torch.device(self.device).type == "cpu"
+        self.prepares = init_info.load_ahead and self._cpu
         scheme = from_config(init_info.receiver)
         strategy = scheme.strategy
         assert isinstance(strategy, WeightStrategy)
         spec, self._loaded = checkpoint_spec(self.model_config, strategy.extract_as)
         prepare = self._prepare if self.prepares else None  # (None: the receiver hands the version to _load alone)
         model = ExternalModel(spec, self._load, device=torch.device(self.device), prepare=prepare)
-        scheme.init_on_receiver(model=model)
-        try:
-            if scheme.applied_on_arrival and not _in_ray_actor():
-                raise ConfigurationError(
-                    f"weightsync: the {type(scheme).__name__}'s updates are calls into the Ray actor that holds the "
-                    "engine, and this vLLM worker runs in a process of its own: start the engine in the actor with "
-                    "VLLM_ENABLE_V1_MULTIPROCESSING=0 in its environment (vLLM then runs its worker in the actor's "
-                    "process), or use another transport (docs/vllm.md)"
-                )
-            scheme.connect()  # joins the trainer and loads the version it holds (Ray's: it arrives as a call)
-        except BaseException:
-            scheme.shutdown()
-            raise
-        self.scheme = scheme
-        if not scheme.applied_on_arrival:  # each version is taken while the engine generates, applied in update_weights
-            self._stager = Stager(scheme, f"weightsync-vllm-{scheme.model_id}-stager")
+        spread = self._cpu and hasattr(os, "sched_getaffinity")  # (Linux's: where vLLM binds its compute threads)
+        with _threads_started_on(_spare_cpus(_numa_nodes(), os.sched_getaffinity(0)) if spread else None):
+            scheme.init_on_receiver(model=model)
+            try:
+                if scheme.applied_on_arrival and not _in_ray_actor():
+                    raise ConfigurationError(
+                        f"weightsync: the {type(scheme).__name__}'s updates are calls into the Ray actor that holds "
+                        "the engine, and this vLLM worker runs in a process of its own: start the engine in the actor "
+                        "with VLLM_ENABLE_V1_MULTIPROCESSING=0 in its environment (vLLM then runs its worker in the "
+                        "actor's process), or use another transport (docs/vllm.md)"
+                    )
+                scheme.connect()  # joins the trainer and loads the version it holds (Ray's: it arrives as a call)
+            except BaseException:
+                scheme.shutdown()
+                raise
+            self.scheme = scheme
+            if not scheme.applied_on_arrival:  # each version is taken while the engine generates, applied later
+                self._stager = Stager(scheme, f"weightsync-vllm-{scheme.model_id}-stager")
 
     def start_weight_update(self) -> None:
         if self.scheme is None:
@@ -268,6 +275,47 @@ def _tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
         if hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")
         and all(p.numel() for p in m.parameters(recurse=False))
     ]
+
+
+def _numa_nodes() -> list[list[int]]:
+    """The physical cores of each NUMA node, as vLLM's CPU platform reads them (``[]`` where it cannot)."""
+    from vllm.platforms import current_platform
+
+    discover = getattr(current_platform, "discover_numa_topology", None)
+    return discover() if discover is not None else []
+
+
+def _spare_cpus(nodes: list[list[int]], compute: set[int]) -> frozenset[int] | None:
+    """Where the threads of a CPU engine's receiver run: the last core of each NUMA node this worker computes on,
+    unless it computes on that core too; ``None`` (where the worker's main thread runs) if none is left.
+    ``nodes``: the physical cores of each node; ``compute``: the cores the worker's compute threads are bound to
+    (its main thread's).
+
+    vLLM's CPU backend binds each compute thread (OpenMP) of a worker to a core of its own, and keeps the last
+    core of each node off them (for its engine core's scheduler, and for its own KV-transfer thread, which it
+    moves there). A forward pass waits for its slowest thread: a thread of the receiver that shared a compute
+    thread's core (a thread the worker starts inherits its main thread's core) would slow all of generation
+    while it receives, checks or processes a version."""
+    spare = {max(node) for node in nodes if node and compute.intersection(node)} - compute
+    return frozenset(spare) or None
+
+
+@contextmanager
+def _threads_started_on(cpus: frozenset[int] | None) -> Iterator[None]:
+    """The threads this thread starts meanwhile (a transport's, the stager) run on ``cpus`` (they inherit its
+    CPUs); then this thread runs where it ran before. ``None``, or CPUs this process may not use: where it runs."""
+    before = os.sched_getaffinity(0) if cpus else None
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)  # (0: this thread)
+        except OSError as exc:  # (its cgroup's CPUs, say)
+            log.info("weightsync: the receiver's threads stay on the worker's CPUs, not %s: %s", sorted(cpus), exc)
+            before = None
+    try:
+        yield
+    finally:
+        if before is not None:
+            os.sched_setaffinity(0, before)
 
 
 def _in_ray_actor() -> bool:

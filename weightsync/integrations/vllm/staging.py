@@ -8,6 +8,7 @@ uses it; it needs no vLLM.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -34,6 +35,15 @@ class Stager:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def cpus(self) -> frozenset[int]:
+        """The CPUs the stager's thread runs on (``frozenset()`` once it ended)."""
+        native = self._thread.native_id
+        try:
+            return frozenset(os.sched_getaffinity(native)) if native and self._thread.is_alive() else frozenset()
+        except OSError:  # (it ended in between)
+            return frozenset()
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -38,8 +38,10 @@ class Stager:
 
     @property
     def cpus(self) -> frozenset[int]:
-        """The CPUs the stager's thread runs on (``frozenset()`` once it ended)."""
+        """The CPUs the stager's thread runs on (``frozenset()`` once it ended, or where the system does not say)."""
         native = self._thread.native_id
+        if not hasattr(os, "sched_getaffinity"):  # (Linux's)
+            return frozenset()
         try:
             return frozenset(os.sched_getaffinity(native)) if native and self._thread.is_alive() else frozenset()
         except OSError:  # (it ended in between)

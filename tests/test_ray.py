@@ -457,7 +457,7 @@ def test_module_actor_failures_are_named():
     host = ray.remote(num_cpus=0)(ws.ModuleActor).remote(make_value, scheme, "transform")
     scheme.init_on_sender(model_id="transform", model=model, actor=host)
     scheme.connect()
-    ray.kill(host, no_restart=True)
+    kill_actor(host, no_restart=True)  # (its process ended: the next send cannot reach it)
     optimizer_step(model, 1)
     with pytest.raises(ws.WorkerDiedError) as info:
         scheme.send()

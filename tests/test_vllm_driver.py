@@ -6,6 +6,7 @@ the same on real vLLM engines."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 import time
@@ -627,3 +628,48 @@ def test_an_engine_not_paused_resets_its_running_requests_prefixes_too_and_a_ref
         EngineClient(
             type("LLM", (), {"reset_prefix_cache": lambda self, **kw: False})(), "engine 1"
         ).reset_prefix_cache(5)
+
+
+class Reports:
+    """The core's side of the driver's gate: what reached it."""
+
+    model_id = "policy"
+    timeout = connect_timeout = 5.0
+
+    def __init__(self) -> None:
+        self.failures: list[ws.WeightSyncError] = []
+
+    def failed(self, worker: int, error: ws.WeightSyncError) -> None:
+        self.failures.append(error)
+
+    def is_dead(self, worker: int) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("init_fails", [True, False])
+def test_a_receivers_failure_during_its_engines_init_waits_for_the_init_whose_error_is_the_cause(init_fails):
+    """Ray's version 0 is a call into the engine's actor made after its init call: where the init failed (an engine
+    whose worker is a process of its own), that call fails too, for want of a receiver, and its failure may reach
+    the trainer first. The engine's error is the one reported (it names the way out); the receiver's, held until
+    the init returned, where the init did not fail."""
+    from weightsync.integrations.vllm.driver import _Gate
+
+    model = build("tiny")
+    core = Reports()
+    gate = _Gate(VLLMEngines([Engine(_spec(model))]), None, core)  # type: ignore[arg-type]
+    init: concurrent.futures.Future = concurrent.futures.Future()
+    gate._calls[0] = [(0, init)]
+    consequence = ws.LifecycleError("this actor has no receiver for model 'policy'", model_id="policy", worker_idx=0)
+    gate.failed(0, consequence)
+    gate._forward()
+    assert core.failures == []  # (held: the init is under way)
+    if init_fails:
+        init.set_exception(RuntimeError("start the engine with VLLM_ENABLE_V1_MULTIPROCESSING=0"))
+    else:
+        init.set_result(None)
+    gate._forward()
+    assert len(core.failures) == 1
+    message = str(core.failures[0])
+    assert ("VLLM_ENABLE_V1_MULTIPROCESSING=0" in message) == init_fails
+    assert ("no receiver" in message) != init_fails
+    assert gate._failures == {} and gate._calls == {}

@@ -68,6 +68,10 @@ class _Gate(SenderEngine):
         self._calls: dict[int, list[tuple[int, concurrent.futures.Future]]] = {}
         #: worker -> the version its receiver acked, held back until its engine's calls are done
         self._held: dict[int, int] = {}
+        #: worker -> the failure its receiver reported while its engine's init call was under way, held back until
+        #: that call is done: the engine's own error, if its init failed, is the cause (Ray's version 0, a call into
+        #: the actor after the init call, fails for want of the receiver that init did not make)
+        self._failures: dict[int, WeightSyncError] = {}
         #: One engine's calls are made one at a time (an engine's client is not made for concurrent calls).
         self._turns = [threading.Lock() for _ in range(engines.num_workers)]
         #: worker -> the newest version its engine was updated to and named: a turn is not taken in the order the
@@ -86,6 +90,10 @@ class _Gate(SenderEngine):
         self.core.acked(worker, held)
 
     def failed(self, worker: int, error: WeightSyncError) -> None:
+        with self._lock:
+            if any(v == 0 and not f.done() for v, f in self._calls.get(worker, [])):
+                self._failures.setdefault(worker, error)
+                return
         self.core.failed(worker, error)
 
     def died(self, worker: int, error: WeightSyncError | str) -> None:
@@ -136,6 +144,7 @@ class _Gate(SenderEngine):
         with self._lock:
             self._calls.pop(worker, None)
             self._held.pop(worker, None)
+            self._failures.pop(worker, None)
 
     def _paused(
         self,
@@ -248,6 +257,7 @@ class _Gate(SenderEngine):
             ready = [w for w, calls in self._calls.items() if all(f.done() for _, f in calls)]
             done = {w: self._calls.pop(w) for w in ready}
             held = {w: self._held.pop(w) for w in done if w in self._held}
+            reported = {w: self._failures.pop(w) for w in done if w in self._failures}
         for worker, calls in done.items():
             version = calls[-1][0]
             failures = [(v, e) for v, f in calls if (e := f.exception()) is not None]
@@ -255,6 +265,8 @@ class _Gate(SenderEngine):
                 failed, error = failures[0]
                 if not self.core.is_dead(worker):
                     self.core.failed(worker, engine_error(worker, failed, error, self.core.model_id))
+            elif worker in reported:
+                self.core.failed(worker, reported[worker])
             elif worker in held:
                 self.core.acked(worker, held[worker])
             elif not self._inner().pushes:  # the calls returned, so the receiver acked: its ack is on its way

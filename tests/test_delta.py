@@ -27,14 +27,13 @@ from weightsync.tensors.delta import (
     PATCH,
     SAME,
     WHOLE,
-    BodyWriter,
     Delta,
     apply_delta,
     body_size,
     changes_bytes,
     chunks_of,
 )
-from weightsync.tensors.delta_base import DeltaBase
+from weightsync.tensors.delta_base import DeltaBase, _Rooms
 from weightsync.tensors.kernels import ROOM, scan
 from weightsync.tensors.layout import FlatLayout
 
@@ -132,6 +131,60 @@ def test_chunks_compared_on_any_number_of_threads_pack_one_body_in_order(threads
     assert torch.equal(bodies[0], bodies[1])
 
 
+def test_a_slow_chunk_does_not_hold_the_others_up_and_its_part_still_goes_first(monkeypatch):
+    """A thread whose chunk's part must wait for a chunk before it (still being compared) goes on to the next
+    chunk, with another room: the slow chunk's thread packs the parts waiting behind its own. The body is the
+    one a single thread packs, and no more rooms are made than two a thread."""
+    gen = torch.Generator().manual_seed(9)
+    flat = {"w": torch.randn(100_000, generator=gen)}
+    layout = FlatLayout.from_weights(flat)
+    changed = _change(flat, 0.03, gen)
+    single = DeltaBase(layout, chunk_bytes=4096)
+    single.update(flat, 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    expected = single.update(changed, 1)
+    assert expected is not None
+    compare = DeltaBase._changes
+    others = threading.Semaphore(0)
+    first_waited: list[bool] = []
+
+    def first_is_slow(self, chunk, compared, room, most):
+        if chunk.start == 0:  # chunk 0: until three chunks after it were compared (its rooms allow three)
+            first_waited.append(all(others.acquire(timeout=10) for _ in range(3)))
+        else:
+            others.release()
+        return compare(self, chunk, compared, room, most)
+
+    base = DeltaBase(layout, chunk_bytes=4096)
+    base.update(flat, 0)
+    monkeypatch.setattr(DeltaBase, "_changes", first_is_slow)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    delta = base.update(changed, 1)
+    assert first_waited == [True]  # (the other thread did not wait for chunk 0's part)
+    assert delta is not None and torch.equal(delta.body, expected.body) and delta.kinds == expected.kinds
+    assert torch.equal(base.buffer, _bytes(layout, changed))
+    made = sum(base._rooms._made.values())
+    assert made <= 4, base._rooms._made
+    assert sum(len(free) for free in base._rooms._free.values()) == made
+
+
+def test_the_first_chunk_not_placed_takes_a_room_past_the_limit_and_a_stuck_one_is_named(monkeypatch):
+    """The parts waiting hold rooms for the first chunk not placed: it must not wait for theirs. A chunk behind a
+    stuck one waits for a room at most ``WAIT_S``, then says so."""
+    rooms = _Rooms()
+    word = np.dtype(np.int32)
+    held = rooms.take(word, 16, 1, lambda: False)
+    second = rooms.take(word, 16, 1, lambda: True)  # (past the limit of one: it is first)
+    assert held[0] is not second[0] and held[0].size >= 16 and second[1].dtype == word
+    monkeypatch.setattr(_Rooms, "WAIT_S", 0.2)
+    with pytest.raises(ws.WeightSyncError, match="no room .* stuck"):
+        rooms.take(word, 16, 1, lambda: False)
+    rooms.give(word, second)  # (past the limit: dropped, not kept)
+    assert rooms._made[word] == 1 and not rooms._free.get(word)
+    rooms.give(word, held)
+    assert rooms.take(word, 32, 1, lambda: False)[0].size >= 32  # (one too small is replaced)
+
+
 def test_a_chunk_that_cannot_be_compared_fails_the_update_and_the_next_one_sends_the_version_whole(monkeypatch):
     gen = torch.Generator().manual_seed(7)
     flat = {"w": torch.randn(200_000, generator=gen)}
@@ -142,21 +195,23 @@ def test_a_chunk_that_cannot_be_compared_fails_the_update_and_the_next_one_sends
     calls = 0
     lock = threading.Lock()
 
-    def fails_once(self, chunk, compared):
+    def fails_once(self, chunk, compared, room, most):
         nonlocal calls
         with lock:
             calls += 1
             if calls == 7:
                 raise MemoryError("no room")
-        return compare(self, chunk, compared)
+        return compare(self, chunk, compared, room, most)
 
     monkeypatch.setattr(DeltaBase, "_changes", fails_once)
-    monkeypatch.setattr(BodyWriter, "WAIT_S", 3600.0)  # the chunks after it hear of it, they do not wait it out
+    monkeypatch.setattr(_Rooms, "WAIT_S", 3600.0)  # the chunks after it hear of it, they do not wait it out
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     changed = _change(flat, 0.01, gen)
     with pytest.raises(MemoryError, match="no room"):
         base.update(changed, 1)
     assert base.version is None  # its copy is partly the new version: it holds none
+    made = sum(base._rooms._made.values())  # (the parts waiting gave their rooms back)
+    assert sum(len(free) for free in base._rooms._free.values()) == made
     assert base.update(changed, 2) is None and torch.equal(base.buffer, _bytes(layout, changed))
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -245,14 +245,17 @@ def part_bytes(part: Part) -> int:
 
 
 class BodyWriter:
-    """A body written part by part while its chunks are compared on several threads: each thread writes its chunk's
-    part from where it found the changes straight to where the parts before it end, once those are known.
+    """A body written part by part while its chunks are compared on several threads: a chunk's part goes where the
+    parts before it end, packed by the thread that found it if those ends are known, else left for the thread that
+    places the chunk before it (which packs every part waiting in line behind its own): no thread waits for
+    another's comparison.
 
-    1) :meth:`place`, once per chunk, from any thread, chunks taken up in order (as a thread pool's ``map`` takes
-       them: a chunk's wait is on chunks that some thread already holds);
+    1) :meth:`place`, once per chunk, from any thread, with what to call once its part is packed (its room is
+       free again);
     2) :meth:`fail`, from the thread of a chunk that could not be compared or packed (the chunks after it raise in
-       :meth:`place`; some may have been written already: the body is not to be used), or with ``-1`` from the
-       caller when it stops waiting for the threads (an interrupt);
+       :meth:`place`; some may have been written already: the body is not to be used; the parts waiting are
+       dropped, their ``done`` called), or with ``-1`` from the caller when it stops waiting for the threads (an
+       interrupt);
     3) :meth:`body`, once every chunk was placed.
 
     Room for the largest body is reserved; only the pages written are ever touched.
@@ -263,10 +266,6 @@ class BodyWriter:
             word and all their values.
         most: a body of at least this many bytes is not written (``None``: any size is).
     """
-
-    #: Seconds :meth:`place` waits for the chunk before its own, which another thread is comparing (milliseconds'
-    #: work): past this, that thread is stuck.
-    WAIT_S = 60.0
 
     def __init__(self, chunks: Sequence[Chunk], whole_if_larger: bool, most: int | None = None) -> None:
         room = sum(
@@ -279,38 +278,58 @@ class BodyWriter:
             room = min(room, most)
         self._out = np.zeros(room, dtype=np.uint8)  # (zero pages mapped on first write: padding and bitmaps zero)
         self._ends: list[int | None] = [None] * len(chunks)
-        self._placed = threading.Condition()
+        self._waiting: dict[int, tuple[Part | None, Callable[[], None]]] = {}  # placed, the chunk before not yet
+        self._lock = threading.Lock()
         self._failed = len(chunks)  # the first chunk that could not be compared (none)
         self._most = most
 
-    def place(self, index: int, part: Part | None) -> None:
-        """Write chunk ``index``'s ``part`` (``None``: nothing to send) where chunk ``index - 1``'s ends, waiting
-        for that to be known.
+    def place(self, index: int, part: Part | None, done: Callable[[], None] = lambda: None) -> None:
+        """Chunk ``index``'s ``part`` (``None``: nothing to send): packed where chunk ``index - 1``'s ends, by this
+        thread with the parts waiting behind it if that end is known, else by the thread that places chunk
+        ``index - 1``. ``done()`` is called once it is packed, or dropped.
 
         Raises:
-            WeightSyncError: another chunk failed, or chunk ``index - 1`` was not placed within :data:`WAIT_S`.
+            WeightSyncError: another chunk failed.
         """
-        size = 0 if part is None else part_bytes(part)
-        with self._placed:
-            if not self._placed.wait_for(
-                lambda: index == 0 or self._ends[index - 1] is not None or self._failed < index, self.WAIT_S
-            ):
-                raise WeightSyncError(f"chunk {index - 1} of a delta was not compared within {self.WAIT_S} s")
+        packs: list[tuple[Part | None, int, Callable[[], None]]] = []
+        with self._lock:
             if self._failed < index:
+                done()
                 raise WeightSyncError(f"chunk {index} of a delta was not packed: chunk {self._failed} failed")
+            if index and self._ends[index - 1] is None:
+                self._waiting[index] = (part, done)
+                return
             start = 0 if index == 0 else self._ends[index - 1]
             assert start is not None
-            self._ends[index] = start + size
-            self._placed.notify_all()
-        if part is not None and (self._most is None or start + size < self._most):
-            _pack_part(part, self._out[start : start + size])
+            while True:  # this part, and those in line behind it
+                packs.append((part, start, done))
+                start += 0 if part is None else part_bytes(part)
+                self._ends[index] = start
+                index += 1
+                if index not in self._waiting:
+                    break
+                part, done = self._waiting.pop(index)
+        try:
+            for part, start, _ in packs:
+                size = 0 if part is None else part_bytes(part)
+                if part is not None and (self._most is None or start + size < self._most):
+                    _pack_part(part, self._out[start : start + size])
+        finally:
+            for _, _, done in packs:
+                done()
 
     def fail(self, index: int) -> None:
         """Chunk ``index`` failed (``-1``: the whole body): the chunks after it are not placed (:meth:`place`
-        raises)."""
-        with self._placed:
+        raises), and those waiting are dropped."""
+        with self._lock:
             self._failed = min(self._failed, index)
-            self._placed.notify_all()
+            dropped, self._waiting = list(self._waiting.values()), {}
+        for _, done in dropped:
+            done()
+
+    def ready(self, index: int) -> bool:
+        """Whether chunk ``index``'s part would be packed as it is placed (every chunk before it placed)."""
+        return index == 0 or self._ends[index - 1] is not None
 
     @property
     def size(self) -> int:

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..errors import WeightSyncError
 from .delta import (
     CHUNK_BYTES,
     MAX_THREADS,
@@ -40,8 +42,8 @@ __all__ = ["DeltaBase", "wire_sources"]
 class DeltaBase:
     """The trainer's copy of the newest version's bytes, against which the next version's delta is computed.
 
-    One buffer of the layout's size (host memory, padding zero), and per thread and per word size of the layout room
-    for one chunk's changed positions and values (a position is 4 bytes, beside the value: with 4 MB chunks, up to
+    One buffer of the layout's size (host memory, padding zero), and per thread and per word size of the layout two
+    rooms for one chunk's changed positions and values (a position is 4 bytes, beside the value: with 4 MB chunks, up to
     7.8 MiB for 4-byte words and 17.5 MiB for 1-byte words under ``whole_if_larger``, whose bitmaps hold more changes
     than patches; 8 and 20 MiB without; its pages are taken as changes are written): what deltas cost the trainer
     in memory. :meth:`update` compares the next version with it chunk by
@@ -66,7 +68,7 @@ class DeltaBase:
         self.version: int | None = None
         #: Per chunk, the most changed words a patch of which is smaller than the chunk.
         self._most = {chunk: _most_changes(chunk) for chunk in self.chunks}
-        self._local = threading.local()
+        self._rooms = _Rooms()
         self._views = layout.views(self.buffer)
         self._tracker: WrittenPages | None = open_tracker() if track_writes else None
 
@@ -120,34 +122,44 @@ class DeltaBase:
             return Delta(base, version, [SAME] * len(self.chunks), [0] * len(self.chunks))
         compared = _Comparison(pieces, [offset for offset, _ in pieces], self.buffer.numpy(), whole_if_larger)
         writer = BodyWriter(self.chunks, whole_if_larger, most)
+        threads = min(torch.get_num_threads(), len(self.chunks), MAX_THREADS)
 
         def one(item: tuple[int, Chunk]) -> tuple[int, int]:
             index, chunk = item
+            word = np_word(chunk)
+            changes = self._most[chunk] if whole_if_larger else chunk.words
+            room = self._rooms.take(word, changes + ROOM, 2 * threads, lambda: writer.ready(index))
             try:
-                kind, count, part = self._chunk(chunk, compared)
-                writer.place(index, part)  # (before this thread's next chunk reuses its room)
+                kind, count, part = self._chunk(chunk, compared, room, changes)
+            except BaseException:
+                self._rooms.give(word, room)
+                writer.fail(index)
+                raise
+            try:  # (the room is given back once the part is packed: then the chunk after it may be first)
+                writer.place(index, part, partial(self._rooms.give, word, room))
             except BaseException:
                 writer.fail(index)
                 raise
             return kind, count
 
-        threads = min(torch.get_num_threads(), len(self.chunks), MAX_THREADS)
         # (threads of this call's own: none outlives it, whatever happens to the caller)
         with ThreadPoolExecutor(threads, thread_name_prefix="weightsync-delta") if threads > 1 else _Inline() as pool:
             try:
-                done = list(pool.map(one, enumerate(self.chunks)))
-            except BaseException:  # (an interrupt cancels chunks not started: the threads' waits on them end too)
+                found = list(pool.map(one, enumerate(self.chunks)))
+            except BaseException:  # (an interrupt cancels chunks not started; the parts waiting give their rooms back)
                 writer.fail(-1)
                 raise
         self.version = version
-        kinds, counts = [kind for kind, _ in done], [count for _, count in done]
+        kinds, counts = [kind for kind, _ in found], [count for _, count in found]
         return Delta(base, version, kinds, counts, writer.body(), size=writer.size)
 
-    def _chunk(self, chunk: Chunk, compared: _Comparison) -> tuple[int, int, Part | None]:
+    def _chunk(
+        self, chunk: Chunk, compared: _Comparison, room: tuple[np.ndarray, np.ndarray], most: int
+    ) -> tuple[int, int, Part | None]:
         """Compare ``chunk`` and bring the buffer's bytes there up to date; its kind, count and part of the body
-        (``None``: nothing to send)."""
+        (``None``: nothing to send), whose positions and values are in ``room`` (:meth:`_changes`)."""
         buffer = compared.buffer
-        found = self._changes(chunk, compared)
+        found = self._changes(chunk, compared, room, most)
         if found is None:  # more changed than changes would pay for: the whole chunk
             for offset, data in compared.within(chunk):
                 start, end = max(offset, chunk.start), min(offset + data.size, chunk.end)
@@ -178,13 +190,15 @@ class DeltaBase:
                 out.append((slot.offset + lo, data[lo:hi]))
         return out
 
-    def _changes(self, chunk: Chunk, compared: _Comparison) -> tuple[np.ndarray, np.ndarray] | None:
+    def _changes(
+        self, chunk: Chunk, compared: _Comparison, room: tuple[np.ndarray, np.ndarray], most: int
+    ) -> tuple[np.ndarray, np.ndarray] | None:
         """The positions (in ``chunk.word`` words from its start) and new values of the words that changed in
-        ``chunk``, which the buffer then holds; ``None`` (under ``whole_if_larger``) once so many changed that a
-        patch of them would be larger than the chunk (the buffer there is then partly up to date)."""
+        ``chunk``, written into ``room`` (room for ``most + ROOM`` of them), which the buffer then holds; ``None``
+        once more than ``most`` changed (under ``whole_if_larger``, a patch of them would be larger than the chunk;
+        the buffer there is then partly up to date)."""
         word = np_word(chunk)
-        most = self._most[chunk] if compared.whole_if_larger else chunk.words
-        at, values = self._scratch(word, most + ROOM)
+        at, values = room
         n = 0
         for offset, data in compared.within(chunk):
             start, end = max(offset, chunk.start), min(offset + data.size, chunk.end)
@@ -193,16 +207,7 @@ class DeltaBase:
             n = scan(new, old, (start - chunk.start) // chunk.itemsize, at, values, n, most)
             if n < 0:
                 return None
-        return at[:n], values[:n]  # (this thread's room: packed before its next chunk)
-
-    def _scratch(self, word: np.dtype[Any], words: int) -> tuple[np.ndarray, np.ndarray]:
-        """This thread's room for ``words`` changed positions and values (``word`` values)."""
-        room = getattr(self._local, "room", None)
-        if room is None:
-            room = self._local.room = {}
-        if word not in room or room[word][0].size < words:
-            room[word] = (np.empty(words, dtype=np.int32), np.empty(words, dtype=word))
-        return room[word]
+        return at[:n], values[:n]
 
 
 def _most_changes(chunk: Chunk) -> int:
@@ -237,6 +242,58 @@ class _Comparison:
             if offset + data.size > chunk.start:
                 out.append((offset, data))
         return out
+
+
+class _Rooms:
+    """Room for the changed positions and values of the chunks being compared, per word size: one is taken for a
+    chunk's comparison and given back once its part is packed into the body, which may be after the thread that
+    took it went on to other chunks (the part waits for those before it: :class:`~.delta.BodyWriter`). Up to the
+    limit a take names, rooms are kept from update to update (their pages touched once)."""
+
+    #: Seconds :meth:`take` waits for a room: every one is held by a part waiting for a chunk that another thread
+    #: is comparing (milliseconds' work); past this, that thread is stuck.
+    WAIT_S = 60.0
+
+    def __init__(self) -> None:
+        self._free: dict[np.dtype[Any], list[tuple[np.ndarray, np.ndarray]]] = {}
+        self._made: dict[np.dtype[Any], int] = {}  # (the rooms of each word size not dropped: free or taken)
+        self._kept: dict[np.dtype[Any], int] = {}  # (the limit the last take named)
+        self._given = threading.Condition()
+
+    def take(
+        self, word: np.dtype[Any], words: int, most: int, first: Callable[[], bool]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A room for ``words`` positions and ``word`` values: a free one, or a new one while fewer than ``most``
+        were made, or past that where ``first()`` (the chunk is the first not placed yet: the parts waiting wait
+        for it, and it must not wait for their rooms; a room past ``most`` is dropped when given back).
+
+        Raises:
+            WeightSyncError: none was given back within :data:`WAIT_S`.
+        """
+        with self._given:
+            self._kept[word] = most
+            if not self._given.wait_for(
+                lambda: self._free.get(word) or self._made.get(word, 0) < most or first(), self.WAIT_S
+            ):
+                raise WeightSyncError(
+                    f"no room for a chunk's changes was given back within {self.WAIT_S} s: the comparison of a chunk "
+                    "before it is stuck"
+                )
+            free = self._free.get(word)
+            room = free.pop() if free else None
+            if room is None:
+                self._made[word] = self._made.get(word, 0) + 1
+        if room is None or room[0].size < words:  # (one too small is replaced)
+            room = (np.empty(words, dtype=np.int32), np.empty(words, dtype=word))
+        return room
+
+    def give(self, word: np.dtype[Any], room: tuple[np.ndarray, np.ndarray]) -> None:
+        with self._given:
+            if self._made[word] > self._kept[word]:
+                self._made[word] -= 1
+            else:
+                self._free.setdefault(word, []).append(room)
+            self._given.notify_all()
 
 
 class _Inline:

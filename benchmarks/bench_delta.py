@@ -15,13 +15,20 @@ versions of:
 
 The tensors have the shapes of a Llama (hidden 768, 12 layers, MLP 2048, vocabulary 32000, untied embeddings);
 their values are random.
+
+Each table is measured twice, in a process of its own each: with OpenMP's wait policy as torch has it (its idle
+workers spin for milliseconds after each parallel operation, the memcpy's or a trainer's optimizer step, on cores
+the comparison's threads then share) and with ``OMP_WAIT_POLICY=PASSIVE`` (they sleep at once). ``--policies``
+picks.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -105,9 +112,23 @@ def run(dtype: torch.dtype, shares: list[float], layers: int, repeats: int) -> l
             "apply_ms": median_ms(applies),
             "body_mb": body / 1e6,
         }
-        print(row, flush=True)
+        print(row, file=sys.stderr, flush=True)
         rows.append(row)
     return rows
+
+
+POLICIES = {"default": "torch's default", "passive": "`OMP_WAIT_POLICY=PASSIVE`"}
+
+
+def measured(policy: str, args: argparse.Namespace) -> list[dict]:
+    """The rows, measured in a child process under OpenMP's wait ``policy`` (read when torch loads)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if policy == "passive":
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    command = [sys.executable, __file__, "--rows", "--layers", str(args.layers), "--repeats", str(args.repeats)]
+    command += ["--changed", *map(str, args.changed), "--dtypes", *args.dtypes]
+    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True, timeout=3600).stdout
+    return [{**row, "policy": policy} for row in json.loads(out.splitlines()[-1])]
 
 
 def main() -> None:
@@ -116,17 +137,25 @@ def main() -> None:
     parser.add_argument("--changed", type=float, nargs="*", default=[0.0, 0.001, 0.01, 0.1, 0.5])
     parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--policies", nargs="*", choices=list(POLICIES), default=list(POLICIES))
     parser.add_argument("--write", action="store_true", help="rewrite the delta-cpu section of docs/delta.md")
+    parser.add_argument("--rows", action="store_true", help=argparse.SUPPRESS)  # (a child: its rows as JSON)
     args = parser.parse_args()
+    if args.rows:
+        rows = [
+            row for name in args.dtypes for row in run(getattr(torch, name), args.changed, args.layers, args.repeats)
+        ]
+        print(json.dumps(rows))
+        return
     load = os.getloadavg()[0]
     began = time.perf_counter()
-    rows = [row for name in args.dtypes for row in run(getattr(torch, name), args.changed, args.layers, args.repeats)]
+    rows = [row for policy in args.policies for row in measured(policy, args)]
     lines = [
-        "| dtype | MB | changed | memcpy ms | delta ms | delta / memcpy | body MB | worker apply ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| OpenMP's wait | dtype | MB | changed | memcpy ms | delta ms | delta / memcpy | body MB | worker apply ms |",
+        "|---|---|---|---|---|---|---|---|---|",
         *(
-            f"| {r['dtype']} | {r['mb']:.0f} | {r['share']:.1%} | {r['memcpy_ms']:.1f} | {r['delta_ms']:.1f} | "
-            f"{r['delta_ms'] / r['memcpy_ms']:.2f} | {r['body_mb']:.2f} | {r['apply_ms']:.1f} |"
+            f"| {POLICIES[r['policy']]} | {r['dtype']} | {r['mb']:.0f} | {r['share']:.1%} | {r['memcpy_ms']:.1f} | "
+            f"{r['delta_ms']:.1f} | {r['delta_ms'] / r['memcpy_ms']:.2f} | {r['body_mb']:.2f} | {r['apply_ms']:.1f} |"
             for r in rows
         ),
     ]

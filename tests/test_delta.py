@@ -27,6 +27,7 @@ from weightsync.tensors.delta import (
     PATCH,
     SAME,
     WHOLE,
+    BodyWriter,
     Delta,
     apply_delta,
     body_size,
@@ -166,6 +167,24 @@ def test_a_slow_chunk_does_not_hold_the_others_up_and_its_part_still_goes_first(
     made = sum(base._rooms._made.values())
     assert made <= 4, base._rooms._made
     assert sum(len(free) for free in base._rooms._free.values()) == made
+
+
+def test_after_a_chunk_failed_no_part_waits_and_every_room_is_given_back():
+    """A part waiting for the chunk before it is dropped when a chunk fails, and a chunk placed from then on, even
+    one before the failed chunk, raises at once: no room stays held by a part that nothing will pack."""
+    layout = FlatLayout.from_weights({"w": torch.zeros(4096)})
+    chunks = chunks_of(layout, 4096)
+    assert len(chunks) == 4
+    writer = BodyWriter(chunks, whole_if_larger=True)
+    given: list[int] = []
+    writer.place(2, None, lambda: given.append(2))  # (waits for chunk 1)
+    writer.place(0, None, lambda: given.append(0))  # (packed at once)
+    assert given == [0]
+    writer.fail(3)
+    assert given == [0, 2]
+    with pytest.raises(ws.WeightSyncError, match="chunk 1 of a delta was not packed: chunk 3 failed"):
+        writer.place(1, None, lambda: given.append(1))
+    assert given == [0, 2, 1]
 
 
 def test_the_first_chunk_not_placed_takes_a_room_past_the_limit_and_a_stuck_one_is_named(monkeypatch):

@@ -252,10 +252,10 @@ class BodyWriter:
 
     1) :meth:`place`, once per chunk, from any thread, with what to call once its part is packed (its room is
        free again);
-    2) :meth:`fail`, from the thread of a chunk that could not be compared or packed (the chunks after it raise in
-       :meth:`place`; some may have been written already: the body is not to be used; the parts waiting are
-       dropped, their ``done`` called), or with ``-1`` from the caller when it stops waiting for the threads (an
-       interrupt);
+    2) :meth:`fail`, from the thread of a chunk that could not be compared or packed (the chunks placed after it
+       raise in :meth:`place`; some may have been written already: the body is not to be used; the parts waiting
+       are dropped, their ``done`` called, and none waits from then on), or with ``-1`` from the caller when it
+       stops waiting for the threads (an interrupt);
     3) :meth:`body`, once every chunk was placed.
 
     Room for the largest body is reserved; only the pages written are ever touched.
@@ -289,26 +289,28 @@ class BodyWriter:
         ``index - 1``. ``done()`` is called once it is packed, or dropped.
 
         Raises:
-            WeightSyncError: another chunk failed.
+            WeightSyncError: a chunk failed (:meth:`fail`).
         """
         packs: list[tuple[Part | None, int, Callable[[], None]]] = []
         with self._lock:
-            if self._failed < index:
-                done()
-                raise WeightSyncError(f"chunk {index} of a delta was not packed: chunk {self._failed} failed")
-            if index and self._ends[index - 1] is None:
-                self._waiting[index] = (part, done)
-                return
-            start = 0 if index == 0 else self._ends[index - 1]
-            assert start is not None
-            while True:  # this part, and those in line behind it
-                packs.append((part, start, done))
-                start += 0 if part is None else part_bytes(part)
-                self._ends[index] = start
-                index += 1
-                if index not in self._waiting:
-                    break
-                part, done = self._waiting.pop(index)
+            failed = self._failed if self._failed < len(self._ends) else None  # (the body is not to be used)
+            if failed is None:
+                if index and self._ends[index - 1] is None:
+                    self._waiting[index] = (part, done)
+                    return
+                start = 0 if index == 0 else self._ends[index - 1]
+                assert start is not None
+                while True:  # this part, and those in line behind it
+                    packs.append((part, start, done))
+                    start += 0 if part is None else part_bytes(part)
+                    self._ends[index] = start
+                    index += 1
+                    if index not in self._waiting:
+                        break
+                    part, done = self._waiting.pop(index)
+        if failed is not None:  # (its room given back outside the lock, as every other)
+            done()
+            raise WeightSyncError(f"chunk {index} of a delta was not packed: chunk {failed} failed")
         try:
             for part, start, _ in packs:
                 size = 0 if part is None else part_bytes(part)
@@ -319,7 +321,7 @@ class BodyWriter:
                 done()
 
     def fail(self, index: int) -> None:
-        """Chunk ``index`` failed (``-1``: the whole body): the chunks after it are not placed (:meth:`place`
+        """Chunk ``index`` failed (``-1``: the whole body): the chunks not placed yet are not (:meth:`place`
         raises), and those waiting are dropped."""
         with self._lock:
             self._failed = min(self._failed, index)

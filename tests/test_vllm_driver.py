@@ -673,3 +673,25 @@ def test_a_receivers_failure_during_its_engines_init_waits_for_the_init_whose_er
     assert ("VLLM_ENABLE_V1_MULTIPROCESSING=0" in message) == init_fails
     assert ("no receiver" in message) != init_fails
     assert gate._failures == {} and gate._calls == {}
+
+
+def test_a_receivers_failure_held_during_a_rejoining_engines_init_is_reported_once_it_returned():
+    """The same hold while a replaced engine's init runs (``engines.replace``): once the init returned, the failure
+    held is the core's to know, not left behind for the engine's next update to report."""
+    from weightsync.integrations.vllm.driver import _Gate
+
+    model = build("tiny")
+    core = Reports()
+    gate = _Gate(VLLMEngines([Engine(_spec(model))]), None, core)  # type: ignore[arg-type]
+    gate.inner = type("Inner", (), {"pushes": False})()  # type: ignore[assignment]
+    refused = ws.ReceiverError("ChecksumError", "the version did not match", model_id="policy", worker_idx=0)
+
+    def init_steps(worker: int, initial: bool):
+        def steps(client, left):
+            gate.failed(worker, refused)  # (its receiver's failure, while the init call runs)
+
+        return steps
+
+    gate._init_steps = init_steps  # type: ignore[method-assign]
+    gate.rejoin(0, 5.0)
+    assert core.failures == [refused] and gate._failures == {}

@@ -308,7 +308,10 @@ class _Gate(SenderEngine):
             with self._lock:
                 self._calls.pop(worker, None)
                 held = self._held.pop(worker, None)
-        if held is not None and not self.inner.pushes:  # its receiver's ack of the version it was taken back with
+                failure = self._failures.pop(worker, None)  # (its receiver's, held while the init call ran)
+        if failure is not None:
+            self.core.failed(worker, failure)
+        elif held is not None and not self.inner.pushes:  # its receiver's ack of the version it was taken back with
             # (Ray's: the scheme's rejoin passed it on)
             self.core.acked(worker, held)
 

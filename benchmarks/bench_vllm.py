@@ -42,6 +42,9 @@ TorchRL's scheme and vLLM's reload from disk run from ``benchmarks/_vllm_torchrl
 (Ray, TorchRL's own ``AsyncVLLM`` engine wrapper; see that module for what it took): in this interpreter when
 ``torchrl`` and ``ray`` import, else with the interpreter ``--torchrl-python`` names, else skipped (said so). Their
 engine is started after this process's engine for the size is shut down: no two engines share the 2 cores.
+
+This process, the trainer, lets its idle OpenMP threads sleep (``OMP_WAIT_POLICY=PASSIVE``, unless set), as
+docs/guide.md advises: their spinning after a copy would take a core from the engine.
 """
 
 from __future__ import annotations

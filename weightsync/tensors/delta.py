@@ -283,7 +283,7 @@ class BodyWriter:
         self._failed = len(chunks)  # the first chunk that could not be compared (none)
         self._most = most
 
-    def place(self, index: int, part: Part | None, done: Callable[[], None] = lambda: None) -> None:
+    def place(self, index: int, part: Part | None, done: Callable[[], None]) -> None:
         """Chunk ``index``'s ``part`` (``None``: nothing to send): packed where chunk ``index - 1``'s ends, by this
         thread with the parts waiting behind it if that end is known, else by the thread that places chunk
         ``index - 1``. ``done()`` is called once it is packed, or dropped.

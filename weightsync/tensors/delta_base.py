@@ -120,7 +120,7 @@ class DeltaBase:
         if not pieces:  # nothing written since the last version: no chunk to compare
             self.version = version
             return Delta(base, version, [SAME] * len(self.chunks), [0] * len(self.chunks))
-        compared = _Comparison(pieces, [offset for offset, _ in pieces], self.buffer.numpy(), whole_if_larger)
+        compared = _Comparison(pieces, [offset for offset, _ in pieces], self.buffer.numpy())
         writer = BodyWriter(self.chunks, whole_if_larger, most)
         threads = min(torch.get_num_threads(), len(self.chunks), MAX_THREADS)
 
@@ -225,13 +225,11 @@ def _most_changes(chunk: Chunk) -> int:
 @dataclass(frozen=True)
 class _Comparison:
     """What one :meth:`DeltaBase.update` compares: the new version's tensors as bytes with their offsets in the
-    layout (in layout order), those offsets, the base's buffer, and whether a chunk that changed more than a patch
-    pays for goes whole."""
+    layout (in layout order), those offsets, and the base's buffer."""
 
     pieces: list[tuple[int, np.ndarray]]
     offsets: list[int]
     buffer: np.ndarray
-    whole_if_larger: bool
 
     def within(self, chunk: Chunk) -> list[tuple[int, np.ndarray]]:
         """The pieces with bytes inside ``chunk``."""

@@ -334,6 +334,26 @@ def test_one_pass_finds_every_changed_word_and_stops_past_the_most_it_may_find(w
                     assert np.array_equal(mine, new)
 
 
+@pytest.mark.parametrize("word", [np.uint8, np.int32])
+def test_one_pass_finds_changes_in_runs_of_blocks_and_in_blocks_alone(word):
+    """A block right after one that held a change is looked at word by word without being tested whole first:
+    changes at either end of such blocks, and in blocks alone between unchanged ones, are all found."""
+    per_block = 128 * 8 // np.dtype(word).itemsize  # values of one block of the loop
+    blocks = 40
+    old = np.zeros(blocks * per_block + 5, dtype=word)
+    # blocks 0-5 in a run, then 7, 9 and 10, then 20 and the tail; first, last and middle words of each
+    changed = [0, 1, 2, 3, 4, 5, 7, 9, 10, 20]
+    where = sorted({b * per_block + off for b in changed for off in (0, per_block // 2, per_block - 1)})
+    where += [blocks * per_block + 4]
+    new = old.copy()
+    new[where] = 1
+    at, values = np.empty(len(where) + ROOM, np.int32), np.empty(len(where) + ROOM, word)
+    mine = old.copy()
+    n = scan(new, mine, 0, at, values, 0, len(where))
+    assert n == len(where) and at[:n].tolist() == where and (values[:n] == 1).all()
+    assert np.array_equal(mine, new)
+
+
 def test_the_loops_compile_where_numba_has_nowhere_to_cache_them():
     """A read-only install with no writable home: numba refuses to cache, and the loops are compiled in the
     process instead (in a process of its own: numba's locators are changed for the test)."""

@@ -733,16 +733,29 @@ def test_a_bitmap_that_marks_other_words_than_its_count_is_refused_before_anythi
 
 
 @pytest.mark.parametrize(
-    "kw",
-    [{}, {"delta": False}, {"delta": False, "bucket_mb": 0.0003}],
-    ids=["changes", "whole", "whole-in-buckets"],
+    ("kw", "inline"),
+    [({}, True), ({"delta": False}, True), ({"delta": False}, False), ({"delta": False, "bucket_mb": 0.0003}, False)],
+    ids=["changes", "whole-small", "whole-digest-after", "whole-in-buckets"],
 )
-def test_bytes_that_are_not_the_senders_are_refused_and_the_model_kept(monkeypatch, kw):
-    # Over `distributed` the keyed digest of changes travels in their sealed announcement, that of a whole version
-    # follows its bytes: bytes altered on the wire (or sent by a process that is not the trainer) do not hash to it.
+def test_bytes_that_are_not_the_senders_are_refused_and_the_model_kept(monkeypatch, kw, inline):
+    # Over `distributed` the keyed digest of changes, and of a small whole version, travels in their sealed
+    # announcement; that of a larger version follows its bytes (`inline=False`: every version is larger): bytes
+    # altered on the wire (or sent by a process that is not the trainer) do not hash to it.
+    from weightsync.transports.distributed import sender
     from weightsync.transports.distributed.messages import checked_announcement
     from weightsync.transports.distributed.transport import DistributedTransport
 
+    if not inline:
+        monkeypatch.setattr(sender, "INLINE_DIGEST_BYTES", -1)
+    said_digests = []  # the digest each announcement carries (the initial weights have none: they are not announced)
+    announce = DistributedTransport.announce
+
+    def noted(self, *args, **kw):
+        if not kw.get("initial"):
+            said_digests.append(kw.get("digest"))
+        return announce(self, *args, **kw)
+
+    monkeypatch.setattr(DistributedTransport, "announce", noted)
     model, scheme, (worker,) = _connected(1, **kw)
     send_part = DistributedTransport.send_part
 
@@ -766,6 +779,8 @@ def test_bytes_that_are_not_the_senders_are_refused_and_the_model_kept(monkeypat
     finally:
         worker.stop()
         scheme.shutdown()
-    said = b'{"version": 3, "nonce": "ab", "mac": "aes-gmac", "digest": "00"}'  # a digest with no changes to check
+    assert said_digests and all((d is not None) == inline for d in said_digests)
+    said = b'{"version": 3, "nonce": "ab", "mac": "aes-gmac", "digest": 7}'  # a digest that is no string
     with pytest.raises(ws.TransportError, match="no announcement a sender makes"):
         checked_announcement(said, "msg/0/3")
+    assert checked_announcement(said.replace(b"7", b'"00"'), "msg/0/3")["digest"] == "00"

@@ -224,13 +224,18 @@ def test_a_cpu_worker_switches_to_the_buffer_each_update_arrived_in_unless_its_s
         scheme.shutdown()
 
 
-def test_an_update_that_fails_to_apply_leaves_a_switched_model_as_it_was():
-    # The refused update arrived in the buffer the model does not read: nothing of it shows in the model.
+def _one_worker_here():
+    """A scheme of one worker (``sync=False``), its receiver in this process: (model, scheme, replica, receiver)."""
     model = build("tiny")
     scheme = _scheme(sync=False)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
     replica = build("tiny")
-    receiver = in_process_receiver(scheme, replica)
+    return model, scheme, replica, in_process_receiver(scheme, replica)
+
+
+def test_an_update_that_fails_to_apply_leaves_a_switched_model_as_it_was():
+    # The refused update arrived in the buffer the model does not read: nothing of it shows in the model.
+    model, scheme, replica, receiver = _one_worker_here()
     try:
         optimizer_step(model, 1)
         scheme.send_async()
@@ -247,6 +252,39 @@ def test_an_update_that_fails_to_apply_leaves_a_switched_model_as_it_was():
         after = replica.state_dict()
         assert all(torch.equal(after[k], v) for k, v in before.items())
         assert receiver.version == 1
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["digest-announced", "digest-after"])
+def test_a_small_versions_digest_is_announced_and_its_worker_asks_the_store_nothing_after_the_bytes(small, monkeypatch):
+    """A version of at most ``INLINE_DIGEST_BYTES`` is hashed before it is announced, its keyed digest sealed in the
+    announcement: the worker reads no digest from the store, and asks for the drop word only of bytes that fail it.
+    A larger one's digest follows its bytes, in the store, and the drop word is asked of every version."""
+    from weightsync.transports.distributed import sender as sender_module
+    from weightsync.transports.distributed.transport import DistributedTransport
+
+    if not small:
+        monkeypatch.setattr(sender_module, "INLINE_DIGEST_BYTES", -1)
+    asked: list[str] = []
+    for name in ("was_dropped", "expected_digest"):
+        real = getattr(DistributedTransport, name)
+        monkeypatch.setattr(
+            DistributedTransport,
+            name,
+            lambda self, *a, _real=real, _name=name, **k: asked.append(_name) or _real(self, *a, **k),
+        )
+    model, scheme, replica, receiver = _one_worker_here()
+    try:
+        asked.clear()  # (the initial weights' digest always follows them)
+        for step in (1, 2, 3):
+            optimizer_step(model, step)
+            scheme.send_async()
+            assert receiver.receive(timeout=10) is not None
+            scheme.wait_async()
+            assert checksum(replica) == checksum(model)
+        assert asked == ([] if small else ["was_dropped", "expected_digest"] * 3)
     finally:
         receiver.shutdown()
         scheme.shutdown()

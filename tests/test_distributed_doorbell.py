@@ -123,6 +123,45 @@ def test_a_lost_ring_only_delays_the_worker_to_its_next_look(monkeypatch):
         scheme.shutdown()
 
 
+class _CountingStore:
+    """A worker's store, counting its looks for an announcement (every other call passes through)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store, self.looks = store, 0
+
+    def check(self, keys: list[str]) -> bool:
+        self.looks += any(key.startswith("msg/") for key in keys)
+        return self._store.check(keys)
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+def test_a_polling_worker_looks_for_a_newer_version_only_after_a_ring_or_a_while(monkeypatch):
+    """``receive(timeout=0)`` looks in the store for the next announcement only if the doorbell rang since the last
+    look, or ``LOOK_AGAIN_S`` went by: a ring a stranger took away delays a polling worker that long, no longer."""
+    monkeypatch.setattr(transport_module, "LOOK_AGAIN_S", 3600.0)
+    model, scheme, replica, receiver = _pair()
+    try:
+        _send_while_receiving(model, scheme, replica, receiver, 1)
+        transport = _transport(receiver)
+        counting = transport.link.store = _CountingStore(transport.link.store)
+        for _ in range(5):
+            assert receiver.receive(timeout=0) is None
+        assert counting.looks == 0
+        monkeypatch.setattr(transport_module, "ring", lambda *args, **kwargs: None)  # a stranger took the ring
+        optimizer_step(model, 2)
+        scheme.send_async()
+        assert receiver.receive(timeout=0) is None and counting.looks == 0
+        monkeypatch.setattr(transport_module, "LOOK_AGAIN_S", 0.0)  # ... until LOOK_AGAIN_S went by
+        assert receiver.receive(timeout=0) is not None and counting.looks >= 1
+        scheme.wait_async()
+        assert receiver.version == 2 and checksum(replica) == checksum(model)
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
 @pytest.mark.parametrize("what", [b"", b"garbage \xff" * 100, doorbell.LAST], ids=["empty", "garbage", "last"])
 def test_a_strangers_rings_make_the_worker_apply_nothing(what, monkeypatch):
     """Rings from a client without the key wake the worker; it looks, finds no sealed announcement and applies

@@ -180,28 +180,38 @@ class PayloadMac:
     def __init__(
         self, key: bytes, prefix: str, layout_tag: bytes, buffer: torch.Tensor, version: int, nonce: str, alg: str
     ) -> None:
+        if alg == "aes-gmac" and _gcm is None:
+            raise ConfigurationError(
+                "the sender authenticates updates with AES-GMAC, from the cryptography package: "
+                "pip install cryptography"
+            )
+        if alg not in MACS:
+            raise TransportError(f"unknown MAC {alg[:40]!r} named by the sender")
         flat = buffer.detach().reshape(-1)
-        self._buffer, self.nbytes = flat, flat.numel()
-        said = _framed(prefix.encode(), str(version).encode(), nonce.encode(), layout_tag, str(self.nbytes).encode())
-        once = hmac.new(key, _PAYLOAD_TAG + said, hashlib.sha256).digest()
-        if alg == "aes-gmac":
-            if _gcm is None:
-                raise ConfigurationError(
-                    "the sender authenticates updates with AES-GMAC, from the cryptography package: "
-                    "pip install cryptography"
-                )
-            self._state: Any = _gcm(once, _GMAC_NONCE)
+        self._buffer, self.nbytes, self._alg = flat, flat.numel(), alg
+        size = str(self.nbytes).encode()
+        self._said = _framed(prefix.encode(), str(version).encode(), nonce.encode(), layout_tag, size)
+        self._key = key
+        self._state: Any = None  # made by begin()
+        self._next = 0  # the first byte not yet hashed
+
+    def begin(self) -> None:
+        """Derive the one-time key and start the MAC (done by the first :meth:`ready` otherwise): a worker does it
+        once its receives are posted, while the bytes are on their way."""
+        if self._state is not None:
+            return
+        once = hmac.new(self._key, _PAYLOAD_TAG + self._said, hashlib.sha256).digest()
+        if self._alg == "aes-gmac":
+            assert _gcm is not None  # (checked in the constructor)
+            self._state = _gcm(once, _GMAC_NONCE)
             self._update = self._state.authenticate_additional_data
-        elif alg == "hmac-sha256":
+        else:
             self._state = hmac.new(once, digestmod=hashlib.sha256)
             self._update = self._state.update
-        else:
-            raise TransportError(f"unknown MAC {alg[:40]!r} named by the sender")
-        self._alg = alg
-        self._next = 0  # the first byte not yet hashed
 
     def ready(self, upto: int) -> None:
         """Bytes ``[0, upto)`` are final: hash those not hashed yet (hashlib and cryptography release the GIL)."""
+        self.begin()
         if upto <= self._next:
             return
         part = self._buffer[self._next : upto]

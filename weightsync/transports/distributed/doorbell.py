@@ -1,4 +1,4 @@
-"""A worker's doorbell: the sender rings it right after it announces a message in the store, so that a worker
+"""A worker's doorbell: the sender rings it with each message it announces in the store, so that a worker
 waiting for the next announcement looks at once instead of polling the store on a back-off.
 
 A ring is a push to a queue of the store (``bell/<worker>``, under the transport's prefix). A thread of the

@@ -22,13 +22,14 @@ def announcement(
     digest: str | None = None,
 ) -> dict[str, Any]:
     """What a sender says of message ``version``: its one-time key ``nonce`` and ``mac``; ``delta``: the description
-    of the changes its one part holds, and ``digest`` their keyed digest (known before they are sent: the worker
-    needs no other word to check them); ``taken``: the worker is to say when it took it."""
+    of the changes its one part holds; ``digest``: the keyed digest of what it sends (the changes, or a small
+    version hashed before it was announced): known before the bytes are sent, the worker needs no other word to
+    check them; ``taken``: the worker is to say when it took it."""
     said: dict[str, Any] = {"version": version, "nonce": nonce, "mac": mac}
     if delta is not None:
         said["delta"] = delta
-        if digest is not None:
-            said["digest"] = digest
+    if digest is not None:
+        said["digest"] = digest
     if taken:
         said["taken"] = True
     return said
@@ -46,7 +47,7 @@ def checked_announcement(content: bytes, key: str, **where: Any) -> dict[str, An
     if (
         set(msg) - {"delta", "taken", "digest"} == {"version", "nonce", "mac"}
         and isinstance(msg.get("delta", {}), dict)
-        and ("digest" not in msg or ("delta" in msg and isinstance(msg["digest"], str) and len(msg["digest"]) <= 128))
+        and ("digest" not in msg or (isinstance(msg["digest"], str) and len(msg["digest"]) <= 128))
         and msg.get("taken", True) is True
         and type(version) is int
         and version >= 0

@@ -339,10 +339,16 @@ class DistributedReceiver(ReceiverEngine):
             else:
                 mac = self.sealer.payload_mac(self._layout_tag, delta.body, version, msg["nonce"], msg["mac"])
                 transport.receive_into([delta.body] if delta.nbytes else [], self.update_timeout, version, mac)
-            if self._dropped_meanwhile():
+            # Bytes that check against a digest sealed in their announcement are that version's, whatever happened
+            # since; only bytes that do not (or whose digest is still to come) may be a reused buffer's, sent to a
+            # worker the sender dropped meanwhile. Asking the store costs a round trip: asked only then.
+            said = msg.get("digest")
+            refusal = None if said is None else self._verify(mac, transport.seq, version, self.update_timeout, said)
+            if (said is None or refusal is not None) and self._dropped_meanwhile():
                 return self._rejoin(max(remaining(deadline), self.update_timeout))
             seqs.append(transport.seq)
-            refusal = self._verify(mac, transport.seq, version, self.update_timeout, msg.get("digest"))
+            if said is None:
+                refusal = self._verify(mac, transport.seq, version, self.update_timeout)
             self._say_taken = bool(msg.get("taken"))  # (said once ready: a driver waits for it to pause for the load)
             if not newest or refusal is not None:
                 break

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
 from ...errors import TransportError, WeightSyncError, first_line
+from ..processes import process_is_gone
 from ..store import connect_store, store_count, store_json, store_set
 from .auth import Sealer, proven
+from .group import gpu_identity
 
-__all__ = ["NO_WHOLE_VERSION", "UNPROVEN", "RejoinRequests", "read_hello"]
+__all__ = ["NO_WHOLE_VERSION", "UNPROVEN", "RejoinRequests", "place_taken", "read_hello"]
 
 log = logging.getLogger("weightsync.transports.distributed")
 
@@ -49,6 +52,32 @@ def read_hello(store: dist.Store, key: str, key_bytes: bytes, w: int, gen: int) 
     ):
         return {}, f"store key {key!r} is not a hello a worker writes"
     return hello, None
+
+
+def place_taken(
+    w: int,
+    hello: dict[str, Any],
+    hellos: dict[int, dict[str, Any]],
+    is_dead: Callable[[int], bool],
+    model_id: str | None,
+) -> str | None:
+    """Why a new process of worker ``w`` (its ``hello``) may not take the worker's place, by what every worker said
+    when it last joined (``hellos``): its earlier process is alive, or its GPU is another rank's (NCCL needs one GPU
+    per rank). ``None``: it may (with a warning if it comes from another machine, where its earlier process cannot
+    be looked at)."""
+    earlier = hellos.get(w, {}).get("process")
+    gone = True if is_dead(w) else process_is_gone(earlier)
+    if gone is False:
+        return f"worker {w} is already connected (its process {earlier['pid']} is alive)"  # type: ignore[index]
+    if gone is None:
+        log.warning("model %r: worker %d connected again from another machine; it replaces the earlier process",
+                    model_id, w)  # fmt: skip
+    gpu = hello.get("gpu")
+    if gpu is not None:
+        live = {v.get("gpu") for u, v in hellos.items() if u != w and not is_dead(u)}
+        if gpu == gpu_identity() or gpu in live:
+            return f"its GPU {gpu} is already used by another rank, and NCCL needs one GPU per rank"
+    return None
 
 
 class RejoinRequests:

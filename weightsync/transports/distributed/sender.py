@@ -39,13 +39,12 @@ from ...errors import (
 from ...tensors.copies import copy_tensors, write_into
 from ...tensors.layout import FlatLayout
 from ..keyfiles import KEY_BYTES, key_name, remove_key_file, write_key_file
-from ..processes import process_is_gone
 from ..staging import Staging, StagingPool
 from ..store import open_store, store_set
 from .auth import MAC, Sealer, layout_tag, new_nonce, run_prefix
 from .group import gpu_identity, new_group_within
 from .messages import announcement
-from .rejoins import NO_WHOLE_VERSION, RejoinRequests, read_hello
+from .rejoins import NO_WHOLE_VERSION, RejoinRequests, place_taken, read_hello
 from .settings import DistributedSettings
 from .transport import ACK_OK, DistributedTransport, Link
 
@@ -61,6 +60,10 @@ CLOSE_WAIT_S = 5.0
 #: Seconds between two looks at the store while workers join, or ask to rejoin.
 STORE_POLL_S = 0.01
 REJOIN_POLL_S = 0.05
+#: A version of at most this many bytes is hashed before it is announced, its digest in the announcement (a few
+#: hundred microseconds of hashing at most, against a store round trip per worker); a larger one is hashed while
+#: gloo sends it, its digest set in the store once the last bucket is out.
+INLINE_DIGEST_BYTES = 4 << 20
 
 
 class DistributedSender(SenderEngine):
@@ -222,13 +225,23 @@ class DistributedSender(SenderEngine):
 
     def submit(self, out: Outgoing, staging: Staging) -> None:
         changed = set(out.delta_workers) if out.delta is not None else set()
+        whole = [w for w in out.workers if w not in changed]
+        if staging.views is None:
+            staging.views = self.layout.views(staging.tensor)
+        mac = self.sealer.payload_mac(self.layout_tag, staging.tensor, out.version, self._nonce, MAC)
+        # A small version is staged and hashed before any worker hears of it: its digest rides in the sealed
+        # announcement, which spares each worker the store's round trips to read it, and the workers wake to a
+        # trainer with nothing left to do but send (on a host with few cores, they would take the cores it copies on).
+        said_digest = None
+        if whole and not out.initial and self.layout.nbytes <= INLINE_DIGEST_BYTES:
+            for bucket in self.buckets:
+                self._stage_bucket(out, staging, bucket)
+            said_digest = mac.hexdigest()
         sending = []
-        for w in out.workers:
-            if w in changed:
-                continue
+        for w in whole:
             try:
                 self.transports[w].announce(
-                    out.version, self._nonce, MAC, initial=out.initial, taken=self.reports_taken
+                    out.version, self._nonce, MAC, initial=out.initial, taken=self.reports_taken, digest=said_digest
                 )
             except RuntimeError as exc:  # the store or the peer is gone
                 self._gone(w, exc)
@@ -242,14 +255,10 @@ class DistributedSender(SenderEngine):
                 return
         # Bucket by bucket: while gloo sends one, the next is copied into the staging buffer (also where only
         # changes were sent: a worker that rejoins is sent the newest version from there).
-        if staging.views is None:
-            staging.views = self.layout.views(staging.tensor)
-        mac = self.sealer.payload_mac(self.layout_tag, staging.tensor, out.version, self._nonce, MAC)
-        for first, last, start, end in self.buckets:
-            if out.whole is not None:  # flatten_sender: the bucket's bytes already lie in one buffer, in place
-                copy_tensors([staging.tensor[start:end]], [out.whole[start:end]])
-            else:
-                write_into({s.key: staging.views[s.key] for s in self.layout.slots[first:last]}, out.flat)
+        for bucket in self.buckets:
+            start, end = bucket[2], bucket[3]
+            if said_digest is None:
+                self._stage_bucket(out, staging, bucket)
             for w in list(sending):
                 try:
                     staging.readers[w].append(self.transports[w].send_part(staging.tensor[start:end]))
@@ -257,9 +266,9 @@ class DistributedSender(SenderEngine):
                     self._gone(w, exc)
                     sending.remove(w)
             mac.ready(end)  # hashed while gloo's thread sends the bucket
-        payload_digest = mac.hexdigest()
+        payload_digest = mac.hexdigest() if said_digest is None else said_digest
         # Every worker's digest first: each worker waits for its own to check the bytes, and waits on nothing else.
-        for w in list(sending):
+        for w in list(sending) if said_digest is None else []:
             try:
                 self.transports[w].set_digest(payload_digest, out.version)  # the workers check it before applying
             except RuntimeError as exc:  # the store is gone
@@ -272,6 +281,15 @@ class DistributedSender(SenderEngine):
                 self._gone(w, exc)
         self.newest = (staging, out.version, payload_digest, self._nonce)  # what a worker that rejoins is sent
         self._unstaged = None
+
+    def _stage_bucket(self, out: Outgoing, staging: Staging, bucket: tuple[int, int, int, int]) -> None:
+        """Copy one bucket of version ``out`` into ``staging`` (``bucket``: its first and last slot, its bytes)."""
+        first, last, start, end = bucket
+        if out.whole is not None:  # flatten_sender: the bucket's bytes already lie in one buffer, in place
+            copy_tensors([staging.tensor[start:end]], [out.whole[start:end]])
+        else:
+            assert staging.views is not None
+            write_into({s.key: staging.views[s.key] for s in self.layout.slots[first:last]}, out.flat)
 
     def _send_changes(self, out: Outgoing, workers: list[int], staging: Staging) -> None:
         """Send ``out.delta`` to ``workers`` (they hold its base): announced with its description and the keyed
@@ -412,22 +430,7 @@ class DistributedSender(SenderEngine):
             return f"{hello.get('type', 'Error')}: {hello.get('message', '')}"
         if self.newest is None and self._unstaged is None:  # (admit() looks again, under the core's lock)
             return NO_WHOLE_VERSION
-        earlier = self.hellos.get(w, {}).get("process")
-        gone = True if self.sink.is_dead(w) else process_is_gone(earlier)
-        if gone is False:
-            return f"worker {w} is already connected (its process {earlier['pid']} is alive)"  # type: ignore[index]
-        if gone is None:
-            log.warning(
-                "model %r: worker %d connected again from another machine; it replaces the earlier process",
-                self.sink.model_id,
-                w,
-            )
-        gpu = hello.get("gpu")
-        if gpu is not None:
-            live = {v.get("gpu") for u, v in self.hellos.items() if u != w and not self.sink.is_dead(u)}
-            if gpu == gpu_identity() or gpu in live:
-                return f"its GPU {gpu} is already used by another rank, and NCCL needs one GPU per rank"
-        return None
+        return place_taken(w, hello, self.hellos, self.sink.is_dead, self.sink.model_id)
 
     def admit(self, candidate: tuple[int, int, dict[str, Any], Any, dist.Store]) -> tuple[int, int] | None:
         """Make the rejoined worker's transport current and send it the newest version published (the bytes

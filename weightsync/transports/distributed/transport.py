@@ -131,6 +131,7 @@ class DistributedTransport(PeerTransport):
         self._waiter: Waiter | None = None
         self.bell = bell
         self._spent: list[str] = []  # on a worker: keys read and not deleted yet (:meth:`sweep`)
+        self._looked = (-1, 0.0)  # on a worker: the doorbell's count at its last look for a message, and when
 
     def _group(self) -> tuple[Any, dist.Store]:
         if self.link.pg is None or self.link.store is None:
@@ -184,8 +185,9 @@ class DistributedTransport(PeerTransport):
         The initial weights are sent without an announcement: the worker is in ``connect()`` waiting for
         exactly them (their version, ``nonce`` and ``mac`` are in the store's ``initial``). ``nonce`` and ``mac``:
         the message's one-time key and MAC (:class:`~.auth.PayloadMac`). ``delta``: the message is the changes
-        this description says (:meth:`~weightsync.tensors.delta.Delta.to_plain`), its body the one part, whose keyed
-        digest is ``digest`` (sealed in the announcement: no :meth:`set_digest` follows).
+        this description says (:meth:`~weightsync.tensors.delta.Delta.to_plain`), its body the one part.
+        ``digest``: the keyed digest of the message's bytes, known before they are sent (the changes, or a small
+        version): sealed in the announcement, no :meth:`set_digest` follows.
         ``taken``: the worker says when it took the message (:meth:`say_taken`; a driver waits for that).
         """
         _, store = self._group()
@@ -193,8 +195,8 @@ class DistributedTransport(PeerTransport):
         if not initial:
             key = f"msg/{self.worker_idx}/{seq}"
             sealed = self.sealer.seal(key, json.dumps(announcement(version, nonce, mac, delta, taken, digest)))
-            store_set(store, key, sealed)
             ring(store, self.bell_key, said=sealed)  # a worker waiting for it takes it now (checked as the key's)
+            store_set(store, key, sealed)  # where it looks if a stranger took the ring away
         self.seq = seq
         if self._waiter is None:
             self._waiter = Waiter(f"weightsync-{self.model_id}-rank{self.rank}")
@@ -339,6 +341,9 @@ class DistributedTransport(PeerTransport):
                 rang = self.bell.rings if self.bell is not None else 0  # counted before the look: none is missed
                 # The copy the sender's ring carried, if one did and it opens under this key.
                 raw = self.bell.take(lambda said: self.sealer.open(said, key)) if self.bell is not None else None
+                if raw is None and timeout <= 0 and self._no_ring_since_looked(rang):
+                    return None
+                self._looked = (rang, time.monotonic())  # every ring counted so far was looked past
                 if raw is not None:
                     break
                 if store.check([key]):
@@ -358,6 +363,14 @@ class DistributedTransport(PeerTransport):
         self.seq += 1
         return msg
 
+    def _no_ring_since_looked(self, rang: int) -> bool:
+        """Whether a look in the store for the next message can be skipped: the bell listens and has not rung since
+        the last look, under :data:`LOOK_AGAIN_S` ago (a ring a stranger took away delays its message that long)."""
+        if self.bell is None or self.bell.ended is not None:
+            return False
+        count, when = self._looked
+        return rang == count and time.monotonic() - when < LOOK_AGAIN_S
+
     def hang_up(self) -> None:
         """Stop listening for the doorbell (the worker closes, or rejoined through a new transport)."""
         if self.bell is not None:
@@ -374,6 +387,8 @@ class DistributedTransport(PeerTransport):
         arrived = 0
         try:
             works = [pg.recv([part], 0, TAG_DATA) for part in parts]  # posted at once: parts arrive in order
+            if mac is not None:
+                mac.begin()  # while the first part is on its way
             for part, work in zip(parts, works):
                 work.wait(as_timedelta(max(remaining(deadline), 0.001)))
                 arrived += part.numel()
@@ -394,8 +409,9 @@ class DistributedTransport(PeerTransport):
             log.debug("could not say message %d was taken: %s", self.seq, first_line(exc))
 
     def was_dropped(self) -> bool:
-        """Whether the sender dropped this worker: asked once a message arrived whole, so that bytes sent from a
-        buffer the sender reused after dropping it are never applied."""
+        """Whether the sender dropped this worker: asked once a message arrived whole (unless its bytes check against
+        the digest sealed in its announcement), so that bytes sent from a buffer the sender reused after dropping it
+        are never applied."""
         key = f"dropped/{self.worker_idx}"
         try:
             if not self.store.check([key]):

@@ -63,6 +63,9 @@ class _Gmac:
 class _NoMac:
     """Stands for :class:`~weightsync.transports.distributed.auth.PayloadMac` where the MAC is left out."""
 
+    def begin(self) -> None:
+        return None
+
     def ready(self, upto: int) -> None:
         return None
 

@@ -742,6 +742,7 @@ def test_bytes_that_are_not_the_senders_are_refused_and_the_model_kept(monkeypat
     # announcement; that of a larger version follows its bytes (`inline=False`: every version is larger): bytes
     # altered on the wire (or sent by a process that is not the trainer) do not hash to it.
     from weightsync.transports.distributed import sender
+    from weightsync.transports.distributed.line import Line
     from weightsync.transports.distributed.messages import checked_announcement
     from weightsync.transports.distributed.transport import DistributedTransport
 
@@ -765,12 +766,22 @@ def test_bytes_that_are_not_the_senders_are_refused_and_the_model_kept(monkeypat
             part[-1] ^= 0x01
         return send_part(self, part)
 
+    write = Line.write
+
+    def altered_on_the_line(self, chunks):  # (a small whole version's bytes follow its announcement there)
+        if len(chunks) == 3:
+            body = bytearray(memoryview(chunks[2]).cast("B"))
+            body[-1] ^= 0x01
+            chunks = [*chunks[:2], body]
+        return write(self, chunks)
+
     try:
         _sparse_step(model, 1)
         scheme.send()
         held = _flat_bytes(worker.model)
         _sparse_step(model, 2)
         monkeypatch.setattr(DistributedTransport, "send_part", altered)
+        monkeypatch.setattr(Line, "write", altered_on_the_line)
         with pytest.raises(ws.WeightSyncError, match="keyed digest"):
             scheme.send()
         assert worker.scheme.version == 1 and torch.equal(_flat_bytes(worker.model), held)

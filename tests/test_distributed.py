@@ -69,24 +69,33 @@ def test_async_sends_are_received_in_order_or_coalesced(workers, latest_wins):
     scheme.shutdown()
 
 
-def test_stalled_worker_holds_the_staging_buffers_then_the_send_times_out_sending_nothing(workers):
+@pytest.mark.parametrize("on", ["group", "line"])
+def test_stalled_worker_holds_the_staging_buffers_then_the_send_times_out_sending_nothing(workers, monkeypatch, on):
+    """Over the group, the first version's bytes wait for the worker; on its line, the kernel takes versions until
+    its buffers are full, and then the next send finds no buffer free."""
     import os
     import signal
 
+    from weightsync.transports.distributed import sender
+
+    if on == "group":
+        monkeypatch.setattr(sender, "INLINE_DIGEST_BYTES", -1)  # 1 MB goes over the group, not on the line
     model = build("flat4")
     scheme = ws.DistributedWeightSyncScheme(timeout=1.0, connect_timeout=60, sync=False, max_buffers=1)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
     group, _ = start(workers, {"policy": scheme}, {"policy": "flat4"}, n=1)
     os.kill(group.procs[0].pid, signal.SIGSTOP)
     try:
-        scheme.send_async()  # version 1: 1 MB on the wire, never taken
+        sent = 0
         with pytest.raises(ws.SyncTimeoutError, match="have not taken earlier versions"):
-            scheme.send_async()
-        assert scheme.version == 1
+            for _ in range(64):  # 64 MB: more than any socket buffers
+                scheme.send_async()  # 1 MB on the wire, never taken
+                sent += 1
+        assert scheme.version == sent and (sent == 1 if on == "group" else sent >= 1)
     finally:
         os.kill(group.procs[0].pid, signal.SIGCONT)
     scheme.wait_async(timeout=20)
-    assert scheme.acked_versions == {0: 1}
+    assert scheme.acked_versions == {0: sent}
     group.stop()
     scheme.shutdown()
 

@@ -2,7 +2,9 @@
 pushes with each announcement, carrying a copy of it), not on a polling back-off; what a ring carries is taken only
 once it opens with the run key under the key the worker expects.
 
-In-process receivers on a real TCP store and gloo group on 127.0.0.1.
+A worker reaches its sender through its doorbell where it has no line to it (``distributed/line.py``: one that did
+not come up, or a worker that rejoined): here, none comes up. In-process receivers on a real TCP store and gloo
+group on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -15,8 +17,14 @@ import torch.distributed as dist
 import weightsync as ws
 from tests._bodies import optimizer_step
 from tests._workers import build, checksum, in_process_receiver
-from weightsync.transports.distributed import doorbell
+from weightsync.transports.distributed import doorbell, worker_side
+from weightsync.transports.distributed import receiver as receiver_module
 from weightsync.transports.distributed import transport as transport_module
+
+
+@pytest.fixture(autouse=True)
+def _no_line(monkeypatch):
+    monkeypatch.setattr(receiver_module.DistributedReceiver, "_dial", lambda self, store, deadline: None)
 
 
 def _pair():
@@ -98,7 +106,7 @@ def _send_once_waiting(model, scheme, replica, receiver, waiting: threading.Even
 
 def test_a_waiting_worker_wakes_at_the_doorbell(monkeypatch):
     # No periodic look within the receive's timeout: the worker looks again only when a ring ends its wait.
-    monkeypatch.setattr(transport_module, "LOOK_AGAIN_S", 3600.0)
+    monkeypatch.setattr(worker_side, "LOOK_AGAIN_S", 3600.0)
     woken_by_ring: list[bool] = []
     waiting = _when_waiting(monkeypatch, woken_by_ring)
     model, scheme, replica, receiver = _pair()
@@ -140,7 +148,7 @@ class _CountingStore:
 def test_a_polling_worker_looks_for_a_newer_version_only_after_a_ring_or_a_while(monkeypatch):
     """``receive(timeout=0)`` looks in the store for the next announcement only if the doorbell rang since the last
     look, or ``LOOK_AGAIN_S`` went by: a ring a stranger took away delays a polling worker that long, no longer."""
-    monkeypatch.setattr(transport_module, "LOOK_AGAIN_S", 3600.0)
+    monkeypatch.setattr(worker_side, "LOOK_AGAIN_S", 3600.0)
     model, scheme, replica, receiver = _pair()
     try:
         _send_while_receiving(model, scheme, replica, receiver, 1)
@@ -153,7 +161,7 @@ def test_a_polling_worker_looks_for_a_newer_version_only_after_a_ring_or_a_while
         optimizer_step(model, 2)
         scheme.send_async()
         assert receiver.receive(timeout=0) is None and counting.looks == 0
-        monkeypatch.setattr(transport_module, "LOOK_AGAIN_S", 0.0)  # ... until LOOK_AGAIN_S went by
+        monkeypatch.setattr(worker_side, "LOOK_AGAIN_S", 0.0)  # ... until LOOK_AGAIN_S went by
         assert receiver.receive(timeout=0) is not None and counting.looks >= 1
         scheme.wait_async()
         assert receiver.version == 2 and checksum(replica) == checksum(model)
@@ -197,7 +205,7 @@ def test_the_ring_carries_the_announcement_so_the_worker_reads_no_store_key_for_
     monkeypatch.setattr(doorbell.Doorbell, "take", take)
     # The worker looks only when a ring ends its wait (no periodic look), and the sender sends only once the
     # worker waits: its look before waiting cannot find the store's copy before the ring comes.
-    monkeypatch.setattr(transport_module, "LOOK_AGAIN_S", 3600.0)
+    monkeypatch.setattr(worker_side, "LOOK_AGAIN_S", 3600.0)
     waiting = _when_waiting(monkeypatch)
     model, scheme, replica, receiver = _pair()
     try:

@@ -197,6 +197,9 @@ def test_a_stranger_holding_rank_0_makes_the_worker_apply_nothing(monkeypatch):
 def test_bytes_that_are_not_the_senders_are_refused_before_the_model_sees_them(monkeypatch):
     """Whoever sends on rank 0, bytes that do not hash with the run key to the sender's sealed digest are never
     applied: here the sender's own wire carries other bytes than it staged (as a stranger's rank 0 would)."""
+    from weightsync.transports.distributed import sender
+
+    monkeypatch.setattr(sender, "INLINE_DIGEST_BYTES", -1)  # the bytes go over the group (not the worker's line)
     model, scheme, _ = _sender()
     worker = _Worker(scheme)
     try:

@@ -48,6 +48,7 @@ __all__ = [
     "PayloadMac",
     "Sealer",
     "layout_tag",
+    "line_proof",
     "new_nonce",
     "proof",
     "proven",
@@ -59,6 +60,7 @@ _HELLO_TAG = b"weightsync distributed hello\0"
 _SEAL_TAG = b"weightsync distributed sealed store value v1\0"
 _PAYLOAD_TAG = b"weightsync distributed payload one-time key v1\0"
 _ACK_TAG = b"weightsync distributed ack v1\0"
+_LINE_TAG = b"weightsync distributed line v1\0"
 #: The int64 words of an ack's tag (HMAC-SHA256, 32 bytes).
 ACK_TAG_WORDS = 4
 _MAC_HEX = 64  # HMAC-SHA256, in hex
@@ -100,6 +102,12 @@ def proven(key: bytes, worker: int, gen: int, hello: dict[str, Any]) -> bool:
     except (TypeError, ValueError):  # not what a worker writes (json.dumps refused it): no proof
         return False
     return isinstance(given, str) and hmac.compare_digest(given, expected)
+
+
+def line_proof(key: bytes, prefix: str, worker: int, nonce: bytes) -> bytes:
+    """What worker ``worker`` answers the sender's challenge ``nonce`` with, on the line it opens in the run of
+    ``prefix`` (:mod:`.line`): an HMAC-SHA256 the challenge makes good for that one connection."""
+    return hmac.new(key, _LINE_TAG + _framed(prefix.encode(), str(worker).encode(), nonce), hashlib.sha256).digest()
 
 
 class Sealer:

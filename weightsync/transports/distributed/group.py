@@ -16,8 +16,11 @@ from ...errors import ConfigurationError, SyncTimeoutError, TransportError, firs
 from ..network import local_address
 from ..store import as_timedelta
 
-__all__ = ["Waiter", "gpu_identity", "is_timeout", "new_group", "new_group_within"]
+__all__ = ["GROUP_TIMEOUT_FACTOR", "Waiter", "gpu_identity", "is_timeout", "new_group", "new_group_within"]
 
+#: A group's own operation timeout is never less than this many times the scheme's ``timeout``: past it, gloo
+#: disconnects a peer that stalled in the middle of an update.
+GROUP_TIMEOUT_FACTOR = 4
 #: Seconds a caller that gave up on a group's formation waits for gloo's thread to give up too.
 FORMATION_GRACE_S = 2.0
 

@@ -1,5 +1,5 @@
-"""The announcements a ``distributed`` sender writes for a worker (sealed, in the store and on its doorbell), and
-the check a worker makes of one once it opened it: both sides of their shape in one place."""
+"""The announcements a ``distributed`` sender writes for a worker (sealed: in the store and on its doorbell, or on
+its line), and the check a worker makes of one once it opened it: both sides of their shape in one place."""
 
 from __future__ import annotations
 
@@ -20,11 +20,13 @@ def announcement(
     delta: dict[str, Any] | None = None,
     taken: bool = False,
     digest: str | None = None,
+    inline: bool = False,
 ) -> dict[str, Any]:
     """What a sender says of message ``version``: its one-time key ``nonce`` and ``mac``; ``delta``: the description
     of the changes its one part holds; ``digest``: the keyed digest of what it sends (the changes, or a small
     version hashed before it was announced): known before the bytes are sent, the worker needs no other word to
-    check them; ``taken``: the worker is to say when it took it."""
+    check them; ``taken``: the worker is to say when it took it; ``inline``: its bytes follow it on the worker's line
+    (:mod:`.line`), not over the group."""
     said: dict[str, Any] = {"version": version, "nonce": nonce, "mac": mac}
     if delta is not None:
         said["delta"] = delta
@@ -32,6 +34,8 @@ def announcement(
         said["digest"] = digest
     if taken:
         said["taken"] = True
+    if inline:
+        said["inline"] = True
     return said
 
 
@@ -45,10 +49,11 @@ def checked_announcement(content: bytes, key: str, **where: Any) -> dict[str, An
     msg = loads_object(content, f"store key {key!r}", max_bytes=MAX_STORE_JSON)
     version, nonce = msg.get("version"), msg.get("nonce")
     if (
-        set(msg) - {"delta", "taken", "digest"} == {"version", "nonce", "mac"}
+        set(msg) - {"delta", "taken", "digest", "inline"} == {"version", "nonce", "mac"}
         and isinstance(msg.get("delta", {}), dict)
         and ("digest" not in msg or (isinstance(msg["digest"], str) and len(msg["digest"]) <= 128))
         and msg.get("taken", True) is True
+        and msg.get("inline", True) is True
         and type(version) is int
         and version >= 0
         and isinstance(nonce, str)

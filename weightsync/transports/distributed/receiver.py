@@ -36,6 +36,7 @@ from ...errors import (
     ConnectionClosedError,
     SyncTimeoutError,
     TransportError,
+    WeightSyncError,
     first_line,
 )
 from ...tensors.delta import Chunk, Delta, body_size, chunks_of
@@ -46,8 +47,9 @@ from ..processes import process_identity
 from ..store import MAX_STORE_JSON, SILENT_TIMEOUTS, as_timedelta, await_key, connect_store
 from .auth import PayloadMac, Sealer, layout_tag, proof, run_prefix
 from .doorbell import IDLE_S, Doorbell
-from .group import gpu_identity, new_group_within
-from .sender import GROUP_TIMEOUT_FACTOR, REJOIN_POLL_S
+from .group import GROUP_TIMEOUT_FACTOR, gpu_identity, new_group_within
+from .line import Dialing, Line
+from .rejoins import REJOIN_POLL_S
 from .settings import DistributedSettings
 from .transport import MAX_ERROR_TEXT, DistributedTransport, Link
 
@@ -158,10 +160,20 @@ class DistributedReceiver(ReceiverEngine):
             if gen == 1:
                 link = Link(store=store, sealer=self.sealer)
                 store.set(f"hello/{w}", json.dumps({**hello, "proof": proof(self._key, w, gen, hello)}))
-                await_key(store, "verdict", deadline, total, "the sender's rendez-vous with every worker", **where)
-                reason = self._opened_json(store, "verdict").get(str(w))
-                if reason is not None and not isinstance(reason, str):
-                    raise TransportError("store key 'verdict' holds no reason for this worker; refusing it", **where)
+                dialing = self._dial(store, deadline)  # answered while the sender takes lines, before its verdict
+                try:
+                    await_key(store, "verdict", deadline, total, "the sender's rendez-vous with every worker", **where)
+                    verdict = self._opened_json(store, "verdict")
+                    reason = verdict.get(str(w))
+                    if reason is not None and not isinstance(reason, str):
+                        raise TransportError("store key 'verdict' holds no reason for this worker; refuses it", **where)
+                except BaseException:
+                    if dialing is not None:
+                        dialing.cancel()
+                    raise
+                name = f"weightsync-{where['model_id']}-line"
+                taken = isinstance(verdict.get("lines"), list) and w in verdict["lines"]
+                line = dialing.line(taken, lambda s: Line(s, name, update_timeout)) if dialing is not None else None
                 # Every worker joins the group, even one that refused: the group forms only with all of them.
                 link.pg = new_group_within(
                     deadline,
@@ -175,6 +187,7 @@ class DistributedReceiver(ReceiverEngine):
                     **where,
                 )
             else:  # a restart: a two-rank group of its own with the sender, if the sender lets it in
+                line = None
                 link, reason = self._pair(store, gen, hello, deadline)
                 if reason is not None and refusal is None:
                     reason = f"the sender refused this worker: {reason}"
@@ -185,6 +198,8 @@ class DistributedReceiver(ReceiverEngine):
         self._hello = hello
         self._stores = (base, store)
         if refusal is not None:
+            if line is not None:
+                line.close(0.0)
             raise refusal
         self.transport = DistributedTransport(
             w,
@@ -192,7 +207,8 @@ class DistributedReceiver(ReceiverEngine):
             device=self.device,
             timeout=self.update_timeout,
             model_id=where["model_id"],
-            bell=self._doorbell(link, remaining(deadline)),
+            bell=self._doorbell(link, remaining(deadline)) if line is None else None,
+            line=line,
         )
         self.placement = self._placement()
         # A model that takes the buffer an update arrived in leaves the other one for the next update.
@@ -201,6 +217,17 @@ class DistributedReceiver(ReceiverEngine):
             self._views.append(self.layout.views(self._buffers[-1]))
         self._buckets = self.layout.buckets(self.settings.bucket_bytes)
         self._chunks = chunks_of(self.layout)
+
+    def _dial(self, store: dist.Store, deadline: float) -> Dialing | None:
+        """This worker's line to the sender (:mod:`.line`), dialled at the address the sender sealed; ``None``
+        where it named none (the worker is then reached through its doorbell)."""
+        try:
+            at = self._opened_json(store, "line")
+            address = (str(at["host"]), int(at["port"]))
+        except (KeyError, TypeError, ValueError, dist.DistError, WeightSyncError) as exc:
+            log.debug("worker %d: the sender named no line (%s)", self.where["worker_idx"], first_line(exc))
+            return None
+        return Dialing(address, self._key, self.prefix, self.where["worker_idx"], deadline)
 
     def _doorbell(self, link: Link, timeout: float) -> Doorbell:
         """This worker's doorbell in ``link``'s store, on a store client of its own (its thread blocks on it),
@@ -335,10 +362,16 @@ class DistributedReceiver(ReceiverEngine):
             delta = self._delta(msg)
             if delta is None:
                 mac = self._mac(msg)
-                transport.receive_into(self._parts(), self.update_timeout, version, mac)
+                parts = self._parts()
             else:
                 mac = self.sealer.payload_mac(self._layout_tag, delta.body, version, msg["nonce"], msg["mac"])
-                transport.receive_into([delta.body] if delta.nbytes else [], self.update_timeout, version, mac)
+                parts = [delta.body] if delta.nbytes else []
+            try:
+                transport.receive_into(parts, self.update_timeout, version, mac)
+            except ConnectionClosedError:
+                if transport.line is None and self._dropped_meanwhile():  # its line, closed by a sender that dropped it
+                    return self._rejoin(max(remaining(deadline), self.update_timeout))
+                raise
             # Bytes that check against a digest sealed in their announcement are that version's, whatever happened
             # since; only bytes that do not (or whose digest is still to come) may be a reused buffer's, sent to a
             # worker the sender dropped meanwhile. Asking the store costs a round trip: asked only then.

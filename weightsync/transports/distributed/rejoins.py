@@ -6,21 +6,34 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
-from ...errors import TransportError, WeightSyncError, first_line
+from ...core.timing import deadline_after
+from ...errors import SyncTimeoutError, TransportError, WeightSyncError, first_line
+from ...tensors.copies import copy_tensors
 from ..processes import process_is_gone
 from ..store import connect_store, store_count, store_json, store_set
-from .auth import Sealer, proven
-from .group import gpu_identity
+from .auth import MAC, Sealer, new_nonce, proven
+from .group import GROUP_TIMEOUT_FACTOR, gpu_identity, new_group_within
+from .messages import announcement
+from .transport import DistributedTransport
 
-__all__ = ["NO_WHOLE_VERSION", "UNPROVEN", "RejoinRequests", "place_taken", "read_hello"]
+if TYPE_CHECKING:
+    from ...core.engine import Sink
+    from ..staging import Staging, StagingPool
+    from .settings import DistributedSettings
+
+__all__ = ["NO_WHOLE_VERSION", "REJOIN_POLL_S", "UNPROVEN", "Admitting", "RejoinRequests", "place_taken", "read_hello"]
 
 log = logging.getLogger("weightsync.transports.distributed")
 
+#: Seconds between two looks at the store for requests to rejoin (the sender), or for the answer (a worker).
+REJOIN_POLL_S = 0.05
 #: Why a hello without a valid proof is refused.
 UNPROVEN = "the process did not prove it holds the run key (the receiver config's authkey_file)"
 #: Why a worker that rejoins is turned away while the trainer holds no whole copy of the newest version.
@@ -154,3 +167,133 @@ class RejoinRequests:
 
     def close(self) -> None:
         self.store = None
+
+
+class Admitting:
+    """The sender's side of a rejoin (:class:`~.sender.DistributedSender` holds the state it uses): the request
+    read and answered, the two-rank group formed, and the newest version sent as the initial weights."""
+
+    if TYPE_CHECKING:
+        authkey: bytes
+        address: tuple[str, int]
+        buckets: list[tuple[int, int, int, int]]
+        device: torch.device
+        hellos: dict[int, dict[str, Any]]
+        layout_tag: bytes
+        newest: tuple[Staging, int, str, str] | None
+        pool: StagingPool | None
+        requests: RejoinRequests
+        sealer: Sealer
+        settings: DistributedSettings
+        sink: Sink
+        transports: dict[int, DistributedTransport]
+        _unstaged: tuple[torch.Tensor | None, int] | None
+
+        def _gone(self, w: int, exc: BaseException) -> None: ...
+
+    def poll_rejoin(self) -> tuple[int, int, dict[str, Any], Any, dist.Store] | None:
+        """A worker connecting again, answered and with its two-rank group formed.
+
+        A restarted worker announces itself by bumping ``gen/<w>`` and ``rejoins``; it is refused if its
+        earlier process is still alive.
+        """
+        requests = self.requests
+        try:
+            found = requests.next()
+            if found is None:
+                time.sleep(REJOIN_POLL_S)
+                return None
+            w, gen = found
+            store = requests.store
+            assert store is not None
+            hello, problem = read_hello(store, f"rejoin/{w}/{gen}", self.authkey, w, gen)
+            if problem is None:
+                problem = self._rejoin_problem(w, hello)
+            requests.answer(w, gen, problem, self.sealer)
+            if problem is not None:
+                log.warning("model %r: refused worker %d connecting again: %s", self.sink.model_id, w, problem)
+                return None
+            pair = dist.PrefixStore(f"pair/{w}/{gen}", store)
+            connect_timeout = self.sink.connect_timeout
+            timeout = max(connect_timeout, GROUP_TIMEOUT_FACTOR * self.sink.timeout)
+            # A process that reached the store may claim the pair's other rank: the wait ends at connect_timeout.
+            pg = new_group_within(
+                deadline_after(connect_timeout),
+                f"the group of worker {w} connecting again",
+                self.settings.backend,
+                pair,
+                0,
+                2,
+                timeout,
+                self.address[0],
+                model_id=self.sink.model_id,
+                worker_idx=w,
+            )
+        except (dist.DistError, WeightSyncError, ValueError) as exc:  # ValueError: a counter that is no number
+            if requests.store is None:  # closed meanwhile
+                raise EOFError from None
+            log.warning("model %r: a worker connecting again could not join: %s", self.sink.model_id, first_line(exc))
+            if isinstance(exc, dist.DistError):  # the store dropped this client (a counter it could not add to)
+                requests.reconnect()
+            time.sleep(REJOIN_POLL_S)  # whatever failed may fail again at once: never a loop without a pause
+            return None
+        return w, gen, hello, pg, pair
+
+    def _rejoin_problem(self, w: int, hello: dict[str, Any]) -> str | None:
+        """Why worker ``w`` may not come back with ``hello`` (``None``: it may)."""
+        if not hello.get("ok"):
+            return f"{hello.get('type', 'Error')}: {hello.get('message', '')}"
+        if self.newest is None and self._unstaged is None:  # (admit() looks again, under the core's lock)
+            return NO_WHOLE_VERSION
+        return place_taken(w, hello, self.hellos, self.sink.is_dead, self.sink.model_id)
+
+    def admit(self, candidate: tuple[int, int, dict[str, Any], Any, dist.Store]) -> tuple[int, int] | None:
+        """Make the rejoined worker's transport current and send it the newest version published (the bytes
+        the others got, even if the trainer's model has moved on)."""
+        w, gen, hello, pg, pair = candidate
+        old = self.transports.get(w)
+        if old is not None and not self.sink.is_dead(w):
+            old.close(0.0)  # its process is gone: nothing to wait for
+        elif old is not None and old.line is not None:
+            old.line.close(0.0)
+        transport = self.transports[w] = DistributedTransport(
+            w, device=self.device, model_id=self.sink.model_id, sink=self.sink
+        ).use_pair(pg, pair, self.sealer.scoped(f"pair/{w}/{gen}/"))
+        self.sink.rejoining(w)  # from here on, a failure is this new process's
+        self.hellos[w] = hello
+        if self.pool is not None:
+            self.pool.forget(w)
+        if self.newest is None and self._unstaged is not None:
+            self._stage_unstaged()
+        if self.newest is None:
+            self.sink.died(w, f"failed to rejoin: {NO_WHOLE_VERSION}")
+            return None
+        staging, version, payload_digest, nonce = self.newest
+        try:
+            said = announcement(version, nonce, MAC)
+            store_set(pair, "initial", transport.sealer.seal("initial", json.dumps(said)))
+            transport.announce(version, nonce, MAC, initial=True)
+            staging.readers[w] = [transport.send_part(staging.tensor[start:end]) for *_, start, end in self.buckets]
+            transport.set_digest(payload_digest, version)
+            transport.expect_ack(version)
+        except (RuntimeError, dist.DistError) as exc:
+            self._gone(w, exc)
+            return None
+        return w, version
+
+    def _stage_unstaged(self) -> None:
+        """Stage the newest version, of which only changes were sent, for a worker that rejoins."""
+        assert self._unstaged is not None
+        published, version = self._unstaged
+        if published is None or self.pool is None:
+            return
+        try:
+            staging = self.pool.acquire(deadline_after(self.sink.timeout), model_id=self.sink.model_id, version=version)
+        except SyncTimeoutError as exc:
+            log.warning("model %r: no buffer to send version %d to a worker that rejoins: %s", self.sink.model_id,
+                        version, exc)  # fmt: skip
+            return
+        copy_tensors([staging.tensor[: published.numel()]], [published])
+        nonce = new_nonce()
+        mac = self.sealer.payload_mac(self.layout_tag, staging.tensor, version, nonce, MAC)
+        self.newest, self._unstaged = (staging, version, mac.hexdigest(), nonce), None

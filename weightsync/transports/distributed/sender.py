@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import secrets
+import select
 import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
@@ -39,12 +40,14 @@ from ...errors import (
 from ...tensors.copies import copy_tensors, write_into
 from ...tensors.layout import FlatLayout
 from ..keyfiles import KEY_BYTES, key_name, remove_key_file, write_key_file
+from ..network import local_address
 from ..staging import Staging, StagingPool
 from ..store import open_store, store_set
 from .auth import MAC, Sealer, layout_tag, new_nonce, run_prefix
-from .group import gpu_identity, new_group_within
+from .group import GROUP_TIMEOUT_FACTOR, gpu_identity, new_group_within
+from .line import LINE_WAIT_S, Line, Listener
 from .messages import announcement
-from .rejoins import NO_WHOLE_VERSION, RejoinRequests, place_taken, read_hello
+from .rejoins import Admitting, RejoinRequests, read_hello
 from .settings import DistributedSettings
 from .transport import ACK_OK, DistributedTransport, Link
 
@@ -52,21 +55,19 @@ __all__ = ["DistributedSender"]
 
 log = logging.getLogger("weightsync.transports.distributed")
 
-#: A group's own operation timeout is never less than this many times the scheme's ``timeout``: past it, gloo
-#: disconnects a peer that stalled in the middle of an update.
-GROUP_TIMEOUT_FACTOR = 4
 #: Seconds the sender's goodbye to each worker may take at shutdown.
 CLOSE_WAIT_S = 5.0
 #: Seconds between two looks at the store while workers join, or ask to rejoin.
 STORE_POLL_S = 0.01
-REJOIN_POLL_S = 0.05
 #: A version of at most this many bytes is hashed before it is announced, its digest in the announcement (a few
 #: hundred microseconds of hashing at most, against a store round trip per worker); a larger one is hashed while
 #: gloo sends it, its digest set in the store once the last bucket is out.
 INLINE_DIGEST_BYTES = 4 << 20
+#: The slice a sender waits in on its workers' lines when some acks come over the group instead (seconds).
+MIXED_WAIT_S = 0.001
 
 
-class DistributedSender(SenderEngine):
+class DistributedSender(Admitting, SenderEngine):
     """The sender's store, group, staging buffers and one :class:`DistributedTransport` per worker.
 
     Every version's bytes carry a keyed digest that workers check whatever the scheme's ``checksum`` (it checks
@@ -109,6 +110,10 @@ class DistributedSender(SenderEngine):
         described = json.dumps(layout.to_plain()).encode()
         self.layout_tag = layout_tag(described)  # what each version's digest binds: the layout, in order
         store_set(self.store, "layout", self.sealer.seal("layout", described))
+        # Each worker's line (.line): the port is open until the rendez-vous took the lines, its address sealed.
+        self.listener: Listener | None = Listener(local_address(host))
+        line_at = {"host": self.listener.address[0], "port": self.listener.address[1]}
+        store_set(self.store, "line", self.sealer.seal("line", json.dumps(line_at)))
         self._nonce = ""  # the one-time key's nonce of the version being staged
         if settings.backend == "nccl":
             self.store.set("gpu", gpu_identity())
@@ -184,7 +189,9 @@ class DistributedSender(SenderEngine):
                     refused[w] = ConfigurationError(verdict[str(w)], model_id=model_id, worker_idx=w)
                 elif hello.get("gpu"):
                     holders[hello["gpu"]] = f"worker {w}"
-            store_set(self.store, "verdict", self.sealer.seal("verdict", json.dumps(verdict)))
+            lines = self._take_lines(set(range(self.num_workers)) - set(refused), deadline)
+            said = {**verdict, "lines": sorted(lines)}  # (a worker not named there is reached through its doorbell)
+            store_set(self.store, "verdict", self.sealer.seal("verdict", json.dumps(said)))
             # Anyone who reaches the store may claim a rank of the group as it forms: the wait ends at the deadline.
             self.link.pg = new_group_within(
                 deadline,
@@ -204,6 +211,25 @@ class DistributedSender(SenderEngine):
                 f"the process group did not form within {timeout:.0f}s: {first_line(exc)}", model_id=model_id
             ) from None
         return refused
+
+    def _take_lines(self, workers: set[int], deadline: float) -> dict[int, Line]:
+        """Take the lines of ``workers`` (every one of them up, or :data:`LINE_WAIT_S`, at most until ``deadline``),
+        and close the port."""
+        assert self.listener is not None
+        write_timeout = GROUP_TIMEOUT_FACTOR * self.sink.timeout  # as long as gloo waits on a stalled peer
+
+        def make(w: int, sock: Any) -> Line:
+            return Line(sock, f"weightsync-{self.sink.model_id}-line{w}", write_timeout)
+
+        try:
+            until = min(deadline, deadline_after(LINE_WAIT_S))
+            lines = self.listener.accept(self.authkey, self.prefix, workers, until, make)
+        finally:
+            self.listener.close()
+            self.listener = None
+        for w, line in lines.items():
+            self.transports[w].line = line
+        return lines
 
     def rendezvous_complete(self) -> bool:
         return self.link.pg is not None
@@ -232,25 +258,33 @@ class DistributedSender(SenderEngine):
         # A small version is staged and hashed before any worker hears of it: its digest rides in the sealed
         # announcement, which spares each worker the store's round trips to read it, and the workers wake to a
         # trainer with nothing left to do but send (on a host with few cores, they would take the cores it copies on).
-        said_digest = None
+        said_digest, inline = None, []
         if whole and not out.initial and self.layout.nbytes <= INLINE_DIGEST_BYTES:
             for bucket in self.buckets:
                 self._stage_bucket(out, staging, bucket)
             said_digest = mac.hexdigest()
         sending = []
         for w in whole:
+            transport = self.transports[w]
+            # A small version goes on the worker's line with its announcement, where it has one (and bytes on the CPU).
+            body = staging.tensor if said_digest is not None and transport.line and not staging.tensor.is_cuda else None
             try:
-                self.transports[w].announce(
-                    out.version, self._nonce, MAC, initial=out.initial, taken=self.reports_taken, digest=said_digest
-                )
-            except RuntimeError as exc:  # the store or the peer is gone
+                sent = transport.announce(
+                    out.version, self._nonce, MAC, initial=out.initial, taken=self.reports_taken, digest=said_digest,
+                    body=body,
+                )  # fmt: skip
+            except (RuntimeError, WeightSyncError) as exc:  # the store or the peer is gone
                 self._gone(w, exc)
                 continue
-            sending.append(w)
             staging.readers[w] = []
+            if sent is not None:
+                staging.readers[w].append(sent)
+                inline.append(w)
+            else:
+                sending.append(w)
         if changed:
             self._send_changes(out, sorted(changed), staging)
-            if not sending:  # the version's bytes are copied (and hashed) only for a worker that rejoins
+            if not sending and not inline:  # the version's bytes are copied (and hashed) only for a worker that rejoins
                 self.newest, self._unstaged = None, (out.published, out.version)
                 return
         # Bucket by bucket: while gloo sends one, the next is copied into the staging buffer (also where only
@@ -274,7 +308,7 @@ class DistributedSender(SenderEngine):
             except RuntimeError as exc:  # the store is gone
                 self._gone(w, exc)
                 sending.remove(w)
-        for w in sending:
+        for w in inline + sending:
             try:
                 self.transports[w].expect_ack(out.version)
             except RuntimeError as exc:  # the peer died since its parts went out: gloo refuses the receive
@@ -306,7 +340,7 @@ class DistributedSender(SenderEngine):
                 transport.announce(out.version, nonce, MAC, delta=described, taken=self.reports_taken, digest=digest)
                 staging.readers[w] = [transport.send_part(body)] if body.numel() else []
                 transport.expect_ack(out.version)
-            except RuntimeError as exc:  # the peer is gone: gloo refuses to send to it
+            except (RuntimeError, WeightSyncError) as exc:  # the peer is gone: gloo refuses to send to it
                 self._gone(w, exc)
 
     def _gone(self, w: int, exc: BaseException) -> None:
@@ -353,9 +387,18 @@ class DistributedSender(SenderEngine):
 
     def wait(self, workers: list[int], deadline: float) -> None:
         heads = [f for f in (self.transports[w].waiting_on() for w in workers) if f is not None]
-        if heads:
-            wait_futures(heads, timeout=remaining(deadline), return_when=FIRST_COMPLETED)
-        else:  # nothing on its way from them: nothing can come before the deadline
+        lines = [h for h in heads if isinstance(h, Line)]
+        futures = [h for h in heads if not isinstance(h, Line)]
+        if any(line.fileno() < 0 for line in lines):  # a line closed: poll() says why, now
+            return
+        if lines:  # acks on lines are read on this thread: it waits on their sockets (in slices, with futures too)
+            try:
+                select.select(lines, [], [], min(remaining(deadline), MIXED_WAIT_S if futures else remaining(deadline)))
+            except (ValueError, OSError):  # a line closed meanwhile (its writer failed): poll() says why
+                return
+        if futures:
+            wait_futures(futures, timeout=0.0 if lines else remaining(deadline), return_when=FIRST_COMPLETED)
+        if not lines and not futures:  # nothing on its way from them: nothing can come before the deadline
             time.sleep(remaining(deadline))
 
     def wait_sent(self, worker: int, deadline: float) -> None:
@@ -375,115 +418,12 @@ class DistributedSender(SenderEngine):
         if self.pool is not None:
             self.pool.forget(worker)
 
-    # ----------------------------------------------------------------- rejoin
-    def poll_rejoin(self) -> tuple[int, int, dict[str, Any], Any, dist.Store] | None:
-        """A worker connecting again, answered and with its two-rank group formed.
-
-        A restarted worker announces itself by bumping ``gen/<w>`` and ``rejoins``; it is refused if its
-        earlier process is still alive.
-        """
-        requests = self.requests
-        try:
-            found = requests.next()
-            if found is None:
-                time.sleep(REJOIN_POLL_S)
-                return None
-            w, gen = found
-            store = requests.store
-            assert store is not None
-            hello, problem = read_hello(store, f"rejoin/{w}/{gen}", self.authkey, w, gen)
-            if problem is None:
-                problem = self._rejoin_problem(w, hello)
-            requests.answer(w, gen, problem, self.sealer)
-            if problem is not None:
-                log.warning("model %r: refused worker %d connecting again: %s", self.sink.model_id, w, problem)
-                return None
-            pair = dist.PrefixStore(f"pair/{w}/{gen}", store)
-            connect_timeout = self.sink.connect_timeout
-            timeout = max(connect_timeout, GROUP_TIMEOUT_FACTOR * self.sink.timeout)
-            # A process that reached the store may claim the pair's other rank: the wait ends at connect_timeout.
-            pg = new_group_within(
-                deadline_after(connect_timeout),
-                f"the group of worker {w} connecting again",
-                self.settings.backend,
-                pair,
-                0,
-                2,
-                timeout,
-                self.address[0],
-                model_id=self.sink.model_id,
-                worker_idx=w,
-            )
-        except (dist.DistError, WeightSyncError, ValueError) as exc:  # ValueError: a counter that is no number
-            if requests.store is None:  # closed meanwhile
-                raise EOFError from None
-            log.warning("model %r: a worker connecting again could not join: %s", self.sink.model_id, first_line(exc))
-            if isinstance(exc, dist.DistError):  # the store dropped this client (a counter it could not add to)
-                requests.reconnect()
-            time.sleep(REJOIN_POLL_S)  # whatever failed may fail again at once: never a loop without a pause
-            return None
-        return w, gen, hello, pg, pair
-
-    def _rejoin_problem(self, w: int, hello: dict[str, Any]) -> str | None:
-        """Why worker ``w`` may not come back with ``hello`` (``None``: it may)."""
-        if not hello.get("ok"):
-            return f"{hello.get('type', 'Error')}: {hello.get('message', '')}"
-        if self.newest is None and self._unstaged is None:  # (admit() looks again, under the core's lock)
-            return NO_WHOLE_VERSION
-        return place_taken(w, hello, self.hellos, self.sink.is_dead, self.sink.model_id)
-
-    def admit(self, candidate: tuple[int, int, dict[str, Any], Any, dist.Store]) -> tuple[int, int] | None:
-        """Make the rejoined worker's transport current and send it the newest version published (the bytes
-        the others got, even if the trainer's model has moved on)."""
-        w, gen, hello, pg, pair = candidate
-        old = self.transports.get(w)
-        if old is not None and not self.sink.is_dead(w):
-            old.close(0.0)  # its process is gone: nothing to wait for
-        transport = self.transports[w] = DistributedTransport(
-            w, device=self.device, model_id=self.sink.model_id, sink=self.sink
-        ).use_pair(pg, pair, self.sealer.scoped(f"pair/{w}/{gen}/"))
-        self.sink.rejoining(w)  # from here on, a failure is this new process's
-        self.hellos[w] = hello
-        if self.pool is not None:
-            self.pool.forget(w)
-        if self.newest is None and self._unstaged is not None:
-            self._stage_unstaged()
-        if self.newest is None:
-            self.sink.died(w, f"failed to rejoin: {NO_WHOLE_VERSION}")
-            return None
-        staging, version, payload_digest, nonce = self.newest
-        try:
-            said = announcement(version, nonce, MAC)
-            store_set(pair, "initial", transport.sealer.seal("initial", json.dumps(said)))
-            transport.announce(version, nonce, MAC, initial=True)
-            staging.readers[w] = [transport.send_part(staging.tensor[start:end]) for *_, start, end in self.buckets]
-            transport.set_digest(payload_digest, version)
-            transport.expect_ack(version)
-        except (RuntimeError, dist.DistError) as exc:
-            self._gone(w, exc)
-            return None
-        return w, version
-
-    def _stage_unstaged(self) -> None:
-        """Stage the newest version, of which only changes were sent, for a worker that rejoins."""
-        assert self._unstaged is not None
-        published, version = self._unstaged
-        if published is None or self.pool is None:
-            return
-        try:
-            staging = self.pool.acquire(deadline_after(self.sink.timeout), model_id=self.sink.model_id, version=version)
-        except SyncTimeoutError as exc:
-            log.warning("model %r: no buffer to send version %d to a worker that rejoins: %s", self.sink.model_id,
-                        version, exc)  # fmt: skip
-            return
-        copy_tensors([staging.tensor[: published.numel()]], [published])
-        nonce = new_nonce()
-        mac = self.sealer.payload_mac(self.layout_tag, staging.tensor, version, nonce, MAC)
-        self.newest, self._unstaged = (staging, version, mac.hexdigest(), nonce), None
-
     # --------------------------------------------------------------- shutdown
     def close(self, timeout: float) -> None:
         self.requests.close()
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
         if self._key_file is not None:
             remove_key_file(self._key_file)
             self._key_file = None
@@ -493,6 +433,8 @@ class DistributedSender(SenderEngine):
         for w, transport in self.transports.items():
             if not self.sink.is_dead(w):
                 transport.close(min(timeout, CLOSE_WAIT_S))
+            elif transport.line is not None:  # (a dead worker's line: nothing to say on it)
+                transport.line.close(0.0)
         self.transports.clear()
         self.pool = None
         self.newest = None

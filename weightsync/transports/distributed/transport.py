@@ -4,10 +4,13 @@ The engine never touches the default process group a training job may have
 set up: it opens (or joins, under a prefix of its own) a TCP store and builds a
 standalone gloo or NCCL group on it, rank 0 the sender and rank ``i + 1``
 worker ``i``. Updates are flat byte buffers (one point-to-point send per worker
-per version and bucket, whatever the number of tensors); the store carries the
-signalling (which version comes next, checksums, error details) and the group
-carries the bytes and the acks, so a rank that dies fails the pending ack at
-once instead of being waited on.
+per version and bucket, whatever the number of tensors). A worker of the run's
+group has a line to the sender (:mod:`.line`): its announcements and acks travel
+there, and so do the bytes of a small version; a worker without one (rejoined,
+or its line did not come up) is announced to in the store (with a ring of its
+doorbell) and acks over the group. The store also carries error details and
+larger versions' digests. A rank that dies fails the pending ack at once (its
+line or its group connection closes) instead of being waited on.
 
 Whoever reaches the store may write its keys, and may claim rank 0 of a group
 before the sender does: every value a worker acts on is sealed with the run key
@@ -31,40 +34,34 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ...core.timing import deadline_after, remaining
+from ...core.timing import remaining
 from ...errors import (
     AuthenticationError,
     ConnectionClosedError,
     LifecycleError,
-    SyncTimeoutError,
     TransportError,
     WeightSyncError,
     WorkerDiedError,
     first_line,
 )
 from ..base import PeerTransport
-from ..store import as_timedelta, store_json, store_set
-from .auth import ACK_TAG_WORDS, PayloadMac, Sealer
+from ..store import store_json, store_set
+from .auth import ACK_TAG_WORDS, Sealer
 from .doorbell import Doorbell, ring
-from .group import Waiter, is_timeout
-from .messages import announcement, checked_announcement
+from .group import Waiter
+from .line import ACK, FRAME, Line
+from .messages import announcement
+from .worker_side import ACK_FAILED, ACK_OK, MAX_ERROR_TEXT, TAG_ACK, TAG_DATA, WorkerSide
 
 if TYPE_CHECKING:
     from ...core.engine import Sink
 
-__all__ = ["ACK_FAILED", "ACK_OK", "DistributedTransport", "Link"]
+__all__ = ["ACK_FAILED", "ACK_OK", "MAX_ERROR_TEXT", "DistributedTransport", "Link"]
 
 log = logging.getLogger("weightsync.transports.distributed")
 
-TAG_DATA, TAG_ACK = 1, 2
-ACK_OK, ACK_FAILED = 0, 1
-#: The longest error message a worker leaves in the store for the sender.
-MAX_ERROR_TEXT = 4000
 #: How often a sender waiting for a worker to say it took a message looks again (seconds).
 TAKEN_POLL_S = 0.001
-#: A worker waiting for the next announcement looks at the store when its doorbell rings (:mod:`.doorbell`), and
-#: at least this often: a ring lost, or taken away by a stranger, delays it this long at most.
-LOOK_AGAIN_S = 0.1
 
 
 @dataclass
@@ -79,15 +76,16 @@ class Link:
 
 @dataclass
 class _Pending:
-    """An update on its way to one worker: its sequence number, version and the ack being received."""
+    """An update on its way to one worker: its sequence number, version and the ack being received (over the
+    group; both ``None``: on the worker's line)."""
 
     seq: int
     version: int
-    ack: torch.Tensor
-    done: Future
+    ack: torch.Tensor | None = None
+    done: Future | None = None
 
 
-class DistributedTransport(PeerTransport):
+class DistributedTransport(WorkerSide, PeerTransport):
     """The data plane to ONE rank of :class:`~weightsync.schemes.distributed.DistributedWeightSyncScheme`.
 
     On the sender, one per worker: the engine announces each update, sends its buckets and posts the receive
@@ -105,6 +103,8 @@ class DistributedTransport(PeerTransport):
         sink: on the sender, where the older API's calls go.
         bell: on a worker, the doorbell the sender rings with each announcement (:mod:`.doorbell`); without one,
             the worker looks at the store every :data:`LOOK_AGAIN_S` while it waits.
+        line: the worker's line (:mod:`.line`), which then carries the announcements, the acks and the bytes of
+            what the sender sends inline, instead of the store, the doorbell and the group.
     """
 
     def __init__(
@@ -118,6 +118,7 @@ class DistributedTransport(PeerTransport):
         model_id: str | None = None,
         sink: Sink | None = None,
         bell: Doorbell | None = None,
+        line: Line | None = None,
     ) -> None:
         super().__init__(worker_idx, sink)
         self.model_id = model_id
@@ -130,6 +131,8 @@ class DistributedTransport(PeerTransport):
         self.pending: deque[_Pending] = deque()
         self._waiter: Waiter | None = None
         self.bell = bell
+        self.line = line
+        self._inline = False  # on a worker: the bytes of the message announced last come on the line
         self._spent: list[str] = []  # on a worker: keys read and not deleted yet (:meth:`sweep`)
         self._looked = (-1, 0.0)  # on a worker: the doorbell's count at its last look for a message, and when
 
@@ -179,8 +182,10 @@ class DistributedTransport(PeerTransport):
         delta: dict[str, Any] | None = None,
         taken: bool = False,
         digest: str | None = None,
-    ) -> None:
-        """Start message ``version``: announce it in the store (the parts follow over the group).
+        body: torch.Tensor | None = None,
+    ) -> Future | None:
+        """Start message ``version``: announce it on the worker's line, else in the store (the parts follow over
+        the group).
 
         The initial weights are sent without an announcement: the worker is in ``connect()`` waiting for
         exactly them (their version, ``nonce`` and ``mac`` are in the store's ``initial``). ``nonce`` and ``mac``:
@@ -189,17 +194,28 @@ class DistributedTransport(PeerTransport):
         ``digest``: the keyed digest of the message's bytes, known before they are sent (the changes, or a small
         version): sealed in the announcement, no :meth:`set_digest` follows.
         ``taken``: the worker says when it took the message (:meth:`say_taken`; a driver waits for that).
+        ``body``: on a line, the message's bytes, which follow the announcement there (``digest`` says what they
+        hash to); the future completes once the line no longer reads them. Without ``body``, ``None``.
         """
         _, store = self._group()
         seq = 0 if initial else self.seq + 1
+        sent = None
         if not initial:
             key = f"msg/{self.worker_idx}/{seq}"
-            sealed = self.sealer.seal(key, json.dumps(announcement(version, nonce, mac, delta, taken, digest)))
-            ring(store, self.bell_key, said=sealed)  # a worker waiting for it takes it now (checked as the key's)
-            store_set(store, key, sealed)  # where it looks if a stranger took the ring away
+            said = announcement(version, nonce, mac, delta, taken, digest, inline=body is not None)
+            sealed = self.sealer.seal(key, json.dumps(said))
+            if self.line is not None:
+                written = self.line.write(
+                    [FRAME.pack(len(sealed)), sealed, *([body.numpy()] if body is not None else [])]
+                )
+                sent = written if body is not None else None
+            else:
+                ring(store, self.bell_key, said=sealed)  # a worker waiting for it takes it now (checked as the key's)
+                store_set(store, key, sealed)  # where it looks if a stranger took the ring away
         self.seq = seq
         if self._waiter is None:
             self._waiter = Waiter(f"weightsync-{self.model_id}-rank{self.rank}")
+        return sent
 
     def send_part(self, part: torch.Tensor) -> Future:
         """Send one bucket of the message announced last; its future completes once ``part`` is no longer read."""
@@ -230,6 +246,9 @@ class DistributedTransport(PeerTransport):
 
     def expect_ack(self, version: int) -> None:
         """Post the receive of the ack of the message announced last (every part of it sent)."""
+        if self.line is not None:  # read off the line by take_ack()
+            self.pending.append(_Pending(self.seq, version))
+            return
         pg, _ = self._group()
         assert self._waiter is not None
         ack = torch.zeros(3 + ACK_TAG_WORDS, dtype=torch.int64, device=self.device)
@@ -243,16 +262,30 @@ class DistributedTransport(PeerTransport):
             ConnectionClosedError: an ack out of order.
             AuthenticationError: an ack without the run key's tag (a process that took the worker's rank).
         """
-        if not self.pending or not self.pending[0].done.done():
+        if not self.pending:
             return None
-        head = self.pending.popleft()
+        head = self.pending[0]
         try:
-            head.done.result()
-        except (RuntimeError, CancelledError) as exc:
+            if head.done is None:
+                raw = self.line.take(ACK.size) if self.line is not None else b""
+                if raw is None:
+                    return None
+                self.pending.popleft()
+                words = list(ACK.unpack(raw)) if raw else []
+            elif head.done.done():
+                self.pending.popleft()
+                head.done.result()
+                assert head.ack is not None
+                words = [int(x) for x in head.ack.tolist()]
+            else:
+                return None
+        except (RuntimeError, CancelledError, ConnectionClosedError) as exc:
             raise WorkerDiedError(
                 f"its rank {self.rank} went away ({first_line(exc)})", **self._where(head.version)
             ) from None
-        seq, held, status, *tag = (int(x) for x in head.ack.tolist())
+        if not words:
+            raise WorkerDiedError(f"its line closed (rank {self.rank})", **self._where(head.version))
+        seq, held, status, *tag = words
         if not hmac.compare_digest(
             struct.pack(">4q", *tag), struct.pack(">4q", *self.sealer.ack_tag(self.worker_idx, seq, held, status))
         ):
@@ -267,9 +300,11 @@ class DistributedTransport(PeerTransport):
             )
         return head, held, status
 
-    def waiting_on(self) -> Future | None:
-        """The future of the oldest ack still awaited, if any."""
-        return self.pending[0].done if self.pending else None
+    def waiting_on(self) -> Future | Line | None:
+        """The future of the oldest ack still awaited, if any; the line it comes on, where it does."""
+        if not self.pending:
+            return None
+        return self.pending[0].done if self.pending[0].done is not None else self.line
 
     def error_detail(self, seq: int) -> dict[str, str]:
         """What the worker wrote about its failure to apply message ``seq``."""
@@ -301,14 +336,22 @@ class DistributedTransport(PeerTransport):
         self.stop_waiting(0.0)
 
     def _last_word(self, msg: dict[str, Any]) -> None:
+        key = f"msg/{self.worker_idx}/{self.seq + 1}"
+        if self.line is not None:  # after what the line carries already (a worker dropped reads it in the store)
+            with contextlib.suppress(WeightSyncError):
+                sealed = self.sealer.seal(key, json.dumps(msg))
+                self.line.write([FRAME.pack(len(sealed)), sealed])
+            return
         # The store is the sender's own (or its job's): writing to it does not depend on the worker's link.
         with contextlib.suppress(LifecycleError, dist.DistError):
-            key = f"msg/{self.worker_idx}/{self.seq + 1}"
             store_set(self.store, key, self.sealer.seal(key, json.dumps(msg)))
             ring(self.store, self.bell_key, last=True)
 
     def stop_waiting(self, timeout: float) -> None:
-        """End the waiter thread; one still blocked on a stalled peer ends at gloo's operation timeout."""
+        """End the waiter thread and close the line (once what it carries went out, ``timeout`` at most); a
+        waiter still blocked on a stalled peer ends at gloo's operation timeout."""
+        if self.line is not None:
+            self.line.close(timeout)
         if self._waiter is not None and not self._waiter.close(timeout):
             log.warning(
                 "worker %d (rank %d) has not answered an operation in progress; its waiter thread ends when the "
@@ -319,182 +362,8 @@ class DistributedTransport(PeerTransport):
         self._waiter = None
         self.pending.clear()
 
-    # --------------------------------------------------------------- receiver
-    def next_message(self, timeout: float) -> dict[str, Any] | None:
-        """The next announcement for this worker, waiting up to ``timeout``; ``None`` if none came. It takes it from
-        the ring of its doorbell that carried it (sealed), else looks at the store when the doorbell rings, and
-        every :data:`LOOK_AGAIN_S` at least.
-
-        Returns one of ``{"version": int, "nonce": str, "mac": str}`` (with ``"delta"``, the description of the
-        changes its one part holds; with ``"taken": True``, the sender waits for :meth:`say_taken`),
-        ``{"closed": True}``, ``{"dropped": str}``.
-
-        Raises:
-            AuthenticationError: the announcement is not sealed with the run key.
-            TransportError: it is not one of these.
-        """
-        _, store = self._group()
-        key = f"msg/{self.worker_idx}/{self.seq + 1}"
-        deadline = deadline_after(timeout)
-        try:
-            while True:
-                rang = self.bell.rings if self.bell is not None else 0  # counted before the look: none is missed
-                # The copy the sender's ring carried, if one did and it opens under this key.
-                raw = self.bell.take(lambda said: self.sealer.open(said, key)) if self.bell is not None else None
-                if raw is None and timeout <= 0 and self._no_ring_since_looked(rang):
-                    return None
-                self._looked = (rang, time.monotonic())  # every ring counted so far was looked past
-                if raw is not None:
-                    break
-                if store.check([key]):
-                    raw = store.get(key)
-                    break
-                if remaining(deadline) <= 0:
-                    return None
-                pause = min(LOOK_AGAIN_S, remaining(deadline))
-                if self.bell is not None and self.bell.ended is None:
-                    self.bell.wait(rang, pause)
-                else:  # no bell, or it stopped listening: periodic looks
-                    time.sleep(pause)
-        except dist.DistError as exc:
-            raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
-        self._spent.append(key)
-        msg = checked_announcement(self.sealer.open(raw, key, **self._where()), key, **self._where())
-        self.seq += 1
-        return msg
-
-    def _no_ring_since_looked(self, rang: int) -> bool:
-        """Whether a look in the store for the next message can be skipped: the bell listens and has not rung since
-        the last look, under :data:`LOOK_AGAIN_S` ago (a ring a stranger took away delays its message that long)."""
-        if self.bell is None or self.bell.ended is not None:
-            return False
-        count, when = self._looked
-        return rang == count and time.monotonic() - when < LOOK_AGAIN_S
-
-    def hang_up(self) -> None:
-        """Stop listening for the doorbell (the worker closes, or rejoined through a new transport)."""
-        if self.bell is not None:
-            self.bell.close(self.link.store)
-            self.bell = None
-
-    def receive_into(
-        self, parts: list[torch.Tensor], timeout: float, version: int | None, mac: PayloadMac | None = None
-    ) -> None:
-        """Receive the parts of the message just announced (or the initial weights), in order, within ``timeout``;
-        ``mac`` hashes each part as it arrives (while the next ones are on the wire). The parts tile its buffer."""
-        pg, _ = self._group()
-        deadline = deadline_after(timeout)
-        arrived = 0
-        try:
-            works = [pg.recv([part], 0, TAG_DATA) for part in parts]  # posted at once: parts arrive in order
-            if mac is not None:
-                mac.begin()  # while the first part is on its way
-            for part, work in zip(parts, works):
-                work.wait(as_timedelta(max(remaining(deadline), 0.001)))
-                arrived += part.numel()
-                if mac is not None:
-                    mac.ready(arrived)
-        except RuntimeError as exc:
-            if is_timeout(exc):
-                raise SyncTimeoutError("the announced update did not arrive in time", **self._where(version)) from None
-            raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where(version)) from None
-
-    def say_taken(self) -> None:
-        """Tell the sender the message received last is here, checked (one key per worker, overwritten: nothing
-        piles up in the store); a store that went away is left to the next read of it to report."""
-        key = f"taken/{self.worker_idx}"
-        try:
-            store_set(self.store, key, self.sealer.seal(key, str(self.seq)))
-        except dist.DistError as exc:
-            log.debug("could not say message %d was taken: %s", self.seq, first_line(exc))
-
-    def was_dropped(self) -> bool:
-        """Whether the sender dropped this worker: asked once a message arrived whole (unless its bytes check against
-        the digest sealed in its announcement), so that bytes sent from a buffer the sender reused after dropping it
-        are never applied."""
-        key = f"dropped/{self.worker_idx}"
-        try:
-            if not self.store.check([key]):
-                return False
-            self._opened(key)  # a word from anyone else is refused, not obeyed
-        except dist.DistError as exc:
-            raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
-        return True
-
-    def expected_digest(self, seq: int, version: int, timeout: float) -> str:
-        """The sender's keyed digest of message ``seq`` (version ``version``): set once every bucket was written,
-        it may follow the data.
-
-        Raises:
-            ConnectionClosedError: none came within ``timeout`` (a sender gone, or a rank 0 that is not it).
-            AuthenticationError: it is not sealed with the run key for this message and version.
-        """
-        key, store = f"digest/{self.worker_idx}/{seq}", self.store
-        try:
-            store.wait([key], as_timedelta(timeout))
-            raw = store.get(key)
-        except dist.DistError as exc:
-            raise ConnectionClosedError(
-                f"no digest from the sender ({first_line(exc)}); nothing was applied", **self._where(version)
-            ) from None
-        self._spent.append(key)
-        return self.sealer.open(raw, key, version, **self._where(version)).decode("ascii", "replace")
-
-    def sweep(self) -> None:
-        """Delete the store keys of the messages read since the last sweep (announcements, digests): after the ack,
-        so that a store round trip each costs the update nothing; a store that went away is left to the next
-        read of it to report."""
-        spent, self._spent = self._spent, []
-        try:
-            for key in spent:
-                self.store.delete_key(key)
-        except dist.DistError as exc:
-            log.debug("could not delete %d spent store keys: %s", len(spent), first_line(exc))
-
-    def initial_message(self, timeout: float) -> dict[str, Any]:
-        """What the initial weights are: ``{"version", "nonce", "mac"}``, sealed by the sender before it sent them.
-
-        Raises:
-            AuthenticationError: not sealed with the run key. TransportError: not what a sender writes there.
-            ConnectionClosedError: not there within ``timeout``.
-        """
-        try:
-            self.store.wait(["initial"], as_timedelta(timeout))
-            content = self._opened("initial")
-        except dist.DistError as exc:
-            raise ConnectionClosedError(
-                f"the sender named no initial version ({first_line(exc)})", **self._where()
-            ) from None
-        msg = checked_announcement(content, "initial", **self._where())
-        if "version" not in msg:
-            raise TransportError("store key 'initial' names no version; refusing it", **self._where())
-        return msg
-
     def receive_weights(self, timeout: float | None = None, **kwargs: Any) -> Any:
         raise LifecycleError("a distributed worker receives with scheme.receive()")
-
-    def send_ack(
-        self, version: int, error: BaseException | None = None, held: int | None = None, *, seqs: tuple[int, ...] = ()
-    ) -> None:
-        """Ack messages ``seqs`` (the last one received when empty): ``held`` is the version now held."""
-        pg, store = self._group()
-        for seq in seqs or (self.seq,):
-            status = ACK_OK if error is None else ACK_FAILED
-            if error is not None:
-                detail = {"type": type(error).__name__, "message": str(error)[:MAX_ERROR_TEXT]}
-                try:
-                    store.set(f"err/{self.worker_idx}/{seq}", json.dumps(detail))
-                except dist.DistError as exc:  # the ack below still says it failed; only the details are lost
-                    log.warning("could not write why message %d failed: %s", seq, first_line(exc))
-            words = [seq, -1 if held is None else held, status]
-            tagged = words + self.sealer.ack_tag(self.worker_idx, *words)
-            ack = torch.tensor(tagged, dtype=torch.int64, device=self.device)
-            try:
-                pg.send([ack], 0, TAG_ACK).wait(as_timedelta(self.timeout))
-            except RuntimeError as exc:
-                raise ConnectionClosedError(
-                    f"the sender went away ({first_line(exc)})", **self._where(version)
-                ) from None
 
     def check_connection(self) -> bool:
         return super().check_connection() and self.link.pg is not None

@@ -1,0 +1,202 @@
+"""A ``distributed`` worker of the run's group has a line to its sender (one TCP connection): the announcements,
+the bytes of a small version and the acks travel there, not through the store, the doorbell and the group. The
+line port takes only connections that prove the run key for one worker; whatever a line carries is checked as
+it is elsewhere.
+
+In-process receivers on a real TCP store and gloo group on 127.0.0.1, and lines on loopback sockets.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+import weightsync as ws
+from tests._bodies import optimizer_step
+from tests._workers import build, checksum, in_process_receiver
+from weightsync.core.timing import deadline_after
+from weightsync.errors import SyncTimeoutError, TransportError
+from weightsync.transports.distributed import sender as sender_module
+from weightsync.transports.distributed.auth import line_proof
+from weightsync.transports.distributed.line import FRAME, NONCE_BYTES, Line, Listener
+
+KEY, PREFIX = b"k" * 32, "weightsync/policy/0123456789abcdef"
+
+
+def _pair(kind: str = "tiny"):
+    model = build(kind)
+    scheme = ws.DistributedWeightSyncScheme(timeout=20, connect_timeout=60, sync=False)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build(kind)
+    return model, scheme, replica
+
+
+def _transport(receiver):
+    return receiver._runtime.receiving.engine.transport
+
+
+def _send_while_receiving(model, scheme, replica, receiver, step: int) -> None:
+    optimizer_step(model, step)
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(receiver.receive(timeout=60)))
+    thread.start()
+    scheme.send_async()
+    thread.join(90)
+    scheme.wait_async()
+    assert got and got[0] is not None, got
+    assert receiver.version == step and checksum(replica) == checksum(model)
+
+
+def _stored_keys(scheme) -> list[str]:
+    engine = scheme._sending.engine
+    host, port = engine.address
+    return dist.TCPStore(host, port, is_master=False).list_keys()
+
+
+def _connected() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+    return client, peer
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_workers_versions_come_on_its_line_and_its_announcements_never_touch_the_store(monkeypatch, inline):
+    """Small versions travel on the line with their announcement; larger ones over the group, announced on the
+    line. Either way the worker rings no doorbell, and the store holds no announcement."""
+    if not inline:
+        monkeypatch.setattr(sender_module, "INLINE_DIGEST_BYTES", -1)
+    model, scheme, replica = _pair()
+    receiver = in_process_receiver(scheme, replica)
+    sends: list[bool] = []
+    real_send_part = type(scheme._sending.engine.transports[0]).send_part
+
+    def send_part(self, part):
+        sends.append(True)
+        return real_send_part(self, part)
+
+    monkeypatch.setattr(type(scheme._sending.engine.transports[0]), "send_part", send_part)
+    try:
+        transport = _transport(receiver)
+        assert transport.line is not None and transport.bell is None
+        assert not [t for t in threading.enumerate() if "doorbell" in t.name]
+        for step in (1, 2, 3):
+            _send_while_receiving(model, scheme, replica, receiver, step)
+        assert bool(sends) is not inline  # the group carried the bytes only where they were not inline
+        assert not [k for k in _stored_keys(scheme) if "/msg/" in k or "bell/" in k]
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+def test_strangers_on_the_line_port_get_no_line_and_the_worker_gets_its_own():
+    """One connects and claims worker 0 without the key, one connects and says nothing: the sender closes the
+    first, and takes the worker's line when it comes."""
+    model, scheme, replica = _pair()
+    address = scheme._sending.engine.listener.address  # (anyone on the host finds the port: /proc/net/tcp)
+    liar, silent = socket.create_connection(address, timeout=30), socket.create_connection(address, timeout=30)
+    heard: list = []
+
+    def lie() -> None:
+        nonce = liar.recv(NONCE_BYTES)  # the challenge, once the sender's rendez-vous takes lines
+        liar.sendall((0).to_bytes(8, "big") + line_proof(b"x" * 32, PREFIX, 0, nonce))
+        heard.append(liar.recv(1))
+
+    lying = threading.Thread(target=lie)
+    lying.start()
+    try:
+        receiver = in_process_receiver(scheme, replica)
+        try:
+            lying.join(30)
+            assert heard == [b""]  # closed without a word
+            assert _transport(receiver).line is not None
+            _send_while_receiving(model, scheme, replica, receiver, 1)
+        finally:
+            receiver.shutdown()
+    finally:
+        liar.close()
+        silent.close()
+        scheme.shutdown()
+
+
+def test_the_listener_takes_only_a_proof_for_its_own_challenge_once_per_worker():
+    listener = Listener("127.0.0.1")
+    taken: dict = {}
+    accepting = threading.Thread(
+        target=lambda: taken.update(
+            listener.accept(KEY, PREFIX, {0, 1}, deadline_after(3.0), lambda w, sock: Line(sock, f"l{w}", 5.0))
+        )
+    )
+    accepting.start()
+    answers = {
+        "another challenge": lambda nonce: (1, line_proof(KEY, PREFIX, 1, bytes(NONCE_BYTES))),
+        "another key": lambda nonce: (1, line_proof(b"x" * 32, PREFIX, 1, nonce)),
+        "another run": lambda nonce: (1, line_proof(KEY, PREFIX + "0", 1, nonce)),
+        "another worker's proof": lambda nonce: (1, line_proof(KEY, PREFIX, 0, nonce)),
+        "a worker it does not have": lambda nonce: (7, line_proof(KEY, PREFIX, 7, nonce)),
+        "worker 1": lambda nonce: (1, line_proof(KEY, PREFIX, 1, nonce)),
+        "worker 1 again": lambda nonce: (1, line_proof(KEY, PREFIX, 1, nonce)),
+    }
+    closed = {}
+    try:
+        for what, answer in answers.items():
+            with socket.create_connection(listener.address, timeout=10) as sock:
+                nonce = sock.recv(NONCE_BYTES)
+                worker, proof = answer(nonce)
+                sock.sendall(worker.to_bytes(8, "big", signed=True) + proof)
+                sock.settimeout(0.5)
+                try:
+                    closed[what] = sock.recv(1) == b""
+                except TimeoutError:
+                    closed[what] = False
+        accepting.join(10)
+        assert list(taken) == [1]  # worker 0 never came: the wait ended at its deadline
+        assert closed == {what: what != "worker 1" for what in answers}
+    finally:
+        listener.close()
+        for line in taken.values():
+            line.close(0.0)
+
+
+def test_a_frame_over_the_bound_closes_the_line():
+    a, b = _connected()
+    writer, reader = Line(a, "w", 5.0), Line(b, "r", 5.0)
+    try:
+        writer.write([FRAME.pack((1 << 20) + 1)]).result(5)
+        with pytest.raises(TransportError, match="over its"):
+            reader.frame(deadline_after(5), 1 << 20)
+        assert reader.fileno() == -1
+    finally:
+        writer.close(0.0)
+        reader.close(0.0)
+
+
+def test_a_peer_that_reads_nothing_fails_the_write_in_time_and_the_line_closes():
+    a, b = _connected()
+    writer = Line(a, "w", 0.5)
+    try:
+        start = time.monotonic()
+        future = writer.write([bytes(64 << 20)])  # more than the kernel holds for a peer that reads nothing
+        with pytest.raises(SyncTimeoutError):
+            future.result(30)
+        assert time.monotonic() - start < 20 and writer.fileno() == -1
+    finally:
+        writer.close(0.0)
+        b.close()
+
+
+def test_a_worker_whose_line_the_sender_did_not_take_is_reached_through_its_doorbell(monkeypatch):
+    monkeypatch.setattr(sender_module.Listener, "accept", lambda self, *args: {})
+    model, scheme, replica = _pair()
+    receiver = in_process_receiver(scheme, replica)
+    try:
+        transport = _transport(receiver)
+        assert transport.line is None and transport.bell is not None
+        _send_while_receiving(model, scheme, replica, receiver, 1)
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()

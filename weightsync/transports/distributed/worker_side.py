@@ -1,0 +1,285 @@
+"""A worker's side of :class:`~.transport.DistributedTransport`: where its messages come from (its line, else
+its doorbell and the store), where their bytes come from (the line, or the group), and its acks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ...core.timing import deadline_after, remaining
+from ...errors import ConnectionClosedError, SyncTimeoutError, TransportError, WeightSyncError, first_line
+from ..store import as_timedelta, store_set
+from .auth import PayloadMac
+from .doorbell import MAX_SAID_BYTES
+from .group import is_timeout
+from .line import ACK
+from .messages import checked_announcement
+
+if TYPE_CHECKING:
+    from .auth import Sealer
+    from .doorbell import Doorbell
+    from .line import Line
+    from .transport import Link
+
+__all__ = ["ACK_FAILED", "ACK_OK", "LOOK_AGAIN_S", "MAX_ERROR_TEXT", "WorkerSide"]
+
+log = logging.getLogger("weightsync.transports.distributed")
+
+TAG_DATA, TAG_ACK = 1, 2
+ACK_OK, ACK_FAILED = 0, 1
+#: The longest error message a worker leaves in the store for the sender.
+MAX_ERROR_TEXT = 4000
+#: A worker waiting for the next announcement looks at the store when its doorbell rings (:mod:`.doorbell`), and
+#: at least this often: a ring lost, or taken away by a stranger, delays it this long at most.
+LOOK_AGAIN_S = 0.1
+
+
+class WorkerSide:
+    """The worker's calls of its transport (the transport holds the state they use)."""
+
+    if TYPE_CHECKING:
+        worker_idx: int
+        seq: int
+        timeout: float
+        device: torch.device
+        link: Link
+        bell: Doorbell | None
+        line: Line | None
+        _inline: bool
+        _looked: tuple[int, float]
+        _spent: list[str]
+
+        def _group(self) -> tuple[Any, dist.Store]: ...
+        def _where(self, version: int | None = None) -> dict[str, Any]: ...
+        def _opened(self, key: str, version: int | None = None) -> bytes: ...
+        @property
+        def sealer(self) -> Sealer: ...
+        @property
+        def store(self) -> dist.Store: ...
+
+    def next_message(self, timeout: float) -> dict[str, Any] | None:
+        """The next announcement for this worker, waiting up to ``timeout``; ``None`` if none came. It takes it from
+        the ring of its doorbell that carried it (sealed), else looks at the store when the doorbell rings, and
+        every :data:`LOOK_AGAIN_S` at least.
+
+        Returns one of ``{"version": int, "nonce": str, "mac": str}`` (with ``"delta"``, the description of the
+        changes its one part holds; with ``"taken": True``, the sender waits for :meth:`say_taken`),
+        ``{"closed": True}``, ``{"dropped": str}``.
+
+        Raises:
+            AuthenticationError: the announcement is not sealed with the run key.
+            TransportError: it is not one of these.
+        """
+        _, store = self._group()
+        key = f"msg/{self.worker_idx}/{self.seq + 1}"
+        if self.line is not None:
+            return self._next_on_line(key, timeout)
+        deadline = deadline_after(timeout)
+        try:
+            while True:
+                rang = self.bell.rings if self.bell is not None else 0  # counted before the look: none is missed
+                # The copy the sender's ring carried, if one did and it opens under this key.
+                raw = self.bell.take(lambda said: self.sealer.open(said, key)) if self.bell is not None else None
+                if raw is None and timeout <= 0 and self._no_ring_since_looked(rang):
+                    return None
+                self._looked = (rang, time.monotonic())  # every ring counted so far was looked past
+                if raw is not None:
+                    break
+                if store.check([key]):
+                    raw = store.get(key)
+                    break
+                if remaining(deadline) <= 0:
+                    return None
+                pause = min(LOOK_AGAIN_S, remaining(deadline))
+                if self.bell is not None and self.bell.ended is None:
+                    self.bell.wait(rang, pause)
+                else:  # no bell, or it stopped listening: periodic looks
+                    time.sleep(pause)
+        except dist.DistError as exc:
+            raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
+        self._spent.append(key)
+        msg = checked_announcement(self.sealer.open(raw, key, **self._where()), key, **self._where())
+        self.seq += 1
+        return msg
+
+    def _next_on_line(self, key: str, timeout: float) -> dict[str, Any] | None:
+        """:meth:`next_message`, on the worker's line: a line that ends without the sender's last word on it was
+        closed by a sender that dropped this worker (the store says so: it then asks to rejoin), or that died."""
+        assert self.line is not None
+        try:
+            if not self.line.readable(timeout):
+                return None
+            raw = self.line.frame(deadline_after(self.timeout), MAX_SAID_BYTES)
+        except ConnectionClosedError as exc:
+            self.hang_up()
+            if self.was_dropped():
+                return {"dropped": "the sender closed this worker's line"}
+            raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where()) from None
+        except SyncTimeoutError:
+            self.hang_up()
+            raise SyncTimeoutError("the sender's announcement did not arrive whole in time", **self._where()) from None
+        msg = checked_announcement(self.sealer.open(raw, key, **self._where()), key, **self._where())
+        self.seq += 1
+        self._inline = bool(msg.get("inline"))
+        return msg
+
+    def _no_ring_since_looked(self, rang: int) -> bool:
+        """Whether a look in the store for the next message can be skipped: the bell listens and has not rung since
+        the last look, under :data:`LOOK_AGAIN_S` ago (a ring a stranger took away delays its message that long)."""
+        if self.bell is None or self.bell.ended is not None:
+            return False
+        count, when = self._looked
+        return rang == count and time.monotonic() - when < LOOK_AGAIN_S
+
+    def hang_up(self) -> None:
+        """Stop listening for the doorbell, and close the line (the worker closes, or rejoined through a new
+        transport)."""
+        if self.bell is not None:
+            self.bell.close(self.link.store)
+            self.bell = None
+        if self.line is not None:
+            self.line.close(0.0)
+            self.line = None
+
+    def receive_into(
+        self, parts: list[torch.Tensor], timeout: float, version: int | None, mac: PayloadMac | None = None
+    ) -> None:
+        """Receive the parts of the message just announced (or the initial weights), in order, within ``timeout``;
+        ``mac`` hashes each part as it arrives (while the next ones are on the wire). The parts tile its buffer."""
+        pg, _ = self._group()
+        deadline = deadline_after(timeout)
+        if self._inline:
+            self._inline = False
+            self._read_inline(parts, deadline, version, mac)
+            return
+        arrived = 0
+        try:
+            works = [pg.recv([part], 0, TAG_DATA) for part in parts]  # posted at once: parts arrive in order
+            if mac is not None:
+                mac.begin()  # while the first part is on its way
+            for part, work in zip(parts, works):
+                work.wait(as_timedelta(max(remaining(deadline), 0.001)))
+                arrived += part.numel()
+                if mac is not None:
+                    mac.ready(arrived)
+        except RuntimeError as exc:
+            if is_timeout(exc):
+                raise SyncTimeoutError("the announced update did not arrive in time", **self._where(version)) from None
+            raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where(version)) from None
+
+    def _read_inline(self, parts: list[torch.Tensor], deadline: float, version: int | None, mac: PayloadMac | None):
+        """The bytes of the message just announced, off the line (they follow its announcement there)."""
+        if self.line is None:
+            raise ConnectionClosedError("the sender went away (its line closed)", **self._where(version))
+        if mac is not None:
+            mac.begin()
+        try:
+            self.line.read_into([p.numpy().data.cast("B") for p in parts], deadline, mac.ready if mac else None)
+        except SyncTimeoutError:
+            self.hang_up()
+            raise SyncTimeoutError("the announced update did not arrive in time", **self._where(version)) from None
+        except ConnectionClosedError as exc:
+            self.hang_up()
+            raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where(version)) from None
+
+    def say_taken(self) -> None:
+        """Tell the sender the message received last is here, checked (one key per worker, overwritten: nothing
+        piles up in the store); a store that went away is left to the next read of it to report."""
+        key = f"taken/{self.worker_idx}"
+        try:
+            store_set(self.store, key, self.sealer.seal(key, str(self.seq)))
+        except dist.DistError as exc:
+            log.debug("could not say message %d was taken: %s", self.seq, first_line(exc))
+
+    def was_dropped(self) -> bool:
+        """Whether the sender dropped this worker: asked once a message arrived whole (unless its bytes check against
+        the digest sealed in its announcement), so that bytes sent from a buffer the sender reused after dropping it
+        are never applied."""
+        key = f"dropped/{self.worker_idx}"
+        try:
+            if not self.store.check([key]):
+                return False
+            self._opened(key)  # a word from anyone else is refused, not obeyed
+        except dist.DistError as exc:
+            raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
+        return True
+
+    def expected_digest(self, seq: int, version: int, timeout: float) -> str:
+        """The sender's keyed digest of message ``seq`` (version ``version``): set once every bucket was written,
+        it may follow the data.
+
+        Raises:
+            ConnectionClosedError: none came within ``timeout`` (a sender gone, or a rank 0 that is not it).
+            AuthenticationError: it is not sealed with the run key for this message and version.
+        """
+        key, store = f"digest/{self.worker_idx}/{seq}", self.store
+        try:
+            store.wait([key], as_timedelta(timeout))
+            raw = store.get(key)
+        except dist.DistError as exc:
+            raise ConnectionClosedError(
+                f"no digest from the sender ({first_line(exc)}); nothing was applied", **self._where(version)
+            ) from None
+        self._spent.append(key)
+        return self.sealer.open(raw, key, version, **self._where(version)).decode("ascii", "replace")
+
+    def sweep(self) -> None:
+        """Delete the store keys of the messages read since the last sweep (announcements, digests): after the ack,
+        so that a store round trip each costs the update nothing; a store that went away is left to the next
+        read of it to report."""
+        spent, self._spent = self._spent, []
+        try:
+            for key in spent:
+                self.store.delete_key(key)
+        except dist.DistError as exc:
+            log.debug("could not delete %d spent store keys: %s", len(spent), first_line(exc))
+
+    def initial_message(self, timeout: float) -> dict[str, Any]:
+        """What the initial weights are: ``{"version", "nonce", "mac"}``, sealed by the sender before it sent them.
+
+        Raises:
+            AuthenticationError: not sealed with the run key. TransportError: not what a sender writes there.
+            ConnectionClosedError: not there within ``timeout``.
+        """
+        try:
+            self.store.wait(["initial"], as_timedelta(timeout))
+            content = self._opened("initial")
+        except dist.DistError as exc:
+            raise ConnectionClosedError(
+                f"the sender named no initial version ({first_line(exc)})", **self._where()
+            ) from None
+        msg = checked_announcement(content, "initial", **self._where())
+        if "version" not in msg:
+            raise TransportError("store key 'initial' names no version; refusing it", **self._where())
+        return msg
+
+    def send_ack(
+        self, version: int, error: BaseException | None = None, held: int | None = None, *, seqs: tuple[int, ...] = ()
+    ) -> None:
+        """Ack messages ``seqs`` (the last one received when empty): ``held`` is the version now held."""
+        pg, store = self._group()
+        for seq in seqs or (self.seq,):
+            status = ACK_OK if error is None else ACK_FAILED
+            if error is not None:
+                detail = {"type": type(error).__name__, "message": str(error)[:MAX_ERROR_TEXT]}
+                try:
+                    store.set(f"err/{self.worker_idx}/{seq}", json.dumps(detail))
+                except dist.DistError as exc:  # the ack below still says it failed; only the details are lost
+                    log.warning("could not write why message %d failed: %s", seq, first_line(exc))
+            words = [seq, -1 if held is None else held, status]
+            tagged = words + self.sealer.ack_tag(self.worker_idx, *words)
+            try:
+                if self.line is not None:
+                    self.line.send(ACK.pack(*tagged), self.timeout)
+                    continue
+                ack = torch.tensor(tagged, dtype=torch.int64, device=self.device)
+                pg.send([ack], 0, TAG_ACK).wait(as_timedelta(self.timeout))
+            except (RuntimeError, WeightSyncError) as exc:
+                raise ConnectionClosedError(
+                    f"the sender went away ({first_line(exc)})", **self._where(version)
+                ) from None

@@ -10,13 +10,19 @@ It holds no key and no config. It finds the trainer's store the way any local us
     python -m tests._attack_distributed hello PORT     # worker 0's hello, replaced by JSON 200,000 deep
     python -m tests._attack_distributed rejoin PORT    # a request to rejoin as worker 0, 200,000 deep
     python -m tests._attack_distributed counters PORT  # the rejoin counters, overwritten with words
+    python -m tests._attack_distributed line PORT      # the line port: a forged proof, and a flood of silent peers
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import re
+import select
+import socket
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -104,6 +110,43 @@ def claim_rank0_and_send(store: dist.Store, seconds: float) -> None:
         print(f"no ack ({str(exc)[:120]})", flush=True)
 
 
+def line_port(store: dist.Store, flood: int) -> None:
+    """Find the sender's line port (its address is sealed in the store, not hidden), hold ``flood`` connections
+    that never answer the challenge, and answer it on one more as worker 0 with a proof under a key of its own."""
+    content = store.get("line").partition(b":")[2]  # a sealed value: mac ":" content (readable by anyone)
+    at = json.loads(content)
+    address = (at["host"], int(at["port"]))
+    print(f"line port {address[1]} listening: {address[1] in listening_ports()}", flush=True)
+    silent = [socket.create_connection(address, timeout=10) for _ in range(flood)]
+    liar = socket.create_connection(address, timeout=10)
+    print(f"connected {flood + 1}", flush=True)
+    try:
+        liar.settimeout(30)
+        nonce = liar.recv(16)  # the challenge, once the trainer takes lines
+        if nonce:
+            forged = hmac.new(b"x" * 32, nonce, hashlib.sha256).digest()
+            liar.sendall((0).to_bytes(8, "big") + forged)
+            said = liar.recv(1)
+            print(f"liar: {'closed without a word' if said == b'' else f'heard {said!r}'}", flush=True)
+        else:
+            print("liar: closed before any challenge", flush=True)
+    except OSError as exc:
+        print(f"liar: {type(exc).__name__}", flush=True)
+    ended, until = 0, time.monotonic() + 30
+    for sock in silent:  # each is closed by the trainer, at the latest when its rendez-vous took the lines
+        sock.setblocking(False)
+        try:
+            while select.select([sock], [], [], max(until - time.monotonic(), 0))[0]:
+                if not sock.recv(64):
+                    ended += 1
+                    break
+        except OSError:
+            ended += 1
+        sock.close()
+    liar.close()
+    print(f"silent: {ended} of {flood} closed", flush=True)
+
+
 def main(mode: str, port: str, *args: str) -> None:
     base, store, _ = find_run(int(port))
     if mode == "plant":
@@ -144,6 +187,8 @@ def main(mode: str, port: str, *args: str) -> None:
         print(f"asked to rejoin as generation {gen}; answered: {answered}", flush=True)
         if answered:
             print(f"verdict: {store.get(f'verdict/0/{gen}').decode(errors='replace')[:300]}", flush=True)
+    elif mode == "line":
+        line_port(store, int(args[0]) if args else 72)
     elif mode == "counters":
         store.set("rejoins", "not a number")  # an add to it makes the store's server drop the adding client
         restored = wait_until(lambda: store.get("rejoins").isdigit(), deadline_after(20), 0.02)

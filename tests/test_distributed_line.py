@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import weightsync as ws
@@ -22,7 +23,7 @@ from weightsync.core.timing import deadline_after
 from weightsync.errors import SyncTimeoutError, TransportError
 from weightsync.transports.distributed import sender as sender_module
 from weightsync.transports.distributed.auth import line_proof
-from weightsync.transports.distributed.line import FRAME, NONCE_BYTES, Line, Listener
+from weightsync.transports.distributed.line import ANSWERED_WAIT_S, FRAME, NONCE_BYTES, Dialing, Line, Listener
 
 KEY, PREFIX = b"k" * 32, "weightsync/policy/0123456789abcdef"
 
@@ -200,3 +201,58 @@ def test_a_worker_whose_line_the_sender_did_not_take_is_reached_through_its_door
     finally:
         receiver.shutdown()
         scheme.shutdown()
+
+
+def test_only_bytes_in_host_memory_travel_on_a_line():
+    # (staging buffers are on the GPU under NCCL: their bytes go over the group, announced on the line)
+    assert sender_module.on_a_line(torch.device("cpu"))
+    assert not sender_module.on_a_line(torch.device("cuda", 0))
+    assert not sender_module.on_a_line(torch.device("meta"))
+
+
+def _dialing(server: socket.socket, deadline_s: float = 10.0) -> Dialing:
+    return Dialing(server.getsockname(), KEY, PREFIX, 1, deadline_after(deadline_s), lambda s: Line(s, "d", 5.0))
+
+
+def test_a_dialling_worker_answers_the_challenge_and_keeps_the_line_only_if_the_sender_took_it():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(10)
+        for taken in (True, False):
+            dialing = _dialing(server)
+            peer, _ = server.accept()
+            with peer:
+                peer.settimeout(10)
+                nonce = b"n" * NONCE_BYTES
+                peer.sendall(nonce)
+                answer = b""
+                while len(answer) < 40:
+                    answer += peer.recv(40 - len(answer))
+                assert answer == (1).to_bytes(8, "big") + line_proof(KEY, PREFIX, 1, nonce)
+                line = dialing.line(taken)
+                assert (line is not None) is taken
+                if line is not None:  # the line carries what comes next
+                    peer.sendall(b"hi")
+                    assert line.read(2, deadline_after(5)) == b"hi"
+                    line.close(0.0)
+                assert peer.recv(1) == b""  # closed, either way, once done with
+
+
+def test_a_dialling_worker_gives_up_at_once_when_no_challenge_comes():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(10)
+        dialing = _dialing(server, deadline_s=60)
+        peer, _ = server.accept()
+        with peer:
+            peer.settimeout(10)
+            start = time.monotonic()
+            assert dialing.line(True) is None  # the verdict named it, but it never answered a challenge
+            assert time.monotonic() - start < 2 * ANSWERED_WAIT_S + 1  # (for the answer, then the thread's end)
+            assert peer.recv(1) == b""
+            start = time.monotonic()
+            dialing = _dialing(server, deadline_s=60)
+            other, _ = server.accept()
+            with other:
+                dialing.cancel()  # the rendez-vous failed: the thread waiting for a challenge ends now
+                assert time.monotonic() - start < 2.0
+                other.settimeout(10)
+                assert other.recv(1) == b""

@@ -103,6 +103,23 @@ def _end(attacker) -> None:
         attacker.wait(timeout=10)
 
 
+def _reading(attacker, mark: str) -> tuple[list[str], threading.Event, threading.Thread]:
+    """The stranger's output, line by line as it comes (on a thread), and an event set once a line starts with
+    ``mark``."""
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        for line in attacker.stdout:
+            lines.append(line)
+            if line.startswith(mark):
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return lines, seen, reader
+
+
 def _timed_connect(scheme: ws.DistributedWeightSyncScheme) -> tuple[BaseException | None, float]:
     began = time.monotonic()
     try:
@@ -148,7 +165,6 @@ def test_a_stranger_holding_rank_0_makes_the_worker_apply_nothing(monkeypatch):
 
     (Bytes from a rank 0 under sealed words: the test after this one.)"""
     model, scheme, port = _sender()
-    claimed, lines = threading.Event(), []
     real = sender_module.new_group_within
 
     def late(deadline, *args, **kwargs):
@@ -157,15 +173,7 @@ def test_a_stranger_holding_rank_0_makes_the_worker_apply_nothing(monkeypatch):
 
     monkeypatch.setattr(sender_module, "new_group_within", late)
     attacker = start_stranger([*ATTACK, "squat", str(port)])
-
-    def read() -> None:
-        for line in attacker.stdout:
-            lines.append(line)
-            if line.startswith("claimed rank 0"):
-                claimed.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    lines, claimed, reader = _reading(attacker, "claimed rank 0")
     worker = _Worker(scheme)
     try:
         error, took = _timed_connect(scheme)
@@ -192,6 +200,43 @@ def test_a_stranger_holding_rank_0_makes_the_worker_apply_nothing(monkeypatch):
     for thread in [t for t in threading.enumerate() if t.name == "weightsync-group-formation"]:
         thread.join(30)
         assert not thread.is_alive(), "gloo's formation thread outlived the worker it waited on"
+
+
+@needs_stranger
+def test_a_stranger_on_the_line_port_gets_no_line_and_the_worker_gets_its_own():
+    """The stranger reads the line port's address in the store, floods it with more silent connections than the
+    trainer holds unproven, and answers a challenge as worker 0 without the key: that connection is closed without
+    a word, the flood is closed, and the worker still gets its line within the trainer's bound."""
+    model, scheme, port = _sender()
+    attacker = start_stranger([*ATTACK, "line", str(port)])
+    lines, flooded, reader = _reading(attacker, "connected")
+    worker = None
+    try:
+        assert flooded.wait(60), "".join(lines)
+        worker = _Worker(scheme)
+        error, took = _timed_connect(scheme)
+        assert error is None, error
+        assert took <= CONNECT_TIMEOUT + SLACK_S, f"connect() took {took:.1f}s with connect_timeout={CONNECT_TIMEOUT}"
+        assert worker.report()[:2] == ("connected", 0)
+        assert scheme._sending.engine.transports[0].line is not None  # the worker's own line, taken
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        worker.conn.send("receive")
+        scheme.send()
+        got = worker.report()
+        assert got[:2] == ("received", 1), got
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in got[2].items())
+        attacker.wait(timeout=60)
+        reader.join(10)
+        out = "".join(lines)
+        assert "listening: True" in out and "liar: closed without a word" in out, out
+        assert "silent: 72 of 72 closed" in out, out
+    finally:
+        if worker is not None:
+            worker.stop()
+        scheme.shutdown()
+        _end(attacker)
 
 
 def test_bytes_that_are_not_the_senders_are_refused_before_the_model_sees_them(monkeypatch):

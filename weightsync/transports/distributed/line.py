@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ...core.timing import deadline_after, remaining
-from ...errors import ConnectionClosedError, SyncTimeoutError, TransportError
+from ...errors import ConnectionClosedError, SyncTimeoutError, TransportError, WeightSyncError
 from .auth import ACK_TAG_WORDS, line_proof
 
 __all__ = ["ACK", "FRAME", "LINE_WAIT_S", "Dialing", "Line", "Listener"]
@@ -226,6 +226,12 @@ class Line:
             raise TransportError(f"a frame of {size} bytes on the line, over its {max_bytes}; closed the line")
         return self.read(size, deadline)
 
+    def hang_up(self) -> None:
+        """End both directions now, without closing the socket: a thread reading or writing it sees the end at
+        once (:meth:`close` follows, once that thread is done)."""
+        with contextlib.suppress(OSError, ConnectionClosedError):
+            self._socket().shutdown(socket.SHUT_RDWR)
+
     def close(self, timeout: float) -> None:
         """Close, once what was written before went out or ``timeout`` passed."""
         with contextlib.suppress(Exception):
@@ -330,52 +336,55 @@ class Dialing:
         key, prefix: the run key and the run's prefix.
         worker: this worker's index.
         deadline: the latest the challenge may come.
+        make: the line of the connected socket.
     """
 
-    def __init__(self, address: tuple[str, int], key: bytes, prefix: str, worker: int, deadline: float) -> None:
-        self._sock: socket.socket | None = None
+    def __init__(
+        self,
+        address: tuple[str, int],
+        key: bytes,
+        prefix: str,
+        worker: int,
+        deadline: float,
+        make: Callable[[socket.socket], Line],
+    ) -> None:
+        self._line: Line | None = None
         self._answered = threading.Event()
         self._worker = worker
         try:
-            self._sock = socket.create_connection(address, timeout=max(min(remaining(deadline), CONNECT_S), 0.001))
+            sock = socket.create_connection(address, timeout=max(min(remaining(deadline), CONNECT_S), 0.001))
         except OSError as exc:
             log.debug("worker %d: no line to the sender at %s:%d (%s)", worker, *address, exc)
             return
+        self._line = make(sock)
         self._thread = threading.Thread(
-            target=self._answer, args=(self._sock, key, prefix, deadline), name="weightsync-line-dial", daemon=True
+            target=self._answer, args=(self._line, key, prefix, deadline), name="weightsync-line-dial", daemon=True
         )
         self._thread.start()
 
-    def _answer(self, sock: socket.socket, key: bytes, prefix: str, deadline: float) -> None:
+    def _answer(self, line: Line, key: bytes, prefix: str, deadline: float) -> None:
         try:
-            sock.settimeout(max(remaining(deadline), 0.001))
-            nonce = b""
-            while len(nonce) < NONCE_BYTES:
-                chunk = sock.recv(NONCE_BYTES - len(nonce))
-                if not chunk:
-                    raise ConnectionError("closed")
-                nonce += chunk
-            sock.sendall(_PROOF.pack(self._worker, line_proof(key, prefix, self._worker, nonce)))
+            nonce = line.read(NONCE_BYTES, deadline)
+            line.send(_PROOF.pack(self._worker, line_proof(key, prefix, self._worker, nonce)), remaining(deadline))
             self._answered.set()
-        except OSError as exc:
+        except WeightSyncError as exc:  # (the line closed itself)
             log.debug("worker %d: the sender's line port did not take this line (%s)", self._worker, exc)
 
-    def line(self, taken: bool, make: Callable[[socket.socket], Line]) -> Line | None:
+    def line(self, taken: bool) -> Line | None:
         """The line, where the sender ``taken`` it (its verdict says so: the answer went out before); else ``None``,
         and the connection is closed."""
-        sock = self._sock
-        if sock is not None and taken and self._answered.wait(ANSWERED_WAIT_S):
-            self._sock = None
+        line = self._line
+        if line is not None and taken and self._answered.wait(ANSWERED_WAIT_S):
+            self._line = None
             self._thread.join(ANSWERED_WAIT_S)
-            return make(sock)
+            return line
         self.cancel()
         return None
 
     def cancel(self) -> None:
         """Give up the line (the rendez-vous failed, or went on without it); the thread ends at once."""
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
+        line, self._line = self._line, None
+        if line is not None:
+            line.hang_up()  # (the thread's wait ends: the line is read to its end)
             self._thread.join(ANSWERED_WAIT_S)
+            line.close(0.0)

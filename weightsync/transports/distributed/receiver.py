@@ -171,9 +171,8 @@ class DistributedReceiver(ReceiverEngine):
                     if dialing is not None:
                         dialing.cancel()
                     raise
-                name = f"weightsync-{where['model_id']}-line"
                 taken = isinstance(verdict.get("lines"), list) and w in verdict["lines"]
-                line = dialing.line(taken, lambda s: Line(s, name, update_timeout)) if dialing is not None else None
+                line = dialing.line(taken) if dialing is not None else None
                 # Every worker joins the group, even one that refused: the group forms only with all of them.
                 link.pg = new_group_within(
                     deadline,
@@ -227,7 +226,8 @@ class DistributedReceiver(ReceiverEngine):
         except (KeyError, TypeError, ValueError, dist.DistError, WeightSyncError) as exc:
             log.debug("worker %d: the sender named no line (%s)", self.where["worker_idx"], first_line(exc))
             return None
-        return Dialing(address, self._key, self.prefix, self.where["worker_idx"], deadline)
+        name, timeout, w = f"weightsync-{self.where['model_id']}-line", self.update_timeout, self.where["worker_idx"]
+        return Dialing(address, self._key, self.prefix, w, deadline, lambda sock: Line(sock, name, timeout))
 
     def _doorbell(self, link: Link, timeout: float) -> Doorbell:
         """This worker's doorbell in ``link``'s store, on a store client of its own (its thread blocks on it),

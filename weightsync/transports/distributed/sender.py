@@ -51,7 +51,7 @@ from .rejoins import Admitting, RejoinRequests, read_hello
 from .settings import DistributedSettings
 from .transport import ACK_OK, DistributedTransport, Link
 
-__all__ = ["DistributedSender"]
+__all__ = ["DistributedSender", "on_a_line"]
 
 log = logging.getLogger("weightsync.transports.distributed")
 
@@ -65,6 +65,12 @@ STORE_POLL_S = 0.01
 INLINE_DIGEST_BYTES = 4 << 20
 #: The slice a sender waits in on its workers' lines when some acks come over the group instead (seconds).
 MIXED_WAIT_S = 0.001
+
+
+def on_a_line(device: torch.device) -> bool:
+    """Whether bytes staged on ``device`` may travel on a worker's line: from host memory only (a GPU's go over
+    NCCL, never through a socket)."""
+    return device.type == "cpu"
 
 
 class DistributedSender(Admitting, SenderEngine):
@@ -266,8 +272,9 @@ class DistributedSender(Admitting, SenderEngine):
         sending = []
         for w in whole:
             transport = self.transports[w]
-            # A small version goes on the worker's line with its announcement, where it has one (and bytes on the CPU).
-            body = staging.tensor if said_digest is not None and transport.line and not staging.tensor.is_cuda else None
+            # A small version goes on the worker's line with its announcement, where it has one.
+            inline_ok = said_digest is not None and transport.line is not None and on_a_line(staging.tensor.device)
+            body = staging.tensor if inline_ok else None
             try:
                 sent = transport.announce(
                     out.version, self._nonce, MAC, initial=out.initial, taken=self.reports_taken, digest=said_digest,

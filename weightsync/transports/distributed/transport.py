@@ -266,12 +266,14 @@ class DistributedTransport(WorkerSide, PeerTransport):
             return None
         head = self.pending[0]
         try:
-            if head.done is None:
-                raw = self.line.take(ACK.size) if self.line is not None else b""
+            if head.done is None:  # on the line
+                if self.line is None:
+                    raise ConnectionClosedError("its line is gone")
+                raw = self.line.take(ACK.size)
                 if raw is None:
                     return None
                 self.pending.popleft()
-                words = list(ACK.unpack(raw)) if raw else []
+                words = list(ACK.unpack(raw))
             elif head.done.done():
                 self.pending.popleft()
                 head.done.result()
@@ -283,8 +285,6 @@ class DistributedTransport(WorkerSide, PeerTransport):
             raise WorkerDiedError(
                 f"its rank {self.rank} went away ({first_line(exc)})", **self._where(head.version)
             ) from None
-        if not words:
-            raise WorkerDiedError(f"its line closed (rank {self.rank})", **self._where(head.version))
         seq, held, status, *tag = words
         if not hmac.compare_digest(
             struct.pack(">4q", *tag), struct.pack(">4q", *self.sealer.ack_tag(self.worker_idx, seq, held, status))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 
 import psutil
 import pytest
@@ -18,6 +19,9 @@ import weightsync as ws
 from tests import _bodies as bodies
 from tests._bodies import optimizer_step, start
 from tests._workers import build, checksum, in_process_receiver
+from weightsync.transports.distributed import auth
+from weightsync.transports.distributed import sender as sender_module
+from weightsync.transports.distributed.auth import MACS
 
 
 def _scheme(**kw):
@@ -297,3 +301,63 @@ def test_a_small_versions_digest_is_announced_and_its_worker_asks_the_store_noth
     finally:
         receiver.shutdown()
         scheme.shutdown()
+
+
+@pytest.mark.parametrize("alg", MACS)
+def test_workers_check_each_version_with_the_mac_their_sender_names(alg, monkeypatch):
+    # The sender picks its MAC once (the faster of AES-GMAC and Poly1305 on its CPU); a worker follows the name
+    # sealed in each announcement and in `initial`, whichever it is.
+    monkeypatch.setattr(sender_module, "fastest_mac", lambda nbytes: alg)
+    model, scheme, replica, receiver = _one_worker_here()
+    try:
+        assert scheme._sending.engine.mac == alg
+        for step in (1, 2):
+            optimizer_step(model, step)
+            scheme.send_async()
+            assert receiver.receive(timeout=10) is not None
+            scheme.wait_async()
+            assert checksum(replica) == checksum(model)
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+def test_the_sender_names_the_mac_that_costs_least_for_its_models_size(monkeypatch):
+    # Each MAC is timed once (what one message costs whatever its size, and each byte); the sender takes the one
+    # cheaper for its layout's size. The timing itself: a MAC whose bytes cost more comes out dearer per byte.
+    monkeypatch.setattr(auth, "_mac_costs", lambda: {"aes-gmac": (100e-6, 0.10e-9), "poly1305": (20e-6, 0.15e-9)})
+    assert auth.fastest_mac(1 << 20) == "poly1305"  # 20 + 157 us against 100 + 105 us
+    assert auth.fastest_mac(100 << 20) == "aes-gmac"
+    monkeypatch.setattr(auth, "_mac_costs", lambda: {})  # (without cryptography)
+    assert auth.fastest_mac(1 << 20) == "hmac-sha256"
+    monkeypatch.undo()
+
+    class Timed:
+        def __init__(self, key, pause_per_byte):
+            self.update = lambda data: time.sleep(len(data) * pause_per_byte)
+
+        def hexdigest(self):
+            return "00"
+
+    starts = {
+        "hmac-sha256": auth._hmac_sha256,
+        "aes-gmac": lambda key: Timed(key, 5e-9),
+        "poly1305": lambda key: Timed(key, 0.0),
+    }
+    monkeypatch.setattr(auth, "_STARTS", starts)
+    auth._mac_costs.cache_clear()
+    try:
+        costs = auth._mac_costs()
+        assert costs["aes-gmac"][1] > costs["poly1305"][1] and auth.fastest_mac(4 << 20) == "poly1305"
+
+        def unsupported(key):  # (an OpenSSL built without it: FIPS builds leave Poly1305 out)
+            raise auth.UnsupportedAlgorithm("poly1305")
+
+        starts["poly1305"] = unsupported
+        auth._mac_costs.cache_clear()
+        assert auth.fastest_mac(4 << 20) == "aes-gmac"
+        mac = auth.Sealer(b"k" * 32, "p").payload_mac(b"layout", torch.zeros(8, dtype=torch.uint8), 1, "aa", "poly1305")
+        with pytest.raises(ws.ConfigurationError, match="OpenSSL lacks"):
+            mac.hexdigest()
+    finally:
+        auth._mac_costs.cache_clear()

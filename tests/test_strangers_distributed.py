@@ -353,8 +353,9 @@ def test_what_a_stranger_writes_for_rejoins_leaves_the_admitter_serving(attack, 
 
 @pytest.mark.parametrize("alg", MACS)
 def test_an_update_mac_binds_the_bytes_the_version_the_nonce_and_the_layout(alg):
-    """Each MAC a worker may be told to use (AES-GMAC, or HMAC-SHA256 where cryptography is missing) changes with
-    any byte, the version, the nonce, the layout's order or the run key, and is the same however its bytes are fed."""
+    """Each MAC a worker may be told to use (AES-GMAC, Poly1305, or HMAC-SHA256 where cryptography is missing)
+    changes with any byte, the version, the nonce, the layout's order or the run key, and is the same however its
+    bytes are fed."""
     key, buffer = b"k" * 32, torch.arange(4096, dtype=torch.uint8)
     sealer = Sealer(key, "weightsync/policy/0123456789abcdef")
 

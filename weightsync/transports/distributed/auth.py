@@ -10,19 +10,22 @@ no secret), and so is the group's formation: anyone may claim rank 0. Hence, wit
 - everything a worker acts on from the sender is sealed (:class:`Sealer`): an HMAC-SHA256 over a domain-separated
   message binding the run's prefix, the key's name, the version and the content (layout, verdicts, ``initial``,
   announcements, digests, the word that a worker was dropped). A worker refuses anything unsealed;
-- the bytes of each update carry a keyed digest (:class:`PayloadMac`: AES-GMAC under a one-time key drawn from the
-  run key, the version, a fresh nonce and the layout): the sender publishes it, sealed, once every byte went out,
-  and a worker checks the bytes in its staging buffer against it before any of them is written into the model.
-  Whoever holds rank 0 without the key cannot make a worker apply anything.
+- the bytes of each update carry a keyed digest (:class:`PayloadMac`: AES-GMAC or Poly1305, whichever costs less
+  on the sender's CPU for the model's size, under a one-time key drawn from the run key, the version, a fresh
+  nonce and the layout): the sender publishes it, sealed, and a worker checks the bytes in its staging buffer
+  against it before any of them is written into the model. Whoever holds rank 0 without the key cannot make a
+  worker apply anything.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
 import secrets
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,23 +33,26 @@ import torch
 
 from ...errors import AuthenticationError, ConfigurationError, TransportError
 
-#: AES-GCM's encryptor (a one-time key and a nonce in); ``None`` without the cryptography package.
-_gcm: Callable[[bytes, bytes], Any] | None
-try:  # AES-GMAC runs at about 8 GB/s a core where the CPU multiplies carry-less; hashlib has no MAC near that
+#: Whether cryptography's AES-GMAC and Poly1305 are here (without the package, HMAC-SHA256 alone).
+try:
+    from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-    def _gcm(key: bytes, nonce: bytes) -> Any:
-        return Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+    _CRYPTOGRAPHY = True
+except ImportError:  # pragma: no cover - HMAC-SHA256 then, several times slower
+    _CRYPTOGRAPHY = False
 
-except ImportError:  # pragma: no cover - HMAC-SHA256 then, about 9 times slower
-    _gcm = None
+    class UnsupportedAlgorithm(Exception):  # type: ignore[no-redef]
+        """(cryptography's, which only its MACs raise.)"""
+
 
 __all__ = [
     "ACK_TAG_WORDS",
-    "MAC",
     "MACS",
     "PayloadMac",
     "Sealer",
+    "fastest_mac",
     "layout_tag",
     "line_proof",
     "new_nonce",
@@ -66,9 +72,90 @@ ACK_TAG_WORDS = 4
 _MAC_HEX = 64  # HMAC-SHA256, in hex
 #: GMAC's nonce: each key serves one message (:class:`PayloadMac`), so one nonce serves them all.
 _GMAC_NONCE = bytes(12)
-#: The MACs a worker knows for an update's bytes; :data:`MAC` is the one this process's sender uses.
-MACS = ("aes-gmac", "hmac-sha256")
-MAC = "aes-gmac" if _gcm is not None else "hmac-sha256"
+#: The MACs a worker knows for an update's bytes (the sender names its own in each announcement: :func:`fastest_mac`).
+MACS = ("aes-gmac", "poly1305", "hmac-sha256")
+#: The sizes :func:`_mac_costs` times each MAC over, and how many times (the fastest time of each counts).
+_SMALL_BYTES, _TRIAL_BYTES, _TRIALS = 4096, 4 << 20, 3
+
+
+class _Gmac:
+    """AES-256-GMAC: GCM's tag over the bytes as associated data, nothing encrypted."""
+
+    def __init__(self, key: bytes) -> None:
+        self._gcm = Cipher(algorithms.AES(key), modes.GCM(_GMAC_NONCE)).encryptor()
+        self.update = self._gcm.authenticate_additional_data
+
+    def hexdigest(self) -> str:
+        self._gcm.finalize()
+        return self._gcm.tag.hex()
+
+
+class _Poly:
+    """Poly1305, a one-time authenticator: each of its keys serves one message, as each one-time key here does."""
+
+    def __init__(self, key: bytes) -> None:
+        self._poly = Poly1305(key)
+        self.update = self._poly.update
+
+    def hexdigest(self) -> str:
+        return self._poly.finalize().hex()
+
+
+def _hmac_sha256(key: bytes) -> Any:
+    return hmac.new(key, digestmod=hashlib.sha256)
+
+
+#: Each MAC here, started with a one-time key: an object with ``update(bytes)`` and ``hexdigest()``.
+_STARTS: dict[str, Callable[[bytes], Any]] = {"hmac-sha256": _hmac_sha256}
+if _CRYPTOGRAPHY:
+    _STARTS.update({"aes-gmac": _Gmac, "poly1305": _Poly})
+
+
+def _works(name: str) -> bool:
+    """Whether this process's OpenSSL computes MAC ``name`` (a build may leave Poly1305 out, FIPS ones do)."""
+    try:
+        _STARTS[name](bytes(32)).hexdigest()
+    except UnsupportedAlgorithm:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _mac_costs() -> dict[str, tuple[float, float]]:
+    """For each of cryptography's MACs here: the seconds one message costs whatever its size (the start with a key
+    and the finish), and the seconds each byte costs; timed once, in turn, the fastest of :data:`_TRIALS` each
+    (about 10 ms in all). Empty without cryptography."""
+    trials = [name for name in ("aes-gmac", "poly1305") if name in _STARTS and _works(name)]
+    data, key = memoryview(bytes(_TRIAL_BYTES)), bytes(32)
+    piece = _TRIAL_BYTES // 4  # (fed in pieces, as buckets and reads from the wire are)
+    small: dict[str, float] = dict.fromkeys(trials, float("inf"))
+    large = dict(small)
+    for _ in range(_TRIALS):
+        for name in trials:  # (in turn: a slow spell of the host falls on both)
+            for size, best in ((_SMALL_BYTES, small), (_TRIAL_BYTES, large)):
+                start = time.perf_counter()
+                state = _STARTS[name](key)
+                for at in range(0, size, piece):
+                    state.update(data[at : min(at + piece, size)])
+                state.hexdigest()
+                best[name] = min(best[name], time.perf_counter() - start)
+    per_byte = {name: max(large[name] - small[name], 0.0) / (_TRIAL_BYTES - _SMALL_BYTES) for name in trials}
+    return {name: (max(small[name] - _SMALL_BYTES * per_byte[name], 0.0), per_byte[name]) for name in trials}
+
+
+def fastest_mac(nbytes: int) -> str:
+    """The MAC a sender authenticates messages of about ``nbytes`` with: of AES-GMAC and Poly1305 (cryptography's),
+    the one that costs least for that size on this CPU (:func:`_mac_costs`); HMAC-SHA256 where cryptography is
+    missing.
+
+    Which one wins depends on the CPU and the size: AES-GMAC hashed 8.6 GB/s on one of our machines against 2.4 to
+    3.6 for Poly1305; on another (an AMD EPYC without AVX-512) 6.3 to 7.0 GB/s against 5.7 to 6.2, but starting
+    one took 70 us against 20, so that Poly1305 hashed 1 MB sooner. Either is a one-time MAC under the one-time key
+    of :class:`PayloadMac`; the worker follows the name in the sealed announcement."""
+    costs = _mac_costs()
+    if not costs:
+        return "hmac-sha256"
+    return min(costs, key=lambda name: costs[name][0] + nbytes * costs[name][1])
 
 
 def new_nonce() -> str:
@@ -178,23 +265,23 @@ class PayloadMac:
 
     Each message gets a one-time key, an HMAC-SHA256 with the run key of the prefix, the version, a nonce the
     sender draws for it, the layout's digest (``layout_tag``: entries in order, so that bytes are never read
-    under another order) and the size; with it, AES-256-GMAC (``"aes-gmac"``: GCM's tag over the bytes as
-    associated data, nothing encrypted; from the ``cryptography`` package, about 8 GB/s on one core in
-    docs/benchmarks.md) or HMAC-SHA256 (``"hmac-sha256"``, where ``cryptography`` is missing: about 0.95 GB/s)
-    authenticates the bytes. A one-time key never serves two messages (the nonce of each send is fresh), which is
-    what lets GMAC's own nonce be fixed.
+    under another order) and the size; with it, ``alg`` authenticates the bytes: AES-256-GMAC (``"aes-gmac"``:
+    GCM's tag over the bytes as associated data, nothing encrypted) or Poly1305 (``"poly1305"``), both from the
+    ``cryptography`` package (the sender picks the cheaper here: :func:`fastest_mac`), or HMAC-SHA256
+    (``"hmac-sha256"``, where ``cryptography`` is missing: about 1 GB/s). A one-time key never serves two
+    messages (the nonce of each send is fresh), which is what Poly1305 asks of its key, and what lets GMAC's own
+    nonce be fixed.
     """
 
     def __init__(
         self, key: bytes, prefix: str, layout_tag: bytes, buffer: torch.Tensor, version: int, nonce: str, alg: str
     ) -> None:
-        if alg == "aes-gmac" and _gcm is None:
-            raise ConfigurationError(
-                "the sender authenticates updates with AES-GMAC, from the cryptography package: "
-                "pip install cryptography"
-            )
         if alg not in MACS:
             raise TransportError(f"unknown MAC {alg[:40]!r} named by the sender")
+        if alg not in _STARTS:
+            raise ConfigurationError(
+                f"the sender authenticates updates with {alg}, from the cryptography package: pip install cryptography"
+            )
         flat = buffer.detach().reshape(-1)
         self._buffer, self.nbytes, self._alg = flat, flat.numel(), alg
         size = str(self.nbytes).encode()
@@ -206,16 +293,14 @@ class PayloadMac:
     def begin(self) -> None:
         """Derive the one-time key and start the MAC (done by the first :meth:`ready` otherwise): a worker does it
         once its receives are posted, while the bytes are on their way."""
-        if self._state is not None:
-            return
-        once = hmac.new(self._key, _PAYLOAD_TAG + self._said, hashlib.sha256).digest()
-        if self._alg == "aes-gmac":
-            assert _gcm is not None  # (checked in the constructor)
-            self._state = _gcm(once, _GMAC_NONCE)
-            self._update = self._state.authenticate_additional_data
-        else:
-            self._state = hmac.new(once, digestmod=hashlib.sha256)
-            self._update = self._state.update
+        if self._state is None:
+            once = hmac.new(self._key, _PAYLOAD_TAG + self._said, hashlib.sha256).digest()
+            try:
+                self._state = _STARTS[self._alg](once)
+            except UnsupportedAlgorithm:  # (a build of OpenSSL without it)
+                raise ConfigurationError(
+                    f"the sender authenticates updates with {self._alg}, which this process's OpenSSL lacks"
+                ) from None
 
     def ready(self, upto: int) -> None:
         """Bytes ``[0, upto)`` are final: hash those not hashed yet (hashlib and cryptography release the GIL)."""
@@ -225,13 +310,10 @@ class PayloadMac:
         part = self._buffer[self._next : upto]
         if part.device.type != "cpu":  # NCCL: the bytes are on the GPU, and hashed from a host copy
             part = part.cpu()
-        self._update(part.numpy().data)
+        self._state.update(part.numpy().data)
         self._next = upto
 
     def hexdigest(self) -> str:
         """The digest, once every byte is hashed (the rest is hashed now)."""
         self.ready(self.nbytes)
-        if self._alg == "aes-gmac":
-            self._state.finalize()
-            return self._state.tag.hex()
-        return self._state.hexdigest()
+        return str(self._state.hexdigest())

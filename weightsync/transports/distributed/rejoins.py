@@ -18,7 +18,7 @@ from ...errors import SyncTimeoutError, TransportError, WeightSyncError, first_l
 from ...tensors.copies import copy_tensors
 from ..processes import process_is_gone
 from ..store import connect_store, store_count, store_json, store_set
-from .auth import MAC, Sealer, new_nonce, proven
+from .auth import Sealer, new_nonce, proven
 from .group import GROUP_TIMEOUT_FACTOR, gpu_identity, new_group_within
 from .messages import announcement
 from .transport import DistributedTransport
@@ -180,6 +180,7 @@ class Admitting:
         device: torch.device
         hellos: dict[int, dict[str, Any]]
         layout_tag: bytes
+        mac: str
         newest: tuple[Staging, int, str, str] | None
         pool: StagingPool | None
         requests: RejoinRequests
@@ -270,9 +271,9 @@ class Admitting:
             return None
         staging, version, payload_digest, nonce = self.newest
         try:
-            said = announcement(version, nonce, MAC)
+            said = announcement(version, nonce, self.mac)
             store_set(pair, "initial", transport.sealer.seal("initial", json.dumps(said)))
-            transport.announce(version, nonce, MAC, initial=True)
+            transport.announce(version, nonce, self.mac, initial=True)
             staging.readers[w] = [transport.send_part(staging.tensor[start:end]) for *_, start, end in self.buckets]
             transport.set_digest(payload_digest, version)
             transport.expect_ack(version)
@@ -295,5 +296,5 @@ class Admitting:
             return
         copy_tensors([staging.tensor[: published.numel()]], [published])
         nonce = new_nonce()
-        mac = self.sealer.payload_mac(self.layout_tag, staging.tensor, version, nonce, MAC)
+        mac = self.sealer.payload_mac(self.layout_tag, staging.tensor, version, nonce, self.mac)
         self.newest, self._unstaged = (staging, version, mac.hexdigest(), nonce), None

@@ -43,7 +43,7 @@ from ..keyfiles import KEY_BYTES, key_name, remove_key_file, write_key_file
 from ..network import local_address
 from ..staging import Staging, StagingPool
 from ..store import open_store, store_set
-from .auth import MAC, Sealer, layout_tag, new_nonce, run_prefix
+from .auth import Sealer, fastest_mac, layout_tag, new_nonce, run_prefix
 from .group import GROUP_TIMEOUT_FACTOR, gpu_identity, new_group_within
 from .line import LINE_WAIT_S, Line, Listener
 from .messages import announcement
@@ -113,6 +113,7 @@ class DistributedSender(Admitting, SenderEngine):
         self.prefix = run_prefix(sink.model_id or "", self.authkey)
         self.store: dist.Store | None = dist.PrefixStore(self.prefix, self._base_store)
         self.sealer = Sealer(self.authkey, self.prefix)
+        self.mac = fastest_mac(layout.nbytes)  # what authenticates each message's bytes (named in its announcement)
         described = json.dumps(layout.to_plain()).encode()
         self.layout_tag = layout_tag(described)  # what each version's digest binds: the layout, in order
         store_set(self.store, "layout", self.sealer.seal("layout", described))
@@ -251,7 +252,7 @@ class DistributedSender(Admitting, SenderEngine):
         self._nonce = new_nonce()
         if out.initial:
             assert self.store is not None
-            said = announcement(out.version, self._nonce, MAC)
+            said = announcement(out.version, self._nonce, self.mac)
             store_set(self.store, "initial", self.sealer.seal("initial", json.dumps(said)))
         return staging
 
@@ -260,7 +261,7 @@ class DistributedSender(Admitting, SenderEngine):
         whole = [w for w in out.workers if w not in changed]
         if staging.views is None:
             staging.views = self.layout.views(staging.tensor)
-        mac = self.sealer.payload_mac(self.layout_tag, staging.tensor, out.version, self._nonce, MAC)
+        mac = self.sealer.payload_mac(self.layout_tag, staging.tensor, out.version, self._nonce, self.mac)
         # A small version is staged and hashed before any worker hears of it: its digest rides in the sealed
         # announcement, which spares each worker the store's round trips to read it, and the workers wake to a
         # trainer with nothing left to do but send (on a host with few cores, they would take the cores it copies on).
@@ -276,10 +277,10 @@ class DistributedSender(Admitting, SenderEngine):
             inline_ok = said_digest is not None and transport.line is not None and on_a_line(staging.tensor.device)
             body = staging.tensor if inline_ok else None
             try:
+                taken, initial = self.reports_taken, out.initial
                 sent = transport.announce(
-                    out.version, self._nonce, MAC, initial=out.initial, taken=self.reports_taken, digest=said_digest,
-                    body=body,
-                )  # fmt: skip
+                    out.version, self._nonce, self.mac, initial=initial, taken=taken, digest=said_digest, body=body
+                )
             except (RuntimeError, WeightSyncError) as exc:  # the store or the peer is gone
                 self._gone(w, exc)
                 continue
@@ -339,12 +340,14 @@ class DistributedSender(Admitting, SenderEngine):
         assert delta is not None
         nonce = new_nonce()
         body = delta.body.to(self.device)  # (the CPU's own tensor with gloo)
-        mac = self.sealer.payload_mac(self.layout_tag, body, out.version, nonce, MAC)
+        mac = self.sealer.payload_mac(self.layout_tag, body, out.version, nonce, self.mac)
         digest, described = mac.hexdigest(), delta.to_plain()
         for w in workers:
             transport = self.transports[w]
             try:
-                transport.announce(out.version, nonce, MAC, delta=described, taken=self.reports_taken, digest=digest)
+                transport.announce(
+                    out.version, nonce, self.mac, delta=described, taken=self.reports_taken, digest=digest
+                )
                 staging.readers[w] = [transport.send_part(body)] if body.numel() else []
                 transport.expect_ack(out.version)
             except (RuntimeError, WeightSyncError) as exc:  # the peer is gone: gloo refuses to send to it

@@ -12,6 +12,7 @@ Restarts, kills and drops mid-send run with deltas in ``tests/test_faults.py``.
 from __future__ import annotations
 
 import threading
+import time
 from unittest import mock
 
 import numpy as np
@@ -218,8 +219,11 @@ def test_a_chunk_that_cannot_be_compared_fails_the_update_and_the_next_one_sends
         nonlocal calls
         with lock:
             calls += 1
-            if calls == 7:
-                raise MemoryError("no room")
+            call = calls
+        if call == 7:
+            raise MemoryError("no room")
+        if call in (5, 6):  # chunks before it finish after it failed: they hear of it, and the cause is still raised
+            time.sleep(0.2)
         return compare(self, chunk, compared, room, most)
 
     monkeypatch.setattr(DeltaBase, "_changes", fails_once)
@@ -673,13 +677,26 @@ def test_a_version_with_nothing_changed_is_an_empty_body_and_still_arrives():
     replica = build("tiny")
     receiver.init_on_receiver(model_id="policy", model=replica, worker_idx=0)
     connect_pair(scheme, receiver)
+    from weightsync.transports.distributed.auth import NO_BYTES, PayloadMac
+
+    keys: list[int] = []  # one-time keys derived, on either side (both are in this process)
+    begin = PayloadMac.begin
     try:
-        _sparse_step(model, 1, fraction=0.0)  # nothing changed: an empty body
-        scheme.send_async()
-        assert receiver.receive(timeout=10) is not None
-        scheme.wait_async()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(PayloadMac, "begin", lambda self: keys.append(self.nbytes) or begin(self))
+            _sparse_step(model, 1, fraction=0.0)  # nothing changed: an empty body
+            scheme.send_async()
+            assert receiver.receive(timeout=10) is not None
+            scheme.wait_async()
         assert receiver.version == 1 and _holds(replica, model)
         assert scheme.stats()["changes_sent"] == 1
+        assert keys == []  # no bytes, nothing to authenticate: the description is sealed in the announcement
+        # Bytes under the digest that says there are none are refused.
+        engine = receiver._runtime.receiving.engine
+        some = engine.sealer.payload_mac(b"layout", torch.zeros(4, dtype=torch.uint8), 2, "aa", "hmac-sha256")
+        assert isinstance(engine._verify(some, 2, 2, 1.0, NO_BYTES), ws.AuthenticationError)
+        none = engine.sealer.payload_mac(b"layout", torch.zeros(0, dtype=torch.uint8), 2, "aa", "hmac-sha256")
+        assert engine._verify(none, 2, 2, 1.0, NO_BYTES) is None
     finally:
         receiver.shutdown()
         scheme.shutdown()

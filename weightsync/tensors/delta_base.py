@@ -123,6 +123,7 @@ class DeltaBase:
         compared = _Comparison(pieces, [offset for offset, _ in pieces], self.buffer.numpy())
         writer = BodyWriter(self.chunks, whole_if_larger, most)
         threads = min(torch.get_num_threads(), len(self.chunks), MAX_THREADS)
+        causes: list[BaseException] = []  # the chunks' own failures, the first first
 
         def one(item: tuple[int, Chunk]) -> tuple[int, int]:
             index, chunk = item
@@ -131,9 +132,10 @@ class DeltaBase:
             room = self._rooms.take(word, changes + ROOM, 2 * threads, lambda: writer.ready(index))
             try:
                 kind, count, part = self._chunk(chunk, compared, room, changes)
-            except BaseException:
+            except BaseException as exc:
                 self._rooms.give(word, room)
                 writer.fail(index)
+                causes.append(exc)
                 raise
             try:  # (the room is given back once the part is packed: then the chunk after it may be first)
                 writer.place(index, part, partial(self._rooms.give, word, room))
@@ -146,8 +148,10 @@ class DeltaBase:
         with ThreadPoolExecutor(threads, thread_name_prefix="weightsync-delta") if threads > 1 else _Inline() as pool:
             try:
                 found = list(pool.map(one, enumerate(self.chunks)))
-            except BaseException:  # (an interrupt cancels chunks not started; the parts waiting give their rooms back)
+            except BaseException as exc:  # (an interrupt cancels chunks not started; the parts waiting give back rooms)
                 writer.fail(-1)
+                if causes and exc is not causes[0]:  # a chunk before the one that failed heard of it: raise the cause
+                    raise causes[0] from None
                 raise
         self.version = version
         kinds, counts = [kind for kind, _ in found], [count for _, count in found]

@@ -50,6 +50,7 @@ except ImportError:  # pragma: no cover - HMAC-SHA256 then, several times slower
 __all__ = [
     "ACK_TAG_WORDS",
     "MACS",
+    "NO_BYTES",
     "PayloadMac",
     "Sealer",
     "fastest_mac",
@@ -74,6 +75,9 @@ _MAC_HEX = 64  # HMAC-SHA256, in hex
 _GMAC_NONCE = bytes(12)
 #: The MACs a worker knows for an update's bytes (the sender names its own in each announcement: :func:`fastest_mac`).
 MACS = ("aes-gmac", "poly1305", "hmac-sha256")
+#: The digest a sender seals for changes that carry no bytes (nothing changed): there is nothing to authenticate
+#: but their description, which is sealed, and neither side derives a one-time key for them.
+NO_BYTES = ""
 #: The sizes :func:`_mac_costs` times each MAC over, and how many times (the fastest time of each counts).
 _SMALL_BYTES, _TRIAL_BYTES, _TRIALS = 4096, 4 << 20, 3
 

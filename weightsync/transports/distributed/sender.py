@@ -43,7 +43,7 @@ from ..keyfiles import KEY_BYTES, key_name, remove_key_file, write_key_file
 from ..network import local_address
 from ..staging import Staging, StagingPool
 from ..store import open_store, store_set
-from .auth import Sealer, fastest_mac, layout_tag, new_nonce, run_prefix
+from .auth import NO_BYTES, Sealer, fastest_mac, layout_tag, new_nonce, run_prefix
 from .group import GROUP_TIMEOUT_FACTOR, gpu_identity, new_group_within
 from .line import LINE_WAIT_S, Line, Listener
 from .messages import announcement
@@ -341,7 +341,7 @@ class DistributedSender(Admitting, SenderEngine):
         nonce = new_nonce()
         body = delta.body.to(self.device)  # (the CPU's own tensor with gloo)
         mac = self.sealer.payload_mac(self.layout_tag, body, out.version, nonce, self.mac)
-        digest, described = mac.hexdigest(), delta.to_plain()
+        digest, described = mac.hexdigest() if body.numel() else NO_BYTES, delta.to_plain()
         for w in workers:
             transport = self.transports[w]
             try:

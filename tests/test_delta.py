@@ -12,7 +12,6 @@ Restarts, kills and drops mid-send run with deltas in ``tests/test_faults.py``.
 from __future__ import annotations
 
 import threading
-import time
 from unittest import mock
 
 import numpy as np
@@ -214,6 +213,7 @@ def test_a_chunk_that_cannot_be_compared_fails_the_update_and_the_next_one_sends
     compare = DeltaBase._changes
     calls = 0
     lock = threading.Lock()
+    failed = threading.Event()
 
     def fails_once(self, chunk, compared, room, most):
         nonlocal calls
@@ -221,9 +221,10 @@ def test_a_chunk_that_cannot_be_compared_fails_the_update_and_the_next_one_sends
             calls += 1
             call = calls
         if call == 7:
+            failed.set()
             raise MemoryError("no room")
         if call in (5, 6):  # chunks before it finish after it failed: they hear of it, and the cause is still raised
-            time.sleep(0.2)
+            assert failed.wait(30)
         return compare(self, chunk, compared, room, most)
 
     monkeypatch.setattr(DeltaBase, "_changes", fails_once)

@@ -34,6 +34,16 @@ DEEP = "[" * 200_000 + "]" * 200_000
 TAG_DATA, TAG_ACK = 1, 2  # what the engine's transport uses on the wire
 
 
+def heard_back(sock: socket.socket) -> bytes:
+    """The first byte the trainer says on ``sock`` after a refused answer; ``b""`` where it closed the connection
+    without a word, whether it had read the answer (an end of file) or not (a reset: the workers' lines came first
+    and the rendez-vous ended with the answer still unread)."""
+    try:
+        return sock.recv(1)
+    except ConnectionResetError:
+        return b""
+
+
 def listening_ports() -> set[int]:
     """Every TCP port listening on this host (IPv4 and IPv6), as any user reads it."""
     ports = set()
@@ -126,10 +136,7 @@ def line_port(store: dist.Store, flood: int) -> None:
         if nonce:
             forged = hmac.new(b"x" * 32, nonce, hashlib.sha256).digest()
             liar.sendall((0).to_bytes(8, "big") + forged)
-            try:
-                said = liar.recv(1)
-            except ConnectionResetError:  # closed with the answer unread (the lines were taken): no word either
-                said = b""
+            said = heard_back(liar)
             print(f"liar: {'closed without a word' if said == b'' else f'heard {said!r}'}", flush=True)
         else:
             print("liar: closed before any challenge", flush=True)

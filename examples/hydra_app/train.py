@@ -82,9 +82,9 @@ def main(cfg: DictConfig) -> None:
     scheme = instantiate(cfg.weightsync.scheme)
     scheme.init_on_sender(model_id="policy", model=policy, num_workers=cfg.num_workers)
     log.info("%s, %d workers, options %s", type(scheme).__name__, cfg.num_workers, scheme.option_values())
-    # The workers fork from a server that imported torch and gymnasium once (spawned, each would import them).
+    # The workers fork from a server that imported this script, torch and gymnasium with it, once (forkserver's
+    # default preload); spawned, each would import them itself.
     ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
-    ctx.set_forkserver_preload(["torch", "gymnasium", "weightsync.config"])
     results = ctx.Queue()
     pipes, procs = [], []
     for i in range(cfg.num_workers):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from tests._attack_distributed import heard_back
 from tests._bodies import optimizer_step
 from tests._workers import build, checksum, in_process_receiver
 from weightsync.core.timing import deadline_after
-from weightsync.errors import SyncTimeoutError, TransportError
+from weightsync.errors import ConnectionClosedError, SyncTimeoutError, TransportError
 from weightsync.transports.distributed import sender as sender_module
 from weightsync.transports.distributed.auth import line_proof
 from weightsync.transports.distributed.line import ANSWERED_WAIT_S, FRAME, NONCE_BYTES, Dialing, Line, Listener
@@ -200,6 +201,86 @@ def test_a_worker_whose_line_the_sender_did_not_take_is_reached_through_its_door
         assert transport.line is None and transport.bell is not None
         _send_while_receiving(model, scheme, replica, receiver, 1)
     finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+def _cut_midway(scheme):
+    """The link under worker 0's line goes down in the middle of the next message on it: the announcement and half
+    its bytes went out, and nothing the sender writes after reaches the worker, not even the end of the line.
+    Returns what closes the line for real."""
+    line = scheme._sending.engine.transports[0].line
+    real_write, real_close = line.write, line.close
+
+    def cut(chunks):
+        line.write = lambda chunks: _done_future()
+        body = memoryview(chunks[-1]).cast("B")
+        return real_write([*chunks[:-1], body[: len(body) // 2]])
+
+    line.write, line.close = cut, lambda timeout: None
+    return real_close
+
+
+def _done_future() -> Future:
+    future: Future = Future()
+    future.set_result(None)
+    return future
+
+
+@pytest.mark.parametrize("on_failure", ["drop", "raise"])
+def test_a_worker_whose_line_stops_midway_learns_it_was_dropped_or_that_the_sender_shut_down(on_failure):
+    """The link goes down in the middle of a small version on the line: the worker gives the update up after its
+    timeout and hangs up, and the sender, with no ack, drops it (or raises). Nothing is announced to a worker
+    without a line, on it or in the store: what it waits for is the sender's word, in the store, that it dropped
+    it (it then rejoins and holds the newest version), or that it shut down (its ``receive`` raises)."""
+    model = build("tiny")
+    scheme = ws.DistributedWeightSyncScheme(timeout=2, connect_timeout=60, on_failure=on_failure)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    receiver = in_process_receiver(scheme, replica)
+    close_line = None
+    seen: list = []
+
+    def receive() -> None:
+        deadline = time.monotonic() + 60
+        while receiver.version != 2 and time.monotonic() < deadline:
+            try:
+                receiver.receive(timeout=1)
+            except SyncTimeoutError as exc:  # the version cut off midway: nothing applied
+                seen.append((exc, receiver.version))
+            except ConnectionClosedError as exc:
+                seen.append((exc, receiver.version))
+                return
+
+    try:
+        _send_while_receiving(model, scheme, replica, receiver, 1)
+        close_line = _cut_midway(scheme)
+        optimizer_step(model, 2)
+        thread = threading.Thread(target=receive)
+        if on_failure == "raise":  # (the worker reads what came only now: its hanging up is not seen by the send)
+            with pytest.raises(ws.WeightSyncError, match="worker 0"):
+                scheme.send()
+            thread.start()
+            deadline = time.monotonic() + 30
+            while not seen and time.monotonic() < deadline:  # the worker gives the update up
+                time.sleep(0.05)
+            store = scheme._sending.engine.store  # held: the store outlives the scheme, as a training job's does
+            scheme.shutdown()
+            thread.join(30)
+            del store
+            assert [type(exc) for exc, _ in seen] == [SyncTimeoutError, ConnectionClosedError], seen
+            assert "shut down" in str(seen[-1][0]) and receiver.version == 1
+            return
+        thread.start()
+        scheme.send()  # worker 0 is dropped: no ack came, or its line closed once it gave the update up
+        thread.join(90)
+        assert [(type(exc), version) for exc, version in seen] == [(SyncTimeoutError, 1)], seen
+        assert receiver.version == 2 and checksum(replica) == checksum(model)
+        assert scheme.stats()["rejoins"] == {0: 1} and scheme.stats()["dropped_workers"] == {}
+        _send_while_receiving(model, scheme, replica, receiver, 3)  # reached as before
+    finally:
+        if close_line is not None:
+            close_line(0.0)
         receiver.shutdown()
         scheme.shutdown()
 

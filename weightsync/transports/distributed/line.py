@@ -13,7 +13,9 @@ the rendez-vous only. Whoever connects is challenged with a fresh nonce and must
 for one worker (:func:`~.auth.line_proof`); the sender then names the workers it has a line with in the sealed
 verdict, and every other worker is reached as before (its doorbell, gloo's acks), as is a worker that rejoins.
 What travels on a line is authenticated as elsewhere (sealed announcements, keyed digests, tagged acks): the
-line only saves the hops.
+line only saves the hops. A worker whose line stopped midway (a link down) hangs it up; nothing is announced to
+it again, and it waits for the sender's word in the store that it was dropped (it then rejoins) or that the
+sender shut down.
 
 Frames: an announcement is its length (4 bytes, big-endian) and the sealed bytes; the bytes of a version it says
 travel inline follow it raw (their size is the layout's); an ack is :data:`ACK` (the ack's words and tag).

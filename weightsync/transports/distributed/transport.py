@@ -132,6 +132,7 @@ class DistributedTransport(WorkerSide, PeerTransport):
         self._waiter: Waiter | None = None
         self.bell = bell
         self.line = line
+        self.line_lost = False  # on a worker: it hung up its line (it then learns only that it was dropped)
         self._inline = False  # on a worker: the bytes of the message announced last come on the line
         self._spent: list[str] = []  # on a worker: keys read and not deleted yet (:meth:`sweep`)
         self._looked = (-1, 0.0)  # on a worker: the doorbell's count at its last look for a message, and when

@@ -50,6 +50,7 @@ class WorkerSide:
         link: Link
         bell: Doorbell | None
         line: Line | None
+        line_lost: bool
         _inline: bool
         _looked: tuple[int, float]
         _spent: list[str]
@@ -79,6 +80,8 @@ class WorkerSide:
         key = f"msg/{self.worker_idx}/{self.seq + 1}"
         if self.line is not None:
             return self._next_on_line(key, timeout)
+        if self.line_lost:
+            return self._last_word_after_line(timeout)
         deadline = deadline_after(timeout)
         try:
             while True:
@@ -128,6 +131,24 @@ class WorkerSide:
         self._inline = bool(msg.get("inline"))
         return msg
 
+    def _last_word_after_line(self, timeout: float) -> dict[str, Any] | None:
+        """:meth:`next_message` once this worker hung up its line (what came on it stopped midway: a link down):
+        nothing more is announced to it, on the line or in the store. What it waits for, in the store, is the
+        sender's word that it dropped this worker (``dropped/<w>``: no ack came), or that it shut down."""
+        deadline = deadline_after(timeout)
+        try:
+            while True:
+                if self.was_dropped():
+                    return {"dropped": "what came on its line stopped midway, and it did not ack in time"}
+                if self.store.check(["shutdown"]):
+                    self._opened("shutdown")  # a word from anyone else is refused, not obeyed
+                    return {"closed": True}
+                if remaining(deadline) <= 0:
+                    return None
+                time.sleep(min(LOOK_AGAIN_S, remaining(deadline)))
+        except dist.DistError as exc:
+            raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
+
     def _no_ring_since_looked(self, rang: int) -> bool:
         """Whether a look in the store for the next message can be skipped: the bell listens and has not rung since
         the last look, under :data:`LOOK_AGAIN_S` ago (a ring a stranger took away delays its message that long)."""
@@ -145,6 +166,7 @@ class WorkerSide:
         if self.line is not None:
             self.line.close(0.0)
             self.line = None
+            self.line_lost = True
 
     def receive_into(
         self, parts: list[torch.Tensor], timeout: float, version: int | None, mac: PayloadMac | None = None

@@ -9,6 +9,7 @@ import os
 import queue
 import re
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -160,10 +161,11 @@ def test_rpc_a_cable_pulled_mid_send_is_a_named_error_and_the_cut_off_workers_ex
 
 
 class Lines:
-    """What a process prints, line by line as it comes (a thread reads it): waited for with a bound."""
+    """What a process prints, line by line as it comes (a thread reads it): waited for with a bound. A wait that
+    fails shows what ``others()`` (the workers) wrote to stderr, ended first: it says why they did not do it."""
 
-    def __init__(self, proc) -> None:
-        self.proc, self.seen, self._new = proc, [], queue.Queue()
+    def __init__(self, proc, others=lambda: ()) -> None:
+        self.proc, self.seen, self._new, self._others = proc, [], queue.Queue(), others
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -180,7 +182,17 @@ class Lines:
                     return line
             if self.proc.poll() is not None and self._new.empty():
                 pytest.fail(f"it exited before printing {text!r}:\n{self.proc.stderr.read()[-3000:]}")
-        pytest.fail(f"no {text!r} within {timeout} s; last lines: {self.seen[-5:]}")
+        pytest.fail(f"no {text!r} within {timeout} s; last lines: {self.seen[-5:]}{self._said_by_others()}")
+
+    def _said_by_others(self) -> str:
+        said = []
+        for proc in self._others():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired, ValueError):
+                said.append(f"\n--- {' '.join(proc.args[-2:])} (exit {proc.wait(10)}):\n{proc.stderr.read()[-1500:]}")
+        return "".join(said)
 
     def skip(self) -> None:
         """Forget the lines printed so far: the next wait is for what comes after."""
@@ -218,8 +230,8 @@ def test_distributed_across_a_stranger_a_pulled_cable_a_killed_worker_and_a_vani
             "versions=100000",
             "every=0.3",
         )
-        sent = Lines(trainer)
         workers = start_workers(b, tmp_path)
+        sent = Lines(trainer, lambda: workers)
         sent.wait_for("held by [0, 1]", 60)
 
         config = OmegaConf.load(tmp_path / "worker0.yaml").connection
@@ -251,12 +263,43 @@ def test_distributed_across_a_stranger_a_pulled_cable_a_killed_worker_and_a_vani
         workers[0] = start_workers(b, tmp_path, which=[0])[0]
         sent.wait_for("held by [0, 1]", 60)
 
-        a.link(False)  # the trainer's host vanishes: no packet from it again, not even a reset
-        os.killpg(trainer.pid, signal.SIGKILL)
-        gone = time.monotonic()
-        results = [finish(w, timeout=4 * timeout + 30) for w in workers]
-        assert time.monotonic() - gone < 4 * timeout + 10
-        trainer.wait(10)
+        results = vanish(a, trainer, workers, timeout)
+    exited_cleanly_holding_whole_versions(sent, results)
+
+
+def test_distributed_workers_on_their_lines_exit_cleanly_when_the_trainers_host_vanishes(tmp_path):
+    """Workers of the run's group wait for the next version on their lines (one TCP connection each). The trainer's
+    host vanishes (cable out, processes gone, no reset sent): each worker's line, and its store, fail within
+    four timeouts of silence, and it exits cleanly holding whole versions. (The previous test's vanishing host
+    leaves workers that rejoined, which have no line.)"""
+    timeout = 3
+    with hosts(2) as (a, b):
+        trainer = start_trainer(
+            a, tmp_path, "weightsync.scheme.master_addr=198.18.0.1", f"weightsync.scheme.timeout={timeout}",
+            "versions=100000", "every=0.3",
+        )  # fmt: skip
+        workers = start_workers(b, tmp_path)
+        sent = Lines(trainer, lambda: workers)
+        sent.wait_for("held by [0, 1]", 60)
+        results = vanish(a, trainer, workers, timeout)
+    exited_cleanly_holding_whole_versions(sent, results)
+
+
+def vanish(host: Host, trainer, workers: list, timeout: float) -> list[tuple[int, str, str]]:
+    """The trainer's host vanishes: no packet from it again, not even a reset. Each worker's ``finish``, all of
+    them within four timeouts (and a margin)."""
+    host.link(False)
+    os.killpg(trainer.pid, signal.SIGKILL)
+    gone = time.monotonic()
+    results = [finish(w, timeout=4 * timeout + 30) for w in workers]
+    assert time.monotonic() - gone < 4 * timeout + 10
+    trainer.wait(10)
+    return results
+
+
+def exited_cleanly_holding_whole_versions(sent: Lines, results: list[tuple[int, str, str]]) -> None:
+    """Each worker's ``finish``: it exited (0) once its trainer's store went away, and every version it held is
+    the one the trainer sent under that number."""
     digests = versions("".join(sent.seen), r"sen(?:t|ding) version (\d+) (\w+)")
     for i, (code, out, err) in enumerate(results):
         assert code == 0, err[-2000:]
@@ -266,7 +309,6 @@ def test_distributed_across_a_stranger_a_pulled_cable_a_killed_worker_and_a_vani
 
 
 def test_the_shaped_link_benchmark_runs(tmp_path):
-    import subprocess
     import sys
 
     from tests._hosts import ROOT, _can_make_hosts
@@ -311,7 +353,6 @@ def test_ray_actors_on_another_node_hold_every_version_and_ride_out_a_short_cabl
     every address (Ray 2.60 binds its gRPC servers to all of them: docs/multinode.md). A stranger on host C that
     reaches the head, with a wrong token or none, is refused by Ray's token authentication."""
     import secrets
-    import subprocess
 
     pytest.importorskip("ray")
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}

@@ -9,10 +9,29 @@ from typing import Any
 from .. import checks
 from ..errors import ConfigurationError
 
-__all__ = ["interface_for", "is_loopback", "local_address", "local_interfaces", "resolve_master"]
+__all__ = ["bound_silence", "interface_for", "is_loopback", "local_address", "local_interfaces", "resolve_master"]
 
 #: A port no packet is sent to: connecting a UDP socket only asks the kernel which interface routes there.
 _PROBE_PORT = 9
+
+
+def bound_silence(sock: socket.socket, seconds: float) -> bool:
+    """Make the kernel give up on the TCP connection ``sock`` once its peer stays silent ``seconds``: keepalive
+    probes while nothing is sent, and ``TCP_USER_TIMEOUT`` while something waits for its acknowledgement
+    (Linux). A peer whose host vanished (powered off, cut off) sends no reset: without this, a read waits for it
+    forever; with it, the read fails. A link down for less heals unseen. ``False``: not a TCP connection, or an
+    option this platform lacks."""
+    try:
+        if sock.type != socket.SOCK_STREAM:
+            return False
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(seconds / 3)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(seconds / 6)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))
+    except (OSError, AttributeError):  # not TCP, or an option this platform lacks
+        return False
+    return True
 
 
 def resolve_master(master_addr: str | None, master_port: int | None) -> tuple[str, int]:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..core.timing import Progress, deadline_after, remaining, wait_until
 from ..errors import ConfigurationError, SyncTimeoutError
+from .network import bound_silence
 from .plainjson import loads_object
 
 __all__ = [
@@ -171,8 +172,8 @@ def _open_fds() -> set[tuple[int, str]]:
 
 
 def _bound_silence(before: set[tuple[int, str]], port: int, seconds: float) -> int:
-    """Give the TCP connections to ``port`` opened since ``before`` (the store client's, made by torch, which
-    does not expose them) keepalive probes and a user timeout of ``seconds``; return how many there were."""
+    """Bound the silence (:func:`~.network.bound_silence`) of the TCP connections to ``port`` opened since
+    ``before`` (the store client's, made by torch, which does not expose them); return how many there were."""
     found = 0
     for fd, _what in sorted(_open_fds() - before):
         try:
@@ -183,14 +184,9 @@ def _bound_silence(before: set[tuple[int, str]], port: int, seconds: float) -> i
             try:
                 if sock.type != socket.SOCK_STREAM or sock.getpeername()[1] != port:
                     continue
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(seconds / 3)))
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(seconds / 6)))
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))
-            except (OSError, AttributeError, IndexError):  # not TCP, or an option this platform lacks
+            except (OSError, IndexError):  # not connected, or not an IP socket
                 continue
-            found += 1
+            found += bound_silence(sock, seconds)
     return found
 
 

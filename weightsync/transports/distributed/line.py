@@ -37,6 +37,7 @@ from typing import Any
 
 from ...core.timing import deadline_after, remaining
 from ...errors import ConnectionClosedError, SyncTimeoutError, TransportError, WeightSyncError
+from ..network import bound_silence
 from .auth import ACK_TAG_WORDS, line_proof
 
 __all__ = ["ACK", "FRAME", "LINE_WAIT_S", "Dialing", "Line", "Listener"]
@@ -76,11 +77,16 @@ class Line:
         sock: the connected socket.
         name: the writing thread's name.
         write_timeout: the longest one write may wait for the peer to read (seconds).
+        silence: the longest the peer may stay silent before the line fails (:func:`~..network.bound_silence`):
+            a peer whose host vanished sends no reset, and a worker waiting for its next announcement would
+            wait for it forever. ``None``: unbounded.
     """
 
-    def __init__(self, sock: socket.socket, name: str, write_timeout: float) -> None:
+    def __init__(self, sock: socket.socket, name: str, write_timeout: float, silence: float | None = None) -> None:
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if silence is not None and not bound_silence(sock, silence):
+            log.debug("could not bound the silence of line %s on this platform", name)
         self._sock: socket.socket | None = sock
         self._name = name
         self.write_timeout = write_timeout

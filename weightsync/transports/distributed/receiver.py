@@ -227,7 +227,8 @@ class DistributedReceiver(ReceiverEngine):
             log.debug("worker %d: the sender named no line (%s)", self.where["worker_idx"], first_line(exc))
             return None
         name, timeout, w = f"weightsync-{self.where['model_id']}-line", self.update_timeout, self.where["worker_idx"]
-        return Dialing(address, self._key, self.prefix, w, deadline, lambda sock: Line(sock, name, timeout))
+        silence = SILENT_TIMEOUTS * timeout  # a sender's host that vanished fails the wait for its next word
+        return Dialing(address, self._key, self.prefix, w, deadline, lambda sock: Line(sock, name, timeout, silence))
 
     def _doorbell(self, link: Link, timeout: float) -> Doorbell:
         """This worker's doorbell in ``link``'s store, on a store client of its own (its thread blocks on it),

@@ -42,7 +42,7 @@ from ...tensors.layout import FlatLayout
 from ..keyfiles import KEY_BYTES, key_name, remove_key_file, write_key_file
 from ..network import local_address
 from ..staging import Staging, StagingPool
-from ..store import open_store, store_set
+from ..store import SILENT_TIMEOUTS, open_store, store_set
 from .auth import NO_BYTES, Sealer, fastest_mac, layout_tag, new_nonce, run_prefix
 from .group import GROUP_TIMEOUT_FACTOR, gpu_identity, new_group_within
 from .line import LINE_WAIT_S, Line, Listener
@@ -224,9 +224,10 @@ class DistributedSender(Admitting, SenderEngine):
         and close the port."""
         assert self.listener is not None
         write_timeout = GROUP_TIMEOUT_FACTOR * self.sink.timeout  # as long as gloo waits on a stalled peer
+        silence = SILENT_TIMEOUTS * self.sink.timeout  # as long as a store's client waits on a vanished host
 
         def make(w: int, sock: Any) -> Line:
-            return Line(sock, f"weightsync-{self.sink.model_id}-line{w}", write_timeout)
+            return Line(sock, f"weightsync-{self.sink.model_id}-line{w}", write_timeout, silence)
 
         try:
             until = min(deadline, deadline_after(LINE_WAIT_S))

@@ -62,7 +62,8 @@ if "VLLM_RPC_BASE_PATH" not in os.environ:
 PRELOAD = ["torch", "tensordict", "weightsync", "tests._workers"]
 _CTX = mp.get_context("forkserver")
 # The test process's server also compiles the deltas' loops (tests/_compiled.py: 2 s once, 0.6 s saved a worker);
-# the server an RPC test's trainer process starts for its own workers, one a test, does not (_rpc_trainer.py).
+# the server an RPC test's trainer process starts for its own workers is a fork of that process, and has them too
+# (_rpc_trainer.py).
 _CTX.set_forkserver_preload([*PRELOAD, "tests._compiled"])
 
 LOCAL_SCHEMES = {

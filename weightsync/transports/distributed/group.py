@@ -6,7 +6,8 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import Future
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,10 @@ from ...errors import ConfigurationError, SyncTimeoutError, TransportError, firs
 from ..network import local_address
 from ..store import as_timedelta
 
-__all__ = ["GROUP_TIMEOUT_FACTOR", "Waiter", "gpu_identity", "is_timeout", "new_group", "new_group_within"]
+if TYPE_CHECKING:
+    from .auth import Sealer
+
+__all__ = ["GROUP_TIMEOUT_FACTOR", "Link", "Waiter", "gpu_identity", "is_timeout", "new_group", "new_group_within"]
 
 #: A group's own operation timeout is never less than this many times the scheme's ``timeout``: past it, gloo
 #: disconnects a peer that stalled in the middle of an update.
@@ -117,6 +121,16 @@ def new_group_within(
 def is_timeout(exc: BaseException) -> bool:
     """A gloo/NCCL wait that ran out of time, as opposed to a peer that went away."""
     return "timed out" in str(exc).lower() or "timeout" in type(exc).__name__.lower()
+
+
+@dataclass
+class Link:
+    """The group and store a transport talks over: the engine's, filled in once the group formed, or a pair
+    of a transport's own (a worker that rejoined); and what seals and opens the store's values there."""
+
+    pg: Any = None
+    store: dist.Store | None = None
+    sealer: Sealer | None = None
 
 
 class Waiter:

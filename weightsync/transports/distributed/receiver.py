@@ -47,11 +47,11 @@ from ..processes import process_identity
 from ..store import MAX_STORE_JSON, SILENT_TIMEOUTS, as_timedelta, await_key, connect_store
 from .auth import NO_BYTES, PayloadMac, Sealer, layout_tag, proof, run_prefix
 from .doorbell import IDLE_S, Doorbell
-from .group import GROUP_TIMEOUT_FACTOR, gpu_identity, new_group_within
+from .group import GROUP_TIMEOUT_FACTOR, Link, gpu_identity, new_group_within
 from .line import Dialing, Line
 from .rejoins import REJOIN_POLL_S
 from .settings import DistributedSettings
-from .transport import MAX_ERROR_TEXT, DistributedTransport, Link
+from .transport import MAX_ERROR_TEXT, DistributedTransport
 
 __all__ = ["DistributedReceiver"]
 

@@ -44,12 +44,12 @@ from ..network import local_address
 from ..staging import Staging, StagingPool
 from ..store import SILENT_TIMEOUTS, open_store, store_set
 from .auth import NO_BYTES, Sealer, fastest_mac, layout_tag, new_nonce, run_prefix
-from .group import GROUP_TIMEOUT_FACTOR, gpu_identity, new_group_within
+from .group import GROUP_TIMEOUT_FACTOR, Link, gpu_identity, new_group_within
 from .line import LINE_WAIT_S, Line, Listener
 from .messages import announcement
 from .rejoins import Admitting, RejoinRequests, read_hello
 from .settings import DistributedSettings
-from .transport import ACK_OK, DistributedTransport, Link
+from .transport import ACK_OK, DistributedTransport
 
 __all__ = ["DistributedSender", "on_a_line"]
 

@@ -48,7 +48,7 @@ from ..base import PeerTransport
 from ..store import store_json, store_set
 from .auth import ACK_TAG_WORDS, Sealer
 from .doorbell import Doorbell, ring
-from .group import Waiter
+from .group import Link, Waiter
 from .line import ACK, FRAME, Line
 from .messages import announcement
 from .worker_side import ACK_FAILED, ACK_OK, MAX_ERROR_TEXT, TAG_ACK, TAG_DATA, WorkerSide
@@ -56,22 +56,12 @@ from .worker_side import ACK_FAILED, ACK_OK, MAX_ERROR_TEXT, TAG_ACK, TAG_DATA, 
 if TYPE_CHECKING:
     from ...core.engine import Sink
 
-__all__ = ["ACK_FAILED", "ACK_OK", "MAX_ERROR_TEXT", "DistributedTransport", "Link"]
+__all__ = ["ACK_FAILED", "ACK_OK", "MAX_ERROR_TEXT", "DistributedTransport"]
 
 log = logging.getLogger("weightsync.transports.distributed")
 
 #: How often a sender waiting for a worker to say it took a message looks again (seconds).
 TAKEN_POLL_S = 0.001
-
-
-@dataclass
-class Link:
-    """The group and store a transport talks over: the engine's, filled in once the group formed, or a pair
-    of a transport's own (a worker that rejoined); and what seals and opens the store's values there."""
-
-    pg: Any = None
-    store: dist.Store | None = None
-    sealer: Sealer | None = None
 
 
 @dataclass

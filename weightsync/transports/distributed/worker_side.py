@@ -23,8 +23,8 @@ from .messages import checked_announcement
 if TYPE_CHECKING:
     from .auth import Sealer
     from .doorbell import Doorbell
+    from .group import Link
     from .line import Line
-    from .transport import Link
 
 __all__ = ["ACK_FAILED", "ACK_OK", "LOOK_AGAIN_S", "MAX_ERROR_TEXT", "WorkerSide"]
 

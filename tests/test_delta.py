@@ -11,6 +11,8 @@ Restarts, kills and drops mid-send run with deltas in ``tests/test_faults.py``.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 from unittest import mock
 
@@ -439,20 +441,29 @@ class _Worker:
         self.taking = taking
         self.between: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._stop = threading.Event()
+        self._applied = threading.Condition()  # notified after each version applied
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    def holds_version(self, version: int, timeout: float) -> bool:
+        """Wait (up to ``timeout``) until this worker applied ``version``; whether it did."""
+        with self._applied:
+            return self._applied.wait_for(lambda: self.scheme.version == version, timeout)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 if not self.taking:
-                    self.scheme.receive(timeout=0.05)
-                elif (pending := self.scheme.take(0.05)) is not None:
+                    applied = self.scheme.receive(timeout=0.05) is not None
+                elif applied := (pending := self.scheme.take(0.05)) is not None:
                     kept = self.scheme._runtime.receiving._kept[0].clone()
                     self.between.append((kept, _flat_bytes(self.model)))
                     pending.apply()
+                if applied:
+                    with self._applied:
+                        self._applied.notify_all()
             except ws.ConnectionClosedError as exc:
                 self.closed = exc
                 return
@@ -464,6 +475,24 @@ class _Worker:
         self._stop.set()
         self._thread.join(10)
         self.scheme.shutdown()
+
+
+@contextlib.contextmanager
+def _logged(logger: str, text: str):
+    """An event, set once ``logger`` logs a message that holds ``text`` (from any thread)."""
+    seen = threading.Event()
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if text in record.getMessage():
+                seen.set()
+
+    watch = Watch()
+    logging.getLogger(logger).addHandler(watch)
+    try:
+        yield seen
+    finally:
+        logging.getLogger(logger).removeHandler(watch)
 
 
 def _flat_bytes(model: torch.nn.Module) -> torch.Tensor:
@@ -551,8 +580,9 @@ def test_a_worker_that_missed_versions_is_sent_the_version_whole(track):
 
 def test_a_worker_that_rejoins_after_a_failed_send_is_never_sent_the_bytes_of_that_send():
     """Version 1 goes as changes alone: the trainer's only whole copy of it is the one it compares with. The next send
-    fails after that copy took its bytes (no free buffer): a worker that rejoins then is refused by name, not sent
-    those bytes as version 1; one that connects again after a send succeeded holds that send's version."""
+    fails after that copy took its bytes (no free buffer): a worker that asks to rejoin then is told to ask again, not
+    sent those bytes as version 1, and asks until a send succeeded: the same process then holds that send's version.
+    (Before, it was refused for good and ended: also when its request came while a send was staging a version.)"""
     model, scheme, workers = _connected()
     core = scheme._runtime.sending
     try:
@@ -568,20 +598,21 @@ def test_a_worker_that_rejoins_after_a_failed_send_is_never_sent_the_bytes_of_th
 
         with mock.patch.object(engine.pool, "acquire", busy), pytest.raises(SyncTimeoutError):
             scheme.send()
-        core.mark_dead(1, ws.WeightSyncError("dropped by the test", worker_idx=1))  # it asks to rejoin
-        workers[1]._thread.join(30)
-        assert "refused it back: no whole version to send" in str(workers[1].closed)
-        assert workers[1].scheme.version == 1
+        with _logged(
+            "weightsync.transports.distributed", "refused worker 1 connecting again: no whole version"
+        ) as told:
+            core.mark_dead(1, ws.WeightSyncError("dropped by the test", worker_idx=1))  # it asks to rejoin
+            assert told.wait(30), "worker 1 was not told to ask again"
+        assert workers[1].closed is None and workers[1].scheme.version == 1  # still asking, on its version 1
         assert all(torch.equal(workers[1].model.state_dict()[k], v) for k, v in version_1.items())
         with pytest.raises(ws.WeightSyncError, match="dropped by the test"):
-            scheme.send()  # worker 0 is sent version 2 whole (the copy was forgotten); worker 1 is out
+            scheme.send()  # worker 0 is sent version 2 whole (the copy was forgotten); worker 1 is out, asking
         assert workers[0].scheme.version == 2 and _holds(workers[0].model, model)
-        workers[1].stop()
-        again = _Worker(scheme, 1, build("tiny"))  # a new process for worker 1
-        again.scheme.connect()
-        again.start()
-        workers[1] = again
-        assert again.scheme.version == 2 and _holds(again.model, model)
+        assert workers[1].holds_version(2, 30), workers[1].closed  # let back in: version 2, whole
+        assert workers[1].closed is None and _holds(workers[1].model, model)
+        _sparse_step(model, 3)
+        scheme.send()  # both, as before
+        assert all(w.scheme.version == 3 and _holds(w.model, model) for w in workers)
     finally:
         for w in workers:
             w.stop()

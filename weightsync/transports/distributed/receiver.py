@@ -21,7 +21,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,7 +48,7 @@ from .auth import NO_BYTES, PayloadMac, Sealer, layout_tag, proof, run_prefix
 from .doorbell import IDLE_S, Doorbell
 from .group import GROUP_TIMEOUT_FACTOR, Link, gpu_identity, new_group_within
 from .line import Dialing, Line
-from .rejoins import REJOIN_POLL_S
+from .rejoins import ask_to_rejoin
 from .settings import DistributedSettings
 from .transport import MAX_ERROR_TEXT, DistributedTransport
 
@@ -266,22 +265,12 @@ class DistributedReceiver(ReceiverEngine):
         return layout
 
     def _pair(self, store: dist.Store, gen: int, hello: dict[str, Any], deadline: float) -> tuple[Link, str | None]:
-        """Ask the sender to take this process back as generation ``gen`` of its worker; the two-rank group
-        formed with it, or why it refused."""
+        """Ask the sender to take this process back as generation ``gen`` of its worker (and as the next ones while
+        it says to ask again: :func:`~.rejoins.ask_to_rejoin`); the two-rank group formed with it, or why not."""
         w = self.where["worker_idx"]
-        store.set(f"rejoin/{w}/{gen}", json.dumps({**hello, "proof": proof(self._key, w, gen, hello)}))
-        store.add("rejoins", 1)
-        verdict = f"verdict/{w}/{gen}"
-        while not store.check([verdict]):
-            if store.check(["shutdown"]):
-                self.sealer.open(store.get("shutdown"), "shutdown", **self.where)  # said by the sender, or refused
-                return Link(store=store), "the sender shut down"
-            if remaining(deadline) <= 0:
-                raise SyncTimeoutError("the sender did not answer this request to rejoin in time", **self.where)
-            time.sleep(min(REJOIN_POLL_S, remaining(deadline)))
-        reason = self._opened_json(store, verdict).get("refused")
+        gen, reason = ask_to_rejoin(store, self._key, self.sealer, gen, hello, deadline, self.where)
         if reason is not None:
-            return Link(store=store), str(reason)[:MAX_ERROR_TEXT]
+            return Link(store=store), reason
         pair = dist.PrefixStore(f"pair/{w}/{gen}", store)
         group = (self.settings.backend, pair, 1, 2, self._group_timeout(deadline), self.handoff["master_addr"])
         pg = new_group_within(deadline, "the two-rank group with the sender", *group, **self.where)

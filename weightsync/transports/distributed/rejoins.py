@@ -1,6 +1,6 @@
 """What the distributed sender reads of workers that join and rejoin: hellos, checked before anything in them is
 believed, and the requests to rejoin that restarted workers leave in the store (read by the rejoin thread, on a
-client of the store of its own)."""
+client of the store of its own); and a worker's side of a rejoin, its request (:func:`ask_to_rejoin`)."""
 
 from __future__ import annotations
 
@@ -13,33 +13,49 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ...core.timing import deadline_after
+from ...core.timing import deadline_after, remaining
 from ...errors import SyncTimeoutError, TransportError, WeightSyncError, first_line
 from ...tensors.copies import copy_tensors
+from ..plainjson import loads_object
 from ..processes import process_is_gone
-from ..store import connect_store, store_count, store_json, store_set
-from .auth import Sealer, new_nonce, proven
+from ..store import MAX_STORE_JSON, connect_store, store_count, store_json, store_set
+from .auth import Sealer, new_nonce, proof, proven
 from .group import GROUP_TIMEOUT_FACTOR, gpu_identity, new_group_within
 from .messages import announcement
-from .transport import DistributedTransport
+from .transport import MAX_ERROR_TEXT, DistributedTransport
 
 if TYPE_CHECKING:
     from ...core.engine import Sink
     from ..staging import Staging, StagingPool
     from .settings import DistributedSettings
 
-__all__ = ["NO_WHOLE_VERSION", "REJOIN_POLL_S", "UNPROVEN", "Admitting", "RejoinRequests", "place_taken", "read_hello"]
+__all__ = [
+    "ASK_AGAIN_S",
+    "NO_WHOLE_VERSION",
+    "REJOIN_POLL_S",
+    "UNPROVEN",
+    "Admitting",
+    "RejoinRequests",
+    "ask_to_rejoin",
+    "place_taken",
+    "read_hello",
+]
 
 log = logging.getLogger("weightsync.transports.distributed")
 
 #: Seconds between two looks at the store for requests to rejoin (the sender), or for the answer (a worker).
 REJOIN_POLL_S = 0.05
+#: Seconds a worker told to ask again (:data:`NO_WHOLE_VERSION`) waits before it does.
+ASK_AGAIN_S = 0.2
 #: Why a hello without a valid proof is refused.
 UNPROVEN = "the process did not prove it holds the run key (the receiver config's authkey_file)"
-#: Why a worker that rejoins is turned away while the trainer holds no whole copy of the newest version.
+#: Why a worker that rejoins is turned away while the trainer holds no whole copy of the newest version: a send is
+#: staging one (the rejoin thread looks without waiting for the send), or the newest went as changes alone and a
+#: send after it failed before it was published. The worker is told to ask again (:meth:`RejoinRequests.answer`),
+#: which it does within its bound: the next send that succeeds publishes a whole version.
 NO_WHOLE_VERSION = (
-    "no whole version to send (the newest went as changes alone, and a send after it failed before it was "
-    "published); connect again after a send succeeded"
+    "no whole version to send yet (a send is staging one, or the newest went as changes alone and a send after it "
+    "failed before it was published)"
 )
 
 
@@ -91,6 +107,44 @@ def place_taken(
         if gpu == gpu_identity() or gpu in live:
             return f"its GPU {gpu} is already used by another rank, and NCCL needs one GPU per rank"
     return None
+
+
+def ask_to_rejoin(
+    store: dist.Store, key: bytes, sealer: Sealer, gen: int, hello: dict[str, Any], deadline: float, where: dict
+) -> tuple[int, str | None]:
+    """A worker's side of a rejoin: ask the sender to take this process back as generation ``gen`` of worker
+    ``where["worker_idx"]`` (``hello`` proven with the run ``key``), and as the next generations while the sender
+    says to ask again (it holds no whole version to send yet: :data:`NO_WHOLE_VERSION`), every
+    :data:`ASK_AGAIN_S`. Returns the generation the sender answered last, and ``None`` if it took it in, else why
+    not ("the sender shut down": it did).
+
+    Raises:
+        SyncTimeoutError: the sender did not answer by ``deadline``.
+        AuthenticationError: its answer is not sealed with the run key.
+    """
+    w, asked = where["worker_idx"], False
+    while True:
+        store.set(f"rejoin/{w}/{gen}", json.dumps({**hello, "proof": proof(key, w, gen, hello)}))
+        store.add("rejoins", 1)
+        verdict = f"verdict/{w}/{gen}"
+        while not store.check([verdict]):
+            if store.check(["shutdown"]):
+                sealer.open(store.get("shutdown"), "shutdown", **where)  # said by the sender, or refused
+                return gen, "the sender shut down"
+            if remaining(deadline) <= 0:
+                raise SyncTimeoutError("the sender did not answer this request to rejoin in time", **where)
+            time.sleep(min(REJOIN_POLL_S, remaining(deadline)))
+        said = loads_object(
+            sealer.open(store.get(verdict), verdict, **where), f"store key {verdict!r}", max_bytes=MAX_STORE_JSON
+        )
+        if said.get("refused") is None:
+            return gen, None
+        if said.get("again") is not True or remaining(deadline) <= ASK_AGAIN_S:
+            note = " (it asked again until its deadline)" if asked else ""
+            return gen, f"{str(said['refused'])[:MAX_ERROR_TEXT]}{note}"
+        asked = True
+        time.sleep(ASK_AGAIN_S)
+        gen = int(store.add(f"gen/{w}", 1))
 
 
 class RejoinRequests:
@@ -147,12 +201,14 @@ class RejoinRequests:
         return None
 
     def answer(self, w: int, gen: int, problem: str | None, sealer: Sealer) -> None:
-        """Tell worker ``w`` (generation ``gen``) whether it may rejoin (``problem``: why not), sealed."""
+        """Tell worker ``w`` (generation ``gen``) whether it may rejoin (``problem``: why not), sealed; a refusal
+        for want of a whole version (:data:`NO_WHOLE_VERSION`) says to ask again."""
         assert self.store is not None
         key = f"verdict/{w}/{gen}"
-        store_set(
-            self.store, key, sealer.seal(key, json.dumps({"ok": True} if problem is None else {"refused": problem}))
-        )
+        said: dict[str, Any] = {"ok": True} if problem is None else {"refused": problem}
+        if problem == NO_WHOLE_VERSION:
+            said["again"] = True
+        store_set(self.store, key, sealer.seal(key, json.dumps(said)))
 
     def reconnect(self) -> None:
         """A new client of the store (torch's client never reconnects once the store closed it), or none until the

@@ -519,6 +519,30 @@ def test_a_killed_senders_key_file_is_swept_but_not_another_namespaces():
             remove_key_file(path)
 
 
+def test_a_worker_removes_its_killed_senders_key_file_and_waits_no_grace_for_a_file_it_cannot_judge():
+    """A worker whose sender went away removes the sender's key file once that process exited; a file of another
+    PID namespace (a copy from the sender's host, or a container's) is left at once, without the grace a local
+    sender's exit may need (it was a second of every such worker's shutdown: the two-host tests)."""
+    from weightsync.transports.keyfiles import key_dir, remove_key_file, remove_key_file_if_orphaned
+    from weightsync.transports.processes import pid_namespace
+
+    directory = key_dir()
+    dead = os.path.join(directory, f"weightsync-999999999-{'ab' * 8}.{pid_namespace()}.key")
+    foreign = os.path.join(directory, f"weightsync-999999999-{'cd' * 8}.1.key")
+    for path in (dead, foreign):
+        with open(path, "w") as f:
+            f.write("00")
+    try:
+        remove_key_file_if_orphaned(dead, grace=60.0)
+        assert not os.path.exists(dead)
+        started = time.monotonic()
+        remove_key_file_if_orphaned(foreign, grace=60.0)
+        assert os.path.exists(foreign) and time.monotonic() - started < 30.0  # (the grace was not waited for)
+    finally:
+        for path in (dead, foreign):
+            remove_key_file(path)
+
+
 def _key_file_writer(address: str, then: str) -> subprocess.Popen:
     """A process that writes the key file of a sender listening at ``address``, says so, then ``then``: ``"die"``
     (SIGKILL: no shutdown removes the file) or ``"wait"`` (until its stdin closes)."""

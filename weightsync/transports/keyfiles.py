@@ -260,15 +260,16 @@ def read_key_file(path: str, missing: str | None = None, **where: Any) -> str:
     return key
 
 
-def _owner_is_gone(name: str) -> bool:
+def _owner_is_gone(name: str) -> bool | None:
     """Whether the sender that wrote key file ``name`` (``weightsync-<pid>-<token>.<pid namespace>.key``) has
-    exited. Files from another PID namespace (a container sharing the directory) are never judged."""
+    exited; ``None``: not to be judged from here, now or later (a file of another PID namespace: a container
+    sharing the directory, or a copy of the file from the sender's host; a name not of that form)."""
     stem, _, namespace = name.removesuffix(".key").rpartition(".")
     parts = stem.split("-")
     if not name.endswith(".key") or namespace != pid_namespace() or namespace == "unknown":
-        return False
+        return None
     if len(parts) != 3 or parts[0] != "weightsync" or not parts[1].isdigit():
-        return False
+        return None
     return pid_exited(int(parts[1]))
 
 
@@ -280,10 +281,11 @@ def remove_key_file_if_orphaned(path: str, grace: float = 0.0) -> None:
     """
     deadline = deadline_after(grace)
     while os.path.exists(path):
-        if _owner_is_gone(os.path.basename(path)):
+        gone = _owner_is_gone(os.path.basename(path))
+        if gone:
             remove_key_file(path)
             return
-        if remaining(deadline) <= 0:
+        if gone is None or remaining(deadline) <= 0:  # (one that cannot be judged here: no grace to wait)
             return
         time.sleep(0.01)
 

@@ -135,9 +135,10 @@ class Doorbell:
         if self._thread.is_alive() and ringer is not None:
             try:
                 ring(ringer, self.key)
-            except dist.DistError as exc:  # the store is gone: so is the thread's connection to it
+            except dist.DistError as exc:  # the store is gone: nothing wakes the thread before its connection ends
                 log.debug("could not ring the doorbell %r to close it: %s", self.key, first_line(exc))
-            self._thread.join(CLOSE_WAIT_S)
+            else:
+                self._thread.join(CLOSE_WAIT_S)
         if self._thread.is_alive():
             log.debug("the doorbell %r is still waiting on its store; it ends with its connection", self.key)
         self._client = None

@@ -26,11 +26,13 @@ def resolve_host_name_to(address: str) -> None:
     subprocess.run(["mount", "--bind", hosts, "/etc/hosts"], check=True, timeout=10)
 
 
-def fork_a_server() -> bool:
+def fork_a_server(conn) -> bool:
     """Start this process's forkserver by forking this process, not as multiprocessing does (a fresh Python that
     imports the preloaded modules again): this process is itself a child of the tests' forkserver and holds torch,
     tensordict and weightsync already, with no thread and no RPC agent yet, which a worker forked from it gets as
     a worker forked from the tests' server does. A fresh server cost each RPC test about 7 s of CPU (its imports).
+    The server, and the workers it forks, do not hold ``conn`` (the test's pipe): the test sees it end with this
+    process.
 
     Uses multiprocessing's forkserver internals as of Python 3.12 (3.13 adds an authentication key): ``False``
     (nothing done) on other versions, or where a thread runs already, and the caller starts a server the usual way.
@@ -57,6 +59,7 @@ def fork_a_server() -> bool:
             code = 1
             try:
                 os.close(alive_w)
+                os.close(conn.fileno())
                 forkserver.main(listener.fileno(), alive_r, [])
             except SystemExit:
                 code = 0
@@ -78,7 +81,7 @@ def run(scenario: str, conn, host_address: str | None = None) -> None:
         from tests import _bodies as bodies
         from tests.conftest import _CTX, PRELOAD, WorkerGroup
 
-        if not fork_a_server():  # this process's own server, one a test (RPC must not be running where workers fork)
+        if not fork_a_server(conn):  # its own server, one a test (no RPC agent may run where workers fork)
             _CTX.set_forkserver_preload(PRELOAD)  # (no compiling in it)
 
         def workers(target, n, make_args):

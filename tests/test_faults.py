@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -527,8 +528,9 @@ def test_a_worker_removes_its_killed_senders_key_file_and_waits_no_grace_for_a_f
     from weightsync.transports.processes import pid_namespace
 
     directory = key_dir()
-    dead = os.path.join(directory, f"weightsync-999999999-{'ab' * 8}.{pid_namespace()}.key")
-    foreign = os.path.join(directory, f"weightsync-999999999-{'cd' * 8}.1.key")
+    mine = secrets.token_hex(8)  # (names of this test's own: the sweep's test, beside it, writes such files too)
+    dead = os.path.join(directory, f"weightsync-999999999-{mine}.{pid_namespace()}.key")
+    foreign = os.path.join(directory, f"weightsync-999999999-{mine}.1.key")
     for path in (dead, foreign):
         with open(path, "w") as f:
             f.write("00")

@@ -45,6 +45,7 @@ def _worker(blob: bytes, worker_idx: int, conn) -> None:
     model = _model(100 + worker_idx)
     before = _state(model)
     scheme.init_on_receiver(model=model, worker_idx=worker_idx)
+    conn.send(("ready",))
     try:
         scheme.connect()
     except ws.WeightSyncError as exc:
@@ -72,6 +73,9 @@ class _Worker:
         self.conn, theirs = ctx.Pipe()
         self.proc = ctx.Process(target=_worker, args=(pickle.dumps(scheme), worker_idx, theirs), daemon=True)
         self.proc.start()
+        # Each test's trainer connects once the worker is about to: a spawn that a loaded host slowed past the
+        # trainer's connect_timeout ends the rendez-vous before the attack a test makes (seen in CI).
+        assert self.report() == ("ready",)
 
     def report(self, timeout: float = 60) -> tuple:
         assert self.conn.poll(timeout), "the worker said nothing in time"

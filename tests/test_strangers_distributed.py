@@ -28,6 +28,7 @@ CONNECT_TIMEOUT = 6.0
 #: What a bound may be overrun by: the scheduling of a 2-core machine running the attacker's interpreter too.
 SLACK_S = 3.0
 ATTACK = ["-m", "tests._attack_distributed"]
+FOUND = "found the run's prefix"
 
 
 def _model(seed: int) -> nn.Module:
@@ -107,21 +108,39 @@ def _end(attacker) -> None:
         attacker.wait(timeout=10)
 
 
-def _reading(attacker, mark: str) -> tuple[list[str], threading.Event, threading.Thread]:
-    """The stranger's output, line by line as it comes (on a thread), and an event set once a line starts with
-    ``mark``."""
+def _reading(attacker, *marks: str) -> tuple[list[str], dict[str, threading.Event], threading.Thread]:
+    """The stranger's output, line by line as it comes (on a thread), and for each of ``marks`` an event set once a
+    line starts with it."""
     lines: list[str] = []
-    seen = threading.Event()
+    seen = {mark: threading.Event() for mark in marks}
 
     def read() -> None:
         for line in attacker.stdout:
             lines.append(line)
-            if line.startswith(mark):
-                seen.set()
+            for mark, event in seen.items():
+                if line.startswith(mark):
+                    event.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     return lines, seen, reader
+
+
+def _found_the_run(attacker, *marks: str) -> tuple[list[str], dict[str, threading.Event], threading.Thread]:
+    """:func:`_reading` (``marks``, and the line that says the stranger found the run), once the stranger found the
+    run in the store: it is then as ready as a stranger who lies in wait. The tests start the worker after that, so
+    that the bound of the worker's connect() never includes the stranger's interpreter starting (as long as that
+    bound, 6 s, on a loaded host)."""
+    lines, seen, reader = _reading(attacker, FOUND, *marks)
+    assert seen[FOUND].wait(60), "".join(lines)
+    return lines, seen, reader
+
+
+def _output(attacker, lines: list[str], reader: threading.Thread) -> str:
+    """All the stranger said, once it ended (bounded)."""
+    attacker.wait(timeout=60)
+    reader.join(10)
+    return "".join(lines)
 
 
 def _timed_connect(scheme: ws.DistributedWeightSyncScheme) -> tuple[BaseException | None, float]:
@@ -137,20 +156,23 @@ def _timed_connect(scheme: ws.DistributedWeightSyncScheme) -> tuple[BaseExceptio
 def test_a_planted_verdict_and_initial_are_refused_and_the_trainer_keeps_its_bound():
     """Finding 2 as it was run: the stranger writes ``verdict`` and ``initial`` and claims rank 0."""
     _, scheme, port = _sender()
-    worker = _Worker(scheme)
     attacker = start_stranger([*ATTACK, "plant", str(port)])
+    worker = None
     try:
+        lines, _, reader = _found_the_run(attacker)
+        worker = _Worker(scheme)
         got = worker.report()
         assert got[0] == "refused" and got[1] == "AuthenticationError" and "'verdict'" in got[2], got
         assert got[3], "the worker's weights changed"
         error, took = _timed_connect(scheme)
         assert isinstance(error, ws.WeightSyncError), error
         assert took <= CONNECT_TIMEOUT + SLACK_S, f"connect() took {took:.1f}s with connect_timeout={CONNECT_TIMEOUT}"
-        out, _ = attacker.communicate(timeout=60)
+        out = _output(attacker, lines, reader)
         assert "planted verdict and initial" in out, out
         assert "\nack " not in out, f"the worker acked the stranger's bytes:\n{out}"
     finally:
-        worker.stop()
+        if worker is not None:
+            worker.stop()
         scheme.shutdown()
         _end(attacker)
 
@@ -177,9 +199,11 @@ def test_a_stranger_holding_rank_0_makes_the_worker_apply_nothing(monkeypatch):
 
     monkeypatch.setattr(sender_module, "new_group_within", late)
     attacker = start_stranger([*ATTACK, "squat", str(port)])
-    lines, claimed, reader = _reading(attacker, "claimed rank 0")
-    worker = _Worker(scheme)
+    worker = None
     try:
+        lines, seen, reader = _found_the_run(attacker, "claimed rank 0")
+        claimed = seen["claimed rank 0"]
+        worker = _Worker(scheme)
         error, took = _timed_connect(scheme)
         assert took <= CONNECT_TIMEOUT + SLACK_S, f"connect() took {took:.1f}s with connect_timeout={CONNECT_TIMEOUT}"
         got = worker.report()
@@ -190,13 +214,12 @@ def test_a_stranger_holding_rank_0_makes_the_worker_apply_nothing(monkeypatch):
             assert isinstance(error, ws.WeightSyncError), error
             assert got[0] == "refused" and got[1] == "AuthenticationError", got
             assert got[3], "the worker's weights changed"
-        attacker.wait(timeout=60)
-        reader.join(10)
-        out = "".join(lines)
+        out = _output(attacker, lines, reader)
         assert "claimed rank 0" in out, out  # the stranger did form the group with the worker, as it saw it
         assert "\nack " not in out, f"the worker acked the stranger's bytes:\n{out}"
     finally:
-        worker.stop()
+        if worker is not None:
+            worker.stop()
         scheme.shutdown()
         _end(attacker)
     # The trainer stopped waiting at its deadline; gloo's own thread, connected to a worker that was taken, ends
@@ -213,10 +236,10 @@ def test_a_stranger_on_the_line_port_gets_no_line_and_the_worker_gets_its_own():
     a word, the flood is closed, and the worker still gets its line within the trainer's bound."""
     model, scheme, port = _sender()
     attacker = start_stranger([*ATTACK, "line", str(port)])
-    lines, flooded, reader = _reading(attacker, "connected")
+    lines, seen, reader = _reading(attacker, "connected")
     worker = None
     try:
-        assert flooded.wait(60), "".join(lines)
+        assert seen["connected"].wait(60), "".join(lines)
         worker = _Worker(scheme)
         error, took = _timed_connect(scheme)
         assert error is None, error
@@ -305,17 +328,21 @@ def test_a_replaced_layout_is_refused(how):
 def test_a_deep_hello_refuses_that_worker_by_name_within_the_bound():
     """Finding 5: worker 0's hello replaced by JSON 200,000 deep; the trainer names it, the worker is told."""
     _, scheme, port = _sender()
-    worker = _Worker(scheme)
+    attacker = start_stranger([*ATTACK, "hello", str(port)])
+    worker = None
     try:
-        done = run_stranger([*ATTACK, "hello", str(port)], timeout=60)
-        assert "hello replaced" in done.stdout, done.stdout
+        lines, _, reader = _found_the_run(attacker)
+        worker = _Worker(scheme)
+        out = _output(attacker, lines, reader)
+        assert "hello replaced" in out, out
         error, took = _timed_connect(scheme)
         assert isinstance(error, ws.WeightSyncError) and "hello/0" in str(error), error
         assert took <= CONNECT_TIMEOUT + SLACK_S, f"connect() took {took:.1f}s with connect_timeout={CONNECT_TIMEOUT}"
         got = worker.report()
         assert got[0] == "refused" and "hello/0" in got[2] and got[3], got
     finally:
-        worker.stop()
+        if worker is not None:
+            worker.stop()
         scheme.shutdown()
 
 

@@ -3,14 +3,17 @@ its line), and the check a worker makes of one once it opened it: both sides of 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import TransportError
 from ..plainjson import loads_object
 from ..store import MAX_STORE_JSON
-from .auth import MACS
+from .auth import MACS, Sealer
 
-__all__ = ["announcement", "checked_announcement"]
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+__all__ = ["announcement", "checked_announcement", "sealed_object"]
 
 
 def announcement(
@@ -64,3 +67,13 @@ def checked_announcement(content: bytes, key: str, **where: Any) -> dict[str, An
     if msg == {"closed": True} or (set(msg) == {"dropped"} and isinstance(msg["dropped"], str)):
         return msg
     raise TransportError(f"store key {key!r} holds no announcement a sender makes; refusing it", **where)
+
+
+def sealed_object(sealer: Sealer, store: dist.Store, key: str, **where: Any) -> dict[str, Any]:
+    """The JSON object the sender sealed under ``key`` in ``store``.
+
+    Raises:
+        AuthenticationError: it is not sealed with the run key (for this key).
+        TransportError: it is not a bounded JSON object.
+    """
+    return loads_object(sealer.open(store.get(key), key, **where), f"store key {key!r}", max_bytes=MAX_STORE_JSON)

@@ -48,6 +48,7 @@ from .auth import NO_BYTES, PayloadMac, Sealer, layout_tag, proof, run_prefix
 from .doorbell import IDLE_S, Doorbell
 from .group import GROUP_TIMEOUT_FACTOR, Link, gpu_identity, new_group_within
 from .line import Dialing, Line
+from .messages import sealed_object
 from .rejoins import ask_to_rejoin
 from .settings import DistributedSettings
 from .transport import MAX_ERROR_TEXT, DistributedTransport
@@ -162,7 +163,7 @@ class DistributedReceiver(ReceiverEngine):
                 dialing = self._dial(store, deadline)  # answered while the sender takes lines, before its verdict
                 try:
                     await_key(store, "verdict", deadline, total, "the sender's rendez-vous with every worker", **where)
-                    verdict = self._opened_json(store, "verdict")
+                    verdict = sealed_object(self.sealer, store, "verdict", **where)
                     reason = verdict.get(str(w))
                     if reason is not None and not isinstance(reason, str):
                         raise TransportError("store key 'verdict' holds no reason for this worker; refuses it", **where)
@@ -220,7 +221,7 @@ class DistributedReceiver(ReceiverEngine):
         """This worker's line to the sender (:mod:`.line`), dialled at the address the sender sealed; ``None``
         where it named none (the worker is then reached through its doorbell)."""
         try:
-            at = self._opened_json(store, "line")
+            at = sealed_object(self.sealer, store, "line", **self.where)
             address = (str(at["host"]), int(at["port"]))
         except (KeyError, TypeError, ValueError, dist.DistError, WeightSyncError) as exc:
             log.debug("worker %d: the sender named no line (%s)", self.where["worker_idx"], first_line(exc))
@@ -242,12 +243,6 @@ class DistributedReceiver(ReceiverEngine):
         if link.sealer.scope:  # a rejoined worker's pair: its keys lie under the pair's scope, as its sealer's do
             store = dist.PrefixStore(link.sealer.scope.rstrip("/"), store)
         return Doorbell(store, f"bell/{w}", f"weightsync-{where['model_id']}-doorbell{w}")
-
-    def _opened_json(self, store: dist.Store, key: str) -> dict[str, Any]:
-        """The JSON object the sender sealed under ``key`` (AuthenticationError: not sealed with the run key;
-        TransportError: not a bounded JSON object)."""
-        content = self.sealer.open(store.get(key), key, **self.where)
-        return loads_object(content, f"store key {key!r}", max_bytes=MAX_STORE_JSON)
 
     def _read_layout(self, store: dist.Store) -> FlatLayout:
         """The sender's layout, sealed, and described exactly as a sender describes one: its entries in the order

@@ -16,12 +16,11 @@ import torch.distributed as dist
 from ...core.timing import deadline_after, remaining
 from ...errors import SyncTimeoutError, TransportError, WeightSyncError, first_line
 from ...tensors.copies import copy_tensors
-from ..plainjson import loads_object
 from ..processes import process_is_gone
-from ..store import MAX_STORE_JSON, connect_store, store_count, store_json, store_set
+from ..store import connect_store, store_count, store_json, store_set
 from .auth import Sealer, new_nonce, proof, proven
 from .group import GROUP_TIMEOUT_FACTOR, gpu_identity, new_group_within
-from .messages import announcement
+from .messages import announcement, sealed_object
 from .transport import MAX_ERROR_TEXT, DistributedTransport
 
 if TYPE_CHECKING:
@@ -134,9 +133,7 @@ def ask_to_rejoin(
             if remaining(deadline) <= 0:
                 raise SyncTimeoutError("the sender did not answer this request to rejoin in time", **where)
             time.sleep(min(REJOIN_POLL_S, remaining(deadline)))
-        said = loads_object(
-            sealer.open(store.get(verdict), verdict, **where), f"store key {verdict!r}", max_bytes=MAX_STORE_JSON
-        )
+        said = sealed_object(sealer, store, verdict, **where)
         if said.get("refused") is None:
             return gen, None
         if said.get("again") is not True or remaining(deadline) <= ASK_AGAIN_S:

@@ -1,5 +1,6 @@
 """The announcements a ``distributed`` sender writes for a worker (sealed: in the store and on its doorbell, or on
-its line), and the check a worker makes of one once it opened it: both sides of their shape in one place."""
+its line), and the check a worker makes of one once it opened it: both sides of their shape in one place; and how a
+worker opens the other JSON objects the sender seals in the store (its verdicts, its line's address)."""
 
 from __future__ import annotations
 

@@ -110,9 +110,12 @@ def test_a_strangers_half_frames_do_not_hold_connect(workers, name):
     model = build("tiny")
     scheme = SCHEMES[name](timeout=20, connect_timeout=30)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group = workers(serve, 2, lambda i, conn: ({"policy": scheme}, i, {"policy": "tiny"}, conn))
+    # The stranger comes once the workers started: what it opens waits in the backlog until connect() takes it.
+    # Starting them can take long (the first in a test process starts the forkserver, 17 s on a loaded host, seen):
+    # the backlog then grew past MAX_PENDING, and connect() dropped the oldest at once, not at their deadlines.
     stranger = _stranger_holding()
     try:
-        group = workers(serve, 2, lambda i, conn: ({"policy": scheme}, i, {"policy": "tiny"}, conn))
         started = time.monotonic()
         scheme.connect()
         connected = time.monotonic()

@@ -344,6 +344,7 @@ def test_a_deep_hello_refuses_that_worker_by_name_within_the_bound():
         if worker is not None:
             worker.stop()
         scheme.shutdown()
+        _end(attacker)
 
 
 @needs_stranger

@@ -19,6 +19,12 @@ import pytest
 
 import weightsync as ws
 
+# OpenMP's idle threads sleep instead of spinning after each parallel region (read when torch loads, which
+# `import weightsync` does not do; inherited by every process the tests start): on 2 cores a spinning thread takes
+# the core another process of the test needs. tests/test_local_schemes.py and tests/test_faults.py took 97 to 108 s
+# with it against 123 to 131 s without (two runs each, alternating). A value set by whoever runs the suite wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 _CLONE_NEWNS = 0x00020000
 
 #: Groups of tests that run one after the other in one test process (``--dist loadgroup``) and take long:

@@ -32,7 +32,8 @@ _CLONE_NEWNS = 0x00020000
 LONG_GROUPS = ("vllm",)
 
 
-_UNGROUPED = pytest.StashKey[str]()
+#: Set on a test of an ``xdist_group`` whose id lacks the group under ``--dist loadgroup``.
+_UNGROUPED = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which adds each test's group to its id
@@ -47,15 +48,16 @@ def pytest_collection_modifyitems(config, items):
     if hasattr(config, "workerinput") and config.getvalue("loadgroup"):
         for item in items:
             if any(item.iter_markers("xdist_group")) and "@" not in item.nodeid:
-                item.stash[_UNGROUPED] = (
-                    f"--dist loadgroup is not in effect: this test of an xdist_group lacks it in its id; pytest "
-                    f"{pytest.__version__} and this pytest-xdist do not fit together (pyproject.toml pins pytest)"
-                )
+                item.stash[_UNGROUPED] = True
 
 
 def pytest_runtest_setup(item):
-    if _UNGROUPED in item.stash:
-        pytest.fail(item.stash[_UNGROUPED], pytrace=False)
+    if item.stash.get(_UNGROUPED, False):
+        pytest.fail(
+            f"--dist loadgroup is not in effect: this test of an xdist_group lacks it in its id; pytest "
+            f"{pytest.__version__} and this pytest-xdist do not fit together (pyproject.toml pins pytest)",
+            pytrace=False,
+        )
 
 
 def _private_dev_shm() -> bool:

@@ -9,7 +9,10 @@ group on 127.0.0.1.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -275,3 +278,21 @@ def test_closing_ends_the_doorbell_thread_whoever_closes_first(first, monkeypatc
     finally:
         receiver.shutdown()
         scheme.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["left", "silent"])
+def test_a_process_whose_doorbell_store_fails_as_it_exits_does_not_abort(mode):
+    """A bell's thread blocked on its store when the interpreter is torn down would see its call fail there (the
+    store's host vanished moments before the worker gave up on it: their timeouts are the same), and CPython 3.11
+    aborts the process for it. Here the store is killed in the teardown, of a bell never closed (``left``: closed
+    at exit) and of one closed while its store was silent, which no ring wakes (``silent``: it hangs up)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests._doorbell_exit", mode],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "exiting" in done.stdout, (done.stdout, done.stderr[-3000:])
+    if mode == "silent":
+        assert "listening: False" in done.stdout, done.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -23,7 +24,9 @@ __all__ = [
     "SILENT_TIMEOUTS",
     "as_timedelta",
     "await_key",
+    "Hangup",
     "connect_store",
+    "dial_store",
     "open_store",
     "store_count",
     "store_json",
@@ -110,16 +113,69 @@ def connect_store(host: str, port: int, timeout: float, silence: float | None = 
     Raises:
         SyncTimeoutError: nothing answered within ``timeout``.
     """
+    return dial_store(host, port, timeout, silence, **where)[0]
+
+
+def dial_store(
+    host: str, port: int, timeout: float, silence: float | None = None, **where: Any
+) -> tuple[dist.Store, Hangup]:
+    """:func:`connect_store`, and the :class:`Hangup` of the client's connection: for a client whose calls block
+    a thread of its own, which nothing else wakes while its store is silent."""
     deadline = deadline_after(timeout)
     _await_listener(host, port, deadline, timeout, **where)
-    before = _open_fds() if silence is not None else set()
+    before = _open_fds()
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=as_timedelta(remaining(deadline)))
     except dist.DistError as exc:
         raise SyncTimeoutError(f"no TCP store answered at {host}:{port} within {timeout:.0f}s", **where) from exc
-    if silence is not None and not _bound_silence(before, port, silence):
+    hangup = Hangup(_connections_to(port, since=before))
+    if silence is not None and not hangup.bound_silence(silence):
         log.debug("could not bound the silence of the store at %s:%d on this platform", host, port)
-    return store
+    return store, hangup
+
+
+class Hangup:
+    """Shuts down the TCP connection(s) of one store client, found by :func:`dial_store` (torch's client does not
+    expose them): a call blocked on the client fails at once (``DistError``), and so does every later call.
+    Calling it is the client's end; nothing closes its descriptors but torch, when the client goes away.
+
+    Args:
+        connections: each connection's descriptor and what ``/proc/self/fd`` named it when found (a descriptor
+            closed meanwhile, its number maybe reused, is left alone).
+    """
+
+    def __init__(self, connections: list[tuple[int, str]]) -> None:
+        self.connections = connections
+
+    def _sockets(self) -> list[socket.socket]:
+        """A second descriptor of each connection still open (the caller closes them)."""
+        found = []
+        for fd, what in self.connections:
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") != what:
+                    continue
+                found.append(socket.socket(fileno=os.dup(fd)))
+            except OSError:  # closed meanwhile
+                continue
+        return found
+
+    def bound_silence(self, seconds: float) -> bool:
+        """:func:`~.network.bound_silence` on each connection; ``False`` where there was none to bound."""
+        bounded = 0
+        for sock in self._sockets():
+            with sock:
+                bounded += bound_silence(sock, seconds)
+        return bounded > 0
+
+    def __call__(self) -> bool:
+        """Shut the connections down; ``False`` where none was found (not Linux: the caller wakes its thread
+        another way)."""
+        shut = 0
+        for sock in self._sockets():
+            with sock, contextlib.suppress(OSError):  # already shut by its peer
+                sock.shutdown(socket.SHUT_RDWR)
+                shut += 1
+        return shut > 0
 
 
 def await_key(store: dist.Store, key: str, deadline: float, timeout: float, what: str, **where: Any) -> None:
@@ -171,11 +227,11 @@ def _open_fds() -> set[tuple[int, str]]:
     return found
 
 
-def _bound_silence(before: set[tuple[int, str]], port: int, seconds: float) -> int:
-    """Bound the silence (:func:`~.network.bound_silence`) of the TCP connections to ``port`` opened since
-    ``before`` (the store client's, made by torch, which does not expose them); return how many there were."""
-    found = 0
-    for fd, _what in sorted(_open_fds() - before):
+def _connections_to(port: int, since: set[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The TCP connections to ``port`` this process opened after ``since`` (its descriptors then), each as its
+    descriptor and what ``/proc/self/fd`` names it."""
+    found = []
+    for fd, what in sorted(_open_fds() - since):
         try:
             sock = socket.socket(fileno=os.dup(fd))  # a second descriptor of the same socket
         except OSError:  # not a socket, or closed meanwhile
@@ -186,7 +242,7 @@ def _bound_silence(before: set[tuple[int, str]], port: int, seconds: float) -> i
                     continue
             except (OSError, IndexError):  # not connected, or not an IP socket
                 continue
-            found += bound_silence(sock, seconds)
+        found.append((fd, what))
     return found
 
 

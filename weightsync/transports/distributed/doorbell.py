@@ -18,18 +18,27 @@ Why not a message on the process group, or the store's own wait:
   the group's operation timeout closes every connection of the group: an idle worker would lose its group;
 - a store wait that times out logs two warnings of torch's: waiting on the store in short slices floods the logs.
   The bell's thread waits in one long slice (:data:`IDLE_S`) and is woken at close by a ring of the worker's own.
+
+A bell whose ring cannot wake it (its store is gone or silent) is woken by shutting its client's connection down
+(:class:`~weightsync.transports.store.Hangup`), and every bell still listening when the process exits is closed
+first (an ``atexit`` callback): a thread left blocked in torch's store client would otherwise see its call fail
+while the interpreter is being torn down, and CPython 3.11 ends such a thread by unwinding it through C++ code
+that may not be unwound, which aborts the process (``terminate called without an active exception``).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 
 import torch.distributed as dist
 
 from ...errors import WeightSyncError, first_line
+from ..store import Hangup
 
 __all__ = ["IDLE_S", "KEPT", "LAST", "MAX_SAID_BYTES", "Doorbell", "ring"]
 
@@ -42,7 +51,8 @@ IDLE_S = 3600.0
 #: the sender's store going away next leaves it nothing to fail on. A stranger's ``LAST`` only slows the worker
 #: down to its periodic looks.
 LAST = b"last"
-#: Seconds :meth:`Doorbell.close` waits for the thread to end once it rang the bell itself.
+#: Seconds :meth:`Doorbell.close` waits for the thread to end once it rang the bell itself, and again once it
+#: hung up the bell's connection.
 CLOSE_WAIT_S = 2.0
 #: The most rings whose content a bell keeps until the worker looks (the newest), and the largest it keeps: an
 #: announcement is a few hundred bytes (a delta's description, a few bytes per 4 MB of the model), and one that
@@ -65,10 +75,13 @@ class Doorbell:
             the same prefix as the store the sender rings.
         key: the bell's key.
         name: the thread's name.
+        hangup: shuts ``client``'s connection down (:func:`~weightsync.transports.store.dial_store`), for a close
+            whose ring cannot wake the thread.
     """
 
-    def __init__(self, client: dist.Store, key: str, name: str) -> None:
+    def __init__(self, client: dist.Store, key: str, name: str, hangup: Hangup | None = None) -> None:
         self._client: dist.Store | None = client
+        self._hangup = hangup
         self.key = key
         self.rings = 0
         #: Why the thread stopped listening (the store went away, the sender's last ring, close): ``None`` while
@@ -78,6 +91,7 @@ class Doorbell:
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._listen, name=name, daemon=True)
         self._thread.start()
+        _listening.add(self)
 
     def _listen(self) -> None:
         client = self._client
@@ -130,15 +144,35 @@ class Doorbell:
 
     def close(self, ringer: dist.Store | None) -> None:
         """Stop listening: ring the bell through ``ringer`` (another client of the same store) to wake the thread,
-        and wait for it a moment; one whose store went silent ends with its connection (the client's keepalive)."""
+        and wait for it a moment; a thread the ring did not wake (the store is gone or silent, or no ``ringer``)
+        is woken by hanging up the bell's own connection (torch then logs the failed call as a warning)."""
         self._end("closed")
+        _listening.discard(self)
         if self._thread.is_alive() and ringer is not None:
             try:
                 ring(ringer, self.key)
-            except dist.DistError as exc:  # the store is gone: nothing wakes the thread before its connection ends
+            except dist.DistError as exc:  # the store is gone: the ring wakes nothing
                 log.debug("could not ring the doorbell %r to close it: %s", self.key, first_line(exc))
             else:
                 self._thread.join(CLOSE_WAIT_S)
+        if self._thread.is_alive() and self._hangup is not None and self._hangup():
+            self._thread.join(CLOSE_WAIT_S)
         if self._thread.is_alive():
-            log.debug("the doorbell %r is still waiting on its store; it ends with its connection", self.key)
+            log.warning(
+                "the doorbell %r is still waiting on its store; it ends with its connection (a process that exits "
+                "before then may abort)",
+                self.key,
+            )
         self._client = None
+
+
+#: The bells still listening, closed before the process exits (:func:`_close_listening`).
+_listening: weakref.WeakSet[Doorbell] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_listening() -> None:
+    """Close every bell still listening, while its thread can still end as threads do (``atexit`` callbacks run
+    before the interpreter's teardown)."""
+    for bell in list(_listening):
+        bell.close(None)

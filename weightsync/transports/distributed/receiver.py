@@ -43,7 +43,7 @@ from ...tensors.layout import FlatLayout
 from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphaned
 from ..plainjson import loads_object
 from ..processes import process_identity
-from ..store import MAX_STORE_JSON, SILENT_TIMEOUTS, as_timedelta, await_key, connect_store
+from ..store import MAX_STORE_JSON, SILENT_TIMEOUTS, as_timedelta, await_key, connect_store, dial_store
 from .auth import NO_BYTES, PayloadMac, Sealer, layout_tag, proof, run_prefix
 from .doorbell import IDLE_S, Doorbell
 from .group import GROUP_TIMEOUT_FACTOR, Link, gpu_identity, new_group_within
@@ -236,13 +236,13 @@ class DistributedReceiver(ReceiverEngine):
         where, w = self.where, self.where["worker_idx"]
         host, port = self.handoff["master_addr"], int(self.handoff["master_port"])
         silence = SILENT_TIMEOUTS * self.update_timeout  # a sender's host that vanished ends the thread's wait
-        client = connect_store(host, port, max(timeout, 1.0), silence=silence, **where)
+        client, hangup = dial_store(host, port, max(timeout, 1.0), silence=silence, **where)
         client.set_timeout(as_timedelta(IDLE_S))
         store: dist.Store = dist.PrefixStore(self.prefix, client)
         assert link.sealer is not None
         if link.sealer.scope:  # a rejoined worker's pair: its keys lie under the pair's scope, as its sealer's do
             store = dist.PrefixStore(link.sealer.scope.rstrip("/"), store)
-        return Doorbell(store, f"bell/{w}", f"weightsync-{where['model_id']}-doorbell{w}")
+        return Doorbell(store, f"bell/{w}", f"weightsync-{where['model_id']}-doorbell{w}", hangup)
 
     def _read_layout(self, store: dist.Store) -> FlatLayout:
         """The sender's layout, sealed, and described exactly as a sender describes one: its entries in the order

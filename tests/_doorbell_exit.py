@@ -3,7 +3,8 @@ tests/test_distributed_doorbell.py. It serves a TCP store in a child process, li
 kills the child from an object's ``__del__`` run in the teardown (after the ``atexit`` callbacks): a bell thread
 still blocked on that store then sees its call fail there, which CPython 3.11 answers by aborting the process.
 
-    python -m tests._doorbell_exit left     # the bell is never closed
+    python -m tests._doorbell_exit left     # the bell is never closed, and has no ringer: it is hung up at exit
+    python -m tests._doorbell_exit rung     # the bell is never closed: it is rung at exit
     python -m tests._doorbell_exit silent   # the store stops answering (stopped, no reset); the bell is closed
 
 Prints what it did; exits 0 if nothing aborted it.
@@ -57,17 +58,23 @@ def main(mode: str) -> None:
     server = subprocess.Popen(  # (not on this process's stderr: whoever reads it to its end would wait for it)
         [sys.executable, "-c", SERVE], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
-    port = int(server.stdout.readline()) if server.stdout else 0
-    client, hangup = dial_store("127.0.0.1", port, 30, silence=60)
-    client.set_timeout(timedelta(seconds=3600))
-    bell = Doorbell(dist.PrefixStore("run", client), "bell/0", "test-doorbell", hangup)
-    if mode == "silent":
-        ringer = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
-        os.kill(server.pid, signal.SIGSTOP)  # no answer, no reset: a host that vanished
-        stopped(server.pid)
-        began = time.monotonic()
-        bell.close(dist.PrefixStore("run", ringer))
-        print(f"closed in {time.monotonic() - began:.1f}s, listening: {bell._thread.is_alive()}", flush=True)
+    try:
+        port = int(server.stdout.readline()) if server.stdout else 0
+        client, hangup = dial_store("127.0.0.1", port, 30, silence=60)
+        client.set_timeout(timedelta(seconds=3600))
+        ringer = None
+        if mode != "left":
+            ringer = dist.PrefixStore("run", dist.TCPStore("127.0.0.1", port, is_master=False))
+        bell = Doorbell(dist.PrefixStore("run", client), "bell/0", "test-doorbell", hangup, ringer)
+        if mode == "silent":
+            os.kill(server.pid, signal.SIGSTOP)  # no answer, no reset: a host that vanished
+            stopped(server.pid)
+            began = time.monotonic()
+            bell.close()
+            print(f"closed in {time.monotonic() - began:.1f}s, listening: {bell._thread.is_alive()}", flush=True)
+    except BaseException:
+        server.kill()  # (stopped or not)
+        raise
     global keeper  # dropped with the module's names, in the teardown
     keeper = KillInTeardown(server)
     print("exiting", flush=True)

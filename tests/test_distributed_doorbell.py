@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import weightsync as ws
 from tests._bodies import optimizer_step
 from tests._workers import build, checksum, in_process_receiver
+from weightsync.transports import store as store_module
 from weightsync.transports.distributed import doorbell, worker_side
 from weightsync.transports.distributed import receiver as receiver_module
 from weightsync.transports.distributed import transport as transport_module
@@ -280,12 +282,13 @@ def test_closing_ends_the_doorbell_thread_whoever_closes_first(first, monkeypatc
         scheme.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["left", "silent"])
+@pytest.mark.parametrize("mode", ["left", "rung", "silent"])
 def test_a_process_whose_doorbell_store_fails_as_it_exits_does_not_abort(mode):
     """A bell's thread blocked on its store when the interpreter is torn down would see its call fail there (the
     store's host vanished moments before the worker gave up on it: their timeouts are the same), and CPython 3.11
-    aborts the process for it. Here the store is killed in the teardown, of a bell never closed (``left``: closed
-    at exit) and of one closed while its store was silent, which no ring wakes (``silent``: it hangs up)."""
+    aborts the process for it. Here the store is killed in the teardown, of a bell never closed (closed at exit:
+    hung up where it has no ringer, ``left``, and rung where it has, ``rung``) and of one closed while its store
+    was silent, which no ring wakes (``silent``: it hangs up)."""
     done = subprocess.run(
         [sys.executable, "-m", "tests._doorbell_exit", mode],
         cwd=Path(__file__).resolve().parents[1],
@@ -296,3 +299,62 @@ def test_a_process_whose_doorbell_store_fails_as_it_exits_does_not_abort(mode):
     assert done.returncode == 0 and "exiting" in done.stdout, (done.stdout, done.stderr[-3000:])
     if mode == "silent":
         assert "listening: False" in done.stdout, done.stdout
+    if mode == "rung":  # woken by its ring: no call of the bell's failed (torch would have logged it)
+        assert "TCPStore.cpp" not in done.stderr, done.stderr[-3000:]
+
+
+def _serve(host: str, port: int = 0) -> dist.Store:
+    """A TCP store listening on ``host`` alone (torch's own listens on every address)."""
+    store, _, owned = store_module.open_store(host, port, 10)
+    assert owned
+    return store
+
+
+@pytest.mark.parametrize("other", ["another store on the same port", "the same store"])
+def test_a_hangup_shuts_only_its_own_connection_down(other, monkeypatch):
+    """A connection another thread opens while a worker dials its store (to another host's store on the same port,
+    or to the same store) is not taken for the worker's: hanging up leaves it working."""
+    another = other.startswith("another")
+    served = [_serve("127.0.0.1")]
+    port = served[0].port
+    if another:
+        served.append(_serve("127.0.0.2", port))
+    opened: list[dist.TCPStore] = []
+    real_store = dist.TCPStore
+
+    def store_opening_another(*args, **kwargs):
+        host = "127.0.0.2" if another else "127.0.0.1"
+        opened.append(real_store(host, port, is_master=False, timeout=timedelta(seconds=10)))
+        return real_store(*args, **kwargs)
+
+    monkeypatch.setattr(store_module.dist, "TCPStore", store_opening_another)
+    client, hangup = store_module.dial_store("127.0.0.1", port, 10)
+    monkeypatch.undo()
+    assert len(opened) == 1
+    shut = hangup()
+    opened[0].set("k", "still there")
+    assert opened[0].get("k") == b"still there"
+    if another:  # its own connection was found, and shut down
+        assert shut
+        with pytest.raises(dist.DistError):
+            client.get("k")
+    else:  # two new connections to the store: which is the client's is not known, and neither is shut
+        assert not shut
+        assert client.get("k") == b"still there"
+
+
+def test_a_doorbell_made_after_the_exit_callback_is_closed_as_it_is_made(monkeypatch):
+    """A daemon thread that makes a bell while the process exits, after the callback closed the others: its bell
+    is closed at once (rung awake), not left blocked on its store through the interpreter's teardown."""
+    store = _serve("127.0.0.1")
+    port = store.port
+    client, hangup = store_module.dial_store("127.0.0.1", port, 10)
+    ringer = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    monkeypatch.setattr(doorbell, "_exiting", True)
+    bell = doorbell.Doorbell(
+        dist.PrefixStore("run", client), "bell/0", "test-doorbell", hangup, ringer=dist.PrefixStore("run", ringer)
+    )
+    assert bell.ended == "closed" and not bell._thread.is_alive()
+    assert bell not in doorbell._listening
+    client.set("k", "v")  # woken by its ring, not hung up
+    assert store.get("k") == b"v"

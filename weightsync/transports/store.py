@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -123,12 +125,17 @@ def dial_store(
     a thread of its own, which nothing else wakes while its store is silent."""
     deadline = deadline_after(timeout)
     _await_listener(host, port, deadline, timeout, **where)
-    before = _open_fds()
-    try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=as_timedelta(remaining(deadline)))
-    except dist.DistError as exc:
-        raise SyncTimeoutError(f"no TCP store answered at {host}:{port} within {timeout:.0f}s", **where) from exc
-    hangup = Hangup(_connections_to(port, since=before))
+    with _dialing(host, port):  # no dial of ours to the same store opens a connection meanwhile
+        before = _open_fds()
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=as_timedelta(remaining(deadline)))
+        except dist.DistError as exc:
+            raise SyncTimeoutError(f"no TCP store answered at {host}:{port} within {timeout:.0f}s", **where) from exc
+        found = _connections_to(_addresses(host, port), port, since=before)
+    if len(found) > 1:  # torch's client opens one: another thread dialled the same store meanwhile
+        log.debug("%d new connections to the store at %s:%d; none is taken as the client's", len(found), host, port)
+        found = []
+    hangup = Hangup(found)
     if silence is not None and not hangup.bound_silence(silence):
         log.debug("could not bound the silence of the store at %s:%d on this platform", host, port)
     return store, hangup
@@ -227,9 +234,42 @@ def _open_fds() -> set[tuple[int, str]]:
     return found
 
 
-def _connections_to(port: int, since: set[tuple[int, str]]) -> list[tuple[int, str]]:
-    """The TCP connections to ``port`` this process opened after ``since`` (its descriptors then), each as its
-    descriptor and what ``/proc/self/fd`` names it."""
+_dials_guard = threading.Lock()
+_dials: dict[tuple[str, int], threading.Lock] = {}
+
+
+def _dialing(host: str, port: int) -> threading.Lock:
+    """The lock this process's dials to ``host:port`` take in turn, so that each finds its own connection."""
+    with _dials_guard:
+        return _dials.setdefault((host, port), threading.Lock())
+
+
+def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``address`` as an IP address (an IPv4 address mapped into IPv6 as itself, a scope left out); ``None`` if it
+    is none."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def _addresses(host: str, port: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The IP addresses ``host`` names (what torch's client may have connected to); empty if it names none."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return set()
+    return {ip for info in infos if (ip := _ip(str(info[4][0]))) is not None}
+
+
+def _connections_to(
+    addresses: set[ipaddress.IPv4Address | ipaddress.IPv6Address], port: int, since: set[tuple[int, str]]
+) -> list[tuple[int, str]]:
+    """The TCP connections to ``port`` at one of ``addresses`` this process opened after ``since`` (its
+    descriptors then), each as its descriptor and what ``/proc/self/fd`` names it."""
     found = []
     for fd, what in sorted(_open_fds() - since):
         try:
@@ -238,10 +278,11 @@ def _connections_to(port: int, since: set[tuple[int, str]]) -> list[tuple[int, s
             continue
         with sock:
             try:
-                if sock.type != socket.SOCK_STREAM or sock.getpeername()[1] != port:
-                    continue
-            except (OSError, IndexError):  # not connected, or not an IP socket
+                peer = sock.getpeername() if sock.type == socket.SOCK_STREAM else None
+            except OSError:  # not connected
                 continue
+        if not isinstance(peer, tuple) or len(peer) < 2 or peer[1] != port or _ip(str(peer[0])) not in addresses:
+            continue  # not a TCP connection to that store (a Unix socket's peer is a string)
         found.append((fd, what))
     return found
 

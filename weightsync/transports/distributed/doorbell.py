@@ -21,9 +21,10 @@ Why not a message on the process group, or the store's own wait:
 
 A bell whose ring cannot wake it (its store is gone or silent) is woken by shutting its client's connection down
 (:class:`~weightsync.transports.store.Hangup`), and every bell still listening when the process exits is closed
-first (an ``atexit`` callback): a thread left blocked in torch's store client would otherwise see its call fail
-while the interpreter is being torn down, and CPython 3.11 ends such a thread by unwinding it through C++ code
-that may not be unwound, which aborts the process (``terminate called without an active exception``).
+first, rung awake where it can be (an ``atexit`` callback; a bell made later is closed as it is made): a thread
+left blocked in torch's store client would otherwise see its call fail while the interpreter is being torn down,
+and CPython 3.11 ends such a thread by unwinding it through C++ code that may not be unwound, which aborts the
+process (``terminate called without an active exception``).
 """
 
 from __future__ import annotations
@@ -77,11 +78,16 @@ class Doorbell:
         name: the thread's name.
         hangup: shuts ``client``'s connection down (:func:`~weightsync.transports.store.dial_store`), for a close
             whose ring cannot wake the thread.
+        ringer: another client of the same store (same prefix), through which :meth:`close` rings the bell to wake
+            the thread.
     """
 
-    def __init__(self, client: dist.Store, key: str, name: str, hangup: Hangup | None = None) -> None:
+    def __init__(
+        self, client: dist.Store, key: str, name: str, hangup: Hangup | None = None, ringer: dist.Store | None = None
+    ) -> None:
         self._client: dist.Store | None = client
         self._hangup = hangup
+        self._ringer = ringer
         self.key = key
         self.rings = 0
         #: Why the thread stopped listening (the store went away, the sender's last ring, close): ``None`` while
@@ -91,7 +97,12 @@ class Doorbell:
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._listen, name=name, daemon=True)
         self._thread.start()
-        _listening.add(self)
+        with _guard:
+            closing = _exiting
+            if not closing:
+                _listening.add(self)
+        if closing:  # made after the exit's callback closed the others
+            self.close()
 
     def _listen(self) -> None:
         client = self._client
@@ -142,12 +153,14 @@ class Doorbell:
         with self._cond:
             self._cond.wait_for(lambda: self.rings != seen or self.ended is not None, timeout)
 
-    def close(self, ringer: dist.Store | None) -> None:
-        """Stop listening: ring the bell through ``ringer`` (another client of the same store) to wake the thread,
-        and wait for it a moment; a thread the ring did not wake (the store is gone or silent, or no ``ringer``)
-        is woken by hanging up the bell's own connection (torch then logs the failed call as a warning)."""
+    def close(self) -> None:
+        """Stop listening: ring the bell through its ``ringer`` to wake the thread, and wait for it a moment; a
+        thread the ring did not wake (the store is gone or silent, or no ``ringer``) is woken by hanging up the
+        bell's own connection (torch then logs the failed call as a warning)."""
         self._end("closed")
-        _listening.discard(self)
+        with _guard:
+            _listening.discard(self)
+        ringer, self._ringer = self._ringer, None
         if self._thread.is_alive() and ringer is not None:
             try:
                 ring(ringer, self.key)
@@ -166,13 +179,22 @@ class Doorbell:
         self._client = None
 
 
-#: The bells still listening, closed before the process exits (:func:`_close_listening`).
+#: The bells still listening, closed before the process exits (:func:`_close_listening`), and whether it did.
 _listening: weakref.WeakSet[Doorbell] = weakref.WeakSet()
+_exiting = False
+_guard = threading.Lock()
 
 
 @atexit.register
 def _close_listening() -> None:
     """Close every bell still listening, while its thread can still end as threads do (``atexit`` callbacks run
     before the interpreter's teardown)."""
-    for bell in list(_listening):
-        bell.close(None)
+    global _exiting
+    with _guard:
+        _exiting = True
+        bells = list(_listening)
+    for bell in bells:
+        try:
+            bell.close()
+        except Exception as exc:  # noqa: BLE001 - the others are closed all the same
+            log.warning("could not close the doorbell %r as the process exits: %s", bell.key, first_line(exc))

@@ -242,7 +242,8 @@ class DistributedReceiver(ReceiverEngine):
         assert link.sealer is not None
         if link.sealer.scope:  # a rejoined worker's pair: its keys lie under the pair's scope, as its sealer's do
             store = dist.PrefixStore(link.sealer.scope.rstrip("/"), store)
-        return Doorbell(store, f"bell/{w}", f"weightsync-{where['model_id']}-doorbell{w}", hangup)
+        name = f"weightsync-{where['model_id']}-doorbell{w}"
+        return Doorbell(store, f"bell/{w}", name, hangup, ringer=link.store)
 
     def _read_layout(self, store: dist.Store) -> FlatLayout:
         """The sender's layout, sealed, and described exactly as a sender describes one: its entries in the order

@@ -161,7 +161,7 @@ class WorkerSide:
         """Stop listening for the doorbell, and close the line (the worker closes, or rejoined through a new
         transport)."""
         if self.bell is not None:
-            self.bell.close(self.link.store)
+            self.bell.close()
             self.bell = None
         if self.line is not None:
             self.line.close(0.0)

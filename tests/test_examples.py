@@ -96,6 +96,13 @@ def test_engine_benchmark_runs_against_the_raw_engine(tmp_path):
     assert "| distributed |" in md.read_text() and "failed" not in md.read_text()
 
 
+def test_bare_line_benchmark_checks_every_digest_and_ack():
+    # (the bound the distributed rows are held against: its workers raise on bytes or acks that do not check)
+    out = _run(["benchmarks/bench_bare_line.py", "--mb", "0.25", "--rounds", "3"], timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "| bare steps on the lines |" in out.stdout and "failed" not in out.stdout, out.stdout
+
+
 def test_main_job_single_run_verifies_and_keeps_secrets_out_of_its_outputs(tmp_path):
     # bfloat16 on the wire rounds by design: the job checks the workers hold the trainer's weights so rounded
     run = ["scheme=distributed", "scheme.transport.wire_dtype=bfloat16", "schemes.value=shared_mem"]

@@ -358,3 +358,11 @@ def test_a_doorbell_made_after_the_exit_callback_is_closed_as_it_is_made(monkeyp
     assert bell not in doorbell._listening
     client.set("k", "v")  # woken by its ring, not hung up
     assert store.get("k") == b"v"
+
+
+def test_a_dial_waiting_behind_another_to_the_same_store_gives_up_within_its_timeout():
+    store = _serve("127.0.0.1")
+    dialing = store_module._dialing("127.0.0.1", store.port)
+    with dialing, pytest.raises(ws.SyncTimeoutError, match="another dial to it did not end"):  # (one that hangs)
+        store_module.dial_store("127.0.0.1", store.port, 1)
+    store_module.dial_store("127.0.0.1", store.port, 10)  # its turn came once the other ended

@@ -125,13 +125,20 @@ def dial_store(
     a thread of its own, which nothing else wakes while its store is silent."""
     deadline = deadline_after(timeout)
     _await_listener(host, port, deadline, timeout, **where)
-    with _dialing(host, port):  # no dial of ours to the same store opens a connection meanwhile
+    dialing = _dialing(host, port)  # no dial of ours to the same store opens a connection meanwhile
+    if not dialing.acquire(timeout=max(remaining(deadline), 0.001)):
+        raise SyncTimeoutError(
+            f"no TCP store answered at {host}:{port} within {timeout:.0f}s (another dial to it did not end)", **where
+        )
+    try:
         before = _open_fds()
         try:
             store = dist.TCPStore(host, port, is_master=False, timeout=as_timedelta(remaining(deadline)))
         except dist.DistError as exc:
             raise SyncTimeoutError(f"no TCP store answered at {host}:{port} within {timeout:.0f}s", **where) from exc
         found = _connections_to(_addresses(host, port), port, since=before)
+    finally:
+        dialing.release()
     if len(found) > 1:  # torch's client opens one: another thread dialled the same store meanwhile
         log.debug("%d new connections to the store at %s:%d; none is taken as the client's", len(found), host, port)
         found = []

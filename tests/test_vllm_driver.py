@@ -142,6 +142,107 @@ def test_engines_are_sent_each_version_as_its_changes_under_delta():
         scheme.shutdown()
 
 
+class _SlowToSayEngine(Engine):
+    """An engine whose ``update_weights`` error takes a while to come back (vLLM's travels from its worker through
+    its engine core to the front end), and which can refuse to load one version (``refuse_load``) or watch where
+    its loads run."""
+
+    def __init__(self, spec: dict, refuse_load: int | None = None) -> None:
+        super().__init__(spec)
+        self.refuse_load, self.loads, self.in_update = refuse_load, 0, False
+        self.loaded_outside: list[str] = []  # the threads that loaded a version outside update_weights
+
+    def _load(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.scheme is not None and not self.in_update:
+            self.loaded_outside.append(threading.current_thread().name)
+        self.loads += 1
+        if self.loads == self.refuse_load:
+            raise RuntimeError("bad weights for this engine")
+        super()._load(tensors)
+
+    def update_weights(self, update_info: dict) -> None:
+        self.in_update = True
+        try:
+            super().update_weights(update_info)
+        except Exception:
+            time.sleep(0.3)
+            self.active = False
+            raise
+        finally:
+            self.in_update = False
+
+
+def test_a_receiver_config_with_background_thread_still_loads_each_version_in_the_pause():
+    """A scheme whose receivers apply in a thread of their own (``background_thread=True``): an engine's receiver
+    must not, or it loads each version as it arrives, while the engine generates, under the old version's name
+    (its stager, refused its takes, used to end at once)."""
+    model = build("tiny")
+    engine = _SlowToSayEngine(_spec(model))
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=30, background_thread=True)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([engine], pause_mode="none"))
+        scheme.connect()
+        for version in (1, 2, 3):
+            _step(model, 1)
+            scheme.send()
+            assert engine.version == str(version) and _same(engine, model)
+        assert engine.stager._thread.is_alive()
+        assert engine.loaded_outside == []
+    finally:
+        scheme.shutdown()
+
+
+def test_a_receivers_refusal_is_reported_once_by_the_send_it_failed_not_again_by_the_next():
+    """The receiver refuses version 2 and says so at once; the engine's update_weights fails for it later. The send
+    of version 2 raises the receiver's own cause; the engine's failed call is its consequence, not a failure of
+    the send of version 3 (which it used to fail, naming version 2)."""
+    model = build("tiny")
+    engine = _SlowToSayEngine(_spec(model), refuse_load=3)  # (loads 1 and 2: versions 0 and 1)
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=30)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([engine], pause_mode="none"))
+        scheme.connect()
+        _step(model, 1)
+        scheme.send()
+        _step(model, 1)
+        with pytest.raises(ws.ReceiverError, match="version 2.*bad weights") as raised:
+            scheme.send()
+        assert "vLLM engine" not in str(raised.value)  # (the receiver's word, not the engine's call's)
+        _step(model, 1)
+        scheme.send()
+        assert engine.version == "3" and _same(engine, model)
+        assert scheme.acked_versions == {0: 3}
+    finally:
+        scheme.shutdown()
+
+
+def test_an_engine_that_refuses_a_versions_changes_is_sent_it_whole_in_the_same_send():
+    """Under ``delta``, an engine whose kept copy is not the base refuses the changes; the core sends the version
+    whole in the same ``send()`` (SPEC 10), even though the engine's call that failed for want of the base ends
+    after the receiver said why."""
+    model = build("tiny")
+    engine = _SlowToSayEngine(_spec(model))
+    scheme = VLLMWeightSyncScheme(
+        "distributed", pause_mode="none", timeout=20, connect_timeout=30, delta=True, checksum=True
+    )
+    try:
+        scheme.init_on_sender(model=model, engines=[engine])
+        scheme.connect()
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] += 1.0
+        scheme.send()
+        assert scheme.stats()["changes_sent"] == 1
+        engine.scheme._runtime.receiving._kept[0][0] ^= 0xFF  # its copy of version 1 is not version 1 any more
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[1] += 1.0
+        scheme.send()
+        assert engine.version == "2" and _same(engine, model)
+        assert engine.calls[-4:] == ["start", "update 2", "finish 2", "reset"]  # (whole, after the refused changes)
+        assert scheme.acked_versions == {0: 2}
+    finally:
+        scheme.shutdown()
+
+
 def test_an_engine_that_fails_to_serve_a_version_is_named_and_the_other_serves_it():
     model = build("tiny")
     good, bad = Engine(_spec(model)), Engine(_spec(model), fail_update_at=2)

@@ -147,6 +147,12 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self.shutdown()
         self.prepares = init_info.load_ahead and self._cpu
         scheme = from_config(init_info.receiver)
+        if getattr(scheme, "background_thread", False):
+            raise ConfigurationError(
+                "weightsync: an engine loads each version in update_weights, in the pause: its receiver config must "
+                "not have background_thread on (its thread would load each version as it arrives, while the engine "
+                "generates)"
+            )
         strategy = scheme.strategy
         assert isinstance(strategy, WeightStrategy)
         spec, self._loaded = checkpoint_spec(self.model_config, strategy.extract_as)

@@ -62,16 +62,17 @@ class _Gate(SenderEngine):
         self.inner: SenderEngine | None = None
         self._lock = threading.Lock()
         self._closing = False  # set at close: calls not begun by then are not made
-        #: worker -> (version, the future of its engine's calls for it) of each of its versions not passed on yet,
-        #: the latest last: they are passed on together once all are done, each failure reported (a later
-        #: version's calls never hide it)
+        #: worker -> (version, the future of its engine's calls for it) of each version not passed on yet, the
+        #: latest last: passed on together once all are done (the first failure that is news reported)
         self._calls: dict[int, list[tuple[int, concurrent.futures.Future]]] = {}
         #: worker -> the version its receiver acked, held back until its engine's calls are done
         self._held: dict[int, int] = {}
-        #: worker -> the failure its receiver reported while its engine's init call was under way, held back until
-        #: that call is done: the engine's own error, if its init failed, is the cause (Ray's version 0, a call into
-        #: the actor after the init call, fails for want of the receiver that init did not make)
+        #: worker -> its receiver's failure reported while its engine's calls ran, held until they are done and
+        #: passed on once: the engine's call fails because of it (a version whose changes it refused is sent whole
+        #: again), but at init the engine's own error is the cause (Ray's version 0 fails without the receiver)
         self._failures: dict[int, WeightSyncError] = {}
+        #: worker -> the newest version whose failure the core was told: a call failing for it later is not news
+        self._told: dict[int, int] = {}
         #: One engine's calls are made one at a time (an engine's client is not made for concurrent calls).
         self._turns = [threading.Lock() for _ in range(engines.num_workers)]
         #: worker -> the newest version its engine was updated to and named: a turn is not taken in the order the
@@ -91,9 +92,14 @@ class _Gate(SenderEngine):
 
     def failed(self, worker: int, error: WeightSyncError) -> None:
         with self._lock:
-            if any(v == 0 and not f.done() for v, f in self._calls.get(worker, [])):
+            if any(not f.done() for _, f in self._calls.get(worker, [])):
                 self._failures.setdefault(worker, error)
                 return
+        self._tell(worker, error)
+
+    def _tell(self, worker: int, error: WeightSyncError) -> None:  # (a call failing later for it is not news)
+        with self._lock:
+            self._told[worker] = max(error.version if error.version is not None else -1, self._told.get(worker, -1))
         self.core.failed(worker, error)
 
     def died(self, worker: int, error: WeightSyncError | str) -> None:
@@ -145,6 +151,7 @@ class _Gate(SenderEngine):
             self._calls.pop(worker, None)
             self._held.pop(worker, None)
             self._failures.pop(worker, None)
+            self._told.pop(worker, None)
 
     def _paused(
         self,
@@ -201,9 +208,10 @@ class _Gate(SenderEngine):
         config = self.scheme.receiver_config(worker)
         if isinstance(config.get("scheme"), dict) and "latest_wins" in config["scheme"]:
             # An engine takes the versions one at a time (latest_wins off), however far behind: update_weights(v)
-            # then loads v, never a newer version that finish_weight_update would name v. (Ray's are calls into
-            # its actor, one a version.)
+            # then loads v, never a newer version that finish_weight_update would name v (Ray's are calls into its
+            # actor, one a version); and in update_weights only (a thread of its own would load each unnamed).
             config["scheme"] = {**config["scheme"], "latest_wins": False}
+            config["scheme"].update({"background_thread": False} if "background_thread" in config["scheme"] else {})
         init_info = {"receiver": config, "load_ahead": self.engines.load_ahead}
         # (in this thread: before the scheme's engine publishes the version this engine is to load first)
         self.engines.clients[worker].queue_init(init_info)
@@ -231,9 +239,8 @@ class _Gate(SenderEngine):
                     self._served[worker] = max(version, self._served.get(worker, -1))
 
             def before() -> None:
-                # The engine stops for the load, not for the bytes' trip: they are all out to it first (while it
-                # generates, its backend takes them). It computes with its weights until update_weights, so
-                # start_weight_update need not wait for them, nor be paused.
+                # The engine stops for the load, not for the bytes' trip: they are all out to it first (its backend
+                # takes them while it generates, with its weights until update_weights: the start need not wait).
                 self._inner().wait_sent(worker, time.monotonic() + left())
 
             self._paused(client, left, body, worker, version, before=before, start=True)
@@ -260,13 +267,19 @@ class _Gate(SenderEngine):
             reported = {w: self._failures.pop(w) for w in done if w in self._failures}
         for worker, calls in done.items():
             version = calls[-1][0]
-            failures = [(v, e) for v, f in calls if (e := f.exception()) is not None]
-            if failures:  # the first (a later one is often its consequence: calls that waited behind it)
-                failed, error = failures[0]
+            if worker not in reported and any(v and f.exception() is not None for v, f in calls):
+                self._inner().poll([worker])  # (the receiver's own word of why, the cause, may be on its way)
+            told, served = self._told.get(worker, -1), {v for v, f in calls if f.exception() is None}
+            # (a version made again with success, sent whole, was served; one the core was told of is not news)
+            failures = [(v, e) for v, f in calls if (e := f.exception()) is not None and v not in served and v > told]
+            receiver = reported.get(worker)
+            init = [(v, e) for v, e in failures if v == 0]
+            if init or (failures and receiver is None):  # the first (a later one is often its consequence)
+                failed, error = (init or failures)[0]
                 if not self.core.is_dead(worker):
                     self.core.failed(worker, engine_error(worker, failed, error, self.core.model_id))
-            elif worker in reported:
-                self.core.failed(worker, reported[worker])
+            elif receiver is not None:
+                self._tell(worker, receiver)
             elif worker in held:
                 self.core.acked(worker, held[worker])
             elif not self._inner().pushes:  # the calls returned, so the receiver acked: its ack is on its way

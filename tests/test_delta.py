@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from unittest import mock
 
 import numpy as np
@@ -662,6 +663,54 @@ def test_changes_taken_ahead_are_made_whole_before_the_apply_and_a_refusal_is_th
         assert scheme.stats()["changes_sent"] == 1
     finally:
         worker.stop()
+        scheme.shutdown()
+
+
+def _second_copy_not_the_base() -> tuple:
+    """Two workers that took version 1's changes; worker 1's copy of it is then no longer the sender's bytes, and
+    the trainer takes a step."""
+    model, scheme, workers = _connected(2, checksum=True)
+    _sparse_step(model, 1)
+    scheme.send()
+    workers[1].scheme._runtime.receiving._kept[0][0] ^= 0xFF
+    _sparse_step(model, 2)
+    return model, scheme, workers
+
+
+def test_an_async_send_whose_changes_a_worker_refuses_sends_it_whole_before_wait_async_returns():
+    # The trainer's tensors may have moved on once send_async returned: the whole version is sent from the copy.
+    model, scheme, workers = _second_copy_not_the_base()
+    try:
+        sent = ws.WeightStrategy().flat(model)
+        sent = {k: v.clone() for k, v in sent.items()}
+        scheme.send_async()
+        _sparse_step(model, 3)  # (the trainer's next step, before the acks are collected)
+        scheme.wait_async(20)
+        for worker in workers:
+            assert worker.scheme.version == 2
+            got = {k: v.view(-1).view(torch.uint8) for k, v in ws.WeightStrategy().flat(worker.model).items()}
+            assert all(torch.equal(got[k], v.view(-1).view(torch.uint8)) for k, v in sent.items())
+        assert [type(e) for e in workers[1].errors] == [ws.DeltaBaseError]
+    finally:
+        for w in workers:
+            w.stop()
+        scheme.shutdown()
+
+
+def test_a_refusal_of_an_older_async_versions_changes_does_not_fail_the_send_that_sends_it_whole():
+    model, scheme, workers = _second_copy_not_the_base()
+    try:
+        scheme.send_async()
+        deadline = time.monotonic() + 20
+        while not workers[1].errors and time.monotonic() < deadline:  # (its refusal came back; nobody waited)
+            time.sleep(0.01)
+        assert [type(e) for e in workers[1].errors] == [ws.DeltaBaseError]
+        _sparse_step(model, 3)
+        scheme.send()  # version 3 goes whole to worker 1 (it acked version 1 only): version 2's refusal is moot
+        assert all(w.scheme.version == 3 and _holds(w.model, model) for w in workers)
+    finally:
+        for w in workers:
+            w.stop()
         scheme.shutdown()
 
 

@@ -144,7 +144,7 @@ def _triples(mismatched: Mapping[str, tuple[str, str]]) -> list[tuple[str, str, 
 class DeltaBaseError(WeightSyncError):
     """A worker was sent the changes against a version it does not hold (another version, other bytes, or a
     model that keeps no copy of them) and refused them, writing nothing: the sender sends that worker the
-    version whole, in the same ``send()`` when it waits for acks."""
+    version whole, in the same ``send()`` when it waits for acks (else in ``wait_async()``)."""
 
 
 class TransportError(WeightSyncError):

@@ -32,7 +32,8 @@ class Changes:
        for the workers that hold the copy's previous version;
     2) :meth:`unpublished` if the engine could not stage it (the copy is of a version never sent);
     3) :meth:`submitted` once the engine submitted it: :attr:`sent` says to whom changes went;
-    4) :meth:`refused`, after the acks: the workers to send the version whole now.
+    4) :meth:`refused`, after the acks: the workers to send the version whole now (after an asynchronous send,
+       when its acks are collected: :meth:`whole_again`).
 
     Args:
         options: the scheme's options, read at each send (``delta``: ``False``, ``True`` or ``"auto"``;
@@ -89,6 +90,25 @@ class Changes:
             del failures[w]
             self.sent.pop(w, None)
         return refused
+
+    def whole_again(self, failures: dict[int, WeightSyncError]) -> Outgoing | None:
+        """The version the copy holds, whole (from the copy), for the workers of ``failures`` that refused its
+        changes (taken out of ``failures``), or ``None`` if none did: an asynchronous send's acks are collected
+        after it returned, when the trainer's tensors may have moved on, and the copy is that version's bytes."""
+        version = self.base.version if self.base is not None else None
+        refused = [w for w, e in failures.items() if version is not None and e.version == version and _refused_base(e)]
+        for w in refused:
+            del failures[w]
+            self.sent.pop(w, None)
+        if not refused or self.base is None or version is None:
+            return None
+        return Outgoing(version, self.base.views, None, refused)
+
+    @staticmethod
+    def moot(error: WeightSyncError, expected: int) -> bool:
+        """Whether ``error`` is a refusal of an older version's changes than ``expected``, the version the worker
+        waits for: that one goes to it whole (it does not hold the version the next changes are made from)."""
+        return _refused_base(error) and error.version is not None and error.version < expected
 
     def close(self) -> None:
         """Let the copy go."""

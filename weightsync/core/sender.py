@@ -179,7 +179,24 @@ class Sender:
             expected = {w: peers[w].sent for w in workers if peers[w].sent is not None}
             failures = {w: self.ledger.dead[w] for w in workers if w in self.ledger.dead}
             failures.update(self.collect(expected, deadline))  # type: ignore[arg-type]
+            again = self.changes.whole_again(failures)
+            if again is not None:  # as a send that waits does at once (send_version)
+                self._send_whole_again(again, failures, deadline)
             raise_failures(failures, model_id=self.model_id, version=self.version)
+
+    def _send_whole_again(self, out: Outgoing, failures: dict[int, WeightSyncError], deadline: float) -> None:
+        """Send ``out`` (a version sent as changes) whole to its workers, which refused the changes; wait for them."""
+        assert self.engine is not None
+        log.info("model %r: workers %s refused the changes of version %s; sent whole", self.model_id, out.workers,
+                 out.version)  # fmt: skip
+        out.workers = self.ledger.live(out.workers)
+        try:
+            self.engine.submit(out, self.engine.stage(out, deadline))
+        except WeightSyncError as exc:  # no free buffer in time: those workers keep the version they hold
+            failures.update({w: exc for w in out.workers})
+            return
+        failures.update({w: self.ledger.dead[w] for w in out.workers if w in self.ledger.dead})
+        failures.update(self.collect({w: out.version for w in out.workers if w not in failures}, deadline))
 
     # ----------------------------------------------------------- the workers
     def mark_dead(self, worker: int, exc: WeightSyncError) -> WeightSyncError:
@@ -328,7 +345,8 @@ class Sender:
         while True:
             self.engine.poll(ledger.live(sorted(ledger.peers)))
             failures.update(ledger.gone_before_acking(expected, failures))
-            failures.update(ledger.take_errors([w for w in expected if w not in failures]))
+            errors = ledger.take_errors([w for w in expected if w not in failures])
+            failures.update({w: e for w, e in errors.items() if not Changes.moot(e, expected[w])})
             pending = ledger.missing(expected, failures)
             if not pending:
                 return failures

@@ -73,6 +73,11 @@ class DeltaBase:
         self._tracker: WrittenPages | None = open_tracker() if track_writes else None
 
     @property
+    def views(self) -> dict[str, torch.Tensor]:
+        """The version the buffer holds, tensor by tensor (in the layout's wire dtypes)."""
+        return self._views
+
+    @property
     def tracks_writes(self) -> bool:
         """Whether only the pages written since the last update are compared (asked, and the kernel can say)."""
         return self._tracker is not None

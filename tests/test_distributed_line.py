@@ -8,6 +8,9 @@ In-process receivers on a real TCP store and gloo group on 127.0.0.1, and lines 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import resource
 import socket
 import threading
 import time
@@ -24,7 +27,16 @@ from weightsync.core.timing import deadline_after
 from weightsync.errors import ConnectionClosedError, SyncTimeoutError, TransportError
 from weightsync.transports.distributed import sender as sender_module
 from weightsync.transports.distributed.auth import line_proof
-from weightsync.transports.distributed.line import ANSWERED_WAIT_S, FRAME, NONCE_BYTES, Dialing, Line, Listener, _done
+from weightsync.transports.distributed.line import (
+    ANSWERED_WAIT_S,
+    FRAME,
+    MAX_UNPROVEN,
+    NONCE_BYTES,
+    Dialing,
+    Line,
+    Listener,
+    _done,
+)
 
 KEY, PREFIX = b"k" * 32, "weightsync/policy/0123456789abcdef"
 
@@ -162,6 +174,76 @@ def test_the_listener_takes_only_a_proof_for_its_own_challenge_once_per_worker()
         listener.close()
         for line in taken.values():
             line.close(0.0)
+
+
+def test_a_stranger_who_gets_the_oldest_unproven_connection_closed_does_not_end_the_listeners_wait():
+    # The listener keeps MAX_UNPROVEN connections that have not answered; the one past them closes the oldest.
+    # Where that oldest one had something to read in the same wait, it was looked up after it was gone (KeyError,
+    # out of the rendez-vous). Played from here, over and over, for a bounded time.
+    listener = Listener("127.0.0.1")
+    outcome: dict = {}
+
+    def accept() -> None:
+        try:
+            outcome["lines"] = listener.accept(KEY, PREFIX, {0}, deadline_after(4.0), lambda w, s: Line(s, "l", 5.0))
+        except BaseException as exc:  # noqa: BLE001 - what the test looks at
+            outcome["error"] = exc
+
+    accepting = threading.Thread(target=accept)
+    accepting.start()
+    conns: list[socket.socket] = []
+    try:
+        for _ in range(MAX_UNPROVEN):
+            sock = socket.create_connection(listener.address, timeout=5)
+            sock.recv(NONCE_BYTES)
+            conns.append(sock)
+        end = time.monotonic() + 3.0
+        while accepting.is_alive() and time.monotonic() < end:
+            oldest = conns.pop(0)
+            with contextlib.suppress(OSError):
+                oldest.send(b"x")  # the oldest becomes readable ...
+            sock = socket.create_connection(listener.address, timeout=5)  # ... as one more comes
+            conns.append(sock)
+            oldest.close()
+            with contextlib.suppress(OSError):
+                sock.recv(NONCE_BYTES)
+        accepting.join(10)
+        assert not accepting.is_alive()
+        assert "error" not in outcome, repr(outcome.get("error"))
+        assert outcome["lines"] == {}  # (no worker came: the wait ended at its deadline)
+    finally:
+        for sock in conns:
+            sock.close()
+        listener.close()
+
+
+def test_lines_wait_on_descriptors_numbered_past_1024():
+    # select() refuses a descriptor numbered 1024 or more; a trainer with many open files has such numbers.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open {hard} descriptors at most")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    writer = reader = None
+    listener = Listener("127.0.0.1")
+    try:
+        a, b = _connected()
+        writer, reader = Line(a, "w", 5.0), Line(b, "r", 5.0)
+        assert min(reader.fileno(), writer.fileno(), listener._sock.fileno()) >= 1024  # type: ignore[union-attr]
+        assert not reader.readable(0.05)
+        with pytest.raises(SyncTimeoutError):
+            reader.read(4, deadline_after(0.1))
+        writer.write([b"abcd"]).result(5)
+        assert reader.readable(5.0) and reader.read(4, deadline_after(5)) == b"abcd"
+        assert listener.accept(KEY, PREFIX, {0}, deadline_after(0.2), lambda w, s: Line(s, "l", 5.0)) == {}
+    finally:
+        for line in (writer, reader):
+            if line is not None:
+                line.close(0.0)
+        listener.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_a_frame_over_the_bound_closes_the_line():

@@ -27,7 +27,6 @@ import contextlib
 import hmac
 import logging
 import secrets
-import select
 import socket
 import struct
 import threading
@@ -37,6 +36,7 @@ from typing import Any
 
 from ...core.timing import deadline_after, remaining
 from ...errors import ConnectionClosedError, SyncTimeoutError, TransportError, WeightSyncError
+from .. import descriptors
 from ..network import bound_silence
 from .auth import ACK_TAG_WORDS, line_proof
 
@@ -145,7 +145,7 @@ class Line:
             sock = self._socket()
             while views:
                 left = remaining(deadline)
-                if left <= 0 or not select.select([], [sock], [], left)[1]:
+                if left <= 0 or not descriptors.writable(sock.fileno(), left):
                     raise SyncTimeoutError("the line's peer read nothing in time")
                 views = self._send_now(sock, views)
         except BaseException:
@@ -167,7 +167,7 @@ class Line:
         if self._inbox:
             return True
         sock = self._socket()
-        return bool(select.select([sock], [], [], max(timeout, 0.0))[0])
+        return bool(descriptors.readable([sock.fileno()], timeout))
 
     def _recv_into(self, view: memoryview) -> int:
         """Read what is there into ``view`` (0: nothing yet)."""
@@ -207,7 +207,7 @@ class Line:
                 got = self._recv_into(view[at:])
                 if not got:
                     left = remaining(deadline)
-                    if left <= 0 or not select.select([self._socket()], [], [], left)[0]:
+                    if left <= 0 or not descriptors.readable([self._socket().fileno()], left):
                         raise SyncTimeoutError("the line's peer sent too little in time")
                     continue
                 at += got
@@ -280,10 +280,13 @@ class Listener:
         lines: dict[int, Line] = {}
         try:
             while set(workers) - set(lines) and remaining(deadline) > 0:
-                ready = select.select([listener, *pending], [], [], remaining(deadline))[0]
-                for sock in ready:
-                    if sock is listener:
+                by_fd = {sock.fileno(): sock for sock in pending}
+                for fd in descriptors.readable([listener.fileno(), *by_fd], remaining(deadline)):
+                    if fd == listener.fileno():
                         self._challenge(listener, pending)
+                        continue
+                    sock = by_fd[fd]
+                    if sock not in pending:  # the oldest, closed just now for the connection the listener took
                         continue
                     nonce, said = pending[sock]
                     try:
@@ -304,6 +307,10 @@ class Listener:
                     else:
                         log.warning("a connection to the line port did not prove itself as a worker; closed it")
                         sock.close()
+        except BaseException:
+            for line in lines.values():
+                line.close(0.0)
+            raise
         finally:
             for sock in pending:
                 sock.close()

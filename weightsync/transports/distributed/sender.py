@@ -18,7 +18,6 @@ import contextlib
 import json
 import logging
 import secrets
-import select
 import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
@@ -39,6 +38,7 @@ from ...errors import (
 )
 from ...tensors.copies import copy_tensors, write_into
 from ...tensors.layout import FlatLayout
+from .. import descriptors
 from ..keyfiles import KEY_BYTES, key_name, remove_key_file, write_key_file
 from ..network import local_address
 from ..staging import Staging, StagingPool
@@ -403,8 +403,9 @@ class DistributedSender(Admitting, SenderEngine):
         if any(line.fileno() < 0 for line in lines):  # a line closed: poll() says why, now
             return
         if lines:  # acks on lines are read on this thread: it waits on their sockets (in slices, with futures too)
+            left = min(remaining(deadline), MIXED_WAIT_S) if futures else remaining(deadline)
             try:
-                select.select(lines, [], [], min(remaining(deadline), MIXED_WAIT_S if futures else remaining(deadline)))
+                descriptors.readable([line.fileno() for line in lines], left)
             except (ValueError, OSError):  # a line closed meanwhile (its writer failed): poll() says why
                 return
         if futures:

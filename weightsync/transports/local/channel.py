@@ -26,7 +26,6 @@ import hashlib
 import hmac
 import json
 import logging
-import math
 import os
 import secrets
 import select
@@ -44,6 +43,7 @@ from ...errors import (
     TransportError,
     WeightSyncError,
 )
+from ..descriptors import poll_ms, readable
 from ..plainjson import loads_object
 from .frames import FrameReader, frame, read_frame
 
@@ -51,7 +51,6 @@ __all__ = [
     "Channel",
     "ChannelListener",
     "connect_channel",
-    "readable",
 ]
 
 log = logging.getLogger("weightsync.transports.channel")
@@ -76,23 +75,6 @@ HANDSHAKE_TIMEOUT = 5.0
 MAX_PENDING = 64
 #: The most connections taken from the backlog in one look (then the pending handshakes are served).
 _ACCEPT_BATCH = 16
-
-
-def _poll_ms(timeout: float) -> int:
-    # poll() counts whole milliseconds: round up, so a short wait is not a busy loop.
-    return 0 if timeout <= 0 else max(1, math.ceil(timeout * 1000))
-
-
-def readable(fds: list[int], timeout: float) -> list[int]:
-    """The descriptors among ``fds`` with something to read (a message, EOF or an error) within ``timeout`` s.
-
-    One ``poll(2)``: 1.1 us for two descriptors, where :func:`multiprocessing.connection.wait` builds a
-    selector each call (3.4 us). The local schemes poll several times a send, on their round trip.
-    """
-    poller = select.poll()
-    for fd in fds:
-        poller.register(fd, select.POLLIN)
-    return [fd for fd, _ in poller.poll(_poll_ms(timeout))]
 
 
 def _digest(authkey: bytes, nonce: bytes, role: bytes) -> bytes:
@@ -152,7 +134,7 @@ class Channel:
                             f"{self.peer} did not take a message within {SEND_TIMEOUT:.0f}s (it stopped reading); "
                             "closed the channel"
                         ) from None
-                    self._writable.poll(_poll_ms(remaining(deadline)))
+                    self._writable.poll(poll_ms(remaining(deadline)))
         except (BrokenPipeError, ConnectionResetError, OSError) as exc:
             self.closed = True
             raise ConnectionClosedError(f"channel to {self.peer} is closed ({exc})") from exc
@@ -183,7 +165,7 @@ class Channel:
         """True when a message (or EOF) is ready to be read."""
         if self._conn.closed:
             return True  # reading says how (a closed descriptor's number may belong to another file by now)
-        return bool(self._poller.poll(_poll_ms(timeout)))
+        return bool(self._poller.poll(poll_ms(timeout)))
 
     def recv(self, timeout: float = 0.0) -> dict[str, Any] | None:
         """Next message, or ``None`` if none arrives within ``timeout`` seconds.

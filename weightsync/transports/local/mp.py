@@ -28,7 +28,8 @@ from ...errors import (
 )
 from ...tensors import cuda
 from ..base import PeerTransport, TransportBackend
-from .channel import Channel, readable
+from ..descriptors import readable
+from .channel import Channel
 from .peers import PeerProcess
 from .slots import DeviceSlot, SharedSlot, map_fd, map_fd_read_only, map_storage
 

@@ -46,8 +46,9 @@ from ...core.timing import WAIT_TICK_S, remaining
 from ...errors import ConnectionClosedError, SyncTimeoutError, WeightSyncError, WorkerDiedError
 from ...tensors import cuda
 from ...tensors.layout import FlatLayout
+from ..descriptors import readable
 from ..keyfiles import KEY_BYTES, remove_key_file, write_key_file
-from .channel import Channel, ChannelListener, readable
+from .channel import Channel, ChannelListener
 from .mp import MPTransport
 from .peers import PeerProcess
 from .settings import MPSettings

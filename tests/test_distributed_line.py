@@ -259,7 +259,9 @@ def test_a_frame_over_the_bound_closes_the_line():
         reader.close(0.0)
 
 
-def test_a_peer_that_reads_nothing_fails_the_write_in_time_and_the_line_closes():
+def test_a_peer_that_reads_nothing_fails_the_write_in_time_and_the_line_is_done_but_ends_only_when_closed():
+    # The sender closes a stalled worker's line once it said in the store that it dropped it (drop()): a worker
+    # that finds the end of its line before that word would take the sender for gone, and never rejoin.
     a, b = _connected()
     writer = Line(a, "w", 0.5)
     try:
@@ -268,6 +270,16 @@ def test_a_peer_that_reads_nothing_fails_the_write_in_time_and_the_line_closes()
         with pytest.raises(SyncTimeoutError):
             future.result(30)
         assert time.monotonic() - start < 20 and writer.fileno() == -1
+        with pytest.raises(ConnectionClosedError):
+            writer.write([b"more"])
+        b.setblocking(False)
+        with pytest.raises(BlockingIOError):  # what was sent, then nothing: no end of the line yet
+            while b.recv(1 << 20):
+                pass
+        writer.close(0.0)
+        b.settimeout(5)
+        while chunk := b.recv(1 << 20):  # (what was left in flight, then the end)
+            assert chunk
     finally:
         writer.close(0.0)
         b.close()

@@ -94,14 +94,20 @@ class Line:
         self._lock = threading.Lock()
         self._tail: Future = _done()  # the last write handed to the thread
         self._writer: ThreadPoolExecutor | None = None
+        #: A write the peer took nothing of for :attr:`write_timeout`: the line is done, and left open for
+        #: :meth:`close`. A peer still alive that finds its end only then (the sender's ``drop()`` closes it once it
+        #: said so in the store) learns it was dropped; an end found before that word reads as a sender gone.
+        self._stalled = False
 
     def fileno(self) -> int:
-        """The socket's (for ``select``); -1 once closed."""
-        return self._sock.fileno() if self._sock is not None else -1
+        """The socket's (to wait on); -1 once closed, or done (a write stalled)."""
+        return self._sock.fileno() if self._sock is not None and not self._stalled else -1
 
     def _socket(self) -> socket.socket:
         if self._sock is None:
             raise ConnectionClosedError("the line is closed")
+        if self._stalled:
+            raise ConnectionClosedError("the line's peer read nothing in time")
         return self._sock
 
     # ------------------------------------------------------------------ write
@@ -146,10 +152,12 @@ class Line:
             while views:
                 left = remaining(deadline)
                 if left <= 0 or not descriptors.writable(sock.fileno(), left):
+                    self._stalled = True
                     raise SyncTimeoutError("the line's peer read nothing in time")
                 views = self._send_now(sock, views)
         except BaseException:
-            self.close(0.0)
+            if not self._stalled:  # (a stalled line is closed by whoever drops its peer)
+                self.close(0.0)
             raise
 
     def send(self, data: bytes, timeout: float) -> None:

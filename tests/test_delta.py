@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from unittest import mock
 
 import numpy as np
@@ -701,9 +700,7 @@ def test_a_refusal_of_an_older_async_versions_changes_does_not_fail_the_send_tha
     model, scheme, workers = _second_copy_not_the_base()
     try:
         scheme.send_async()
-        deadline = time.monotonic() + 20
-        while not workers[1].errors and time.monotonic() < deadline:  # (its refusal came back; nobody waited)
-            time.sleep(0.01)
+        assert workers[1].erred.wait(20)  # (its refusal came back; nobody waited)
         assert [type(e) for e in workers[1].errors] == [ws.DeltaBaseError]
         _sparse_step(model, 3)
         scheme.send()  # version 3 goes whole to worker 1 (it acked version 1 only): version 2's refusal is moot

@@ -185,18 +185,20 @@ class Sender:
             raise_failures(failures, model_id=self.model_id, version=self.version)
 
     def _send_whole_again(self, out: Outgoing, failures: dict[int, WeightSyncError], deadline: float) -> None:
-        """Send ``out`` (a version sent as changes) whole to its workers, which refused the changes; wait for them."""
+        """Send ``out`` (a version sent as changes) whole to its workers, which refused the changes; wait for them
+        and put what failed in ``failures``."""
         assert self.engine is not None
-        log.info("model %r: workers %s refused the changes of version %s; sent whole", self.model_id, out.workers,
+        refused, dead = out.workers, self.ledger.dead
+        log.info("model %r: workers %s refused the changes of version %s; sent whole", self.model_id, refused,
                  out.version)  # fmt: skip
-        out.workers = self.ledger.live(out.workers)
+        out.workers = self.ledger.live(refused)
         try:
             self.engine.submit(out, self.engine.stage(out, deadline))
         except WeightSyncError as exc:  # no free buffer in time: those workers keep the version they hold
-            failures.update({w: exc for w in out.workers})
+            failures.update({w: exc for w in refused})
             return
-        failures.update({w: self.ledger.dead[w] for w in out.workers if w in self.ledger.dead})
-        failures.update(self.collect({w: out.version for w in out.workers if w not in failures}, deadline))
+        failures.update({w: dead[w] for w in refused if w in dead and w not in failures})
+        failures.update(self.collect({w: out.version for w in refused if w not in failures}, deadline))
 
     # ----------------------------------------------------------- the workers
     def mark_dead(self, worker: int, exc: WeightSyncError) -> WeightSyncError:
@@ -325,15 +327,7 @@ class Sender:
             failures.update(self.collect({w: version for w in live if w not in failures}, deadline))
             refused = self.changes.refused(out, failures)
             if refused:  # a worker that does not hold the base gets the version whole, in this send
-                log.info("model %r: workers %s refused the changes of version %s; sent whole", self.model_id,
-                         refused, version)  # fmt: skip
-                again = Outgoing(version, flat, whole, ledger.live(refused))
-                try:
-                    self.engine.submit(again, self.engine.stage(again, deadline))
-                except WeightSyncError as exc:  # no free buffer in time: those workers keep the version they hold
-                    failures.update({w: exc for w in refused})
-                failures.update({w: ledger.dead[w] for w in refused if w in ledger.dead and w not in failures})
-                failures.update(self.collect({w: version for w in refused if w not in failures}, deadline))
+                self._send_whole_again(Outgoing(version, flat, whole, refused), failures, deadline)
         failures.update(ledger.take_errors([w for w in targets if w not in failures]))
         raise_failures(failures, model_id=self.model_id, version=version)
 

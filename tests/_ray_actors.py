@@ -5,6 +5,7 @@ from __future__ import annotations
 import ray
 
 import weightsync as ws
+from tests._vllm_engine import Engine
 from tests._workers import _scramble, build, checksum
 
 
@@ -83,3 +84,37 @@ class Collector:
 def make_value():
     """A module with a forward, built inside the hosting actor."""
     return build("value")
+
+
+class _EngineInActor(Engine):
+    """A ``vllm.LLM``'s calls in a Ray actor, with a weightsync receiver behind them in the actor's process (as
+    vLLM's, with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): it notes its loads among its calls, refuses the
+    ``refuse_load``-th, and ``generate`` says what it computes with (the sum of its weights) under which name."""
+
+    def __init__(self, spec: dict, refuse_load: int | None = None) -> None:
+        super().__init__(spec)
+        self.refuse_load, self.loads = refuse_load, 0
+
+    def _load(self, tensors: dict) -> None:
+        self.calls.append("load")
+        self.loads += 1
+        if self.loads == self.refuse_load:
+            raise RuntimeError("bad weights for this engine")
+        super()._load(tensors)
+
+    def init_weight_transfer_engine(self, request) -> None:  # (vLLM's request, as an LLM takes it)
+        super().init_weight_transfer_engine(request["init_info"] if isinstance(request, dict) else request.init_info)
+
+    def generate(self) -> tuple[float | None, str]:
+        return (weights_sum(self.held) if self.held else None), self.version
+
+    def log(self) -> list[str]:
+        return self.calls
+
+
+EngineInActor = ray.remote(num_cpus=0)(_EngineInActor)
+
+
+def weights_sum(tensors: dict) -> float:
+    """Every value of ``tensors`` (by name) summed, in one order whatever the dict's."""
+    return float(sum(tensors[k].detach().double().sum() for k in sorted(tensors)))

@@ -483,3 +483,60 @@ def test_corrupted_payload_is_refused_and_the_actors_keep_their_weights():
     scheme.send()
     assert ray.get([a.state.remote() for a in actors]) == [(3, checksum(model, "tensordict"))] * 2
     scheme.shutdown()
+
+
+def test_a_vllm_engine_in_an_actor_is_loaded_and_named_each_version_in_one_call():
+    """A vLLM engine in a Ray actor: each update is one call into the actor, in which the engine begins the update,
+    loads the version, names it and resets its prefix cache, with no other call of the actor's in between. (Were
+    the engine's calls made apart, after the one that loads, a ``generate`` queued between them computed with the
+    new weights under the old version's name.) A load that fails ends the update unnamed: the engine keeps serving
+    the version it holds, under its name, and the next version reaches it. (Version 0 goes whole, the others as
+    changes.)"""
+    import threading
+
+    from tests._ray_actors import EngineInActor, weights_sum
+    from weightsync.integrations.vllm import VLLMEngines
+    from weightsync.tensors.strategy import flatten_weights
+
+    model = build("tiny")
+    spec = {k: (tuple(v.shape), v.dtype) for k, v in flatten_weights(model, "tensordict").items()}
+    actor = EngineInActor.remote(spec, refuse_load=4)  # (version 3's load)
+    sums = {0: weights_sum(flatten_weights(model, "tensordict"))}
+    seen: list[tuple] = []
+    stop = threading.Event()
+
+    def generate() -> None:
+        while not stop.is_set():
+            seen.append(ray.get(actor.generate.remote(), timeout=30))
+
+    scheme = ws.RayWeightSyncScheme(timeout=20, connect_timeout=30, delta="auto")
+    generating = threading.Thread(target=generate, daemon=True)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([actor], pause_mode="none"))
+        generating.start()
+        scheme.connect()
+        for version in range(1, 6):
+            optimizer_step(model, version)
+            sums[version] = weights_sum(flatten_weights(model, "tensordict"))
+            if version == 3:
+                with pytest.raises(ws.WeightSyncError, match="bad weights"):
+                    scheme.send()
+                assert ray.get(actor.generate.remote(), timeout=30) == (sums[2], "2")
+                continue
+            scheme.send()
+            assert ray.get(actor.generate.remote(), timeout=30) == (sums[version], str(version))
+    finally:
+        stop.set()
+        generating.join(30)
+        scheme.shutdown()
+    assert len(seen) > 10 and all(name == "checkpoint" or held == sums[int(name)] for held, name in seen)
+    engines = VLLMEngines([actor], pause_mode="none")
+    with pytest.raises(ws.ConfigurationError, match="RayWeightSyncScheme"):  # (its updates: the actor's methods)
+        ws.RayModuleTransformScheme(timeout=20).init_on_sender(model=model, context=engines)
+    assert engines._gate is None  # (the engines are free for another scheme)
+    calls = ray.get(actor.log.remote(), timeout=30)
+    update = ["start", "load", "update {}", "finish {}", "reset"]
+    for version in (0, 1, 2, 4, 5):
+        assert [c.format(version) for c in update] in [calls[i : i + 5] for i in range(len(calls))], calls
+    assert ["start", "load", "finish None"] in [calls[i : i + 3] for i in range(len(calls))], calls
+    ray.kill(actor)

@@ -15,79 +15,11 @@ import pytest
 import torch
 
 import weightsync as ws
+from tests._vllm_engine import Engine, engine_spec
 from tests._workers import build
 from weightsync.integrations.vllm import VLLMEngines, VLLMWeightSyncScheme
 from weightsync.integrations.vllm.clients import AsyncLLMClient, EngineClient
-from weightsync.integrations.vllm.staging import Stager
 from weightsync.tensors.strategy import flatten_weights
-
-
-class Engine:
-    """vLLM's trainer-side calls, with weightsync's backend behind them (in this process)."""
-
-    def __init__(self, spec: dict, fail_update_at: int | None = None, fail_init: bool = False) -> None:
-        self.spec, self.fail_update_at, self.fail_init = spec, fail_update_at, fail_init
-        self.scheme = None
-        self.held: dict[str, torch.Tensor] = {}
-        self.version = "checkpoint"
-        self.calls: list[str] = []
-        self.active = False
-
-    def _load(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.held = {k: v.clone() for k, v in tensors.items()}
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.calls.append("init")
-        if self.fail_init:
-            raise RuntimeError("Weight transfer not configured")
-        if self.scheme is not None:
-            self.stager.stop(10)
-            self.scheme.shutdown()
-        scheme = ws.from_config(init_info["receiver"])
-        scheme.init_on_receiver(model=ws.ExternalModel(self.spec, self._load))
-        scheme.connect()
-        self.scheme = scheme
-        self.stager = Stager(scheme, "test-engine-stager")  # as the backend: takes each version while it generates
-
-    def start_weight_update(self) -> None:
-        assert not self.active, "a second start before finish"
-        self.calls.append("start")
-        self.active = True
-
-    def update_weights(self, update_info: dict) -> None:
-        self.calls.append(f"update {update_info['version']}")
-        if update_info["version"] == self.fail_update_at:
-            self.active = False
-            raise RuntimeError("the engine could not load these weights")
-        deadline = time.monotonic() + 10
-        while self.scheme.version < update_info["version"]:
-            assert self.stager.apply_next(deadline), f"version {update_info['version']} did not come in 10 s"
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.calls.append(f"finish {weight_version}")
-        if not self.active:  # (vLLM's worker: an update that raised ended the session)
-            raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
-        self.active = False
-        if weight_version is not None:
-            self.version = weight_version
-
-    def update_weight_version(self, version: str) -> None:
-        self.version = version
-
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        self.calls.append("reset")
-        return True
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.calls.append("shutdown")
-        if self.scheme is not None:
-            self.stager.stop(10)
-            self.scheme.shutdown()
-            self.scheme = None
-
-
-def _spec(model) -> dict:
-    return {k: (tuple(v.shape), v.dtype) for k, v in flatten_weights(model, "tensordict").items()}
 
 
 def _same(engine: Engine, model) -> bool:
@@ -107,7 +39,7 @@ def _step(model, by: float) -> None:
 @pytest.mark.parametrize("name", ["multiprocess", "shared_mem", "distributed"])
 def test_send_returns_when_every_engine_serves_the_version_it_names(name):
     model = build("tiny")
-    engines = [Engine(_spec(model)), Engine(_spec(model))]
+    engines = [Engine(engine_spec(model)), Engine(engine_spec(model))]
     scheme = VLLMWeightSyncScheme(name, pause_mode="none", timeout=20, connect_timeout=30)
     try:
         scheme.init_on_sender(model=model, engines=engines)
@@ -127,7 +59,7 @@ def test_send_returns_when_every_engine_serves_the_version_it_names(name):
 
 def test_engines_are_sent_each_version_as_its_changes_under_delta():
     model = build("tiny")
-    engines = [Engine(_spec(model)), Engine(_spec(model))]
+    engines = [Engine(engine_spec(model)), Engine(engine_spec(model))]
     scheme = VLLMWeightSyncScheme("distributed", pause_mode="none", timeout=20, connect_timeout=30, delta="auto")
     try:
         scheme.init_on_sender(model=model, engines=engines)
@@ -177,7 +109,7 @@ def test_a_receiver_config_with_background_thread_still_loads_each_version_in_th
     must not, or it loads each version as it arrives, while the engine generates, under the old version's name
     (its stager, refused its takes, used to end at once)."""
     model = build("tiny")
-    engine = _SlowToSayEngine(_spec(model))
+    engine = _SlowToSayEngine(engine_spec(model))
     scheme = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=30, background_thread=True)
     try:
         scheme.init_on_sender(model=model, context=VLLMEngines([engine], pause_mode="none"))
@@ -197,7 +129,7 @@ def test_a_receivers_refusal_is_reported_once_by_the_send_it_failed_not_again_by
     of version 2 raises the receiver's own cause; the engine's failed call is its consequence, not a failure of
     the send of version 3 (which it used to fail, naming version 2)."""
     model = build("tiny")
-    engine = _SlowToSayEngine(_spec(model), refuse_load=3)  # (loads 1 and 2: versions 0 and 1)
+    engine = _SlowToSayEngine(engine_spec(model), refuse_load=3)  # (loads 1 and 2: versions 0 and 1)
     scheme = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=30)
     try:
         scheme.init_on_sender(model=model, context=VLLMEngines([engine], pause_mode="none"))
@@ -221,7 +153,7 @@ def test_an_engine_that_refuses_a_versions_changes_is_sent_it_whole_in_the_same_
     whole in the same ``send()`` (SPEC 10), even though the engine's call that failed for want of the base ends
     after the receiver said why."""
     model = build("tiny")
-    engine = _SlowToSayEngine(_spec(model))
+    engine = _SlowToSayEngine(engine_spec(model))
     scheme = VLLMWeightSyncScheme(
         "distributed", pause_mode="none", timeout=20, connect_timeout=30, delta=True, checksum=True
     )
@@ -245,7 +177,7 @@ def test_an_engine_that_refuses_a_versions_changes_is_sent_it_whole_in_the_same_
 
 def test_an_engine_that_fails_to_serve_a_version_is_named_and_the_other_serves_it():
     model = build("tiny")
-    good, bad = Engine(_spec(model)), Engine(_spec(model), fail_update_at=2)
+    good, bad = Engine(engine_spec(model)), Engine(engine_spec(model), fail_update_at=2)
     scheme = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=30)
     try:
         scheme.init_on_sender(model=model, context=VLLMEngines([good, bad], pause_mode="none"))
@@ -265,7 +197,7 @@ def test_an_engine_whose_init_fails_is_named_at_once_not_at_the_connect_timeout(
     model = build("tiny")
     scheme = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=60)
     try:
-        scheme.init_on_sender(model=model, context=VLLMEngines([Engine(_spec(model), fail_init=True)]))
+        scheme.init_on_sender(model=model, context=VLLMEngines([Engine(engine_spec(model), fail_init=True)]))
         started = time.monotonic()
         with pytest.raises(ws.WorkerDiedError, match="vLLM engine 0 could not start weightsync.*not configured"):
             scheme.connect()
@@ -276,7 +208,7 @@ def test_an_engine_whose_init_fails_is_named_at_once_not_at_the_connect_timeout(
 
 def test_an_engine_that_does_not_fit_the_trainers_model_is_refused_by_name_before_it_loads():
     model = build("tiny")
-    spec = _spec(model)
+    spec = engine_spec(model)
     first = next(iter(spec))
     spec[first] = ((*spec[first][0], 3), spec[first][1])
     engine = Engine(spec)
@@ -292,7 +224,7 @@ def test_an_engine_that_does_not_fit_the_trainers_model_is_refused_by_name_befor
 
 def test_a_replaced_engine_serves_the_trainers_weights_as_a_new_version():
     model = build("tiny")
-    first = Engine(_spec(model))
+    first = Engine(engine_spec(model))
     scheme = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=30)
     engines = VLLMEngines([first], pause_mode="none")
     try:
@@ -304,7 +236,7 @@ def test_a_replaced_engine_serves_the_trainers_weights_as_a_new_version():
         _step(model, 1)
         with pytest.raises(ws.WeightSyncError, match="worker 0"):
             scheme.send()
-        second = Engine(_spec(model))
+        second = Engine(engine_spec(model))
         engines.replace(0, second)
         assert second.version == str(scheme.version) == "3" and _same(second, model)
         _step(model, 1)
@@ -343,7 +275,7 @@ class PausingClient(EngineClient):
 @pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
 def test_an_engine_that_can_pause_is_paused_around_each_load_in_the_mode_chosen(mode):
     model = build("tiny")
-    engine = PausingEngine(_spec(model))
+    engine = PausingEngine(engine_spec(model))
     engines = VLLMEngines([PausingClient(engine, "engine 0")], pause_mode=mode)
     scheme = ws.SharedMemWeightSyncScheme(timeout=10, connect_timeout=30)
     try:
@@ -379,7 +311,7 @@ class JoinedClient(PausingClient):
 
 def test_an_engine_that_takes_its_start_with_its_pause_is_sent_both_at_once_once_the_bytes_are_out():
     model = build("tiny")
-    engine = PausingEngine(_spec(model))
+    engine = PausingEngine(engine_spec(model))
     engines = VLLMEngines([JoinedClient(engine, "engine 0")], pause_mode="keep")
     scheme = ws.SharedMemWeightSyncScheme(timeout=10, connect_timeout=30)
     try:
@@ -468,7 +400,7 @@ def test_engines_and_options_that_are_not_are_refused_by_name():
 
 def test_the_engines_serve_one_scheme():
     model = build("tiny")
-    engines = VLLMEngines([Engine(_spec(model))])
+    engines = VLLMEngines([Engine(engine_spec(model))])
     first = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=30)
     second = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=30)
     try:
@@ -504,7 +436,7 @@ def test_an_engine_client_is_called_by_one_thread_at_a_time():
                 return watched
             return attr
 
-    engine = Watched(_spec(model))
+    engine = Watched(engine_spec(model))
     scheme = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=30, sync=False, max_staleness=None)
     try:
         scheme.init_on_sender(model=model, context=VLLMEngines([engine], pause_mode="none"))
@@ -529,7 +461,7 @@ def test_a_hung_engine_is_a_named_timeout_within_the_schemes_timeout_and_the_oth
         def update_weights(self, update_info: dict) -> None:
             release.wait(60)  # an engine that stopped answering
 
-    good, hung = Engine(_spec(model)), Hung(_spec(model))
+    good, hung = Engine(engine_spec(model)), Hung(engine_spec(model))
     scheme = ws.MultiProcessWeightSyncScheme(timeout=3, connect_timeout=30)
     engines = VLLMEngines([good, hung], pause_mode="none")
     try:
@@ -545,7 +477,7 @@ def test_a_hung_engine_is_a_named_timeout_within_the_schemes_timeout_and_the_oth
         _step(model, 1)
         with pytest.raises(ws.WeightSyncError, match="worker 1"):
             scheme.send()
-        fresh = Engine(_spec(model))
+        fresh = Engine(engine_spec(model))
         engines.replace(1, fresh)
         assert fresh.version == str(scheme.version) == "3" and _same(fresh, model)
         started = time.monotonic()
@@ -616,7 +548,7 @@ def _serving_slow_to_pause(loop, timeout: float):
     (the trainer's model, the engine, the scheme), shut down after."""
     pytest.importorskip("vllm")  # (the client builds vLLM's request objects)
     model = build("tiny")
-    target = SlowToPause(_spec(model))
+    target = SlowToPause(engine_spec(model))
     scheme = ws.SharedMemWeightSyncScheme(timeout=timeout, connect_timeout=30)
     try:
         scheme.init_on_sender(model=model, context=VLLMEngines([target], pause_mode="wait", loop=loop))
@@ -683,7 +615,7 @@ def test_an_engine_behind_by_several_versions_names_each_one_it_computes_with():
                 named_wrong.append((int(weight_version), [v for v, w in sent.items() if _same_as(self, w)]))
             super().finish_weight_update(weight_version)
 
-    engine = Slow(_spec(model))
+    engine = Slow(engine_spec(model))
     scheme = ws.SharedMemWeightSyncScheme(timeout=10, connect_timeout=30, sync=False)
     try:
         scheme.init_on_sender(model=model, context=VLLMEngines([engine], pause_mode="none"))
@@ -757,7 +689,7 @@ def test_a_receivers_failure_during_its_engines_init_waits_for_the_init_whose_er
 
     model = build("tiny")
     core = Reports()
-    gate = _Gate(VLLMEngines([Engine(_spec(model))]), None, core)  # type: ignore[arg-type]
+    gate = _Gate(VLLMEngines([Engine(engine_spec(model))]), None, core)  # type: ignore[arg-type]
     init: concurrent.futures.Future = concurrent.futures.Future()
     gate._calls[0] = [(0, init)]
     consequence = ws.LifecycleError("this actor has no receiver for model 'policy'", model_id="policy", worker_idx=0)
@@ -783,7 +715,7 @@ def test_a_receivers_failure_held_during_a_rejoining_engines_init_is_reported_on
 
     model = build("tiny")
     core = Reports()
-    gate = _Gate(VLLMEngines([Engine(_spec(model))]), None, core)  # type: ignore[arg-type]
+    gate = _Gate(VLLMEngines([Engine(engine_spec(model))]), None, core)  # type: ignore[arg-type]
     gate.inner = type("Inner", (), {"pushes": False})()  # type: ignore[assignment]
     refused = ws.ReceiverError("ChecksumError", "the version did not match", model_id="policy", worker_idx=0)
 

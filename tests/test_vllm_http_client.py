@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 
 import weightsync as ws
+from tests._vllm_engine import engine_spec
 from tests._workers import build
-from tests.test_vllm_driver import PausingEngine, _same, _spec, _step
+from tests.test_vllm_driver import PausingEngine, _same, _step
 from weightsync.integrations.vllm import VLLMEngines
 from weightsync.integrations.vllm.engines import engine_client
 from weightsync.integrations.vllm.served import QUOTED_CHARS, EngineHTTPError, HTTPEngineClient
@@ -291,7 +292,7 @@ def test_engines_behind_two_servers_are_driven_in_vllms_order_for_each_version(m
     version each gets start, then (paused, or not in mode "none") update and finish, then resume or the prefix
     cache's reset, and serves the trainer's weights when send() returns."""
     model = build("tiny")
-    engines = [PausingEngine(_spec(model)), PausingEngine(_spec(model))]
+    engines = [PausingEngine(engine_spec(model)), PausingEngine(engine_spec(model))]
     servers = [Server(engine) for engine in engines]
     scheme = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=30)
     paused = ["/pause", "/resume"] if mode == "keep" else [None, "/reset_prefix_cache"]

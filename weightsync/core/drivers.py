@@ -132,6 +132,10 @@ class Driver:
         program that makes calls of its own around each version (an inference engine's control calls) wraps it."""
         return engine
 
+    def abandon(self, scheme: Any, sink: Sink) -> None:
+        """The sender ``scheme`` could not be built after :meth:`sink` gave ``sink`` (its engine raised, or
+        :meth:`around` did): let go of what :meth:`sink` took (default: nothing)."""
+
     def follow(self, scheme: Any, context: Any) -> None:
         """``scheme`` was just initialized (``scheme.is_sender`` says on which side) with ``context``, which may be
         ``None`` in a worker: what the program needs done then (default: nothing)."""

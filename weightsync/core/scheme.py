@@ -165,21 +165,23 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
         """Build the sender core and its engine (which takes the scheme-specific ``kwargs``)."""
         rt = self._runtime
         _no_extra(kwargs, self.SENDER_HANDLES, "init_on_sender")
-        num_workers = self._count_workers(kwargs)
-        layout = self._sender_layout()
+        num_workers, layout = self._count_workers(kwargs), self._sender_layout()
+        flat = functools.partial(self._flat_weights, detach=False)
         sending = Sender(
-            self,
-            model_id=rt.model_id,
-            num_workers=num_workers,
-            layout=layout,
-            flat_weights=lambda weights: self._flat_weights(weights, detach=False),
-            lock=rt.lock,
+            self, model_id=rt.model_id, num_workers=num_workers, layout=layout, flat_weights=flat, lock=rt.lock
         )
         if self.flatten_sender:
             sending.adopt(rt.model)
-        sink = rt.driver.sink(self, sending)
-        own = rt.driver.sender_engine(self, sink, layout)
-        sending.engine = rt.driver.around(self, own or self._sender_engine(sink, layout, num_workers, kwargs))
+        sink, engine = rt.driver.sink(self, sending), None
+        try:
+            own = rt.driver.sender_engine(self, sink, layout)
+            engine = own or self._sender_engine(sink, layout, num_workers, kwargs)
+            sending.engine = rt.driver.around(self, engine)
+        except BaseException:
+            if engine is not None:  # (its sockets, threads or buffers: nothing will drive it)
+                engine.close(0)
+            rt.driver.abandon(self, sink)
+            raise
         rt.num_workers = num_workers
         rt.sending = sending
 

@@ -20,7 +20,8 @@ core only once its engine serves the version:
   were computed with the old weights), resume. An engine that pauses with its start
   (:attr:`~weightsync.integrations.vllm.clients.EngineClient.starts_with_pause`: an ``AsyncLLM``) is sent both at
   once when the bytes are out: each waits for the step the engine is computing to end, and together they wait for
-  one step, not two. Another is started first, while the bytes travel.
+  one step, not two. Another is started first, while the bytes travel. With the ``ray`` scheme, the calls are
+  made in the actor, by the scheme's call into it that loads ``v`` (:mod:`.actor`).
 
 An engine whose calls fail is a failed worker, named; one that does not answer is one that timed out.
 """
@@ -39,6 +40,8 @@ from ...core.drivers import Driver
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import remaining
 from ...errors import ConfigurationError, LifecycleError, WeightSyncError
+from ...transports.ray.sender import RaySender
+from .actor import update_in_actor
 from .calls import cause, engine_error, in_thread
 from .clients import EngineClient
 from .engines import VLLMEngines
@@ -219,7 +222,8 @@ class _Gate(SenderEngine):
         def steps(client: EngineClient, left: Any) -> None:
             def body() -> None:
                 client.init(init_info, left())  # returns once the engine loaded the version the trainer sent it
-                if initial:  # (an engine that rejoins is sent a version of its own next, which finishes with it)
+                # (an engine that rejoins is sent a version of its own next, which names it; Ray's call names it)
+                if initial and not self._inner().pushes:
                     client.set_version("0", left())
 
             self._paused(client, left, body, worker, 0)
@@ -348,24 +352,20 @@ class _Gate(SenderEngine):
         """Wrap ``engine``: what the core reads of an engine is its."""
         self.inner = engine
         engine.reports_taken = True  # (before any send: this driver waits in wait_sent before each load)
-        self.layout, self.num_workers, self.checksum, self.gpu = (
-            engine.layout,
-            engine.num_workers,
-            engine.checksum,
-            engine.gpu,
-        )
+        if isinstance(engine, RaySender):  # the engine's calls around each load, in the actor's call that loads it
+            engine.run_in_actor(update_in_actor)
+        self.layout, self.num_workers = engine.layout, engine.num_workers
+        self.checksum, self.gpu = engine.checksum, engine.gpu
         self.transports = engine.transports  # (the same dict: the engine fills it)
 
     def digest(self, buffers: list[Any]) -> str | None:
         return self._inner().digest(buffers)
 
     def handoff(self) -> dict[str, Any]:
-        assert self.inner is not None
-        return self.inner.handoff()
+        return self._inner().handoff()
 
     def connection(self) -> dict[str, Any]:
-        assert self.inner is not None
-        return self.inner.connection()
+        return self._inner().connection()
 
     def rendezvous(self, deadline: float, timeout: float) -> dict[int, WeightSyncError]:
         assert self.inner is not None
@@ -374,18 +374,17 @@ class _Gate(SenderEngine):
         return self.inner.rendezvous(deadline, timeout)
 
     def rendezvous_complete(self) -> bool:
-        assert self.inner is not None
-        return self.inner.rendezvous_complete()
+        return self._inner().rendezvous_complete()
 
     def stage(self, out: Outgoing, deadline: float) -> Any:
-        assert self.inner is not None
-        return self.inner.stage(out, deadline)
+        return self._inner().stage(out, deadline)
 
     def submit(self, out: Outgoing, staged: Any) -> None:
         assert self.inner is not None
         # The bytes first: each engine's backend takes them while it generates; its pause then holds the load only.
         self.inner.submit(out, staged)
-        if not out.initial:  # (the initial version: the init calls, started at the rendez-vous)
+        if not out.initial and not self.inner.pushes:  # (the initial version: the init calls, at the rendez-vous;
+            # Ray's: each update is one call into the engine's actor, which makes the engine's calls: actor.py)
             for worker in out.workers:
                 if not self.core.is_dead(worker):
                     self._call(worker, out.version, self._update_steps(worker, out.version))
@@ -416,24 +415,19 @@ class _Gate(SenderEngine):
         self.inner.lost(worker, reason)
 
     def unpublished(self) -> None:
-        assert self.inner is not None
-        self.inner.unpublished()
+        self._inner().unpublished()
 
     def poll_rejoin(self) -> Any:
-        assert self.inner is not None
-        return self.inner.poll_rejoin()
+        return self._inner().poll_rejoin()
 
     def admit(self, candidate: Any) -> tuple[int, int] | None:
-        assert self.inner is not None
-        return self.inner.admit(candidate)
+        return self._inner().admit(candidate)
 
     def discard(self, candidate: Any) -> None:
-        assert self.inner is not None
-        self.inner.discard(candidate)
+        self._inner().discard(candidate)
 
     def payload_bytes(self) -> int:
-        assert self.inner is not None
-        return self.inner.payload_bytes()
+        return self._inner().payload_bytes()
 
     def close(self, timeout: float) -> None:
         self._closing = True
@@ -484,6 +478,10 @@ class VLLMDriver(Driver, name="vllm"):
             raise ConfigurationError("these VLLMEngines already serve another scheme: give each scheme its own")
         gate = engines._gate = _Gate(engines, scheme, sink)
         return gate
+
+    def abandon(self, scheme: Any, sink: Sink) -> None:
+        if isinstance(sink, _Gate):  # (sink() bound it to the engines: they can serve another scheme)
+            sink.engines._gate = None
 
     def around(self, scheme: Any, engine: SenderEngine) -> SenderEngine:
         gate = scheme.context._gate if isinstance(scheme.context, VLLMEngines) else None

@@ -120,7 +120,9 @@ class VLLMEngines:
 
     def record(self, worker: int, version: int, seconds: float, *, paused: bool) -> None:
         """Note how long engine ``worker``'s calls for ``version`` took: from its pause to its resume when it was
-        paused (how long it did not generate), else from ``start_weight_update`` to the reset of its prefix cache."""
+        paused (how long it did not generate), else from ``start_weight_update`` to the reset of its prefix cache.
+        (An engine in a Ray actor served by the ``ray`` scheme makes its calls inside the scheme's call that loads
+        the version, which the driver does not time: :mod:`~weightsync.integrations.vllm.actor`.)"""
         with self._timings_lock:
             self.timings.append(EngineTiming(worker, version, seconds, paused))
             del self.timings[:-KEPT]

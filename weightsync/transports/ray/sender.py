@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import remaining
-from ...errors import LifecycleError, ReceiverError, WeightSyncError
+from ...errors import ConfigurationError, LifecycleError, ReceiverError, WeightSyncError
 from ...tensors.layout import FlatLayout
 from .settings import RaySettings
-from .transport import RayTransport
+from .transport import RayActorTransport, RayTransport, apply_in_actor
 
 __all__ = ["DIRECT_MIN_BYTES", "RaySender", "ray"]
 
@@ -26,8 +27,6 @@ MAX_ERROR_TEXT = 2000
 
 def ray() -> Any:
     """The ``ray`` module (imported on first use: a missing Ray costs nothing until a Ray scheme is used)."""
-    from ...errors import ConfigurationError
-
     try:
         import ray as module
     except ImportError as exc:  # pragma: no cover - needs an install without the ray extra
@@ -63,6 +62,7 @@ class RaySender(SenderEngine):
         super().__init__(sink, layout, num_workers, checksum=checksum, gpu=gpu)
         self.settings = settings
         self.transport_class: type[RayTransport] = settings.transport_class()
+        self._in_actor: Callable[..., int] = apply_in_actor
         self.extract_as = extract_as
         self.transports = {i: self._transport(actor, i) for i, actor in enumerate(actors)}
         self._staging: torch.Tensor | None = None
@@ -73,7 +73,26 @@ class RaySender(SenderEngine):
         self._unstaged: tuple[torch.Tensor | None, int] | None = None
 
     def _transport(self, actor: Any, worker: int) -> RayTransport:
-        return self.transport_class(actor, worker, self.sink.model_id, self.extract_as, self.sink)
+        transport = self.transport_class(actor, worker, self.sink.model_id, self.extract_as, self.sink)
+        transport.in_actor = self._in_actor
+        return transport
+
+    def run_in_actor(self, call: Callable[..., int]) -> None:
+        """Have each actor run ``call`` for each update from now on, in place of :func:`.transport.apply_in_actor`
+        (same arguments and return; it calls that): an integration's work around the update, in the same call
+        of the actor's.
+
+        Raises:
+            ConfigurationError: the transport is ``ray_actor``, whose updates are calls of the actor's own methods.
+        """
+        if issubclass(self.transport_class, RayActorTransport):
+            raise ConfigurationError(
+                f"the ray_actor transport's updates are calls of the actor's own update_weights_{self.extract_as} "
+                "method: this actor's updates need the ray transport (RayWeightSyncScheme)"
+            )
+        self._in_actor = call
+        for transport in self.transports.values():
+            transport.in_actor = call
 
     def rendezvous(self, deadline: float, timeout: float) -> dict[int, WeightSyncError]:
         return {}  # nothing to join: version 0 reaches each actor as a call

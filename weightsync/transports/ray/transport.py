@@ -10,6 +10,7 @@ exception is the actor's failure; ``RayActorError`` means the actor is dead.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -84,11 +85,14 @@ class RayTransport(PeerTransport):
         self.model_id = model_id
         self.extract_as = extract_as
         self.in_flight: dict[int, Any] = {}  # version -> ObjectRef of the call applying it
+        #: What the actor runs for each update: :func:`apply_in_actor`, or an integration's call around it with the
+        #: same arguments and return (:meth:`~weightsync.transports.ray.sender.RaySender.run_in_actor`).
+        self.in_actor: Callable[..., int] = apply_in_actor
 
     def submit(self, version: int, payload_ref: Any, layout: dict | None) -> None:
         """Ask the actor to apply ``version`` (queued after its earlier calls, in order)."""
         self.in_flight[version] = self.actor.__ray_call__.remote(
-            apply_in_actor, self.model_id, version, payload_ref, layout
+            self.in_actor, self.model_id, version, payload_ref, layout
         )
 
 

@@ -696,6 +696,33 @@ def test_an_async_send_whose_changes_a_worker_refuses_sends_it_whole_before_wait
         scheme.shutdown()
 
 
+def test_a_version_whose_refusers_are_all_gone_by_its_whole_resend_goes_to_no_one_and_they_are_named():
+    # Sent to no one, the whole version would still be staged and submitted, and stand as the engine's newest
+    # whole version: Ray's kept no bytes of it (a whole resend has none published), and its next rejoin failed.
+    import types
+
+    from weightsync.core.engine import Outgoing
+    from weightsync.core.ledger import Ledger
+    from weightsync.core.sender import Sender
+
+    class Engine:
+        submitted: list = []
+
+        def stage(self, out, deadline):
+            return out
+
+        def submit(self, out, staged):
+            self.submitted.append(out.version)
+
+    ledger = Ledger("policy")
+    gone = ws.WorkerDiedError("its actor died", model_id="policy", worker_idx=0)
+    ledger.dead[0] = gone  # (it refused version 5's changes, then died)
+    sender = types.SimpleNamespace(engine=Engine(), ledger=ledger, model_id="policy", collect=lambda expected, d: {})
+    failures: dict = {}
+    Sender._send_whole_again(sender, Outgoing(5, {"w": torch.ones(4)}, None, [0]), failures, 1e18)  # type: ignore[arg-type]
+    assert sender.engine.submitted == [] and failures == {0: gone}
+
+
 def test_a_refusal_of_an_older_async_versions_changes_does_not_fail_the_send_that_sends_it_whole():
     model, scheme, workers = _second_copy_not_the_base()
     try:

@@ -193,7 +193,8 @@ class Sender:
                  out.version)  # fmt: skip
         out.workers = self.ledger.live(refused)
         try:
-            self.engine.submit(out, self.engine.stage(out, deadline))
+            if out.workers:  # (sent to no one, it would stand as the engine's newest: a whole version, unstaged)
+                self.engine.submit(out, self.engine.stage(out, deadline))
         except WeightSyncError as exc:  # no free buffer in time: those workers keep the version they hold
             failures.update({w: exc for w in refused})
             return

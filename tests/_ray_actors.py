@@ -102,8 +102,11 @@ class _EngineInActor(Engine):
             raise RuntimeError("bad weights for this engine")
         super()._load(tensors)
 
-    def init_weight_transfer_engine(self, request) -> None:  # (vLLM's request, as an LLM takes it)
+    def init_weight_transfer_engine(self, request) -> None:  # (vLLM's requests, as an LLM takes them)
         super().init_weight_transfer_engine(request["init_info"] if isinstance(request, dict) else request.init_info)
+
+    def update_weights(self, request) -> None:
+        super().update_weights(request["update_info"] if isinstance(request, dict) else request.update_info)
 
     def generate(self) -> tuple[float | None, str]:
         return (weights_sum(self.held) if self.held else None), self.version

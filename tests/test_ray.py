@@ -491,7 +491,7 @@ def test_a_vllm_engine_in_an_actor_is_loaded_and_named_each_version_in_one_call(
     the engine's calls made apart, after the one that loads, a ``generate`` queued between them computed with the
     new weights under the old version's name.) A load that fails ends the update unnamed: the engine keeps serving
     the version it holds, under its name, and the next version reaches it. (Version 0 goes whole, the others as
-    changes.)"""
+    changes.) An actor that runs calls side by side is refused by name."""
     import threading
 
     from tests._ray_actors import EngineInActor, weights_sum
@@ -540,3 +540,12 @@ def test_a_vllm_engine_in_an_actor_is_loaded_and_named_each_version_in_one_call(
         assert [c.format(version) for c in update] in [calls[i : i + 5] for i in range(len(calls))], calls
     assert ["start", "load", "finish None"] in [calls[i : i + 3] for i in range(len(calls))], calls
     ray.kill(actor)
+    threaded = EngineInActor.options(max_concurrency=2).remote(spec)  # (a generate would run while it loads)
+    scheme = ws.RayWeightSyncScheme(timeout=20, connect_timeout=30)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([threaded], pause_mode="none"))
+        with pytest.raises(ws.WeightSyncError, match="max_concurrency=2"):
+            scheme.connect()
+    finally:
+        scheme.shutdown()
+        ray.kill(threaded)

@@ -22,7 +22,15 @@ from typing import Any
 
 from ...errors import SyncTimeoutError, WorkerDiedError
 
-__all__ = ["PAUSE_MODES", "PROTOCOL", "AsyncLLMClient", "EngineClient", "LLMClient", "RayActorClient"]
+__all__ = [
+    "PAUSE_MODES",
+    "PROTOCOL",
+    "AsyncLLMClient",
+    "EngineClient",
+    "LLMClient",
+    "RayActorClient",
+    "transfer_request",
+]
 
 #: What happens to requests in flight while an engine loads a version (vLLM's pause modes), or ``"none"``: the
 #: engine is not paused (an ``LLM`` driven between its ``generate`` calls has nothing in flight).
@@ -237,20 +245,20 @@ class RayActorClient(EngineClient):
         return self._get(getattr(self.target, call).remote(*args, **kwargs), timeout, call)
 
     def queue_init(self, init_info: dict[str, Any]) -> None:
-        self._queued = (init_info, self.target.init_weight_transfer_engine.remote(_request("init", init_info)))
+        self._queued = (init_info, self.target.init_weight_transfer_engine.remote(transfer_request("init", init_info)))
 
     def init(self, init_info: dict[str, Any], timeout: float) -> None:
         queued, self._queued = self._queued, None
         if queued is not None and queued[0] is init_info:
             self._get(queued[1], timeout, "init_weight_transfer_engine")
         else:
-            self._call("init_weight_transfer_engine", timeout, _request("init", init_info))
+            self._call("init_weight_transfer_engine", timeout, transfer_request("init", init_info))
 
     def start(self, timeout: float) -> None:
         self._call("start_weight_update", timeout)
 
     def update(self, update_info: dict[str, Any], timeout: float) -> None:
-        self._call("update_weights", timeout, _request("update", update_info))
+        self._call("update_weights", timeout, transfer_request("update", update_info))
 
     def finish(self, version: str | None, timeout: float) -> None:
         self._call("finish_weight_update", timeout, weight_version=version)
@@ -288,7 +296,7 @@ def _has_method(actor: Any, name: str) -> bool:
     return True
 
 
-def _request(kind: str, info: dict[str, Any]) -> Any:
+def transfer_request(kind: str, info: dict[str, Any]) -> Any:
     """vLLM's request object for ``init_weight_transfer_engine`` / ``update_weights`` (what an ``AsyncLLM`` takes;
     an ``LLM`` takes it too), or its dict form where vLLM is not installed beside the trainer (an ``LLM`` takes
     that)."""

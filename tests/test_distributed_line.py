@@ -14,6 +14,7 @@ import resource
 import socket
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from tests._workers import build, checksum, in_process_receiver
 from weightsync.core.timing import deadline_after
 from weightsync.errors import ConnectionClosedError, SyncTimeoutError, TransportError
 from weightsync.transports.distributed import sender as sender_module
-from weightsync.transports.distributed.auth import line_proof
+from weightsync.transports.distributed.auth import Sealer, line_proof
 from weightsync.transports.distributed.line import (
     ANSWERED_WAIT_S,
     FRAME,
@@ -102,6 +103,52 @@ def test_a_workers_versions_come_on_its_line_and_its_announcements_never_touch_t
             _send_while_receiving(model, scheme, replica, receiver, step)
         assert bool(sends) is not inline  # the group carried the bytes only where they were not inline
         assert not [k for k in _stored_keys(scheme) if "/msg/" in k or "bell/" in k]
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_worker_that_cannot_compute_the_senders_mac_refuses_that_version_and_reads_the_next_in_step(
+    monkeypatch, inline
+):
+    """A worker whose libraries lack the MAC the sender picked cannot check a version: it reads its bytes all the
+    same (off the line, or the group's receives) and refuses it by name; the next version, which it can check,
+    is read in step."""
+    if not inline:
+        monkeypatch.setattr(sender_module, "INLINE_DIGEST_BYTES", -1)
+    model, scheme, replica = _pair()
+    receiver = in_process_receiver(scheme, replica)
+    lacking = threading.Event()
+    made = Sealer.payload_mac
+
+    def payload_mac(self, *args):
+        if lacking.is_set() and threading.current_thread().name == "worker":
+            raise ws.ConfigurationError("the sender authenticates updates with aes-gmac, which this process lacks")
+        return made(self, *args)
+
+    monkeypatch.setattr(Sealer, "payload_mac", payload_mac)
+    try:
+        before = checksum(replica)
+        lacking.set()
+        optimizer_step(model, 1)
+        failed: list[BaseException] = []
+
+        def receive() -> None:
+            try:
+                receiver.receive(timeout=30)
+            except ws.WeightSyncError as exc:
+                failed.append(exc)
+
+        worker = threading.Thread(target=receive, name="worker")
+        worker.start()
+        scheme.send_async()
+        worker.join(60)
+        with pytest.raises(ws.ReceiverError, match="ConfigurationError.*lacks"):
+            scheme.wait_async(30)
+        assert receiver.version == 0 and checksum(replica) == before
+        lacking.clear()
+        _send_while_receiving(model, scheme, replica, receiver, 2)
     finally:
         receiver.shutdown()
         scheme.shutdown()
@@ -257,6 +304,81 @@ def test_a_frame_over_the_bound_closes_the_line():
     finally:
         writer.close(0.0)
         reader.close(0.0)
+
+
+def test_a_worker_whose_line_was_taken_closes_it_when_the_group_does_not_form(monkeypatch):
+    import pickle
+
+    from weightsync.transports.distributed import receiver as receiver_module
+
+    lines: list[Line] = []
+    taking = Dialing.line
+
+    def line(self, taken: bool):
+        lines.append(taking(self, taken))
+        return lines[-1]
+
+    def no_group(*args, **kwargs):
+        raise dist.DistError("the group did not form")
+
+    monkeypatch.setattr(Dialing, "line", line)
+    monkeypatch.setattr(receiver_module, "new_group_within", no_group)
+    model = build("tiny")
+    scheme = ws.DistributedWeightSyncScheme(timeout=5, connect_timeout=8)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    worker = pickle.loads(pickle.dumps(scheme))
+    worker.init_on_receiver(model_id="policy", model=build("tiny"), worker_idx=0)
+    failed: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            worker.connect()
+        except BaseException as exc:  # noqa: BLE001 - judged below
+            failed.append(exc)
+
+    joining = threading.Thread(target=join)
+    joining.start()
+    try:
+        with pytest.raises(ws.WeightSyncError):  # (the sender waited for the group in vain)
+            scheme.connect()
+        joining.join(30)
+    finally:
+        scheme.shutdown()
+        worker.shutdown()
+    assert [str(e) for e in failed if "could not join the sender's group" in str(e)] == [str(failed[0])], failed
+    assert len(lines) == 1 and lines[0] is not None and lines[0].fileno() == -1
+
+
+def test_a_line_closed_by_its_writing_thread_while_a_write_checks_it_fails_that_write_as_closed():
+    # The writing thread closes the line when a write it carries fails (the peer went away), while the sender's
+    # thread may be in write() between its check of the line and its hand-off to that thread: the write is a
+    # ConnectionClosedError, as any write to a closed line, or it went out first; never a plain RuntimeError
+    # ("cannot schedule new futures after shutdown"), which got past every handler of the sender's.
+    a, b = _connected()
+    line = Line(a, "w", 5.0)
+    line._tail = pending = Future()  # (a write still with the thread: the next is handed to it)
+    line._writer = ThreadPoolExecutor(1)
+    check = line._socket
+
+    def checked_then_closed():
+        sock = check()
+        line._socket = check  # type: ignore[method-assign]
+        closing.start()
+        closing.join(0.3)  # (it waits for the write's hand-off to end: this write is not refused, but failed)
+        return sock
+
+    closing = threading.Thread(target=line.close, args=(0.0,))  # (as the thread does when its write fails)
+
+    line._socket = checked_then_closed  # type: ignore[method-assign]
+    try:
+        with contextlib.suppress(ConnectionClosedError):  # (or it went out before the close: handed over first)
+            line.write([b"an announcement"]).result(5)
+        closing.join(5)
+        assert line.fileno() == -1
+    finally:
+        pending.set_result(None)
+        line.close(0.0)
+        b.close()
 
 
 def test_a_peer_that_reads_nothing_fails_the_write_in_time_and_the_line_is_done_but_ends_only_when_closed():

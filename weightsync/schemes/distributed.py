@@ -59,8 +59,10 @@ class DistributedWeightSyncScheme(NetworkScheme, name="distributed", aliases=("t
     checked, in the buffer they arrived in and before the model sees them,
     against a keyed digest the sender sealed (AES-GMAC or Poly1305 under a
     one-time key, whichever costs less on the sender's CPU for the model's
-    size, or HMAC-SHA256 where the ``cryptography`` package is missing). A process
-    that claims rank 0 without the key cannot make a worker apply anything.
+    size, or HMAC-SHA256 where the ``cryptography`` package is missing; a
+    worker whose libraries lack the MAC the sender picked reads each version's
+    bytes and refuses it by name). A process that claims rank 0 without the
+    key cannot make a worker apply anything.
     ``checksum=True`` adds nothing to that check here.
 
     ``init_on_sender`` needs ``num_workers=``; workers get the scheme pickled

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ...errors import AuthenticationError, ConfigurationError, TransportError
+from ...errors import AuthenticationError, ConfigurationError, TransportError, WeightSyncError
 
 #: Whether cryptography's AES-GMAC and Poly1305 are here (without the package, HMAC-SHA256 alone).
 try:
@@ -53,6 +53,7 @@ __all__ = [
     "NO_BYTES",
     "PayloadMac",
     "Sealer",
+    "Unverifiable",
     "fastest_mac",
     "layout_tag",
     "line_proof",
@@ -115,6 +116,7 @@ if _CRYPTOGRAPHY:
     _STARTS.update({"aes-gmac": _Gmac, "poly1305": _Poly})
 
 
+@functools.cache
 def _works(name: str) -> bool:
     """Whether this process's OpenSSL computes MAC ``name`` (a build may leave Poly1305 out, FIPS ones do)."""
     try:
@@ -258,6 +260,21 @@ class Sealer:
         return PayloadMac(self._key, self.prefix, layout_tag, buffer, version, nonce, alg)
 
 
+class Unverifiable:
+    """In place of the :class:`PayloadMac` of a message this process cannot compute (the MAC the sender picked is
+    unknown here, or missing from its libraries): its bytes are read all the same, so that the next message is
+    read in step, and the message is refused with :attr:`error`. ``nbytes``: the message's."""
+
+    def __init__(self, error: WeightSyncError, nbytes: int) -> None:
+        self.error, self.nbytes = error, nbytes
+
+    def begin(self) -> None:
+        pass
+
+    def ready(self, upto: int) -> None:
+        pass
+
+
 def layout_tag(layout_json: bytes) -> bytes:
     """What a payload MAC binds of the layout: the digest of its description, entries in order."""
     return hashlib.sha256(layout_json).digest()
@@ -286,6 +303,8 @@ class PayloadMac:
             raise ConfigurationError(
                 f"the sender authenticates updates with {alg}, from the cryptography package: pip install cryptography"
             )
+        if not _works(alg):  # (a build of OpenSSL without it: its start would fail)
+            raise ConfigurationError(f"the sender authenticates updates with {alg}, which this process's OpenSSL lacks")
         flat = buffer.detach().reshape(-1)
         self._buffer, self.nbytes, self._alg = flat, flat.numel(), alg
         size = str(self.nbytes).encode()
@@ -297,14 +316,9 @@ class PayloadMac:
     def begin(self) -> None:
         """Derive the one-time key and start the MAC (done by the first :meth:`ready` otherwise): a worker does it
         once its receives are posted, while the bytes are on their way."""
-        if self._state is None:
+        if self._state is None:  # (the MAC works here: checked when this was made)
             once = hmac.new(self._key, _PAYLOAD_TAG + self._said, hashlib.sha256).digest()
-            try:
-                self._state = _STARTS[self._alg](once)
-            except UnsupportedAlgorithm:  # (a build of OpenSSL without it)
-                raise ConfigurationError(
-                    f"the sender authenticates updates with {self._alg}, which this process's OpenSSL lacks"
-                ) from None
+            self._state = _STARTS[self._alg](once)
 
     def ready(self, upto: int) -> None:
         """Bytes ``[0, upto)`` are final: hash those not hashed yet (hashlib and cryptography release the GIL)."""

@@ -91,7 +91,9 @@ class Line:
         self._name = name
         self.write_timeout = write_timeout
         self._inbox = bytearray()  # the start of something read in part (an ack the sender polls for)
-        self._lock = threading.Lock()
+        #: Held by a write while it checks the line and hands its rest to the thread, and by close while it takes
+        #: the socket and ends the thread (from the thread itself, too): a write never finds the thread ended.
+        self._lock = threading.RLock()
         self._tail: Future = _done()  # the last write handed to the thread
         self._writer: ThreadPoolExecutor | None = None
         #: A write the peer took nothing of for :attr:`write_timeout`: the line is done, and left open for
@@ -252,7 +254,10 @@ class Line:
         """Close, once what was written before went out or ``timeout`` passed."""
         with contextlib.suppress(Exception):
             self._tail.result(max(timeout, 0.0))
-        sock, self._sock = self._sock, None
+        with self._lock:
+            sock, self._sock = self._sock, None
+            if self._writer is not None:  # (a write handed to it after this fails: the line is closed)
+                self._writer.shutdown(wait=False)
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_WR)  # after what is written: the peer reads it, then the end
@@ -260,8 +265,6 @@ class Line:
                     if not sock.recv(1 << 16):
                         break
             sock.close()
-        if self._writer is not None:
-            self._writer.shutdown(wait=False)
 
 
 class Listener:

@@ -44,7 +44,7 @@ from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphane
 from ..plainjson import loads_object
 from ..processes import process_identity
 from ..store import MAX_STORE_JSON, SILENT_TIMEOUTS, as_timedelta, await_key, connect_store, dial_store
-from .auth import NO_BYTES, PayloadMac, Sealer, layout_tag, proof, run_prefix
+from .auth import NO_BYTES, PayloadMac, Sealer, Unverifiable, layout_tag, proof, run_prefix
 from .doorbell import IDLE_S, Doorbell
 from .group import GROUP_TIMEOUT_FACTOR, Link, gpu_identity, new_group_within
 from .line import Dialing, Line
@@ -142,6 +142,7 @@ class DistributedReceiver(ReceiverEngine):
         # A sender's host that vanishes fails the worker's next store call instead of blocking it for good.
         base = connect_store(host, port, remaining(deadline), silence=SILENT_TIMEOUTS * self.update_timeout, **where)
         store = dist.PrefixStore(self.prefix, base)
+        line: Line | None = None
         try:
             total = remaining(deadline)
             await_key(store, "layout", deadline, total, f"the sender's store at {host}:{port} to hold its run", **where)
@@ -186,14 +187,17 @@ class DistributedReceiver(ReceiverEngine):
                     **where,
                 )
             else:  # a restart: a two-rank group of its own with the sender, if the sender lets it in
-                line = None
                 link, reason = self._pair(store, gen, hello, deadline)
                 if reason is not None and refusal is None:
                     reason = f"the sender refused this worker: {reason}"
             if reason is not None and refusal is None:
                 refusal = ConfigurationError(str(reason), **where)
-        except dist.DistError as exc:
-            raise SyncTimeoutError(f"could not join the sender's group: {first_line(exc)}", **where) from None
+        except BaseException as exc:
+            if line is not None:  # (the sender took it, and the group did not form)
+                line.close(0.0)
+            if isinstance(exc, dist.DistError):
+                raise SyncTimeoutError(f"could not join the sender's group: {first_line(exc)}", **where) from None
+            raise
         self._hello = hello
         self._stores = (base, store)
         if refusal is not None:
@@ -346,12 +350,8 @@ class DistributedReceiver(ReceiverEngine):
                 return self._rejoin(max(remaining(deadline), self.update_timeout))
             version = int(msg["version"])
             delta = self._delta(msg)
-            if delta is None:
-                mac = self._mac(msg)
-                parts = self._parts()
-            else:
-                mac = self.sealer.payload_mac(self._layout_tag, delta.body, version, msg["nonce"], msg["mac"])
-                parts = [delta.body] if delta.nbytes else []
+            mac = self._mac(msg, None if delta is None else delta.body)
+            parts = self._parts() if delta is None else [delta.body] if delta.nbytes else []
             try:  # (changes with no bytes: nothing to hash, no one-time key to derive)
                 transport.receive_into(parts, self.update_timeout, version, mac if parts else None)
             except ConnectionClosedError:
@@ -424,19 +424,26 @@ class DistributedReceiver(ReceiverEngine):
         delta.body = self._body[:size]
         return delta
 
-    def _mac(self, said: dict[str, Any]) -> PayloadMac:
-        """The keyed digest of the message ``said`` announces, fed as its bytes land in the staging buffer."""
-        buffer = self._buffers[self._at]
-        return self.sealer.payload_mac(self._layout_tag, buffer, said["version"], said["nonce"], said["mac"])
+    def _mac(self, said: dict[str, Any], body: torch.Tensor | None = None) -> PayloadMac | Unverifiable:
+        """The keyed digest of the message ``said`` announces, fed as its bytes land in the staging buffer (or in
+        ``body``, its changes'); where this process cannot compute the MAC the sender picked, what refuses the
+        message once its bytes were read (the next one is then read in step)."""
+        buffer = self._buffers[self._at] if body is None else body
+        try:
+            return self.sealer.payload_mac(self._layout_tag, buffer, said["version"], said["nonce"], said["mac"])
+        except (ConfigurationError, TransportError) as exc:
+            return Unverifiable(exc, buffer.numel())
 
     def _verify(
-        self, mac: PayloadMac, seq: int, version: int, timeout: float, said: str | None = None
-    ) -> AuthenticationError | None:
+        self, mac: PayloadMac | Unverifiable, seq: int, version: int, timeout: float, said: str | None = None
+    ) -> WeightSyncError | None:
         """Why the bytes of message ``seq`` (version ``version``) may not be applied: ``None`` when they hash, with
         the run key, to the digest the sender sealed for them (``said`` in the message's sealed announcement, the
         changes' digest; else from the store, where the sender sets it once the buckets went out)."""
         assert self.transport is not None
         expected = said if said is not None else self.transport.expected_digest(seq, version, timeout)
+        if isinstance(mac, Unverifiable):  # (changes with no bytes have nothing to hash)
+            return None if expected == NO_BYTES and mac.nbytes == 0 else mac.error
         if expected == NO_BYTES and mac.nbytes == 0:  # changes with no bytes (their description is sealed)
             return None
         if hmac.compare_digest(mac.hexdigest(), expected):

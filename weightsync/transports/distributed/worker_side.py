@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ...core.timing import deadline_after, remaining
 from ...errors import ConnectionClosedError, SyncTimeoutError, TransportError, WeightSyncError, first_line
 from ..store import as_timedelta, store_set
-from .auth import PayloadMac
+from .auth import PayloadMac, Unverifiable
 from .doorbell import MAX_SAID_BYTES
 from .group import is_timeout
 from .line import ACK
@@ -169,7 +169,11 @@ class WorkerSide:
             self.line_lost = True
 
     def receive_into(
-        self, parts: list[torch.Tensor], timeout: float, version: int | None, mac: PayloadMac | None = None
+        self,
+        parts: list[torch.Tensor],
+        timeout: float,
+        version: int | None,
+        mac: PayloadMac | Unverifiable | None = None,
     ) -> None:
         """Receive the parts of the message just announced (or the initial weights), in order, within ``timeout``;
         ``mac`` hashes each part as it arrives (while the next ones are on the wire). The parts tile its buffer."""
@@ -194,7 +198,9 @@ class WorkerSide:
                 raise SyncTimeoutError("the announced update did not arrive in time", **self._where(version)) from None
             raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where(version)) from None
 
-    def _read_inline(self, parts: list[torch.Tensor], deadline: float, version: int | None, mac: PayloadMac | None):
+    def _read_inline(
+        self, parts: list[torch.Tensor], deadline: float, version: int | None, mac: PayloadMac | Unverifiable | None
+    ) -> None:
         """The bytes of the message just announced, off the line (they follow its announcement there)."""
         if self.line is None:
             raise ConnectionClosedError("the sender went away (its line closed)", **self._where(version))

@@ -407,6 +407,35 @@ def test_a_peer_that_reads_nothing_fails_the_write_in_time_and_the_line_is_done_
         b.close()
 
 
+def test_a_worker_that_stops_reading_its_line_is_dropped_in_time_and_rejoins_with_the_newest_version():
+    """Under real sends: a worker that reads nothing while versions pile up on its line (1 MB each, inline) holds
+    the sender's buffers; its line fails within 4 x ``timeout``, the sender drops it and goes on, and the worker,
+    reading again, finds itself dropped and rejoins with the newest version (not taking the sender for gone)."""
+    model, replica = build("flat4"), build("flat4")
+    scheme = ws.DistributedWeightSyncScheme(timeout=1.0, connect_timeout=30, sync=False, on_failure="drop")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    receiver = in_process_receiver(scheme, replica)
+    try:
+        started, step = time.monotonic(), 0
+        while not scheme._sending.metrics.dropped and time.monotonic() - started < 30:
+            step += 1
+            optimizer_step(model, step)
+            with contextlib.suppress(ws.SyncTimeoutError):  # (its buffers are all on the line: nothing sent)
+                scheme.send()
+        assert scheme._sending.metrics.dropped, "the worker was never dropped"
+        assert time.monotonic() - started < 4 * 1.0 + 10
+        optimizer_step(model, step + 1)
+        scheme.send()  # (to no one: the worker asks to rejoin when it reads again, and is sent this version)
+        deadline = time.monotonic() + 30
+        while receiver.version != scheme.version and time.monotonic() < deadline:
+            receiver.receive(timeout=1.0)
+        assert receiver.version == scheme.version and checksum(replica) == checksum(model)
+        assert scheme.stats()["rejoins"] == {0: 1}
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
 def test_a_worker_whose_line_the_sender_did_not_take_is_reached_through_its_doorbell(monkeypatch):
     monkeypatch.setattr(sender_module.Listener, "accept", lambda self, *args: {})
     model, scheme, replica = _pair()

@@ -4,6 +4,7 @@ The data is shaped as torch and CUDA give it; tests/test_cuda.py runs the same p
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -458,3 +459,46 @@ def test_the_shares_of_a_slot_a_worker_let_go_are_not_released_again_when_it_exi
         assert released == ["live"]
     finally:
         sender.close(0.0)
+
+
+def test_an_apply_whose_gpu_work_times_out_after_the_model_took_the_new_slot_acks_that_version_held(monkeypatch):
+    # shared_mem, a GPU model (simulated: its GPU found, its settle timing out): once the model is bound to the new
+    # slot, it holds that version whatever the settle says. Acked as holding the old one, the trainer freed the
+    # slot the model reads, and its next send rewrote the model under it, with no update applied.
+    from tests._workers import build, in_process_receiver
+
+    scheme = ws.SharedMemWeightSyncScheme(timeout=3, connect_timeout=10, sync=False)
+    model, replica = build("flat4"), build("flat4")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    receiver = in_process_receiver(scheme, replica)
+    first = lambda m: float(next(m.parameters())[0])  # noqa: E731
+    try:
+        with monkeypatch.context() as patched, torch.no_grad():
+            patched.setattr(Receiver, "_gpus", lambda self, dst, held: {torch.device("cuda", 0)})
+            patched.setattr(cuda, "settle_before_write", lambda *a: False)
+
+            def settle(*args, **kwargs):
+                raise SyncTimeoutError("GPU work not done in time")
+
+            patched.setattr(cuda, "settle", settle)
+            for p in model.parameters():
+                p.fill_(1.0)
+            scheme.send()
+            with pytest.raises(SyncTimeoutError):
+                receiver.receive(2.0)
+        assert receiver.version == 1 and first(replica) == 1.0
+        deadline = time.monotonic() + 10
+        while scheme.acked_versions.get(0) != 1 and time.monotonic() < deadline:
+            with contextlib.suppress(ws.WeightSyncError):  # (the failure is reported once)
+                scheme.wait_async(0.1)
+        assert scheme.acked_versions.get(0) == 1
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(2.0)
+        with contextlib.suppress(ws.WeightSyncError):
+            scheme.send()  # (not taken by the worker)
+        time.sleep(0.3)
+        assert receiver.version == 1 and first(replica) == 1.0  # its weights did not change under it
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()

@@ -230,9 +230,9 @@ class Receiver:
                         self._written = (dst, self._place(dst, update, layout, held))
                         if self._tracker is not None:  # (protected again: the program's writes show next time)
                             self._tracker.written(flatten_weights(self.model, self.strategy.extract_as))
+                    self.version = update.version  # (its memory now: held, even if the settle fails, as acked)
                     if gpus:  # the copies are queued on the model's stream: done before the ack says so
                         cuda.settle(gpus, deadline, whole_device=cuda.settle_whole_device(self.engine.placement))
-                    self.version = update.version
             if self._deltas:
                 self._kept_version = update.version
         except Exception as exc:
@@ -240,7 +240,7 @@ class Receiver:
                 try:  # a deadline of its own: the failure may be that the first one ran out
                     cuda.settle(gpus, deadline_after(self.update_timeout))
                 except Exception as late:  # noqa: BLE001 - the first failure is the one reported
-                    log.warning("model %r: after a failed update, its GPU work: %s", self.where["model_id"], late)
+                    log.warning("model %r: after a failed update, its GPU work: %s", self.where["model_id"], str(late))
             self.engine.ack(taken, self.version, exc)
             raise
         self.engine.ack(taken, update.version)

@@ -10,6 +10,7 @@ alone, and the trainer serves the next.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -404,3 +405,70 @@ def _has_data(sock: socket.socket) -> bool:
         return bool(sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK))
     except BlockingIOError:
         return False
+
+
+def test_a_worker_facing_a_full_queue_of_connections_gives_up_at_its_timeout():
+    """Anyone on the host can fill the trainer's queue of connections before its connect() runs: a worker's
+    connect then fails within its own timeout, named, where a blocking connect held it for good."""
+    from weightsync.transports.local.channel import ChannelListener, connect_channel
+
+    listener = ChannelListener(os.urandom(32))
+    queued = []
+    try:
+        while True:
+            peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            peer.setblocking(False)
+            try:
+                peer.connect("\0" + listener.address[1:])
+            except BlockingIOError:
+                peer.close()
+                break
+            queued.append(peer)
+        started = time.monotonic()
+        with pytest.raises(ws.SyncTimeoutError, match="queue of connections stayed full"):
+            connect_channel(listener.address, os.urandom(32), {}, 1.0)
+        assert time.monotonic() - started < 1.0 + SLACK_S
+    finally:
+        for peer in queued:
+            peer.close()
+        listener.close()
+
+
+def test_a_peer_that_stops_reading_costs_a_send_of_descriptors_its_bound_not_more():
+    """A slot's descriptor follows its message on the channel: a worker that stopped reading with room for the
+    message but not for what follows held the sender there with no bound (and its lock with it)."""
+    from multiprocessing.connection import Connection
+
+    from weightsync.transports.local.channel import SEND_TIMEOUT, Channel
+
+    mine, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel = Channel(Connection(mine.detach()), "worker 0")
+    raw = socket.socket(fileno=os.dup(channel.fileno()))
+    memfd = os.memfd_create("slot")
+    try:
+        with contextlib.suppress(BlockingIOError):
+            while True:  # (its buffer full of what it does not read, but one byte)
+                raw.send(b"x", socket.MSG_DONTWAIT)
+        peer.recv(1)
+        started = time.monotonic()
+        with pytest.raises(ws.ConnectionClosedError, match="stopped reading"):
+            channel.send_with_fds({"op": "slot"}, [memfd])
+        assert time.monotonic() - started < SEND_TIMEOUT + SLACK_S
+    finally:
+        os.close(memfd)
+        raw.close()
+        channel.close()
+        peer.close()
+
+
+def test_an_address_another_process_took_first_is_a_transport_error_naming_it():
+    taken = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    taken.bind("\0weightsync-test-taken-" + os.urandom(4).hex())
+    try:
+        scheme = ws.MultiProcessWeightSyncScheme()
+        with pytest.raises(ws.TransportError, match="could not listen at .*Address already in use"):
+            scheme.init_on_sender(
+                model_id="policy", model=build("tiny"), num_workers=1, address="@" + taken.getsockname()[1:].decode()
+            )
+    finally:
+        taken.close()

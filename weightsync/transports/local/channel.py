@@ -21,6 +21,7 @@ sends half a frame and holds delays nobody but itself.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import hashlib
 import hmac
@@ -144,11 +145,25 @@ class Channel:
         data = json.dumps(msg, separators=(",", ":")).encode()
         with self._send_lock:
             self._send_bytes(data)
+            deadline = deadline_after(SEND_TIMEOUT)  # (as the frame's: a peer that stopped reading holds neither)
             try:
-                socket.send_fds(self._sock, [b"F"], fds)
+                while True:
+                    try:  # (socket.send_fds drops its flags before Python 3.12: sendmsg, as it does)
+                        self._sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
+                                           socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)  # fmt: skip
+                        return
+                    except BlockingIOError:
+                        if remaining(deadline) <= 0:
+                            break
+                        self._writable.poll(poll_ms(remaining(deadline)))
             except OSError as exc:
                 self.closed = True
                 raise ConnectionClosedError(f"channel to {self.peer} is closed ({exc})") from exc
+            self.close()
+            raise ConnectionClosedError(
+                f"{self.peer} did not take a message within {SEND_TIMEOUT:.0f}s (it stopped reading); closed the "
+                "channel"
+            )
 
     def recv_fds(self, count: int, timeout: float) -> list[int]:
         """Receive ``count`` descriptors sent by :meth:`send_with_fds` after the message just read."""
@@ -254,9 +269,9 @@ class ChannelListener:
             self._sock.bind(_abstract(self.address))
             self._sock.listen(128)
             self._sock.setblocking(False)
-        except OSError:
+        except OSError as exc:  # (taken by another process first, say: any user can bind an abstract name)
             self._sock.close()
-            raise
+            raise TransportError(f"could not listen at {self.address!r}: {exc}") from exc
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -407,19 +422,30 @@ def connect_channel(
     delay = 0.01
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)  # (a listener whose queue is full would hold a blocking connect for good)
         try:
             sock.connect(_abstract(address))
+            sock.setblocking(True)
             break
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
+        except (FileNotFoundError, ConnectionRefusedError, BlockingIOError) as exc:
             sock.close()
-            if not wait_for_listener:
+            full = isinstance(exc, BlockingIOError)  # its queue of connections is full (strangers, say): again
+            if not wait_for_listener and not full:
                 raise
             if remaining(deadline) <= 0:
-                raise SyncTimeoutError(f"no sender listening at {address!r} after {timeout:.1f}s") from exc
+                raise SyncTimeoutError(
+                    f"the sender at {address!r} did not take a connection within {timeout:.1f}s (its queue of "
+                    "connections stayed full)"
+                    if full
+                    else f"no sender listening at {address!r} after {timeout:.1f}s"
+                ) from exc
             # The sender may not have bound yet: back off briefly (bounded by the deadline).
-            progress.tick("nothing listens there yet")
+            progress.tick("its queue of connections is full" if full else "nothing listens there yet")
             time.sleep(min(delay, remaining(deadline)))
             delay = min(delay * 2, 0.2)
+        except BaseException:
+            sock.close()
+            raise
     conn = Connection(sock.detach())
     channel = Channel(conn, f"sender at {address}")
     try:

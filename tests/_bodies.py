@@ -563,6 +563,70 @@ def dropped_worker_is_named_and_the_others_go_on(scheme, workers, when="before")
     scheme.shutdown()
 
 
+def a_worker_that_joins_then_dies_costs_connect_its_timeout(scheme, workers):
+    """A worker that joined the world's store and died before the world formed: connect() ends within its
+    connect_timeout (the gloo group init_rpc forms had torch's default timeout, about 24.8 days)."""
+    import subprocess
+    import sys
+
+    scheme.init_on_sender(model_id="policy", model=build("tiny"), num_workers=1)
+    handoff = scheme.receiver_config(0)["connection"]
+    joins = (
+        "import datetime, sys, torch.distributed as dist\n"
+        "store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False,\n"
+        "                      timeout=datetime.timedelta(seconds=10))\n"
+        "store.add('weightsync-joined/1', 1)\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", joins, handoff["master_addr"], str(handoff["master_port"])], check=True, timeout=60
+    )
+    began = time.monotonic()
+    with pytest.raises(ws.SyncTimeoutError, match="did not form"):
+        scheme.connect()
+    assert within_its_timeout(time.monotonic() - began, scheme.connect_timeout)
+    scheme.shutdown()
+
+
+def _dies_once_its_agent_runs(config) -> None:
+    """A worker whose process ends inside init_rpc, once its agent started (where the world gathers)."""
+    import os
+
+    import torch.distributed.rpc.api as api
+
+    api._all_gather = lambda *args, **kwargs: os._exit(3)
+    scheme = ws.from_config(config, allow_store_peers_to_run_code=True)
+    scheme.init_on_receiver(model=build("tiny"))
+    scheme.connect()
+
+
+def an_agent_whose_world_did_not_form_is_stopped(scheme, workers):
+    """The trainer's agent started and the world did not form (its worker died in init_rpc): the agent is stopped
+    with the failure (it ran on, serving calls, after shutdown()), the environment set for it restored, and the
+    next scheme is told the process ran its RPC world."""
+    import multiprocessing
+    import os
+
+    from weightsync.transports.rpc import session
+
+    before = os.environ.get("TP_SOCKET_IFNAME")
+    scheme.init_on_sender(model_id="policy", model=build("tiny"), num_workers=1)
+    worker = multiprocessing.get_context("spawn").Process(
+        target=_dies_once_its_agent_runs, args=(scheme.receiver_config(0),)
+    )
+    worker.start()
+    try:
+        with pytest.raises(ws.SyncTimeoutError, match="did not form"):
+            scheme.connect()
+    finally:
+        worker.join(60)
+    assert not session.agent_running() and os.environ.get("TP_SOCKET_IFNAME") == before
+    scheme.shutdown()
+    with pytest.raises(ws.ConfigurationError, match="can run once per process"):
+        ws.RPCWeightSyncScheme(allow_store_peers_to_run_code=True).init_on_sender(
+            model_id="next", model=build("tiny"), num_workers=1
+        )
+
+
 def connect_waits_its_timeout_for_absent_workers(scheme, workers):
     """No worker comes: connect() ends within its connect_timeout (0.9 T to 1.1 T + 1 s), naming them."""
     scheme.init_on_sender(model_id="policy", model=build("tiny"), num_workers=2)

@@ -51,6 +51,8 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str
         "hung_worker_costs_one_timeout::on_failure=raise",
         "hung_worker_costs_one_timeout::on_failure=drop",
         "connect_waits_its_timeout_for_absent_workers::connect_timeout=2",
+        "a_worker_that_joins_then_dies_costs_connect_its_timeout::connect_timeout=4",
+        "an_agent_whose_world_did_not_form_is_stopped::connect_timeout=10",
         "rpc_shutdown_waits_a_bounded_time_for_workers_that_stay",
         "agents_sit_idle_between_sends",
         "agent_environment_holds_until_the_agent_stopped",

@@ -186,6 +186,7 @@ def start_agent(
     """Start this process's agent for ``sess`` once (blocks until the whole world joined, at most ``timeout``;
     ``waiting(joined)`` is called meanwhile, with the workers there so far: the sender core's
     :meth:`~weightsync.core.engine.Sink.waiting`)."""
+    global _SPENT
     with _SESSION_LOCK:
         if sess.started:
             return
@@ -215,12 +216,14 @@ def start_agent(
             # the agent's threads run (a peer's call may start a process: exec reads the environment as another
             # thread shifts it) is a race that C's setenv does not survive.
             sess.environment = _set_environment(TP_SOCKET_IFNAME=ifname, GLOO_SOCKET_IFNAME=gloo_ifname)
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _group_timeout(timeout):
                 warnings.simplefilter("ignore")  # init_rpc's own use of a gloo group warns about torch internals
                 rpc.init_rpc(name, rank=rank, world_size=sess.world_size, rpc_backend_options=options)
         except RuntimeError as exc:
-            if not agent_running():
-                _restore_environment(sess)
+            if agent_running():  # (it started, and the world did not form: nobody would stop it)
+                _stop_agent(sess)
+                _SPENT = True
+            _restore_environment(sess)
             raise SyncTimeoutError(
                 f"the RPC world ({sess.world_size} processes) did not form within {timeout:.0f}s: {first_line(exc)}",
                 **where,
@@ -228,6 +231,24 @@ def start_agent(
         finally:
             _STORES.pop(sess.token, None)
         sess.started = True
+
+
+@contextlib.contextmanager
+def _group_timeout(seconds: float) -> Any:
+    """Bound the gloo group ``init_rpc`` forms for itself by ``seconds``: its timeout is torch's
+    ``DEFAULT_PROCESS_GROUP_TIMEOUT`` (about 24.8 days), read when it forms, and a process that joined the store and
+    then died held the others there that long. (Under ``_SESSION_LOCK``: one agent starts at a time. A torch
+    without the constant keeps its own.)"""
+    constants: Any = getattr(rpc, "constants", None)
+    default = getattr(constants, "DEFAULT_PROCESS_GROUP_TIMEOUT", None)
+    if not isinstance(default, datetime.timedelta):
+        yield
+        return
+    constants.DEFAULT_PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=max(seconds, 1.0))
+    try:
+        yield
+    finally:
+        constants.DEFAULT_PROCESS_GROUP_TIMEOUT = default
 
 
 def backend_options(init_method: str, timeout: float) -> rpc.TensorPipeRpcBackendOptions:

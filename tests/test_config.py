@@ -232,6 +232,28 @@ def test_bad_overrides_fail_in_hydra(override):
         _main([override])
 
 
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("worker_timeout=-1", "worker_timeout must be a positive number of seconds"),
+        ("worker_timeout=1e12", "worker_timeout must be"),
+        ("models.policy.size_mb=nan", r"models.policy.size_mb must be in \(0, 1e\+06\], got nan"),
+        ("models.value.size_mb=inf", "models.value.size_mb must be"),
+        ("seed=99999999999999999999", r"seed must be in \[0, 2\*\*63\)"),
+    ],
+)
+def test_the_jobs_own_bad_values_fail_by_name_before_a_worker_starts(override, named, monkeypatch):
+    # (each was a traceback, or a failure once workers ran: an overflow past the round, a -1 s wait for them)
+    import weightsync.app.job as job
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker started")
+
+    monkeypatch.setattr(job, "_Collector", no_workers)
+    with pytest.raises(ws.ConfigurationError, match=named):
+        job.run_job(_main(["rounds=1", "num_workers=1", override]))
+
+
 def test_receiver_config_is_plain_and_secret_free():
     scheme = ws.SharedMemWeightSyncScheme(timeout=5, per_worker_weights=True)
     with pytest.raises(ws.LifecycleError):

@@ -12,6 +12,7 @@ actors (:mod:`weightsync.app.ray_workers`). They never see the sender object: th
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing as mp
 import statistics
 import threading
@@ -24,6 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from .. import checks
 from ..config import SCHEMES, from_config
 from ..config.receiver import check_available
 from ..core.scheme import WeightSyncScheme
@@ -38,6 +40,8 @@ __all__ = ["JobConfig", "resolve_schemes", "run_job"]
 
 log = logging.getLogger("weightsync.app")
 
+#: The largest model the job builds, in MB (a terabyte).
+MAX_SIZE_MB = 1e6
 #: Seconds a worker's loop waits for an update before it looks whether it must stop.
 RECEIVE_WAIT_S = 0.05
 
@@ -185,9 +189,15 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
 
     scheme_cfgs = resolve_schemes(cfg)
     specs = {m: {"size_mb": float(cfg.models[m].size_mb), "tensors": int(cfg.models[m].tensors)} for m in cfg.models}
+    for m, spec in specs.items():  # (a size that is no number, or beyond any host, fails here and by name)
+        if not math.isfinite(spec["size_mb"]) or not 0 < spec["size_mb"] <= MAX_SIZE_MB:
+            raise ConfigurationError(f"models.{m}.size_mb must be in (0, {MAX_SIZE_MB:g}], got {spec['size_mb']}")
     n = int(cfg.num_workers)
     if n < 1 or int(cfg.rounds) < 1:
         raise ConfigurationError(f"num_workers and rounds must be >= 1, got {n} and {cfg.rounds}")
+    checks.seconds(cfg.worker_timeout, "worker_timeout")
+    if not 0 <= int(cfg.seed) < 2**63:  # (torch's generator takes a 64-bit seed)
+        raise ConfigurationError(f"seed must be in [0, 2**63), got {cfg.seed}")
     torch.manual_seed(int(cfg.seed))
     models = {m: build_model(spec) for m, spec in specs.items()}
     for model in models.values():

@@ -22,6 +22,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 import weightsync as ws
 from tests._as_stranger import needs_stranger, start_stranger
@@ -472,3 +473,45 @@ def test_an_address_another_process_took_first_is_a_transport_error_naming_it():
             )
     finally:
         taken.close()
+
+
+def test_a_key_holder_that_stops_reading_before_its_welcome_costs_the_rendezvous_nothing_but_its_bound():
+    """A worker that said hello and then read nothing (stopped, or crashing) while its welcome (the layout) was
+    sent: the welcome fails within its bound, its channel is closed, and the rendezvous waits on for the real
+    worker (it ended at once with an error naming no worker, the workers joined so far left open)."""
+    import pickle
+
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(1)) for _ in range(20000)])  # (a long layout)
+    replica = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(1)) for _ in range(20000)])
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=5, connect_timeout=30)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    connection = scheme.receiver_config(0)["connection"]
+    address, key = connection["address"], bytes.fromhex(read_key_file(connection["authkey_file"]))
+    worker = pickle.loads(pickle.dumps(scheme))
+    worker.init_on_receiver(model_id="policy", model=replica, worker_idx=0)
+    silent: list[socket.socket] = []
+    joined: list[BaseException | None] = []
+
+    def first_a_silent_holder_then_the_worker() -> None:
+        silent.append(key_holder(address, key, _hello(worker_idx=0, pid=os.getpid())))
+        time.sleep(0.5)  # (its hello taken: the trainer is writing it the welcome)
+        try:
+            worker.connect()
+            joined.append(None)
+        except BaseException as exc:  # noqa: BLE001 - judged below
+            joined.append(exc)
+
+    thread = threading.Thread(target=first_a_silent_holder_then_the_worker)
+    thread.start()
+    try:
+        scheme.connect()
+        thread.join(30)
+        assert joined == [None]
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), replica.parameters()))
+        assert closed_by_peer(silent[0])
+    finally:
+        thread.join(30)
+        for sock in silent:
+            sock.close()
+        worker.shutdown()
+        scheme.shutdown()

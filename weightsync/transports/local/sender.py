@@ -178,12 +178,21 @@ class LocalSender(SenderEngine):
         if problem is not None:
             self.discard((channel, hello), problem)
         else:
-            self._take_over(channel, hello)
+            try:
+                self._take_over(channel, hello)
+            except WeightSyncError as exc:  # it stopped reading, or went away, after its hello: wait for it again
+                log.warning("model %r: worker %s could not be welcomed: %s", self.sink.model_id, hello["worker_idx"],
+                            exc)  # fmt: skip
 
     def _take_over(self, channel: Channel, hello: dict[str, Any]) -> MPTransport:
-        """Make ``channel`` its worker's (sending it the layout), closing any channel the worker had."""
+        """Make ``channel`` its worker's (sending it the layout), closing any channel the worker had; where the
+        welcome cannot be sent, ``channel`` is closed (nothing else changed) and that raised."""
         w = int(hello["worker_idx"])
-        channel.send({"op": "welcome", "layout": self.layout.to_plain(), "num_workers": self.num_workers})
+        try:
+            channel.send({"op": "welcome", "layout": self.layout.to_plain(), "num_workers": self.num_workers})
+        except WeightSyncError:
+            channel.close()
+            raise
         old = self.transports.get(w)
         if old is not None:
             old.close()

@@ -1129,8 +1129,9 @@ def test_a_key_directory_of_ours_with_open_mode_is_not_used(shared_tmp, tripwire
 
 @pytest.mark.parametrize("name", ["DistributedWeightSyncScheme", "RPCWeightSyncScheme"])
 def test_a_config_at_the_edge_of_its_bounds_ends_in_a_weightsync_error_at_connect(name, shared_tmp, tripwires):
-    """Values that pass every check but fit no run (a worker index past the world, the largest world, the
-    largest counter, a 63-character label no resolver knows) end in a weightsync error within connect_timeout."""
+    """Values that pass every check of the config alone but fit no run (a worker index past the world, the largest
+    world, the largest counter, a 63-character label no resolver knows) end in a weightsync error within
+    connect_timeout, or at init_on_receiver."""
     from weightsync.transports import keyfiles
 
     cfg = _with(SCHEME_CONFIGS[name], "scheme.connect_timeout", 1.0)
@@ -1146,10 +1147,10 @@ def test_a_config_at_the_edge_of_its_bounds_ends_in_a_weightsync_error_at_connec
     try:
         for host in ("127.0.0.1", "a" * 63 + ".invalid"):
             scheme = wc.from_config(_with(cfg, "connection.master_addr", host), **_OPT_INS)
-            scheme.init_on_receiver(model=nn.Linear(2, 2))
             start = time.monotonic()
             try:
-                with pytest.raises(ws.WeightSyncError):
+                with pytest.raises(ws.WeightSyncError):  # (at once where the scheme knows the index is past the world)
+                    scheme.init_on_receiver(model=nn.Linear(2, 2))
                     scheme.connect()
             finally:
                 scheme.shutdown()

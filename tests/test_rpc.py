@@ -96,6 +96,14 @@ def test_bad_arguments_fail_before_anything_starts():
         import torch
 
         ws.RPCWeightSyncScheme().init_on_sender(model=torch.nn.Linear(2, 2), worker_names=["a"])
+    sender = ws.RPCWeightSyncScheme(allow_store_peers_to_run_code=True)
+    sender.init_on_sender(model_id="policy", model=torch.nn.Linear(2, 2), num_workers=1)
+    try:
+        worker = ws.from_config({**sender.receiver_config(0), "worker_idx": 1}, allow_store_peers_to_run_code=True)
+        with pytest.raises(ws.ConfigurationError, match=r"worker_idx 1 is not a worker of this RPC world \(0..0\)"):
+            worker.init_on_receiver(model=torch.nn.Linear(2, 2))
+    finally:
+        sender.shutdown()
 
 
 def test_the_opt_in_covers_a_network_address_and_allow_pickle_is_not_it():

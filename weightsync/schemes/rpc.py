@@ -147,6 +147,11 @@ class RPCWeightSyncScheme(NetworkScheme, name="rpc"):
 
         if handoff and not handoff.get("external"):
             self._check_opt_in(**where)
+            workers = int(handoff["world_size"]) - 1
+            if where.get("worker_idx") is not None and not 0 <= where["worker_idx"] < workers:
+                raise ConfigurationError(  # (its rank would fail the world's formation with torch's words)
+                    f"worker_idx {where['worker_idx']} is not a worker of this RPC world (0..{workers - 1})", **where
+                )
         # A model in shared memory may be read by processes of the worker's own: written into, never moved.
         return RPCReceiver(handoff, take=not (self.keep_storage or self._model_kept_shared), where=where)
 

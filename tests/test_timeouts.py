@@ -112,7 +112,8 @@ def test_a_worker_whose_trainer_was_killed_waits_its_connect_timeout_quietly(tmp
 def test_a_worker_that_stops_reading_its_welcome_is_named_within_the_send_bound(backend):
     """The welcome carries the layout (about 100 bytes a tensor): 10,000 tensors fill a Unix socket's buffer, and a
     worker that proved the key and then stopped reading (a stopped process) used to hold the trainer's connect()
-    in that write for good."""
+    in that write for good. The write fails within its bound, and connect() waits on for a worker 0 that reads
+    until its own timeout, naming the one that did not."""
     import json
     import os
     import threading
@@ -136,7 +137,8 @@ def test_a_worker_that_stops_reading_its_welcome_is_named_within_the_send_bound(
         connecting.join(SEND_TIMEOUT + T + 5)
         assert not connecting.is_alive(), "connect() is still writing to a worker that does not read"
         took, error = outcome[0]
-        assert isinstance(error, ws.ConnectionClosedError) and "did not take a message" in str(error), error
+        assert isinstance(error, ws.SyncTimeoutError), error
+        assert "worker 0: it said hello and was not welcomed" in str(error) and "did not take a message" in str(error)
         assert took < SEND_TIMEOUT + T + 1
     finally:
         if sock is not None:

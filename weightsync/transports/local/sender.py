@@ -110,6 +110,7 @@ class LocalSender(SenderEngine):
         self._authkey = secrets.token_bytes(KEY_BYTES)
         self._key_file: str | None = None
         self.listener: ChannelListener | None = ChannelListener(self._authkey, address)
+        self._unwelcome: dict[int, str] = {}  # worker -> why the last channel from it was not taken
         log.debug("model %r: listening on %s for %d workers", sink.model_id, self.listener.address, num_workers)
 
     @property
@@ -139,8 +140,9 @@ class LocalSender(SenderEngine):
                 for transport in self.transports.values():
                     transport.close()
                 self.transports.clear()
+                why = "".join(f"; worker {w}: {self._unwelcome[w]}" for w in missing if w in self._unwelcome)
                 raise SyncTimeoutError(
-                    f"workers {missing} did not connect within {timeout:.1f}s", model_id=self.sink.model_id
+                    f"workers {missing} did not connect within {timeout:.1f}s{why}", model_id=self.sink.model_id
                 )
             self.sink.waiting(lambda: list(self.transports))
             try:
@@ -181,8 +183,8 @@ class LocalSender(SenderEngine):
             try:
                 self._take_over(channel, hello)
             except WeightSyncError as exc:  # it stopped reading, or went away, after its hello: wait for it again
-                log.warning("model %r: worker %s could not be welcomed: %s", self.sink.model_id, hello["worker_idx"],
-                            exc)  # fmt: skip
+                self._unwelcome[int(hello["worker_idx"])] = why = f"it said hello and was not welcomed: {exc}"
+                log.warning("model %r: worker %s: %s", self.sink.model_id, hello["worker_idx"], why)
 
     def _take_over(self, channel: Channel, hello: dict[str, Any]) -> MPTransport:
         """Make ``channel`` its worker's (sending it the layout), closing any channel the worker had; where the

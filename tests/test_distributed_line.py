@@ -268,7 +268,9 @@ def test_lines_wait_on_descriptors_numbered_past_1024():
     # select() refuses a descriptor numbered 1024 or more; a trainer with many open files has such numbers.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1200:
-        pytest.skip(f"this process may open {hard} descriptors at most")
+        pytest.skip(
+            f"this host's hard limit on open files ({hard}) is below the 1200 the test needs to number one past 1024"
+        )
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
     held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
     writer = reader = None

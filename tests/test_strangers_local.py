@@ -494,7 +494,8 @@ def test_a_key_holder_that_stops_reading_before_its_welcome_costs_the_rendezvous
 
     def first_a_silent_holder_then_the_worker() -> None:
         silent.append(key_holder(address, key, _hello(worker_idx=0, pid=os.getpid())))
-        time.sleep(0.5)  # (its hello taken: the trainer is writing it the welcome)
+        # (its hello taken once the welcome starts coming: the trainer is writing it, and the worker comes next)
+        select.select([silent[0]], [], [], 10)
         try:
             worker.connect()
             joined.append(None)

@@ -85,11 +85,7 @@ class Changes:
     def refused(self, out: Outgoing, failures: dict[int, WeightSyncError]) -> list[int]:
         """The workers sent ``out``'s changes that refused them for want of the base (taken out of ``failures``
         and of :attr:`sent`): they are to be sent the version whole."""
-        refused = [w for w in out.delta_workers if _refused_base(failures.get(w))]
-        for w in refused:
-            del failures[w]
-            self.sent.pop(w, None)
-        return refused
+        return self._taken_out([w for w in out.delta_workers if _refused_base(failures.get(w))], failures)
 
     def whole_again(self, failures: dict[int, WeightSyncError]) -> Outgoing | None:
         """The version the copy holds, whole (from the copy), for the workers of ``failures`` that refused its
@@ -97,12 +93,16 @@ class Changes:
         after it returned, when the trainer's tensors may have moved on, and the copy is that version's bytes."""
         version = self.base.version if self.base is not None else None
         refused = [w for w, e in failures.items() if version is not None and e.version == version and _refused_base(e)]
+        if not self._taken_out(refused, failures) or self.base is None or version is None:
+            return None
+        return Outgoing(version, self.base.views, None, refused)
+
+    def _taken_out(self, refused: list[int], failures: dict[int, WeightSyncError]) -> list[int]:
+        """``refused``, taken out of ``failures`` and of :attr:`sent` (they are to be sent the version whole)."""
         for w in refused:
             del failures[w]
             self.sent.pop(w, None)
-        if not refused or self.base is None or version is None:
-            return None
-        return Outgoing(version, self.base.views, None, refused)
+        return refused
 
     @staticmethod
     def moot(error: WeightSyncError, expected: int) -> bool:

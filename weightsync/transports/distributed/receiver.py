@@ -442,10 +442,10 @@ class DistributedReceiver(ReceiverEngine):
         changes' digest; else from the store, where the sender sets it once the buckets went out)."""
         assert self.transport is not None
         expected = said if said is not None else self.transport.expected_digest(seq, version, timeout)
-        if isinstance(mac, Unverifiable):  # (changes with no bytes have nothing to hash)
-            return None if expected == NO_BYTES and mac.nbytes == 0 else mac.error
         if expected == NO_BYTES and mac.nbytes == 0:  # changes with no bytes (their description is sealed)
             return None
+        if isinstance(mac, Unverifiable):
+            return mac.error
         if hmac.compare_digest(mac.hexdigest(), expected):
             return None
         return AuthenticationError(

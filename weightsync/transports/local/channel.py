@@ -119,15 +119,21 @@ class Channel:
         with self._send_lock:
             self._send_bytes(data)
 
-    def _send_bytes(self, data: bytes) -> None:
-        """Write ``data`` as one frame, all of it within :data:`SEND_TIMEOUT` (else the channel is closed: a frame
-        written in part leaves nothing readable after it)."""
+    def _send_bytes(self, data: bytes, fds: list[int] | None = None) -> None:
+        """Write ``data`` as one frame, then (with ``fds``) one byte carrying those descriptors, all of it within
+        :data:`SEND_TIMEOUT` (else the channel is closed: a frame written in part leaves nothing readable after
+        it)."""
         out = memoryview(frame(data))
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         deadline = deadline_after(SEND_TIMEOUT)
         try:
-            while out:
+            while out or rights:
                 try:
-                    out = out[self._sock.send(out, socket.MSG_DONTWAIT) :]
+                    if out:
+                        out = out[self._sock.send(out, socket.MSG_DONTWAIT) :]
+                    else:  # (socket.send_fds drops its flags before Python 3.12: sendmsg, as it does)
+                        self._sock.sendmsg([b"F"], rights, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+                        rights = []
                 except BlockingIOError:  # the peer's buffer is full: wait until it reads, or the deadline
                     if remaining(deadline) <= 0:
                         self.close()
@@ -144,26 +150,7 @@ class Channel:
         """Send a message followed by file descriptors, atomically with respect to other senders."""
         data = json.dumps(msg, separators=(",", ":")).encode()
         with self._send_lock:
-            self._send_bytes(data)
-            deadline = deadline_after(SEND_TIMEOUT)  # (as the frame's: a peer that stopped reading holds neither)
-            try:
-                while True:
-                    try:  # (socket.send_fds drops its flags before Python 3.12: sendmsg, as it does)
-                        self._sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
-                                           socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)  # fmt: skip
-                        return
-                    except BlockingIOError:
-                        if remaining(deadline) <= 0:
-                            break
-                        self._writable.poll(poll_ms(remaining(deadline)))
-            except OSError as exc:
-                self.closed = True
-                raise ConnectionClosedError(f"channel to {self.peer} is closed ({exc})") from exc
-            self.close()
-            raise ConnectionClosedError(
-                f"{self.peer} did not take a message within {SEND_TIMEOUT:.0f}s (it stopped reading); closed the "
-                "channel"
-            )
+            self._send_bytes(data, fds)
 
     def recv_fds(self, count: int, timeout: float) -> list[int]:
         """Receive ``count`` descriptors sent by :meth:`send_with_fds` after the message just read."""

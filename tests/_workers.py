@@ -264,22 +264,25 @@ def until_sender_dies(cfg: dict, report: str, kind: str = "tiny") -> None:
     scheme = from_config(cfg, allow_pickle=True, allow_store_peers_to_run_code=True)
     scheme.init_on_receiver(model=build(kind))
     scheme.connect()
-    versions = [scheme.version]
+    versions, longest = [scheme.version], 0.0  # the longest a receive(timeout=0.05) took
     while True:
+        began = time.monotonic()
         try:
             if scheme.receive(timeout=0.05) is not None:
                 versions.append(scheme.version)
         except ws.ConnectionClosedError:
             noticed = time.time()
             break
+        longest = max(longest, time.monotonic() - began)
     scheme.shutdown()
     with open(report, "w") as out:
-        json.dump({"noticed": noticed, "versions": versions, "leftovers": leftovers()}, out)
+        json.dump({"noticed": noticed, "versions": versions, "longest": longest, "leftovers": leftovers()}, out)
 
 
 def doomed_trainer(name: str, n: int, reports: list, cmd, device: str = "") -> None:
     """A trainer that starts ``n`` workers from receiver configs, sends two versions, reports, then waits
-    (the test kills it). ``device``: the GPU the trainer's and the workers' models are on (``""``: the CPU)."""
+    (the test kills it). ``device``: the GPU the trainer's and the workers' models are on (``""``: the CPU).
+    Told ``"send"`` instead, it sends a third version and shuts down."""
     import multiprocessing as mp
 
     opt_in = {"allow_store_peers_to_run_code": True} if name == "rpc" else {}  # what an rpc world allows
@@ -305,7 +308,12 @@ def doomed_trainer(name: str, n: int, reports: list, cmd, device: str = "") -> N
             proc.kill()
         return
     cmd.send(([p.pid for p in procs], configs[0]["connection"].get("authkey_file")))
-    cmd.poll(600)  # the test kills this process; a message (or the test's end closing the pipe) ends it too
+    # The test kills this process; a message (or the test's end closing the pipe) ends it too.
+    if cmd.poll(600) and cmd.recv() == "send":
+        with torch.no_grad():
+            next(model.parameters()).add_(3)
+        scheme.send()
+        scheme.shutdown()
 
 
 def fails_at_start(*args) -> None:

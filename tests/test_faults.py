@@ -386,6 +386,49 @@ def test_workers_exit_cleanly_when_the_trainer_is_killed(ctx, tmp_path, name, de
     assert key_file is None or not os.path.exists(key_file), "the auth key file outlived the sender and its workers"
 
 
+@pytest.mark.parametrize("name", ["distributed", "rpc"])
+def test_a_worker_of_a_stopped_trainer_is_never_held_past_its_receive_and_goes_on_when_it_resumes(ctx, tmp_path, name):
+    """A trainer stopped (a debugger, ``SIGSTOP``) keeps its connections, and the kernel acknowledges what its
+    workers send it: a worker that asks it anything waits for an answer that does not come. Each of the worker's
+    ``receive(timeout=0.05)`` still returns in time, and the worker takes the next version once the trainer
+    resumes."""
+    import json
+
+    import psutil
+
+    from tests._workers import doomed_trainer
+
+    report = str(tmp_path / "worker0.json")
+    parent, child = ctx.Pipe()
+    trainer = ctx.Process(target=doomed_trainer, args=(name, 1, [report], child))
+    trainer.start()
+    try:
+        assert parent.poll(60), "the trainer did not start its worker"
+        said = parent.recv()
+        assert said[0] != "crashed", f"the trainer failed:\n{said[1]}"
+        worker = psutil.Process(said[0][0])
+        os.kill(trainer.pid, signal.SIGSTOP)
+        time.sleep(3.0)  # six of the rpc worker's probes of its sender
+        os.kill(trainer.pid, signal.SIGCONT)
+        parent.send("send")
+        trainer.join(60)
+        assert trainer.exitcode == 0
+        psutil.wait_procs([worker], timeout=20)
+    finally:
+        if trainer.is_alive():
+            os.kill(trainer.pid, signal.SIGCONT)
+            trainer.kill()
+            trainer.join(5)
+        for pid in locals().get("said", [[]])[0]:
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
+    with open(report) as f:
+        seen = json.load(f)
+    assert seen["versions"] == [0, 1, 2, 3]
+    assert seen["longest"] < 1.0, f"a receive(timeout=0.05) took {seen['longest']:.1f}s"
+    assert seen["leftovers"] == {"threads": [], "memfds": 0, "maps": 0}
+
+
 @pytest.mark.parametrize("name", LOCAL)
 def test_a_killed_worker_whose_child_holds_its_channel_is_named_dead_at_once(ctx, name):
     """A worker's child forked after it connected (an environment started with ``fork``) holds its end of the

@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..core.timing import Progress, deadline_after, remaining, wait_until
-from ..errors import ConfigurationError, SyncTimeoutError
+from ..errors import ConfigurationError, SyncTimeoutError, first_line
 from .network import bound_silence
 from .plainjson import loads_object
 
@@ -28,6 +28,7 @@ __all__ = [
     "as_timedelta",
     "await_key",
     "Hangup",
+    "Probe",
     "connect_store",
     "dial_store",
     "open_store",
@@ -191,6 +192,65 @@ class Hangup:
                 sock.shutdown(socket.SHUT_RDWR)
                 shut += 1
         return shut > 0
+
+
+class Probe:
+    """Asks a store, on a thread of its own, whether it still answers. A store whose process is stopped (a
+    debugger, ``SIGSTOP``) keeps its connections and the kernel acknowledges what is sent to it, so torch's client
+    waits for the answer with no bound: the caller, whose own wait is bounded, must not be the one asking. (A
+    store whose host vanished fails the check once the connection's silence is bounded: :meth:`Hangup.bound_silence`.)
+
+    Calling the probe never blocks: it starts a check unless one is out, and says why the store is gone (a check
+    failed), or ``None``: it answered, or has not yet.
+
+    Args:
+        store: the client to ask (torch's client serialises its calls: another call on it waits behind a check
+            that is out).
+        hangup: its connection's :class:`Hangup`, which :meth:`close` calls when a check is still out.
+        name: the thread's name.
+    """
+
+    KEY = "weightsync-probe"
+
+    def __init__(self, store: dist.Store, hangup: Hangup, name: str) -> None:
+        self.store, self.hangup, self.name = store, hangup, name
+        self._lock = threading.Lock()
+        self._out = False
+        self._failed: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def __call__(self) -> str | None:
+        with self._lock:
+            if self._failed is None and not self._out:
+                self._out = True
+                self._thread = threading.Thread(target=self._check, name=self.name, daemon=True)
+                self._thread.start()
+            return self._failed
+
+    @property
+    def out(self) -> bool:
+        """A check is out, unanswered so far."""
+        with self._lock:
+            return self._out
+
+    def _check(self) -> None:
+        failed = None
+        try:
+            self.store.check([self.KEY])
+        except (RuntimeError, dist.DistError) as exc:
+            failed = first_line(exc)
+        with self._lock:
+            self._out, self._failed = False, failed
+
+    def close(self, timeout: float) -> None:
+        """End the check that is out, if one is (its store's connection is shut down: the store's client is
+        done), and wait for the thread, at most ``timeout`` seconds."""
+        thread = self._thread
+        if thread is None:
+            return
+        if self.out:
+            self.hangup()
+        thread.join(timeout)
 
 
 def await_key(store: dist.Store, key: str, deadline: float, timeout: float, what: str, **where: Any) -> None:

@@ -26,7 +26,7 @@ import torch.distributed.rpc as rpc
 from ...core.timing import WAIT_TICK_S, Progress, deadline_after, wait_until
 from ...errors import ConfigurationError, SyncTimeoutError, first_line
 from ..network import interface_for, local_address
-from ..store import connect_store, open_store
+from ..store import Probe, dial_store, open_store
 
 __all__ = [
     "SENDER_NAME",
@@ -101,6 +101,7 @@ class Session:
     pid: int = field(default_factory=os.getpid)  # the process it belongs to (a forked child inherits a copy)
     clean: bool = True  # every scheme that left it so far left cleanly (the whole world is shutting down)
     environment: dict[str, str | None] = field(default_factory=dict)  # variables set for the agent: old values
+    probe: Probe | None = None  # a worker's: does its sender's store still answer?
 
 
 _SESSION: Session | None = None
@@ -163,7 +164,7 @@ def join_worker_session(handoff: dict[str, Any], timeout: float, silence: float,
             return current
         if _SPENT:
             raise ConfigurationError(_ONCE, **where)
-        store = connect_store(handoff["master_addr"], int(handoff["master_port"]), timeout, silence, **where)
+        store, hangup = dial_store(handoff["master_addr"], int(handoff["master_port"]), timeout, silence, **where)
         _SESSION = Session(
             handoff["token"],
             handoff["master_addr"],
@@ -172,6 +173,7 @@ def join_worker_session(handoff: dict[str, Any], timeout: float, silence: float,
             int(handoff["counter"]),
             store,
             users=1,
+            probe=Probe(store, hangup, "weightsync-rpc-probe"),
         )
         return _SESSION
 
@@ -316,14 +318,10 @@ def _restore_environment(sess: Session) -> None:
 
 def sender_gone(sess: Session) -> str | None:
     """Why a worker's sender is out of reach (its TCP store, which lives in the sender, stopped answering),
-    or ``None`` while it answers. RPC itself says nothing about a peer no call is waiting on."""
-    if sess.store is None:
-        return None
-    try:
-        sess.store.check(["weightsync-probe"])
-    except dist.DistError as exc:
-        return first_line(exc)
-    return None
+    or ``None`` while it answers. RPC itself says nothing about a peer no call is waiting on. Never blocks: the
+    store is asked on a thread of its own (:class:`~..store.Probe`), so this says what the last question found,
+    and asks again."""
+    return sess.probe() if sess.probe is not None else None
 
 
 def leave_session(sess: Session, clean: bool = False) -> None:
@@ -340,6 +338,11 @@ def leave_session(sess: Session, clean: bool = False) -> None:
         sess.clean = sess.clean and clean
         if sess.users > 0:
             return
+        if sess.probe is not None:
+            # A check still out (the sender stopped answering) would hold every later call on the store, the
+            # agent's barrier included: end it, and leave without that barrier.
+            sess.clean = sess.clean and not sess.probe.out
+            sess.probe.close(GRACEFUL_S)
         if sess.started and sess.owned:
             _stop_agent(sess)
             _SPENT = True

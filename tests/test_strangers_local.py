@@ -401,6 +401,44 @@ def test_the_listener_holds_at_most_max_pending_handshakes():
         listener.close()
 
 
+@needs_stranger
+def test_a_strangers_flood_of_connections_pushes_out_only_its_own_never_a_workers_handshake():
+    """Past MAX_PENDING, the listener drops the oldest handshake of the user who holds the most: the stranger's
+    connections, made after the worker's, push out the stranger's own. (Dropping the oldest of all, the worker's
+    went first.)"""
+    from weightsync.transports.local.channel import MAX_PENDING, ChannelListener
+
+    listener = ChannelListener(os.urandom(32))
+    worker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stranger = None
+    try:
+        worker.connect("\0" + listener.address[1:])
+        deadline = time.monotonic() + 10
+        while not _has_data(worker):  # the listener took it in: its challenge came
+            assert listener.accept(0.05) is None and time.monotonic() < deadline
+        code = (
+            "import socket, sys\n"
+            f"socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range({2 * MAX_PENDING})]\n"
+            f"for s in socks: s.connect({chr(0) + listener.address[1:]!r})\n"
+            "print('holding', flush=True)\n"
+            "sys.stdin.readline()\n"
+        )
+        stranger = start_stranger(["-c", code], stdin=subprocess.PIPE)
+        ready, _, _ = select.select([stranger.stdout], [], [], 60)
+        assert ready and stranger.stdout.readline().strip() == "holding"
+        deadline = time.monotonic() + 10
+        while listener.pending < MAX_PENDING or time.monotonic() < deadline - 8:  # every one taken in, and more
+            assert listener.accept(0.05) is None and time.monotonic() < deadline
+        assert listener.pending == MAX_PENDING
+        worker.recv(4096)  # its challenge
+        with pytest.raises(BlockingIOError):  # still open, nothing more said: its handshake waits for it
+            worker.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)
+    finally:
+        _end(stranger)
+        worker.close()
+        listener.close()
+
+
 def _has_data(sock: socket.socket) -> bool:
     try:
         return bool(sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK))

@@ -22,6 +22,7 @@ sends half a frame and holds delays nobody but itself.
 from __future__ import annotations
 
 import array
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -31,6 +32,7 @@ import os
 import secrets
 import select
 import socket
+import struct
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -72,7 +74,7 @@ FRAME_TIMEOUT = 5.0
 SEND_TIMEOUT = 5.0
 #: Seconds a connecting peer has to complete the auth handshake, counted from its connection.
 HANDSHAKE_TIMEOUT = 5.0
-#: The most peers in the middle of a handshake at once; one more drops the oldest.
+#: The most peers in the middle of a handshake at once; one more drops the oldest of the user who holds the most.
 MAX_PENDING = 64
 #: The most connections taken from the backlog in one look (then the pending handshakes are served).
 _ACCEPT_BATCH = 16
@@ -214,9 +216,19 @@ class _Pending:
     def __init__(self, sock: socket.socket, nonce: bytes) -> None:
         self.sock = sock
         self.nonce = nonce
+        self.uid = _peer_uid(sock)
         self.deadline = deadline_after(HANDSHAKE_TIMEOUT)
         self.proved = False  # it answered the challenge: what comes next is its hello
         self.reader = FrameReader(_HANDSHAKE_MAX, "a connecting peer")
+
+
+def _peer_uid(sock: socket.socket) -> int | None:
+    """The user the peer of a Unix socket ran as when it connected (``SO_PEERCRED``, Linux); ``None`` elsewhere."""
+    try:
+        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except (AttributeError, OSError):
+        return None
+    return int(uid)
 
 
 class _Refused(Exception):
@@ -319,15 +331,23 @@ class ChannelListener:
                 log.warning("could not accept a connection on %s: %s", self.address, exc)
                 return
             sock.setblocking(False)
-            if len(self._pending) >= MAX_PENDING:
-                oldest = next(iter(self._pending.values()))
-                self._drop(oldest, f"{MAX_PENDING} handshakes were pending: dropped the oldest")
             peer = _Pending(sock, secrets.token_bytes(_NONCE))
+            if len(self._pending) >= MAX_PENDING:
+                self._make_room(peer)
             self._pending[sock.fileno()] = peer
             try:
                 self._send(peer, peer.nonce)
             except _Refused as exc:
                 self._drop(peer, str(exc))
+
+    def _make_room(self, newcomer: _Pending) -> None:
+        """Drop the oldest handshake of the user who holds the most (the newcomer counted): a user who floods
+        the listener pushes out their own connections, never a worker's of another user."""
+        users = collections.Counter([p.uid for p in self._pending.values()] + [newcomer.uid])
+        most = max(users, key=lambda uid: (users[uid], uid == newcomer.uid))
+        theirs = [p for p in self._pending.values() if p.uid == most] or list(self._pending.values())
+        oldest = theirs[0]
+        self._drop(oldest, f"{MAX_PENDING} handshakes were pending: dropped the oldest of the user with the most")
 
     @staticmethod
     def _send(peer: _Pending, data: bytes) -> None:

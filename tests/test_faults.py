@@ -524,6 +524,55 @@ def test_truncated_shared_segment_is_refused_not_mapped(workers):
     scheme.shutdown()
 
 
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem"])
+def test_a_slot_the_worker_could_not_map_refuses_its_version_by_name_and_is_mapped_when_named_again(monkeypatch, name):
+    """A worker out of memory (or of mappings) when a slot is shared refuses the version in it, naming why, and
+    nothing escapes its receive but that refusal; it keeps the slot's descriptor and maps it when the next update
+    names the slot. (Before, an ``OSError`` escaped receive(), and every later update in the slot was refused.)"""
+    import errno
+
+    from tests._workers import in_process_receiver
+    from weightsync.transports.local import mp
+
+    model = build("tiny")
+    scheme = SCHEMES[name](sync=False)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    receiver = in_process_receiver(scheme, build("tiny"))
+    out_of_memory = [True]
+
+    def failing(real):
+        def map_or_fail(fd: int, nbytes: int) -> torch.Tensor:
+            if out_of_memory[0]:
+                raise OSError(errno.ENOMEM, "Cannot allocate memory")
+            return real(fd, nbytes)
+
+        return map_or_fail
+
+    monkeypatch.setattr(mp, "map_fd_read_only", failing(mp.map_fd_read_only))
+    monkeypatch.setattr(mp, "map_fd", failing(mp.map_fd))
+    try:
+        for step in (1, 2):  # the second in a slot shared now (the first slot is busy), which the worker cannot map
+            optimizer_step(model, step)
+            scheme.send()
+        with pytest.raises(ws.TransportError, match=r"slot \d+ \(\d+ bytes\) could not be mapped here: .*memory"):
+            receiver.receive(timeout=10)
+        with pytest.raises(ws.ReceiverError, match="could not be mapped here") as info:
+            scheme.wait_async(timeout=10)
+        assert info.value.remote_type == "TransportError"
+        assert receiver.version == 0
+        out_of_memory[0] = False
+        for step in range(3, 9, 2):  # two at once again: the second in the slot that failed
+            for version in (step, step + 1):
+                optimizer_step(model, version)
+                scheme.send()
+            assert receiver.receive(timeout=10) is not None
+            scheme.wait_async(timeout=10)
+            assert (receiver.version, checksum(receiver.model)) == (step + 1, checksum(model))
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
 @pytest.mark.parametrize("name", ["multiprocess", "distributed-gloo"])
 def test_non_finite_weights_are_refused_in_the_caller_when_checked(workers, name):
     import torch

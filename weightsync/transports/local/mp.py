@@ -107,6 +107,7 @@ class MPTransport(PeerTransport, TransportBackend):
         self.events: dict[int, cuda.SlotEvent] = {}  # device slots: the event the sender records after a write
         self.pin_host = False  # the model is on a GPU: pin the host slots it copies from
         self._pins: dict[int, cuda.Pinned] = {}  # by slot
+        self._unmapped: dict[int, tuple[int, int]] = {}  # host slots whose mapping failed: descriptor, bytes
         self.closed_by_sender = False
 
     # ------------------------------------------------------------ sender side
@@ -271,7 +272,12 @@ class MPTransport(PeerTransport, TransportBackend):
             if op == "slot":
                 self._map_slot(msg)
             elif op == "update":
-                updates.append(Update(int(msg["version"]), int(msg["slot"]), msg.get("digest"), bool(msg.get("taken"))))
+                update = Update(int(msg["version"]), int(msg["slot"]), msg.get("digest"), bool(msg.get("taken")))
+                if update.slot in self._unmapped:  # it failed to map when shared (out of memory, say): try again
+                    fd, nbytes = self._unmapped[update.slot]
+                    if self._map_host(update.slot, fd, nbytes):
+                        os.close(self._unmapped.pop(update.slot)[0])
+                updates.append(update)
             elif op == "forget":
                 self._unmap(int(msg["slot"]))
             elif op == "bye":
@@ -298,17 +304,34 @@ class MPTransport(PeerTransport, TransportBackend):
                     IntegrityError,
                     f"slot {slot} holds {size} bytes, not the {nbytes} announced: truncated",
                 )
-            else:
-                # A worker that copies out of its slots maps them read-only (its descriptor is read-only, and the
-                # segment refuses new writable mappings); one whose model is the slot's memory maps it writable.
-                read_only = not self.pinning
-                buffer = map_fd_read_only(fd, nbytes) if read_only else map_fd(fd, nbytes)
-                self.slot_buffers[slot] = buffer
-                if self.pin_host:
-                    self._pins[slot] = cuda.Pinned(buffer, read_only=read_only)
-                self._slot_mapped(slot, lambda: map_storage(fd, nbytes))
-        finally:
+            elif not self._map_host(slot, fd, nbytes):  # kept, to map again when an update names the slot
+                self._unmapped[slot] = (fd, nbytes)
+                return
+        except BaseException:
             os.close(fd)
+            raise
+        os.close(fd)
+
+    def _map_host(self, slot: int, fd: int, nbytes: int) -> bool:
+        """Map the host slot ``slot`` from its descriptor ``fd``; ``False``, with the slot in :attr:`bad_slots`
+        (an update naming it is refused with the reason), where this process could not map it."""
+        # A worker that copies out of its slots maps them read-only (its descriptor is read-only, and the segment
+        # refuses new writable mappings); one whose model is the slot's memory maps it writable.
+        read_only, pin = not self.pinning, None
+        try:
+            buffer = map_fd_read_only(fd, nbytes) if read_only else map_fd(fd, nbytes)
+            self._slot_mapped(slot, lambda: map_storage(fd, nbytes))
+            if self.pin_host:
+                pin = cuda.Pinned(buffer, read_only=read_only)
+        except (OSError, RuntimeError) as exc:  # out of memory or of mappings (ENOMEM), a failed pin
+            self._slot_unmapped(slot)
+            self.bad_slots[slot] = (TransportError, f"slot {slot} ({nbytes} bytes) could not be mapped here: {exc}")
+            return False
+        self.slot_buffers[slot] = buffer
+        if pin is not None:
+            self._pins[slot] = pin
+        self.bad_slots.pop(slot, None)
+        return True
 
     def _map_device_slot(self, slot: int, nbytes: int, info: Any) -> None:
         """Map a slot in the sender's GPU memory (its CUDA IPC shares and event); a slot that cannot be mapped
@@ -358,6 +381,8 @@ class MPTransport(PeerTransport, TransportBackend):
         self.slot_buffers.pop(slot, None)
         self.bad_slots.pop(slot, None)
         self.events.pop(slot, None)
+        if slot in self._unmapped:
+            os.close(self._unmapped.pop(slot)[0])
         self._slot_unmapped(slot)
 
     def _slot_unmapped(self, slot: int) -> None:
@@ -392,3 +417,6 @@ class MPTransport(PeerTransport, TransportBackend):
         self.slot_buffers.clear()
         self.bad_slots.clear()
         self.events.clear()
+        for fd, _ in self._unmapped.values():
+            os.close(fd)
+        self._unmapped.clear()

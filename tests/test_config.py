@@ -240,6 +240,11 @@ def test_bad_overrides_fail_in_hydra(override):
         ("models.policy.size_mb=nan", r"models.policy.size_mb must be in \(0, 1e\+06\], got nan"),
         ("models.value.size_mb=inf", "models.value.size_mb must be"),
         ("seed=99999999999999999999", r"seed must be in \[0, 2\*\*63\)"),
+        ("scheme.timeout=-1", "schemes.policy: timeout must be a positive number of seconds"),
+        (
+            "schemes.value={_target_:weightsync.MultiProcessWeightSyncScheme,timeout:-1}",
+            "schemes.value: timeout must be a positive number of seconds",
+        ),
     ],
 )
 def test_the_jobs_own_bad_values_fail_by_name_before_a_worker_starts(override, named, monkeypatch):

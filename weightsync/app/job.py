@@ -302,6 +302,8 @@ def _instantiate_scheme(instantiate: Any, scheme_cfg: DictConfig, model_id: str)
         return instantiate(scheme_cfg)
     except Exception as exc:  # Hydra wraps the target's error; surface ours as it is, name the model otherwise
         cause = exc.__cause__ or exc
+        if type(cause) is ConfigurationError:  # a scheme's own check: say which model's scheme it was
+            raise ConfigurationError(f"schemes.{model_id}: {cause.detail}", model_id=cause.model_id) from None
         if isinstance(cause, WeightSyncError):
             raise cause from None
         raise ConfigurationError(f"schemes.{model_id}: cannot build {scheme_cfg._target_}: {cause}") from exc

@@ -22,7 +22,6 @@ from .plainjson import loads_object
 
 __all__ = [
     "store_set",
-    "store_set_seen",
     "MAX_STORE_JSON",
     "SILENT_TIMEOUTS",
     "as_timedelta",
@@ -359,12 +358,3 @@ def store_set(store: dist.Store, key: str, value: bytes) -> None:
     """``store.set(key, value)`` with bytes, as every sealed value is: torch's ``Store.set`` takes ``str`` or
     ``bytes`` (a str is encoded; bytes are kept as they are), while its type stub names ``str`` only."""
     store.set(key, value)  # type: ignore[arg-type]
-
-
-def store_set_seen(store: dist.Store, key: str, value: str | bytes) -> None:
-    """``store.set(key, value)``, returning once the store holds it. torch's TCPStore client sends a set without
-    waiting for an answer, so a peer told of the key another way (a line, the group) may look before the store
-    has it (here: about 1 set in 100, read at once from another client); a query on the same connection is
-    answered only after the set was done."""
-    store.set(key, value)  # type: ignore[arg-type]
-    store.check([key])

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ...core.timing import remaining
+from ...core.timing import deadline_after, remaining, wait_until
 from ...errors import (
     AuthenticationError,
     ConnectionClosedError,
@@ -62,6 +62,8 @@ log = logging.getLogger("weightsync.transports.distributed")
 
 #: How often a sender waiting for a worker to say it took a message looks again (seconds).
 TAKEN_POLL_S = 0.001
+#: The longest a sender looks for a worker's word of why it failed, once its failed ack came (seconds).
+ERROR_DETAIL_WAIT_S = 1.0
 
 
 @dataclass
@@ -298,11 +300,15 @@ class DistributedTransport(WorkerSide, PeerTransport):
         return self.pending[0].done if self.pending[0].done is not None else self.line
 
     def error_detail(self, seq: int) -> dict[str, str]:
-        """What the worker wrote about its failure to apply message ``seq``."""
+        """What the worker wrote about its failure to apply message ``seq``, looked for at most
+        :data:`ERROR_DETAIL_WAIT_S`: torch's store client sends a set without waiting for its answer, so the
+        worker's word, written before its ack, may reach the store after the ack reached this process. (The
+        worker does not wait for the store to answer: a sender that stopped, a debugger's, would hold it.)"""
+        key = f"err/{self.worker_idx}/{seq}"
         try:
             store = self.store
-            if store.check([f"err/{self.worker_idx}/{seq}"]):
-                detail = store_json(store, f"err/{self.worker_idx}/{seq}")
+            if wait_until(lambda: store.check([key]), deadline_after(ERROR_DETAIL_WAIT_S), 0.002):
+                detail = store_json(store, key)
                 return {"type": str(detail.get("type", "Error"))[:200], "message": str(detail.get("message", ""))}
         except (dist.DistError, TransportError, LifecycleError):
             pass

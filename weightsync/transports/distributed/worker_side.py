@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ...core.timing import deadline_after, remaining
 from ...errors import ConnectionClosedError, SyncTimeoutError, TransportError, WeightSyncError, first_line
-from ..store import as_timedelta, store_set, store_set_seen
+from ..store import as_timedelta, store_set
 from .auth import PayloadMac, Unverifiable
 from .doorbell import MAX_SAID_BYTES
 from .group import is_timeout
@@ -296,8 +296,8 @@ class WorkerSide:
             if error is not None:
                 detail = {"type": type(error).__name__, "message": str(error)[:MAX_ERROR_TEXT]}
                 try:
-                    # (seen by the store before the ack goes: the sender looks for it when the ack comes)
-                    store_set_seen(store, f"err/{self.worker_idx}/{seq}", json.dumps(detail))
+                    # (the sender looks for it once the ack came, a moment: torch's set does not wait for the store)
+                    store_set(store, f"err/{self.worker_idx}/{seq}", json.dumps(detail).encode())
                 except dist.DistError as exc:  # the ack below still says it failed; only the details are lost
                     log.warning("could not write why message %d failed: %s", seq, first_line(exc))
             words = [seq, -1 if held is None else held, status]

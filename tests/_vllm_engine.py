@@ -49,6 +49,9 @@ class Engine:
         if update_info["version"] == self.fail_update_at:
             self.active = False
             raise RuntimeError("the engine could not load these weights")
+        if not update_info.get("wait", True) and self.scheme.version < update_info["version"]:
+            self.active = False
+            raise RuntimeError(f"the engine holds version {self.scheme.version}, not {update_info['version']}")
         deadline = time.monotonic() + 10
         while self.scheme.version < update_info["version"]:
             assert self.stager is not None, f"version {update_info['version']} was not applied on arrival"

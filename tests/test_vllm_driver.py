@@ -17,6 +17,7 @@ import torch
 import weightsync as ws
 from tests._vllm_engine import Engine, engine_spec
 from tests._workers import build
+from weightsync.core.timing import deadline_after, wait_until
 from weightsync.integrations.vllm import VLLMEngines, VLLMWeightSyncScheme
 from weightsync.integrations.vllm.clients import AsyncLLMClient, EngineClient
 from weightsync.tensors.strategy import flatten_weights
@@ -514,7 +515,8 @@ class SlowToPause:
         self.engine.start_weight_update()
 
     async def update_weights(self, request) -> None:
-        await asyncio.sleep(self.loading_s)
+        if request.update_info.get("wait", True):  # (asked not to wait, the backend answers at once)
+            await asyncio.sleep(self.loading_s)
         await asyncio.to_thread(self.engine.update_weights, request.update_info)
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -595,6 +597,86 @@ def test_an_updates_calls_share_the_timeout_so_an_engine_is_not_held_paused_for_
         with target.changed:
             assert target.changed.wait_for(lambda: target.resumed_at is not None, 10)
         assert target.resumed_at - started < 4.4
+
+
+class InOrder:
+    """An ``AsyncLLM`` as vLLM 0.32 runs its calls: its engine core makes them one at a time, in the order they
+    came, and one whose caller gave up (its await cancelled at the client's timeout) still runs to its end (vLLM's
+    ``collective_rpc`` does). Its first load takes ``loading_s``."""
+
+    def __init__(self, spec: dict) -> None:
+        self.engine = Engine(spec)
+        self.core = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="test-engine-core")
+        self.loading_s, self.paused = 0.0, False
+
+    async def _in_core(self, call, *args) -> None:
+        await asyncio.get_running_loop().run_in_executor(self.core, call, *args)
+
+    async def init_weight_transfer_engine(self, request) -> None:
+        await self._in_core(self.engine.init_weight_transfer_engine, request.init_info)
+
+    async def start_weight_update(self) -> None:
+        await self._in_core(self.engine.start_weight_update)
+
+    async def update_weights(self, request) -> None:
+        def load() -> None:
+            time.sleep(self.loading_s)
+            self.loading_s = 0.0
+            self.engine.update_weights(request.update_info)
+
+        await self._in_core(load)
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self._in_core(self.engine.finish_weight_update, weight_version)
+
+    async def update_weight_version(self, version: str) -> None:
+        await self._in_core(setattr, self.engine, "version", version)
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        await self._in_core(setattr, self, "paused", True)
+
+    async def resume_generation(self) -> None:
+        await self._in_core(setattr, self, "paused", False)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        await self._in_core(self.engine.reset_prefix_cache)
+        return True
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self._in_core(self.engine.shutdown_weight_transfer_engine)
+
+
+@pytest.mark.parametrize("mode", ["keep", "none"])
+def test_an_update_that_outlasts_its_timeout_and_loads_all_the_same_is_named_for_what_the_engine_computes(loop, mode):
+    """The engine runs a call to its end whatever became of its caller: a load longer than the timeout fails the
+    send, and lands after. The engine is then named for the version it computes with, before it resumes, and not
+    paused, its prefix cache is reset after that load. (Before, it computed with version 1 under the name "0",
+    reusing keys and values cached under version 0.)"""
+    pytest.importorskip("vllm")  # (the client builds vLLM's request objects)
+    model = build("tiny")
+    target = InOrder(engine_spec(model))
+    scheme = ws.SharedMemWeightSyncScheme(timeout=2, connect_timeout=30)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([target], pause_mode=mode, loop=loop))
+        scheme.connect()
+        target.engine.calls.clear()
+        target.loading_s = 3.0
+        _step(model, 1)
+        with pytest.raises(ws.SyncTimeoutError, match="worker 0"):
+            scheme.send()
+        assert wait_until(lambda: target.engine.version == "1", deadline_after(10), 0.05)
+        assert _same(target.engine, model) and not target.engine.active
+        assert wait_until(lambda: not target.paused, deadline_after(10), 0.05)
+        calls = target.engine.calls
+        assert calls[:4] == ["start", "update 1", "finish None", "start"], calls  # the late load, then a look
+        if mode == "none":
+            assert wait_until(lambda: "reset" in calls[calls.index("update 1") :], deadline_after(10), 0.05), calls
+        _step(model, 1)
+        scheme.send()
+        assert target.engine.version == "2" and _same(target.engine, model)
+    finally:
+        scheme.shutdown()
+        target.core.shutdown(wait=False)
 
 
 def test_an_engine_behind_by_several_versions_names_each_one_it_computes_with():
@@ -685,11 +767,11 @@ def test_a_receivers_failure_during_its_engines_init_waits_for_the_init_whose_er
     whose worker is a process of its own), that call fails too, for want of a receiver, and its failure may reach
     the trainer first. The engine's error is the one reported (it names the way out); the receiver's, held until
     the init returned, where the init did not fail."""
-    from weightsync.integrations.vllm.driver import _Gate
+    from weightsync.integrations.vllm.gate import Gate
 
     model = build("tiny")
     core = Reports()
-    gate = _Gate(VLLMEngines([Engine(engine_spec(model))]), None, core)  # type: ignore[arg-type]
+    gate = Gate(VLLMEngines([Engine(engine_spec(model))]), None, core)  # type: ignore[arg-type]
     init: concurrent.futures.Future = concurrent.futures.Future()
     gate._calls[0] = [(0, init)]
     consequence = ws.LifecycleError("this actor has no receiver for model 'policy'", model_id="policy", worker_idx=0)
@@ -711,11 +793,11 @@ def test_a_receivers_failure_during_its_engines_init_waits_for_the_init_whose_er
 def test_a_receivers_failure_held_during_a_rejoining_engines_init_is_reported_once_it_returned():
     """The same hold while a replaced engine's init runs (``engines.replace``): once the init returned, the failure
     held is the core's to know, not left behind for the engine's next update to report."""
-    from weightsync.integrations.vllm.driver import _Gate
+    from weightsync.integrations.vllm.gate import Gate
 
     model = build("tiny")
     core = Reports()
-    gate = _Gate(VLLMEngines([Engine(engine_spec(model))]), None, core)  # type: ignore[arg-type]
+    gate = Gate(VLLMEngines([Engine(engine_spec(model))]), None, core)  # type: ignore[arg-type]
     gate.inner = type("Inner", (), {"pushes": False})()  # type: ignore[assignment]
     refused = ws.ReceiverError("ChecksumError", "the version did not match", model_id="policy", worker_idx=0)
 

@@ -83,10 +83,15 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
     """``update_info`` of ``update_weights``: the version the engine must hold when the call returns."""
 
     version: int = -1
+    #: ``False``: return at once, raising unless the engine holds the version already (the trainer asks so after
+    #: an update it gave up on: the engine runs a call to its end, so that version may have been loaded since).
+    wait: bool = True
 
     def __post_init__(self) -> None:
         if type(self.version) is not int or self.version < 0:
             raise ConfigurationError(f"update_info version must be an int >= 0, got {checks.shown(self.version)}")
+        if not isinstance(self.wait, bool):
+            raise ConfigurationError(f"update_info wait must be True or False, got {checks.shown(self.wait)}")
 
 
 def checkpoint_spec(
@@ -187,6 +192,12 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             raise LifecycleError("weightsync: update_weights before init_weight_transfer_engine")
         timeout = float(scheme.timeout)
         deadline = deadline_after(timeout)
+        if not update_info.wait and (scheme.version is None or scheme.version < update_info.version):
+            raise LifecycleError(
+                f"weightsync: the engine holds version {scheme.version}, not {update_info.version}",
+                model_id=scheme.model_id,
+                worker_idx=scheme.worker_idx,
+            )
         if self._stager is None and (scheme.version is None or scheme.version < update_info.version):
             # Ray's updates are the trainer's calls into this actor, which runs its calls in the order they were
             # made: the one applying this version ran before this one, and failed (the trainer was told why).

@@ -75,6 +75,19 @@ class EngineClient:
     def finish(self, version: str | None, timeout: float) -> None:
         self.target.finish_weight_update(weight_version=version)
 
+    def name_if_loaded(self, version: int, timeout: float) -> bool:
+        """After an update whose calls failed here (timed out) and were ended: the engine runs a call to its end
+        whatever became of its caller, so it may hold ``version`` all the same. If it does, name it so; each call
+        within ``timeout``. Returns whether it held it (raises where a call failed)."""
+        self.start(timeout)
+        try:
+            self.update({"version": version, "wait": False}, timeout)
+        except Exception:
+            self.finish(None, timeout)
+            return False
+        self.finish(str(version), timeout)
+        return True
+
     def set_version(self, version: str, timeout: float) -> None:
         """Say which version the engine serves, outside an update (after the initial version)."""
         setter = getattr(self.target, "update_weight_version", None)

@@ -1,6 +1,6 @@
 """The engines one trainer's scheme serves (:class:`VLLMEngines`, the scheme's context), and what their calls took.
 
-The driver that makes their calls around each version is :mod:`~weightsync.integrations.vllm.driver`.
+The gate that makes their calls around each version is :mod:`~weightsync.integrations.vllm.gate`.
 """
 
 from __future__ import annotations

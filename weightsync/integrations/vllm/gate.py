@@ -1,0 +1,479 @@
+"""The trainer's side of vLLM engines as weightsync workers: the scheme's engine, wrapped, making the engines' calls.
+
+The trainer hands its scheme the engines as its context::
+
+    engines = VLLMEngines([llm], pause_mode="keep")
+    scheme.init_on_sender(model=hf_model, context=engines)   # one worker per engine
+    scheme.connect()   # each engine's weightsync backend joins and loads the trainer's weights
+    scheme.send()      # returns when every engine serves the new version
+
+The scheme's own engine moves the bytes (multiprocess, shared_mem, distributed, ...) into each vLLM worker
+process, where weightsync's vLLM backend (:mod:`weightsync.integrations.vllm.backend`) loads them. The gate
+(:class:`Gate`, which the driver, :mod:`.driver`, puts around the scheme's engine) makes the engines' control
+calls around each version, and passes a worker's ack on to the core only once its engine serves the version:
+
+- connect: ``init_weight_transfer_engine({"receiver": scheme.receiver_config(i)})``, then the engine's version is
+  ``"0"`` and its prefix cache is reset;
+- each version ``v``: once the scheme's engine published it (each engine's backend takes the bytes in the
+  background), ``start_weight_update``, pause (``pause_mode``), ``update_weights({"version": v})`` (the backend
+  loads ``v``), ``finish_weight_update(weight_version=str(v))``, the prefix cache reset (cached keys and values
+  were computed with the old weights), resume. An engine that pauses with its start
+  (:attr:`~weightsync.integrations.vllm.clients.EngineClient.starts_with_pause`: an ``AsyncLLM``) is sent both at
+  once when the bytes are out: each waits for the step the engine is computing to end, and together they wait for
+  one step, not two. Another is started first, while the bytes travel. With the ``ray`` scheme, the calls are
+  made in the actor, by the scheme's call into it that loads ``v`` (:mod:`.actor`).
+
+An engine whose calls fail is a failed worker, named; one that does not answer is one that timed out.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from typing import Any
+
+from ... import errors
+from ...core.engine import Outgoing, SenderEngine, Sink
+from ...core.timing import remaining
+from ...errors import LifecycleError, WeightSyncError
+from ...transports.ray.sender import RaySender
+from .actor import update_in_actor
+from .calls import cause, engine_error, in_thread
+from .clients import EngineClient
+from .engines import VLLMEngines
+
+__all__ = ["Gate"]
+
+log = logging.getLogger("weightsync.vllm")
+
+#: The longest slice the sender waits on its engine while an engine's calls are also under way (seconds).
+SLICE_S = 0.002
+
+
+class Gate(SenderEngine):
+    """The scheme's own engine, wrapped: the engines' control calls go around each version, and a worker's ack
+    reaches the core (``core``) only once its engine's calls for that version returned. It is also the sink the
+    scheme's engine reports to."""
+
+    def __init__(self, engines: VLLMEngines, scheme: Any, core: Sink) -> None:
+        self.engines, self.scheme, self.core = engines, scheme, core
+        self.model_id = core.model_id
+        self.inner: SenderEngine | None = None
+        self._lock = threading.Lock()
+        self._closing = False  # set at close: calls not begun by then are not made
+        #: worker -> (version, the future of its engine's calls for it) of each version not passed on yet, the
+        #: latest last: passed on together once all are done (the first failure that is news reported)
+        self._calls: dict[int, list[tuple[int, concurrent.futures.Future]]] = {}
+        #: worker -> the version its receiver acked, held back until its engine's calls are done
+        self._held: dict[int, int] = {}
+        #: worker -> its receiver's failure reported while its engine's calls ran, held until they are done and
+        #: passed on once: the engine's call fails because of it (a version whose changes it refused is sent whole
+        #: again), but at init the engine's own error is the cause (Ray's version 0 fails without the receiver)
+        self._failures: dict[int, WeightSyncError] = {}
+        #: worker -> the newest version whose failure the core was told: a call failing for it later is not news
+        self._told: dict[int, int] = {}
+        #: One engine's calls are made one at a time (an engine's client is not made for concurrent calls).
+        self._turns = [threading.Lock() for _ in range(engines.num_workers)]
+        #: worker -> the newest version its engine was updated to and named: a turn is not taken in the order the
+        #: calls were made, and an older version's, coming after, has nothing left to do
+        self._served: dict[int, int] = {}
+        #: worker -> versions whose calls failed here while the engine loaded them all the same (its calls run to
+        #: their end), named for them after: served
+        self._named_late: dict[int, set[int]] = {}
+
+    # ------------------------------------------------ the sink the scheme's engine reports to
+    timeout = property(lambda self: self.core.timeout, doc="The core's (the scheme's ``timeout``).")
+    connect_timeout = property(lambda self: self.core.connect_timeout, doc="The core's (``connect_timeout``).")
+
+    def acked(self, worker: int, held: int) -> None:
+        with self._lock:
+            if worker in self._calls:
+                self._held[worker] = max(held, self._held.get(worker, held))
+                return
+        self.core.acked(worker, held)
+
+    def failed(self, worker: int, error: WeightSyncError) -> None:
+        with self._lock:
+            if any(not f.done() for _, f in self._calls.get(worker, [])):
+                self._failures.setdefault(worker, error)
+                return
+        self._tell(worker, error)
+
+    def _tell(self, worker: int, error: WeightSyncError) -> None:  # (a call failing later for it is not news)
+        with self._lock:
+            self._told[worker] = max(error.version if error.version is not None else -1, self._told.get(worker, -1))
+        self.core.failed(worker, error)
+
+    def died(self, worker: int, error: WeightSyncError | str) -> None:
+        self.core.died(worker, error)
+
+    def is_dead(self, worker: int) -> bool:
+        return self.core.is_dead(worker)
+
+    def waiting(self, joined: Any) -> None:
+        """The scheme's engine waits for workers to join: an engine whose init call failed never will."""
+        self._raise_failed_inits()
+        self.core.waiting(joined)
+
+    def rejoining(self, worker: int) -> None:
+        self.core.rejoining(worker)
+
+    def send_to(self, weights: Any, workers: list[int], *, wait: bool | None) -> None:
+        self.core.send_to(weights, workers, wait=wait)
+
+    def wait_for(self, workers: list[int], timeout: float | None) -> None:
+        self.core.wait_for(workers, timeout)
+
+    # ------------------------------------------------ the engines' calls
+    def _call(self, worker: int, version: int, steps: Any) -> None:
+        """Run ``steps(client, left)`` for ``worker``'s engine in a thread, as its calls for ``version`` (after the
+        engine's earlier calls, if any are still under way, within the same time): ``left()`` is what is left of
+        that time, which the calls share."""
+        client = self.engines.clients[worker]
+        timeout = self.core.timeout if version else self.core.connect_timeout
+        turn = self._turns[worker]
+
+        def in_turn() -> None:
+            deadline = time.monotonic() + timeout
+            if not turn.acquire(timeout=timeout):
+                raise errors.SyncTimeoutError(f"{client.name}: its previous calls did not return within {timeout:.1f}s")
+            try:
+                if self._closing:
+                    raise LifecycleError(f"{client.name}: the scheme shut down before its calls for version {version}")
+                steps(client, lambda: max(0.001, remaining(deadline)))
+            finally:
+                turn.release()
+
+        with self._lock:
+            self._calls.setdefault(worker, []).append((version, in_thread(in_turn, f"weightsync-vllm-{worker}")))
+
+    def _forget(self, worker: int) -> None:
+        """Drop ``worker``'s calls (its engine is gone or replaced: what its calls did is moot)."""
+        with self._lock:
+            self._calls.pop(worker, None)
+            self._held.pop(worker, None)
+            self._failures.pop(worker, None)
+            self._told.pop(worker, None)
+            self._named_late.pop(worker, None)
+
+    def _paused(
+        self,
+        client: EngineClient,
+        left: Any,
+        body: Any,
+        worker: int,
+        version: int,
+        before: Any = None,
+        start: bool = False,
+        undone: Any = None,
+    ) -> None:
+        """``before()``, then ``body()`` with the engine paused (if it pauses), then the prefix cache reset; with
+        ``start``, ``start_weight_update`` first (with the pause, where the engine takes both at once). The calls
+        share the time ``left()``; a resume, and the undoing of a failed update, have the scheme's ``timeout`` each
+        (an engine must not stay paused because its update took all the time). ``undone()``, where given, runs
+        once a failed update was ended (before the resume)."""
+        mode = self.engines.pause_mode
+        pause = client.pauses and mode != "none"
+        together = start and pause and client.starts_with_pause
+        begun = paused = False  # set before each call: one that raised (timed out) may have taken effect
+        started = time.perf_counter()
+        try:
+            if start and not together:
+                begun = True
+                client.start(left())
+            if before is not None:
+                before()
+            started = time.perf_counter()
+            if together:
+                begun = paused = True
+                client.start_and_pause(mode, left())
+            elif pause:
+                paused = True
+                client.pause(mode, left())
+            body()  # (an update's ends with finish_weight_update: the session it began is over)
+            begun = False
+        except BaseException:
+            # The engine back to generating with no update open, best effort (the failure raised is the first):
+            # an open session refuses every later start, and a pause left on stops generation for good. Each
+            # call waits behind the engine's own call in progress, if one still is (one that timed out here).
+            if begun:
+                with contextlib.suppress(Exception):
+                    client.finish(None, self.core.timeout)
+                if undone is not None:
+                    with contextlib.suppress(Exception):
+                        undone()
+            if paused:
+                with contextlib.suppress(Exception):
+                    client.resume(self.core.timeout)
+            elif begun:  # a load that failed here may have changed the weights in the engine all the same
+                with contextlib.suppress(Exception):
+                    client.reset_prefix_cache(self.core.timeout)
+            raise
+        if paused:
+            client.resume(self.core.timeout)
+        else:  # pausing cleared it; an engine not paused has nothing in flight to keep its cache for
+            client.reset_prefix_cache(left())
+        self.engines.record(worker, version, time.perf_counter() - started, paused=pause)
+
+    def _init_steps(self, worker: int, initial: bool) -> Any:
+        config = self.scheme.receiver_config(worker)
+        if isinstance(config.get("scheme"), dict) and "latest_wins" in config["scheme"]:
+            # An engine takes the versions one at a time (latest_wins off), however far behind: update_weights(v)
+            # then loads v, never a newer version that finish_weight_update would name v (Ray's are calls into its
+            # actor, one a version); and in update_weights only (a thread of its own would load each unnamed).
+            config["scheme"] = {**config["scheme"], "latest_wins": False}
+            config["scheme"].update({"background_thread": False} if "background_thread" in config["scheme"] else {})
+        init_info = {"receiver": config, "load_ahead": self.engines.load_ahead}
+        # (in this thread: before the scheme's engine publishes the version this engine is to load first)
+        self.engines.clients[worker].queue_init(init_info)
+
+        def steps(client: EngineClient, left: Any) -> None:
+            def body() -> None:
+                client.init(init_info, left())  # returns once the engine loaded the version the trainer sent it
+                # (an engine that rejoins is sent a version of its own next, which names it; Ray's call names it)
+                if initial and not self._inner().pushes:
+                    client.set_version("0", left())
+
+            self._paused(client, left, body, worker, 0)
+
+        return steps
+
+    def _update_steps(self, worker: int, version: int) -> Any:
+        def steps(client: EngineClient, left: Any) -> None:
+            with self._lock:
+                if version <= self._served.get(worker, -1):
+                    return  # (its engine loaded this version on the way to a later one, and is named after that)
+
+            def body() -> None:
+                client.update({"version": version}, left())
+                client.finish(str(version), left())
+                with self._lock:
+                    self._served[worker] = max(version, self._served.get(worker, -1))
+
+            def before() -> None:
+                # The engine stops for the load, not for the bytes' trip: they are all out to it first (its backend
+                # takes them while it generates, with its weights until update_weights: the start need not wait).
+                self._inner().wait_sent(worker, time.monotonic() + left())
+
+            def undone() -> None:  # (the finish that ended the session waited for a load still under way)
+                if client.name_if_loaded(version, self.core.timeout):
+                    with self._lock:
+                        self._served[worker] = max(version, self._served.get(worker, -1))
+                        self._named_late.setdefault(worker, set()).add(version)
+
+            self._paused(client, left, body, worker, version, before=before, start=True, undone=undone)
+
+        return steps
+
+    def _raise_failed_inits(self) -> None:
+        with self._lock:
+            calls = [(w, v, f) for w, made in self._calls.items() for v, f in made]
+        for worker, version, future in calls:
+            if version == 0 and future.done() and future.exception() is not None:
+                raise errors.WorkerDiedError(
+                    f"vLLM engine {worker} could not start weightsync: {cause(future.exception())}",
+                    model_id=self.core.model_id,
+                    worker_idx=worker,
+                )
+
+    def _forward(self) -> None:
+        """Pass on each ack whose engine's calls are done; report each engine whose calls failed."""
+        with self._lock:
+            ready = [w for w, calls in self._calls.items() if all(f.done() for _, f in calls)]
+            done = {w: self._calls.pop(w) for w in ready}
+            held = {w: self._held.pop(w) for w in done if w in self._held}
+            reported = {w: self._failures.pop(w) for w in done if w in self._failures}
+        for worker, calls in done.items():
+            version = calls[-1][0]
+            if worker not in reported and any(v and f.exception() is not None for v, f in calls):
+                self._inner().poll([worker])  # (the receiver's own word of why, the cause, may be on its way)
+            told, served = self._told.get(worker, -1), {v for v, f in calls if f.exception() is None}
+            served |= self._named_late.pop(worker, set())  # (its calls failed, and the engine loaded it all the same)
+            # (a version made again with success, sent whole, was served; one the core was told of is not news)
+            failures = [(v, e) for v, f in calls if (e := f.exception()) is not None and v not in served and v > told]
+            receiver = reported.get(worker)
+            init = [(v, e) for v, e in failures if v == 0]
+            if init or (failures and receiver is None):  # the first (a later one is often its consequence)
+                failed, error = (init or failures)[0]
+                if not self.core.is_dead(worker):
+                    self.core.failed(worker, engine_error(worker, failed, error, self.core.model_id))
+            elif receiver is not None:
+                self._tell(worker, receiver)
+            elif worker in held:
+                self.core.acked(worker, held[worker])
+            elif not self._inner().pushes:  # the calls returned, so the receiver acked: its ack is on its way
+                with self._lock:
+                    self._held.pop(worker, None)
+                self.core.acked(worker, version)
+
+    @property
+    def takes_back(self) -> bool:
+        """A worker whose engine was replaced can join again: the scheme's engine takes workers back, or its
+        updates are calls into the engine's actor (Ray's), which the scheme makes to the new one."""
+        inner = self.inner
+        return inner is not None and (inner.rejoins or (inner.pushes and hasattr(self.scheme, "rejoin")))
+
+    def rejoin(self, worker: int, timeout: float) -> None:
+        """``worker``'s (new) engine joins and loads the newest version, within ``timeout``."""
+        assert self.inner is not None
+        self._forget(worker)  # (the calls of the engine it replaces, if any are left)
+        with self._lock:
+            self._served.pop(worker, None)  # a new engine: named by its own updates from now on
+            # Its own turn: a call of the engine it replaces that hangs holds the old one.
+            self._turns[worker] = threading.Lock()
+        self._call(worker, 0, self._init_steps(worker, initial=False))
+        with self._lock:
+            future = self._calls[worker][-1][1]
+        try:
+            if self.inner.pushes:  # Ray's: the scheme calls into the new actor, after the init call queued there
+                self.scheme.rejoin(worker, actor=self.engines.clients[worker].target, timeout=timeout)
+            future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise errors.WorkerDiedError(
+                f"vLLM engine {worker} did not join within {timeout:.1f}s",
+                model_id=self.core.model_id,
+                worker_idx=worker,
+            ) from None
+        except Exception as exc:
+            raise engine_error(worker, 0, exc, self.core.model_id) from exc
+        finally:
+            with self._lock:
+                self._calls.pop(worker, None)
+                held = self._held.pop(worker, None)
+                failure = self._failures.pop(worker, None)  # (its receiver's, held while the init call ran)
+        if failure is not None:
+            self.core.failed(worker, failure)
+        elif held is not None and not self.inner.pushes:  # its receiver's ack of the version it was taken back with
+            # (Ray's: the scheme's rejoin passed it on)
+            self.core.acked(worker, held)
+
+    # ------------------------------------------------ the engine the core drives
+    def _inner(self) -> SenderEngine:
+        if self.inner is None:
+            raise LifecycleError("the scheme's engine is not built yet")
+        return self.inner
+
+    @property
+    def rejoins(self) -> bool:  # type: ignore[override]
+        return self.inner is not None and self.inner.rejoins
+
+    @property
+    def takes_deltas(self) -> bool:  # type: ignore[override]
+        """The scheme's engine's: a class attribute of every engine, which ``__getattr__`` would never be asked for
+        (without this, ``delta`` was silently off for engines)."""
+        return self.inner is not None and self.inner.takes_deltas
+
+    def adopt(self, engine: SenderEngine) -> None:
+        """Wrap ``engine``: what the core reads of an engine is its."""
+        self.inner = engine
+        engine.reports_taken = True  # (before any send: this driver waits in wait_sent before each load)
+        if isinstance(engine, RaySender):  # the engine's calls around each load, in the actor's call that loads it
+            engine.run_in_actor(update_in_actor)
+        self.layout, self.num_workers = engine.layout, engine.num_workers
+        self.checksum, self.gpu = engine.checksum, engine.gpu
+        self.transports = engine.transports  # (the same dict: the engine fills it)
+
+    def digest(self, buffers: list[Any]) -> str | None:
+        return self._inner().digest(buffers)
+
+    def handoff(self) -> dict[str, Any]:
+        return self._inner().handoff()
+
+    def connection(self) -> dict[str, Any]:
+        return self._inner().connection()
+
+    def rendezvous(self, deadline: float, timeout: float) -> dict[int, WeightSyncError]:
+        assert self.inner is not None
+        for worker in range(self.engines.num_workers):
+            self._call(worker, 0, self._init_steps(worker, initial=True))
+        return self.inner.rendezvous(deadline, timeout)
+
+    def rendezvous_complete(self) -> bool:
+        return self._inner().rendezvous_complete()
+
+    def stage(self, out: Outgoing, deadline: float) -> Any:
+        return self._inner().stage(out, deadline)
+
+    def submit(self, out: Outgoing, staged: Any) -> None:
+        assert self.inner is not None
+        # The bytes first: each engine's backend takes them while it generates; its pause then holds the load only.
+        self.inner.submit(out, staged)
+        if not out.initial and not self.inner.pushes:  # (the initial version: the init calls, at the rendez-vous;
+            # Ray's: each update is one call into the engine's actor, which makes the engine's calls: actor.py)
+            for worker in out.workers:
+                if not self.core.is_dead(worker):
+                    self._call(worker, out.version, self._update_steps(worker, out.version))
+
+    def poll(self, workers: list[int]) -> None:
+        assert self.inner is not None
+        self.inner.poll(workers)
+        self._forward()
+
+    def wait(self, workers: list[int], deadline: float) -> None:
+        assert self.inner is not None
+        with self._lock:
+            calls = [f for w in workers for _, f in self._calls.get(w, [])]
+            unheard = [w for w in workers if w not in self._held]
+        if calls and not unheard:  # every receiver acked: what is left is the engines' calls
+            running = [f for f in calls if not f.done()]  # (one done and not passed on waits for its later calls)
+            if running:
+                concurrent.futures.wait(running, remaining(deadline), return_when=concurrent.futures.FIRST_COMPLETED)
+        elif calls:
+            self.inner.wait(workers, min(deadline, time.monotonic() + SLICE_S))
+        else:
+            self.inner.wait(workers, deadline)
+        self._forward()
+
+    def lost(self, worker: int, reason: str) -> None:
+        assert self.inner is not None
+        self._forget(worker)
+        self.inner.lost(worker, reason)
+
+    def unpublished(self) -> None:
+        self._inner().unpublished()
+
+    def poll_rejoin(self) -> Any:
+        return self._inner().poll_rejoin()
+
+    def admit(self, candidate: Any) -> tuple[int, int] | None:
+        return self._inner().admit(candidate)
+
+    def discard(self, candidate: Any) -> None:
+        self._inner().discard(candidate)
+
+    def payload_bytes(self) -> int:
+        return self._inner().payload_bytes()
+
+    def close(self, timeout: float) -> None:
+        self._closing = True
+        if timeout > 0:  # each engine lets its receiver go (it goes on serving the version it holds)
+            stops = [
+                in_thread(lambda w=w: self._stop(w, timeout), f"weightsync-vllm-{w}")
+                for w in range(self.engines.num_workers)
+            ]
+            concurrent.futures.wait(stops, timeout)
+        if self.inner is not None:
+            self.inner.close(timeout)
+        self.engines._gate = None
+
+    def _stop(self, worker: int, timeout: float) -> None:
+        """Tell ``worker``'s engine to let its receiver go, once its other calls returned (within ``timeout``)."""
+        turn = self._turns[worker]
+        if not turn.acquire(timeout=timeout):
+            log.warning("vLLM engine %d: still busy at shutdown; its receiver goes when the trainer's does", worker)
+            return
+        try:
+            self.engines.clients[worker].shutdown(timeout)
+        except Exception as exc:  # noqa: BLE001 - a dead engine has nothing to let go
+            log.info("vLLM engine %d: at shutdown: %s", worker, exc)
+        finally:
+            turn.release()
+
+    def __getattr__(self, name: str) -> Any:  # what a scheme asks of its own engine (Ray's resubmit, transports)
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)

@@ -45,7 +45,8 @@ class Server:
     A route answers like vLLM's (``{"message": ...}``; ``/reset_prefix_cache``: ``{"success": true}``) after
     calling the same-named method of ``engine``, if one is given; ``fail[route] = (status, text)`` makes it answer
     that instead; a route in ``hang`` never answers, and one in ``trickle`` answers a byte at a time without end
-    (until the server stops)."""
+    (until the server stops); one in ``forged`` answers as if it had called the engine, without calling it (a man
+    in the middle of the plain-HTTP routes)."""
 
     CALLS = {
         "/init_weight_transfer_engine": lambda e, q, b: e.init_weight_transfer_engine(b["init_info"]),
@@ -66,6 +67,7 @@ class Server:
         self.hang: set[str] = set()
         self.trickle: set[str] = set()
         self.answers: dict[str, Any] = {}
+        self.forged: set[str] = set()
         self.released = threading.Event()
         server = self
 
@@ -106,7 +108,7 @@ class Server:
     def _answer(self, route: str, query: str, body: Any) -> tuple[int, Any]:
         if route not in self.CALLS:
             return 404, {"detail": "Not Found"}
-        if self.engine is not None:
+        if self.engine is not None and route not in self.forged:
             try:
                 self.CALLS[route](self.engine, dict(urllib.parse.parse_qsl(query)), body)
             except Exception as exc:  # vLLM's server answers a failed call with a 500
@@ -315,3 +317,28 @@ def test_engines_behind_two_servers_are_driven_in_vllms_order_for_each_version(m
         bodies = [c.body for c in server.calls if c.route in ("/update_weights", "/finish_weight_update")]
         assert bodies == [b for v in (1, 2, 3) for b in ({"update_info": {"version": v}}, {"weight_version": str(v)})]
         assert all(c.query == {"mode": "keep", "clear_cache": "true"} for c in server.calls if c.route == "/pause")
+
+
+def test_a_version_is_served_when_the_engines_receiver_acked_it_not_when_its_routes_answered():
+    """Whoever answers the plain-HTTP routes is not the engine's receiver: a man in the middle answering start,
+    update and finish with 200 without passing them on makes the send time out naming the engine, the version not
+    acked. (Before, the calls' answers stood for the receiver's ack, and send() returned at once.)"""
+    model = build("tiny")
+    engine = PausingEngine(engine_spec(model))
+    server = Server(engine)
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=3, connect_timeout=30)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([server.url], pause_mode="keep"))
+        scheme.connect()
+        server.forged = {"/start_weight_update", "/update_weights", "/finish_weight_update"}
+        _step(model, 1)
+        with pytest.raises(ws.SyncTimeoutError, match=r"worker 0, version 1\] no ack for version 1"):
+            scheme.send()
+        assert scheme.acked_versions == {0: 0} and engine.version == "0" and not _same(engine, model)
+        server.forged = set()
+        _step(model, 2)
+        scheme.send()
+        assert scheme.acked_versions == {0: 2} and engine.version == "2" and _same(engine, model)
+    finally:
+        scheme.shutdown()
+        server.stop()

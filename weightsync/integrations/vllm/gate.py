@@ -282,7 +282,7 @@ class Gate(SenderEngine):
     def _forward(self) -> None:
         """Pass on each ack whose engine's calls are done; report each engine whose calls failed."""
         with self._lock:
-            ready = [w for w, calls in self._calls.items() if all(f.done() for _, f in calls)]
+            ready = [w for w, calls in self._calls.items() if all(f.done() for _, f in calls) and self._heard(w, calls)]
             done = {w: self._calls.pop(w) for w in ready}
             held = {w: self._held.pop(w) for w in done if w in self._held}
             reported = {w: self._failures.pop(w) for w in done if w in self._failures}
@@ -304,10 +304,18 @@ class Gate(SenderEngine):
                 self._tell(worker, receiver)
             elif worker in held:
                 self.core.acked(worker, held[worker])
-            elif not self._inner().pushes:  # the calls returned, so the receiver acked: its ack is on its way
-                with self._lock:
-                    self._held.pop(worker, None)
+            elif version == 0 and not self._inner().pushes:  # (the rendez-vous took the receiver's own word)
                 self.core.acked(worker, version)
+
+    def _heard(self, worker: int, calls: list[tuple[int, concurrent.futures.Future]]) -> bool:
+        """(Under the lock, ``worker``'s calls done) Whether what to tell the core of ``worker`` is known: a call
+        failed, its receiver failed, or acked the version the calls were for. Calls that returned are not its ack:
+        whoever answers them (anyone on the path to an engine served over HTTP) is not the receiver, whose ack is
+        authenticated with the run key (:meth:`wait` goes on polling for it, within the send's time)."""
+        version = calls[-1][0]
+        if version == 0 or self._inner().pushes or worker in self._failures:  # (Ray's: the call is the receiver's)
+            return True
+        return self._held.get(worker, -1) >= version or any(f.exception() is not None for _, f in calls)
 
     @property
     def takes_back(self) -> bool:
@@ -416,7 +424,7 @@ class Gate(SenderEngine):
         assert self.inner is not None
         with self._lock:
             calls = [f for w in workers for _, f in self._calls.get(w, [])]
-            unheard = [w for w in workers if w not in self._held]
+            unheard = [w for w in workers if w not in self._calls or self._held.get(w, -1) < self._calls[w][-1][0]]
         if calls and not unheard:  # every receiver acked: what is left is the engines' calls
             running = [f for f in calls if not f.done()]  # (one done and not passed on waits for its later calls)
             if running:

@@ -399,6 +399,17 @@ def test_engines_and_options_that_are_not_are_refused_by_name():
         VLLMWeightSyncScheme("multiprocess", pause_mode="soon")
 
 
+def test_a_subclass_of_vllms_llm_is_called_as_an_llm():
+    """RL frameworks subclass ``vllm.LLM``: it takes vLLM's wrapped requests as an ``LLM`` does (given as the
+    generic engine, its init failed in vLLM with ``KeyError: 'init_info'``)."""
+    from weightsync.integrations.vllm.clients import LLMClient
+    from weightsync.integrations.vllm.engines import engine_client
+
+    llm = type("LLM", (), {"llm_engine": None})
+    for cls in (llm, type("RolloutLLM", (llm,), {})):
+        assert type(engine_client(cls(), "engine 0")) is LLMClient, cls
+
+
 def test_the_engines_serve_one_scheme():
     model = build("tiny")
     engines = VLLMEngines([Engine(engine_spec(model))])

@@ -200,6 +200,43 @@ def test_a_long_error_answer_is_quoted_cut_short(server):
     assert len(str(e.value)) < QUOTED_CHARS + 200
 
 
+def test_a_servers_answer_is_quoted_as_data_and_one_nested_past_the_parsers_depth_is_not_json(server):
+    """What a server says goes into errors and logs: its line breaks and terminal escapes are escaped there (a
+    forged log line, a line erased), kept as they came in ``body``. An answer of 200,000 nested brackets is not
+    JSON to the client (``RecursionError`` escaped it before)."""
+    forged = "x\n2026-01-01 00:00:00 INFO weightsync: version 7 served by every engine\x1b[2K\x1b[1A"
+    server.fail["/update_weights"] = (500, forged)
+    with pytest.raises(EngineHTTPError) as e:
+        HTTPEngineClient(server.url, "engine 0").update({"version": 1}, 5)
+    assert "\n" not in str(e.value) and "\x1b" not in str(e.value) and "\\n2026-01-01" in str(e.value)
+    assert e.value.body == forged
+    server.answers["/start_weight_update"] = "[" * 200_000
+    HTTPEngineClient(server.url, "engine 0").start(5)  # (its answer is not read: a 200 is what it says)
+    server.answers["/reset_prefix_cache"] = "[" * 200_000
+    with pytest.raises(RuntimeError, match="did not reset its prefix cache .it answered None"):
+        HTTPEngineClient(server.url, "engine 0").reset_prefix_cache(5)
+
+
+def test_a_host_name_that_takes_long_to_resolve_is_a_named_timeout_within_the_calls_timeout(monkeypatch):
+    """The resolver's wait has no bound of its own: the call's timeout bounds it too (it took the resolver's
+    whole time before)."""
+    resolve = socket.getaddrinfo
+
+    def slow(host, *args, **kwargs):
+        if host == "engine-b.internal":
+            time.sleep(4)
+        return resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow)
+    started = time.monotonic()
+    with pytest.raises(ws.SyncTimeoutError, match="engine 0: POST /start_weight_update .* within 1.0s"):
+        HTTPEngineClient("http://engine-b.internal:8000", "engine 0").start(1.0)
+    assert time.monotonic() - started < 2.5
+    for thread in threading.enumerate():  # (nothing interrupts a resolver: its thread ends when it answers)
+        if thread.name == "weightsync-resolve":
+            thread.join(10)
+
+
 def test_a_prefix_cache_the_server_did_not_reset_is_an_error(server):
     server.answers["/reset_prefix_cache"] = {"success": False}
     with pytest.raises(RuntimeError, match="engine 0: the server at .* did not reset its prefix cache.*False"):

@@ -184,7 +184,7 @@ def engine_client(target: Any, name: str, loop: asyncio.AbstractEventLoop | None
                 "(it must be running, in another thread than the one that sends)"
             )
         return AsyncLLMClient(target, name, loop)
-    if kind == "LLM" and hasattr(target, "llm_engine"):
+    if "LLM" in (c.__name__ for c in type(target).__mro__) and hasattr(target, "llm_engine"):  # (a subclass too)
         return LLMClient(target, name)
     missing = [call for call in PROTOCOL if not callable(getattr(target, call, None))]
     if missing:

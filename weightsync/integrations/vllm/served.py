@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import http.client
 import json
@@ -15,6 +16,7 @@ from typing import Any
 
 from ... import checks
 from ...errors import ConfigurationError, SyncTimeoutError
+from .calls import in_thread
 from .clients import EngineClient
 
 __all__ = ["QUOTED_CHARS", "READ_BYTES", "EngineHTTPError", "HTTPEngineClient"]
@@ -82,6 +84,10 @@ class HTTPEngineClient(EngineClient):
             if self._tls is not None
             else http.client.HTTPConnection(self._host, self._port, timeout=timeout)
         )
+        # (the host's name resolved within the deadline too: the resolver's own wait has no bound of ours)
+        conn._create_connection = lambda address, _timeout, source: self._connection(  # type: ignore[attr-defined]
+            address, deadline, source
+        )
         try:
             try:
                 conn.connect()
@@ -119,16 +125,37 @@ class HTTPEngineClient(EngineClient):
             text = answer[: 4 * QUOTED_CHARS].decode("utf-8", "replace")
             text = text if len(text) <= QUOTED_CHARS else text[: QUOTED_CHARS - 3] + "..."
             raise EngineHTTPError(
-                f"{self.name}: POST {route} at {self.url} answered {response.status} {response.reason[:80]}: "
-                f"{text or '(no body)'}",
+                f"{self.name}: POST {route} at {self.url} answered {response.status} {_quoted(response.reason[:80])}: "
+                f"{_quoted(text) or '(no body)'}",
                 route,
                 response.status,
                 text,
             )
         try:
             return json.loads(answer)
-        except ValueError:
+        except (ValueError, RecursionError):  # (not JSON, or nested past the parser's depth)
             return None
+
+    def _connection(self, address: tuple[str, int], deadline: float, source: Any) -> socket.socket:
+        """A connection to ``address`` by the first of its host's addresses that takes one, all before
+        ``deadline``: the name is resolved in a thread waited for until then.
+
+        Raises:
+            TimeoutError: not within the deadline. OSError: the name does not resolve, or no address answers.
+        """
+        host, port = address
+        resolving = in_thread(lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM), "weightsync-resolve")
+        try:
+            found = resolving.result(max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"{host} did not resolve in time") from None
+        last: OSError = OSError(f"{host} has no address")
+        for *_, sockaddr in found:
+            try:
+                return socket.create_connection(sockaddr[:2], max(0.001, deadline - time.monotonic()), source)
+            except OSError as exc:
+                last = exc
+        raise last
 
     def _timed_out(self, route: str, timeout: float) -> SyncTimeoutError:
         return SyncTimeoutError(f"{self.name}: POST {route} at {self.url} did not return within {timeout:.1f}s")
@@ -166,6 +193,12 @@ class HTTPEngineClient(EngineClient):
 
     def shutdown(self, timeout: float) -> None:
         self._post("/shutdown_weight_transfer_engine", timeout)
+
+
+def _quoted(text: str) -> str:
+    """``text`` with what is not printable escaped (a server's answer is quoted in errors and logs as data: a line
+    break or a terminal's escape sequence in it would forge lines or colours there)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def _cut(sock: socket.socket | None, cut: threading.Event) -> None:

@@ -360,6 +360,37 @@ def test_a_replaced_or_restarted_actor_rejoins_and_gets_the_current_version(delt
         ray.kill(a)
 
 
+def test_an_actor_rejoins_after_sends_that_reached_no_one_and_the_shut_down_sender_keeps_no_buffer():
+    """The only actor died and the trainer went on sending (to no one live), or sent to ``worker_ids=[]``: the
+    versions were published all the same, and a new actor rejoins with the newest (a bare AssertionError before:
+    nothing whole was put). A rejoining actor that dies is named with the version it was sent. Once shut down,
+    the sender holds neither its staging buffer nor the newest version."""
+    from tests._ray_actors import Collector
+
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=20, on_failure="drop")
+    actors = _joined(scheme, model, n=1)
+    scheme.connect()
+    ray.kill(actors[0], no_restart=True)
+    for step in (1, 2):
+        optimizer_step(model, step)
+        scheme.send()  # worker 0 dropped at the first
+    optimizer_step(model, 3)
+    scheme.send(worker_ids=[])
+    newcomer = _collectors(1)[0]
+    ray.get(newcomer.join.remote(scheme.receiver_config(0), 0))
+    assert scheme.rejoin(0, newcomer) == 3
+    assert ray.get(newcomer.state.remote()) == (3, checksum(model, "tensordict"))
+    doomed = Collector.remote()
+    ray.get(doomed.join.remote(scheme.receiver_config(0), 0))
+    doomed.__ray_terminate__.remote()  # (it ends before the rejoin's call, queued after this one, runs)
+    with pytest.raises(ws.WorkerDiedError, match=r"worker 0, version 3\]"):
+        scheme.rejoin(0, doomed)
+    engine = scheme._runtime.sending.engine
+    scheme.shutdown()
+    assert (engine._staging, engine.newest, engine._unstaged) == (None, None, None)
+
+
 def test_actor_that_cannot_apply_reports_to_the_sender():
     model = build("tiny")
     scheme = ws.RayWeightSyncScheme(timeout=20)

@@ -64,8 +64,9 @@ class Sink(Protocol):
         the core says what is missing now and then, and raises ``WorkerDiedError`` when a worker process it
         knows of has exited."""
 
-    def rejoining(self, worker: int) -> None:
-        """``worker`` is coming back (:meth:`SenderEngine.admit`): from here on, a failure is the new process's."""
+    def rejoining(self, worker: int, version: int | None = None) -> None:
+        """``worker`` is coming back (:meth:`SenderEngine.admit`): from here on, a failure is the new process's
+        (named with ``version``, what it is sent, where the engine knows it already)."""
 
     def send_to(self, weights: Any, workers: list[int], *, wait: bool | None) -> None:
         """Publish ``weights`` to ``workers`` through the whole pipeline (the older transport API); ``wait``:

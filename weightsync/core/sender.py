@@ -159,12 +159,13 @@ class Sender:
         if self._progress is not None:
             self._progress.tick(lambda: f"{n - len(missing())} of {n} connected, missing {missing()}")
 
-    def rejoining(self, worker: int) -> None:
-        """``worker`` is coming back: from here on, a failure is the new process's, and what it holds is what it
-        acks next (the earlier process's acks say nothing of it)."""
+    def rejoining(self, worker: int, version: int | None = None) -> None:
+        """``worker`` is coming back: from here on, a failure is the new process's (named with ``version``, what
+        it is sent), and what it holds is what it acks next (the earlier process's acks say nothing of it)."""
         self.ledger.dead.pop(worker, None)
         self.ledger.errors.pop(worker, None)
         self.ledger.peers[worker].acked = None
+        self.ledger.peers[worker].sent = version
 
     def send_to(self, weights: Any, workers: list[int], *, wait: bool | None) -> None:
         with self._lock:

@@ -118,8 +118,8 @@ class Gate(SenderEngine):
         self._raise_failed_inits()
         self.core.waiting(joined)
 
-    def rejoining(self, worker: int) -> None:
-        self.core.rejoining(worker)
+    def rejoining(self, worker: int, version: int | None = None) -> None:
+        self.core.rejoining(worker, version)
 
     def send_to(self, weights: Any, workers: list[int], *, wait: bool | None) -> None:
         self.core.send_to(weights, workers, wait=wait)

@@ -436,7 +436,7 @@ class LocalSender(SenderEngine):
             self.discard(candidate, problem)
             return None
         w = int(hello["worker_idx"])
-        self.sink.rejoining(w)  # from here on, a failure is this new process's
+        self.sink.rejoining(w, newest.version)  # from here on, a failure is this new process's
         try:
             transport = self._take_over(channel, hello)
             slot = self._slot_for(w, newest)

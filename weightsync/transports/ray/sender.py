@@ -105,7 +105,7 @@ class RaySender(SenderEngine):
         return self._staging
 
     def stage(self, out: Outgoing, deadline: float) -> Any:
-        if not out.whole_to:  # every actor is sent its changes: nothing whole goes into the store
+        if not out.whole_to and out.delta is not None:  # every actor is sent its changes: nothing whole is put
             return None
         if out.whole is not None and out.whole.is_cpu:  # flatten_sender: the weights lie in one buffer, in place
             buffers, ranges = self.layout.whole(out.whole)
@@ -151,7 +151,7 @@ class RaySender(SenderEngine):
         old = self.transports[worker]
         self.transports[worker] = self._transport(old.actor if actor is None else actor, worker)
         self._has_layout.discard(worker)
-        self.sink.rejoining(worker)  # from here on, a failure is this actor's
+        self.sink.rejoining(worker, version)  # from here on, a failure is this actor's
         self.transports[worker].submit(version, payload, self.layout.to_plain())
         return version
 
@@ -208,4 +208,5 @@ class RaySender(SenderEngine):
                 with contextlib.suppress(Exception):
                     ray().get(ref, timeout=0)
         self.transports.clear()
-        self.newest = None
+        self.newest, self._unstaged, self._staging, self._staging_views = None, None, None, {}
+        self._has_layout.clear()

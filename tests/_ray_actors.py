@@ -81,6 +81,34 @@ class Collector:
         self.model.body[3] = nn.Linear(8, 3)
 
 
+@ray.remote(num_cpus=0, max_restarts=1, max_task_retries=0)
+class JoinsAtStart:
+    """A collector that joins its scheme as it starts, the pattern of many: restarted by Ray, its new process
+    joins again, behind the same handle, and the sender is not told."""
+
+    def __init__(self, scheme, worker_idx: int) -> None:
+        self.model = build("tiny")
+        _scramble(self.model)
+        self.scheme = scheme
+        scheme.init_on_receiver(model_id="policy", model=self.model, worker_idx=worker_idx)
+        scheme.connect()
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def state(self) -> tuple:
+        return self.scheme.version, checksum(self.model, self.scheme.strategy.extract_as)
+
+
+class ReturnsNothing(ws.ModuleActor):
+    """A module's actor whose own update method forgets to return what apply_in_actor returns."""
+
+    def update_weights_tensordict(self, model_id, version, payload, layout) -> None:
+        ws.transports.ray.apply_in_actor(self, model_id, version, payload, layout)
+
+
 def make_value():
     """A module with a forward, built inside the hosting actor."""
     return build("value")

@@ -496,6 +496,74 @@ def test_module_actor_failures_are_named():
     scheme.shutdown()
 
 
+def test_a_module_actors_own_update_method_must_exist_and_return_the_version_it_holds():
+    """(A missing method raised a bare AttributeError at the first send; one returning ``None`` cost a whole
+    timeout, and one returning a string a bare TypeError.)"""
+    from tests._ray_actors import ReturnsNothing, make_value
+
+    model = build("value")
+    scheme = ws.RayModuleTransformScheme(timeout=20)
+    with pytest.raises(ws.ConfigurationError, match="actor 0 has no method update_weights_tensordict"):
+        scheme.init_on_sender(model_id="transform", model=model, actor=_collectors(1)[0])
+    scheme.shutdown()
+    scheme = ws.RayModuleTransformScheme(timeout=20)
+    host = ray.remote(num_cpus=0)(ReturnsNothing).remote(make_value, None)
+    scheme.init_on_sender(model_id="transform", model=model, actor=host)
+    ray.get(host.join.remote(scheme.receiver_config(0), "transform"))
+    started = time.monotonic()
+    with pytest.raises(ws.ReceiverError, match="returned None, not the version it holds") as info:
+        scheme.connect()
+    assert time.monotonic() - started < 10 and info.value.worker_idx == 0
+    scheme.shutdown()
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["", "delta"])
+def test_an_actor_ray_restarts_that_joins_again_is_sent_the_version_whole_in_the_same_send(delta):
+    """Its new process, behind the same handle, holds no layout and no version, and the sender is not told: the
+    first update it gets (without the layout, or changes against a version it never held) is sent again whole,
+    with the layout, in the same send. (Every later send was refused before, the actor never served again.)"""
+    import psutil
+
+    from tests._ray_actors import JoinsAtStart
+
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=20, delta=delta)
+    actor = JoinsAtStart.remote(scheme, 0)
+    scheme.init_on_sender(model_id="policy", model=model, remote_collectors=[actor])
+    scheme.connect()
+    optimizer_step(model, 1)
+    scheme.send()
+    process = psutil.Process(ray.get(actor.pid.remote()))
+    process.kill()
+    process.wait(30)
+    assert ray.get(actor.state.options(max_task_retries=-1).remote(), timeout=60)[0] is None  # restarted, joined
+    for step in (2, 3):
+        optimizer_step(model, step)
+        scheme.send()
+        assert ray.get(actor.state.remote()) == (step, checksum(model, "tensordict"))
+    assert scheme.acked_versions == {0: 3}
+    scheme.shutdown()
+
+
+def test_an_actor_that_runs_calls_side_by_side_never_applies_an_older_version_after_a_newer_one():
+    """A threaded actor (``max_concurrency`` > 1) may run two updates at once, or a later one first: each
+    receiver applies one at a time, and an update older than the version it holds is not applied (it answers the
+    version it holds). Played in the actor's process, the order forced."""
+    from weightsync.transports.ray.receiver import RayReceiver
+
+    receiver = RayReceiver(placement="load", where={"model_id": "ordered", "worker_idx": 0})
+    applied: list[int] = []
+    receiver.attach(lambda taken: applied.append(taken[-1].version) or taken[-1].version)
+    receiver.layout = None
+    try:
+        assert receiver.push(2, [], [], {"entries": []}, None) == 2
+        assert receiver.push(1, [], [], None, None) == 2  # the older version, late: not applied
+        assert receiver.push(3, [], [], None, None) == 3
+        assert applied == [2, 3]
+    finally:
+        receiver.close()
+
+
 def test_corrupted_payload_is_refused_and_the_actors_keep_their_weights():
     model = build("tiny")
     scheme = ws.RayWeightSyncScheme(timeout=30, checksum=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,7 @@ from ...core.engine import Delivery, ReceiverEngine
 from ...errors import ConfigurationError
 from ...tensors.delta import Delta, chunks_of
 from ...tensors.layout import FlatLayout
-from .transport import register_receiver, unregister_receiver
+from .transport import LayoutWanted, register_receiver, unregister_receiver
 
 __all__ = ["RayReceiver"]
 
@@ -30,6 +31,10 @@ class RayReceiver(ReceiverEngine):
         self.placement = placement
         self.where = where
         self._apply: Callable[[list[Delivery]], int] | None = None
+        #: An actor that runs calls side by side (``max_concurrency`` > 1) may run two updates at once, or a later
+        #: one first: they apply one at a time, and never an older version after a newer one.
+        self._applying = threading.Lock()
+        self._held: int | None = None
         register_receiver(where["model_id"], self)
 
     def attach(self, apply: Callable[[list[Delivery]], int]) -> None:
@@ -48,7 +53,32 @@ class RayReceiver(ReceiverEngine):
         changes: dict | None = None,
     ) -> int:
         """Called inside the actor by the sender's call: apply the update (``changes``: the description of the
-        changes ``buffers[0]`` holds, against the version held); return the version held."""
+        changes ``buffers[0]`` holds, against the version held); return the version held (a later one than
+        ``version``, which is then not applied, where a later one was applied first).
+
+        Raises:
+            LayoutWanted: no layout came with the update, and this process holds none.
+        """
+        with self._applying:
+            if self._held is not None and version <= self._held:
+                return self._held
+            self._held = self._push(version, buffers, ranges, layout, digest, changes)
+            return self._held
+
+    def _push(
+        self,
+        version: int,
+        buffers: list[torch.Tensor],
+        ranges: list,
+        layout: dict | None,
+        digest: str | None,
+        changes: dict | None,
+    ) -> int:
+        if layout is None and self.layout is None:
+            raise LayoutWanted(
+                "this actor was sent an update without the layout and holds none: a new process (Ray restarted it)",
+                **{**self.where, "version": version},
+            )
         refusal, pieces, delta = None, [], None
         try:
             if layout is not None:

@@ -9,12 +9,13 @@ from typing import Any
 
 import torch
 
+from ... import checks
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import remaining
 from ...errors import ConfigurationError, LifecycleError, ReceiverError, WeightSyncError
 from ...tensors.layout import FlatLayout
 from .settings import RaySettings
-from .transport import RayActorTransport, RayTransport, apply_in_actor
+from .transport import LayoutWanted, RayActorTransport, RayTransport, apply_in_actor
 
 __all__ = ["DIRECT_MIN_BYTES", "RaySender", "ray"]
 
@@ -155,6 +156,12 @@ class RaySender(SenderEngine):
         self.transports[worker].submit(version, payload, self.layout.to_plain())
         return version
 
+    def _newest_version(self) -> int | None:
+        """The newest version published whole or as changes (what :meth:`resubmit` sends), if any."""
+        if self.newest is not None:
+            return int(self.newest[0])
+        return self._unstaged[1] if self._unstaged is not None and self._unstaged[0] is not None else None
+
     def unpublished(self) -> None:
         self._unstaged = None  # (a whole version put before, in self.newest, still stands)
 
@@ -182,13 +189,29 @@ class RaySender(SenderEngine):
                 continue
             except Exception as exc:  # noqa: BLE001 - the actor's failure, as Ray delivers it
                 cause = getattr(exc, "cause", None) or exc
+                if isinstance(cause, LayoutWanted) and self._newest_version() == v:
+                    self.resubmit(w)  # a new process behind the handle: sent the version whole, awaited as this one
+                    continue
                 text = str(cause).splitlines()[-1][:MAX_ERROR_TEXT] if str(cause) else repr(cause)
                 self.sink.failed(
                     w, ReceiverError(type(cause).__name__, text, model_id=self.sink.model_id, worker_idx=w, version=v)
                 )
                 continue
+            if type(held) is not int or held < v:  # (an actor's own update method returns what it likes)
+                self.sink.failed(w, self._not_held(w, v, held))
+                continue
             self._has_layout.add(w)
             self.sink.acked(w, held)
+
+    def _not_held(self, worker: int, version: int, said: Any) -> ReceiverError:
+        return ReceiverError(
+            "TypeError",
+            f"the actor's update call returned {checks.shown(said)}, not the version it holds ({version} or later): "
+            "an actor's own update_weights_* method returns what apply_in_actor returns",
+            model_id=self.sink.model_id,
+            worker_idx=worker,
+            version=version,
+        )
 
     def wait(self, workers: list[int], deadline: float) -> None:
         refs = list(self._refs(workers))

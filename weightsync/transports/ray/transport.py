@@ -16,17 +16,30 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ...errors import LifecycleError
+from ...errors import ConfigurationError, LifecycleError
 from ..base import PeerTransport
 
 if TYPE_CHECKING:
     from ...core.engine import Sink
 
-__all__ = ["RayActorTransport", "RayTransport", "apply_in_actor", "register_receiver", "unregister_receiver"]
+__all__ = [
+    "LayoutWanted",
+    "RayActorTransport",
+    "RayTransport",
+    "apply_in_actor",
+    "register_receiver",
+    "unregister_receiver",
+]
 
 # The receivers living in this process (an actor's worker process), by model id: each takes
 # ``(version, buffers, ranges, layout, checksum, changes)`` and returns the version it holds.
 _RECEIVERS: dict[str, Any] = {}
+
+
+class LayoutWanted(LifecycleError):
+    """An update without the layout reached an actor that holds none: a new process behind the same handle (Ray
+    restarted the actor, which joined again). The sender takes it for a worker that rejoined, and sends it the
+    version whole, with the layout, in the same send."""
 
 
 def register_receiver(model_id: str, receiver: Any) -> None:
@@ -104,6 +117,18 @@ class RayActorTransport(RayTransport):
     queued like any other call to it, so they run between its forward calls.
     """
 
+    def __init__(self, actor: Any, worker_idx: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(actor, worker_idx, *args, **kwargs)
+        name = f"update_weights_{self.extract_as}"
+        try:
+            self.method = getattr(actor, name)
+        except AttributeError:
+            raise ConfigurationError(
+                f"actor {worker_idx} has no method {name}(model_id, version, payload, layout): the ray_actor "
+                "transport calls it with each update (it returns apply_in_actor(self, model_id, version, payload, "
+                "layout)); any other actor takes its updates over the ray transport (RayWeightSyncScheme)",
+                worker_idx=worker_idx,
+            ) from None
+
     def submit(self, version: int, payload_ref: Any, layout: dict | None) -> None:
-        method = getattr(self.actor, f"update_weights_{self.extract_as}")
-        self.in_flight[version] = method.remote(self.model_id, version, payload_ref, layout)
+        self.in_flight[version] = self.method.remote(self.model_id, version, payload_ref, layout)

@@ -62,38 +62,27 @@ class RayReceiver(ReceiverEngine):
         with self._applying:
             if self._held is not None and version <= self._held:
                 return self._held
-            self._held = self._push(version, buffers, ranges, layout, digest, changes)
+            if layout is None and self.layout is None:
+                raise LayoutWanted(
+                    "this actor was sent an update without the layout and holds none: a new process (Ray restarted it)",
+                    **{**self.where, "version": version},
+                )
+            refusal, pieces, delta = None, [], None
+            try:
+                if layout is not None:
+                    self.layout = FlatLayout.from_plain(layout)
+                if self.layout is not None and changes is not None:
+                    delta = Delta.from_plain(changes, chunks_of(self.layout))
+                    if len(buffers) != 1 or buffers[0].dtype != torch.uint8:
+                        raise ConfigurationError(f"a body of changes in {len(buffers)} buffers, where one is sent")
+                    delta.body = buffers[0]
+                elif self.layout is not None:
+                    pieces = self.layout.placed(buffers, [tuple(r) for r in ranges])
+            except ConfigurationError as exc:
+                refusal = exc
+            assert self._apply is not None
+            self._held = self._apply([Delivery(version, pieces, digest, refusal=refusal, delta=delta)])
             return self._held
-
-    def _push(
-        self,
-        version: int,
-        buffers: list[torch.Tensor],
-        ranges: list,
-        layout: dict | None,
-        digest: str | None,
-        changes: dict | None,
-    ) -> int:
-        if layout is None and self.layout is None:
-            raise LayoutWanted(
-                "this actor was sent an update without the layout and holds none: a new process (Ray restarted it)",
-                **{**self.where, "version": version},
-            )
-        refusal, pieces, delta = None, [], None
-        try:
-            if layout is not None:
-                self.layout = FlatLayout.from_plain(layout)
-            if self.layout is not None and changes is not None:
-                delta = Delta.from_plain(changes, chunks_of(self.layout))
-                if len(buffers) != 1 or buffers[0].dtype != torch.uint8:
-                    raise ConfigurationError(f"a body of changes in {len(buffers)} buffers, where one is sent")
-                delta.body = buffers[0]
-            elif self.layout is not None:
-                pieces = self.layout.placed(buffers, [tuple(r) for r in ranges])
-        except ConfigurationError as exc:
-            refusal = exc
-        assert self._apply is not None
-        return self._apply([Delivery(version, pieces, digest, refusal=refusal, delta=delta)])
 
     def close(self) -> None:
         unregister_receiver(self.where["model_id"] or "", self)

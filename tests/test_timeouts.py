@@ -145,3 +145,21 @@ def test_a_worker_that_stops_reading_its_welcome_is_named_within_the_send_bound(
             sock.close()
         connecting.join(10)
         scheme.shutdown()
+
+
+def test_a_ray_address_where_no_cluster_answers_fails_within_connect_timeout(monkeypatch):
+    """Ray's own connect to a cluster's address retries for minutes (614 s seen, then killed), past every bound the
+    scheme has: the address is tried first, within ``connect_timeout``."""
+    import socket
+
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # (a cluster another test left up is not this one)
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    scheme = ws.RayWeightSyncScheme(address=f"127.0.0.1:{port}", connect_timeout=2)
+    began = time.monotonic()
+    with pytest.raises(ws.SyncTimeoutError, match=f"no Ray cluster answered at 127.0.0.1:{port} within 2s"):
+        scheme.join_ray()
+    assert within_its_timeout(time.monotonic() - began, 2.0)

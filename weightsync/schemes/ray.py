@@ -16,6 +16,7 @@ from ..core.timing import deadline_after
 from ..errors import ConfigurationError, raise_failures
 from ..options import DELTA, TRACK_WRITES, WIRE_DTYPE, option
 from ..tensors.layout import FlatLayout
+from ..transports.network import await_listener
 from ..transports.ray.settings import RayActorSettings, RaySettings
 from .payload import PayloadScheme
 
@@ -88,7 +89,12 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
 
         if ray().is_initialized():
             return False
-        ray().init(address=self.address or os.environ.get("RAY_ADDRESS"), namespace=self.namespace, **options)
+        address = self.address or os.environ.get("RAY_ADDRESS")
+        host, colon, port = (address or "").removeprefix("ray://").rpartition(":")
+        if colon and host and port.isdigit():  # (Ray's own connect retries for minutes, past connect_timeout)
+            timeout = float(self.connect_timeout)
+            await_listener(host.strip("[]"), int(port), deadline_after(timeout), timeout, "Ray cluster")
+        ray().init(address=address, namespace=self.namespace, **options)
         return True
 
     def _check_exposure(self) -> None:

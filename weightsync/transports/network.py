@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import time
 from typing import Any
 
 from .. import checks
-from ..errors import ConfigurationError
+from ..core.timing import Progress, remaining
+from ..errors import ConfigurationError, SyncTimeoutError
 
-__all__ = ["bound_silence", "interface_for", "is_loopback", "local_address", "local_interfaces", "resolve_master"]
+__all__ = [
+    "await_listener",
+    "bound_silence",
+    "interface_for",
+    "is_loopback",
+    "local_address",
+    "local_interfaces",
+    "resolve_master",
+]
+
+log = logging.getLogger("weightsync.transports.network")
 
 #: A port no packet is sent to: connecting a UDP socket only asks the kernel which interface routes there.
 _PROBE_PORT = 9
@@ -99,3 +112,28 @@ def local_interfaces() -> dict[str, str]:
 def interface_for(address: str) -> str | None:
     """The name of this machine's network interface that holds IPv4 ``address`` (``None``: none does)."""
     return local_interfaces().get(address)
+
+
+def await_listener(host: str, port: int, deadline: float, timeout: float, what: str, **where: Any) -> None:
+    """Wait until something accepts TCP connections at ``host:port``, at most until ``deadline`` (``timeout``:
+    the whole wait's length, for messages), saying at INFO what it waits for while it lasts. A server's own client
+    may retry a refused connection far past any bound of ours (torch's TCP store client: its whole timeout, twice,
+    logging a C++ stack each time; Ray's: minutes): one that is not there must fail within its timeout, quietly.
+
+    Raises:
+        SyncTimeoutError: nothing accepted a connection in time (``what`` names the server: "TCP store").
+    """
+    progress = Progress(log, f"the {what} at {host}:{port}", timeout, **where)
+    pause = 0.02
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(remaining(deadline), 5.0))):
+                return
+        except OSError as exc:
+            if remaining(deadline) <= 0:
+                raise SyncTimeoutError(
+                    f"no {what} answered at {host}:{port} within {timeout:.0f}s ({exc.strerror or exc})", **where
+                ) from None
+            progress.tick(f"not there yet ({exc.strerror or exc})")
+            time.sleep(min(pause, remaining(deadline)))
+            pause = min(2 * pause, 0.5)

@@ -9,7 +9,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 from ..core.timing import Progress, deadline_after, remaining, wait_until
 from ..errors import ConfigurationError, SyncTimeoutError, first_line
-from .network import bound_silence
+from .network import await_listener, bound_silence
 from .plainjson import loads_object
 
 __all__ = [
@@ -125,7 +124,7 @@ def dial_store(
     """:func:`connect_store`, and the :class:`Hangup` of the client's connection: for a client whose calls block
     a thread of its own, which nothing else wakes while its store is silent."""
     deadline = deadline_after(timeout)
-    _await_listener(host, port, deadline, timeout, **where)
+    await_listener(host, port, deadline, timeout, "TCP store", **where)
     dialing = _dialing(host, port)  # no dial of ours to the same store opens a connection meanwhile
     if not dialing.acquire(timeout=max(remaining(deadline), 0.001)):
         raise SyncTimeoutError(
@@ -263,26 +262,6 @@ def await_key(store: dist.Store, key: str, deadline: float, timeout: float, what
     progress = Progress(log, what, timeout, **where)
     if not wait_until(lambda: store.check([key]), deadline, KEY_POLL_S, lambda: progress.tick("not yet")):
         raise SyncTimeoutError(f"gave up waiting for {what} after {timeout:.0f}s", **where)
-
-
-def _await_listener(host: str, port: int, deadline: float, timeout: float, **where: Any) -> None:
-    """Wait until something accepts TCP connections at ``host:port``, at most until ``deadline``. torch's client
-    would retry a refused connection for its whole timeout, then wait as long again before a second try, and log
-    each try as an error with a C++ stack: a store that is not there must fail within its timeout, quietly."""
-    progress = Progress(log, f"the TCP store at {host}:{port}", timeout, **where)
-    pause = 0.02
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=max(0.05, min(remaining(deadline), 5.0))):
-                return
-        except OSError as exc:
-            if remaining(deadline) <= 0:
-                raise SyncTimeoutError(
-                    f"no TCP store answered at {host}:{port} within {timeout:.0f}s ({exc.strerror or exc})", **where
-                ) from None
-            progress.tick(f"not there yet ({exc.strerror or exc})")
-            time.sleep(min(pause, remaining(deadline)))
-            pause = min(2 * pause, 0.5)
 
 
 def _open_fds() -> set[tuple[int, str]]:

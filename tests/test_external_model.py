@@ -148,6 +148,36 @@ def test_a_program_whose_model_does_not_fit_is_refused_before_it_loads_anything(
         sender.shutdown()
 
 
+def test_names_the_program_does_not_load_may_come_in_another_dtype_or_not_at_all():
+    """An engine computes some buffers itself (rotary frequencies): a trainer's copy in the engine's dtype
+    (``model.to(torch.bfloat16)``) sends them in that dtype, a copy made of its checkpoint does not send them. Both
+    fit a program that names them ``ignored``, which still gets them as they came; a name it loads still has to
+    fit. (Both copies were refused before.)"""
+    model = build("tiny")
+    spec = _spec(model)
+    loaded, other = sorted(spec)[:-1], sorted(spec)[-1]
+    program = Program(spec)
+    program.model = ws.ExternalModel(spec, program.load, ignored={other})
+    sent = {**spec, other: (spec[other][0], torch.bfloat16)}
+    assert program.model.spec_for(sent) == sent
+    assert program.model.spec_for({k: spec[k] for k in loaded}) == {k: spec[k] for k in loaded}
+    with pytest.raises(ws.WeightMismatchError, match=loaded[0]):
+        ws.tensors.strategy.check_spec(
+            {**sent, loaded[0]: (spec[loaded[0]][0], torch.bfloat16)}, program.model.spec_for(sent)
+        )
+    sender = SCHEMES["multiprocess"]()
+    copy = {k: (v.to(torch.bfloat16) if k == other else v) for k, v in _weights(model).items()}
+    sender.init_on_sender(model_id="policy", weights=copy, num_workers=1)
+    receiver = ws.from_config(sender.receiver_config(0))
+    receiver.init_on_receiver(model_id="policy", model=program.model)
+    try:
+        connect_pair(sender, receiver, timeout=60)
+        assert program.held[f"engine.{other}"].dtype == torch.bfloat16 and receiver.version == 0
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
 def test_a_load_that_fails_is_a_refusal_the_trainer_is_told_of_and_the_version_stays():
     model, sender, receiver, program = _pair("multiprocess", lambda m: Program(_spec(m), fail_at=2))
     try:

@@ -14,6 +14,7 @@ host's process (``executor="uni"``: one import of vLLM less).
 
 from __future__ import annotations
 
+import copy
 import os
 import platform
 import re
@@ -220,7 +221,9 @@ def test_bfloat16_tied_engine_computes_the_trainers_log_probabilities(model_dirs
     """bfloat16, tied embeddings, 50 MB: the engine's prompt log-probabilities match HF's under the trainer's weights
     within 0.05 (both compute in bfloat16, in their own order: 0.008 measured on a small model), and differ from
     the previous version's by far more; reloaded in the pause, and processed ahead on a shadow (whose tied lm_head
-    is processed again from the new embedding)."""
+    is processed again from the new embedding); and served from a float32 trainer through its copy in bfloat16
+    (``.to(torch.bfloat16)``: its rotary frequencies, which the engine computes itself, in bfloat16 too: refused
+    before)."""
     host = Host(str(model_dirs["tied_bf16"]), "llm", "bfloat16", executor="uni")
     prompt = list(range(5, 60))
 
@@ -230,16 +233,21 @@ def test_bfloat16_tied_engine_computes_the_trainers_log_probabilities(model_dirs
         return torch.log_softmax(logits, -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
 
     try:
-        for load_ahead in (False, True):
+        for load_ahead, trainer_dtype in ((False, None), (True, None), (False, "float32")):
             # (each from the checkpoint: bfloat16's differences from HF grow as the steps grow the weights)
             model = load_llama(model_dirs["tied_bf16"])
+            trainer = model if trainer_dtype is None else load_llama(model_dirs["tied_bf16"], dtype=trainer_dtype)
+            served = model if trainer is model else copy.deepcopy(trainer).to(torch.bfloat16)
             scheme, steps = _scheme("multiprocess"), (1, 2)
             try:
-                _serve(host, scheme, model, pause_mode="none", load_ahead=load_ahead)
+                _serve(host, scheme, served, pause_mode="none", load_ahead=load_ahead)
                 prepared = host.ask("backend", "prepared")[0]
                 for step in steps:
                     previous = hf_logprobs()
-                    _step(model, step, scale=0.02)
+                    _step(trainer, step, scale=0.02)
+                    if served is not model:  # the copy refreshed, and what HF computes with is what it holds
+                        served.load_state_dict(trainer.state_dict())
+                        model.load_state_dict(served.state_dict())
                     scheme.send()
                     wanted = hf_logprobs()
                     got = torch.tensor(host.ask("prompt_logprobs", prompt))

@@ -37,13 +37,26 @@ class ExternalModel:
             the weights, into memory of its own) and returns the call that makes the version current, which the
             apply makes in place of ``load`` (under ``weights_lock``; what it raises refuses the update as
             ``load``'s would). Returning ``None``, or raising (logged), leaves the version to ``load``.
+        ignored: names of :attr:`spec` the program does not load (buffers its model computes itself): an update may
+            carry them in any shape and dtype, or not at all, and ``load`` gets them as they came.
     """
 
     spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
     load: Callable[[dict[str, torch.Tensor]], None]
     device: torch.device = torch.device("cpu")
     prepare: Callable[[dict[str, torch.Tensor]], Callable[[], None] | None] | None = None
+    ignored: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         # torch.Size and lists compare unequal to the tuples a layout holds: one form, so checks compare in C.
         object.__setattr__(self, "spec", {str(k): (tuple(int(d) for d in s), t) for k, (s, t) in self.spec.items()})
+        object.__setattr__(self, "ignored", frozenset(str(k) for k in self.ignored))
+
+    def spec_for(self, sent: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> dict:
+        """What an update that carries ``sent`` (``{name: (shape, dtype)}``) must match: :attr:`spec`, with each of
+        :attr:`ignored` as it was sent, or left out where it was not."""
+        if not self.ignored:
+            return dict(self.spec)
+        spec = {k: v for k, v in self.spec.items() if k not in self.ignored}
+        spec.update({k: v for k, v in sent.items() if k in self.ignored})
+        return spec

@@ -99,16 +99,16 @@ class Receiver:
         self._written = ({}, None)
 
     # ---------------------------------------------------------------- joining
-    def _spec(self) -> Any:
-        """``{name: (shape, dtype)}`` of what the model takes."""
+    def _spec(self, sent: Any) -> Any:
+        """``{name: (shape, dtype)}`` of what the model takes, from a sender that sends ``sent``."""
         if isinstance(self.model, ExternalModel):
-            return self.model.spec
+            return self.model.spec_for(sent)
         return weights_spec(flatten_weights(self.model, self.strategy.extract_as))
 
     def _check(self, layout: FlatLayout) -> WeightMismatchError | None:
         """Whether the model fits ``layout``; a misfit is remembered, and the first update fails with it."""
         try:
-            check_spec(layout.spec, self._spec(), **self.where)
+            check_spec(layout.spec, self._spec(layout.spec), **self.where)
         except WeightMismatchError as exc:
             self._refusal = exc
         return self._refusal
@@ -343,7 +343,7 @@ class Receiver:
         self, model: ExternalModel, update: Delivery, layout: FlatLayout, where: dict[str, Any], deadline: float
     ) -> dict[str, torch.Tensor]:
         """``update``'s tensors for the program (to load or prepare): checked, and readable (after ``update.fence``)."""
-        check_spec(layout.spec, model.spec, **where)
+        check_spec(layout.spec, model.spec_for(layout.spec), **where)
         views = self._views_of(update, layout)
         if update.fence is not None:
             cuda.wait_event(update.fence, cuda.cuda_devices(views.values()), deadline)

@@ -162,7 +162,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         assert isinstance(strategy, WeightStrategy)
         spec, self._loaded = checkpoint_spec(self.model_config, strategy.extract_as)
         prepare = self._prepare if self.prepares else None  # (None: the receiver hands the version to _load alone)
-        model = ExternalModel(spec, self._load, device=torch.device(self.device), prepare=prepare)
+        # (buffers the engine computes itself: a copy of the trainer's in the engine's dtype has them in another)
+        ignored = frozenset(spec) - self._loaded
+        model = ExternalModel(spec, self._load, device=torch.device(self.device), prepare=prepare, ignored=ignored)
         spread = self._cpu and hasattr(os, "sched_getaffinity")  # (Linux's: where vLLM binds its compute threads)
         with _threads_started_on(_spare_cpus(_numa_nodes(), os.sched_getaffinity(0)) if spread else None):
             scheme.init_on_receiver(model=model)

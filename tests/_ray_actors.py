@@ -26,6 +26,28 @@ class Collector:
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
+    def record_updates(self) -> None:
+        """From now on, record the version of each update that reaches this actor (:meth:`updates`)."""
+        from weightsync.transports.ray.receiver import RayReceiver
+
+        self.pushed: list[int] = []
+        real = RayReceiver.push
+
+        def push(receiver, version, *args, **kwargs):
+            self.pushed.append(version)
+            return real(receiver, version, *args, **kwargs)
+
+        RayReceiver.push = push  # type: ignore[method-assign]
+
+    def updates(self) -> list[int]:
+        return self.pushed
+
+    def busy(self, seconds: float) -> None:
+        """Hold the actor (a rollout, say): calls after this one wait."""
+        import time
+
+        time.sleep(seconds)
+
     def pid(self) -> int:
         import os
 

@@ -89,6 +89,28 @@ def test_async_sends_arrive_in_order_and_are_awaited():
         ray.kill(a)
 
 
+@pytest.mark.parametrize("latest_wins", [True, False])
+def test_async_sends_to_a_busy_actor_coalesce_to_the_newest_unless_every_version_is_wanted(latest_wins):
+    """An actor busy while the trainer sends asynchronously: with ``latest_wins`` (the default) the versions sent
+    meanwhile wait in the trainer, each replacing the last, and the actor gets the first and then the newest,
+    not every version in turn, nor an object in the store for each (before: 20 sends, 21 objects, 336 MiB, each
+    applied); without it, every version in turn."""
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=30, sync=False, latest_wins=latest_wins)
+    (actor,) = _joined(scheme, model, n=1)
+    scheme.connect()
+    ray.get(actor.record_updates.remote())
+    actor.busy.remote(3.0)
+    for step in range(1, 9):
+        optimizer_step(model, step)
+        scheme.send_async()
+    scheme.wait_async()
+    assert scheme.acked_versions == {0: 8}
+    assert ray.get(actor.state.remote()) == (8, checksum(model, "tensordict"))
+    assert ray.get(actor.updates.remote()) == ([1, 8] if latest_wins else list(range(1, 9)))
+    scheme.shutdown()
+
+
 def test_async_failure_is_reported_at_wait_async():
     model = build("tiny")
     scheme = ws.RayWeightSyncScheme(sync=False, timeout=30)

@@ -16,7 +16,6 @@ from ..core.timing import deadline_after
 from ..errors import ConfigurationError, raise_failures
 from ..options import DELTA, TRACK_WRITES, WIRE_DTYPE, option
 from ..tensors.layout import FlatLayout
-from ..transports.network import await_listener
 from ..transports.ray.settings import RayActorSettings, RaySettings
 from .payload import PayloadScheme
 
@@ -77,6 +76,7 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
     wire_dtype: str | None = option(WIRE_DTYPE)
     delta: Any = option(DELTA)  # false, true or "auto"
     track_writes: bool = option(TRACK_WRITES)
+    latest_wins: bool = option(options.LATEST_WINS)
 
     TRANSPORTS: ClassVar[tuple[type[TransportSettings], ...]] = (RaySettings, RayActorSettings)
     SENDER_HANDLES = ("remote_collectors", "actors", "actor")
@@ -85,6 +85,7 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
         """Unless Ray is up in this process, join the cluster this scheme names (``address``, else
         ``RAY_ADDRESS``, else a new local one) in its ``namespace``; ``options`` go to ``ray.init``.
         Returns whether this call initialized Ray."""
+        from ..transports.network import await_listener
         from ..transports.ray.sender import ray
 
         if ray().is_initialized():
@@ -161,6 +162,7 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
             extract_as=self._strategy.extract_as,
             checksum=self.checksum,
             gpu=self._model_gpu,
+            latest_wins=self.latest_wins,
         )
 
     def _receiver_engine(

@@ -59,8 +59,10 @@ class RaySender(SenderEngine):
         extract_as: str,
         checksum: bool = False,
         gpu: torch.device | None = None,
+        latest_wins: bool = False,
     ) -> None:
         super().__init__(sink, layout, num_workers, checksum=checksum, gpu=gpu)
+        self.latest_wins = latest_wins
         self.settings = settings
         self.transport_class: type[RayTransport] = settings.transport_class()
         self._in_actor: Callable[..., int] = apply_in_actor
@@ -76,6 +78,8 @@ class RaySender(SenderEngine):
     def _transport(self, actor: Any, worker: int) -> RayTransport:
         transport = self.transport_class(actor, worker, self.sink.model_id, self.extract_as, self.sink)
         transport.in_actor = self._in_actor
+        # (an integration's call around each update, a vLLM engine's, names each version it loads: all go)
+        transport.coalesce = self.latest_wins and self._in_actor is apply_in_actor
         return transport
 
     def run_in_actor(self, call: Callable[..., int]) -> None:
@@ -93,7 +97,7 @@ class RaySender(SenderEngine):
             )
         self._in_actor = call
         for transport in self.transports.values():
-            transport.in_actor = call
+            transport.in_actor, transport.coalesce = call, False
 
     def rendezvous(self, deadline: float, timeout: float) -> dict[int, WeightSyncError]:
         return {}  # nothing to join: version 0 reaches each actor as a call
@@ -124,7 +128,7 @@ class RaySender(SenderEngine):
         if out.delta is not None:
             changes = ray().put(((), [out.delta.body.numpy()], None, out.delta.to_plain()))
             for w in out.delta_workers:  # (they applied a version: they hold the layout)
-                self.transports[w].submit(out.version, changes, None)
+                self.transports[w].submit(out.version, changes, None, whole=False)
         if staged is None:  # an actor that rejoins is sent the core's copy of the version, put then
             self.newest, self._unstaged = None, (out.published, out.version)
             return
@@ -202,6 +206,9 @@ class RaySender(SenderEngine):
                 continue
             self._has_layout.add(w)
             self.sink.acked(w, held)
+        for w in {w for w, _ in refs.values()}:  # a version held back while a call was on its way goes now
+            if w in self.transports and not self.sink.is_dead(w):
+                self.transports[w].flush()
 
     def _not_held(self, worker: int, version: int, said: Any) -> ReceiverError:
         return ReceiverError(

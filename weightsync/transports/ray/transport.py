@@ -101,9 +101,27 @@ class RayTransport(PeerTransport):
         #: What the actor runs for each update: :func:`apply_in_actor`, or an integration's call around it with the
         #: same arguments and return (:meth:`~weightsync.transports.ray.sender.RaySender.run_in_actor`).
         self.in_actor: Callable[..., int] = apply_in_actor
+        #: ``latest_wins``: while a call is on its way, a whole version waits here, and a newer one replaces it
+        #: (its object let go): an actor that is behind gets the newest, not every version in turn.
+        self.coalesce = False
+        self.pending: tuple[int, Any, dict | None] | None = None
 
-    def submit(self, version: int, payload_ref: Any, layout: dict | None) -> None:
-        """Ask the actor to apply ``version`` (queued after its earlier calls, in order)."""
+    def submit(self, version: int, payload_ref: Any, layout: dict | None, *, whole: bool = True) -> None:
+        """Ask the actor to apply ``version`` (queued after its earlier calls, in order); a whole version, while
+        a call is on its way and :attr:`coalesce` says so, waits in :attr:`pending` for :meth:`flush`."""
+        if self.coalesce and whole and self.in_flight:
+            self.pending = (version, payload_ref, layout if self.pending is None else self.pending[2] or layout)
+            return
+        self.flush(force=True)  # (one held goes first: what comes after it is newer)
+        self._call(version, payload_ref, layout)
+
+    def flush(self, force: bool = False) -> None:
+        """Submit the version held in :attr:`pending`, once no call is on its way (``force``: now)."""
+        if self.pending is not None and (force or not self.in_flight):
+            held, self.pending = self.pending, None
+            self._call(*held)
+
+    def _call(self, version: int, payload_ref: Any, layout: dict | None) -> None:
         self.in_flight[version] = self.actor.__ray_call__.remote(
             self.in_actor, self.model_id, version, payload_ref, layout
         )
@@ -130,5 +148,5 @@ class RayActorTransport(RayTransport):
                 worker_idx=worker_idx,
             ) from None
 
-    def submit(self, version: int, payload_ref: Any, layout: dict | None) -> None:
+    def _call(self, version: int, payload_ref: Any, layout: dict | None) -> None:
         self.in_flight[version] = self.method.remote(self.model_id, version, payload_ref, layout)

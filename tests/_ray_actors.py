@@ -103,7 +103,7 @@ class Collector:
         self.model.body[3] = nn.Linear(8, 3)
 
 
-@ray.remote(num_cpus=0, max_restarts=1, max_task_retries=0)
+@ray.remote(num_cpus=0, max_restarts=2, max_task_retries=0)
 class JoinsAtStart:
     """A collector that joins its scheme as it starts, the pattern of many: restarted by Ray, its new process
     joins again, behind the same handle, and the sender is not told."""

@@ -12,6 +12,7 @@ import weightsync as ws
 from tests._bodies import optimizer_step, rounded, send_past_hung_worker_1, wire_nbytes
 from tests._workers import _scramble, build, checksum
 from tests.conftest import kill_actor
+from weightsync.core.timing import deadline_after, wait_until
 
 ray = pytest.importorskip("ray", reason="Ray is an optional engine; `pip install -e .[test]` installs it")
 
@@ -104,6 +105,9 @@ def test_async_sends_to_a_busy_actor_coalesce_to_the_newest_unless_every_version
     for step in range(1, 9):
         optimizer_step(model, step)
         scheme.send_async()
+    # The newest goes as soon as the call before it ended, not at the trainer's next send or wait.
+    wanted = (8, checksum(model, "tensordict"))
+    assert wait_until(lambda: ray.get(actor.state.remote()) == wanted, deadline_after(20), 0.1)
     scheme.wait_async()
     assert scheme.acked_versions == {0: 8}
     assert ray.get(actor.state.remote()) == (8, checksum(model, "tensordict"))
@@ -564,6 +568,39 @@ def test_an_actor_ray_restarts_that_joins_again_is_sent_the_version_whole_in_the
         scheme.send()
         assert ray.get(actor.state.remote()) == (step, checksum(model, "tensordict"))
     assert scheme.acked_versions == {0: 3}
+    # Again, with two asynchronous sends on their way to the new process: the first says it wants the layout.
+    process = psutil.Process(ray.get(actor.pid.remote()))
+    process.kill()
+    process.wait(30)
+    assert ray.get(actor.state.options(max_task_retries=-1).remote(), timeout=60)[0] is None
+    for step in (4, 5):
+        optimizer_step(model, step)
+        scheme.send_async()
+    scheme.wait_async()
+    assert ray.get(actor.state.remote()) == (5, checksum(model, "tensordict"))
+    assert scheme.acked_versions == {0: 5}
+    scheme.shutdown()
+
+
+def test_a_new_trainer_takes_over_actors_whose_receivers_stayed_and_starts_its_versions_over():
+    """A trainer restarted (or a second one) reaches actors whose receivers held a later version of the first: its
+    version 0 is applied, not taken for an older version (its ack was counted as the first trainer's 3)."""
+    first, second = build("tiny"), build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=20)
+    (actor,) = _joined(scheme, first, n=1)
+    scheme.connect()
+    for step in (1, 2, 3):
+        optimizer_step(first, step)
+        scheme.send()
+    scheme.shutdown()
+    optimizer_step(second, 42)
+    scheme = ws.RayWeightSyncScheme(timeout=20)
+    scheme.init_on_sender(model_id="policy", model=second, remote_collectors=[actor])
+    scheme.connect()
+    assert scheme.acked_versions == {0: 0} and ray.get(actor.state.remote()) == (0, checksum(second, "tensordict"))
+    optimizer_step(second, 43)
+    scheme.send()
+    assert scheme.acked_versions == {0: 1} and ray.get(actor.state.remote()) == (1, checksum(second, "tensordict"))
     scheme.shutdown()
 
 

@@ -60,6 +60,8 @@ class RayReceiver(ReceiverEngine):
             LayoutWanted: no layout came with the update, and this process holds none.
         """
         with self._applying:
+            if version == 0 and layout is not None:  # a sender's first (a new one, a restarted trainer): over again
+                self._held = None
             if self._held is not None and version <= self._held:
                 return self._held
             if layout is None and self.layout is None:

@@ -154,6 +154,7 @@ class RaySender(SenderEngine):
             )
         version, payload = self.newest
         old = self.transports[worker]
+        old.close()  # (a version it held back is not sent: the newest goes now)
         self.transports[worker] = self._transport(old.actor if actor is None else actor, worker)
         self._has_layout.discard(worker)
         self.sink.rejoining(worker, version)  # from here on, a failure is this actor's
@@ -169,8 +170,10 @@ class RaySender(SenderEngine):
     def unpublished(self) -> None:
         self._unstaged = None  # (a whole version put before, in self.newest, still stands)
 
-    def _refs(self, workers: list[int]) -> dict[Any, tuple[int, int]]:
-        return {ref: (w, v) for w in workers for v, ref in self.transports[w].in_flight.items()}
+    def _refs(self, workers: list[int]) -> dict[Any, tuple[int, int, RayTransport]]:
+        """``{ref: (worker, version, transport)}`` of the calls on their way to ``workers``."""
+        transports = {w: self.transports[w] for w in workers}
+        return {ref: (w, v, t) for w, t in transports.items() for v, ref in t.refs().items()}
 
     def poll(self, workers: list[int]) -> None:
         refs = self._refs([w for w in workers if not self.sink.is_dead(w)])
@@ -179,8 +182,8 @@ class RaySender(SenderEngine):
         ray_ = ray()
         ready, _ = ray_.wait(list(refs), num_returns=len(refs), timeout=0)
         for ref in ready:
-            w, v = refs[ref]
-            self.transports[w].in_flight.pop(v, None)
+            w, v, transport = refs[ref]
+            transport.forget(v)
             try:
                 held = ray_.get(ref)
             except ray_.exceptions.RayActorError as exc:
@@ -193,8 +196,10 @@ class RaySender(SenderEngine):
                 continue
             except Exception as exc:  # noqa: BLE001 - the actor's failure, as Ray delivers it
                 cause = getattr(exc, "cause", None) or exc
-                if isinstance(cause, LayoutWanted) and self._newest_version() == v:
-                    self.resubmit(w)  # a new process behind the handle: sent the version whole, awaited as this one
+                if isinstance(cause, LayoutWanted) and self._newest_version() is not None:
+                    # A new process behind the handle: sent the newest version whole, which acks this one too.
+                    if self.transports[w] is transport:  # (once: a later call of the old process's says the same)
+                        self.resubmit(w)
                     continue
                 text = str(cause).splitlines()[-1][:MAX_ERROR_TEXT] if str(cause) else repr(cause)
                 self.sink.failed(
@@ -206,9 +211,6 @@ class RaySender(SenderEngine):
                 continue
             self._has_layout.add(w)
             self.sink.acked(w, held)
-        for w in {w for w, _ in refs.values()}:  # a version held back while a call was on its way goes now
-            if w in self.transports and not self.sink.is_dead(w):
-                self.transports[w].flush()
 
     def _not_held(self, worker: int, version: int, said: Any) -> ReceiverError:
         return ReceiverError(
@@ -237,6 +239,8 @@ class RaySender(SenderEngine):
             for ref in ready:
                 with contextlib.suppress(Exception):
                     ray().get(ref, timeout=0)
+        for transport in self.transports.values():
+            transport.close()
         self.transports.clear()
         self.newest, self._unstaged, self._staging, self._staging_views = None, None, None, {}
         self._has_layout.clear()

@@ -9,6 +9,7 @@ exception is the actor's failure; ``RayActorError`` means the actor is dead.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -97,34 +98,70 @@ class RayTransport(PeerTransport):
         self.actor = actor
         self.model_id = model_id
         self.extract_as = extract_as
-        self.in_flight: dict[int, Any] = {}  # version -> ObjectRef of the call applying it
+        self.in_flight: dict[int, Any] = {}  # version -> ObjectRef of the call applying it (read: :meth:`refs`)
         #: What the actor runs for each update: :func:`apply_in_actor`, or an integration's call around it with the
         #: same arguments and return (:meth:`~weightsync.transports.ray.sender.RaySender.run_in_actor`).
         self.in_actor: Callable[..., int] = apply_in_actor
-        #: ``latest_wins``: while a call is on its way, a whole version waits here, and a newer one replaces it
-        #: (its object let go): an actor that is behind gets the newest, not every version in turn.
+        #: ``latest_wins``: while a call is on its way, a whole version waits in :attr:`pending`, and a newer one
+        #: replaces it (its object let go); it goes as soon as Ray says that call ended. An actor that is behind
+        #: gets the newest next, not every version in turn.
         self.coalesce = False
         self.pending: tuple[int, Any, dict | None] | None = None
+        # (the trainer's thread submits; Ray's thread that learns a call ended submits what was held back)
+        self._lock = threading.RLock()
+        self._running = 0  # calls whose end Ray has not reported yet (where versions are held back)
+        self._closed = False
 
     def submit(self, version: int, payload_ref: Any, layout: dict | None, *, whole: bool = True) -> None:
         """Ask the actor to apply ``version`` (queued after its earlier calls, in order); a whole version, while
-        a call is on its way and :attr:`coalesce` says so, waits in :attr:`pending` for :meth:`flush`."""
-        if self.coalesce and whole and self.in_flight:
-            self.pending = (version, payload_ref, layout if self.pending is None else self.pending[2] or layout)
-            return
-        self.flush(force=True)  # (one held goes first: what comes after it is newer)
-        self._call(version, payload_ref, layout)
+        a call is on its way and :attr:`coalesce` says so, is held back until that call ended."""
+        with self._lock:
+            if self.coalesce and whole and self._running:
+                self.pending = (version, payload_ref, layout if self.pending is None else self.pending[2] or layout)
+                return
+            self._send_pending()  # (one held back goes first: what comes after it is newer)
+            self._call(version, payload_ref, layout)
 
-    def flush(self, force: bool = False) -> None:
-        """Submit the version held in :attr:`pending`, once no call is on its way (``force``: now)."""
-        if self.pending is not None and (force or not self.in_flight):
+    def refs(self) -> dict[int, Any]:
+        """``{version: ObjectRef}`` of the calls on their way (a copy)."""
+        with self._lock:
+            return dict(self.in_flight)
+
+    def forget(self, version: int) -> None:
+        """The call for ``version`` was read."""
+        with self._lock:
+            self.in_flight.pop(version, None)
+
+    def close(self) -> None:
+        """No more calls: a version held back is let go."""
+        with self._lock:
+            self._closed, self.pending = True, None
+
+    def _send_pending(self) -> None:
+        if self.pending is not None:
             held, self.pending = self.pending, None
             self._call(*held)
 
     def _call(self, version: int, payload_ref: Any, layout: dict | None) -> None:
-        self.in_flight[version] = self.actor.__ray_call__.remote(
-            self.in_actor, self.model_id, version, payload_ref, layout
-        )
+        ref = self._remote(version, payload_ref, layout)
+        self.in_flight[version] = ref
+        if self.coalesce:
+            self._running += 1
+            ref.future().add_done_callback(self._ended)
+
+    def _ended(self, call: Any) -> None:
+        """(Ray's thread) A call ended: the version held back goes now, unless the actor is gone."""
+        from ray.exceptions import RayActorError
+
+        with self._lock:
+            self._running -= 1
+            if isinstance(call.exception(), RayActorError) or self._closed:
+                self.pending = None
+            elif not self._running:
+                self._send_pending()
+
+    def _remote(self, version: int, payload_ref: Any, layout: dict | None) -> Any:
+        return self.actor.__ray_call__.remote(self.in_actor, self.model_id, version, payload_ref, layout)
 
 
 class RayActorTransport(RayTransport):
@@ -148,5 +185,5 @@ class RayActorTransport(RayTransport):
                 worker_idx=worker_idx,
             ) from None
 
-    def _call(self, version: int, payload_ref: Any, layout: dict | None) -> None:
-        self.in_flight[version] = self.method.remote(self.model_id, version, payload_ref, layout)
+    def _remote(self, version: int, payload_ref: Any, layout: dict | None) -> Any:
+        return self.method.remote(self.model_id, version, payload_ref, layout)

@@ -392,3 +392,26 @@ def test_the_sender_waits_a_moment_for_a_workers_word_of_why_it_failed_and_no_lo
     began = time.monotonic()
     assert DistributedTransport.error_detail(sender, 8)["type"] == "UnknownError"  # type: ignore[arg-type]
     assert time.monotonic() - began < ERROR_DETAIL_WAIT_S + 1.0
+
+
+def test_a_store_probe_never_blocks_its_caller_says_when_the_store_is_gone_and_asks_nothing_once_closed():
+    """The rpc worker's look at its sender (``store.Probe``): each call starts one check on a thread of its own
+    unless one is out, and returns at once; a store that went away is named; once closed, nothing is asked."""
+    import threading
+
+    from weightsync.core.timing import deadline_after, wait_until
+    from weightsync.transports.store import Hangup, Probe
+
+    timeout = datetime.timedelta(seconds=10)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout)
+    probe = Probe(client, Hangup([]), "test-probe")
+    assert probe() is None
+    assert wait_until(lambda: not probe.out, deadline_after(10), 0.01)
+    probe.close(5)
+    assert probe() is None and not probe.out
+    assert not [t for t in threading.enumerate() if t.name == "test-probe"]
+    gone = Probe(client, Hangup([]), "test-probe")
+    del server  # (the store's server stops with its last reference)
+    assert wait_until(lambda: gone() is not None, deadline_after(10), 0.05)
+    gone.close(5)

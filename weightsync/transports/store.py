@@ -216,10 +216,11 @@ class Probe:
         self._out = False
         self._failed: str | None = None
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     def __call__(self) -> str | None:
         with self._lock:
-            if self._failed is None and not self._out:
+            if self._failed is None and not self._out and not self._closed:
                 self._out = True
                 self._thread = threading.Thread(target=self._check, name=self.name, daemon=True)
                 self._thread.start()
@@ -242,8 +243,10 @@ class Probe:
 
     def close(self, timeout: float) -> None:
         """End the check that is out, if one is (its store's connection is shut down: the store's client is
-        done), and wait for the thread, at most ``timeout`` seconds."""
-        thread = self._thread
+        done), and wait for the thread, at most ``timeout`` seconds. No check starts after this (a receive that
+        overlaps the end asks nothing)."""
+        with self._lock:
+            self._closed, thread = True, self._thread
         if thread is None:
             return
         if self.out:

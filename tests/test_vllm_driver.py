@@ -614,12 +614,14 @@ def test_an_updates_calls_share_the_timeout_so_an_engine_is_not_held_paused_for_
 class InOrder:
     """An ``AsyncLLM`` as vLLM 0.32 runs its calls: its engine core makes them one at a time, in the order they
     came, and one whose caller gave up (its await cancelled at the client's timeout) still runs to its end (vLLM's
-    ``collective_rpc`` does). Its first load takes ``loading_s``."""
+    ``collective_rpc`` does). A load goes on until ``loading`` is set, where it is an event (then the next loads
+    are at once)."""
 
     def __init__(self, spec: dict) -> None:
         self.engine = Engine(spec)
         self.core = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="test-engine-core")
-        self.loading_s, self.paused = 0.0, False
+        self.loading: threading.Event | None = None
+        self.paused = False
 
     async def _in_core(self, call, *args) -> None:
         await asyncio.get_running_loop().run_in_executor(self.core, call, *args)
@@ -632,8 +634,9 @@ class InOrder:
 
     async def update_weights(self, request) -> None:
         def load() -> None:
-            time.sleep(self.loading_s)
-            self.loading_s = 0.0
+            if self.loading is not None:
+                self.loading.wait(30)
+                self.loading = None
             self.engine.update_weights(request.update_info)
 
         await self._in_core(load)
@@ -672,10 +675,11 @@ def test_an_update_that_outlasts_its_timeout_and_loads_all_the_same_is_named_for
         scheme.init_on_sender(model=model, context=VLLMEngines([target], pause_mode=mode, loop=loop))
         scheme.connect()
         target.engine.calls.clear()
-        target.loading_s = 3.0
+        target.loading = loaded = threading.Event()
         _step(model, 1)
         with pytest.raises(ws.SyncTimeoutError, match="worker 0"):
             scheme.send()
+        loaded.set()  # the load lands past the send that gave up on it
         assert wait_until(lambda: target.engine.version == "1", deadline_after(10), 0.05)
         assert _same(target.engine, model) and not target.engine.active
         assert wait_until(lambda: not target.paused, deadline_after(10), 0.05)

@@ -220,11 +220,11 @@ def test_a_servers_answer_is_quoted_as_data_and_one_nested_past_the_parsers_dept
 def test_a_host_name_that_takes_long_to_resolve_is_a_named_timeout_within_the_calls_timeout(monkeypatch):
     """The resolver's wait has no bound of its own: the call's timeout bounds it too (it took the resolver's
     whole time before)."""
-    resolve = socket.getaddrinfo
+    resolve, answered = socket.getaddrinfo, threading.Event()
 
     def slow(host, *args, **kwargs):
         if host == "engine-b.internal":
-            time.sleep(4)
+            answered.wait(30)  # (until the test is done with it)
         return resolve(host, *args, **kwargs)
 
     monkeypatch.setattr(socket, "getaddrinfo", slow)
@@ -232,6 +232,7 @@ def test_a_host_name_that_takes_long_to_resolve_is_a_named_timeout_within_the_ca
     with pytest.raises(ws.SyncTimeoutError, match="engine 0: POST /start_weight_update .* within 1.0s"):
         HTTPEngineClient("http://engine-b.internal:8000", "engine 0").start(1.0)
     assert time.monotonic() - started < 2.5
+    answered.set()
     for thread in threading.enumerate():  # (nothing interrupts a resolver: its thread ends when it answers)
         if thread.name == "weightsync-resolve":
             thread.join(10)

@@ -52,11 +52,13 @@ class ExternalModel:
         object.__setattr__(self, "spec", {str(k): (tuple(int(d) for d in s), t) for k, (s, t) in self.spec.items()})
         object.__setattr__(self, "ignored", frozenset(str(k) for k in self.ignored))
 
-    def spec_for(self, sent: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> dict:
+    def spec_for(
+        self, sent: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+    ) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]]:
         """What an update that carries ``sent`` (``{name: (shape, dtype)}``) must match: :attr:`spec`, with each of
         :attr:`ignored` as it was sent, or left out where it was not."""
-        if not self.ignored:
-            return dict(self.spec)
+        if not self.ignored:  # (checked at every update: no copy)
+            return self.spec
         spec = {k: v for k, v in self.spec.items() if k not in self.ignored}
         spec.update({k: v for k, v in sent.items() if k in self.ignored})
         return spec

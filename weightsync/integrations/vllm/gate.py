@@ -80,9 +80,6 @@ class Gate(SenderEngine):
         #: worker -> the newest version its engine was updated to and named: a turn is not taken in the order the
         #: calls were made, and an older version's, coming after, has nothing left to do
         self._served: dict[int, int] = {}
-        #: worker -> versions whose calls failed here while the engine loaded them all the same (its calls run to
-        #: their end), named for them after: served
-        self._named_late: dict[int, set[int]] = {}
 
     # ------------------------------------------------ the sink the scheme's engine reports to
     timeout = property(lambda self: self.core.timeout, doc="The core's (the scheme's ``timeout``).")
@@ -157,7 +154,6 @@ class Gate(SenderEngine):
             self._held.pop(worker, None)
             self._failures.pop(worker, None)
             self._told.pop(worker, None)
-            self._named_late.pop(worker, None)
 
     def _paused(
         self,
@@ -174,7 +170,8 @@ class Gate(SenderEngine):
         ``start``, ``start_weight_update`` first (with the pause, where the engine takes both at once). The calls
         share the time ``left()``; a resume, and the undoing of a failed update, have the scheme's ``timeout`` each
         (an engine must not stay paused because its update took all the time). ``undone()``, where given, runs
-        once a failed update was ended (before the resume)."""
+        once a failed update was ended (before the resume); where it says the engine serves the version all the
+        same, the calls did not fail."""
         mode = self.engines.pause_mode
         pause = client.pauses and mode != "none"
         together = start and pause and client.starts_with_pause
@@ -199,19 +196,22 @@ class Gate(SenderEngine):
             # The engine back to generating with no update open, best effort (the failure raised is the first):
             # an open session refuses every later start, and a pause left on stops generation for good. Each
             # call waits behind the engine's own call in progress, if one still is (one that timed out here).
+            served = False
             if begun:
                 with contextlib.suppress(Exception):
                     client.finish(None, self.core.timeout)
                 if undone is not None:
                     with contextlib.suppress(Exception):
-                        undone()
+                        served = undone()
             if paused:
                 with contextlib.suppress(Exception):
                     client.resume(self.core.timeout)
             elif begun:  # a load that failed here may have changed the weights in the engine all the same
                 with contextlib.suppress(Exception):
                     client.reset_prefix_cache(self.core.timeout)
-            raise
+            if not served:
+                raise
+            return
         if paused:
             client.resume(self.core.timeout)
         else:  # pausing cleared it; an engine not paused has nothing in flight to keep its cache for
@@ -258,11 +258,12 @@ class Gate(SenderEngine):
                 # takes them while it generates, with its weights until update_weights: the start need not wait).
                 self._inner().wait_sent(worker, time.monotonic() + left())
 
-            def undone() -> None:  # (the finish that ended the session waited for a load still under way)
-                if client.name_if_loaded(version, self.core.timeout):
-                    with self._lock:
-                        self._served[worker] = max(version, self._served.get(worker, -1))
-                        self._named_late.setdefault(worker, set()).add(version)
+            def undone() -> bool:  # (the finish that ended the session waited for a load still under way)
+                if not client.name_if_loaded(version, self.core.timeout):
+                    return False
+                with self._lock:
+                    self._served[worker] = max(version, self._served.get(worker, -1))
+                return True
 
             self._paused(client, left, body, worker, version, before=before, start=True, undone=undone)
 
@@ -291,7 +292,6 @@ class Gate(SenderEngine):
             if worker not in reported and any(v and f.exception() is not None for v, f in calls):
                 self._inner().poll([worker])  # (the receiver's own word of why, the cause, may be on its way)
             told, served = self._told.get(worker, -1), {v for v, f in calls if f.exception() is None}
-            served |= self._named_late.pop(worker, set())  # (its calls failed, and the engine loaded it all the same)
             # (a version made again with success, sent whole, was served; one the core was told of is not news)
             failures = [(v, e) for v, f in calls if (e := f.exception()) is not None and v not in served and v > told]
             receiver = reported.get(worker)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import http.client
+import ipaddress
 import json
 import socket
 import ssl
@@ -138,12 +139,18 @@ class HTTPEngineClient(EngineClient):
 
     def _connection(self, address: tuple[str, int], deadline: float, source: Any) -> socket.socket:
         """A connection to ``address`` by the first of its host's addresses that takes one, all before
-        ``deadline``: the name is resolved in a thread waited for until then.
+        ``deadline``: a name (not an address) is resolved in a thread waited for until then.
 
         Raises:
             TimeoutError: not within the deadline. OSError: the name does not resolve, or no address answers.
         """
         host, port = address
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:  # a name: resolved below, in a thread
+            pass
+        else:  # an address: nothing to resolve, no thread (each call comes here)
+            return socket.create_connection((host, port), max(0.001, deadline - time.monotonic()), source)
         resolving = in_thread(lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM), "weightsync-resolve")
         try:
             found = resolving.result(max(0.0, deadline - time.monotonic()))

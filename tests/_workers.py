@@ -279,12 +279,17 @@ def until_sender_dies(cfg: dict, report: str, kind: str = "tiny") -> None:
         json.dump({"noticed": noticed, "versions": versions, "longest": longest, "leftovers": leftovers()}, out)
 
 
-def doomed_trainer(name: str, n: int, reports: list, cmd, device: str = "") -> None:
+def doomed_trainer(name: str, n: int, reports: list, cmd, device: str = "", line: bool = True) -> None:
     """A trainer that starts ``n`` workers from receiver configs, sends two versions, reports, then waits
     (the test kills it). ``device``: the GPU the trainer's and the workers' models are on (``""``: the CPU).
-    Told ``"send"`` instead, it sends a third version and shuts down."""
+    Told ``"send"`` instead, it sends a third version and shuts down. ``line=False``: its ``distributed``
+    workers (forked) dial no line, as a rejoined worker has none: they are announced to in the store."""
     import multiprocessing as mp
 
+    if not line:
+        from weightsync.transports.distributed.receiver import DistributedReceiver
+
+        DistributedReceiver._dial = lambda self, store, deadline: None  # type: ignore[method-assign]
     opt_in = {"allow_store_peers_to_run_code": True} if name == "rpc" else {}  # what an rpc world allows
     procs = []
     try:

@@ -415,3 +415,37 @@ def test_a_store_probe_never_blocks_its_caller_says_when_the_store_is_gone_and_a
     del server  # (the store's server stops with its last reference)
     assert wait_until(lambda: gone() is not None, deadline_after(10), 0.05)
     gone.close(5)
+
+
+def test_store_calls_bound_their_callers_run_one_at_a_time_and_end_a_call_still_out_at_close():
+    """A worker's store calls on a receive's path (``store.StoreCalls``): a call that does not end (a stopped
+    sender's store) costs each caller at most its deadline, the next call waits for it within its own, one that
+    ends hands back what it returned or raised, and closing shuts down the connection of a call still out."""
+    import threading
+
+    from weightsync.core.timing import deadline_after
+    from weightsync.transports.store import StoreCalls, Unanswered
+
+    release, hung_up = threading.Event(), threading.Event()
+
+    def hangup() -> bool:
+        hung_up.set()
+        release.set()  # as the call's connection shut down would end it
+        return True
+
+    calls = StoreCalls(hangup, "test-store-calls")  # type: ignore[arg-type]
+    assert calls.ask(lambda: 7, deadline_after(5), "a number") == 7
+    with pytest.raises(KeyError, match="gone"):
+        calls.ask(lambda: {}["gone"], deadline_after(5), "a key")
+    began = time.monotonic()
+    with pytest.raises(Unanswered, match="did not answer \\(a look\\)") as info:
+        calls.ask(lambda: release.wait(30), deadline_after(0.2), "a look", worker_idx=3)
+    assert info.value.worker_idx == 3 and isinstance(info.value, ws.SyncTimeoutError)
+    with pytest.raises(Unanswered):  # the call before it is still out
+        calls.ask(lambda: 8, deadline_after(0.2), "a number")
+    assert not calls.post(lambda: 9)
+    assert time.monotonic() - began < 2.0
+    calls.close(5)
+    assert hung_up.is_set() and not [t for t in threading.enumerate() if t.name == "test-store-calls"]
+    with pytest.raises(ws.ConnectionClosedError):
+        calls.ask(lambda: 7, deadline_after(5), "a number")

@@ -386,12 +386,15 @@ def test_workers_exit_cleanly_when_the_trainer_is_killed(ctx, tmp_path, name, de
     assert key_file is None or not os.path.exists(key_file), "the auth key file outlived the sender and its workers"
 
 
-@pytest.mark.parametrize("name", ["distributed", "rpc"])
-def test_a_worker_of_a_stopped_trainer_is_never_held_past_its_receive_and_goes_on_when_it_resumes(ctx, tmp_path, name):
+@pytest.mark.parametrize(("name", "line"), [("distributed", True), ("distributed", False), ("rpc", True)])
+def test_a_worker_of_a_stopped_trainer_is_never_held_past_its_receive_and_goes_on_when_it_resumes(
+    ctx, tmp_path, name, line
+):
     """A trainer stopped (a debugger, ``SIGSTOP``) keeps its connections, and the kernel acknowledges what its
     workers send it: a worker that asks it anything waits for an answer that does not come. Each of the worker's
     ``receive(timeout=0.05)`` still returns in time, and the worker takes the next version once the trainer
-    resumes."""
+    resumes. (A ``distributed`` worker without a line, as a rejoined one, looks for its announcements in the
+    store.)"""
     import json
 
     import psutil
@@ -400,7 +403,7 @@ def test_a_worker_of_a_stopped_trainer_is_never_held_past_its_receive_and_goes_o
 
     report = str(tmp_path / "worker0.json")
     parent, child = ctx.Pipe()
-    trainer = ctx.Process(target=doomed_trainer, args=(name, 1, [report], child))
+    trainer = ctx.Process(target=doomed_trainer, args=(name, 1, [report], child, "", line))
     trainer.start()
     try:
         assert parent.poll(60), "the trainer did not start its worker"

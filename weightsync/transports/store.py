@@ -9,13 +9,14 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from ..core.timing import Progress, deadline_after, remaining, wait_until
-from ..errors import ConfigurationError, SyncTimeoutError, first_line
+from ..errors import ConfigurationError, ConnectionClosedError, SyncTimeoutError, first_line
 from .network import await_listener, bound_silence
 from .plainjson import loads_object
 
@@ -27,6 +28,8 @@ __all__ = [
     "await_key",
     "Hangup",
     "Probe",
+    "StoreCalls",
+    "Unanswered",
     "connect_store",
     "dial_store",
     "open_store",
@@ -35,6 +38,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("weightsync.transports.store")
+
+T = TypeVar("T")
 
 #: Connections a served store queues before it accepts them (workers, rejoins, the sender's own clients).
 BACKLOG = 1024
@@ -250,6 +255,118 @@ class Probe:
         if thread is None:
             return
         if self.out:
+            self.hangup()
+        thread.join(timeout)
+
+
+class Unanswered(SyncTimeoutError):
+    """A store call that :class:`StoreCalls` made did not end in time (it goes on, unwaited for)."""
+
+
+class _Call:
+    """One call :class:`StoreCalls` makes, and how it ended."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.call = call
+        self.started = self.ended = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
+class StoreCalls:
+    """Makes a store client's calls on a thread of its own, one at a time, each caller waiting at most until its
+    deadline. A store whose process is stopped (a debugger, ``SIGSTOP``) leaves torch's client waiting for an
+    answer with no bound (:class:`Probe`): the caller of a bounded receive must not be the one waiting.
+
+    A call its caller stopped waiting for ends when the store answers; the next call starts after it (torch's
+    client serialises its calls anyway), and whoever waits for that one waits within its own deadline.
+
+    Args:
+        hangup: the client's connection's :class:`Hangup`, which :meth:`close` calls when a call is still out.
+        name: the thread's name.
+    """
+
+    #: How long the idle thread waits for a call before it ends (the next call starts it again; seconds).
+    IDLE_S = 1.0
+    #: How long :meth:`close` lets a call still out end before it shuts the connection down (seconds).
+    GRACE_S = 0.2
+
+    def __init__(self, hangup: Hangup | None, name: str) -> None:
+        self.hangup, self.name = hangup, name
+        self._cond = threading.Condition()
+        self._out: _Call | None = None  # the call started last, until it ended
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def ask(self, call: Callable[[], T], deadline: float, what: str, **where: Any) -> T:
+        """``call()`` made on the thread; what it returned, or raises what it raised.
+
+        Raises:
+            Unanswered: it (or a call before it) did not end by ``deadline``; says ``what`` was asked.
+            ConnectionClosedError: the calls were closed.
+        """
+        silent = f"the sender's store did not answer ({what}); is its process stopped?"
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._out is None, max(remaining(deadline), 0.0)):
+                raise Unanswered(silent, **where)
+            job = self._start(call)
+            if not self._cond.wait_for(lambda: job.ended, max(remaining(deadline), 0.0)):
+                raise Unanswered(silent, **where)
+        if job.error is not None:
+            raise job.error
+        return job.value
+
+    def post(self, call: Callable[[], Any]) -> bool:
+        """Start ``call()`` on the thread and return at once (what it returns or raises is dropped: it says so
+        itself); ``False``, and nothing started, where a call is still out."""
+        with self._cond:
+            if self._out is not None:
+                return False
+            self._start(call)
+            return True
+
+    def _start(self, call: Callable[[], Any]) -> _Call:
+        if self._closed:
+            raise ConnectionClosedError(f"{self.name}: the store's client was closed")
+        job = self._out = _Call(call)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
+        return job
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._closed or self._out is not None, self.IDLE_S):
+                    self._thread = None  # idle: the next call starts one again
+                    return
+                if self._closed:
+                    return
+                job = self._out
+                assert job is not None
+                job.started = True
+            try:
+                job.value = job.call()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
+                job.error = exc
+            with self._cond:
+                job.ended, self._out = True, None
+                self._cond.notify_all()
+
+    def close(self, timeout: float) -> None:
+        """No call starts after this; a call still out is ended (its store's connection is shut down: the client
+        is done); the thread is waited for, at most ``timeout`` seconds."""
+        with self._cond:
+            self._closed, thread, job = True, self._thread, self._out
+            if job is not None and not job.started:  # never made: its caller hears why at once
+                job.error, job.ended, self._out = ConnectionClosedError(f"{self.name}: closed"), True, None
+            self._cond.notify_all()
+            # (a call out to a store that answers ends in a moment: the connection is shut only under one that does not)
+            out = not self._cond.wait_for(lambda: self._out is None, min(timeout, self.GRACE_S))
+        if thread is None:
+            return
+        if out and self.hangup is not None:
             self.hangup()
         thread.join(timeout)
 

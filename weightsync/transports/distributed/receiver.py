@@ -43,7 +43,7 @@ from ...tensors.layout import FlatLayout
 from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphaned
 from ..plainjson import loads_object
 from ..processes import process_identity
-from ..store import MAX_STORE_JSON, SILENT_TIMEOUTS, as_timedelta, await_key, connect_store, dial_store
+from ..store import MAX_STORE_JSON, SILENT_TIMEOUTS, StoreCalls, as_timedelta, await_key, dial_store
 from .auth import NO_BYTES, PayloadMac, Sealer, Unverifiable, layout_tag, proof, run_prefix
 from .doorbell import IDLE_S, Doorbell
 from .group import GROUP_TIMEOUT_FACTOR, Link, gpu_identity, new_group_within
@@ -120,6 +120,7 @@ class DistributedReceiver(ReceiverEngine):
         self._dropped: str | None = None  # why the sender dropped this worker, until it rejoined
         self._say_taken = False  # the message taken last asked to hear when it is ready to apply
         self._hello: dict[str, Any] = {}  # what this worker told the sender, said again when it rejoins
+        self._calls: StoreCalls | None = None  # where the store client's calls on a receive's path are made
 
     @classmethod
     def handoff_from(cls, handoff: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -140,7 +141,11 @@ class DistributedReceiver(ReceiverEngine):
         where = self.where
         host, port = self.handoff["master_addr"], int(self.handoff["master_port"])
         # A sender's host that vanishes fails the worker's next store call instead of blocking it for good.
-        base = connect_store(host, port, remaining(deadline), silence=SILENT_TIMEOUTS * self.update_timeout, **where)
+        silence = SILENT_TIMEOUTS * self.update_timeout
+        base, hangup = dial_store(host, port, remaining(deadline), silence=silence, **where)
+        # Its calls on a receive's path are made on a thread of their own, each waited for within the receive's
+        # bounds: a sender's process that is stopped leaves them unanswered, with no bound.
+        self._calls = StoreCalls(hangup, f"weightsync-{where['model_id']}-store{where['worker_idx']}")
         store = dist.PrefixStore(self.prefix, base)
         line: Line | None = None
         try:
@@ -212,6 +217,7 @@ class DistributedReceiver(ReceiverEngine):
             model_id=where["model_id"],
             bell=self._doorbell(link, remaining(deadline)) if line is None else None,
             line=line,
+            calls=self._calls,
         )
         self.placement = self._placement()
         # A model that takes the buffer an update arrived in leaves the other one for the next update.
@@ -304,6 +310,7 @@ class DistributedReceiver(ReceiverEngine):
             timeout=self.update_timeout,
             model_id=self.where["model_id"],
             bell=self._doorbell(link, remaining(deadline)),
+            calls=self._calls,
         )
         self._dropped = None
         return self._take_initial(timeout)  # the newest version comes as the initial weights did
@@ -481,6 +488,8 @@ class DistributedReceiver(ReceiverEngine):
             remove_key_file_if_orphaned(self._key_file, grace=ORPHAN_GRACE_S)
         if self.transport is not None:
             self.transport.hang_up()
+        if self._calls is not None:
+            self._calls.close(self.update_timeout)
         self.transport = None
         self._buffers, self._views = [], []  # a model that took one keeps it: it is the model's memory now
         self._stores = None

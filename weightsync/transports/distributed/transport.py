@@ -45,7 +45,7 @@ from ...errors import (
     first_line,
 )
 from ..base import PeerTransport
-from ..store import store_json, store_set
+from ..store import StoreCalls, store_json, store_set
 from .auth import ACK_TAG_WORDS, Sealer
 from .doorbell import Doorbell, ring
 from .group import Link, Waiter
@@ -97,6 +97,8 @@ class DistributedTransport(WorkerSide, PeerTransport):
             the worker looks at the store every :data:`LOOK_AGAIN_S` while it waits.
         line: the worker's line (:mod:`.line`), which then carries the announcements, the acks and the bytes of
             what the sender sends inline, instead of the store, the doorbell and the group.
+        calls: on a worker, where its store calls are made (:class:`~..store.StoreCalls`: shared by the
+            transports of one store client); a thread of its own where none is given.
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class DistributedTransport(WorkerSide, PeerTransport):
         sink: Sink | None = None,
         bell: Doorbell | None = None,
         line: Line | None = None,
+        calls: StoreCalls | None = None,
     ) -> None:
         super().__init__(worker_idx, sink)
         self.model_id = model_id
@@ -128,6 +131,7 @@ class DistributedTransport(WorkerSide, PeerTransport):
         self._inline = False  # on a worker: the bytes of the message announced last come on the line
         self._spent: list[str] = []  # on a worker: keys read and not deleted yet (:meth:`sweep`)
         self._looked = (-1, 0.0)  # on a worker: the doorbell's count at its last look for a message, and when
+        self.calls = calls if calls is not None else StoreCalls(None, f"weightsync-{model_id}-store{worker_idx}")
 
     def _group(self) -> tuple[Any, dist.Store]:
         if self.link.pg is None or self.link.store is None:

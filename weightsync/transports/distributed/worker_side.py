@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from ...core.timing import deadline_after, remaining
 from ...errors import ConnectionClosedError, SyncTimeoutError, TransportError, WeightSyncError, first_line
-from ..store import as_timedelta, store_set
+from ..store import StoreCalls, Unanswered, as_timedelta, store_set
 from .auth import PayloadMac, Unverifiable
 from .doorbell import MAX_SAID_BYTES
 from .group import is_timeout
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from .group import Link
     from .line import Line
 
-__all__ = ["ACK_FAILED", "ACK_OK", "LOOK_AGAIN_S", "MAX_ERROR_TEXT", "WorkerSide"]
+__all__ = ["ACK_FAILED", "ACK_OK", "ANSWER_S", "LOOK_AGAIN_S", "MAX_ERROR_TEXT", "WorkerSide"]
 
 log = logging.getLogger("weightsync.transports.distributed")
 
@@ -37,6 +38,10 @@ MAX_ERROR_TEXT = 4000
 #: A worker waiting for the next announcement looks at the store when its doorbell rings (:mod:`.doorbell`), and
 #: at least this often: a ring lost, or taken away by a stranger, delays it this long at most.
 LOOK_AGAIN_S = 0.1
+#: The longest a look at the store holds a receive past its own timeout: a store that has not answered by then
+#: (its process stopped: a debugger, ``SIGSTOP``) is taken to say nothing yet. The worker's store calls are made
+#: on a thread of their own (:class:`~..store.StoreCalls`), each waited for within the receive's bounds.
+ANSWER_S = 0.25
 
 
 class WorkerSide:
@@ -54,6 +59,7 @@ class WorkerSide:
         _inline: bool
         _looked: tuple[int, float]
         _spent: list[str]
+        calls: StoreCalls
 
         def _group(self) -> tuple[Any, dist.Store]: ...
         def _where(self, version: int | None = None) -> dict[str, Any]: ...
@@ -93,8 +99,16 @@ class WorkerSide:
                 self._looked = (rang, time.monotonic())  # every ring counted so far was looked past
                 if raw is not None:
                     break
-                if store.check([key]):
-                    raw = store.get(key)
+                try:
+                    raw = self.calls.ask(
+                        lambda: store.get(key) if store.check([key]) else None,
+                        max(deadline, deadline_after(ANSWER_S)),
+                        "a look for the next announcement",
+                        **self._where(),
+                    )
+                except Unanswered:
+                    return None
+                if raw is not None:
                     break
                 if remaining(deadline) <= 0:
                     return None
@@ -136,13 +150,25 @@ class WorkerSide:
         nothing more is announced to it, on the line or in the store. What it waits for, in the store, is the
         sender's word that it dropped this worker (``dropped/<w>``: no ack came), or that it shut down."""
         deadline = deadline_after(timeout)
+
+        def last_word() -> dict[str, Any] | None:
+            if self._said_dropped():
+                return {"dropped": "what came on its line stopped midway, and it did not ack in time"}
+            if self.store.check(["shutdown"]):
+                self._opened("shutdown")  # a word from anyone else is refused, not obeyed
+                return {"closed": True}
+            return None
+
         try:
             while True:
-                if self.was_dropped():
-                    return {"dropped": "what came on its line stopped midway, and it did not ack in time"}
-                if self.store.check(["shutdown"]):
-                    self._opened("shutdown")  # a word from anyone else is refused, not obeyed
-                    return {"closed": True}
+                try:
+                    word = self.calls.ask(
+                        last_word, max(deadline, deadline_after(ANSWER_S)), "a look for its word", **self._where()
+                    )
+                except Unanswered:
+                    return None
+                if word is not None:
+                    return word
                 if remaining(deadline) <= 0:
                     return None
                 time.sleep(min(LOOK_AGAIN_S, remaining(deadline)))
@@ -218,23 +244,35 @@ class WorkerSide:
     def say_taken(self) -> None:
         """Tell the sender the message received last is here, checked (one key per worker, overwritten: nothing
         piles up in the store); a store that went away is left to the next read of it to report."""
-        key = f"taken/{self.worker_idx}"
+        key, store = f"taken/{self.worker_idx}", self.store
+        sealed = self.sealer.seal(key, str(self.seq))
         try:
-            store_set(self.store, key, self.sealer.seal(key, str(self.seq)))
-        except dist.DistError as exc:
+            self.calls.ask(lambda: store_set(store, key, sealed), deadline_after(self.timeout), "a write")
+        except (dist.DistError, Unanswered) as exc:
             log.debug("could not say message %d was taken: %s", self.seq, first_line(exc))
 
     def was_dropped(self) -> bool:
         """Whether the sender dropped this worker: asked once a message arrived whole (unless its bytes check against
         the digest sealed in its announcement), so that bytes sent from a buffer the sender reused after dropping it
-        are never applied."""
-        key = f"dropped/{self.worker_idx}"
+        are never applied.
+
+        Raises:
+            Unanswered: the store did not answer within the scheme's ``timeout`` (its process stopped).
+            ConnectionClosedError: it went away. AuthenticationError: the word is not sealed with the run key.
+        """
         try:
-            if not self.store.check([key]):
-                return False
-            self._opened(key)  # a word from anyone else is refused, not obeyed
+            return self.calls.ask(
+                self._said_dropped, deadline_after(self.timeout), "whether it dropped this worker", **self._where()
+            )
         except dist.DistError as exc:
             raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
+
+    def _said_dropped(self) -> bool:
+        """:meth:`was_dropped`, asked of the store by the caller."""
+        key = f"dropped/{self.worker_idx}"
+        if not self.store.check([key]):
+            return False
+        self._opened(key)  # a word from anyone else is refused, not obeyed
         return True
 
     def expected_digest(self, seq: int, version: int, timeout: float) -> str:
@@ -246,9 +284,13 @@ class WorkerSide:
             AuthenticationError: it is not sealed with the run key for this message and version.
         """
         key, store = f"digest/{self.worker_idx}/{seq}", self.store
-        try:
+
+        def digest() -> bytes:
             store.wait([key], as_timedelta(timeout))
-            raw = store.get(key)
+            return store.get(key)
+
+        try:  # (torch's wait may outlast its timeout by a store round trip, with no bound if the store is stopped)
+            raw = self.calls.ask(digest, deadline_after(timeout + ANSWER_S), "its digest", **self._where(version))
         except dist.DistError as exc:
             raise ConnectionClosedError(
                 f"no digest from the sender ({first_line(exc)}); nothing was applied", **self._where(version)
@@ -260,12 +302,17 @@ class WorkerSide:
         """Delete the store keys of the messages read since the last sweep (announcements, digests): after the ack,
         so that a store round trip each costs the update nothing; a store that went away is left to the next
         read of it to report."""
-        spent, self._spent = self._spent, []
-        try:
-            for key in spent:
-                self.store.delete_key(key)
-        except dist.DistError as exc:
-            log.debug("could not delete %d spent store keys: %s", len(spent), first_line(exc))
+        spent, self._spent, store = self._spent, [], self.store
+
+        def delete() -> None:
+            try:
+                for key in spent:
+                    store.delete_key(key)
+            except dist.DistError as exc:
+                log.debug("could not delete %d spent store keys: %s", len(spent), first_line(exc))
+
+        if spent and not self.calls.post(delete):  # (a call still out: deleted at the next sweep)
+            self._spent = spent + self._spent
 
     def initial_message(self, timeout: float) -> dict[str, Any]:
         """What the initial weights are: ``{"version", "nonce", "mac"}``, sealed by the sender before it sent them.
@@ -274,9 +321,15 @@ class WorkerSide:
             AuthenticationError: not sealed with the run key. TransportError: not what a sender writes there.
             ConnectionClosedError: not there within ``timeout``.
         """
-        try:
+
+        def initial() -> bytes:
             self.store.wait(["initial"], as_timedelta(timeout))
-            content = self._opened("initial")
+            return self._opened("initial")
+
+        try:
+            content = self.calls.ask(
+                initial, deadline_after(timeout + ANSWER_S), "the initial version", **self._where()
+            )
         except dist.DistError as exc:
             raise ConnectionClosedError(
                 f"the sender named no initial version ({first_line(exc)})", **self._where()
@@ -295,10 +348,12 @@ class WorkerSide:
             status = ACK_OK if error is None else ACK_FAILED
             if error is not None:
                 detail = {"type": type(error).__name__, "message": str(error)[:MAX_ERROR_TEXT]}
+                key, said = f"err/{self.worker_idx}/{seq}", json.dumps(detail).encode()
                 try:
                     # (the sender looks for it once the ack came, a moment: torch's set does not wait for the store)
-                    store_set(store, f"err/{self.worker_idx}/{seq}", json.dumps(detail).encode())
-                except dist.DistError as exc:  # the ack below still says it failed; only the details are lost
+                    self.calls.ask(partial(store_set, store, key, said), deadline_after(self.timeout), "a write")
+                except (dist.DistError, Unanswered) as exc:
+                    # (the ack below still says it failed; only the details are lost)
                     log.warning("could not write why message %d failed: %s", seq, first_line(exc))
             words = [seq, -1 if held is None else held, status]
             tagged = words + self.sealer.ack_tag(self.worker_idx, *words)

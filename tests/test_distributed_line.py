@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import select
 import socket
+import subprocess
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import weightsync as ws
+from tests._as_stranger import needs_stranger, start_stranger
 from tests._attack_distributed import heard_back
 from tests._bodies import optimizer_step
 from tests._workers import build, checksum, in_process_receiver
@@ -38,6 +41,7 @@ from weightsync.transports.distributed.line import (
     Listener,
     _done,
 )
+from weightsync.transports.network import crowded_out
 
 KEY, PREFIX = b"k" * 32, "weightsync/policy/0123456789abcdef"
 
@@ -262,6 +266,53 @@ def test_a_stranger_who_gets_the_oldest_unproven_connection_closed_does_not_end_
         for sock in conns:
             sock.close()
         listener.close()
+
+
+@needs_stranger
+def test_a_strangers_flood_of_the_line_port_pushes_out_only_its_own_never_a_workers_connection():
+    """Past MAX_UNPROVEN, the line port closes the oldest unproven connection of the user who holds the most (the
+    peer's uid from /proc/net/tcp: loopback TCP has no SO_PEERCRED): another user's connections, made after the
+    worker's, push out their own, and the worker's proof is taken. (Closing the oldest of all, the worker's went
+    first, and the worker fell back to its doorbell.)"""
+    listener = Listener("127.0.0.1")
+    outcome: dict = {}
+
+    def accept() -> None:
+        outcome["lines"] = listener.accept(KEY, PREFIX, {0}, deadline_after(30.0), lambda w, s: Line(s, "l", 5.0))
+
+    accepting = threading.Thread(target=accept)
+    accepting.start()
+    worker, stranger = socket.create_connection(listener.address, timeout=10), None
+    try:
+        nonce = worker.recv(NONCE_BYTES)  # the listener took it in: its challenge came
+        code = (
+            "import socket, sys\n"
+            f"socks = [socket.create_connection({listener.address!r}, timeout=10) for _ in range({2 * MAX_UNPROVEN})]\n"
+            f"for s in socks: s.recv({NONCE_BYTES})\n"  # each one taken in: its challenge came (or it was closed)
+            "print('holding', flush=True)\n"
+            "sys.stdin.readline()\n"
+        )
+        stranger = start_stranger(["-c", code], stdin=subprocess.PIPE)
+        ready, _, _ = select.select([stranger.stdout], [], [], 60)
+        assert ready and stranger.stdout.readline().strip() == "holding"
+        worker.sendall((0).to_bytes(8, "big") + line_proof(KEY, PREFIX, 0, nonce))
+        accepting.join(30)
+        assert not accepting.is_alive() and list(outcome["lines"]) == [0]
+    finally:
+        if stranger is not None:
+            stranger.kill()
+            stranger.wait(10)
+        worker.close()
+        accepting.join(30)
+        for line in outcome.get("lines", {}).values():
+            line.close(0.0)
+        listener.close()
+
+
+def test_a_full_queue_drops_the_oldest_connection_of_the_user_who_holds_the_most():
+    assert crowded_out([1000, 65534, 65534], 65534) == 1  # the flooder's oldest
+    assert crowded_out([1000, 65534], 1000) == 0  # a tie: the newcomer's user
+    assert crowded_out([None, None, 0], 7) == 0  # connections from elsewhere count as one user
 
 
 def test_lines_wait_on_descriptors_numbered_past_1024():

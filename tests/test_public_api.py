@@ -122,5 +122,5 @@ print(json.dumps([first, classes, used, "weightsync" in _rendezvous_handlers]))
     assert not engine_code(classes)
     assert not [m for m in classes if m.startswith(("tensordict", "ray", "hydra"))]
     engines = {m.split(".")[2] for m in engine_code(used)}
-    assert engines <= {"local", "base", "processes", "keyfiles", "plainjson", "descriptors"}, engines
+    assert engines <= {"local", "base", "processes", "keyfiles", "plainjson", "descriptors", "network"}, engines
     assert not handler, "an RPC rendezvous handler was registered by importing weightsync"

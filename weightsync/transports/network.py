@@ -1,11 +1,15 @@
-"""Addresses on the network: the sender's host and port, this host's interfaces, loopback or not."""
+"""Addresses on the network: the sender's host and port, this host's interfaces, loopback or not; who is on the
+other end of a connection (its user, where it runs on this host), and whose connection a full queue drops."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
+import struct
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from .. import checks
@@ -15,11 +19,13 @@ from ..errors import ConfigurationError, SyncTimeoutError
 __all__ = [
     "await_listener",
     "bound_silence",
+    "crowded_out",
     "interface_for",
     "is_loopback",
     "local_address",
     "local_interfaces",
     "resolve_master",
+    "tcp_peer_uids",
 ]
 
 log = logging.getLogger("weightsync.transports.network")
@@ -137,3 +143,50 @@ def await_listener(host: str, port: int, deadline: float, timeout: float, what: 
             progress.tick(f"not there yet ({exc.strerror or exc})")
             time.sleep(min(pause, remaining(deadline)))
             pause = min(2 * pause, 0.5)
+
+
+def crowded_out(users: list[int | None], newcomer: int | None) -> int:
+    """Which of a full queue's pending connections goes (its index): the oldest of the user who holds the most of
+    them, the newcomer counted (``users``, oldest first, each connection's user, ``None`` where unknown: one more
+    user). A user who floods a listener pushes out their own connections, never a worker's of another user."""
+    counts = collections.Counter([*users, newcomer])
+    most = max(counts, key=lambda uid: (counts[uid], uid == newcomer))
+    return next((i for i, uid in enumerate(users) if uid == most), 0)
+
+
+def _proc_address(address: tuple[Any, ...]) -> str:
+    """``(ip, port, ...)`` as ``/proc/net/tcp*`` writes it: the address's 32-bit words in host order, in hex."""
+    ip, port = str(address[0]).split("%", 1)[0], int(address[1])
+    if ":" in ip:
+        words = struct.unpack("=4I", socket.inet_pton(socket.AF_INET6, ip))
+    else:
+        words = struct.unpack("=I", socket.inet_aton(ip))
+    return "".join(f"{word:08X}" for word in words) + f":{port:04X}"
+
+
+def tcp_peer_uids(socks: Iterable[socket.socket]) -> dict[socket.socket, int | None]:
+    """The user who owns the other end of each TCP connection in ``socks`` (accepted here), where that end is on
+    this host, in this network namespace: its row in ``/proc/net/tcp`` or ``tcp6`` (a loopback TCP connection
+    has no ``SO_PEERCRED``). ``None`` for a connection from another host, one closed meanwhile, or off Linux.
+    """
+    wanted: dict[tuple[str, str], socket.socket] = {}
+    found: dict[socket.socket, int | None] = {}
+    for sock in socks:
+        found[sock] = None
+        try:
+            wanted[(_proc_address(sock.getpeername()), _proc_address(sock.getsockname()))] = sock
+        except (OSError, ValueError):  # closed meanwhile, or not an IP address
+            continue
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not wanted:
+            break
+        try:
+            with open(table) as rows:
+                next(rows, None)  # the header
+                for row in rows:
+                    fields = row.split()
+                    if len(fields) > 7 and (fields[1], fields[2]) in wanted and fields[7].isdigit():
+                        found[wanted.pop((fields[1], fields[2]))] = int(fields[7])
+        except OSError:  # not Linux
+            break
+    return found

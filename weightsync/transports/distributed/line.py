@@ -37,7 +37,7 @@ from typing import Any
 from ...core.timing import deadline_after, remaining
 from ...errors import ConnectionClosedError, SyncTimeoutError, TransportError, WeightSyncError
 from .. import descriptors
-from ..network import bound_silence
+from ..network import bound_silence, crowded_out, tcp_peer_uids
 from .auth import ACK_TAG_WORDS, line_proof
 
 __all__ = ["ACK", "FRAME", "LINE_WAIT_S", "Dialing", "Line", "Listener"]
@@ -57,7 +57,8 @@ _PROOF = struct.Struct(">q32s")  # the worker's index and its proof
 CONNECT_S = 5.0
 #: How long a worker whose line the sender took waits for its answer to have gone out (it has: the sender read it).
 ANSWERED_WAIT_S = 2.0
-#: Connections the listener holds that have not proven themselves yet, at most (the oldest is closed first).
+#: Connections the listener holds that have not proven themselves yet, at most; one more closes the oldest of the
+#: user who holds the most (a connection from this host is its user's; one from elsewhere, of a user unknown).
 MAX_UNPROVEN = 64
 
 
@@ -288,13 +289,14 @@ class Listener:
         listener = self._sock
         assert listener is not None
         pending: dict[socket.socket, tuple[bytes, bytearray]] = {}
+        users: dict[socket.socket, int | None] = {}  # whose each connection is, found once the queue was full
         lines: dict[int, Line] = {}
         try:
             while set(workers) - set(lines) and remaining(deadline) > 0:
                 by_fd = {sock.fileno(): sock for sock in pending}
                 for fd in descriptors.readable([listener.fileno(), *by_fd], remaining(deadline)):
                     if fd == listener.fileno():
-                        self._challenge(listener, pending)
+                        self._challenge(listener, pending, users)
                         continue
                     sock = by_fd[fd]
                     if sock not in pending:  # the oldest, closed just now for the connection the listener took
@@ -308,6 +310,7 @@ class Listener:
                     if chunk and len(said) < _PROOF.size:
                         continue
                     del pending[sock]
+                    users.pop(sock, None)
                     worker, given = _PROOF.unpack(said) if len(said) == _PROOF.size else (-1, b"")
                     if (
                         worker in workers
@@ -328,7 +331,11 @@ class Listener:
         return lines
 
     @staticmethod
-    def _challenge(listener: socket.socket, pending: dict[socket.socket, tuple[bytes, bytearray]]) -> None:
+    def _challenge(
+        listener: socket.socket,
+        pending: dict[socket.socket, tuple[bytes, bytearray]],
+        users: dict[socket.socket, int | None],
+    ) -> None:
         try:
             sock, _ = listener.accept()
         except OSError:
@@ -341,9 +348,12 @@ class Listener:
             sock.close()
             return
         pending[sock] = (nonce, bytearray())
-        if len(pending) > MAX_UNPROVEN:  # the oldest one that has not answered goes
-            oldest = next(iter(pending))
+        if len(pending) > MAX_UNPROVEN:  # the oldest of the user who holds the most goes
+            users.update(tcp_peer_uids([s for s in pending if s not in users]))
+            queue = list(pending)
+            oldest = queue[crowded_out([users[s] for s in queue[:-1]], users[sock])]
             del pending[oldest]
+            users.pop(oldest, None)
             oldest.close()
 
     def close(self) -> None:

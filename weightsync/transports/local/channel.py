@@ -22,7 +22,6 @@ sends half a frame and holds delays nobody but itself.
 from __future__ import annotations
 
 import array
-import collections
 import contextlib
 import hashlib
 import hmac
@@ -47,6 +46,7 @@ from ...errors import (
     WeightSyncError,
 )
 from ..descriptors import poll_ms, readable
+from ..network import crowded_out
 from ..plainjson import loads_object
 from .frames import FrameReader, frame, read_frame
 
@@ -343,10 +343,8 @@ class ChannelListener:
     def _make_room(self, newcomer: _Pending) -> None:
         """Drop the oldest handshake of the user who holds the most (the newcomer counted): a user who floods
         the listener pushes out their own connections, never a worker's of another user."""
-        users = collections.Counter([p.uid for p in self._pending.values()] + [newcomer.uid])
-        most = max(users, key=lambda uid: (users[uid], uid == newcomer.uid))
-        theirs = [p for p in self._pending.values() if p.uid == most] or list(self._pending.values())
-        oldest = theirs[0]
+        queue = list(self._pending.values())
+        oldest = queue[crowded_out([p.uid for p in queue], newcomer.uid)]
         self._drop(oldest, f"{MAX_PENDING} handshakes were pending: dropped the oldest of the user with the most")
 
     @staticmethod

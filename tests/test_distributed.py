@@ -6,6 +6,7 @@ The shared bodies (every send, isolation, bad weights) run over it from test_loc
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import time
@@ -419,8 +420,9 @@ def test_a_store_probe_never_blocks_its_caller_says_when_the_store_is_gone_and_a
 
 def test_store_calls_bound_their_callers_run_one_at_a_time_and_end_a_call_still_out_at_close():
     """A worker's store calls on a receive's path (``store.StoreCalls``): a call that does not end (a stopped
-    sender's store) costs each caller at most its deadline, the next call waits for it within its own, one that
-    ends hands back what it returned or raised, and closing shuts down the connection of a call still out."""
+    sender's store) costs each caller at most its deadline, the calls after it wait for it within their own, a
+    write is posted without waiting, a look asked again takes what the one made found (a store slower than the
+    callers' bounds still delivers), and closing shuts down the connection of a call still out."""
     import threading
 
     from weightsync.core.timing import deadline_after
@@ -437,15 +439,147 @@ def test_store_calls_bound_their_callers_run_one_at_a_time_and_end_a_call_still_
     assert calls.ask(lambda: 7, deadline_after(5), "a number") == 7
     with pytest.raises(KeyError, match="gone"):
         calls.ask(lambda: {}["gone"], deadline_after(5), "a key")
+    looks: list[int] = []
+
+    def slow_look() -> bytes:  # a store that answers in 0.3 s, past each caller's bound
+        looks.append(1)
+        time.sleep(0.3)
+        return b"announcement"
+
+    found = []
+    for _ in range(10):
+        try:
+            found.append(calls.ask(slow_look, deadline_after(0.1), "a look", key="msg/0/1"))
+            break
+        except Unanswered:
+            continue
+    assert found == [b"announcement"] and len(looks) == 1  # one look made, its answer taken once
     began = time.monotonic()
     with pytest.raises(Unanswered, match="did not answer \\(a look\\)") as info:
         calls.ask(lambda: release.wait(30), deadline_after(0.2), "a look", worker_idx=3)
     assert info.value.worker_idx == 3 and isinstance(info.value, ws.SyncTimeoutError)
-    with pytest.raises(Unanswered):  # the call before it is still out
+    written: list[int] = []
+    calls.post(lambda: written.append(9))  # a write waits for no one ...
+    with pytest.raises(Unanswered):  # ... a call after the one out does
         calls.ask(lambda: 8, deadline_after(0.2), "a number")
-    assert not calls.post(lambda: 9)
-    assert time.monotonic() - began < 2.0
+    assert time.monotonic() - began < 2.0 and not written
     calls.close(5)
     assert hung_up.is_set() and not [t for t in threading.enumerate() if t.name == "test-store-calls"]
     with pytest.raises(ws.ConnectionClosedError):
         calls.ask(lambda: 7, deadline_after(5), "a number")
+
+
+def _stopped_store_transport(timeout: float):
+    """A worker's transport on a TCP store served by a child process of its own (the test stops it), with the
+    store calls a receiver gives it; and that child."""
+    import signal
+    import subprocess
+    import sys
+
+    from weightsync.transports.distributed.auth import Sealer
+    from weightsync.transports.distributed.group import Link
+    from weightsync.transports.distributed.transport import DistributedTransport
+    from weightsync.transports.store import StoreCalls, dial_store
+
+    serve = (
+        "import datetime, sys, torch.distributed as d\n"
+        "wait = datetime.timedelta(seconds=60)\n"
+        "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, timeout=wait)\n"
+        "print(s.port, flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", serve], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    port = int(server.stdout.readline())  # type: ignore[union-attr]
+    base, hangup = dial_store("127.0.0.1", port, 10, silence=4 * timeout)
+    store = dist.PrefixStore("p", base)
+    calls = StoreCalls(hangup, "weightsync-test-store0")
+
+    class Sent:
+        def wait(self, *args):
+            return True
+
+    class Group:  # (acks go nowhere: the writes and looks under test go through the store)
+        def send(self, *args):
+            return Sent()
+
+    transport = DistributedTransport(
+        0, link=Link(Group(), store, Sealer(b"k" * 32, "p")), timeout=timeout, model_id="t", calls=calls
+    )
+    return transport, store, calls, server, signal
+
+
+def test_a_workers_writes_are_never_held_by_a_stopped_store_and_land_once_it_resumes():
+    """A worker says it took a version, and acks one that failed with why, while a call of its to the store is out
+    (the delete of its spent keys, made just as the trainer was stopped): each returns at once, and both words
+    are in the store once the trainer resumes. (Waiting for the call out, each took the scheme's whole timeout,
+    then was dropped.)"""
+    transport, store, calls, server, signal = _stopped_store_transport(timeout=3.0)
+    try:
+        os.kill(server.pid, signal.SIGSTOP)
+        transport._spent = ["msg/0/1"]
+        transport.sweep()  # out, unanswered
+        began = time.monotonic()
+        transport.say_taken()
+        transport.send_ack(2, error=RuntimeError("apply failed"), held=1, seqs=(2,))
+        assert time.monotonic() - began < 1.0
+        os.kill(server.pid, signal.SIGCONT)
+        landed = calls.ask(lambda: store.check(["taken/0", "err/0/2"]), time.monotonic() + 10, "a look")
+        assert landed and json.loads(store.get("err/0/2"))["message"] == "apply failed"
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        calls.close(5)
+        server.kill()
+        server.wait(10)
+
+
+def test_a_worker_whose_line_failed_and_whose_store_does_not_answer_hears_its_sender_went_away():
+    """The line failed (its peer silent past its bound: the sender's host vanished) and the store does not answer
+    whether the sender dropped this worker: that is a sender gone (``ConnectionClosedError``, which ends a
+    worker's loop), not a timeout to retry."""
+    from weightsync.errors import ConnectionClosedError
+
+    transport, _, calls, server, signal = _stopped_store_transport(timeout=1.0)
+
+    class DeadLine:
+        def readable(self, timeout):
+            raise ConnectionClosedError("the line went silent")
+
+        def close(self, timeout):
+            pass
+
+    transport.line = DeadLine()
+    try:
+        os.kill(server.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        with pytest.raises(ConnectionClosedError, match="the sender went away"):
+            transport.next_message(0.05)
+        assert time.monotonic() - began < 3.0
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        calls.close(5)
+        server.kill()
+        server.wait(10)
+
+
+def test_a_worker_that_rejoins_a_stopped_trainer_gives_up_within_the_rejoins_bound():
+    """A worker the sender dropped asks to rejoin while the trainer is stopped: its store calls are never answered,
+    and the receive raises ``SyncTimeoutError`` within the rejoin's bound (4 x ``timeout``) instead of waiting for
+    the trainer to resume."""
+    from weightsync.transports.distributed.receiver import DistributedReceiver
+
+    transport, store, calls, server, signal = _stopped_store_transport(timeout=0.5)
+    receiver = DistributedReceiver.__new__(DistributedReceiver)  # (the state a worker's receiver has at a rejoin)
+    receiver.where, receiver.update_timeout = {"model_id": "t", "worker_idx": 0}, 0.5
+    receiver._dropped, receiver._stores, receiver._hello = "it did not ack in time", (None, store), {"ok": True}
+    receiver._key, receiver.sealer, receiver.transport, receiver._calls = b"k" * 32, transport.sealer, transport, calls
+    try:
+        os.kill(server.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        with pytest.raises(ws.SyncTimeoutError, match="a rejoin"):
+            receiver._rejoin(0.05)
+        assert time.monotonic() - began < 4 * 0.5 + 1.5
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        calls.close(5)
+        server.kill()
+        server.wait(10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import ipaddress
@@ -266,20 +267,23 @@ class Unanswered(SyncTimeoutError):
 class _Call:
     """One call :class:`StoreCalls` makes, and how it ended."""
 
-    def __init__(self, call: Callable[[], Any]) -> None:
-        self.call = call
+    def __init__(self, call: Callable[[], Any], key: object) -> None:
+        self.call, self.key = call, key
         self.started = self.ended = False
         self.value: Any = None
         self.error: BaseException | None = None
 
 
 class StoreCalls:
-    """Makes a store client's calls on a thread of its own, one at a time, each caller waiting at most until its
-    deadline. A store whose process is stopped (a debugger, ``SIGSTOP``) leaves torch's client waiting for an
-    answer with no bound (:class:`Probe`): the caller of a bounded receive must not be the one waiting.
+    """Makes a store client's calls on a thread of its own, in the order they come, each caller waiting at most
+    until its deadline. A store whose process is stopped (a debugger, ``SIGSTOP``) leaves torch's client waiting
+    for an answer with no bound (:class:`Probe`), and every other call on that client waits behind it: the caller
+    of a bounded receive must not be the one waiting.
 
-    A call its caller stopped waiting for ends when the store answers; the next call starts after it (torch's
-    client serialises its calls anyway), and whoever waits for that one waits within its own deadline.
+    A call its caller stopped waiting for still ends when the store answers. A call asked with a ``key`` (a look
+    for one message) is not asked twice: the next caller with that key waits for the one already made, and takes
+    what it found (what it found is taken once; finding nothing, or having been taken, a new one is made). A
+    store slower than the callers' bounds then still delivers what it holds.
 
     Args:
         hangup: the client's connection's :class:`Hangup`, which :meth:`close` calls when a call is still out.
@@ -294,41 +298,45 @@ class StoreCalls:
     def __init__(self, hangup: Hangup | None, name: str) -> None:
         self.hangup, self.name = hangup, name
         self._cond = threading.Condition()
-        self._out: _Call | None = None  # the call started last, until it ended
+        self._queue: collections.deque[_Call] = collections.deque()  # the calls to make, the one out first
+        self._keyed: dict[object, _Call] = {}  # per key, the call made last whose caller did not take its end
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def ask(self, call: Callable[[], T], deadline: float, what: str, **where: Any) -> T:
-        """``call()`` made on the thread; what it returned, or raises what it raised.
+    def ask(self, call: Callable[[], T], deadline: float, what: str, key: object = None, **where: Any) -> T:
+        """``call()`` made on the thread (after the calls before it); what it returned, or raises what it raised.
 
         Raises:
-            Unanswered: it (or a call before it) did not end by ``deadline``; says ``what`` was asked.
+            Unanswered: it did not end by ``deadline``; says ``what`` was asked.
             ConnectionClosedError: the calls were closed.
         """
-        silent = f"the sender's store did not answer ({what}); is its process stopped?"
         with self._cond:
-            if not self._cond.wait_for(lambda: self._out is None, max(remaining(deadline), 0.0)):
-                raise Unanswered(silent, **where)
-            job = self._start(call)
+            for stale in [k for k, made in self._keyed.items() if made.ended and k != key]:
+                del self._keyed[stale]  # (a look for a message that came another way)
+            job = self._keyed.get(key) if key is not None else None
+            if job is None or (job.ended and job.value is None and job.error is None):
+                job = self._start(call, key)  # (a look that found nothing is made again)
+                if key is not None:
+                    self._keyed[key] = job
             if not self._cond.wait_for(lambda: job.ended, max(remaining(deadline), 0.0)):
-                raise Unanswered(silent, **where)
+                raise Unanswered(f"the sender's store did not answer ({what}); is its process stopped?", **where)
+            if key is not None and self._keyed.get(key) is job:
+                del self._keyed[key]  # taken
         if job.error is not None:
             raise job.error
         return job.value
 
-    def post(self, call: Callable[[], Any]) -> bool:
-        """Start ``call()`` on the thread and return at once (what it returns or raises is dropped: it says so
-        itself); ``False``, and nothing started, where a call is still out."""
+    def post(self, call: Callable[[], Any]) -> None:
+        """Make ``call()`` on the thread, after the calls before it, and return at once (what it returns or raises
+        is dropped: it says so itself). Raises ConnectionClosedError once closed."""
         with self._cond:
-            if self._out is not None:
-                return False
-            self._start(call)
-            return True
+            self._start(call, None)
 
-    def _start(self, call: Callable[[], Any]) -> _Call:
+    def _start(self, call: Callable[[], Any], key: object) -> _Call:
         if self._closed:
             raise ConnectionClosedError(f"{self.name}: the store's client was closed")
-        job = self._out = _Call(call)
+        job = _Call(call, key)
+        self._queue.append(job)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
@@ -338,32 +346,34 @@ class StoreCalls:
     def _run(self) -> None:
         while True:
             with self._cond:
-                if not self._cond.wait_for(lambda: self._closed or self._out is not None, self.IDLE_S):
+                if not self._cond.wait_for(lambda: self._closed or bool(self._queue), self.IDLE_S):
                     self._thread = None  # idle: the next call starts one again
                     return
                 if self._closed:
                     return
-                job = self._out
-                assert job is not None
+                job = self._queue[0]
                 job.started = True
             try:
                 job.value = job.call()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
                 job.error = exc
             with self._cond:
-                job.ended, self._out = True, None
+                job.ended = True
+                self._queue.popleft()
                 self._cond.notify_all()
 
     def close(self, timeout: float) -> None:
-        """No call starts after this; a call still out is ended (its store's connection is shut down: the client
-        is done); the thread is waited for, at most ``timeout`` seconds."""
+        """No call starts after this, and the calls not made yet are not (their callers hear why at once); a call
+        still out is ended (its store's connection is shut down: the client is done); the thread is waited for,
+        at most ``timeout`` seconds."""
         with self._cond:
-            self._closed, thread, job = True, self._thread, self._out
-            if job is not None and not job.started:  # never made: its caller hears why at once
-                job.error, job.ended, self._out = ConnectionClosedError(f"{self.name}: closed"), True, None
+            self._closed, thread = True, self._thread
+            for job in [job for job in self._queue if not job.started]:
+                job.error, job.ended = ConnectionClosedError(f"{self.name}: closed"), True
+                self._queue.remove(job)
             self._cond.notify_all()
             # (a call out to a store that answers ends in a moment: the connection is shut only under one that does not)
-            out = not self._cond.wait_for(lambda: self._out is None, min(timeout, self.GRACE_S))
+            out = not self._cond.wait_for(lambda: not self._queue, min(timeout, self.GRACE_S))
         if thread is None:
             return
         if out and self.hangup is not None:

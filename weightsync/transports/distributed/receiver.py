@@ -52,6 +52,7 @@ from .messages import sealed_object
 from .rejoins import ask_to_rejoin
 from .settings import DistributedSettings
 from .transport import MAX_ERROR_TEXT, DistributedTransport
+from .worker_side import ANSWER_S
 
 __all__ = ["DistributedReceiver"]
 
@@ -285,13 +286,16 @@ class DistributedReceiver(ReceiverEngine):
     def _rejoin(self, timeout: float) -> list[Delivery]:
         """The sender dropped this worker (an ack it never got: a link down, a stall) and it is still alive:
         connect again as a new generation and receive the newest version, as a restarted worker does."""
-        assert self._stores is not None and self._dropped is not None
+        assert self._stores is not None and self._dropped is not None and self._calls is not None
         store, w, why = self._stores[1], self.where["worker_idx"], self._dropped
         deadline = deadline_after(self.update_timeout * GROUP_TIMEOUT_FACTOR)
         log.warning("model %r worker %d: the sender dropped it (%s); connecting again", self.where["model_id"], w, why)
-        try:
-            gen = int(store.add(f"gen/{w}", 1))
-            link, reason = self._pair(store, gen, self._hello, deadline)
+
+        def rejoin() -> tuple[Link, str | None]:
+            return self._pair(store, int(store.add(f"gen/{w}", 1)), self._hello, deadline)
+
+        try:  # (on the store calls' thread: a rejoin its receive gave up on is taken by the next, not made twice)
+            link, reason = self._calls.ask(rejoin, deadline + ANSWER_S, "a rejoin", key="rejoin", **self.where)
         except dist.DistError as exc:
             raise ConnectionClosedError(
                 f"the sender dropped this worker ({why}) and could not be reached again: {first_line(exc)}",
@@ -362,7 +366,8 @@ class DistributedReceiver(ReceiverEngine):
             try:  # (changes with no bytes: nothing to hash, no one-time key to derive)
                 transport.receive_into(parts, self.update_timeout, version, mac if parts else None)
             except ConnectionClosedError:
-                if transport.line is None and self._dropped_meanwhile():  # its line, closed by a sender that dropped it
+                # (its group connection, closed by a sender that dropped it; or the sender gone)
+                if transport.line is None and self._dropped_meanwhile(or_gone=True):
                     return self._rejoin(max(remaining(deadline), self.update_timeout))
                 raise
             # Bytes that check against a digest sealed in their announcement are that version's, whatever happened
@@ -395,20 +400,20 @@ class DistributedReceiver(ReceiverEngine):
         said = self.transport.initial_message(timeout)  # sealed before the bytes were sent: nothing unsealed is read
         version, mac = said["version"], self._mac(said)
         self.transport.receive_into(self._parts(), max(remaining(deadline), 0.001), version, mac)
+        self._initial = False  # (read: whatever the store says next, the next message is an announced one)
         if self._dropped_meanwhile():  # dropped again while the newest version was on its way
             return self._rejoin(max(timeout, self.update_timeout))
         refusal = self._verify(mac, 0, version, max(remaining(deadline), self.update_timeout))
-        self._initial = False
         return [self._delivery(version, [0], refusal)]
 
-    def _dropped_meanwhile(self) -> bool:
+    def _dropped_meanwhile(self, or_gone: bool = False) -> bool:
         """Whether the sender dropped this worker while the message just received was on its way: its bytes may
-        then be a later version's (the sender reused the buffer), and it is never applied."""
+        then be a later version's (the sender reused the buffer), and it is never applied. (``or_gone``: as
+        :meth:`~.worker_side.WorkerSide.was_dropped` has it.)"""
         assert self.transport is not None
-        if not self.transport.was_dropped():
-            return False
-        self._dropped = "it did not ack in time"
-        return True
+        if self.transport.was_dropped(or_gone):
+            self._dropped = "it did not ack in time"
+        return self._dropped is not None
 
     def _delta(self, said: dict[str, Any]) -> Delta | None:
         """The changes message ``said`` announces, their body's buffer ready to receive into (``None``: the

@@ -104,6 +104,7 @@ class WorkerSide:
                         lambda: store.get(key) if store.check([key]) else None,
                         max(deadline, deadline_after(ANSWER_S)),
                         "a look for the next announcement",
+                        key=key,
                         **self._where(),
                     )
                 except Unanswered:
@@ -134,7 +135,7 @@ class WorkerSide:
             raw = self.line.frame(deadline_after(self.timeout), MAX_SAID_BYTES)
         except ConnectionClosedError as exc:
             self.hang_up()
-            if self.was_dropped():
+            if self.was_dropped(or_gone=True):
                 return {"dropped": "the sender closed this worker's line"}
             raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where()) from None
         except SyncTimeoutError:
@@ -163,7 +164,11 @@ class WorkerSide:
             while True:
                 try:
                     word = self.calls.ask(
-                        last_word, max(deadline, deadline_after(ANSWER_S)), "a look for its word", **self._where()
+                        last_word,
+                        max(deadline, deadline_after(ANSWER_S)),
+                        "a look for its word",
+                        key="last word",
+                        **self._where(),
                     )
                 except Unanswered:
                     return None
@@ -244,17 +249,22 @@ class WorkerSide:
     def say_taken(self) -> None:
         """Tell the sender the message received last is here, checked (one key per worker, overwritten: nothing
         piles up in the store); a store that went away is left to the next read of it to report."""
-        key, store = f"taken/{self.worker_idx}", self.store
-        sealed = self.sealer.seal(key, str(self.seq))
-        try:
-            self.calls.ask(lambda: store_set(store, key, sealed), deadline_after(self.timeout), "a write")
-        except (dist.DistError, Unanswered) as exc:
-            log.debug("could not say message %d was taken: %s", self.seq, first_line(exc))
+        key, store, seq = f"taken/{self.worker_idx}", self.store, self.seq
+        sealed = self.sealer.seal(key, str(seq))
 
-    def was_dropped(self) -> bool:
+        def write() -> None:  # (torch's set waits for no answer; made after the calls before it, never waited for)
+            try:
+                store_set(store, key, sealed)
+            except dist.DistError as exc:
+                log.debug("could not say message %d was taken: %s", seq, first_line(exc))
+
+        self.calls.post(write)
+
+    def was_dropped(self, or_gone: bool = False) -> bool:
         """Whether the sender dropped this worker: asked once a message arrived whole (unless its bytes check against
         the digest sealed in its announcement), so that bytes sent from a buffer the sender reused after dropping it
-        are never applied.
+        are never applied. ``or_gone``: asked once what came from the sender failed (its line, its group), where a
+        store that does not answer either is a sender gone (``False``).
 
         Raises:
             Unanswered: the store did not answer within the scheme's ``timeout`` (its process stopped).
@@ -264,6 +274,10 @@ class WorkerSide:
             return self.calls.ask(
                 self._said_dropped, deadline_after(self.timeout), "whether it dropped this worker", **self._where()
             )
+        except Unanswered:
+            if or_gone:
+                return False
+            raise
         except dist.DistError as exc:
             raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
 
@@ -311,8 +325,8 @@ class WorkerSide:
             except dist.DistError as exc:
                 log.debug("could not delete %d spent store keys: %s", len(spent), first_line(exc))
 
-        if spent and not self.calls.post(delete):  # (a call still out: deleted at the next sweep)
-            self._spent = spent + self._spent
+        if spent:
+            self.calls.post(delete)
 
     def initial_message(self, timeout: float) -> dict[str, Any]:
         """What the initial weights are: ``{"version", "nonce", "mac"}``, sealed by the sender before it sent them.
@@ -339,6 +353,14 @@ class WorkerSide:
             raise TransportError("store key 'initial' names no version; refusing it", **self._where())
         return msg
 
+    def _write_why(self, store: dist.Store, seq: int, said: bytes) -> None:
+        """Leave why message ``seq`` failed in the store (made on the calls' thread); a store that went away loses
+        the details only: the ack still says it failed."""
+        try:
+            store_set(store, f"err/{self.worker_idx}/{seq}", said)
+        except dist.DistError as exc:
+            log.warning("could not write why message %d failed: %s", seq, first_line(exc))
+
     def send_ack(
         self, version: int, error: BaseException | None = None, held: int | None = None, *, seqs: tuple[int, ...] = ()
     ) -> None:
@@ -348,13 +370,8 @@ class WorkerSide:
             status = ACK_OK if error is None else ACK_FAILED
             if error is not None:
                 detail = {"type": type(error).__name__, "message": str(error)[:MAX_ERROR_TEXT]}
-                key, said = f"err/{self.worker_idx}/{seq}", json.dumps(detail).encode()
-                try:
-                    # (the sender looks for it once the ack came, a moment: torch's set does not wait for the store)
-                    self.calls.ask(partial(store_set, store, key, said), deadline_after(self.timeout), "a write")
-                except (dist.DistError, Unanswered) as exc:
-                    # (the ack below still says it failed; only the details are lost)
-                    log.warning("could not write why message %d failed: %s", seq, first_line(exc))
+                # (the sender looks for it once the ack came, a moment: torch's set waits for no answer)
+                self.calls.post(partial(self._write_why, store, seq, json.dumps(detail).encode()))
             words = [seq, -1 if held is None else held, status]
             tagged = words + self.sealer.ack_tag(self.worker_idx, *words)
             try:

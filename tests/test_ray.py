@@ -374,9 +374,9 @@ def test_a_replaced_or_restarted_actor_rejoins_and_gets_the_current_version(delt
             scheme.send()
         with pytest.raises(ws.LifecycleError, match="no whole version to send"):
             scheme.rejoin(0, newcomer)
-        scheme.send()
-        assert scheme.rejoin(0, newcomer) == 4
-        assert ray.get(newcomer.state.remote()) == (4, checksum(model, "tensordict"))
+        scheme.send()  # version 5: a send whose submit began spent its number (an actor may hold its bytes)
+        assert scheme.rejoin(0, newcomer) == 5
+        assert ray.get(newcomer.state.remote()) == (5, checksum(model, "tensordict"))
     with pytest.raises(ws.ConfigurationError, match="worker_idx 2 is not in 0..1"):
         scheme.rejoin(2, newcomer)
     scheme.shutdown()
@@ -623,13 +623,19 @@ def test_an_actor_that_runs_calls_side_by_side_never_applies_an_older_version_af
         receiver.close()
 
 
-def test_corrupted_payload_is_refused_and_the_actors_keep_their_weights():
+def _sent_once(**options):
+    """A tiny model, its Ray scheme (``options``) and two collectors that joined it, version 1 sent."""
     model = build("tiny")
-    scheme = ws.RayWeightSyncScheme(timeout=30, checksum=True)
+    scheme = ws.RayWeightSyncScheme(timeout=30, **options)
     actors = _joined(scheme, model)
     scheme.connect()
     optimizer_step(model, 1)
     scheme.send()
+    return model, scheme, actors
+
+
+def test_corrupted_payload_is_refused_and_the_actors_keep_their_weights():
+    model, scheme, actors = _sent_once(checksum=True)
     held = checksum(model, "tensordict")
     optimizer_step(model, 2)
     with mock.patch("weightsync.core.engine.SenderEngine.digest", return_value="0" * 16):
@@ -707,3 +713,34 @@ def test_a_vllm_engine_in_an_actor_is_loaded_and_named_each_version_in_one_call(
     finally:
         scheme.shutdown()
         ray.kill(threaded)
+
+
+def test_an_interrupted_send_never_leaves_its_version_number_to_other_weights():
+    """A send interrupted after one actor's call went out (``KeyboardInterrupt`` while submitting to the next):
+    that actor may hold the version's bytes, so the next send names its weights with a new number. (Reusing it,
+    the actor skipped the next send as a version it held, acked it, and took every later change against bytes
+    the trainer never had, silently, for good.)"""
+    from tests._bodies import sparse_step
+    from weightsync.transports.ray.transport import RayTransport
+
+    model, scheme, actors = _sent_once(delta=True)
+    optimizer_step(model, 2)
+    submit = RayTransport.submit
+
+    def interrupted(self, *args, **kwargs):
+        if self.worker_idx == 1:
+            raise KeyboardInterrupt("after worker 0's call went out")
+        return submit(self, *args, **kwargs)
+
+    with mock.patch.object(RayTransport, "submit", interrupted), pytest.raises(KeyboardInterrupt):
+        scheme.send()
+    assert wait_until(lambda: ray.get(actors[0].state.remote())[0] == 2, deadline_after(10), 0.05)
+    try:
+        optimizer_step(model, 3)
+        scheme.send()
+        for step in (4, 5, 6):  # changes, against what each actor holds
+            sparse_step(ws.WeightStrategy().flat(model).values(), step, 0.01)
+            scheme.send()
+            assert ray.get([a.state.remote() for a in actors]) == [(scheme.version, checksum(model))] * 2
+    finally:
+        scheme.shutdown()

@@ -307,15 +307,20 @@ class Sender:
             failures = {w: ledger.dead[w] for w in targets if w in ledger.dead}
             live = ledger.live(targets)
             out = Outgoing(version, flat, whole, live, initial)
+            submitting = False
             try:
                 # First: an engine stages the whole version only for workers not sent changes.
                 self.changes.plan(out, ledger.peers, self.engine.takes_deltas)
-                self.engine.submit(out, self.engine.stage(out, deadline))
+                staged = self.engine.stage(out, deadline)
+                submitting = True
+                self.engine.submit(out, staged)
             except BaseException:
                 # The copy may hold bytes of this version, which was not sent (or not to everyone): the next send
                 # fills it whole, and the engine no longer takes it for the newest version (for one that rejoins).
                 self.changes.unpublished()
                 self.engine.unpublished()
+                if submitting:  # some workers may hold this number's bytes: the next send never names others so
+                    self.next_version = version + 1
                 raise
             self.changes.submitted(out)
             for w in live:

@@ -561,23 +561,90 @@ def test_a_worker_whose_line_failed_and_whose_store_does_not_answer_hears_its_se
         server.wait(10)
 
 
-def test_a_worker_that_rejoins_a_stopped_trainer_gives_up_within_the_rejoins_bound():
-    """A worker the sender dropped asks to rejoin while the trainer is stopped: its store calls are never answered,
-    and the receive raises ``SyncTimeoutError`` within the rejoin's bound (4 x ``timeout``) instead of waiting for
-    the trainer to resume."""
+def _rejoining_receiver(transport, store, calls):
+    """A worker's receiver in the state it has at a rejoin (dropped by its sender), on ``transport``'s store."""
     from weightsync.transports.distributed.receiver import DistributedReceiver
 
-    transport, store, calls, server, signal = _stopped_store_transport(timeout=0.5)
-    receiver = DistributedReceiver.__new__(DistributedReceiver)  # (the state a worker's receiver has at a rejoin)
+    receiver = DistributedReceiver.__new__(DistributedReceiver)
     receiver.where, receiver.update_timeout = {"model_id": "t", "worker_idx": 0}, 0.5
     receiver._dropped, receiver._stores, receiver._hello = "it did not ack in time", (None, store), {"ok": True}
     receiver._key, receiver.sealer, receiver.transport, receiver._calls = b"k" * 32, transport.sealer, transport, calls
+    return receiver
+
+
+def test_a_rejoin_given_up_on_asks_nothing_more_and_the_next_is_made_anew():
+    """A worker the sender dropped asks to rejoin while the trainer is stopped: the receive raises
+    ``SyncTimeoutError`` within the rejoin's bound (4 x ``timeout``). Once the trainer resumes, it leaves no request to
+    rejoin in the store (its deadline passed), and the next rejoin is made anew rather than handed the first's
+    error at once. A rejoin whose pair formed just before the trainer stopped still returns within its bound
+    (the doorbell's connection is dialled within it)."""
+    from weightsync.transports.distributed.group import Link
+
+    transport, store, calls, server, signal = _stopped_store_transport(timeout=0.5)
+    receiver = _rejoining_receiver(transport, store, calls)
+    receiver.handoff, receiver.prefix = {"master_addr": "127.0.0.1", "master_port": store.underlying_store.port}, "p"
     try:
         os.kill(server.pid, signal.SIGSTOP)
         began = time.monotonic()
         with pytest.raises(ws.SyncTimeoutError, match="a rejoin"):
             receiver._rejoin(0.05)
+        assert time.monotonic() - began < 4 * 0.5 + 1.5  # the rejoin's bound, not the trainer's stop
+        os.kill(server.pid, signal.SIGCONT)
+        time.sleep(0.5)  # the call given up on ends meanwhile
+        began = time.monotonic()
+        with pytest.raises(ws.SyncTimeoutError, match="did not answer this request to rejoin"):
+            receiver._rejoin(0.05)  # (no sender answers here)
+        assert time.monotonic() - began > 1.0  # made anew, not the first one's error handed on
+        assert not calls.ask(lambda: store.check(["rejoin/0/1"]), time.monotonic() + 5, "a look")
+
+        def paired(_store, gen, hello, deadline):  # the pair formed; the trainer stopped right after
+            os.kill(server.pid, signal.SIGSTOP)
+            return Link(object(), _store, transport.sealer.scoped(f"pair/0/{gen}/")), None
+
+        receiver._pair = paired  # type: ignore[method-assign]
+        began = time.monotonic()
+        with pytest.raises(ws.SyncTimeoutError, match="a rejoin"):
+            receiver._rejoin(0.05)
         assert time.monotonic() - began < 4 * 0.5 + 1.5
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        calls.close(5)
+        server.kill()
+        server.wait(10)
+
+
+def test_a_worker_closes_at_once_with_a_look_still_out_to_a_stopped_store_and_its_posted_writes_are_made():
+    """Closing a worker whose look at the store is still out (the trainer stopped) ends that look rather than
+    waiting behind it (the doorbell's closing ring went through the same client and waited for the trainer to
+    resume); the writes a worker posted just before closing, to a store that answers, are made."""
+    import threading
+
+    from weightsync.transports.distributed.doorbell import dial_doorbell
+    from weightsync.transports.distributed.receiver import DistributedReceiver
+    from weightsync.transports.store import StoreCalls
+
+    made: list[int] = []
+    calls = StoreCalls(None, "weightsync-test-writes")
+    calls.post(lambda: (time.sleep(0.05), made.append(1)))
+    calls.post(lambda: made.append(2))
+    calls.close(5)
+    assert made == [1, 2]
+
+    transport, store, calls, server, signal = _stopped_store_transport(timeout=0.5)
+    port = store.underlying_store.port
+    transport.bell = dial_doorbell(("127.0.0.1", port), "p", transport.link, 5, 2.0, calls, model_id="t", worker_idx=0)
+    receiver = DistributedReceiver.__new__(DistributedReceiver)
+    receiver._key_file, receiver._closed, receiver.transport, receiver._calls = None, False, transport, calls
+    receiver.update_timeout, receiver._buffers, receiver._views = 0.5, [], []
+    try:
+        time.sleep(0.2)
+        os.kill(server.pid, signal.SIGSTOP)
+        assert transport.next_message(0.05) is None  # its look is left out
+        closing = threading.Thread(target=receiver.close)
+        began = time.monotonic()
+        closing.start()
+        closing.join(5)
+        assert not closing.is_alive() and time.monotonic() - began < 3.0
     finally:
         os.kill(server.pid, signal.SIGCONT)
         calls.close(5)

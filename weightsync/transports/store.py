@@ -267,8 +267,8 @@ class Unanswered(SyncTimeoutError):
 class _Call:
     """One call :class:`StoreCalls` makes, and how it ended."""
 
-    def __init__(self, call: Callable[[], Any], key: object) -> None:
-        self.call, self.key = call, key
+    def __init__(self, call: Callable[[], Any], key: object, posted: bool = False) -> None:
+        self.call, self.key, self.posted = call, key, posted
         self.started = self.ended = False
         self.value: Any = None
         self.error: BaseException | None = None
@@ -314,8 +314,8 @@ class StoreCalls:
             for stale in [k for k, made in self._keyed.items() if made.ended and k != key]:
                 del self._keyed[stale]  # (a look for a message that came another way)
             job = self._keyed.get(key) if key is not None else None
-            if job is None or (job.ended and job.value is None and job.error is None):
-                job = self._start(call, key)  # (a look that found nothing is made again)
+            if job is None or (job.ended and (job.value is None or job.error is not None)):
+                job = self._start(call, key)  # (a look that found nothing, or failed, is made again)
                 if key is not None:
                     self._keyed[key] = job
             if not self._cond.wait_for(lambda: job.ended, max(remaining(deadline), 0.0)):
@@ -330,12 +330,18 @@ class StoreCalls:
         """Make ``call()`` on the thread, after the calls before it, and return at once (what it returns or raises
         is dropped: it says so itself). Raises ConnectionClosedError once closed."""
         with self._cond:
-            self._start(call, None)
+            self._start(call, None, posted=True)
 
-    def _start(self, call: Callable[[], Any], key: object) -> _Call:
+    @property
+    def busy(self) -> bool:
+        """A call is out (another call on the same client would wait behind it)."""
+        with self._cond:
+            return bool(self._queue) and self._queue[0].started
+
+    def _start(self, call: Callable[[], Any], key: object, posted: bool = False) -> _Call:
         if self._closed:
             raise ConnectionClosedError(f"{self.name}: the store's client was closed")
-        job = _Call(call, key)
+        job = _Call(call, key, posted)
         self._queue.append(job)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -349,7 +355,7 @@ class StoreCalls:
                 if not self._cond.wait_for(lambda: self._closed or bool(self._queue), self.IDLE_S):
                     self._thread = None  # idle: the next call starts one again
                     return
-                if self._closed:
+                if not self._queue:  # closed, every write posted before made
                     return
                 job = self._queue[0]
                 job.started = True
@@ -363,16 +369,17 @@ class StoreCalls:
                 self._cond.notify_all()
 
     def close(self, timeout: float) -> None:
-        """No call starts after this, and the calls not made yet are not (their callers hear why at once); a call
-        still out is ended (its store's connection is shut down: the client is done); the thread is waited for,
-        at most ``timeout`` seconds."""
+        """No call is taken after this, and the calls asked and not made yet are not (their callers hear why at
+        once); the writes posted are made, for a moment: then a call still out is ended (its store's connection is
+        shut down: the client is done, and the writes left fail at once); the thread is waited for, at most
+        ``timeout`` seconds."""
         with self._cond:
             self._closed, thread = True, self._thread
-            for job in [job for job in self._queue if not job.started]:
+            for job in [job for job in self._queue if not job.started and not job.posted]:
                 job.error, job.ended = ConnectionClosedError(f"{self.name}: closed"), True
                 self._queue.remove(job)
             self._cond.notify_all()
-            # (a call out to a store that answers ends in a moment: the connection is shut only under one that does not)
+            # (calls to a store that answers end in a moment: the connection is shut only under one that does not)
             out = not self._cond.wait_for(lambda: not self._queue, min(timeout, self.GRACE_S))
         if thread is None:
             return

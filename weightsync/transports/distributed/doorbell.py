@@ -35,13 +35,17 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from ...errors import WeightSyncError, first_line
-from ..store import Hangup
+from ..store import Hangup, StoreCalls, as_timedelta, dial_store
 
-__all__ = ["IDLE_S", "KEPT", "LAST", "MAX_SAID_BYTES", "Doorbell", "ring"]
+if TYPE_CHECKING:
+    from .group import Link
+
+__all__ = ["IDLE_S", "KEPT", "LAST", "MAX_SAID_BYTES", "Doorbell", "dial_doorbell", "ring"]
 
 log = logging.getLogger("weightsync.transports.distributed")
 
@@ -80,14 +84,22 @@ class Doorbell:
             whose ring cannot wake the thread.
         ringer: another client of the same store (same prefix), through which :meth:`close` rings the bell to wake
             the thread.
+        ringer_busy: whether a call on ``ringer`` is out (a ring would wait behind it: the store may be stopped);
+            :meth:`close` then hangs up instead.
     """
 
     def __init__(
-        self, client: dist.Store, key: str, name: str, hangup: Hangup | None = None, ringer: dist.Store | None = None
+        self,
+        client: dist.Store,
+        key: str,
+        name: str,
+        hangup: Hangup | None = None,
+        ringer: dist.Store | None = None,
+        ringer_busy: Callable[[], bool] | None = None,
     ) -> None:
         self._client: dist.Store | None = client
         self._hangup = hangup
-        self._ringer = ringer
+        self._ringer, self._ringer_busy = ringer, ringer_busy
         self.key = key
         self.rings = 0
         #: Why the thread stopped listening (the store went away, the sender's last ring, close): ``None`` while
@@ -161,7 +173,7 @@ class Doorbell:
         with _guard:
             _listening.discard(self)
         ringer, self._ringer = self._ringer, None
-        if self._thread.is_alive() and ringer is not None:
+        if self._thread.is_alive() and ringer is not None and not (self._ringer_busy and self._ringer_busy()):
             try:
                 ring(ringer, self.key)
             except dist.DistError as exc:  # the store is gone: the ring wakes nothing
@@ -198,3 +210,29 @@ def _close_listening() -> None:
             bell.close()
         except Exception as exc:  # noqa: BLE001 - the others are closed all the same
             log.warning("could not close the doorbell %r as the process exits: %s", bell.key, first_line(exc))
+
+
+def dial_doorbell(
+    address: tuple[str, int],
+    prefix: str,
+    link: Link,
+    timeout: float,
+    silence: float,
+    calls: StoreCalls | None,
+    **where: Any,
+) -> Doorbell:
+    """A worker's doorbell in ``link``'s store, on a store client of its own (its thread blocks on it), connected
+    to the store at ``address`` within ``timeout``, its keys under ``prefix`` (and the pair's scope, for a rejoined
+    worker); ``silence``: the longest the store may leave its connection silent (:func:`~..store.dial_store`);
+    ``calls``: where the worker's calls on ``link``'s store client are made (a close rings only where none is out).
+    """
+    w = where["worker_idx"]
+    client, hangup = dial_store(*address, max(timeout, 1.0), silence=silence, **where)
+    client.set_timeout(as_timedelta(IDLE_S))
+    store: dist.Store = dist.PrefixStore(prefix, client)
+    assert link.sealer is not None
+    if link.sealer.scope:  # a rejoined worker's pair: its keys lie under the pair's scope, as its sealer's do
+        store = dist.PrefixStore(link.sealer.scope.rstrip("/"), store)
+    busy = None if calls is None else (lambda: calls.busy)  # (the ringer is the store client the calls use)
+    name = f"weightsync-{where['model_id']}-doorbell{w}"
+    return Doorbell(store, f"bell/{w}", name, hangup, ringer=link.store, ringer_busy=busy)

@@ -43,9 +43,9 @@ from ...tensors.layout import FlatLayout
 from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphaned
 from ..plainjson import loads_object
 from ..processes import process_identity
-from ..store import MAX_STORE_JSON, SILENT_TIMEOUTS, StoreCalls, as_timedelta, await_key, dial_store
+from ..store import MAX_STORE_JSON, SILENT_TIMEOUTS, StoreCalls, await_key, dial_store
 from .auth import NO_BYTES, PayloadMac, Sealer, Unverifiable, layout_tag, proof, run_prefix
-from .doorbell import IDLE_S, Doorbell
+from .doorbell import Doorbell, dial_doorbell
 from .group import GROUP_TIMEOUT_FACTOR, Link, gpu_identity, new_group_within
 from .line import Dialing, Line
 from .messages import sealed_object
@@ -242,19 +242,10 @@ class DistributedReceiver(ReceiverEngine):
         return Dialing(address, self._key, self.prefix, w, deadline, lambda sock: Line(sock, name, timeout, silence))
 
     def _doorbell(self, link: Link, timeout: float) -> Doorbell:
-        """This worker's doorbell in ``link``'s store, on a store client of its own (its thread blocks on it),
-        connected within ``timeout``."""
-        where, w = self.where, self.where["worker_idx"]
-        host, port = self.handoff["master_addr"], int(self.handoff["master_port"])
+        """This worker's doorbell in ``link``'s store (:func:`~.doorbell.dial_doorbell`), within ``timeout``."""
+        address = (self.handoff["master_addr"], int(self.handoff["master_port"]))
         silence = SILENT_TIMEOUTS * self.update_timeout  # a sender's host that vanished ends the thread's wait
-        client, hangup = dial_store(host, port, max(timeout, 1.0), silence=silence, **where)
-        client.set_timeout(as_timedelta(IDLE_S))
-        store: dist.Store = dist.PrefixStore(self.prefix, client)
-        assert link.sealer is not None
-        if link.sealer.scope:  # a rejoined worker's pair: its keys lie under the pair's scope, as its sealer's do
-            store = dist.PrefixStore(link.sealer.scope.rstrip("/"), store)
-        name = f"weightsync-{where['model_id']}-doorbell{w}"
-        return Doorbell(store, f"bell/{w}", name, hangup, ringer=link.store)
+        return dial_doorbell(address, self.prefix, link, timeout, silence, self._calls, **self.where)
 
     def _read_layout(self, store: dist.Store) -> FlatLayout:
         """The sender's layout, sealed, and described exactly as a sender describes one: its entries in the order
@@ -291,11 +282,18 @@ class DistributedReceiver(ReceiverEngine):
         deadline = deadline_after(self.update_timeout * GROUP_TIMEOUT_FACTOR)
         log.warning("model %r worker %d: the sender dropped it (%s); connecting again", self.where["model_id"], w, why)
 
-        def rejoin() -> tuple[Link, str | None]:
-            return self._pair(store, int(store.add(f"gen/{w}", 1)), self._hello, deadline)
+        def rejoin() -> tuple[Link, str | None, Doorbell | None]:
+            late = SyncTimeoutError("a rejoin not made in time (the sender's store was silent)", **self.where)
+            if remaining(deadline) <= 0:  # (a rejoin its receive gave up on asks nothing more)
+                raise late
+            gen = int(store.add(f"gen/{w}", 1))
+            if remaining(deadline) <= 0:
+                raise late
+            link, reason = self._pair(store, gen, self._hello, deadline)
+            return link, reason, None if reason is not None else self._doorbell(link, remaining(deadline))
 
         try:  # (on the store calls' thread: a rejoin its receive gave up on is taken by the next, not made twice)
-            link, reason = self._calls.ask(rejoin, deadline + ANSWER_S, "a rejoin", key="rejoin", **self.where)
+            link, reason, bell = self._calls.ask(rejoin, deadline + ANSWER_S, "a rejoin", key="rejoin", **self.where)
         except dist.DistError as exc:
             raise ConnectionClosedError(
                 f"the sender dropped this worker ({why}) and could not be reached again: {first_line(exc)}",
@@ -313,7 +311,7 @@ class DistributedReceiver(ReceiverEngine):
             device=self.device,
             timeout=self.update_timeout,
             model_id=self.where["model_id"],
-            bell=self._doorbell(link, remaining(deadline)),
+            bell=bell,
             calls=self._calls,
         )
         self._dropped = None
@@ -491,10 +489,10 @@ class DistributedReceiver(ReceiverEngine):
         if self._key_file is not None and self._closed:
             # A sender that shut down removed its key file; one that was killed could not (on its own host).
             remove_key_file_if_orphaned(self._key_file, grace=ORPHAN_GRACE_S)
+        if self._calls is not None:  # first: a call still out is ended (the bell's ring would wait behind it)
+            self._calls.close(self.update_timeout)
         if self.transport is not None:
             self.transport.hang_up()
-        if self._calls is not None:
-            self._calls.close(self.update_timeout)
         self.transport = None
         self._buffers, self._views = [], []  # a model that took one keeps it: it is the model's memory now
         self._stores = None

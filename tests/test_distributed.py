@@ -578,6 +578,7 @@ def test_a_rejoin_given_up_on_asks_nothing_more_and_the_next_is_made_anew():
     rejoin in the store (its deadline passed), and the next rejoin is made anew rather than handed the first's
     error at once. A rejoin whose pair formed just before the trainer stopped still returns within its bound
     (the doorbell's connection is dialled within it)."""
+    from weightsync.core.timing import deadline_after, wait_until
     from weightsync.transports.distributed.group import Link
 
     transport, store, calls, server, signal = _stopped_store_transport(timeout=0.5)
@@ -590,7 +591,7 @@ def test_a_rejoin_given_up_on_asks_nothing_more_and_the_next_is_made_anew():
             receiver._rejoin(0.05)
         assert time.monotonic() - began < 4 * 0.5 + 1.5  # the rejoin's bound, not the trainer's stop
         os.kill(server.pid, signal.SIGCONT)
-        time.sleep(0.5)  # the call given up on ends meanwhile
+        assert wait_until(lambda: not calls.busy, deadline_after(10), 0.01)  # the call given up on ended
         began = time.monotonic()
         with pytest.raises(ws.SyncTimeoutError, match="did not answer this request to rejoin"):
             receiver._rejoin(0.05)  # (no sender answers here)
@@ -637,7 +638,6 @@ def test_a_worker_closes_at_once_with_a_look_still_out_to_a_stopped_store_and_it
     receiver._key_file, receiver._closed, receiver.transport, receiver._calls = None, False, transport, calls
     receiver.update_timeout, receiver._buffers, receiver._views = 0.5, [], []
     try:
-        time.sleep(0.2)
         os.kill(server.pid, signal.SIGSTOP)
         assert transport.next_message(0.05) is None  # its look is left out
         closing = threading.Thread(target=receiver.close)

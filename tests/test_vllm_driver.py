@@ -622,6 +622,7 @@ class InOrder:
         self.core = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="test-engine-core")
         self.loading: threading.Event | None = None
         self.paused = False
+        self.finishes_asked: list[str | None] = []  # each finish_weight_update's version, as it is called
 
     async def _in_core(self, call, *args) -> None:
         await asyncio.get_running_loop().run_in_executor(self.core, call, *args)
@@ -642,6 +643,7 @@ class InOrder:
         await self._in_core(load)
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.finishes_asked.append(weight_version)
         await self._in_core(self.engine.finish_weight_update, weight_version)
 
     async def update_weight_version(self, version: str) -> None:
@@ -679,6 +681,9 @@ def test_an_update_that_outlasts_its_timeout_and_loads_all_the_same_is_named_for
         _step(model, 1)
         with pytest.raises(ws.SyncTimeoutError, match="worker 0"):
             scheme.send()
+        # The engine's calls have a deadline of their own, a little later than the send's: the load lands once
+        # they too gave up on it (their undoing, finish_weight_update(None), is asked, behind the load).
+        assert wait_until(lambda: None in target.finishes_asked, deadline_after(10), 0.02)
         loaded.set()  # the load lands past the send that gave up on it
         assert wait_until(lambda: target.engine.version == "1", deadline_after(10), 0.05)
         assert _same(target.engine, model) and not target.engine.active

@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from weightsync.transports.distributed.doorbell import Doorbell
-from weightsync.transports.store import dial_store
+from weightsync.transports.storeclient import dial_store
 
 SERVE = (
     "import time, torch.distributed as dist; "

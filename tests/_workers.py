@@ -360,3 +360,45 @@ def trainer_that_forks(name: str, pipe) -> None:
     scheme.connect()
     pipe.send(_fork_idle())
     pipe.poll(600)
+
+
+def idle_trainer(name: str, cmd) -> None:
+    """A trainer that serves its store (``init_on_sender``), hands over a worker's config, and waits (the test
+    stops it, then kills it)."""
+    opt_in = {"allow_store_peers_to_run_code": True} if name == "rpc" else {}
+    scheme = ws.WeightSyncScheme.from_backend(name, timeout=2, connect_timeout=3, **opt_in)
+    scheme.init_on_sender(model_id="policy", model=build("tiny"), num_workers=1)
+    cmd.send(scheme.receiver_config(0))
+    cmd.poll(600)
+
+
+def joins_a_stopped_trainer(name: str, cfg: dict, trainer: int, when: str, out) -> None:
+    """A worker that joins ``trainer`` and stops it with ``SIGSTOP``: before its dial of the trainer's store
+    (``when="dial"``), or just after it (``"after"``). Reports (its error's type or ``None``, seconds taken)."""
+    import importlib
+    import time
+
+    from weightsync.config import from_config
+
+    module = importlib.import_module(
+        "weightsync.transports.rpc.session" if name == "rpc" else "weightsync.transports.distributed.receiver"
+    )
+    dial = module.dial_store
+
+    def stopping(*args, **kwargs):
+        if when == "dial":
+            os.kill(trainer, signal.SIGSTOP)
+        found = dial(*args, **kwargs)
+        if when == "after":
+            os.kill(trainer, signal.SIGSTOP)
+        return found
+
+    module.dial_store = stopping
+    scheme = from_config(cfg, allow_store_peers_to_run_code=True)
+    scheme.init_on_receiver(model=build("tiny"))
+    began, error = time.monotonic(), None
+    try:
+        scheme.connect()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error = type(exc).__name__
+    out.send((error, time.monotonic() - began))

@@ -22,6 +22,7 @@ import weightsync as ws
 from tests._bodies import optimizer_step
 from tests._workers import build, checksum, in_process_receiver
 from weightsync.transports import store as store_module
+from weightsync.transports import storeclient
 from weightsync.transports.distributed import doorbell, worker_side
 from weightsync.transports.distributed import receiver as receiver_module
 from weightsync.transports.distributed import transport as transport_module
@@ -327,8 +328,8 @@ def test_a_hangup_shuts_only_its_own_connection_down(other, monkeypatch):
         opened.append(real_store(host, port, is_master=False, timeout=timedelta(seconds=10)))
         return real_store(*args, **kwargs)
 
-    monkeypatch.setattr(store_module.dist, "TCPStore", store_opening_another)
-    client, hangup = store_module.dial_store("127.0.0.1", port, 10)
+    monkeypatch.setattr(storeclient.dist, "TCPStore", store_opening_another)
+    client, hangup = storeclient.dial_store("127.0.0.1", port, 10)
     monkeypatch.undo()
     assert len(opened) == 1
     shut = hangup()
@@ -348,7 +349,7 @@ def test_a_doorbell_made_after_the_exit_callback_is_closed_as_it_is_made(monkeyp
     is closed at once (rung awake), not left blocked on its store through the interpreter's teardown."""
     store = _serve("127.0.0.1")
     port = store.port
-    client, hangup = store_module.dial_store("127.0.0.1", port, 10)
+    client, hangup = storeclient.dial_store("127.0.0.1", port, 10)
     ringer = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
     monkeypatch.setattr(doorbell, "_exiting", True)
     bell = doorbell.Doorbell(
@@ -362,7 +363,7 @@ def test_a_doorbell_made_after_the_exit_callback_is_closed_as_it_is_made(monkeyp
 
 def test_a_dial_waiting_behind_another_to_the_same_store_gives_up_within_its_timeout():
     store = _serve("127.0.0.1")
-    dialing = store_module._dialing("127.0.0.1", store.port)
+    dialing = storeclient._dialing("127.0.0.1", store.port)
     with dialing, pytest.raises(ws.SyncTimeoutError, match="another dial to it did not end"):  # (one that hangs)
-        store_module.dial_store("127.0.0.1", store.port, 1)
-    store_module.dial_store("127.0.0.1", store.port, 10)  # its turn came once the other ended
+        storeclient.dial_store("127.0.0.1", store.port, 1)
+    storeclient.dial_store("127.0.0.1", store.port, 10)  # its turn came once the other ended

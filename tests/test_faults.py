@@ -676,3 +676,34 @@ def test_a_fixed_address_is_taken_again_after_its_sender_was_killed_and_refused_
     finally:
         live.communicate(timeout=30)
         remove_key_file(held)
+
+
+@pytest.mark.parametrize("when", ["dial", "after"])
+@pytest.mark.parametrize("name", ["distributed", "rpc"])
+def test_a_worker_joining_a_stopped_trainer_gives_up_within_its_connect_timeout(ctx, name, when):
+    """A trainer stopped (a debugger, ``SIGSTOP``) while a worker joins: its store's connections are taken by the
+    kernel and never answered. The worker's ``connect()`` fails with ``SyncTimeoutError`` within its
+    ``connect_timeout`` (3 s) and a little more, whether the trainer stopped before the worker dialled its store
+    (torch's client waits for the store's first answer with no bound) or just after."""
+    from tests._workers import idle_trainer, joins_a_stopped_trainer
+
+    parent, child = ctx.Pipe()
+    trainer = ctx.Process(target=idle_trainer, args=(name, child))
+    trainer.start()
+    heard, told = ctx.Pipe(duplex=False)
+    worker = None
+    try:
+        assert parent.poll(60), "the trainer did not hand over a config"
+        cfg = parent.recv()
+        worker = ctx.Process(target=joins_a_stopped_trainer, args=(name, cfg, trainer.pid, when, told))
+        worker.start()
+        assert heard.poll(30), "the worker's connect() was still waiting after 30 s"
+        error, took = heard.recv()
+        assert error == "SyncTimeoutError" and took < 6.0, (error, took)
+    finally:
+        os.kill(trainer.pid, signal.SIGCONT)
+        trainer.kill()
+        trainer.join(5)
+        if worker is not None:
+            worker.kill()
+            worker.join(5)

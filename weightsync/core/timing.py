@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from ..errors import context
 
-__all__ = ["WAIT_TICK_S", "Progress", "deadline_after", "remaining", "wait_until"]
+__all__ = ["WAIT_TICK_S", "Progress", "as_timedelta", "deadline_after", "remaining", "wait_until"]
+
+
+def as_timedelta(seconds: float) -> timedelta:
+    """``seconds`` as torch.distributed wants a timeout (never zero, which some of its waits read as "none")."""
+    return timedelta(seconds=max(float(seconds), 0.001))
 
 
 def deadline_after(timeout: float) -> float:

@@ -20,7 +20,7 @@ Why not a message on the process group, or the store's own wait:
   The bell's thread waits in one long slice (:data:`IDLE_S`) and is woken at close by a ring of the worker's own.
 
 A bell whose ring cannot wake it (its store is gone or silent) is woken by shutting its client's connection down
-(:class:`~weightsync.transports.store.Hangup`), and every bell still listening when the process exits is closed
+(:class:`~weightsync.transports.storeclient.Hangup`), and every bell still listening when the process exits is closed
 first, rung awake where it can be (an ``atexit`` callback; a bell made later is closed as it is made): a thread
 left blocked in torch's store client would otherwise see its call fail while the interpreter is being torn down,
 and CPython 3.11 ends such a thread by unwinding it through C++ code that may not be unwound, which aborts the
@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from ...core.timing import as_timedelta
 from ...errors import WeightSyncError, first_line
-from ..store import Hangup, StoreCalls, as_timedelta, dial_store
+from ..storeclient import Hangup, StoreCalls, dial_store
 
 if TYPE_CHECKING:
     from .group import Link
@@ -80,7 +81,7 @@ class Doorbell:
             the same prefix as the store the sender rings.
         key: the bell's key.
         name: the thread's name.
-        hangup: shuts ``client``'s connection down (:func:`~weightsync.transports.store.dial_store`), for a close
+        hangup: shuts ``client``'s connection down (:func:`~weightsync.transports.storeclient.dial_store`), for a close
             whose ring cannot wake the thread.
         ringer: another client of the same store (same prefix), through which :meth:`close` rings the bell to wake
             the thread.

@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ...core.timing import remaining
+from ...core.timing import as_timedelta, remaining
 from ...errors import ConfigurationError, SyncTimeoutError, TransportError, first_line
 from ..network import local_address
-from ..store import as_timedelta
 
 if TYPE_CHECKING:
     from .auth import Sealer

@@ -1,20 +1,21 @@
 """The announcements a ``distributed`` sender writes for a worker (sealed: in the store and on its doorbell, or on
 its line), and the check a worker makes of one once it opened it: both sides of their shape in one place; and how a
-worker opens the other JSON objects the sender seals in the store (its verdicts, its line's address)."""
+worker opens the other objects the sender seals in the store (its layout, its verdicts, its line's address)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from ...errors import TransportError
+from ...tensors.layout import FlatLayout
 from ..plainjson import loads_object
 from ..store import MAX_STORE_JSON
-from .auth import MACS, Sealer
+from .auth import MACS, Sealer, layout_tag
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["announcement", "checked_announcement", "sealed_object"]
+__all__ = ["announcement", "checked_announcement", "sealed_layout", "sealed_object"]
 
 
 def announcement(
@@ -78,3 +79,23 @@ def sealed_object(sealer: Sealer, store: dist.Store, key: str, **where: Any) -> 
         TransportError: it is not a bounded JSON object.
     """
     return loads_object(sealer.open(store.get(key), key, **where), f"store key {key!r}", max_bytes=MAX_STORE_JSON)
+
+
+def sealed_layout(sealer: Sealer, store: dist.Store, **where: Any) -> tuple[FlatLayout, bytes]:
+    """The sender's layout, sealed, and described exactly as a sender describes one (its entries in the order the
+    sender packs them: byte offsets follow that order; each key once), with its tag (:func:`~.auth.layout_tag`).
+
+    Raises:
+        AuthenticationError: it is not sealed with the run key.
+        TransportError: it is no layout, or not one as a sender describes it.
+    """
+    content = sealer.open(store.get("layout"), "layout", **where)
+    plain = loads_object(content, "store key 'layout'", max_bytes=MAX_STORE_JSON)
+    layout = FlatLayout.from_plain(plain)
+    if layout.to_plain() != plain:
+        raise TransportError(
+            "store key 'layout' is not a layout as the sender describes one (entries repeated or out of the order "
+            "they are packed in); refusing it",
+            **where,
+        )
+    return layout, layout_tag(content)

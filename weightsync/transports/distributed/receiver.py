@@ -41,14 +41,14 @@ from ...errors import (
 from ...tensors.delta import Chunk, Delta, body_size, chunks_of
 from ...tensors.layout import FlatLayout
 from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphaned
-from ..plainjson import loads_object
 from ..processes import process_identity
-from ..store import MAX_STORE_JSON, SILENT_TIMEOUTS, StoreCalls, await_key, dial_store
-from .auth import NO_BYTES, PayloadMac, Sealer, Unverifiable, layout_tag, proof, run_prefix
+from ..store import SILENT_TIMEOUTS, await_key
+from ..storeclient import StoreCalls, dial_store, hung_up_at
+from .auth import NO_BYTES, PayloadMac, Sealer, Unverifiable, proof, run_prefix
 from .doorbell import Doorbell, dial_doorbell
 from .group import GROUP_TIMEOUT_FACTOR, Link, gpu_identity, new_group_within
 from .line import Dialing, Line
-from .messages import sealed_object
+from .messages import sealed_layout, sealed_object
 from .rejoins import ask_to_rejoin
 from .settings import DistributedSettings
 from .transport import MAX_ERROR_TEXT, DistributedTransport
@@ -148,11 +148,48 @@ class DistributedReceiver(ReceiverEngine):
         # bounds: a sender's process that is stopped leaves them unanswered, with no bound.
         self._calls = StoreCalls(hangup, f"weightsync-{where['model_id']}-store{where['worker_idx']}")
         store = dist.PrefixStore(self.prefix, base)
+        # The rest of the join asks the store too, as a stopped sender leaves it: past the deadline, it hangs up.
+        with hung_up_at(hangup, deadline, "joining the sender", **where):
+            link, line, hello, refusal = self._meet(store, deadline, check)
+        assert self.layout is not None  # (read in the meeting)
+        self._hello = hello
+        self._stores = (base, store)
+        if refusal is not None:
+            if line is not None:
+                line.close(0.0)
+            raise refusal
+        w = where["worker_idx"]
+        self.transport = DistributedTransport(
+            w,
+            link=link,
+            device=self.device,
+            timeout=self.update_timeout,
+            model_id=where["model_id"],
+            bell=self._doorbell(link, remaining(deadline)) if line is None else None,
+            line=line,
+            calls=self._calls,
+        )
+        self.placement = self._placement()
+        # A model that takes the buffer an update arrived in leaves the other one for the next update.
+        for _ in range(2 if self.placement == "take" else 1):
+            self._buffers.append(torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.device))
+            self._views.append(self.layout.views(self._buffers[-1]))
+        self._buckets = self.layout.buckets(self.settings.bucket_bytes)
+        self._chunks = chunks_of(self.layout)
+
+    def _meet(
+        self, store: dist.Store, deadline: float, check: Callable[[FlatLayout], Any]
+    ) -> tuple[Link, Line | None, dict[str, Any], WeightSyncError | None]:
+        """The join's rendez-vous in the sender's ``store``: the layout read and checked, this worker's hello, then
+        its line and group (a first start), or a pair group (a restart). Returns the link, the line (if the sender
+        took one), the hello, and why this worker refuses or is refused (``None``: neither)."""
+        where = self.where
+        host, port = self.handoff["master_addr"], int(self.handoff["master_port"])
         line: Line | None = None
         try:
             total = remaining(deadline)
             await_key(store, "layout", deadline, total, f"the sender's store at {host}:{port} to hold its run", **where)
-            self.layout = self._read_layout(store)
+            self.layout, self._layout_tag = sealed_layout(self.sealer, store, **where)
             refusal = check(self.layout)
             hello: dict[str, Any] = {"ok": True}
             if refusal is not None:
@@ -181,17 +218,8 @@ class DistributedReceiver(ReceiverEngine):
                 taken = isinstance(verdict.get("lines"), list) and w in verdict["lines"]
                 line = dialing.line(taken) if dialing is not None else None
                 # Every worker joins the group, even one that refused: the group forms only with all of them.
-                link.pg = new_group_within(
-                    deadline,
-                    "the sender's process group",
-                    self.settings.backend,
-                    store,
-                    w + 1,
-                    world,
-                    self._group_timeout(deadline),
-                    host,
-                    **where,
-                )
+                group = (self.settings.backend, store, w + 1, world, self._group_timeout(deadline), host)
+                link.pg = new_group_within(deadline, "the sender's process group", *group, **where)
             else:  # a restart: a two-rank group of its own with the sender, if the sender lets it in
                 link, reason = self._pair(store, gen, hello, deadline)
                 if reason is not None and refusal is None:
@@ -204,29 +232,7 @@ class DistributedReceiver(ReceiverEngine):
             if isinstance(exc, dist.DistError):
                 raise SyncTimeoutError(f"could not join the sender's group: {first_line(exc)}", **where) from None
             raise
-        self._hello = hello
-        self._stores = (base, store)
-        if refusal is not None:
-            if line is not None:
-                line.close(0.0)
-            raise refusal
-        self.transport = DistributedTransport(
-            w,
-            link=link,
-            device=self.device,
-            timeout=self.update_timeout,
-            model_id=where["model_id"],
-            bell=self._doorbell(link, remaining(deadline)) if line is None else None,
-            line=line,
-            calls=self._calls,
-        )
-        self.placement = self._placement()
-        # A model that takes the buffer an update arrived in leaves the other one for the next update.
-        for _ in range(2 if self.placement == "take" else 1):
-            self._buffers.append(torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.device))
-            self._views.append(self.layout.views(self._buffers[-1]))
-        self._buckets = self.layout.buckets(self.settings.bucket_bytes)
-        self._chunks = chunks_of(self.layout)
+        return link, line, hello, refusal
 
     def _dial(self, store: dist.Store, deadline: float) -> Dialing | None:
         """This worker's line to the sender (:mod:`.line`), dialled at the address the sender sealed; ``None``
@@ -246,21 +252,6 @@ class DistributedReceiver(ReceiverEngine):
         address = (self.handoff["master_addr"], int(self.handoff["master_port"]))
         silence = SILENT_TIMEOUTS * self.update_timeout  # a sender's host that vanished ends the thread's wait
         return dial_doorbell(address, self.prefix, link, timeout, silence, self._calls, **self.where)
-
-    def _read_layout(self, store: dist.Store) -> FlatLayout:
-        """The sender's layout, sealed, and described exactly as a sender describes one: its entries in the order
-        the sender packs them (byte offsets follow that order), each key once."""
-        content = self.sealer.open(store.get("layout"), "layout", **self.where)
-        plain = loads_object(content, "store key 'layout'", max_bytes=MAX_STORE_JSON)
-        layout = FlatLayout.from_plain(plain)
-        if layout.to_plain() != plain:
-            raise TransportError(
-                "store key 'layout' is not a layout as the sender describes one (entries repeated or out of the "
-                "order they are packed in); refusing it",
-                **self.where,
-            )
-        self._layout_tag = layout_tag(content)
-        return layout
 
     def _pair(self, store: dist.Store, gen: int, hello: dict[str, Any], deadline: float) -> tuple[Link, str | None]:
         """Ask the sender to take this process back as generation ``gen`` of its worker (and as the next ones while

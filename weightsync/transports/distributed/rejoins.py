@@ -17,7 +17,8 @@ from ...core.timing import deadline_after, remaining
 from ...errors import SyncTimeoutError, TransportError, WeightSyncError, first_line
 from ...tensors.copies import copy_tensors
 from ..processes import process_is_gone
-from ..store import connect_store, store_count, store_json, store_set
+from ..store import store_count, store_json, store_set
+from ..storeclient import connect_store
 from .auth import Sealer, new_nonce, proof, proven
 from .group import GROUP_TIMEOUT_FACTOR, gpu_identity, new_group_within
 from .messages import announcement, sealed_object

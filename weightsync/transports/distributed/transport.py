@@ -45,7 +45,8 @@ from ...errors import (
     first_line,
 )
 from ..base import PeerTransport
-from ..store import StoreCalls, store_json, store_set
+from ..store import store_json, store_set
+from ..storeclient import StoreCalls
 from .auth import ACK_TAG_WORDS, Sealer
 from .doorbell import Doorbell, ring
 from .group import Link, Waiter

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ...core.timing import deadline_after, remaining
+from ...core.timing import as_timedelta, deadline_after, remaining
 from ...errors import ConnectionClosedError, SyncTimeoutError, TransportError, WeightSyncError, first_line
-from ..store import StoreCalls, Unanswered, as_timedelta, store_set
+from ..store import store_set
+from ..storeclient import StoreCalls, Unanswered
 from .auth import PayloadMac, Unverifiable
 from .doorbell import MAX_SAID_BYTES
 from .group import is_timeout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from ...errors import ConfigurationError, ConnectionClosedError
 from ...tensors.delta import Delta, chunks_of
 from ...tensors.layout import FlatLayout
 from ..store import SILENT_TIMEOUTS
+from ..storeclient import hung_up_at
 from .mailbox import Arrival, drop_mailbox, mailbox
 from .session import Session, default_worker_name, join_worker_session, leave_session, sender_gone, start_agent
 
@@ -62,8 +64,12 @@ class RPCReceiver(ReceiverEngine):
         self.session = join_worker_session(
             self.handoff, remaining(deadline), SILENT_TIMEOUTS * update_timeout, **self.where
         )
+        probe = self.session.probe
         try:
-            start_agent(self.session, default_worker_name(w), w + 1, remaining(deadline), **self.where)
+            # The agent's start asks the sender's store, as a stopped sender leaves it: past the deadline, it
+            # hangs up (where this worker's join dialled it; another scheme's agent is started already).
+            with hung_up_at(probe.hangup, deadline, "joining the RPC world", **self.where) if probe else nullcontext():
+                start_agent(self.session, default_worker_name(w), w + 1, remaining(deadline), **self.where)
         except BaseException:
             leave_session(self.session)
             self.session = None

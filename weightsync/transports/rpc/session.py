@@ -26,7 +26,8 @@ import torch.distributed.rpc as rpc
 from ...core.timing import WAIT_TICK_S, Progress, deadline_after, wait_until
 from ...errors import ConfigurationError, SyncTimeoutError, first_line
 from ..network import interface_for, local_address
-from ..store import Probe, dial_store, open_store
+from ..store import open_store
+from ..storeclient import Probe, dial_store
 
 __all__ = [
     "SENDER_NAME",

@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import socket
+import threading
 import time
 
 import psutil
@@ -609,6 +610,47 @@ def test_a_rejoin_given_up_on_asks_nothing_more_and_the_next_is_made_anew():
         assert time.monotonic() - began < 4 * 0.5 + 1.5
     finally:
         os.kill(server.pid, signal.SIGCONT)
+        calls.close(5)
+        server.kill()
+        server.wait(10)
+
+
+@pytest.mark.parametrize("then", ["close", "look"])
+def test_a_rejoin_that_ends_after_its_receive_gave_up_and_is_never_taken_closes_its_doorbell(then):
+    """A rejoin's doorbell is dialled within its bound plus a moment, so a rejoin can end after the receive that
+    asked for it gave up. Nobody takes it when the worker closes next, or when the next store call asked is a look
+    for a message: its doorbell (a thread and a connection to the sender's store) is closed, not left running."""
+    from weightsync.core.timing import deadline_after, wait_until
+    from weightsync.transports.distributed.group import Link
+
+    transport, store, calls, server, _ = _stopped_store_transport(timeout=0.5)
+    receiver = _rejoining_receiver(transport, store, calls)
+    receiver._key_file, receiver._closed, receiver._buffers, receiver._views = None, False, [], []
+    closed = threading.Event()
+
+    class Bell:
+        def close(self):
+            closed.set()
+
+    def paired(_store, gen, hello, deadline):
+        return Link(object(), _store, transport.sealer.scoped(f"pair/0/{gen}/")), None
+
+    def bell(link, timeout):
+        time.sleep(timeout + 0.6)  # past the receive's bound (the rejoin's, and a moment)
+        return Bell()
+
+    receiver._pair, receiver._doorbell = paired, bell  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ws.SyncTimeoutError, match="a rejoin"):
+            receiver._rejoin(0.05)
+        assert wait_until(lambda: not calls.busy, deadline_after(10), 0.01)  # the rejoin ended, untaken
+        assert not closed.is_set()
+        if then == "close":
+            receiver.close()
+        else:
+            assert calls.ask(lambda: store.check(["msg/0/7"]), time.monotonic() + 5, "a look", key=7) is False
+        assert closed.wait(5), "the untaken rejoin's doorbell was left open"
+    finally:
         calls.close(5)
         server.kill()
         server.wait(10)

@@ -239,11 +239,20 @@ class Unanswered(SyncTimeoutError):
 class _Call:
     """One call :class:`StoreCalls` makes, and how it ended."""
 
-    def __init__(self, call: Callable[[], Any], key: object, posted: bool = False) -> None:
-        self.call, self.key, self.posted = call, key, posted
+    def __init__(self, call: Callable[[], Any], key: object, posted: bool = False, discard: Any = None) -> None:
+        self.call, self.key, self.posted, self.discard = call, key, posted, discard
         self.started = self.ended = False
+        self.waiting = 0  # callers waiting for its end
         self.value: Any = None
         self.error: BaseException | None = None
+
+    def dropped(self) -> None:
+        """It ended and nobody will take what it made: ``discard`` that (a rejoin's group and doorbell)."""
+        if self.discard is not None and self.error is None and self.value is not None:
+            try:
+                self.discard(self.value)
+            except Exception:  # noqa: BLE001 - best effort: what it made is of no use to anyone
+                log.debug("discarding what an untaken store call made failed", exc_info=True)
 
 
 class StoreCalls:
@@ -275,25 +284,37 @@ class StoreCalls:
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def ask(self, call: Callable[[], T], deadline: float, what: str, key: object = None, **where: Any) -> T:
+    def ask(
+        self, call: Callable[[], T], deadline: float, what: str, key: object = None, discard: Any = None, **where: Any
+    ) -> T:
         """``call()`` made on the thread (after the calls before it); what it returned, or raises what it raised.
+        ``discard(value)``, for a keyed call: what to do with what it returned if nobody takes it (the next call
+        asked has another key, or the calls close).
 
         Raises:
             Unanswered: it did not end by ``deadline``; says ``what`` was asked.
             ConnectionClosedError: the calls were closed.
         """
         with self._cond:
-            for stale in [k for k, made in self._keyed.items() if made.ended and k != key]:
-                del self._keyed[stale]  # (a look for a message that came another way)
+            stale = [made for k, made in self._keyed.items() if made.ended and k != key]
+            for made in stale:
+                del self._keyed[made.key]  # (a look for a message that came another way)
             job = self._keyed.get(key) if key is not None else None
             if job is None or (job.ended and (job.value is None or job.error is not None)):
-                job = self._start(call, key)  # (a look that found nothing, or failed, is made again)
+                job = self._start(call, key, discard=discard)  # (a look that found nothing, or failed, is made again)
                 if key is not None:
                     self._keyed[key] = job
-            if not self._cond.wait_for(lambda: job.ended, max(remaining(deadline), 0.0)):
-                raise Unanswered(f"the sender's store did not answer ({what}); is its process stopped?", **where)
-            if key is not None and self._keyed.get(key) is job:
+            job.waiting += 1
+            try:
+                ended = self._cond.wait_for(lambda: job.ended, max(remaining(deadline), 0.0))
+            finally:
+                job.waiting -= 1
+            if ended and key is not None and self._keyed.get(key) is job:
                 del self._keyed[key]  # taken
+        for made in stale:
+            made.dropped()
+        if not ended:
+            raise Unanswered(f"the sender's store did not answer ({what}); is its process stopped?", **where)
         if job.error is not None:
             raise job.error
         return job.value
@@ -310,10 +331,10 @@ class StoreCalls:
         with self._cond:
             return bool(self._queue) and self._queue[0].started
 
-    def _start(self, call: Callable[[], Any], key: object, posted: bool = False) -> _Call:
+    def _start(self, call: Callable[[], Any], key: object, posted: bool = False, discard: Any = None) -> _Call:
         if self._closed:
             raise ConnectionClosedError(f"{self.name}: the store's client was closed")
-        job = _Call(call, key, posted)
+        job = _Call(call, key, posted, discard)
         self._queue.append(job)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -339,6 +360,11 @@ class StoreCalls:
                 job.ended = True
                 self._queue.popleft()
                 self._cond.notify_all()
+                untaken = self._closed and not job.waiting and self._keyed.get(job.key) is job
+                if untaken:  # (ended after the close: nobody asks for it again)
+                    del self._keyed[job.key]
+            if untaken:
+                job.dropped()
 
     def close(self, timeout: float) -> None:
         """No call is taken after this, and the calls asked and not made yet are not (their callers hear why at
@@ -350,7 +376,13 @@ class StoreCalls:
             for job in [job for job in self._queue if not job.started and not job.posted]:
                 job.error, job.ended = ConnectionClosedError(f"{self.name}: closed"), True
                 self._queue.remove(job)
+            untaken = [job for job in self._keyed.values() if job.ended and not job.waiting]
+            for job in untaken:
+                del self._keyed[job.key]
             self._cond.notify_all()
+        for job in untaken:  # (a call that ends later is dropped as it ends)
+            job.dropped()
+        with self._cond:
             # (calls to a store that answers end in a moment: the connection is shut only under one that does not)
             out = not self._cond.wait_for(lambda: not self._queue, min(timeout, self.GRACE_S))
         if thread is None:

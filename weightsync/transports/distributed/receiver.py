@@ -283,8 +283,13 @@ class DistributedReceiver(ReceiverEngine):
             link, reason = self._pair(store, gen, self._hello, deadline)
             return link, reason, None if reason is not None else self._doorbell(link, remaining(deadline))
 
+        def discard(made: tuple[Link, str | None, Doorbell | None]) -> None:  # (a rejoin nobody took: closing)
+            if made[2] is not None:
+                made[2].close()
+
         try:  # (on the store calls' thread: a rejoin its receive gave up on is taken by the next, not made twice)
-            link, reason, bell = self._calls.ask(rejoin, deadline + ANSWER_S, "a rejoin", key="rejoin", **self.where)
+            ask = (rejoin, deadline + ANSWER_S, "a rejoin")
+            link, reason, bell = self._calls.ask(*ask, key="rejoin", discard=discard, **self.where)
         except dist.DistError as exc:
             raise ConnectionClosedError(
                 f"the sender dropped this worker ({why}) and could not be reached again: {first_line(exc)}",

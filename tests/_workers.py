@@ -402,3 +402,25 @@ def joins_a_stopped_trainer(name: str, cfg: dict, trainer: int, when: str, out) 
     except Exception as exc:  # noqa: BLE001 - reported to the test
         error = type(exc).__name__
     out.send((error, time.monotonic() - began))
+
+
+def store_in_a_child():
+    """A TCP store served by a child process of its own (listening on every address, until killed), for a test
+    to stop: (the child, the store's port)."""
+    import subprocess
+    import sys
+
+    serve = (
+        "import datetime, sys, torch.distributed as d\n"
+        "wait = datetime.timedelta(seconds=60)\n"
+        "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, timeout=wait)\n"
+        "print(s.port, flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", serve], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        return server, int(server.stdout.readline())  # type: ignore[union-attr]
+    except BaseException:
+        server.kill()
+        server.wait(10)
+        raise

@@ -474,23 +474,14 @@ def _stopped_store_transport(timeout: float):
     """A worker's transport on a TCP store served by a child process of its own (the test stops it), with the
     store calls a receiver gives it; and that child."""
     import signal
-    import subprocess
-    import sys
 
+    from tests._workers import store_in_a_child
     from weightsync.transports.distributed.auth import Sealer
     from weightsync.transports.distributed.group import Link
     from weightsync.transports.distributed.transport import DistributedTransport
     from weightsync.transports.storeclient import StoreCalls, dial_store
 
-    serve = (
-        "import datetime, sys, torch.distributed as d\n"
-        "wait = datetime.timedelta(seconds=60)\n"
-        "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, timeout=wait)\n"
-        "print(s.port, flush=True)\n"
-        "sys.stdin.readline()\n"
-    )
-    server = subprocess.Popen([sys.executable, "-c", serve], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    port = int(server.stdout.readline())  # type: ignore[union-attr]
+    server, port = store_in_a_child()
     base, hangup = dial_store("127.0.0.1", port, 10, silence=4 * timeout)
     store = dist.PrefixStore("p", base)
     calls = StoreCalls(hangup, "weightsync-test-store0")

@@ -9,9 +9,14 @@ group on 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,7 +25,8 @@ import torch.distributed as dist
 
 import weightsync as ws
 from tests._bodies import optimizer_step
-from tests._workers import build, checksum, in_process_receiver
+from tests._workers import build, checksum, in_process_receiver, store_in_a_child
+from weightsync.core.timing import deadline_after, wait_until
 from weightsync.transports import store as store_module
 from weightsync.transports import storeclient
 from weightsync.transports.distributed import doorbell, worker_side
@@ -363,7 +369,105 @@ def test_a_doorbell_made_after_the_exit_callback_is_closed_as_it_is_made(monkeyp
 
 def test_a_dial_waiting_behind_another_to_the_same_store_gives_up_within_its_timeout():
     store = _serve("127.0.0.1")
-    dialing = storeclient._dialing("127.0.0.1", store.port)
+    dialing = storeclient._dialing(store.port)
     with dialing, pytest.raises(ws.SyncTimeoutError, match="another dial to it did not end"):  # (one that hangs)
         storeclient.dial_store("127.0.0.1", store.port, 1)
     storeclient.dial_store("127.0.0.1", store.port, 10)  # its turn came once the other ended
+
+
+@contextlib.contextmanager
+def _stopped_store():
+    """A TCP store served by a child process (listening on every address), stopped (``SIGSTOP``) for the block: it
+    takes connections (the kernel does) and answers nothing. Yields its port, and a call that resumes it."""
+    server, port = store_in_a_child()
+    try:
+        os.kill(server.pid, signal.SIGSTOP)
+        yield port, lambda: os.kill(server.pid, signal.SIGCONT)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.kill()
+        server.wait(10)
+
+
+def _dial_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("weightsync-store-dial") and t.is_alive()]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "0.0.0.0"])
+def test_a_dial_of_a_stopped_store_gives_up_within_its_timeout_however_its_host_is_named(host):
+    """torch's client waits for a stopped store's first answer with no bound, whatever timeout it is given. A dial
+    gives up within its own, however the store's host is named (a wildcard address reaches the loopback one: its
+    connection is found all the same), leaves no thread behind, and the next dial, once the store answers, is
+    made."""
+    with _stopped_store() as (port, resume):
+        began = time.monotonic()
+        with pytest.raises(ws.SyncTimeoutError, match="no TCP store answered"):
+            storeclient.dial_store(host, port, 1.0)
+        assert time.monotonic() - began < 2.5
+        assert wait_until(lambda: not _dial_threads(), deadline_after(5), 0.02), _dial_threads()
+        resume()
+        client, _ = storeclient.dial_store(host, port, 10)
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+
+
+def test_a_dial_of_something_that_is_no_store_gives_up_within_its_bound():
+    """A dial of a port where another service answers (here it echoes what it is sent) fails within its timeout and
+    a second (torch's client retries with a back-off that overshoots its own timeout by up to 1.6 s here), with
+    torch's reason as the cause where it gave one in time."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    stop = threading.Event()
+
+    def echo() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(0.5)
+                with contextlib.suppress(OSError):
+                    while data := conn.recv(4096):
+                        conn.sendall(data)
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    try:
+        began = time.monotonic()
+        with pytest.raises(ws.SyncTimeoutError, match="no TCP store answered at 127.0.0.1") as caught:
+            storeclient.dial_store("127.0.0.1", port, 1.5)
+        assert time.monotonic() - began < 1.5 + 1.0 + 0.4
+        assert caught.value.__cause__ is None or isinstance(caught.value.__cause__, dist.DistError)
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+
+
+def test_a_block_hung_up_at_its_deadline_raises_a_timeout_and_only_then():
+    """``hung_up_at``: a block that ends in time is left alone; one that outlasts its deadline (and the grace) has
+    its client hung up and raises ``SyncTimeoutError``, even where the block itself then returned, and chains what
+    the block raised; an interrupt goes on as it is."""
+    calls: list[str] = []
+
+    def hangup() -> bool:
+        calls.append("hung up")
+        return True
+
+    with storeclient.hung_up_at(hangup, deadline_after(5), "a test"):  # type: ignore[arg-type]
+        pass
+    with pytest.raises(ws.SyncTimeoutError, match="a test: the store did not answer in time"):
+        with storeclient.hung_up_at(hangup, deadline_after(0.0), "a test"):  # type: ignore[arg-type]
+            time.sleep(storeclient.HANGUP_GRACE_S + 0.3)
+    with pytest.raises(ws.SyncTimeoutError) as caught:
+        with storeclient.hung_up_at(hangup, deadline_after(0.0), "a test"):  # type: ignore[arg-type]
+            time.sleep(storeclient.HANGUP_GRACE_S + 0.3)
+            raise dist.DistError("the call failed")
+    assert isinstance(caught.value.__cause__, dist.DistError)
+    with pytest.raises(KeyboardInterrupt):
+        with storeclient.hung_up_at(hangup, deadline_after(0.0), "a test"):  # type: ignore[arg-type]
+            time.sleep(storeclient.HANGUP_GRACE_S + 0.3)
+            raise KeyboardInterrupt
+    assert calls == ["hung up"] * 3

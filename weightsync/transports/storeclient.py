@@ -10,7 +10,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -51,38 +51,51 @@ def dial_store(
     a thread of its own, which nothing else wakes while its store is silent."""
     deadline = deadline_after(timeout)
     await_listener(host, port, deadline, timeout, "TCP store", **where)
-    dialing = _dialing(host, port)  # no dial of ours to the same store opens a connection meanwhile
+    dialing = _dialing(port)  # no dial of ours to that port opens a connection meanwhile (the host spelled any way)
     if not dialing.acquire(timeout=max(remaining(deadline), 0.001)):
         raise SyncTimeoutError(
             f"no TCP store answered at {host}:{port} within {timeout:.0f}s (another dial to it did not end)", **where
         )
-    try:
-        before = _open_fds()
-        store = _client(host, port, deadline, before)
-        if store is None:
-            raise SyncTimeoutError(f"no TCP store answered at {host}:{port} within {timeout:.0f}s", **where)
-        found = _connections_to(_addresses(host, port), port, since=before)
-    finally:
-        dialing.release()
+    store, found, error = _client(host, port, deadline, dialing)
+    if store is None:
+        why = f": {first_line(error)}" if error is not None else ""
+        raise SyncTimeoutError(f"no TCP store answered at {host}:{port} within {timeout:.0f}s{why}", **where) from error
     if len(found) > 1:  # torch's client opens one: another thread dialled the same store meanwhile
         log.debug("%d new connections to the store at %s:%d; none is taken as the client's", len(found), host, port)
         found = []
     hangup = Hangup(found)
     if silence is not None and not hangup.bound_silence(silence):
-        log.debug("could not bound the silence of the store at %s:%d on this platform", host, port)
+        log.warning(
+            "the calls to the TCP store at %s:%d cannot be bounded here (its client's connection was not found): a "
+            "store that stops answering holds them",
+            host,
+            port,
+        )
     return store, hangup
 
 
-def _client(host: str, port: int, deadline: float, before: set[tuple[int, str]]) -> dist.Store | None:
-    """torch's client of the store at ``host:port``, made by ``deadline``; ``None`` where it was not. Its
-    constructor waits for the store's answer to its first word with no bound (a store whose process is stopped
-    still has its connections taken by the kernel), so it runs on a thread of its own, and a connection it opened
-    (since ``before``) and left unanswered at the deadline is shut down, which ends it."""
-    made: list[dist.Store] = []
+def _client(
+    host: str, port: int, deadline: float, dialing: threading.Lock
+) -> tuple[dist.Store | None, list[tuple[int, str]], BaseException | None]:
+    """torch's client of the store at ``host:port``, made by ``deadline`` (``None`` where it was not, with why if
+    torch said), and its connection(s). Its constructor waits for the store's answer to its first word with no
+    bound (a store whose process is stopped still has its connections taken by the kernel), so it runs on a thread
+    of its own, and a connection it opened and left unanswered at the deadline is shut down, which ends it. The
+    thread releases ``dialing`` (held) once it ended: one it could not end holds it, and later dials to the port
+    fail within their bound."""
+    addresses, before = _addresses(host, port), _open_fds()
+    made: dict[str, Any] = {}
+    left = remaining(deadline)
+    own = as_timedelta(left - min(0.25, left / 10))  # (ends first: no retry of its own starts at the deadline)
 
     def make() -> None:
-        with contextlib.suppress(dist.DistError):  # (no answer within its timeout: made stays empty)
-            made.append(dist.TCPStore(host, port, is_master=False, timeout=as_timedelta(remaining(deadline))))
+        try:
+            made["store"] = dist.TCPStore(host, port, is_master=False, timeout=own)
+            made["found"] = _connections_to(addresses, port, since=before)
+        except Exception as exc:  # noqa: BLE001 - torch's reason, told the caller
+            made["error"] = exc
+        finally:
+            dialing.release()
 
     thread = threading.Thread(target=make, name=f"weightsync-store-dial-{port}", daemon=True)
     thread.start()
@@ -90,10 +103,10 @@ def _client(host: str, port: int, deadline: float, before: set[tuple[int, str]])
     if thread.is_alive():  # (a retry it made meanwhile, on a connection of its own, is shut down too)
         ends = deadline_after(1.0)
         while thread.is_alive() and remaining(ends) > 0:
-            Hangup(_connections_to(_addresses(host, port), port, since=before))()
+            Hangup(_connections_to(addresses, port, since=before))()
             thread.join(0.05)
-        return None  # (not Linux: the thread is left to its own end; the dial has failed all the same)
-    return made[0] if made else None
+        return None, [], None
+    return made.get("store"), made.get("found", []), made.get("error")
 
 
 class Hangup:
@@ -140,34 +153,39 @@ class Hangup:
         return shut > 0
 
 
-@contextlib.contextmanager
-def hung_up_at(hangup: Hangup, deadline: float, what: str, **where: Any) -> Iterator[None]:
-    """Run the block with its store client's connection shut down (``hangup``) if the block still runs a moment
-    past ``deadline`` (the block's own bounded waits say first what they waited for): a store whose process is
-    stopped leaves every call of torch's client unanswered with no bound, and the call then fails (``DistError``).
+def hung_up_at(hangup: Hangup, deadline: float, what: str, **where: Any) -> _HungUpAt:
+    """A context that runs its block with its store client's connection shut down (``hangup``) if the block still
+    runs a moment past ``deadline`` (the block's own bounded waits say first what they waited for): a store whose
+    process is stopped leaves every call of torch's client unanswered with no bound, and the call then fails
+    (``DistError``).
 
     Raises:
-        SyncTimeoutError: the connection was shut down (the client is done), whatever the block raised or not.
+        SyncTimeoutError: the connection was shut down (the client is done), whatever the block raised (an
+            ``Exception``: an interrupt or an exit goes on as it is) or not.
     """
-    fired = threading.Event()
+    return _HungUpAt(hangup, deadline, f"{what}: the store did not answer in time; is its process stopped?", where)
 
-    def fire() -> None:
-        fired.set()
-        hangup()
 
-    timer = threading.Timer(remaining(deadline) + HANGUP_GRACE_S, fire)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    except BaseException as exc:
-        if not fired.is_set():
-            raise
-        raise SyncTimeoutError(f"{what}: the store did not answer in time; is its process stopped?", **where) from exc
-    finally:
-        timer.cancel()
-    if fired.is_set():
-        raise SyncTimeoutError(f"{what}: the store did not answer in time; is its process stopped?", **where)
+class _HungUpAt:
+    def __init__(self, hangup: Hangup, deadline: float, message: str, where: dict[str, Any]) -> None:
+        self.hangup, self.message, self.where = hangup, message, where
+        self.fired = False
+        self.timer = threading.Timer(remaining(deadline) + HANGUP_GRACE_S, self._fire)
+        self.timer.daemon = True
+
+    def _fire(self) -> None:
+        self.fired = True
+        self.hangup()
+
+    def __enter__(self) -> None:
+        self.timer.start()
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        self.timer.cancel()
+        self.timer.join()  # (a hangup under way ends first: read after it, ``fired`` is final)
+        if not self.fired or (exc is not None and not isinstance(exc, Exception)):
+            return
+        raise SyncTimeoutError(self.message, **self.where) from exc
 
 
 class Probe:
@@ -409,13 +427,14 @@ def _open_fds() -> set[tuple[int, str]]:
 
 
 _dials_guard = threading.Lock()
-_dials: dict[tuple[str, int], threading.Lock] = {}
+_dials: dict[int, threading.Lock] = {}
 
 
-def _dialing(host: str, port: int) -> threading.Lock:
-    """The lock this process's dials to ``host:port`` take in turn, so that each finds its own connection."""
+def _dialing(port: int) -> threading.Lock:
+    """The lock this process's dials to ``port`` take in turn (whatever host they name, and however they spell it),
+    so that each finds its own connection."""
     with _dials_guard:
-        return _dials.setdefault((host, port), threading.Lock())
+        return _dials.setdefault(port, threading.Lock())
 
 
 def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -431,12 +450,15 @@ def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 
 
 def _addresses(host: str, port: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """The IP addresses ``host`` names (what torch's client may have connected to); empty if it names none."""
+    """The IP addresses ``host`` names (what torch's client may have connected to; a connection to the unspecified
+    address, ``0.0.0.0`` or ``::``, reaches the loopback one); empty if it names none."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:
         return set()
-    return {ip for info in infos if (ip := _ip(str(info[4][0]))) is not None}
+    named = {ip for info in infos if (ip := _ip(str(info[4][0]))) is not None}
+    loopback = {ipaddress.ip_address("::1" if ip.version == 6 else "127.0.0.1") for ip in named if ip.is_unspecified}
+    return named | loopback
 
 
 def _connections_to(

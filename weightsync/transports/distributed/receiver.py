@@ -149,8 +149,15 @@ class DistributedReceiver(ReceiverEngine):
         self._calls = StoreCalls(hangup, f"weightsync-{where['model_id']}-store{where['worker_idx']}")
         store = dist.PrefixStore(self.prefix, base)
         # The rest of the join asks the store too, as a stopped sender leaves it: past the deadline, it hangs up.
-        with hung_up_at(hangup, deadline, "joining the sender", **where):
-            link, line, hello, refusal = self._meet(store, deadline, check)
+        met = None
+        try:
+            with hung_up_at(hangup, deadline, "joining the sender", **where):
+                met = self._meet(store, deadline, check)
+        except BaseException:
+            if met is not None and met[1] is not None:  # (met, and too late: its line is closed)
+                met[1].close(0.0)
+            raise
+        link, line, hello, refusal = met
         assert self.layout is not None  # (read in the meeting)
         self._hello = hello
         self._stores = (base, store)
@@ -158,9 +165,8 @@ class DistributedReceiver(ReceiverEngine):
             if line is not None:
                 line.close(0.0)
             raise refusal
-        w = where["worker_idx"]
         self.transport = DistributedTransport(
-            w,
+            where["worker_idx"],
             link=link,
             device=self.device,
             timeout=self.update_timeout,

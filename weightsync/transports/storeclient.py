@@ -83,7 +83,11 @@ def _client(
     of its own, and a connection it opened and left unanswered at the deadline is shut down, which ends it. The
     thread releases ``dialing`` (held) once it ended: one it could not end holds it, and later dials to the port
     fail within their bound."""
-    addresses, before = _addresses(host, port), _open_fds()
+    try:
+        addresses, before = _addresses(host, port), _open_fds()
+    except BaseException:
+        dialing.release()
+        raise
     made: dict[str, Any] = {}
     left = remaining(deadline)
     own = as_timedelta(left - min(0.25, left / 10))  # (ends first: no retry of its own starts at the deadline)
@@ -98,7 +102,11 @@ def _client(
             dialing.release()
 
     thread = threading.Thread(target=make, name=f"weightsync-store-dial-{port}", daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except BaseException:  # (no thread: nothing else releases it)
+        dialing.release()
+        raise
     thread.join(max(remaining(deadline), 0.001))
     if thread.is_alive():  # (a retry it made meanwhile, on a connection of its own, is shut down too)
         ends = deadline_after(1.0)

@@ -50,12 +50,18 @@ def dial_store(
     """:func:`connect_store`, and the :class:`Hangup` of the client's connection: for a client whose calls block
     a thread of its own, which nothing else wakes while its store is silent."""
     deadline = deadline_after(timeout)
-    await_listener(host, port, deadline, timeout, "TCP store", **where)
-    dialing = _dialing(port)  # no dial of ours to that port opens a connection meanwhile (the host spelled any way)
+    # No dial of ours to that port (the host spelled any way) opens a connection meanwhile, a listener's probe
+    # included: the connection the client opens is found as the one new connection to the port.
+    dialing = _dialing(port)
     if not dialing.acquire(timeout=max(remaining(deadline), 0.001)):
         raise SyncTimeoutError(
             f"no TCP store answered at {host}:{port} within {timeout:.0f}s (another dial to it did not end)", **where
         )
+    try:
+        await_listener(host, port, deadline, timeout, "TCP store", **where)
+    except BaseException:
+        dialing.release()
+        raise
     store, found, error = _client(host, port, deadline, dialing)
     if store is None:
         why = f": {first_line(error)}" if error is not None else ""
@@ -83,14 +89,7 @@ def _client(
     of its own, and a connection it opened and left unanswered at the deadline is shut down, which ends it. The
     thread releases ``dialing`` (held) once it ended: one it could not end holds it, and later dials to the port
     fail within their bound."""
-    try:
-        addresses, before = _addresses(host, port), _open_fds()
-    except BaseException:
-        dialing.release()
-        raise
     made: dict[str, Any] = {}
-    left = remaining(deadline)
-    own = as_timedelta(left - min(0.25, left / 10))  # (ends first: no retry of its own starts at the deadline)
 
     def make() -> None:
         try:
@@ -101,10 +100,13 @@ def _client(
         finally:
             dialing.release()
 
-    thread = threading.Thread(target=make, name=f"weightsync-store-dial-{port}", daemon=True)
-    try:
+    try:  # (until its thread runs, nothing else releases ``dialing``)
+        addresses, before = _addresses(host, port), _open_fds()
+        left = remaining(deadline)
+        own = as_timedelta(left - min(0.25, left / 10))  # (ends first: no retry of its own starts at the deadline)
+        thread = threading.Thread(target=make, name=f"weightsync-store-dial-{port}", daemon=True)
         thread.start()
-    except BaseException:  # (no thread: nothing else releases it)
+    except BaseException:
         dialing.release()
         raise
     thread.join(max(remaining(deadline), 0.001))
@@ -322,7 +324,7 @@ class StoreCalls:
             ConnectionClosedError: the calls were closed.
         """
         with self._cond:
-            stale = [made for k, made in self._keyed.items() if made.ended and k != key]
+            stale = [made for k, made in self._keyed.items() if made.ended and not made.waiting and k != key]
             for made in stale:
                 del self._keyed[made.key]  # (a look for a message that came another way)
             job = self._keyed.get(key) if key is not None else None

@@ -524,17 +524,22 @@ def test_a_workers_writes_are_never_held_by_a_stopped_store_and_land_once_it_res
         server.wait(10)
 
 
-def test_a_worker_whose_line_failed_and_whose_store_does_not_answer_hears_its_sender_went_away():
-    """The line failed (its peer silent past its bound: the sender's host vanished) and the store does not answer
-    whether the sender dropped this worker: that is a sender gone (``ConnectionClosedError``, which ends a
-    worker's loop), not a timeout to retry."""
+@pytest.mark.parametrize("ended", ["silent", "closed by its peer"])
+def test_a_worker_whose_line_failed_and_whose_store_does_not_answer_hears_its_sender_went_away_or_stopped(ended):
+    """The line failed and the store does not answer whether the sender dropped this worker. A line whose peer
+    went silent past its bound (the sender's host vanished): that is a sender gone (``ConnectionClosedError``,
+    which ends a worker's loop), not a timeout to retry. A line its peer closed (an end: the sender's host was
+    there to send it): a silent store is then a sender stopped, whose process would refuse at once had it died,
+    and the worker hears a timeout (``SyncTimeoutError``), which its loop retries."""
     from weightsync.errors import ConnectionClosedError
+    from weightsync.transports.distributed.line import PeerClosed
 
     transport, _, calls, server, signal = _stopped_store_transport(timeout=1.0)
+    closed = ended.startswith("closed")
 
     class DeadLine:
         def readable(self, timeout):
-            raise ConnectionClosedError("the line went silent")
+            raise PeerClosed("the line's peer closed it") if closed else ConnectionClosedError("the line went silent")
 
         def close(self, timeout):
             pass
@@ -543,8 +548,12 @@ def test_a_worker_whose_line_failed_and_whose_store_does_not_answer_hears_its_se
     try:
         os.kill(server.pid, signal.SIGSTOP)
         began = time.monotonic()
-        with pytest.raises(ConnectionClosedError, match="the sender went away"):
-            transport.next_message(0.05)
+        if closed:
+            with pytest.raises(ws.SyncTimeoutError, match="whether it dropped this worker"):
+                transport.next_message(0.05)
+        else:
+            with pytest.raises(ConnectionClosedError, match="the sender went away"):
+                transport.next_message(0.05)
         assert time.monotonic() - began < 3.0
     finally:
         os.kill(server.pid, signal.SIGCONT)

@@ -628,3 +628,26 @@ def test_a_dialling_worker_gives_up_at_once_when_no_challenge_comes():
                 assert time.monotonic() - start < 2.0
                 other.settimeout(10)
                 assert other.recv(1) == b""
+
+
+@pytest.mark.parametrize("how", ["end", "reset"])
+def test_a_line_ended_by_its_peer_says_so_apart_from_one_that_went_silent(how):
+    """A line whose peer ended it (its end, or a reset) raises ``PeerClosed``: its peer's host was there to end it,
+    which a worker tells apart from a silence (a host that vanished)."""
+    import struct
+
+    from weightsync.transports.distributed.line import PeerClosed
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        a = socket.create_connection(server.getsockname(), timeout=5)
+        b, _ = server.accept()
+    reader = Line(b, "r", 5.0)
+    if how == "reset":
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # (a close sends a reset)
+    a.close()
+    try:
+        assert reader.readable(5.0)
+        with pytest.raises(PeerClosed):
+            reader.frame(deadline_after(5.0), 1024)
+    finally:
+        reader.close(0.0)

@@ -24,6 +24,7 @@ travel inline follow it raw (their size is the layout's); an ack is :data:`ACK` 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import logging
 import secrets
@@ -40,7 +41,7 @@ from .. import descriptors
 from ..network import bound_silence, crowded_out, tcp_peer_uids
 from .auth import ACK_TAG_WORDS, line_proof
 
-__all__ = ["ACK", "FRAME", "LINE_WAIT_S", "Dialing", "Line", "Listener"]
+__all__ = ["ACK", "FRAME", "LINE_WAIT_S", "Dialing", "Line", "Listener", "PeerClosed"]
 
 log = logging.getLogger("weightsync.transports.distributed")
 
@@ -66,6 +67,10 @@ def _done() -> Future:
     future: Future = Future()
     future.set_result(None)
     return future
+
+
+class PeerClosed(ConnectionClosedError):
+    """The line's peer ended it (its end, or a reset): its host's kernel was there to say so."""
 
 
 class Line:
@@ -188,10 +193,11 @@ class Line:
             return 0
         except OSError as exc:
             self.close(0.0)
-            raise ConnectionClosedError(f"the line's peer went away ({exc})") from None
+            ended = PeerClosed if exc.errno == errno.ECONNRESET else ConnectionClosedError  # (not a silence)
+            raise ended(f"the line's peer went away ({exc})") from None
         if got == 0:
             self.close(0.0)
-            raise ConnectionClosedError("the line's peer closed it")
+            raise PeerClosed("the line's peer closed it")
         return got
 
     def take(self, size: int) -> bytes | None:

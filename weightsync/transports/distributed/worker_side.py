@@ -19,7 +19,7 @@ from ..storeclient import StoreCalls, Unanswered
 from .auth import PayloadMac, Unverifiable
 from .doorbell import MAX_SAID_BYTES
 from .group import is_timeout
-from .line import ACK
+from .line import ACK, PeerClosed
 from .messages import checked_announcement
 
 if TYPE_CHECKING:
@@ -136,7 +136,9 @@ class WorkerSide:
             raw = self.line.frame(deadline_after(self.timeout), MAX_SAID_BYTES)
         except ConnectionClosedError as exc:
             self.hang_up()
-            if self.was_dropped(or_gone=True):
+            # A line its peer ended had a host there to end it: a store silent then is a sender stopped (whose
+            # process, serving the store, would refuse at once had it died), not gone.
+            if self.was_dropped(or_gone=not isinstance(exc, PeerClosed)):
                 return {"dropped": "the sender closed this worker's line"}
             raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where()) from None
         except SyncTimeoutError:

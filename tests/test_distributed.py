@@ -626,7 +626,7 @@ def test_a_rejoin_that_ends_after_its_receive_gave_up_and_is_never_taken_closes_
     transport, store, calls, server, _ = _stopped_store_transport(timeout=0.5)
     receiver = _rejoining_receiver(transport, store, calls)
     receiver._key_file, receiver._closed, receiver._buffers, receiver._views = None, False, [], []
-    closed = threading.Event()
+    closed, gave_up = threading.Event(), threading.Event()
 
     class Bell:
         def close(self):
@@ -636,13 +636,14 @@ def test_a_rejoin_that_ends_after_its_receive_gave_up_and_is_never_taken_closes_
         return Link(object(), _store, transport.sealer.scoped(f"pair/0/{gen}/")), None
 
     def bell(link, timeout):
-        time.sleep(timeout + 0.6)  # past the receive's bound (the rejoin's, and a moment)
+        assert gave_up.wait(10)  # dialled past the receive's bound: the rejoin ends once its receive gave up
         return Bell()
 
     receiver._pair, receiver._doorbell = paired, bell  # type: ignore[method-assign]
     try:
         with pytest.raises(ws.SyncTimeoutError, match="a rejoin"):
             receiver._rejoin(0.05)
+        gave_up.set()
         assert wait_until(lambda: not calls.busy, deadline_after(10), 0.01)  # the rejoin ended, untaken
         assert not closed.is_set()
         if then == "close":
@@ -660,17 +661,22 @@ def test_a_worker_closes_at_once_with_a_look_still_out_to_a_stopped_store_and_it
     """Closing a worker whose look at the store is still out (the trainer stopped) ends that look rather than
     waiting behind it (the doorbell's closing ring went through the same client and waited for the trainer to
     resume); the writes a worker posted just before closing, to a store that answers, are made."""
-    import threading
-
+    from weightsync.core.timing import deadline_after, wait_until
     from weightsync.transports.distributed.doorbell import dial_doorbell
     from weightsync.transports.distributed.receiver import DistributedReceiver
     from weightsync.transports.storeclient import StoreCalls
 
     made: list[int] = []
     calls = StoreCalls(None, "weightsync-test-writes")
-    calls.post(lambda: (time.sleep(0.05), made.append(1)))
+    started, proceed = threading.Event(), threading.Event()
+    calls.post(lambda: (started.set(), proceed.wait(5), made.append(1)))  # still out when close() is called
     calls.post(lambda: made.append(2))
-    calls.close(5)
+    assert started.wait(5)
+    closer = threading.Thread(target=calls.close, args=(5,))
+    closer.start()
+    assert wait_until(lambda: calls._closed, deadline_after(5), 0.005)
+    proceed.set()
+    closer.join(10)
     assert made == [1, 2]
 
     transport, store, calls, server, signal = _stopped_store_transport(timeout=0.5)

@@ -452,24 +452,30 @@ def test_a_block_hung_up_at_its_deadline_raises_a_timeout_and_only_then():
     its client hung up and raises ``SyncTimeoutError``, even where the block itself then returned, and chains what
     the block raised; an interrupt goes on as it is."""
     calls: list[str] = []
+    hung = threading.Event()
 
     def hangup() -> bool:
         calls.append("hung up")
+        hung.set()
         return True
+
+    def outlasted() -> None:  # the block runs on until its client is hung up
+        assert hung.wait(5)
+        hung.clear()
 
     with storeclient.hung_up_at(hangup, deadline_after(5), "a test"):  # type: ignore[arg-type]
         pass
     with pytest.raises(ws.SyncTimeoutError, match="a test: the store did not answer in time"):
         with storeclient.hung_up_at(hangup, deadline_after(0.0), "a test"):  # type: ignore[arg-type]
-            time.sleep(storeclient.HANGUP_GRACE_S + 0.3)
+            outlasted()
     with pytest.raises(ws.SyncTimeoutError) as caught:
         with storeclient.hung_up_at(hangup, deadline_after(0.0), "a test"):  # type: ignore[arg-type]
-            time.sleep(storeclient.HANGUP_GRACE_S + 0.3)
+            outlasted()
             raise dist.DistError("the call failed")
     assert isinstance(caught.value.__cause__, dist.DistError)
     with pytest.raises(KeyboardInterrupt):
         with storeclient.hung_up_at(hangup, deadline_after(0.0), "a test"):  # type: ignore[arg-type]
-            time.sleep(storeclient.HANGUP_GRACE_S + 0.3)
+            outlasted()
             raise KeyboardInterrupt
     assert calls == ["hung up"] * 3
 

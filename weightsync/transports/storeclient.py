@@ -57,12 +57,7 @@ def dial_store(
         raise SyncTimeoutError(
             f"no TCP store answered at {host}:{port} within {timeout:.0f}s (another dial to it did not end)", **where
         )
-    try:
-        await_listener(host, port, deadline, timeout, "TCP store", **where)
-    except BaseException:
-        dialing.release()
-        raise
-    store, found, error = _client(host, port, deadline, dialing)
+    store, found, error = _client(host, port, deadline, timeout, dialing, where)
     if store is None:
         why = f": {first_line(error)}" if error is not None else ""
         raise SyncTimeoutError(f"no TCP store answered at {host}:{port} within {timeout:.0f}s{why}", **where) from error
@@ -81,14 +76,15 @@ def dial_store(
 
 
 def _client(
-    host: str, port: int, deadline: float, dialing: threading.Lock
+    host: str, port: int, deadline: float, timeout: float, dialing: threading.Lock, where: dict[str, Any]
 ) -> tuple[dist.Store | None, list[tuple[int, str]], BaseException | None]:
     """torch's client of the store at ``host:port``, made by ``deadline`` (``None`` where it was not, with why if
-    torch said), and its connection(s). Its constructor waits for the store's answer to its first word with no
-    bound (a store whose process is stopped still has its connections taken by the kernel), so it runs on a thread
-    of its own, and a connection it opened and left unanswered at the deadline is shut down, which ends it. The
-    thread releases ``dialing`` (held) once it ended: one it could not end holds it, and later dials to the port
-    fail within their bound."""
+    torch said), and its connection(s), once something listens there (:func:`await_listener`, which raises if
+    nothing does by ``deadline``: ``timeout``, for its message). Its constructor waits for the store's answer to
+    its first word with no bound (a store whose process is stopped still has its connections taken by the
+    kernel), so it runs on a thread of its own, and a connection it opened and left unanswered at the deadline is
+    shut down, which ends it. ``dialing`` (held) is released where this fails before that thread runs, else by the
+    thread once it ended: one it could not end holds it, and later dials to the port fail within their bound."""
     made: dict[str, Any] = {}
 
     def make() -> None:
@@ -101,6 +97,7 @@ def _client(
             dialing.release()
 
     try:  # (until its thread runs, nothing else releases ``dialing``)
+        await_listener(host, port, deadline, timeout, "TCP store", **where)
         addresses, before = _addresses(host, port), _open_fds()
         left = remaining(deadline)
         own = as_timedelta(left - min(0.25, left / 10))  # (ends first: no retry of its own starts at the deadline)

@@ -372,6 +372,41 @@ def idle_trainer(name: str, cmd) -> None:
     cmd.poll(600)
 
 
+def stepping_trainer(cmd, timeout: float, kind: str, sync: bool) -> None:
+    """A ``distributed`` trainer of a ``kind`` model with one worker, dropped when it does not ack in ``timeout``:
+    it hands over the worker's config and connects, then on each ``"send"`` steps its model and sends (waiting for
+    the ack when ``sync`` is off), on ``"drop"`` steps and sends without waiting until it dropped the worker (at
+    most 60 s), on ``"look"`` sends nothing, and answers each with (its version, the workers it dropped, the
+    versions acked, its model's checksum, the rejoins it admitted). Anything else ends it."""
+    import time
+
+    try:
+        scheme = ws.DistributedWeightSyncScheme(timeout=timeout, connect_timeout=60, on_failure="drop", sync=sync)
+        model = build(kind)
+        scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+        cmd.send(scheme.receiver_config(0))
+        scheme.connect()
+        while cmd.poll(600) and (op := cmd.recv()) in ("send", "drop", "look"):
+            ends = time.monotonic() + 60
+            while op != "look":
+                with torch.no_grad():
+                    next(model.parameters()).add_(1.0)
+                try:
+                    scheme.send()
+                    if op == "send" and not sync:
+                        scheme.wait_async()
+                except ws.SyncTimeoutError:  # (its buffers are all on the worker's line: nothing sent)
+                    pass
+                if op == "send" or scheme.stats()["dropped_workers"] or time.monotonic() > ends:
+                    break
+            stats = scheme.stats()
+            said = (scheme.version, sorted(stats["dropped_workers"]), scheme.acked_versions, checksum(model))
+            cmd.send((*said, stats["rejoins"]))
+        scheme.shutdown()
+    except Exception:  # noqa: BLE001 - shown by the test
+        cmd.send(("crashed", traceback.format_exc()))
+
+
 def joins_a_stopped_trainer(name: str, cfg: dict, trainer: int, when: str, out) -> None:
     """A worker that joins ``trainer`` and stops it with ``SIGSTOP``: before its dial of the trainer's store
     (``when="dial"``), or just after it (``"after"``). Reports (its error's type or ``None``, seconds taken)."""

@@ -6,6 +6,7 @@ memory) and torch.distributed (gloo) for kills, hangs, restarts and rejoins; clo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -707,3 +708,89 @@ def test_a_worker_joining_a_stopped_trainer_gives_up_within_its_connect_timeout(
         if worker is not None:
             worker.kill()
             worker.join(5)
+
+
+@pytest.mark.parametrize("line", ["its last word on it", "cut off"])
+def test_a_dropped_worker_whose_trainer_then_stops_waits_it_out_and_rejoins_with_the_newest_version(ctx, line):
+    """The trainer drops a worker that does not read: it closes the worker's line, with its last word on it (one
+    version unread), or without (versions piled up on the line until its writes gave up). Then the trainer stops
+    (a debugger, ``SIGSTOP``) for longer than its ``timeout``. The worker, reading again, finds its line ended and
+    the store silent: each ``receive`` returns within its bound with nothing worse than a ``SyncTimeoutError`` (a
+    sender stopped: its loop retries), never a sender gone (``ConnectionClosedError``, which ends a worker's
+    loop). Once the trainer resumes, the worker learns it was dropped, rejoins, holds the newest version, and
+    takes the next one."""
+    from tests._workers import stepping_trainer
+    from weightsync.config import from_config
+
+    timeout, said = 1.0, line.startswith("its")
+    kind = "tiny" if said else "flat4"  # (flat4: 1 MB, sent on the line; several fill it)
+    cmd, child = ctx.Pipe()
+    trainer = ctx.Process(target=stepping_trainer, args=(child, timeout, kind, said))
+    trainer.start()
+    worker = None
+
+    def ask(op: str) -> tuple:
+        cmd.send(op)
+        assert cmd.poll(90), f"the trainer did not answer {op!r}"
+        answer = cmd.recv()
+        assert answer[0] != "crashed", f"the trainer failed:\n{answer[1]}"
+        return answer
+
+    try:
+        assert cmd.poll(60), "the trainer did not hand over a config"
+        cfg = cmd.recv()
+        assert isinstance(cfg, dict), f"the trainer failed:\n{cfg[1]}"
+        worker = from_config(cfg)
+        replica = build(kind)
+        worker.init_on_receiver(model=replica)
+        worker.connect()
+        receiving = threading.Thread(target=worker.receive, kwargs={"timeout": 30})
+        receiving.start()
+        assert ask("send")[:3] == (1, [], {0: 1})
+        receiving.join(30)
+        assert worker.version == 1
+        newest, dropped, *_ = ask("drop")  # not read: the worker is dropped, its line closed
+        assert dropped == [0]
+        os.kill(trainer.pid, signal.SIGSTOP)
+        errors, longest, ended = [], 0.0, time.monotonic() + 2.5 * timeout  # (under the store's silence bound)
+        try:
+            while time.monotonic() < ended:
+                began = time.monotonic()
+                try:
+                    worker.receive(timeout=0.05)
+                except ws.WeightSyncError as exc:
+                    errors.append(exc)
+                longest = max(longest, time.monotonic() - began)
+        finally:
+            os.kill(trainer.pid, signal.SIGCONT)
+        assert errors and all(isinstance(e, ws.SyncTimeoutError) for e in errors), errors
+        # (a store call in an update: ``timeout``; a rejoin, its own bound of 4 x ``timeout``; each + 0.25 s)
+        assert longest < 4 * timeout + 1.0, f"a receive(timeout=0.05) took {longest:.1f}s"
+        deadline = time.monotonic() + 30
+        while ask("look")[1::3] != ([], {0: 1}):  # it learns it was dropped, and is taken back
+            assert time.monotonic() < deadline, f"the worker was not taken back (it holds version {worker.version})"
+            with contextlib.suppress(ws.SyncTimeoutError):
+                worker.receive(timeout=0.5)
+
+        def take_the_next() -> None:  # (the newest version as its initial weights, if it did not take it yet)
+            ends = time.monotonic() + 30
+            while worker.version != newest + 1 and time.monotonic() < ends:
+                worker.receive(timeout=1.0)
+
+        receiving = threading.Thread(target=take_the_next)
+        receiving.start()
+        version, dropped, acked, digest, _ = ask("send")  # the next version reaches it as before
+        receiving.join(30)
+        assert (version, dropped, acked) == (newest + 1, [], {0: newest + 1})
+        assert worker.version == newest + 1 and checksum(replica) == digest
+    finally:
+        if trainer.is_alive():
+            os.kill(trainer.pid, signal.SIGCONT)
+            with contextlib.suppress(OSError):
+                cmd.send("stop")
+            trainer.join(30)
+            if trainer.is_alive():
+                trainer.kill()
+                trainer.join(5)
+        if worker is not None:
+            worker.shutdown()

@@ -47,7 +47,7 @@ from ..storeclient import StoreCalls, dial_store, hung_up_at
 from .auth import NO_BYTES, PayloadMac, Sealer, Unverifiable, proof, run_prefix
 from .doorbell import Doorbell, dial_doorbell
 from .group import GROUP_TIMEOUT_FACTOR, Link, gpu_identity, new_group_within
-from .line import Dialing, Line
+from .line import Dialing, Line, PeerClosed
 from .messages import sealed_layout, sealed_object
 from .rejoins import ask_to_rejoin
 from .settings import DistributedSettings
@@ -365,9 +365,9 @@ class DistributedReceiver(ReceiverEngine):
             parts = self._parts() if delta is None else [delta.body] if delta.nbytes else []
             try:  # (changes with no bytes: nothing to hash, no one-time key to derive)
                 transport.receive_into(parts, self.update_timeout, version, mac if parts else None)
-            except ConnectionClosedError:
-                # (its group connection, closed by a sender that dropped it; or the sender gone)
-                if transport.line is None and self._dropped_meanwhile(or_gone=True):
+            except ConnectionClosedError as exc:  # (its line or group, closed by a sender that dropped it, or gone)
+                # (a line its peer ended had a host there: a silent store is then a sender stopped, not gone)
+                if transport.line is None and self._dropped_meanwhile(or_gone=not isinstance(exc, PeerClosed)):
                     return self._rejoin(max(remaining(deadline), self.update_timeout))
                 raise
             # Bytes that check against a digest sealed in their announcement are that version's, whatever happened

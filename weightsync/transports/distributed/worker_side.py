@@ -245,9 +245,10 @@ class WorkerSide:
         except SyncTimeoutError:
             self.hang_up()
             raise SyncTimeoutError("the announced update did not arrive in time", **self._where(version)) from None
-        except ConnectionClosedError as exc:
+        except ConnectionClosedError as exc:  # (one its peer ended stays a PeerClosed: WorkerSide.was_dropped)
             self.hang_up()
-            raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where(version)) from None
+            closed = PeerClosed if isinstance(exc, PeerClosed) else ConnectionClosedError
+            raise closed(f"the sender went away ({first_line(exc)})", **self._where(version)) from None
 
     def say_taken(self) -> None:
         """Tell the sender the message received last is here, checked (one key per worker, overwritten: nothing

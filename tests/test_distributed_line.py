@@ -651,3 +651,40 @@ def test_a_line_ended_by_its_peer_says_so_apart_from_one_that_went_silent(how):
             reader.frame(deadline_after(5.0), 1024)
     finally:
         reader.close(0.0)
+
+
+def test_a_worker_that_applies_versions_its_sender_dropped_it_over_loses_only_their_acks():
+    """``latest_wins=False``: a worker applies each version waiting on its line, in turn. Two waited there when
+    the sender dropped it (no ack in time) and closed the line; the sender's kernel answers the first ack with a
+    reset, and the second ack's write fails. Both versions are applied (the acks are lost: the sender dropped the
+    worker), the worker's loop is not ended by a sender taken for gone, and the worker learns it was dropped and
+    rejoins with the newest version."""
+    model = build("tiny")
+    scheme = ws.DistributedWeightSyncScheme(
+        timeout=1.0, connect_timeout=60, sync=False, on_failure="drop", latest_wins=False
+    )
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    receiver = in_process_receiver(scheme, replica)
+    try:
+        _send_while_receiving(model, scheme, replica, receiver, 1)
+        for step in (2, 3):  # on the line, not read
+            optimizer_step(model, step)
+            scheme.send_async()
+        with contextlib.suppress(ws.WeightSyncError):
+            scheme.wait_async()
+        assert list(scheme.stats()["dropped_workers"]) == [0]
+        applied = []
+        deadline = time.monotonic() + 30
+        while scheme.stats()["rejoins"] != {0: 1} or receiver.version != 3:
+            assert time.monotonic() < deadline, (applied, receiver.version, scheme.stats()["rejoins"])
+            with contextlib.suppress(SyncTimeoutError):
+                if receiver.receive(timeout=0.5) is not None:
+                    applied.append(receiver.version)
+        assert applied[:2] == [2, 3]
+        assert checksum(replica) == checksum(model)
+        optimizer_step(model, 4)
+        _send_while_receiving(model, scheme, replica, receiver, 4)
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()

@@ -378,10 +378,17 @@ class WorkerSide:
                 self.calls.post(partial(self._write_why, store, seq, json.dumps(detail).encode()))
             words = [seq, -1 if held is None else held, status]
             tagged = words + self.sealer.ack_tag(self.worker_idx, *words)
-            try:
-                if self.line is not None:
+            if self.line is not None:
+                try:
                     self.line.send(ACK.pack(*tagged), self.timeout)
-                    continue
+                except (ConnectionClosedError, SyncTimeoutError) as exc:
+                    # The sender ended the line (it dropped this worker, or went away) or reads nothing on it: what
+                    # was applied stays applied, unacked; the next receive asks the store which (the line is gone).
+                    log.info("worker %d: its ack of version %d not sent: %s", self.worker_idx, version, first_line(exc))
+                    self.hang_up()
+                    return
+                continue
+            try:
                 ack = torch.tensor(tagged, dtype=torch.int64, device=self.device)
                 pg.send([ack], 0, TAG_ACK).wait(as_timedelta(self.timeout))
             except (RuntimeError, WeightSyncError) as exc:

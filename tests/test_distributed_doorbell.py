@@ -480,10 +480,12 @@ def test_a_block_hung_up_at_its_deadline_raises_a_timeout_and_only_then():
     assert calls == ["hung up"] * 3
 
 
-@pytest.mark.parametrize("fails", ["interrupted", "no thread"])
+@pytest.mark.parametrize("fails", ["interrupted", "no thread", "interrupted in its start"])
 def test_a_dial_that_fails_before_its_thread_runs_leaves_the_port_to_the_next_dial(fails, monkeypatch):
     """A dial interrupted before its thread ran (a Ctrl-C in its address look-up), or whose thread could not start,
-    gives back the lock its port's dials take in turn: the next dial to the port is made."""
+    gives back the lock its port's dials take in turn: the next dial to the port is made. One interrupted in
+    ``Thread.start()`` once its thread ran (which gave the lock back) raises the interrupt, and gives nothing back
+    twice (the lock is another dial's by then, or free)."""
     store = _serve("127.0.0.1")
     if fails == "interrupted":
 
@@ -492,7 +494,7 @@ def test_a_dial_that_fails_before_its_thread_runs_leaves_the_port_to_the_next_di
 
         monkeypatch.setattr(storeclient, "_addresses", addresses)
         raised: type[BaseException] = KeyboardInterrupt
-    else:
+    elif fails == "no thread":
         real_start = threading.Thread.start
 
         def start(self):
@@ -502,6 +504,18 @@ def test_a_dial_that_fails_before_its_thread_runs_leaves_the_port_to_the_next_di
 
         monkeypatch.setattr(threading.Thread, "start", start)
         raised = RuntimeError
+    else:  # a Ctrl-C in ``Thread.start()`` once the thread ran (it released the lock): not released twice
+        real_start, port = threading.Thread.start, store.port
+
+        def start(self):
+            real_start(self)
+            if self.name.startswith("weightsync-store-dial"):
+                self.join(10)
+                assert not storeclient._dialing(port).locked()
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(threading.Thread, "start", start)
+        raised = KeyboardInterrupt
     with pytest.raises(raised):
         storeclient.dial_store("127.0.0.1", store.port, 5)
     monkeypatch.undo()

@@ -653,15 +653,16 @@ def test_a_line_ended_by_its_peer_says_so_apart_from_one_that_went_silent(how):
         reader.close(0.0)
 
 
-def test_a_worker_that_applies_versions_its_sender_dropped_it_over_loses_only_their_acks():
-    """``latest_wins=False``: a worker applies each version waiting on its line, in turn. Two waited there when
-    the sender dropped it (no ack in time) and closed the line; the sender's kernel answers the first ack with a
-    reset, and the second ack's write fails. Both versions are applied (the acks are lost: the sender dropped the
-    worker), the worker's loop is not ended by a sender taken for gone, and the worker learns it was dropped and
-    rejoins with the newest version."""
+@pytest.mark.parametrize("latest_wins", [True, False])
+def test_a_worker_that_applies_versions_its_sender_dropped_it_over_loses_only_their_acks(latest_wins):
+    """Two versions waited on a worker's line when the sender dropped it (no ack in time) and closed the line.
+    The worker applies them (the newest of both, acking each message; or each in turn, ``latest_wins=False``):
+    the sender's kernel answers the first ack with a reset, and the second ack's write fails. What was applied
+    stays applied (the acks are lost: the sender dropped the worker), the worker's loop is not ended by a sender
+    taken for gone, and the worker learns it was dropped and rejoins with the newest version."""
     model = build("tiny")
     scheme = ws.DistributedWeightSyncScheme(
-        timeout=1.0, connect_timeout=60, sync=False, on_failure="drop", latest_wins=False
+        timeout=1.0, connect_timeout=60, sync=False, on_failure="drop", latest_wins=latest_wins
     )
     scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
     replica = build("tiny")
@@ -681,10 +682,43 @@ def test_a_worker_that_applies_versions_its_sender_dropped_it_over_loses_only_th
             with contextlib.suppress(SyncTimeoutError):
                 if receiver.receive(timeout=0.5) is not None:
                     applied.append(receiver.version)
-        assert applied[:2] == [2, 3]
+        assert applied[: 1 if latest_wins else 2] == ([3] if latest_wins else [2, 3])
         assert checksum(replica) == checksum(model)
         optimizer_step(model, 4)
         _send_while_receiving(model, scheme, replica, receiver, 4)
     finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+def test_a_line_its_peer_ends_in_the_middle_of_a_versions_bytes_asks_the_store_as_a_sender_stopped(monkeypatch):
+    """The sender ends a worker's line in the middle of a version's bytes (it dropped the worker while versions
+    piled up on the line): its host was there to end it, so a store that then does not answer whether it dropped
+    the worker is a sender stopped (``SyncTimeoutError``, which the worker's loop retries), not a sender gone
+    (``ConnectionClosedError``, which ends it). Nothing of the version is applied."""
+    from weightsync.transports.storeclient import Unanswered
+
+    model, scheme, replica = _pair()
+    receiver = in_process_receiver(scheme, replica)
+    asked: list[bool] = []
+
+    def silent_store(self, or_gone=False):  # (as WorkerSide.was_dropped has it when the store does not answer)
+        asked.append(or_gone)
+        if or_gone:
+            return False
+        raise Unanswered("the store did not answer (a stand-in for a stopped sender's)")
+
+    try:
+        _send_while_receiving(model, scheme, replica, receiver, 1)
+        close_line = _cut_midway(scheme)
+        optimizer_step(model, 2)
+        scheme.send_async()
+        close_line(0.0)  # after the announcement and half the bytes: the line's end
+        monkeypatch.setattr(type(_transport(receiver)), "was_dropped", silent_store)
+        with pytest.raises(SyncTimeoutError, match="did not answer"):
+            receiver.receive(timeout=10)
+        assert asked == [False] and receiver.version == 1
+    finally:
+        monkeypatch.undo()
         receiver.shutdown()
         scheme.shutdown()

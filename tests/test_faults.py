@@ -714,11 +714,13 @@ def test_a_worker_joining_a_stopped_trainer_gives_up_within_its_connect_timeout(
 def test_a_dropped_worker_whose_trainer_then_stops_waits_it_out_and_rejoins_with_the_newest_version(ctx, line):
     """The trainer drops a worker that does not read: it closes the worker's line, with its last word on it (one
     version unread), or without (versions piled up on the line until its writes gave up). Then the trainer stops
-    (a debugger, ``SIGSTOP``) for longer than its ``timeout``. The worker, reading again, finds its line ended and
-    the store silent: each ``receive`` returns within its bound with nothing worse than a ``SyncTimeoutError`` (a
-    sender stopped: its loop retries), never a sender gone (``ConnectionClosedError``, which ends a worker's
-    loop). Once the trainer resumes, the worker learns it was dropped, rejoins, holds the newest version, and
-    takes the next one."""
+    (a debugger, ``SIGSTOP``) for longer than its ``timeout``. The worker, reading again, finds its line ended
+    (the sender's word that it dropped it; or the end, between two messages or in the middle of one's bytes, as
+    the timing falls: the latter alone has its own test, in ``test_distributed_line.py``) and the store silent
+    (asked to rejoin, or whether it was dropped): each ``receive`` returns within its bound with nothing worse
+    than a ``SyncTimeoutError`` (a sender stopped: its loop retries), never a sender gone
+    (``ConnectionClosedError``, which ends a worker's loop). Once the trainer resumes, the worker learns it was
+    dropped, rejoins, holds the newest version, and takes the next one."""
     from tests._workers import stepping_trainer
     from weightsync.config import from_config
 
@@ -744,7 +746,7 @@ def test_a_dropped_worker_whose_trainer_then_stops_waits_it_out_and_rejoins_with
         replica = build(kind)
         worker.init_on_receiver(model=replica)
         worker.connect()
-        receiving = threading.Thread(target=worker.receive, kwargs={"timeout": 30})
+        receiving = threading.Thread(target=worker.receive, kwargs={"timeout": 30}, daemon=True)
         receiving.start()
         assert ask("send")[:3] == (1, [], {0: 1})
         receiving.join(30)
@@ -752,7 +754,8 @@ def test_a_dropped_worker_whose_trainer_then_stops_waits_it_out_and_rejoins_with
         newest, dropped, *_ = ask("drop")  # not read: the worker is dropped, its line closed
         assert dropped == [0]
         os.kill(trainer.pid, signal.SIGSTOP)
-        errors, longest, ended = [], 0.0, time.monotonic() + 2.5 * timeout  # (under the store's silence bound)
+        # Stopped 2.5 x timeout, and as long as the receive still out then takes (a rejoin: up to 4 x timeout).
+        errors, longest, ended = [], 0.0, time.monotonic() + 2.5 * timeout
         try:
             while time.monotonic() < ended:
                 began = time.monotonic()
@@ -765,7 +768,7 @@ def test_a_dropped_worker_whose_trainer_then_stops_waits_it_out_and_rejoins_with
             os.kill(trainer.pid, signal.SIGCONT)
         assert errors and all(isinstance(e, ws.SyncTimeoutError) for e in errors), errors
         # (a store call in an update: ``timeout``; a rejoin, its own bound of 4 x ``timeout``; each + 0.25 s)
-        assert longest < 4 * timeout + 1.0, f"a receive(timeout=0.05) took {longest:.1f}s"
+        assert longest < 4 * timeout + 2.0, f"a receive(timeout=0.05) took {longest:.1f}s"
         deadline = time.monotonic() + 30
         while ask("look")[1::3] != ([], {0: 1}):  # it learns it was dropped, and is taken back
             assert time.monotonic() < deadline, f"the worker was not taken back (it holds version {worker.version})"
@@ -777,7 +780,7 @@ def test_a_dropped_worker_whose_trainer_then_stops_waits_it_out_and_rejoins_with
             while worker.version != newest + 1 and time.monotonic() < ends:
                 worker.receive(timeout=1.0)
 
-        receiving = threading.Thread(target=take_the_next)
+        receiving = threading.Thread(target=take_the_next, daemon=True)
         receiving.start()
         version, dropped, acked, digest, _ = ask("send")  # the next version reaches it as before
         receiving.join(30)

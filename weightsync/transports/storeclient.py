@@ -83,11 +83,14 @@ def _client(
     nothing does by ``deadline``: ``timeout``, for its message). Its constructor waits for the store's answer to
     its first word with no bound (a store whose process is stopped still has its connections taken by the
     kernel), so it runs on a thread of its own, and a connection it opened and left unanswered at the deadline is
-    shut down, which ends it. ``dialing`` (held) is released where this fails before that thread runs, else by the
-    thread once it ended: one it could not end holds it, and later dials to the port fail within their bound."""
+    shut down, which ends it. ``dialing`` (held) is released once: where this fails before that thread runs, else
+    by the thread once it ended: one it could not end holds it, and later dials to the port fail within their bound."""
     made: dict[str, Any] = {}
+    handed = threading.Lock()  # taken once, by the thread as it runs or by a failure before: that one releases
 
     def make() -> None:
+        if not handed.acquire(blocking=False):  # (its start was interrupted, and that released ``dialing``)
+            return
         try:
             made["store"] = dist.TCPStore(host, port, is_master=False, timeout=own)
             made["found"] = _connections_to(addresses, port, since=before)
@@ -103,8 +106,9 @@ def _client(
         own = as_timedelta(left - min(0.25, left / 10))  # (ends first: no retry of its own starts at the deadline)
         thread = threading.Thread(target=make, name=f"weightsync-store-dial-{port}", daemon=True)
         thread.start()
-    except BaseException:
-        dialing.release()
+    except BaseException:  # (an interrupt in ``thread.start()`` may come once the thread runs: it releases then)
+        if handed.acquire(blocking=False):
+            dialing.release()
         raise
     thread.join(max(remaining(deadline), 0.001))
     if thread.is_alive():  # (a retry it made meanwhile, on a connection of its own, is shut down too)

@@ -407,6 +407,31 @@ def stepping_trainer(cmd, timeout: float, kind: str, sync: bool) -> None:
         cmd.send(("crashed", traceback.format_exc()))
 
 
+def sender_on_a_job_store(port: int, pending: int, cmd) -> None:
+    """A ``distributed`` sender (``latest_wins=False``, one worker) that joins the store a job serves at ``port``
+    (the store outlives it), hands over the worker's config, sends version 1 and waits for its ack, then leaves
+    ``pending`` versions on the worker's line, says so, and waits (the test kills it)."""
+    try:
+        scheme = ws.DistributedWeightSyncScheme(
+            master_addr="127.0.0.1", master_port=port, timeout=2.0, connect_timeout=60, sync=False,
+            on_failure="drop", latest_wins=False,
+        )  # fmt: skip
+        model = build("tiny")
+        scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+        cmd.send(scheme.receiver_config(0))
+        scheme.connect()
+        for step in range(1, 2 + pending):
+            with torch.no_grad():
+                next(model.parameters()).add_(1.0)
+            scheme.send_async()
+            if step == 1:
+                scheme.wait_async()
+        cmd.send("sent")
+    except Exception:  # noqa: BLE001 - shown by the test
+        cmd.send(("crashed", traceback.format_exc()))
+    cmd.poll(600)
+
+
 def joins_a_stopped_trainer(name: str, cfg: dict, trainer: int, when: str, out) -> None:
     """A worker that joins ``trainer`` and stops it with ``SIGSTOP``: before its dial of the trainer's store
     (``when="dial"``), or just after it (``"after"``). Reports (its error's type or ``None``, seconds taken)."""

@@ -722,3 +722,47 @@ def test_a_line_its_peer_ends_in_the_middle_of_a_versions_bytes_asks_the_store_a
         monkeypatch.undo()
         receiver.shutdown()
         scheme.shutdown()
+
+
+def test_a_worker_whose_acks_its_killed_senders_line_cannot_carry_hears_it_went_away_from_a_store_that_outlives_it(
+    ctx,
+):
+    """A sender killed (``SIGKILL``) while two versions wait on its worker's line, its store served by the job (it
+    outlives the sender, and answers): the worker applies them, the second ack's write fails, and the store does
+    not say the worker was dropped. The worker hears its sender went away (``ConnectionClosedError``, which ends
+    its loop) at once, rather than waiting for good for a word that no one will write."""
+    import signal
+
+    from tests._workers import sender_on_a_job_store
+    from weightsync.config import from_config
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cmd, child = ctx.Pipe()
+    sender = ctx.Process(target=sender_on_a_job_store, args=(store.port, 2, child), daemon=True)
+    sender.start()
+    worker = None
+    try:
+        assert cmd.poll(60), "the sender did not hand over a config"
+        cfg = cmd.recv()
+        assert isinstance(cfg, dict), f"the sender failed:\n{cfg[1]}"
+        worker = from_config(cfg)
+        worker.init_on_receiver(model=build("tiny"))
+        worker.connect()
+        deadline = time.monotonic() + 30
+        while not cmd.poll(0):  # (version 1 taken and acked; then two wait on the line)
+            assert time.monotonic() < deadline, "the sender did not send"
+            worker.receive(timeout=0.2)
+        assert cmd.recv() == "sent"
+        os.kill(sender.pid, signal.SIGKILL)
+        sender.join(10)
+        began = time.monotonic()
+        with pytest.raises(ConnectionClosedError, match="the sender went away"):
+            while time.monotonic() - began < 15:
+                worker.receive(timeout=0.5)
+        assert time.monotonic() - began < 5.0
+    finally:
+        if sender.is_alive():
+            sender.kill()
+            sender.join(5)
+        if worker is not None:
+            worker.shutdown()

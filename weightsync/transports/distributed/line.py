@@ -151,7 +151,8 @@ class Line:
             pass
         except OSError as exc:
             self.close(0.0)
-            raise ConnectionClosedError(f"the line's peer went away ({exc})") from None
+            ended = PeerClosed if exc.errno in (errno.EPIPE, errno.ECONNRESET) else ConnectionClosedError
+            raise ended(f"the line's peer went away ({exc})") from None
         return views
 
     def _send_all(self, views: list[memoryview], deadline: float) -> None:

@@ -382,10 +382,7 @@ class WorkerSide:
                 try:
                     self.line.send(ACK.pack(*tagged), self.timeout)
                 except (ConnectionClosedError, SyncTimeoutError) as exc:
-                    # The sender ended the line (it dropped this worker, or went away) or reads nothing on it: what
-                    # was applied stays applied, unacked; the next receive asks the store which (the line is gone).
-                    log.info("worker %d: its ack of version %d not sent: %s", self.worker_idx, version, first_line(exc))
-                    self.hang_up()
+                    self._ack_not_sent(exc, version)
                     return
                 continue
             try:
@@ -395,3 +392,24 @@ class WorkerSide:
                 raise ConnectionClosedError(
                     f"the sender went away ({first_line(exc)})", **self._where(version)
                 ) from None
+
+    def _ack_not_sent(self, exc: WeightSyncError, version: int) -> None:
+        """An ack the line could not carry: what was applied stays applied, unacked, and the line is hung up. A
+        sender that ended the line dropped this worker (it says so in the store first: the next receive rejoins),
+        or is stopped (its store silent too: the next receive asks again), or went away (raised, as a line's end
+        read is); one that reads nothing on it is stopped.
+
+        Raises:
+            ConnectionClosedError: the sender went away (its store, still there, does not say it dropped this
+                worker: it shut down, or it died and the store is its job's).
+        """
+        log.info("worker %d: its ack of version %d not sent: %s", self.worker_idx, version, first_line(exc))
+        self.hang_up()
+        if isinstance(exc, SyncTimeoutError):
+            return
+        try:
+            if self.was_dropped(or_gone=not isinstance(exc, PeerClosed)):
+                return
+        except Unanswered:
+            return
+        raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where(version)) from None

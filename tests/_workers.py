@@ -409,8 +409,8 @@ def stepping_trainer(cmd, timeout: float, kind: str, sync: bool) -> None:
 
 def sender_on_a_job_store(port: int, pending: int, cmd) -> None:
     """A ``distributed`` sender (``latest_wins=False``, one worker) that joins the store a job serves at ``port``
-    (the store outlives it), hands over the worker's config, sends version 1 and waits for its ack, then leaves
-    ``pending`` versions on the worker's line, says so, and waits (the test kills it)."""
+    (the store outlives it), hands over the worker's config, sends version 1 and waits for its ack, then, told to
+    go on, leaves ``pending`` versions on the worker's line, says so, and waits (the test kills it)."""
     try:
         scheme = ws.DistributedWeightSyncScheme(
             master_addr="127.0.0.1", master_port=port, timeout=2.0, connect_timeout=60, sync=False,
@@ -426,6 +426,8 @@ def sender_on_a_job_store(port: int, pending: int, cmd) -> None:
             scheme.send_async()
             if step == 1:
                 scheme.wait_async()
+                if not (cmd.poll(60) and cmd.recv() == "go on"):
+                    return
         cmd.send("sent")
     except Exception:  # noqa: BLE001 - shown by the test
         cmd.send(("crashed", traceback.format_exc()))

@@ -748,11 +748,11 @@ def test_a_worker_whose_acks_its_killed_senders_line_cannot_carry_hears_it_went_
         worker = from_config(cfg)
         worker.init_on_receiver(model=build("tiny"))
         worker.connect()
-        deadline = time.monotonic() + 30
-        while not cmd.poll(0):  # (version 1 taken and acked; then two wait on the line)
-            assert time.monotonic() < deadline, "the sender did not send"
-            worker.receive(timeout=0.2)
-        assert cmd.recv() == "sent"
+        assert worker.receive(timeout=30) is not None and worker.version == 1
+        cmd.send("go on")  # (version 1 acked: two more wait on the line, unread)
+        assert cmd.poll(60), "the sender did not send"
+        sent = cmd.recv()
+        assert sent == "sent", f"the sender failed:\n{sent[1]}"
         os.kill(sender.pid, signal.SIGKILL)
         sender.join(10)
         began = time.monotonic()
@@ -766,3 +766,5 @@ def test_a_worker_whose_acks_its_killed_senders_line_cannot_carry_hears_it_went_
             sender.join(5)
         if worker is not None:
             worker.shutdown()
+        cmd.close()
+        child.close()

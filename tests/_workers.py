@@ -407,14 +407,15 @@ def stepping_trainer(cmd, timeout: float, kind: str, sync: bool) -> None:
         cmd.send(("crashed", traceback.format_exc()))
 
 
-def sender_on_a_job_store(port: int, pending: int, cmd) -> None:
-    """A ``distributed`` sender (``latest_wins=False``, one worker) that joins the store a job serves at ``port``
+def sender_on_a_job_store(port: int, pending: int, cmd, latest_wins: bool = False) -> None:
+    """A ``distributed`` sender (one worker) that joins the store a job serves at ``port``
     (the store outlives it), hands over the worker's config, sends version 1 and waits for its ack, then, told to
-    go on, leaves ``pending`` versions on the worker's line, says so, and waits (the test kills it)."""
+    go on, leaves ``pending`` versions on the worker's line, says so, and waits: for the test to kill it, or to
+    tell it to shut down (it then says so)."""
     try:
         scheme = ws.DistributedWeightSyncScheme(
             master_addr="127.0.0.1", master_port=port, timeout=2.0, connect_timeout=60, sync=False,
-            on_failure="drop", latest_wins=False,
+            on_failure="drop", latest_wins=latest_wins,
         )  # fmt: skip
         model = build("tiny")
         scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
@@ -429,6 +430,9 @@ def sender_on_a_job_store(port: int, pending: int, cmd) -> None:
                 if not (cmd.poll(60) and cmd.recv() == "go on"):
                     return
         cmd.send("sent")
+        if cmd.poll(600) and cmd.recv() == "shut down":
+            scheme.shutdown()
+            cmd.send("down")
     except Exception:  # noqa: BLE001 - shown by the test
         cmd.send(("crashed", traceback.format_exc()))
     cmd.poll(600)

@@ -413,8 +413,8 @@ def test_a_line_closed_by_its_writing_thread_while_a_write_checks_it_fails_that_
     line._writer = ThreadPoolExecutor(1)
     check = line._socket
 
-    def checked_then_closed():
-        sock = check()
+    def checked_then_closed(writing=False):
+        sock = check(writing)
         line._socket = check  # type: ignore[method-assign]
         closing.start()
         closing.join(0.3)  # (it waits for the write's hand-off to end: this write is not refused, but failed)
@@ -653,6 +653,34 @@ def test_a_line_ended_by_its_peer_says_so_apart_from_one_that_went_silent(how):
         reader.close(0.0)
 
 
+def test_a_write_that_meets_its_peers_end_leaves_what_the_peer_sent_before_to_be_read():
+    """A peer that wrote a frame and closed its end (a sender's last word, then its close): the first write after
+    is answered with a reset, the next fails (``PeerClosed``), and so does every write after it, at once; the
+    frame is still read whole, then the end (``PeerClosed``), which closes the line."""
+    from weightsync.transports.distributed.line import FRAME, PeerClosed
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        a = socket.create_connection(server.getsockname(), timeout=5)
+        b, _ = server.accept()
+    line = Line(b, "w", 5.0)
+    a.sendall(FRAME.pack(9) + b"last word")
+    a.close()
+    try:
+        with pytest.raises(PeerClosed):
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:  # (the first write goes out: the reset comes back after it)
+                line.send(b"an ack", 5.0)
+                time.sleep(0.01)
+        with pytest.raises(PeerClosed):
+            line.send(b"another", 5.0)
+        assert line.frame(deadline_after(5.0), 1024) == b"last word"
+        with pytest.raises(PeerClosed):
+            line.frame(deadline_after(5.0), 1024)
+        assert line.fileno() == -1
+    finally:
+        line.close(0.0)
+
+
 @pytest.mark.parametrize("latest_wins", [True, False])
 def test_a_worker_that_applies_versions_its_sender_dropped_it_over_loses_only_their_acks(latest_wins):
     """Two versions waited on a worker's line when the sender dropped it (no ack in time) and closed the line.
@@ -700,12 +728,10 @@ def test_a_line_its_peer_ends_in_the_middle_of_a_versions_bytes_asks_the_store_a
 
     model, scheme, replica = _pair()
     receiver = in_process_receiver(scheme, replica)
-    asked: list[bool] = []
+    asked: list[str] = []
 
-    def silent_store(self, or_gone=False):  # (as WorkerSide.was_dropped has it when the store does not answer)
-        asked.append(or_gone)
-        if or_gone:
-            return False
+    def silent_store(self):  # (what StoreCalls.ask raises when the store does not answer)
+        asked.append("dropped?")
         raise Unanswered("the store did not answer (a stand-in for a stopped sender's)")
 
     try:
@@ -714,23 +740,27 @@ def test_a_line_its_peer_ends_in_the_middle_of_a_versions_bytes_asks_the_store_a
         optimizer_step(model, 2)
         scheme.send_async()
         close_line(0.0)  # after the announcement and half the bytes: the line's end
-        monkeypatch.setattr(type(_transport(receiver)), "was_dropped", silent_store)
+        monkeypatch.setattr(type(_transport(receiver)), "_said_dropped", silent_store)
         with pytest.raises(SyncTimeoutError, match="did not answer"):
             receiver.receive(timeout=10)
-        assert asked == [False] and receiver.version == 1
+        assert asked == ["dropped?"] and receiver.version == 1
     finally:
         monkeypatch.undo()
         receiver.shutdown()
         scheme.shutdown()
 
 
-def test_a_worker_whose_acks_its_killed_senders_line_cannot_carry_hears_it_went_away_from_a_store_that_outlives_it(
-    ctx,
+@pytest.mark.parametrize("end", ["killed", "shut down"])
+@pytest.mark.parametrize("latest_wins", [False, True])
+def test_a_worker_whose_acks_its_ended_senders_line_cannot_carry_keeps_its_versions_and_hears_how_it_ended(
+    ctx, latest_wins, end
 ):
-    """A sender killed (``SIGKILL``) while two versions wait on its worker's line, its store served by the job (it
-    outlives the sender, and answers): the worker applies them, the second ack's write fails, and the store does
-    not say the worker was dropped. The worker hears its sender went away (``ConnectionClosedError``, which ends
-    its loop) at once, rather than waiting for good for a word that no one will write."""
+    """A sender killed (``SIGKILL``), or shut down, while two versions wait on its worker's line, its store served
+    by the job (it outlives the sender, and answers): the worker applies them (each in turn, or the newest of both,
+    ``latest_wins=True``, whose look for a third meets the line's end), the acks' writes fail, and the store does
+    not say the worker was dropped. The worker holds the last version sent, and hears at once that its sender
+    went away, or shut down (``ConnectionClosedError``, which ends its loop), rather than waiting for good for a
+    word that no one will write."""
     import signal
 
     from tests._workers import sender_on_a_job_store
@@ -738,7 +768,7 @@ def test_a_worker_whose_acks_its_killed_senders_line_cannot_carry_hears_it_went_
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     cmd, child = ctx.Pipe()
-    sender = ctx.Process(target=sender_on_a_job_store, args=(store.port, 2, child), daemon=True)
+    sender = ctx.Process(target=sender_on_a_job_store, args=(store.port, 2, child, latest_wins), daemon=True)
     sender.start()
     worker = None
     try:
@@ -753,13 +783,19 @@ def test_a_worker_whose_acks_its_killed_senders_line_cannot_carry_hears_it_went_
         assert cmd.poll(60), "the sender did not send"
         sent = cmd.recv()
         assert sent == "sent", f"the sender failed:\n{sent[1]}"
-        os.kill(sender.pid, signal.SIGKILL)
+        if end == "killed":
+            os.kill(sender.pid, signal.SIGKILL)
+        else:
+            cmd.send("shut down")
+            assert cmd.poll(60) and cmd.recv() == "down", "the sender did not shut down"
         sender.join(10)
-        began = time.monotonic()
-        with pytest.raises(ConnectionClosedError, match="the sender went away"):
+        began, applied = time.monotonic(), []
+        with pytest.raises(ConnectionClosedError, match="the sender went away" if end == "killed" else "shut down"):
             while time.monotonic() - began < 15:
-                worker.receive(timeout=0.5)
+                if worker.receive(timeout=0.5) is not None:
+                    applied.append(worker.version)
         assert time.monotonic() - began < 5.0
+        assert applied == ([3] if latest_wins else [2, 3]) and worker.version == 3
     finally:
         if sender.is_alive():
             sender.kill()

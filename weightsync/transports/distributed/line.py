@@ -74,7 +74,9 @@ class PeerClosed(ConnectionClosedError):
 
 
 class Line:
-    """One end of a line. Every wait has a deadline; a line that fails once is closed for good.
+    """One end of a line. Every wait has a deadline; a line that fails once is closed for good, but for a write
+    that meets the peer's end: what the peer sent before its end is still read (a worker's ack written after its
+    sender shut down, which left its last word on the line).
 
     The sender writes without blocking its thread (:meth:`write`: what the socket does not take at once is
     written on a thread of the line's own, in order); a worker reads and writes on its own thread.
@@ -106,16 +108,19 @@ class Line:
         #: :meth:`close`. A peer still alive that finds its end only then (the sender's ``drop()`` closes it once it
         #: said so in the store) learns it was dropped; an end found before that word reads as a sender gone.
         self._stalled = False
+        self._peer_ended = False  # a write met the peer's end: nothing more is written, what it sent is read
 
     def fileno(self) -> int:
         """The socket's (to wait on); -1 once closed, or done (a write stalled)."""
         return self._sock.fileno() if self._sock is not None and not self._stalled else -1
 
-    def _socket(self) -> socket.socket:
+    def _socket(self, writing: bool = False) -> socket.socket:
         if self._sock is None:
             raise ConnectionClosedError("the line is closed")
         if self._stalled:
             raise ConnectionClosedError("the line's peer read nothing in time")
+        if writing and self._peer_ended:
+            raise PeerClosed("the line's peer went away")
         return self._sock
 
     # ------------------------------------------------------------------ write
@@ -129,7 +134,7 @@ class Line:
         """
         views = [memoryview(c).cast("B") for c in chunks]
         with self._lock:
-            sock = self._socket()
+            sock = self._socket(writing=True)
             if self._tail.done():
                 views = self._send_now(sock, views)
                 if not views:
@@ -150,14 +155,16 @@ class Line:
         except BlockingIOError:
             pass
         except OSError as exc:
-            self.close(0.0)
-            ended = PeerClosed if exc.errno in (errno.EPIPE, errno.ECONNRESET) else ConnectionClosedError
-            raise ended(f"the line's peer went away ({exc})") from None
+            if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
+                self.close(0.0)
+                raise ConnectionClosedError(f"the line's peer went away ({exc})") from None
+            self._peer_ended = True  # (the socket still holds what the peer sent before its end)
+            raise PeerClosed(f"the line's peer went away ({exc})") from None
         return views
 
     def _send_all(self, views: list[memoryview], deadline: float) -> None:
         try:
-            sock = self._socket()
+            sock = self._socket(writing=True)
             while views:
                 left = remaining(deadline)
                 if left <= 0 or not descriptors.writable(sock.fileno(), left):

@@ -1,19 +1,16 @@
 """A worker's side of the torch.distributed engine: join the store and the group, receive into buffers of
 its own, ack over the group.
 
-A worker receives every bucket of a message into a buffer its model does not
-read, and the update is applied only once all of it arrived. A CPU model (in
-its own dtype, not in shared memory) then takes that buffer as its memory and
-the next message lands in the other buffer, which holds the memory the model
-left: the model's buffer and the one in flight, two in all.
+A worker receives every bucket of a message into a buffer its model does not read, and the update is applied only
+once all of it arrived. A CPU model (in its own dtype, not in shared memory) then takes that buffer as its memory
+and the next message lands in the other buffer, which holds the memory the model left: the model's buffer and the
+one in flight, two in all.
 
-Nothing read from the store is acted on unless the sender sealed it with the
-run key (the layout, the verdicts, the initial version, announcements, digests,
-the word that this worker was dropped): anyone who reaches the store can write
-there. The bytes of each update are hashed with the run key as they arrive, and
-an update whose digest differs from the one the sender sealed reaches the model
-as a refusal (acked as failed, nothing applied): a rank 0 that is not the
-sender cannot make this worker apply anything.
+Nothing read from the store is acted on unless the sender sealed it with the run key (the layout, the verdicts, the
+initial version, announcements, digests, the word that this worker was dropped): anyone who reaches the store can
+write there. The bytes of each update are hashed with the run key as they arrive, and an update whose digest differs
+from the one the sender sealed reaches the model as a refusal (acked as failed, nothing applied): a rank 0 that is
+not the sender cannot make this worker apply anything.
 """
 
 from __future__ import annotations
@@ -47,7 +44,7 @@ from ..storeclient import StoreCalls, dial_store, hung_up_at
 from .auth import NO_BYTES, PayloadMac, Sealer, Unverifiable, proof, run_prefix
 from .doorbell import Doorbell, dial_doorbell
 from .group import GROUP_TIMEOUT_FACTOR, Link, gpu_identity, new_group_within
-from .line import Dialing, Line, PeerClosed
+from .line import Dialing, Line
 from .messages import sealed_layout, sealed_object
 from .rejoins import ask_to_rejoin
 from .settings import DistributedSettings
@@ -116,7 +113,7 @@ class DistributedReceiver(ReceiverEngine):
         self._chunks: list[Chunk] = []  # how the layout is cut for changes sent against the version held
         self._body = torch.empty(0, dtype=torch.uint8)  # where changes land (grown to the largest)
         self._initial = True  # the initial weights come without an announcement
-        self._closed = False
+        self._closed: str | None = None  # why the sender is done with this worker: it shut down, or went away
         self._stores: tuple[dist.Store, dist.Store] | None = None
         self._dropped: str | None = None  # why the sender dropped this worker, until it rejoined
         self._say_taken = False  # the message taken last asked to hear when it is ready to apply
@@ -334,8 +331,8 @@ class DistributedReceiver(ReceiverEngine):
     def take(self, timeout: float, newest: bool) -> list[Delivery]:
         transport = self.transport
         assert transport is not None
-        if self._closed:
-            raise ConnectionClosedError("the sender shut down", **self.where)
+        if self._closed is not None:
+            raise ConnectionClosedError(self._closed, **self.where)
         if self._initial:
             return self._take_initial(timeout)
         if self._dropped is not None:
@@ -346,13 +343,15 @@ class DistributedReceiver(ReceiverEngine):
         while True:
             try:
                 msg = transport.next_message(0.0 if seqs else remaining(deadline))
-            except ConnectionClosedError:
-                self._closed = True  # the sender's store went away: its process, or its host
+            except ConnectionClosedError as exc:  # its store or its line went away: its process, or its host
+                self._closed = exc.detail
+                if seqs:  # what arrived whole before is applied first
+                    break
                 raise
             if msg is None:
                 break
             if msg.get("closed"):
-                self._closed = True
+                self._closed = "the sender shut down"
                 break
             if "dropped" in msg:
                 self._dropped = str(msg["dropped"])
@@ -366,8 +365,7 @@ class DistributedReceiver(ReceiverEngine):
             try:  # (changes with no bytes: nothing to hash, no one-time key to derive)
                 transport.receive_into(parts, self.update_timeout, version, mac if parts else None)
             except ConnectionClosedError as exc:  # (its line or group, closed by a sender that dropped it, or gone)
-                # (a line its peer ended had a host there: a silent store is then a sender stopped, not gone)
-                if transport.line is None and self._dropped_meanwhile(or_gone=not isinstance(exc, PeerClosed)):
+                if transport.line is None and self._dropped_meanwhile(failed=exc):
                     return self._rejoin(max(remaining(deadline), self.update_timeout))
                 raise
             # Bytes that check against a digest sealed in their announcement are that version's, whatever happened
@@ -389,8 +387,8 @@ class DistributedReceiver(ReceiverEngine):
                 delta.body = delta.body.cpu()
                 return [Delivery(version, [], refusal=refusal, token=seqs, delta=delta)]
             return [self._delivery(version, seqs, refusal)]
-        if self._closed:
-            raise ConnectionClosedError("the sender shut down", **self.where)
+        if self._closed is not None:
+            raise ConnectionClosedError(self._closed, **self.where)
         return []
 
     def _take_initial(self, timeout: float) -> list[Delivery]:
@@ -406,12 +404,12 @@ class DistributedReceiver(ReceiverEngine):
         refusal = self._verify(mac, 0, version, max(remaining(deadline), self.update_timeout))
         return [self._delivery(version, [0], refusal)]
 
-    def _dropped_meanwhile(self, or_gone: bool = False) -> bool:
+    def _dropped_meanwhile(self, failed: WeightSyncError | None = None) -> bool:
         """Whether the sender dropped this worker while the message just received was on its way: its bytes may
-        then be a later version's (the sender reused the buffer), and it is never applied. (``or_gone``: as
+        then be a later version's (the sender reused the buffer), and it is never applied. (``failed``: as
         :meth:`~.worker_side.WorkerSide.was_dropped` has it.)"""
         assert self.transport is not None
-        if self.transport.was_dropped(or_gone):
+        if self.transport.was_dropped(failed):
             self._dropped = "it did not ack in time"
         return self._dropped is not None
 
@@ -488,7 +486,7 @@ class DistributedReceiver(ReceiverEngine):
             self._at = 1 - self._at
 
     def close(self) -> None:
-        if self._key_file is not None and self._closed:
+        if self._key_file is not None and self._closed is not None:
             # A sender that shut down removed its key file; one that was killed could not (on its own host).
             remove_key_file_if_orphaned(self._key_file, grace=ORPHAN_GRACE_S)
         if self._calls is not None:  # first: a call still out is ended (the bell's ring would wait behind it)

@@ -136,9 +136,7 @@ class WorkerSide:
             raw = self.line.frame(deadline_after(self.timeout), MAX_SAID_BYTES)
         except ConnectionClosedError as exc:
             self.hang_up()
-            # A line its peer ended had a host there to end it: a store silent then is a sender stopped (whose
-            # process, serving the store, would refuse at once had it died), not gone.
-            if self.was_dropped(or_gone=not isinstance(exc, PeerClosed)):
+            if self.was_dropped(failed=exc):
                 return {"dropped": "the sender closed this worker's line"}
             raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where()) from None
         except SyncTimeoutError:
@@ -264,11 +262,13 @@ class WorkerSide:
 
         self.calls.post(write)
 
-    def was_dropped(self, or_gone: bool = False) -> bool:
+    def was_dropped(self, failed: WeightSyncError | None = None) -> bool:
         """Whether the sender dropped this worker: asked once a message arrived whole (unless its bytes check against
         the digest sealed in its announcement), so that bytes sent from a buffer the sender reused after dropping it
-        are never applied. ``or_gone``: asked once what came from the sender failed (its line, its group), where a
-        store that does not answer either is a sender gone (``False``).
+        are never applied; and once what came from the sender (or went to it) ``failed``: its line, its group. A
+        store that does not answer then either is a sender gone (``False``), unless ``failed`` is the line's end,
+        read or met by a write (:class:`PeerClosed`): a host was there to end it, so the sender is stopped (its
+        process, serving the store, would refuse at once had it died), and :class:`Unanswered` is raised.
 
         Raises:
             Unanswered: the store did not answer within the scheme's ``timeout`` (its process stopped).
@@ -279,7 +279,7 @@ class WorkerSide:
                 self._said_dropped, deadline_after(self.timeout), "whether it dropped this worker", **self._where()
             )
         except Unanswered:
-            if or_gone:
+            if failed is not None and not isinstance(failed, PeerClosed):
                 return False
             raise
         except dist.DistError as exc:
@@ -378,6 +378,9 @@ class WorkerSide:
                 self.calls.post(partial(self._write_why, store, seq, json.dumps(detail).encode()))
             words = [seq, -1 if held is None else held, status]
             tagged = words + self.sealer.ack_tag(self.worker_idx, *words)
+            if self.line_lost and self.line is None:  # (its sender reads acks there only: they are lost)
+                log.info("worker %d: its ack of version %d not sent: its line is closed", self.worker_idx, version)
+                return
             if self.line is not None:
                 try:
                     self.line.send(ACK.pack(*tagged), self.timeout)
@@ -394,21 +397,23 @@ class WorkerSide:
                 ) from None
 
     def _ack_not_sent(self, exc: WeightSyncError, version: int) -> None:
-        """An ack the line could not carry: what was applied stays applied, unacked, and the line is hung up. A
-        sender that ended the line dropped this worker (it says so in the store first: the next receive rejoins),
-        or is stopped (its store silent too: the next receive asks again), or went away (raised, as a line's end
-        read is); one that reads nothing on it is stopped.
+        """An ack the line could not carry: what was applied stays applied, unacked. A line its sender ended is
+        still read: the messages it sent before its end, then the end itself, which the next receives meet as any
+        read of a line's end (:meth:`_next_on_line`: the sender dropped this worker, is stopped, or went away).
+        A line whose sender reads nothing is hung up: that sender is stopped.
 
         Raises:
-            ConnectionClosedError: the sender went away (its store, still there, does not say it dropped this
-                worker: it shut down, or it died and the store is its job's).
+            ConnectionClosedError: the line failed otherwise, and the sender went away (its store does not say
+                it dropped this worker).
         """
         log.info("worker %d: its ack of version %d not sent: %s", self.worker_idx, version, first_line(exc))
+        if isinstance(exc, PeerClosed):
+            return
         self.hang_up()
         if isinstance(exc, SyncTimeoutError):
             return
         try:
-            if self.was_dropped(or_gone=not isinstance(exc, PeerClosed)):
+            if self.was_dropped(failed=exc):
                 return
         except Unanswered:
             return

@@ -372,70 +372,65 @@ def idle_trainer(name: str, cmd) -> None:
     cmd.poll(600)
 
 
-def stepping_trainer(cmd, timeout: float, kind: str, sync: bool) -> None:
-    """A ``distributed`` trainer of a ``kind`` model with one worker, dropped when it does not ack in ``timeout``:
-    it hands over the worker's config and connects, then on each ``"send"`` steps its model and sends (waiting for
-    the ack when ``sync`` is off), on ``"drop"`` steps and sends without waiting until it dropped the worker (at
-    most 60 s), on ``"look"`` sends nothing, and answers each with (its version, the workers it dropped, the
-    versions acked, its model's checksum, the rejoins it admitted). Anything else ends it."""
+def commanded_trainer(cmd, kind: str = "tiny", **options) -> None:
+    """A ``distributed`` trainer of a ``kind`` model with one worker, dropped when it does not ack in time
+    (``options``: the scheme's, ``master_port=`` naming a store a job serves, which outlives the trainer). It hands
+    over the worker's config and connects, then answers each command with (its version, the workers it dropped,
+    the versions acked, its model's checksum, the rejoins it admitted):
+
+    - ``"send"``: steps its model and sends (waiting for the ack when ``sync`` is off);
+    - ``"drop"``: steps and sends without waiting until it dropped the worker (at most 60 s);
+    - ``("leave", n)``: steps and sends ``n`` times without waiting (the versions pile up on the worker's line);
+    - ``"look"``: sends nothing.
+
+    ``"shut down"`` shuts the scheme down and answers ``"down"``; anything else shuts it down too (the test may
+    kill it instead). A failure is answered with ``("crashed", traceback)``."""
     import time
 
     try:
-        scheme = ws.DistributedWeightSyncScheme(timeout=timeout, connect_timeout=60, on_failure="drop", sync=sync)
+        sync = options.get("sync", True)
+        scheme = ws.DistributedWeightSyncScheme(connect_timeout=60, on_failure="drop", **options)
         model = build(kind)
         scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
         cmd.send(scheme.receiver_config(0))
         scheme.connect()
-        while cmd.poll(600) and (op := cmd.recv()) in ("send", "drop", "look"):
+        op = None
+
+        def step_and_send(wait: bool) -> None:
+            with torch.no_grad():
+                next(model.parameters()).add_(1.0)
+            try:
+                scheme.send()
+                if wait and not sync:
+                    scheme.wait_async()
+            except ws.SyncTimeoutError:  # (its buffers are all on the worker's line: nothing sent)
+                pass
+
+        while cmd.poll(600) and ((op := cmd.recv()) in ("send", "drop", "look") or op[0] == "leave"):
             ends = time.monotonic() + 60
-            while op != "look":
-                with torch.no_grad():
-                    next(model.parameters()).add_(1.0)
-                try:
-                    scheme.send()
-                    if op == "send" and not sync:
-                        scheme.wait_async()
-                except ws.SyncTimeoutError:  # (its buffers are all on the worker's line: nothing sent)
-                    pass
-                if op == "send" or scheme.stats()["dropped_workers"] or time.monotonic() > ends:
-                    break
+            if op == "send":
+                step_and_send(wait=True)
+            while op == "drop" and not scheme.stats()["dropped_workers"] and time.monotonic() < ends:
+                step_and_send(wait=False)
+            for _ in range(op[1] if op[0] == "leave" else 0):
+                step_and_send(wait=False)
             stats = scheme.stats()
             said = (scheme.version, sorted(stats["dropped_workers"]), scheme.acked_versions, checksum(model))
             cmd.send((*said, stats["rejoins"]))
         scheme.shutdown()
-    except Exception:  # noqa: BLE001 - shown by the test
-        cmd.send(("crashed", traceback.format_exc()))
-
-
-def sender_on_a_job_store(port: int, pending: int, cmd, latest_wins: bool = False) -> None:
-    """A ``distributed`` sender (one worker) that joins the store a job serves at ``port``
-    (the store outlives it), hands over the worker's config, sends version 1 and waits for its ack, then, told to
-    go on, leaves ``pending`` versions on the worker's line, says so, and waits: for the test to kill it, or to
-    tell it to shut down (it then says so)."""
-    try:
-        scheme = ws.DistributedWeightSyncScheme(
-            master_addr="127.0.0.1", master_port=port, timeout=2.0, connect_timeout=60, sync=False,
-            on_failure="drop", latest_wins=latest_wins,
-        )  # fmt: skip
-        model = build("tiny")
-        scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
-        cmd.send(scheme.receiver_config(0))
-        scheme.connect()
-        for step in range(1, 2 + pending):
-            with torch.no_grad():
-                next(model.parameters()).add_(1.0)
-            scheme.send_async()
-            if step == 1:
-                scheme.wait_async()
-                if not (cmd.poll(60) and cmd.recv() == "go on"):
-                    return
-        cmd.send("sent")
-        if cmd.poll(600) and cmd.recv() == "shut down":
-            scheme.shutdown()
+        if op == "shut down":
             cmd.send("down")
     except Exception:  # noqa: BLE001 - shown by the test
         cmd.send(("crashed", traceback.format_exc()))
-    cmd.poll(600)
+
+
+def ask(cmd, op) -> tuple:
+    """The test's side of :func:`commanded_trainer`: its answer to ``op``."""
+    cmd.send(op)
+    assert cmd.poll(90), f"the trainer did not answer {op!r}"
+    answer = cmd.recv()
+    assert answer[0] != "crashed", f"the trainer failed:\n{answer[1]}"
+    return answer
 
 
 def joins_a_stopped_trainer(name: str, cfg: dict, trainer: int, when: str, out) -> None:

@@ -831,12 +831,15 @@ def test_a_worker_whose_acks_its_ended_senders_line_cannot_carry_keeps_its_versi
     word that no one will write."""
     import signal
 
-    from tests._workers import sender_on_a_job_store
+    from tests._workers import ask, commanded_trainer
     from weightsync.config import from_config
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     cmd, child = ctx.Pipe()
-    sender = ctx.Process(target=sender_on_a_job_store, args=(store.port, 2, child, latest_wins), daemon=True)
+    options = {"master_addr": "127.0.0.1", "master_port": store.port, "timeout": 2.0, "sync": False}
+    sender = ctx.Process(
+        target=commanded_trainer, args=(child,), kwargs={**options, "latest_wins": latest_wins}, daemon=True
+    )
     sender.start()
     worker = None
     try:
@@ -846,11 +849,12 @@ def test_a_worker_whose_acks_its_ended_senders_line_cannot_carry_keeps_its_versi
         worker = from_config(cfg)
         worker.init_on_receiver(model=build("tiny"))
         worker.connect()
-        assert worker.receive(timeout=30) is not None and worker.version == 1
-        cmd.send("go on")  # (version 1 acked: two more wait on the line, unread)
-        assert cmd.poll(60), "the sender did not send"
-        sent = cmd.recv()
-        assert sent == "sent", f"the sender failed:\n{sent[1]}"
+        receiving = threading.Thread(target=worker.receive, kwargs={"timeout": 30}, daemon=True)
+        receiving.start()
+        assert ask(cmd, "send")[:3] == (1, [], {0: 1})
+        receiving.join(30)
+        assert worker.version == 1
+        assert ask(cmd, ("leave", 2))[:2] == (3, [])  # (two versions wait on the line, unread)
         if end == "killed":
             os.kill(sender.pid, signal.SIGKILL)
         else:

@@ -721,22 +721,15 @@ def test_a_dropped_worker_whose_trainer_then_stops_waits_it_out_and_rejoins_with
     than a ``SyncTimeoutError`` (a sender stopped: its loop retries), never a sender gone
     (``ConnectionClosedError``, which ends a worker's loop). Once the trainer resumes, the worker learns it was
     dropped, rejoins, holds the newest version, and takes the next one."""
-    from tests._workers import stepping_trainer
+    from tests._workers import ask, commanded_trainer
     from weightsync.config import from_config
 
     timeout, said = 1.0, line.startswith("its")
     kind = "tiny" if said else "flat4"  # (flat4: 1 MB, sent on the line; several fill it)
     cmd, child = ctx.Pipe()
-    trainer = ctx.Process(target=stepping_trainer, args=(child, timeout, kind, said))
+    trainer = ctx.Process(target=commanded_trainer, args=(child, kind), kwargs={"timeout": timeout, "sync": said})
     trainer.start()
     worker = None
-
-    def ask(op: str) -> tuple:
-        cmd.send(op)
-        assert cmd.poll(90), f"the trainer did not answer {op!r}"
-        answer = cmd.recv()
-        assert answer[0] != "crashed", f"the trainer failed:\n{answer[1]}"
-        return answer
 
     try:
         assert cmd.poll(60), "the trainer did not hand over a config"
@@ -748,10 +741,10 @@ def test_a_dropped_worker_whose_trainer_then_stops_waits_it_out_and_rejoins_with
         worker.connect()
         receiving = threading.Thread(target=worker.receive, kwargs={"timeout": 30}, daemon=True)
         receiving.start()
-        assert ask("send")[:3] == (1, [], {0: 1})
+        assert ask(cmd, "send")[:3] == (1, [], {0: 1})
         receiving.join(30)
         assert worker.version == 1
-        newest, dropped, *_ = ask("drop")  # not read: the worker is dropped, its line closed
+        newest, dropped, *_ = ask(cmd, "drop")  # not read: the worker is dropped, its line closed
         assert dropped == [0]
         os.kill(trainer.pid, signal.SIGSTOP)
         # Stopped 2.5 x timeout, and as long as the receive still out then takes (a rejoin: up to 4 x timeout).
@@ -770,7 +763,7 @@ def test_a_dropped_worker_whose_trainer_then_stops_waits_it_out_and_rejoins_with
         # (a store call in an update: ``timeout``; a rejoin, its own bound of 4 x ``timeout``; each + 0.25 s)
         assert longest < 4 * timeout + 2.0, f"a receive(timeout=0.05) took {longest:.1f}s"
         deadline = time.monotonic() + 30
-        while ask("look")[1::3] != ([], {0: 1}):  # it learns it was dropped, and is taken back
+        while ask(cmd, "look")[1::3] != ([], {0: 1}):  # it learns it was dropped, and is taken back
             assert time.monotonic() < deadline, f"the worker was not taken back (it holds version {worker.version})"
             with contextlib.suppress(ws.SyncTimeoutError):
                 worker.receive(timeout=0.5)
@@ -782,7 +775,7 @@ def test_a_dropped_worker_whose_trainer_then_stops_waits_it_out_and_rejoins_with
 
         receiving = threading.Thread(target=take_the_next, daemon=True)
         receiving.start()
-        version, dropped, acked, digest, _ = ask("send")  # the next version reaches it as before
+        version, dropped, acked, digest, _ = ask(cmd, "send")  # the next version reaches it as before
         receiving.join(30)
         assert (version, dropped, acked) == (newest + 1, [], {0: newest + 1})
         assert worker.version == newest + 1 and checksum(replica) == digest

@@ -738,6 +738,44 @@ def test_a_refusal_of_an_older_async_versions_changes_does_not_fail_the_send_tha
         scheme.shutdown()
 
 
+def test_a_refusal_of_an_async_versions_changes_is_sent_whole_before_a_send_to_the_others_moves_the_copy_on():
+    """Worker 1 refuses an asynchronous send's changes, and a send to worker 0 alone comes before ``wait_async``:
+    it would move the trainer's copy on to its own version, and the refused one could no longer be sent whole.
+    Worker 1 is sent it whole first, from the copy: ``wait_async`` finds it holding that version."""
+    model, scheme, workers = _second_copy_not_the_base()
+    try:
+        sent = _flat_bytes(model)
+        scheme.send_async()  # version 2: worker 1 refuses its changes
+        assert workers[1].erred.wait(20)  # (its refusal came back; nobody waited)
+        _sparse_step(model, 3)
+        scheme.send(worker_ids=[0])  # version 3, to worker 0 alone
+        scheme.wait_async(20)
+        assert [w.scheme.version for w in workers] == [3, 2] and _holds(workers[0].model, model)
+        assert torch.equal(_flat_bytes(workers[1].model), sent)
+        _sparse_step(model, 4)
+        scheme.send()
+        assert all(w.scheme.version == 4 and _holds(w.model, model) for w in workers)
+    finally:
+        for w in workers:
+            w.stop()
+        scheme.shutdown()
+
+
+def test_a_refusal_of_an_older_async_versions_changes_does_not_fail_the_next_async_send_that_sends_it_whole():
+    model, scheme, workers = _second_copy_not_the_base()
+    try:
+        scheme.send_async()  # version 2: worker 1 refuses its changes
+        assert workers[1].erred.wait(20)
+        _sparse_step(model, 3)
+        scheme.send_async()  # version 3 goes whole to worker 1 (it acked version 1 only): the refusal is moot
+        scheme.wait_async(20)
+        assert all(w.scheme.version == 3 and _holds(w.model, model) for w in workers)
+    finally:
+        for w in workers:
+            w.stop()
+        scheme.shutdown()
+
+
 @TRACKED
 def test_a_workers_own_change_to_its_model_is_gone_at_the_next_update_as_with_whole_versions(track):
     model, scheme, workers = _connected(track_writes=track)

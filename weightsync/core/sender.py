@@ -1,11 +1,9 @@
 """The trainer's side of every scheme: one pipeline, whatever the engine.
 
-A send checks the weights, takes in what came back since the last call, has
-the engine stage the version once and submit it to each live targeted worker,
-then collects acks against one deadline, applies the failure policy and
-records the metrics. The engine (:class:`~weightsync.core.engine.SenderEngine`)
-only moves bytes and reports acks, refusals and deaths to this object, its
-:class:`~weightsync.core.engine.Sink`.
+A send checks the weights, takes in what came back since the last call, has the engine stage the version once and
+submit it to each live targeted worker, then collects acks against one deadline, applies the failure policy and
+records the metrics. The engine (:class:`~weightsync.core.engine.SenderEngine`) only moves bytes and reports acks,
+refusals and deaths to this object, its :class:`~weightsync.core.engine.Sink`.
 """
 
 from __future__ import annotations
@@ -304,6 +302,8 @@ class Sender:
         self._naming = version
         try:
             self.engine.poll(ledger.live(sorted(ledger.peers)))  # what came back since: acks, deaths
+            if ledger.errors:
+                self._serve_refusals(targets, deadline)
             failures = {w: ledger.dead[w] for w in targets if w in ledger.dead}
             live = ledger.live(targets)
             out = Outgoing(version, flat, whole, live, initial)
@@ -335,8 +335,19 @@ class Sender:
             refused = self.changes.refused(out, failures)
             if refused:  # a worker that does not hold the base gets the version whole, in this send
                 self._send_whole_again(Outgoing(version, flat, whole, refused), failures, deadline)
-        failures.update(ledger.take_errors([w for w in targets if w not in failures]))
+        errors = ledger.take_errors([w for w in targets if w not in failures])
+        failures.update({w: e for w, e in errors.items() if not Changes.moot(e, version)})
         raise_failures(failures, model_id=self.model_id, version=version)
+
+    def _serve_refusals(self, targets: list[int], deadline: float) -> None:
+        """Workers this send does not reach that refused the changes of the copy's version (an asynchronous
+        send's) are sent it whole now, from the copy, before this send moves the copy on; what fails is raised by
+        the wait for that send. (One this send reaches did not ack the copy's version: it is sent this one whole.)"""
+        errors = self.ledger.take_errors([w for w in self.ledger.errors if w not in targets])
+        again = self.changes.whole_again(errors)
+        if again is not None:
+            self._send_whole_again(again, errors, deadline)
+        self.ledger.errors.update(errors)
 
     def collect(self, expected: dict[int, int], deadline: float) -> dict[int, WeightSyncError]:
         """Wait until each worker of ``expected`` acked at least its version, or ``deadline``; return failures."""

@@ -676,6 +676,34 @@ def _second_copy_not_the_base() -> tuple:
     return model, scheme, workers
 
 
+def test_a_worker_that_refuses_changes_is_sent_whole_the_bytes_the_others_were_sent_changes_to(monkeypatch):
+    """The trainer's tensors move on while a send waits for its acks (another thread steps): the worker that
+    refused the changes is sent the version whole from the trainer's copy of it, the bytes the others hold, not
+    from the moved tensors (which later changes, against the copy, would never mend)."""
+    model, scheme, workers = _second_copy_not_the_base()
+    sender = scheme._sending
+    collect = sender.collect
+
+    def stepped_meanwhile(expected, deadline):
+        got = collect(expected, deadline)
+        _sparse_step(model, 9)
+        return got
+
+    try:
+        sent = _flat_bytes(model)
+        monkeypatch.setattr(sender, "collect", stepped_meanwhile)
+        scheme.send()  # version 2: worker 1 refuses its changes, and is sent it whole
+        monkeypatch.undo()
+        assert [w.scheme.version for w in workers] == [2, 2]
+        assert torch.equal(_flat_bytes(workers[0].model), sent) and torch.equal(_flat_bytes(workers[1].model), sent)
+        scheme.send()
+        assert all(w.scheme.version == 3 and _holds(w.model, model) for w in workers)
+    finally:
+        for w in workers:
+            w.stop()
+        scheme.shutdown()
+
+
 def test_an_async_send_whose_changes_a_worker_refuses_sends_it_whole_before_wait_async_returns():
     # The trainer's tensors may have moved on once send_async returned: the whole version is sent from the copy.
     model, scheme, workers = _second_copy_not_the_base()

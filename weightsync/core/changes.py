@@ -4,7 +4,7 @@ what changed since the version they hold (the others are sent it whole).
 A worker gets changes only when the version it acked, and the last one sent to it, is the copy's: one that missed
 versions, was sent a subset, was dropped or is rejoining gets the version whole. A worker that refuses changes
 (:class:`~weightsync.errors.DeltaBaseError`: it does not hold that base) is sent the version whole by the same
-send (:class:`~weightsync.core.sender.Sender` does that, told by :meth:`Changes.refused`).
+send (:class:`~weightsync.core.sender.Sender` does that, told by :meth:`Changes.whole_again`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ class Changes:
        for the workers that hold the copy's previous version;
     2) :meth:`unpublished` if the engine could not stage it (the copy is of a version never sent);
     3) :meth:`submitted` once the engine submitted it: :attr:`sent` says to whom changes went;
-    4) :meth:`refused`, after the acks: the workers to send the version whole now (after an asynchronous send,
-       when its acks are collected: :meth:`whole_again`).
+    4) :meth:`whole_again`, once the acks are collected (after an asynchronous send too): the version whole, for
+       the workers that refused its changes.
 
     Args:
         options: the scheme's options, read at each send (``delta``: ``False``, ``True`` or ``"auto"``;
@@ -82,15 +82,11 @@ class Changes:
         if out.delta is not None:
             self.sent = {w: out.delta.nbytes for w in out.delta_workers}
 
-    def refused(self, out: Outgoing, failures: dict[int, WeightSyncError]) -> list[int]:
-        """The workers sent ``out``'s changes that refused them for want of the base (taken out of ``failures``
-        and of :attr:`sent`): they are to be sent the version whole."""
-        return self._taken_out([w for w in out.delta_workers if _refused_base(failures.get(w))], failures)
-
     def whole_again(self, failures: dict[int, WeightSyncError]) -> Outgoing | None:
         """The version the copy holds, whole (from the copy), for the workers of ``failures`` that refused its
-        changes (taken out of ``failures``), or ``None`` if none did: an asynchronous send's acks are collected
-        after it returned, when the trainer's tensors may have moved on, and the copy is that version's bytes."""
+        changes (taken out of ``failures`` and of :attr:`sent`), or ``None`` if none did. From the copy: it is the
+        bytes the others were sent changes to, while the trainer's tensors may have moved on since (an
+        asynchronous send's acks are collected after it returned; another thread may step meanwhile)."""
         version = self.base.version if self.base is not None else None
         refused = [w for w, e in failures.items() if version is not None and e.version == version and _refused_base(e)]
         if not self._taken_out(refused, failures) or self.base is None or version is None:

@@ -332,9 +332,9 @@ class Sender:
             self._naming = None
         if wait:
             failures.update(self.collect({w: version for w in live if w not in failures}, deadline))
-            refused = self.changes.refused(out, failures)
-            if refused:  # a worker that does not hold the base gets the version whole, in this send
-                self._send_whole_again(Outgoing(version, flat, whole, refused), failures, deadline)
+            again = self.changes.whole_again(failures)
+            if again is not None:  # a worker that does not hold the base gets the version whole, in this send
+                self._send_whole_again(again, failures, deadline)
         errors = ledger.take_errors([w for w in targets if w not in failures])
         failures.update({w: e for w, e in errors.items() if not Changes.moot(e, version)})
         raise_failures(failures, model_id=self.model_id, version=version)

@@ -515,6 +515,12 @@ def _connected(n: int = 2, taking: bool = False, **kw):
     return model, scheme, workers
 
 
+def _stop(scheme, workers) -> None:
+    for w in workers:
+        w.stop()
+    scheme.shutdown()
+
+
 def _sparse_step(model: torch.nn.Module, seed: int, fraction: float = 0.01) -> None:
     sparse_step(ws.WeightStrategy().flat(model).values(), seed, fraction)
 
@@ -551,9 +557,7 @@ def test_many_versions_of_changes_are_bit_exact_on_every_worker(wire_dtype, chec
         assert stats["changes_sent"] == 2 * 12
         assert all(not w.errors for w in workers)
     finally:
-        for w in workers:
-            w.stop()
-        scheme.shutdown()
+        _stop(scheme, workers)
 
 
 @TRACKED
@@ -573,9 +577,7 @@ def test_a_worker_that_missed_versions_is_sent_the_version_whole(track):
         assert scheme.stats()["changes_sent"] == 5
         assert all(_holds(w.model, model) for w in workers)
     finally:
-        for w in workers:
-            w.stop()
-        scheme.shutdown()
+        _stop(scheme, workers)
 
 
 def test_a_worker_that_rejoins_after_a_failed_send_is_never_sent_the_bytes_of_that_send():
@@ -614,9 +616,7 @@ def test_a_worker_that_rejoins_after_a_failed_send_is_never_sent_the_bytes_of_th
         scheme.send()  # both, as before
         assert all(w.scheme.version == 3 and _holds(w.model, model) for w in workers)
     finally:
-        for w in workers:
-            w.stop()
-        scheme.shutdown()
+        _stop(scheme, workers)
 
 
 def test_a_worker_whose_copy_is_not_the_base_refuses_and_is_sent_the_version_whole_in_the_same_send():
@@ -636,9 +636,7 @@ def test_a_worker_whose_copy_is_not_the_base_refuses_and_is_sent_the_version_who
         assert scheme.stats()["changes_sent"] == 3 + 2
         assert all(_holds(w.model, model) for w in workers)
     finally:
-        for w in workers:
-            w.stop()
-        scheme.shutdown()
+        _stop(scheme, workers)
 
 
 def test_changes_taken_ahead_are_made_whole_before_the_apply_and_a_refusal_is_the_applys():
@@ -699,9 +697,7 @@ def test_a_worker_that_refuses_changes_is_sent_whole_the_bytes_the_others_were_s
         scheme.send()
         assert all(w.scheme.version == 3 and _holds(w.model, model) for w in workers)
     finally:
-        for w in workers:
-            w.stop()
-        scheme.shutdown()
+        _stop(scheme, workers)
 
 
 def test_an_async_send_whose_changes_a_worker_refuses_sends_it_whole_before_wait_async_returns():
@@ -719,9 +715,7 @@ def test_an_async_send_whose_changes_a_worker_refuses_sends_it_whole_before_wait
             assert all(torch.equal(got[k], v.view(-1).view(torch.uint8)) for k, v in sent.items())
         assert [type(e) for e in workers[1].errors] == [ws.DeltaBaseError]
     finally:
-        for w in workers:
-            w.stop()
-        scheme.shutdown()
+        _stop(scheme, workers)
 
 
 def test_a_version_whose_refusers_are_all_gone_by_its_whole_resend_goes_to_no_one_and_they_are_named():
@@ -761,9 +755,7 @@ def test_a_refusal_of_an_older_async_versions_changes_does_not_fail_the_send_tha
         scheme.send()  # version 3 goes whole to worker 1 (it acked version 1 only): version 2's refusal is moot
         assert all(w.scheme.version == 3 and _holds(w.model, model) for w in workers)
     finally:
-        for w in workers:
-            w.stop()
-        scheme.shutdown()
+        _stop(scheme, workers)
 
 
 def test_a_refusal_of_an_async_versions_changes_is_sent_whole_before_a_send_to_the_others_moves_the_copy_on():
@@ -784,9 +776,7 @@ def test_a_refusal_of_an_async_versions_changes_is_sent_whole_before_a_send_to_t
         scheme.send()
         assert all(w.scheme.version == 4 and _holds(w.model, model) for w in workers)
     finally:
-        for w in workers:
-            w.stop()
-        scheme.shutdown()
+        _stop(scheme, workers)
 
 
 def test_a_refusal_of_an_older_async_versions_changes_does_not_fail_the_next_async_send_that_sends_it_whole():
@@ -799,9 +789,7 @@ def test_a_refusal_of_an_older_async_versions_changes_does_not_fail_the_next_asy
         scheme.wait_async(20)
         assert all(w.scheme.version == 3 and _holds(w.model, model) for w in workers)
     finally:
-        for w in workers:
-            w.stop()
-        scheme.shutdown()
+        _stop(scheme, workers)
 
 
 @TRACKED
@@ -821,9 +809,7 @@ def test_a_workers_own_change_to_its_model_is_gone_at_the_next_update_as_with_wh
             assert _holds(workers[0].model, model) and _holds(workers[1].model, model)
         assert scheme.stats()["changes_sent"] == 10
     finally:
-        for w in workers:
-            w.stop()
-        scheme.shutdown()
+        _stop(scheme, workers)
 
 
 def test_delta_is_an_option_of_the_config_and_refuses_what_it_does_not_know():

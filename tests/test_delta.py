@@ -707,8 +707,10 @@ def test_an_async_send_whose_changes_a_worker_refuses_sends_it_whole_before_wait
         sent = ws.WeightStrategy().flat(model)
         sent = {k: v.clone() for k, v in sent.items()}
         scheme.send_async()
+        record = scheme.last_send
         _sparse_step(model, 3)  # (the trainer's next step, before the acks are collected)
         scheme.wait_async(20)
+        assert sorted(record.changes) == [0, 1] and scheme.stats()["changes_sent"] == 4  # (the sends, as made)
         for worker in workers:
             assert worker.scheme.version == 2
             got = {k: v.view(-1).view(torch.uint8) for k, v in ws.WeightStrategy().flat(worker.model).items()}

@@ -401,7 +401,7 @@ class Sender:
             },
             failed={w: f"{type(e).__name__}: {e.detail}" for w, e in failures.items()},
             staleness_wait=stale_wait,
-            changes=self.changes.sent,
+            changes=dict(self.changes.sent),  # (as sent: a refusal collected later takes its worker out)
         )
         self.metrics.add(record)
         log.debug("model %r: send %s", self.model_id, record)

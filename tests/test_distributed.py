@@ -625,7 +625,7 @@ def test_a_rejoin_that_ends_after_its_receive_gave_up_and_is_never_taken_closes_
 
     transport, store, calls, server, _ = _stopped_store_transport(timeout=0.5)
     receiver = _rejoining_receiver(transport, store, calls)
-    receiver._key_file, receiver._closed, receiver._buffers, receiver._views = None, False, [], []
+    receiver._key_file, receiver._closed, receiver._buffers, receiver._views = None, None, [], []
     closed, gave_up = threading.Event(), threading.Event()
 
     class Bell:
@@ -683,7 +683,7 @@ def test_a_worker_closes_at_once_with_a_look_still_out_to_a_stopped_store_and_it
     port = store.underlying_store.port
     transport.bell = dial_doorbell(("127.0.0.1", port), "p", transport.link, 5, 2.0, calls, model_id="t", worker_idx=0)
     receiver = DistributedReceiver.__new__(DistributedReceiver)
-    receiver._key_file, receiver._closed, receiver.transport, receiver._calls = None, False, transport, calls
+    receiver._key_file, receiver._closed, receiver.transport, receiver._calls = None, None, transport, calls
     receiver.update_timeout, receiver._buffers, receiver._views = 0.5, [], []
     try:
         os.kill(server.pid, signal.SIGSTOP)

@@ -75,8 +75,8 @@ class PeerClosed(ConnectionClosedError):
 
 class Line:
     """One end of a line. Every wait has a deadline; a line that fails once is closed for good, but for a write
-    that meets the peer's end: what the peer sent before its end is still read (a worker's ack written after its
-    sender shut down, which left its last word on the line).
+    made on the caller's thread that meets the peer's end: what the peer sent before its end is still read (a
+    worker's ack written after its sender shut down, which left its last word on the line).
 
     The sender writes without blocking its thread (:meth:`write`: what the socket does not take at once is
     written on a thread of the line's own, in order); a worker reads and writes on its own thread.

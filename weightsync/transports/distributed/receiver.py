@@ -343,8 +343,9 @@ class DistributedReceiver(ReceiverEngine):
         while True:
             try:
                 msg = transport.next_message(0.0 if seqs else remaining(deadline))
-            except ConnectionClosedError as exc:  # its store or its line went away: its process, or its host
-                self._closed = exc.detail
+            except (ConnectionClosedError, SyncTimeoutError) as exc:  # its store or line went away, or stopped
+                if isinstance(exc, ConnectionClosedError):  # (its process, or its host)
+                    self._closed = exc.detail
                 if seqs:  # what arrived whole before is applied first
                     break
                 raise

@@ -333,10 +333,7 @@ class DistributedTransport(WorkerSide, PeerTransport):
         receiving a message discards it (:meth:`was_dropped`)."""
         with contextlib.suppress(LifecycleError, dist.DistError):
             key = f"dropped/{self.worker_idx}"
-            store_set(self.store, key, self.sealer.seal(key, "1"))
-            # Answered once the word landed (torch's set waits for no answer; a store serves one client in order):
-            # a worker that finds its line's end asks the store only after, however far the store's host.
-            self.store.check([key])
+            store_set(self.store, key, self.sealer.seal(key, "1"))  # (waits for no answer: WorkerSide.was_dropped)
         self._last_word({"dropped": reason[:MAX_ERROR_TEXT]})
         self.stop_waiting(0.0)
 

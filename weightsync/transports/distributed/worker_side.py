@@ -43,6 +43,11 @@ LOOK_AGAIN_S = 0.1
 #: (its process stopped: a debugger, ``SIGSTOP``) is taken to say nothing yet. The worker's store calls are made
 #: on a thread of their own (:class:`~..store.StoreCalls`), each waited for within the receive's bounds.
 ANSWER_S = 0.25
+#: How long after its line's end a worker still looks for its sender's word that it dropped it. The sender writes
+#: it before it ends the line, but torch's set waits for no answer, and a store on another host may take it later
+#: than the worker's look (a lost packet is sent again after 0.2 to 1 s). The sender does not wait for the store's
+#: answer instead: it makes no call that waits on the store while it sends (a job's store stopped would hold it).
+WORD_LATE_S = 1.5
 
 
 class WorkerSide:
@@ -268,16 +273,22 @@ class WorkerSide:
         are never applied; and once what came from the sender (or went to it) ``failed``: its line, its group. A
         store that does not answer then either is a sender gone (``False``), unless ``failed`` is the line's end,
         read or met by a write (:class:`PeerClosed`): a host was there to end it, so the sender is stopped (its
-        process, serving the store, would refuse at once had it died), and :class:`Unanswered` is raised.
+        process, serving the store, would refuse at once had it died), and :class:`Unanswered` is raised; and a
+        store that does not say so then is asked again for :data:`WORD_LATE_S` (the word may land late).
 
         Raises:
             Unanswered: the store did not answer within the scheme's ``timeout`` (its process stopped).
             ConnectionClosedError: it went away. AuthenticationError: the word is not sealed with the run key.
         """
+        late = deadline_after(WORD_LATE_S) if isinstance(failed, PeerClosed) else None
         try:
-            return self.calls.ask(
-                self._said_dropped, deadline_after(self.timeout), "whether it dropped this worker", **self._where()
-            )
+            while True:
+                said = self.calls.ask(
+                    self._said_dropped, deadline_after(self.timeout), "whether it dropped this worker", **self._where()
+                )
+                if said or late is None or remaining(late) <= 0:
+                    return said
+                time.sleep(min(LOOK_AGAIN_S, remaining(late)))
         except Unanswered:
             if failed is not None and not isinstance(failed, PeerClosed):
                 return False

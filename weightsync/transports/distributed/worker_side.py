@@ -421,11 +421,6 @@ class WorkerSide:
         if isinstance(exc, PeerClosed):
             return
         self.hang_up()
-        if isinstance(exc, SyncTimeoutError):
-            return
-        try:
-            if self.was_dropped(failed=exc):
-                return
-        except Unanswered:
+        if isinstance(exc, SyncTimeoutError) or self.was_dropped(failed=exc):  # (dropped: the next receive rejoins)
             return
         raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where(version)) from None

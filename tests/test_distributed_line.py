@@ -719,6 +719,44 @@ def test_versions_read_whole_before_a_line_end_the_store_leaves_unanswered_are_a
         scheme.shutdown()
 
 
+def test_a_worker_whose_line_was_ended_while_its_store_was_silent_hears_its_sender_went_away_once_it_answers(
+    monkeypatch,
+):
+    """The sender's end of a worker's line is read with no word on it (a sender killed, its store the job's),
+    and the store does not answer at that moment: the worker waits (a sender stopped). Once the store answers
+    without the sender's word that it dropped the worker or shut down (which a sender alive writes before it
+    ends a line), the worker hears its sender went away (``ConnectionClosedError``, which ends its loop), rather
+    than returning nothing for good."""
+    from weightsync.transports.distributed.worker_side import WorkerSide
+    from weightsync.transports.storeclient import Unanswered
+
+    model, scheme, replica = _pair()
+    receiver = in_process_receiver(scheme, replica)
+    silent = [True]
+    said_dropped = WorkerSide._said_dropped
+
+    def slow_once(self):  # (the store does not answer the first look: what StoreCalls.ask raises then)
+        if silent and silent.pop():
+            raise Unanswered("the store did not answer (a stand-in for a slow one)")
+        return said_dropped(self)
+
+    try:
+        _send_while_receiving(model, scheme, replica, receiver, 1)
+        scheme._sending.engine.transports[0].line.close(0.0)  # (the line's end, no word on it or in the store)
+        monkeypatch.setattr(type(_transport(receiver)), "_said_dropped", slow_once)
+        with pytest.raises(SyncTimeoutError, match="did not answer"):
+            receiver.receive(timeout=1)
+        began = time.monotonic()
+        with pytest.raises(ConnectionClosedError, match="went away"):
+            while time.monotonic() - began < 10:
+                assert receiver.receive(timeout=0.5) is None
+        assert time.monotonic() - began < 5.0 and receiver.version == 1
+    finally:
+        monkeypatch.undo()
+        receiver.shutdown()
+        scheme.shutdown()
+
+
 def test_only_bytes_in_host_memory_travel_on_a_line():
     # (staging buffers are on the GPU under NCCL: their bytes go over the group, announced on the line)
     assert sender_module.on_a_line(torch.device("cpu"))

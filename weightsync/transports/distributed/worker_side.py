@@ -62,6 +62,7 @@ class WorkerSide:
         bell: Doorbell | None
         line: Line | None
         line_lost: bool
+        line_ended: float | None
         _inline: bool
         _looked: tuple[int, float]
         _spent: list[str]
@@ -140,7 +141,7 @@ class WorkerSide:
                 return None
             raw = self.line.frame(deadline_after(self.timeout), MAX_SAID_BYTES)
         except ConnectionClosedError as exc:
-            self.hang_up()
+            self.hang_up(ended=isinstance(exc, PeerClosed))
             if self.was_dropped(failed=exc):
                 return {"dropped": "the sender closed this worker's line"}
             raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where()) from None
@@ -153,9 +154,12 @@ class WorkerSide:
         return msg
 
     def _last_word_after_line(self, timeout: float) -> dict[str, Any] | None:
-        """:meth:`next_message` once this worker hung up its line (what came on it stopped midway: a link down):
-        nothing more is announced to it, on the line or in the store. What it waits for, in the store, is the
-        sender's word that it dropped this worker (``dropped/<w>``: no ack came), or that it shut down."""
+        """:meth:`next_message` once this worker hung up its line (what came on it stopped midway: a link down; or
+        its end was read while the store did not answer): nothing more is announced to it, on the line or in the
+        store. What it waits for, in the store, is the sender's word that it dropped this worker (``dropped/<w>``:
+        no ack came), or that it shut down. Where the line's end was read, a store that answers without either
+        word (:data:`WORD_LATE_S` after the end) is a sender gone: a sender alive writes its word before it ends
+        a line (raised: ConnectionClosedError)."""
         deadline = deadline_after(timeout)
 
         def last_word() -> dict[str, Any] | None:
@@ -180,6 +184,11 @@ class WorkerSide:
                     return None
                 if word is not None:
                     return word
+                if self.line_ended is not None and time.monotonic() - self.line_ended > WORD_LATE_S:
+                    raise ConnectionClosedError(
+                        "the sender went away (it ended this worker's line, and its store holds no word of why)",
+                        **self._where(),
+                    )
                 if remaining(deadline) <= 0:
                     return None
                 time.sleep(min(LOOK_AGAIN_S, remaining(deadline)))
@@ -194,9 +203,9 @@ class WorkerSide:
         count, when = self._looked
         return rang == count and time.monotonic() - when < LOOK_AGAIN_S
 
-    def hang_up(self) -> None:
+    def hang_up(self, ended: bool = False) -> None:
         """Stop listening for the doorbell, and close the line (the worker closes, or rejoined through a new
-        transport)."""
+        transport). ``ended``: the sender's end of the line was read (a sender alive says why in the store first)."""
         if self.bell is not None:
             self.bell.close()
             self.bell = None
@@ -204,6 +213,7 @@ class WorkerSide:
             self.line.close(0.0)
             self.line = None
             self.line_lost = True
+            self.line_ended = time.monotonic() if ended else None
 
     def receive_into(
         self,
@@ -249,7 +259,7 @@ class WorkerSide:
             self.hang_up()
             raise SyncTimeoutError("the announced update did not arrive in time", **self._where(version)) from None
         except ConnectionClosedError as exc:  # (one its peer ended stays a PeerClosed: WorkerSide.was_dropped)
-            self.hang_up()
+            self.hang_up(ended=isinstance(exc, PeerClosed))
             closed = PeerClosed if isinstance(exc, PeerClosed) else ConnectionClosedError
             raise closed(f"the sender went away ({first_line(exc)})", **self._where(version)) from None
 

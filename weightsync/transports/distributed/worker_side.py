@@ -43,11 +43,6 @@ LOOK_AGAIN_S = 0.1
 #: (its process stopped: a debugger, ``SIGSTOP``) is taken to say nothing yet. The worker's store calls are made
 #: on a thread of their own (:class:`~..store.StoreCalls`), each waited for within the receive's bounds.
 ANSWER_S = 0.25
-#: How long after its line's end a worker still looks for its sender's word that it dropped it. The sender writes
-#: it before it ends the line, but torch's set waits for no answer, and a store on another host may take it later
-#: than the worker's look (a lost packet is sent again after 0.2 to 1 s). The sender does not wait for the store's
-#: answer instead: it makes no call that waits on the store while it sends (a job's store stopped would hold it).
-WORD_LATE_S = 1.5
 
 
 class WorkerSide:
@@ -62,7 +57,7 @@ class WorkerSide:
         bell: Doorbell | None
         line: Line | None
         line_lost: bool
-        line_ended: float | None
+        line_ended: bool
         _inline: bool
         _looked: tuple[int, float]
         _spent: list[str]
@@ -158,8 +153,8 @@ class WorkerSide:
         its end was read while the store did not answer): nothing more is announced to it, on the line or in the
         store. What it waits for, in the store, is the sender's word that it dropped this worker (``dropped/<w>``:
         no ack came), or that it shut down. Where the line's end was read, a store that answers without either
-        word (:data:`WORD_LATE_S` after the end) is a sender gone: a sender alive writes its word before it ends
-        a line (raised: ConnectionClosedError)."""
+        word is a sender gone: a sender alive writes its word before it ends a line (raised:
+        ConnectionClosedError)."""
         deadline = deadline_after(timeout)
 
         def last_word() -> dict[str, Any] | None:
@@ -184,7 +179,7 @@ class WorkerSide:
                     return None
                 if word is not None:
                     return word
-                if self.line_ended is not None and time.monotonic() - self.line_ended > WORD_LATE_S:
+                if self.line_ended:
                     raise ConnectionClosedError(
                         "the sender went away (it ended this worker's line, and its store holds no word of why)",
                         **self._where(),
@@ -213,7 +208,7 @@ class WorkerSide:
             self.line.close(0.0)
             self.line = None
             self.line_lost = True
-            self.line_ended = time.monotonic() if ended else None
+            self.line_ended = ended
 
     def receive_into(
         self,
@@ -283,22 +278,16 @@ class WorkerSide:
         are never applied; and once what came from the sender (or went to it) ``failed``: its line, its group. A
         store that does not answer then either is a sender gone (``False``), unless ``failed`` is the line's end,
         read or met by a write (:class:`PeerClosed`): a host was there to end it, so the sender is stopped (its
-        process, serving the store, would refuse at once had it died), and :class:`Unanswered` is raised; and a
-        store that does not say so then is asked again for :data:`WORD_LATE_S` (the word may land late).
+        process, serving the store, would refuse at once had it died), and :class:`Unanswered` is raised.
 
         Raises:
             Unanswered: the store did not answer within the scheme's ``timeout`` (its process stopped).
             ConnectionClosedError: it went away. AuthenticationError: the word is not sealed with the run key.
         """
-        late = deadline_after(WORD_LATE_S) if isinstance(failed, PeerClosed) else None
         try:
-            while True:
-                said = self.calls.ask(
-                    self._said_dropped, deadline_after(self.timeout), "whether it dropped this worker", **self._where()
-                )
-                if said or late is None or remaining(late) <= 0:
-                    return said
-                time.sleep(min(LOOK_AGAIN_S, remaining(late)))
+            return self.calls.ask(
+                self._said_dropped, deadline_after(self.timeout), "whether it dropped this worker", **self._where()
+            )
         except Unanswered:
             if failed is not None and not isinstance(failed, PeerClosed):
                 return False

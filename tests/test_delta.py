@@ -471,9 +471,18 @@ class _Worker:
                 self.errors.append(exc)
                 self.erred.set()
 
-    def stop(self) -> None:
+    def pause(self) -> None:
+        """Stop receiving (alive, its connections open) until :meth:`resume`."""
         self._stop.set()
         self._thread.join(10)
+
+    def resume(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.pause()
         self.scheme.shutdown()
 
 
@@ -501,7 +510,7 @@ def _flat_bytes(model: torch.nn.Module) -> torch.Tensor:
 
 def _connected(n: int = 2, taking: bool = False, **kw):
     model = build("tiny")
-    scheme = ws.DistributedWeightSyncScheme(timeout=20, connect_timeout=60, **{"delta": "auto", **kw})
+    scheme = ws.DistributedWeightSyncScheme(connect_timeout=60, **{"timeout": 20, "delta": "auto", **kw})
     scheme.init_on_sender(model_id="policy", model=model, num_workers=n)
     workers = [_Worker(scheme, i, build("tiny"), taking) for i in range(n)]
     joiners = [threading.Thread(target=w.scheme.connect) for w in workers]
@@ -663,10 +672,10 @@ def test_changes_taken_ahead_are_made_whole_before_the_apply_and_a_refusal_is_th
         scheme.shutdown()
 
 
-def _second_copy_not_the_base() -> tuple:
+def _second_copy_not_the_base(**kw) -> tuple:
     """Two workers that took version 1's changes; worker 1's copy of it is then no longer the sender's bytes, and
-    the trainer takes a step."""
-    model, scheme, workers = _connected(2, checksum=True)
+    the trainer takes a step (``kw``: the scheme's options)."""
+    model, scheme, workers = _connected(2, checksum=True, **kw)
     _sparse_step(model, 1)
     scheme.send()
     workers[1].scheme._runtime.receiving._kept[0][0] ^= 0xFF
@@ -777,6 +786,29 @@ def test_a_refusal_of_an_async_versions_changes_is_sent_whole_before_a_send_to_t
         _sparse_step(model, 4)
         scheme.send()
         assert all(w.scheme.version == 4 and _holds(w.model, model) for w in workers)
+    finally:
+        _stop(scheme, workers)
+
+
+@pytest.mark.parametrize("on_failure", ["raise", "drop"])
+def test_a_refuser_that_stalls_does_not_hold_a_send_to_the_others_and_acks_its_whole_version_to_wait_async(on_failure):
+    """Worker 1 refuses an asynchronous send's changes, then stops receiving (alive): a send to worker 0 alone
+    sends worker 1 the refused version whole and does not wait for it (that ack is the asynchronous send's), so
+    worker 0 holds the new version at once. Once worker 1 receives again, ``wait_async`` finds it holding the
+    version it refused, whole."""
+    model, scheme, workers = _second_copy_not_the_base(timeout=3.0, on_failure=on_failure)
+    try:
+        sent = _flat_bytes(model)
+        scheme.send_async()  # version 2: worker 1 refuses its changes
+        assert workers[1].erred.wait(20)
+        workers[1].pause()
+        _sparse_step(model, 3)
+        scheme.send(worker_ids=[0])  # version 3, to worker 0 alone: no error (no ack waited for from worker 1)
+        assert workers[0].scheme.version == 3 and _holds(workers[0].model, model)
+        workers[1].resume()
+        scheme.wait_async(20)
+        assert workers[1].scheme.version == 2 and torch.equal(_flat_bytes(workers[1].model), sent)
+        assert scheme.stats()["dropped_workers"] == {}
     finally:
         _stop(scheme, workers)
 

@@ -200,6 +200,14 @@ class SendFailedError(WeightSyncError):
         super().__init__(f"{len(self.failures)} workers failed: {lines}", model_id=model_id, version=version)
 
 
+def by_worker(exc: WeightSyncError) -> dict[int, WeightSyncError]:
+    """The per-worker failures an error stands for (none if it names no worker): :func:`raise_failures` undone."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        return dict(failures)
+    return {} if exc.worker_idx is None else {exc.worker_idx: exc}
+
+
 def raise_failures(failures: Mapping[int, WeightSyncError], *, model_id: str | None, version: int | None) -> None:
     """Raise the single failure as itself, several as one :class:`SendFailedError`."""
     if not failures:

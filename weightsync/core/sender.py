@@ -22,6 +22,7 @@ from ..errors import (
     TransportError,
     WeightSyncError,
     WorkerDiedError,
+    by_worker,
     raise_failures,
 )
 from ..metrics import SendMetrics, SendRecord
@@ -35,17 +36,9 @@ from .ledger import Ledger, Peer
 from .rejoin import Admitter
 from .timing import Progress, deadline_after, remaining
 
-__all__ = ["Sender", "SenderOptions", "by_worker"]
+__all__ = ["Sender", "SenderOptions"]
 
 log = logging.getLogger("weightsync.core")
-
-
-def by_worker(exc: WeightSyncError) -> dict[int, WeightSyncError]:
-    """The per-worker failures an error stands for (none if it names no worker)."""
-    failures = getattr(exc, "failures", None)
-    if failures:
-        return dict(failures)
-    return {} if exc.worker_idx is None else {exc.worker_idx: exc}
 
 
 class SenderOptions(Protocol):
@@ -183,9 +176,11 @@ class Sender:
                 self._send_whole_again(again, failures, deadline)
             raise_failures(failures, model_id=self.model_id, version=self.version)
 
-    def _send_whole_again(self, out: Outgoing, failures: dict[int, WeightSyncError], deadline: float) -> None:
+    def _send_whole_again(
+        self, out: Outgoing, failures: dict[int, WeightSyncError], deadline: float, wait: bool = True
+    ) -> None:
         """Send ``out`` (a version sent as changes) whole to its workers, which refused the changes; wait for them
-        and put what failed in ``failures``."""
+        (``wait``; else the wait for the send that sent the changes does) and put what failed in ``failures``."""
         assert self.engine is not None
         refused, dead = out.workers, self.ledger.dead
         log.info("model %r: workers %s refused the changes of version %s; sent whole", self.model_id, refused,
@@ -198,7 +193,8 @@ class Sender:
             failures.update({w: exc for w in refused})
             return
         failures.update({w: dead[w] for w in refused if w in dead and w not in failures})
-        failures.update(self.collect({w: out.version for w in refused if w not in failures}, deadline))
+        if wait:
+            failures.update(self.collect({w: out.version for w in refused if w not in failures}, deadline))
 
     # ----------------------------------------------------------- the workers
     def mark_dead(self, worker: int, exc: WeightSyncError) -> WeightSyncError:
@@ -341,13 +337,17 @@ class Sender:
 
     def _serve_refusals(self, targets: list[int], deadline: float) -> None:
         """Workers this send does not reach that refused the changes of the copy's version (an asynchronous
-        send's) are sent it whole now, from the copy, before this send moves the copy on; what fails is raised by
-        the wait for that send. (One this send reaches did not ack the copy's version: it is sent this one whole.)"""
+        send's) are sent it whole now, from the copy, before this send moves the copy on; their acks, and what
+        fails, are for the wait for that send. (One this send reaches is sent this version whole.)"""
         errors = self.ledger.take_errors([w for w in self.ledger.errors if w not in targets])
         again = self.changes.whole_again(errors)
-        if again is not None:
-            self._send_whole_again(again, errors, deadline)
-        self.ledger.errors.update(errors)
+        naming, self._naming = self._naming, None  # (a death found now is named with the version sent to it)
+        try:
+            if again is not None:
+                self._send_whole_again(again, errors, deadline, wait=False)
+        finally:
+            self._naming = naming
+            self.ledger.errors.update({w: e for w, e in errors.items() if w not in self.ledger.errors})  # (newer stand)
 
     def collect(self, expected: dict[int, int], deadline: float) -> dict[int, WeightSyncError]:
         """Wait until each worker of ``expected`` acked at least its version, or ``deadline``; return failures."""

@@ -176,11 +176,9 @@ class Sender:
                 self._send_whole_again(again, failures, deadline)
             raise_failures(failures, model_id=self.model_id, version=self.version)
 
-    def _send_whole_again(
-        self, out: Outgoing, failures: dict[int, WeightSyncError], deadline: float, wait: bool = True
-    ) -> None:
+    def _send_whole_again(self, out: Outgoing, failures: dict[int, WeightSyncError], deadline: float) -> None:
         """Send ``out`` (a version sent as changes) whole to its workers, which refused the changes; wait for them
-        (``wait``; else the wait for the send that sent the changes does) and put what failed in ``failures``."""
+        and put what failed in ``failures``."""
         assert self.engine is not None
         refused, dead = out.workers, self.ledger.dead
         log.info("model %r: workers %s refused the changes of version %s; sent whole", self.model_id, refused,
@@ -193,8 +191,7 @@ class Sender:
             failures.update({w: exc for w in refused})
             return
         failures.update({w: dead[w] for w in refused if w in dead and w not in failures})
-        if wait:
-            failures.update(self.collect({w: out.version for w in refused if w not in failures}, deadline))
+        failures.update(self.collect({w: out.version for w in refused if w not in failures}, deadline))
 
     # ----------------------------------------------------------- the workers
     def mark_dead(self, worker: int, exc: WeightSyncError) -> WeightSyncError:
@@ -298,8 +295,6 @@ class Sender:
         self._naming = version
         try:
             self.engine.poll(ledger.live(sorted(ledger.peers)))  # what came back since: acks, deaths
-            if ledger.errors:
-                self._serve_refusals(targets, deadline)
             failures = {w: ledger.dead[w] for w in targets if w in ledger.dead}
             live = ledger.live(targets)
             out = Outgoing(version, flat, whole, live, initial)
@@ -334,20 +329,6 @@ class Sender:
         errors = ledger.take_errors([w for w in targets if w not in failures])
         failures.update({w: e for w, e in errors.items() if not Changes.moot(e, version)})
         raise_failures(failures, model_id=self.model_id, version=version)
-
-    def _serve_refusals(self, targets: list[int], deadline: float) -> None:
-        """Workers this send does not reach that refused the changes of the copy's version (an asynchronous
-        send's) are sent it whole now, from the copy, before this send moves the copy on; their acks, and what
-        fails, are for the wait for that send. (One this send reaches is sent this version whole.)"""
-        errors = self.ledger.take_errors([w for w in self.ledger.errors if w not in targets])
-        again = self.changes.whole_again(errors)
-        naming, self._naming = self._naming, None  # (a death found now is named with the version sent to it)
-        try:
-            if again is not None:
-                self._send_whole_again(again, errors, deadline, wait=False)
-        finally:
-            self._naming = naming
-            self.ledger.errors.update({w: e for w, e in errors.items() if w not in self.ledger.errors})  # (newer stand)
 
     def collect(self, expected: dict[int, int], deadline: float) -> dict[int, WeightSyncError]:
         """Wait until each worker of ``expected`` acked at least its version, or ``deadline``; return failures."""

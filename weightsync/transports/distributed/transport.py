@@ -334,7 +334,7 @@ class DistributedTransport(WorkerSide, PeerTransport):
         receiving a message discards it (:meth:`was_dropped`)."""
         with contextlib.suppress(LifecycleError, dist.DistError):
             key = f"dropped/{self.worker_idx}"
-            store_set(self.store, key, self.sealer.seal(key, "1"))  # (waits for no answer: WorkerSide.was_dropped)
+            store_set(self.store, key, self.sealer.seal(key, "1"))  # (torch's set waits for no answer)
         self._last_word({"dropped": reason[:MAX_ERROR_TEXT]})
         self.stop_waiting(0.0)
 

@@ -433,6 +433,29 @@ def ask(cmd, op) -> tuple:
     return answer
 
 
+def worker_of(cmd, model: nn.Module):
+    """The worker :func:`commanded_trainer` hands its config to over ``cmd``, made from that config with ``model``,
+    connected, and holding version 1 (the trainer's first ``"send"``, received on a thread)."""
+    from weightsync.config import from_config
+
+    assert cmd.poll(60), "the trainer did not hand over a config"
+    cfg = cmd.recv()
+    assert isinstance(cfg, dict), f"the trainer failed:\n{cfg[1]}"
+    worker = from_config(cfg)
+    try:
+        worker.init_on_receiver(model=model)
+        worker.connect()
+        receiving = threading.Thread(target=worker.receive, kwargs={"timeout": 30}, daemon=True)
+        receiving.start()
+        assert ask(cmd, "send")[:3] == (1, [], {0: 1})
+        receiving.join(30)
+        assert worker.version == 1
+    except BaseException:
+        worker.shutdown()
+        raise
+    return worker
+
+
 def joins_a_stopped_trainer(name: str, cfg: dict, trainer: int, when: str, out) -> None:
     """A worker that joins ``trainer`` and stops it with ``SIGSTOP``: before its dial of the trainer's store
     (``when="dial"``), or just after it (``"after"``). Reports (its error's type or ``None``, seconds taken)."""

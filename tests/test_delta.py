@@ -534,6 +534,11 @@ def _sparse_step(model: torch.nn.Module, seed: int, fraction: float = 0.01) -> N
     sparse_step(ws.WeightStrategy().flat(model).values(), seed, fraction)
 
 
+def _all_hold(workers: list, model: torch.nn.Module, version: int) -> bool:
+    """Whether every worker holds ``version``, and its bytes are the trainer's ``model``'s."""
+    return all(w.scheme.version == version and _holds(w.model, model) for w in workers)
+
+
 def _holds(replica: torch.nn.Module, model: torch.nn.Module, wire_dtype: str | None = None) -> bool:
     """Whether ``replica`` holds, bit for bit, what a whole send of ``model`` gives (cast to ``wire_dtype`` and
     back)."""
@@ -623,7 +628,7 @@ def test_a_worker_that_rejoins_after_a_failed_send_is_never_sent_the_bytes_of_th
         assert workers[1].closed is None and _holds(workers[1].model, model)
         _sparse_step(model, 3)
         scheme.send()  # both, as before
-        assert all(w.scheme.version == 3 and _holds(w.model, model) for w in workers)
+        assert _all_hold(workers, model, 3)
     finally:
         _stop(scheme, workers)
 
@@ -637,7 +642,7 @@ def test_a_worker_whose_copy_is_not_the_base_refuses_and_is_sent_the_version_who
         kept[0] ^= 0xFF  # worker 1's copy of version 1 is no longer the sender's bytes
         _sparse_step(model, 2)
         scheme.send()  # no error: refused, then sent whole
-        assert all(w.scheme.version == 2 and _holds(w.model, model) for w in workers)
+        assert _all_hold(workers, model, 2)
         assert scheme.stats()["changes_sent"] == 2 + 1
         assert not workers[1].errors or all(isinstance(e, ws.DeltaBaseError) for e in workers[1].errors)
         _sparse_step(model, 3)
@@ -704,7 +709,7 @@ def test_a_worker_that_refuses_changes_is_sent_whole_the_bytes_the_others_were_s
         assert [w.scheme.version for w in workers] == [2, 2]
         assert torch.equal(_flat_bytes(workers[0].model), sent) and torch.equal(_flat_bytes(workers[1].model), sent)
         scheme.send()
-        assert all(w.scheme.version == 3 and _holds(w.model, model) for w in workers)
+        assert _all_hold(workers, model, 3)
     finally:
         _stop(scheme, workers)
 
@@ -764,7 +769,7 @@ def test_a_refusal_of_an_older_async_versions_changes_does_not_fail_the_send_tha
         assert [type(e) for e in workers[1].errors] == [ws.DeltaBaseError]
         _sparse_step(model, 3)
         scheme.send()  # version 3 goes whole to worker 1 (it acked version 1 only): version 2's refusal is moot
-        assert all(w.scheme.version == 3 and _holds(w.model, model) for w in workers)
+        assert _all_hold(workers, model, 3)
     finally:
         _stop(scheme, workers)
 
@@ -789,7 +794,7 @@ def test_a_refusal_of_an_async_versions_changes_whose_copy_a_send_to_others_move
         assert workers[1].scheme.version == 1 and torch.equal(_flat_bytes(workers[1].model), before)
         _sparse_step(model, 4)
         scheme.send()
-        assert all(w.scheme.version == 4 and _holds(w.model, model) for w in workers)
+        assert _all_hold(workers, model, 4)
     finally:
         _stop(scheme, workers)
 
@@ -802,7 +807,7 @@ def test_a_refusal_of_an_older_async_versions_changes_does_not_fail_the_next_asy
         _sparse_step(model, 3)
         scheme.send_async()  # version 3 goes whole to worker 1 (it acked version 1 only): the refusal is moot
         scheme.wait_async(20)
-        assert all(w.scheme.version == 3 and _holds(w.model, model) for w in workers)
+        assert _all_hold(workers, model, 3)
     finally:
         _stop(scheme, workers)
 

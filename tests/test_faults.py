@@ -721,8 +721,7 @@ def test_a_dropped_worker_whose_trainer_then_stops_waits_it_out_and_rejoins_with
     than a ``SyncTimeoutError`` (a sender stopped: its loop retries), never a sender gone
     (``ConnectionClosedError``, which ends a worker's loop). Once the trainer resumes, the worker learns it was
     dropped, rejoins, holds the newest version, and takes the next one."""
-    from tests._workers import ask, commanded_trainer
-    from weightsync.config import from_config
+    from tests._workers import ask, commanded_trainer, worker_of
 
     timeout, said = 1.0, line.startswith("its")
     kind = "tiny" if said else "flat4"  # (flat4: 1 MB, sent on the line; several fill it)
@@ -732,18 +731,8 @@ def test_a_dropped_worker_whose_trainer_then_stops_waits_it_out_and_rejoins_with
     worker = None
 
     try:
-        assert cmd.poll(60), "the trainer did not hand over a config"
-        cfg = cmd.recv()
-        assert isinstance(cfg, dict), f"the trainer failed:\n{cfg[1]}"
-        worker = from_config(cfg)
         replica = build(kind)
-        worker.init_on_receiver(model=replica)
-        worker.connect()
-        receiving = threading.Thread(target=worker.receive, kwargs={"timeout": 30}, daemon=True)
-        receiving.start()
-        assert ask(cmd, "send")[:3] == (1, [], {0: 1})
-        receiving.join(30)
-        assert worker.version == 1
+        worker = worker_of(cmd, replica)
         newest, dropped, *_ = ask(cmd, "drop")  # not read: the worker is dropped, its line closed
         assert dropped == [0]
         os.kill(trainer.pid, signal.SIGSTOP)

@@ -388,7 +388,7 @@ class WorkerSide:
                 self.calls.post(partial(self._write_why, store, seq, json.dumps(detail).encode()))
             words = [seq, -1 if held is None else held, status]
             tagged = words + self.sealer.ack_tag(self.worker_idx, *words)
-            if self.line_lost and self.line is None:  # (its sender reads acks there only: they are lost)
+            if self.line_lost:  # (its sender reads acks on the line only: they are lost)
                 log.info("worker %d: its ack of version %d not sent: its line is closed", self.worker_idx, version)
                 return
             if self.line is not None:

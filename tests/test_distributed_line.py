@@ -864,6 +864,72 @@ def test_a_line_its_peer_ends_in_the_middle_of_a_versions_bytes_asks_the_store_a
         scheme.shutdown()
 
 
+@pytest.mark.parametrize("ended", ["between versions", "in a version's bytes"])
+def test_a_worker_whose_senders_word_that_it_dropped_it_lands_after_the_lines_end_rejoins(monkeypatch, ended):
+    """The sender drops a worker (no ack in time) and ends its line without its word on it (what the line could
+    not carry is discarded), and its word in the store (set first, but torch's set waits for no answer) lands only
+    after the worker's look that followed the line's end, as from a store on another host. The worker, its line
+    ended between two versions or in the middle of one's bytes, looks again within ``WORD_LATE_S`` (each receive
+    within its bound), finds the word and rejoins with the newest version, rather than taking a live sender for
+    gone (``ConnectionClosedError``, which would end its loop)."""
+    from weightsync.transports.distributed import transport as transport_module
+    from weightsync.transports.distributed.worker_side import WorkerSide
+
+    model = build("tiny")
+    scheme = ws.DistributedWeightSyncScheme(timeout=1.0, connect_timeout=60, sync=False, on_failure="drop")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    receiver = in_process_receiver(scheme, replica)
+    held: list = []  # the word, until the worker looked once past its line's end
+    looks: list[bool] = []
+    store_set, said_dropped = transport_module.store_set, WorkerSide._said_dropped
+
+    def set_late(store, key, value):
+        if key.startswith("dropped/"):
+            held.append((store, key, value))
+        else:
+            store_set(store, key, value)
+
+    def look(self):
+        said = said_dropped(self)
+        if self.line is None:  # (hung up: its line's end was met)
+            looks.append(said)
+            while held:
+                store_set(*held.pop())
+        return said
+
+    close_line = None
+    try:
+        _send_while_receiving(model, scheme, replica, receiver, 1)
+        monkeypatch.setattr(transport_module, "store_set", set_late)
+        monkeypatch.setattr(WorkerSide, "_said_dropped", look)
+        sending = scheme._sending.engine.transports[0]
+        if ended == "between versions":  # (version 2 waits whole on the line, the word not after it)
+            monkeypatch.setattr(sending, "_last_word", lambda msg: None)
+        else:  # (the announcement and half of version 2's bytes, then the line's end)
+            close_line = _cut_midway(scheme)
+        optimizer_step(model, 2)
+        scheme.send_async()
+        with contextlib.suppress(ws.WeightSyncError):
+            scheme.wait_async()
+        assert list(scheme.stats()["dropped_workers"]) == [0] and held, "the sender did not drop the worker"
+        if close_line is not None:
+            close_line(0.0)
+        deadline = time.monotonic() + 30
+        while scheme.stats()["rejoins"] != {0: 1} or receiver.version != 2:
+            assert time.monotonic() < deadline, (receiver.version, scheme.stats()["rejoins"], looks)
+            with contextlib.suppress(SyncTimeoutError):
+                receiver.receive(timeout=0.5)
+        assert looks[0] is False and True in looks, looks  # (the first look past the end found no word)
+        assert checksum(replica) == checksum(model)
+        monkeypatch.undo()
+        _send_while_receiving(model, scheme, replica, receiver, 3)  # reached as before
+    finally:
+        monkeypatch.undo()
+        receiver.shutdown()
+        scheme.shutdown()
+
+
 @pytest.mark.parametrize("end", ["killed", "shut down"])
 @pytest.mark.parametrize("latest_wins", [False, True])
 def test_a_worker_whose_acks_its_ended_senders_line_cannot_carry_keeps_its_versions_and_hears_how_it_ended(
@@ -872,9 +938,9 @@ def test_a_worker_whose_acks_its_ended_senders_line_cannot_carry_keeps_its_versi
     """A sender killed (``SIGKILL``), or shut down, while two versions wait on its worker's line, its store served
     by the job (it outlives the sender, and answers): the worker applies them (each in turn, or the newest of both,
     ``latest_wins=True``, whose look for a third meets the line's end), the acks' writes fail, and the store does
-    not say the worker was dropped. The worker holds the last version sent, and hears at once that its sender
-    went away, or shut down (``ConnectionClosedError``, which ends its loop), rather than waiting for good for a
-    word that no one will write."""
+    not say the worker was dropped. The worker holds the last version sent, and hears that its sender went away
+    (its word ``WORD_LATE_S`` late), or shut down (``ConnectionClosedError``, which ends its loop), rather than
+    waiting for good for a word that no one will write."""
     import signal
 
     from tests._workers import ask, commanded_trainer, worker_of

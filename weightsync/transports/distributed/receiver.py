@@ -44,7 +44,7 @@ from ..storeclient import StoreCalls, dial_store, hung_up_at
 from .auth import NO_BYTES, PayloadMac, Sealer, Unverifiable, proof, run_prefix
 from .doorbell import Doorbell, dial_doorbell
 from .group import GROUP_TIMEOUT_FACTOR, Link, gpu_identity, new_group_within
-from .line import Dialing, Line
+from .line import Dialing, Line, PeerClosed
 from .messages import sealed_layout, sealed_object
 from .rejoins import ask_to_rejoin
 from .settings import DistributedSettings
@@ -100,8 +100,7 @@ class DistributedReceiver(ReceiverEngine):
         self.sealer = Sealer(self._key, self.prefix)
         self._layout_tag = b""
         self.settings, self.device = settings, settings.device
-        self._take, self.where = take, where
-        self.model_device = model_device
+        self._take, self.where, self.model_device = take, where, model_device
         #: The longest one update may take (the core's, given at :meth:`join`).
         self.update_timeout = 0.0
         self.transport: DistributedTransport | None = None
@@ -368,7 +367,9 @@ class DistributedReceiver(ReceiverEngine):
             except ConnectionClosedError as exc:  # (its line or group, closed by a sender that dropped it, or gone)
                 if transport.line is None and self._dropped_meanwhile(failed=exc):
                     return self._rejoin(max(remaining(deadline), self.update_timeout))
-                raise
+                if seqs or not isinstance(exc, PeerClosed):  # (else its sender's word may land late: WORD_LATE_S)
+                    raise
+                continue  # (the store is asked on: the version is not applied)
             # Bytes that check against a digest sealed in their announcement are that version's, whatever happened
             # since; only bytes that do not (or whose digest is still to come) may be a reused buffer's, sent to a
             # worker the sender dropped meanwhile. Asking the store costs a round trip: asked only then.
@@ -406,9 +407,8 @@ class DistributedReceiver(ReceiverEngine):
         return [self._delivery(version, [0], refusal)]
 
     def _dropped_meanwhile(self, failed: WeightSyncError | None = None) -> bool:
-        """Whether the sender dropped this worker while the message just received was on its way: its bytes may
-        then be a later version's (the sender reused the buffer), and it is never applied. (``failed``: as
-        :meth:`~.worker_side.WorkerSide.was_dropped` has it.)"""
+        """Whether the sender dropped this worker while the message just received was on its way (its bytes may then
+        be a later version's: the sender reused the buffer), never applied then (``failed``: as ``was_dropped``)."""
         assert self.transport is not None
         if self.transport.was_dropped(failed):
             self._dropped = "it did not ack in time"

@@ -129,7 +129,7 @@ class DistributedTransport(WorkerSide, PeerTransport):
         self.bell = bell
         self.line = line
         self.line_lost = False  # on a worker: it hung up its line (it then learns only that it was dropped)
-        self.line_ended = False  # on a worker: the line it hung up was ended by its sender (read, not a silence)
+        self.line_ended: float | None = None  # on a worker: when it read its sender's end of the line it hung up
         self._inline = False  # on a worker: the bytes of the message announced last come on the line
         self._spent: list[str] = []  # on a worker: keys read and not deleted yet (:meth:`sweep`)
         self._looked = (-1, 0.0)  # on a worker: the doorbell's count at its last look for a message, and when

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,13 @@ LOOK_AGAIN_S = 0.1
 #: (its process stopped: a debugger, ``SIGSTOP``) is taken to say nothing yet. The worker's store calls are made
 #: on a thread of their own (:class:`~..store.StoreCalls`), each waited for within the receive's bounds.
 ANSWER_S = 0.25
+#: How long after its line's end a worker still looks in the store for its sender's word that it dropped it or
+#: shut down, before it takes the sender for gone. A sender alive writes its word before it ends a line, but
+#: torch's set waits for no answer, and a store on another host may take it after the worker's look (a lost
+#: packet is sent again 0.2 s or more later). The wait is spread over the receives made meanwhile, each within its
+#: own bound (each returns nothing until then); the sender waits for no answer of the store instead, since it
+#: makes no call that waits on the store while it sends (a job's store that stopped would hold it).
+WORD_LATE_S = 1.5
 
 
 class WorkerSide:
@@ -57,7 +65,7 @@ class WorkerSide:
         bell: Doorbell | None
         line: Line | None
         line_lost: bool
-        line_ended: bool
+        line_ended: float | None
         _inline: bool
         _looked: tuple[int, float]
         _spent: list[str]
@@ -131,6 +139,7 @@ class WorkerSide:
         """:meth:`next_message`, on the worker's line: a line that ends without the sender's last word on it was
         closed by a sender that dropped this worker (the store says so: it then asks to rejoin), or that died."""
         assert self.line is not None
+        deadline = deadline_after(timeout)
         try:
             if not self.line.readable(timeout):
                 return None
@@ -139,6 +148,8 @@ class WorkerSide:
             self.hang_up(ended=isinstance(exc, PeerClosed))
             if self.was_dropped(failed=exc):
                 return {"dropped": "the sender closed this worker's line"}
+            if isinstance(exc, PeerClosed):  # (its word may land in the store late)
+                return self._last_word_after_line(remaining(deadline))
             raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where()) from None
         except SyncTimeoutError:
             self.hang_up()
@@ -150,11 +161,11 @@ class WorkerSide:
 
     def _last_word_after_line(self, timeout: float) -> dict[str, Any] | None:
         """:meth:`next_message` once this worker hung up its line (what came on it stopped midway: a link down; or
-        its end was read while the store did not answer): nothing more is announced to it, on the line or in the
-        store. What it waits for, in the store, is the sender's word that it dropped this worker (``dropped/<w>``:
-        no ack came), or that it shut down. Where the line's end was read, a store that answers without either
-        word is a sender gone: a sender alive writes its word before it ends a line (raised:
-        ConnectionClosedError)."""
+        its end was read while the store did not answer, or held no word yet): nothing more is announced to it, on
+        the line or in the store. What it waits for, in the store, is the sender's word that it dropped this worker
+        (``dropped/<w>``: no ack came), or that it shut down. Where the line's end was read, a store that still
+        answers without either word :data:`WORD_LATE_S` after is a sender gone: a sender alive writes its word
+        before it ends a line (raised: ConnectionClosedError)."""
         deadline = deadline_after(timeout)
 
         def last_word() -> dict[str, Any] | None:
@@ -179,14 +190,15 @@ class WorkerSide:
                     return None
                 if word is not None:
                     return word
-                if self.line_ended:
+                late = math.inf if self.line_ended is None else remaining(self.line_ended + WORD_LATE_S)
+                if late <= 0:
                     raise ConnectionClosedError(
                         "the sender went away (it ended this worker's line, and its store holds no word of why)",
                         **self._where(),
                     )
                 if remaining(deadline) <= 0:
                     return None
-                time.sleep(min(LOOK_AGAIN_S, remaining(deadline)))
+                time.sleep(min(LOOK_AGAIN_S, remaining(deadline), late))
         except dist.DistError as exc:
             raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
 
@@ -200,7 +212,8 @@ class WorkerSide:
 
     def hang_up(self, ended: bool = False) -> None:
         """Stop listening for the doorbell, and close the line (the worker closes, or rejoined through a new
-        transport). ``ended``: the sender's end of the line was read (a sender alive says why in the store first)."""
+        transport). ``ended``: the sender's end of the line was read (a sender alive says why in the store first:
+        :attr:`line_ended` is when)."""
         if self.bell is not None:
             self.bell.close()
             self.bell = None
@@ -208,7 +221,7 @@ class WorkerSide:
             self.line.close(0.0)
             self.line = None
             self.line_lost = True
-            self.line_ended = ended
+            self.line_ended = time.monotonic() if ended else None
 
     def receive_into(
         self,

@@ -864,24 +864,16 @@ def test_a_line_its_peer_ends_in_the_middle_of_a_versions_bytes_asks_the_store_a
         scheme.shutdown()
 
 
-@pytest.mark.parametrize("ended", ["between versions", "in a version's bytes"])
-def test_a_worker_whose_senders_word_that_it_dropped_it_lands_after_the_lines_end_rejoins(monkeypatch, ended):
-    """The sender drops a worker (no ack in time) and ends its line without its word on it (what the line could
-    not carry is discarded), and its word in the store (set first, but torch's set waits for no answer) lands only
-    after the worker's look that followed the line's end, as from a store on another host. The worker, its line
-    ended between two versions or in the middle of one's bytes, looks again within ``WORD_LATE_S`` (each receive
-    within its bound), finds the word and rejoins with the newest version, rather than taking a live sender for
-    gone (``ConnectionClosedError``, which would end its loop)."""
+def _word_held(monkeypatch, release_after: float | None = None, answer_s: float = 0.0):
+    """The sender's word that it dropped a worker (``dropped/<w>``, which it sets in the store before it ends the
+    line) lands only ``release_after`` s after the worker's first look past its line's end (``None``: never); the
+    worker's looks at it take ``answer_s`` each, after the store answered. Returns the words held and the looks made
+    past the end: (seconds after the end, what the store said)."""
     from weightsync.transports.distributed import transport as transport_module
     from weightsync.transports.distributed.worker_side import WorkerSide
 
-    model = build("tiny")
-    scheme = ws.DistributedWeightSyncScheme(timeout=1.0, connect_timeout=60, sync=False, on_failure="drop")
-    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
-    replica = build("tiny")
-    receiver = in_process_receiver(scheme, replica)
-    held: list = []  # the word, until the worker looked once past its line's end
-    looks: list[bool] = []
+    held: list = []
+    looks: list[tuple[float, bool]] = []
     store_set, said_dropped = transport_module.store_set, WorkerSide._said_dropped
 
     def set_late(store, key, value):
@@ -890,40 +882,140 @@ def test_a_worker_whose_senders_word_that_it_dropped_it_lands_after_the_lines_en
         else:
             store_set(store, key, value)
 
+    def release():
+        while held:
+            store_set(*held.pop())
+
     def look(self):
         said = said_dropped(self)
-        if self.line is None:  # (hung up: its line's end was met)
-            looks.append(said)
-            while held:
-                store_set(*held.pop())
+        if self.line is None and self.line_ended is not None:  # (past its line's end)
+            if not looks and release_after is not None:
+                threading.Timer(release_after, release).start()
+            looks.append((time.monotonic() - self.line_ended, said))
+            time.sleep(answer_s)
         return said
 
+    monkeypatch.setattr(transport_module, "store_set", set_late)
+    monkeypatch.setattr(WorkerSide, "_said_dropped", look)
+    return held, looks
+
+
+def _dropped_with_its_line_ended(model, scheme, monkeypatch, ended: str):
+    """Send versions the worker does not read until the sender drops it, its line ended ``ended``: after version 2
+    whole, with no word on it (what a line cannot carry is discarded); in the middle of version 2's bytes; or in
+    the middle of version 3's, after version 2 whole (``latest_wins=True`` reads both into one buffer)."""
     close_line = None
+    if ended == "between versions":
+        monkeypatch.setattr(scheme._sending.engine.transports[0], "_last_word", lambda msg: None)
+    for step in (2, 3) if ended == "in a later version's bytes" else (2,):
+        if step == 3 or ended == "in a version's bytes":
+            close_line = _cut_midway(scheme)
+        optimizer_step(model, step)
+        scheme.send_async()
+    with contextlib.suppress(ws.WeightSyncError):
+        scheme.wait_async()
+    assert list(scheme.stats()["dropped_workers"]) == [0], "the sender did not drop the worker"
+    if close_line is not None:
+        close_line(0.0)
+
+
+@pytest.mark.parametrize("ended", ["between versions", "in a version's bytes", "in a later version's bytes"])
+def test_a_worker_whose_senders_word_that_it_dropped_it_lands_after_the_lines_end_rejoins(monkeypatch, ended):
+    """The sender drops a worker (no ack in time) and ends its line without its word on it, and its word in the
+    store (set first, but torch's set waits for no answer) lands 0.6 s after the worker's first look past the
+    line's end, as from a store on another host. The worker, its line ended between two versions or in the middle
+    of one's bytes (what it read whole before into the same buffer, ``latest_wins=True``, is lost with them), looks
+    on for ``WORD_LATE_S``, each ``receive(timeout=0.1)`` within its bound, finds the word and rejoins with the
+    newest version, rather than taking a live sender for gone (``ConnectionClosedError``: its loop would end)."""
+    from weightsync.transports.distributed.worker_side import ANSWER_S
+
+    model = build("tiny")
+    options = {"timeout": 1.0, "connect_timeout": 60, "sync": False, "on_failure": "drop"}
+    scheme = ws.DistributedWeightSyncScheme(**options, latest_wins=ended == "in a later version's bytes")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    receiver = in_process_receiver(scheme, replica)
     try:
         _send_while_receiving(model, scheme, replica, receiver, 1)
-        monkeypatch.setattr(transport_module, "store_set", set_late)
-        monkeypatch.setattr(WorkerSide, "_said_dropped", look)
-        sending = scheme._sending.engine.transports[0]
-        if ended == "between versions":  # (version 2 waits whole on the line, the word not after it)
-            monkeypatch.setattr(sending, "_last_word", lambda msg: None)
-        else:  # (the announcement and half of version 2's bytes, then the line's end)
-            close_line = _cut_midway(scheme)
-        optimizer_step(model, 2)
-        scheme.send_async()
-        with contextlib.suppress(ws.WeightSyncError):
-            scheme.wait_async()
-        assert list(scheme.stats()["dropped_workers"]) == [0] and held, "the sender did not drop the worker"
-        if close_line is not None:
-            close_line(0.0)
-        deadline = time.monotonic() + 30
-        while scheme.stats()["rejoins"] != {0: 1} or receiver.version != 2:
+        held, looks = _word_held(monkeypatch, release_after=0.6)
+        _dropped_with_its_line_ended(model, scheme, monkeypatch, ended)
+        assert held, "the sender wrote no word"
+        took, deadline = [], time.monotonic() + 30
+        while scheme.stats()["rejoins"] != {0: 1} or receiver.version != scheme.version:
             assert time.monotonic() < deadline, (receiver.version, scheme.stats()["rejoins"], looks)
-            with contextlib.suppress(SyncTimeoutError):
-                receiver.receive(timeout=0.5)
-        assert looks[0] is False and True in looks, looks  # (the first look past the end found no word)
+            began = time.monotonic()
+            receiver.receive(timeout=0.1)
+            if not scheme.stats()["rejoins"]:
+                took.append(time.monotonic() - began)
+        assert looks[0][1] is False and looks[-1][1] is True and looks[-1][0] > 0.5, looks
+        assert len(took) >= 3 and max(took) < 0.1 + ANSWER_S + 0.2, took  # (each receive within its bound)
         assert checksum(replica) == checksum(model)
         monkeypatch.undo()
-        _send_while_receiving(model, scheme, replica, receiver, 3)  # reached as before
+        _send_while_receiving(model, scheme, replica, receiver, scheme.version + 1)  # reached as before
+    finally:
+        monkeypatch.undo()
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+def test_a_look_for_the_senders_word_made_in_its_grace_decides_nothing_however_late_its_answer():
+    """The worker's first look for its sender's word past its line's end is made at once, when the store holds no
+    word yet; the word lands 0.3 s later, and that look's answer comes 1.7 s after it (past ``WORD_LATE_S``). The
+    worker does not take its sender for gone on that answer: it looks again, finds the word and rejoins."""
+    model = build("tiny")
+    scheme = ws.DistributedWeightSyncScheme(timeout=1.0, connect_timeout=60, sync=False, on_failure="drop")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    receiver = in_process_receiver(scheme, replica)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        try:
+            _send_while_receiving(model, scheme, replica, receiver, 1)
+            _, looks = _word_held(monkeypatch, release_after=0.3)
+            _dropped_with_its_line_ended(model, scheme, monkeypatch, "between versions")
+            from weightsync.transports.distributed.worker_side import WorkerSide
+
+            said_dropped = WorkerSide._said_dropped
+
+            def slow_second(self):  # (the first look is was_dropped's; the second, the last word's, answers late)
+                said = said_dropped(self)
+                if len(looks) == 2:
+                    time.sleep(1.7)
+                return said
+
+            monkeypatch.setattr(WorkerSide, "_said_dropped", slow_second)
+            deadline = time.monotonic() + 30
+            while scheme.stats()["rejoins"] != {0: 1} or receiver.version != 2:
+                assert time.monotonic() < deadline, (receiver.version, looks)
+                receiver.receive(timeout=0.5)
+            assert [said for _, said in looks[:2]] == [False, False] and looks[-1][1] is True, looks
+        finally:
+            monkeypatch.undo()
+            receiver.shutdown()
+            scheme.shutdown()
+
+
+def test_a_receive_that_meets_its_lines_end_stays_within_its_bound_on_a_slow_store(monkeypatch):
+    """A line ended with no word (a sender killed, its store the job's), the store answering each look in 0.2 s:
+    each ``receive(timeout=0.05)`` returns within its bound plus one look (``ANSWER_S``), none asking twice past
+    its own timeout, and the worker hears its sender went away once ``WORD_LATE_S`` passed."""
+    from weightsync.transports.distributed.worker_side import ANSWER_S, WORD_LATE_S
+
+    model, scheme, replica = _pair()
+    receiver = in_process_receiver(scheme, replica)
+    try:
+        _send_while_receiving(model, scheme, replica, receiver, 1)
+        scheme._sending.engine.transports[0].line.close(0.0)  # (the line's end, no word on it or in the store)
+        _word_held(monkeypatch, answer_s=0.2)
+        took, began = [], time.monotonic()
+        with pytest.raises(ConnectionClosedError, match="went away"):
+            while time.monotonic() - began < 20:
+                start = time.monotonic()
+                try:
+                    assert receiver.receive(timeout=0.05) is None
+                finally:
+                    took.append(time.monotonic() - start)
+        assert max(took) < 0.05 + ANSWER_S + 0.1, took
+        assert WORD_LATE_S <= time.monotonic() - began < WORD_LATE_S + 5, took
     finally:
         monkeypatch.undo()
         receiver.shutdown()

@@ -114,7 +114,11 @@ class DistributedWeightSyncScheme(NetworkScheme, name="distributed", aliases=("t
     ) -> ReceiverEngine:
         from ..transports.distributed.receiver import DistributedReceiver
 
-        handoff = DistributedReceiver.handoff_from(handoff, kwargs)
+        handoff = dict(handoff)  # with what init_on_receiver named (authkey_file=: the run key file's copy here)
+        for key in ("master_addr", "master_port", "world_size", "authkey_file"):
+            value = kwargs.pop(key, None)
+            if value is not None:
+                handoff[key] = value
         settings = self._checked_settings()
         # A model in shared memory may be read by processes of the worker's own: written into, never moved.
         return DistributedReceiver(

@@ -119,17 +119,6 @@ class DistributedReceiver(ReceiverEngine):
         self._hello: dict[str, Any] = {}  # what this worker told the sender, said again when it rejoins
         self._calls: StoreCalls | None = None  # where the store client's calls on a receive's path are made
 
-    @classmethod
-    def handoff_from(cls, handoff: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """``handoff`` with what ``init_on_receiver`` named (``master_addr=``, ``master_port=``, ``world_size=``,
-        ``authkey_file=``: a copy of the run key file kept elsewhere on this host)."""
-        handoff = dict(handoff)
-        for key in ("master_addr", "master_port", "world_size", "authkey_file"):
-            value = kwargs.pop(key, None)
-            if value is not None:
-                handoff[key] = value
-        return handoff
-
     def _group_timeout(self, deadline: float) -> float:
         return max(remaining(deadline), GROUP_TIMEOUT_FACTOR * self.update_timeout)
 
@@ -367,9 +356,14 @@ class DistributedReceiver(ReceiverEngine):
             except ConnectionClosedError as exc:  # (its line or group, closed by a sender that dropped it, or gone)
                 if transport.line is None and self._dropped_meanwhile(failed=exc):
                     return self._rejoin(max(remaining(deadline), self.update_timeout))
-                if seqs or not isinstance(exc, PeerClosed):  # (else its sender's word may land late: WORD_LATE_S)
+                if not isinstance(exc, PeerClosed):
                     raise
-                continue  # (the store is asked on: the version is not applied)
+                seqs.clear()  # (newest: those read whole before were read into the buffer this one overwrote)
+                self._say_taken = False
+                # Its sender's word may land late (WORD_LATE_S): looked for on, in the time this receive has left.
+                if remaining(deadline) <= 0:
+                    break
+                continue
             # Bytes that check against a digest sealed in their announcement are that version's, whatever happened
             # since; only bytes that do not (or whose digest is still to come) may be a reused buffer's, sent to a
             # worker the sender dropped meanwhile. Asking the store costs a round trip: asked only then.

@@ -148,8 +148,8 @@ class WorkerSide:
             self.hang_up(ended=isinstance(exc, PeerClosed))
             if self.was_dropped(failed=exc):
                 return {"dropped": "the sender closed this worker's line"}
-            if isinstance(exc, PeerClosed):  # (its word may land in the store late)
-                return self._last_word_after_line(remaining(deadline))
+            if isinstance(exc, PeerClosed):  # (its word may land in the store late: asked on, in this receive's time)
+                return self._last_word_after_line(remaining(deadline)) if remaining(deadline) > 0 else None
             raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where()) from None
         except SyncTimeoutError:
             self.hang_up()
@@ -168,18 +168,19 @@ class WorkerSide:
         before it ends a line (raised: ConnectionClosedError)."""
         deadline = deadline_after(timeout)
 
-        def last_word() -> dict[str, Any] | None:
+        def last_word() -> tuple[dict[str, Any] | None, float]:  # (and when it was asked: an answer may come late)
+            asked = time.monotonic()
             if self._said_dropped():
-                return {"dropped": "what came on its line stopped midway, and it did not ack in time"}
+                return {"dropped": "what came on its line stopped midway, and it did not ack in time"}, asked
             if self.store.check(["shutdown"]):
                 self._opened("shutdown")  # a word from anyone else is refused, not obeyed
-                return {"closed": True}
-            return None
+                return {"closed": True}, asked
+            return None, asked
 
         try:
             while True:
                 try:
-                    word = self.calls.ask(
+                    word, asked = self.calls.ask(
                         last_word,
                         max(deadline, deadline_after(ANSWER_S)),
                         "a look for its word",
@@ -190,15 +191,16 @@ class WorkerSide:
                     return None
                 if word is not None:
                     return word
-                late = math.inf if self.line_ended is None else remaining(self.line_ended + WORD_LATE_S)
-                if late <= 0:
+                # Only a look made after the grace decides (the answer to one made before may come however late).
+                if self.line_ended is not None and asked >= self.line_ended + WORD_LATE_S:
                     raise ConnectionClosedError(
                         "the sender went away (it ended this worker's line, and its store holds no word of why)",
                         **self._where(),
                     )
                 if remaining(deadline) <= 0:
                     return None
-                time.sleep(min(LOOK_AGAIN_S, remaining(deadline), late))
+                grace = math.inf if self.line_ended is None else remaining(self.line_ended + WORD_LATE_S)
+                time.sleep(min(LOOK_AGAIN_S, remaining(deadline), max(grace, 0.0)))
         except dist.DistError as exc:
             raise ConnectionClosedError(f"the sender's store went away ({first_line(exc)})", **self._where()) from None
 

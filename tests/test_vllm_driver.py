@@ -572,6 +572,43 @@ def _serving_slow_to_pause(loop, timeout: float):
         scheme.shutdown()
 
 
+class _FailsSlowlyAt(Engine):
+    """An engine whose load of one version fails after 0.5 s (its later versions load)."""
+
+    def update_weights(self, info):
+        if info["version"] == self.fail_update_at and info.get("wait", True):
+            time.sleep(0.5)
+        return super().update_weights(info)
+
+
+def test_an_engine_that_serves_a_version_after_an_earlier_ones_load_failed_is_known_to_hold_it():
+    """Two async versions: the engine's load of the first fails, slowly; the second is served. ``wait_async``
+    names the first's failure, and the trainer knows the engine holds the second: its ack, which came with the
+    failure, is passed on (it was dropped: the next ``wait_async`` waited for it until its timeout, and under
+    ``on_failure="drop"`` would have dropped an engine that serves the newest version)."""
+    model = build("tiny")
+    engine = _FailsSlowlyAt(engine_spec(model), fail_update_at=1)
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=4, connect_timeout=30, sync=False)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([engine], pause_mode="none"))
+        scheme.connect()
+        for _ in range(2):
+            _step(model, 1)
+            scheme.send_async()
+        with pytest.raises(ws.WeightSyncError, match=r"version 1\].*could not load"):
+            scheme.wait_async()
+        assert engine.version == "2" and _same(engine, model) and scheme.acked_versions == {0: 2}
+        began = time.monotonic()
+        scheme.wait_async()
+        assert time.monotonic() - began < 2.0
+        _step(model, 1)
+        scheme.send_async()
+        scheme.wait_async()
+        assert engine.version == "3" and _same(engine, model) and scheme.acked_versions == {0: 3}
+    finally:
+        scheme.shutdown()
+
+
 def test_an_update_that_fails_in_the_middle_leaves_the_engine_generating_with_no_update_open(loop):
     """A pause that outlasts the timeout (requests that take long to drain, ``pause_mode="wait"``): the send names
     the engine, and the engine is resumed and its update session ended, so that the next versions are served (the

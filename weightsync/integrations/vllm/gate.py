@@ -296,6 +296,11 @@ class Gate(SenderEngine):
             failures = [(v, e) for v, f in calls if (e := f.exception()) is not None and v not in served and v > told]
             receiver = reported.get(worker)
             init = [(v, e) for v, e in failures if v == 0]
+            # What its engine serves, as its receiver acked it, is passed on before a failure (one of an older
+            # version, reported late, would leave the core waiting for an ack already come).
+            serves = max((v for v in served if v <= held.get(worker, -1)), default=None)
+            if serves is not None and (failures or receiver is not None):
+                self.core.acked(worker, serves)
             if init or (failures and receiver is None):  # the first (a later one is often its consequence)
                 failed, error = (init or failures)[0]
                 if not self.core.is_dead(worker):

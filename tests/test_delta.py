@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from unittest import mock
 
 import numpy as np
@@ -778,7 +779,8 @@ def test_a_refusal_of_an_async_versions_changes_whose_copy_a_send_to_others_move
     """Worker 1 refuses an asynchronous send's changes and stops receiving (alive); a send to worker 0 alone moves
     the trainer's copy on before ``wait_async``. That send is not held by worker 1 (nor by a staging buffer a whole
     resend to it would take), the refused version can no longer be sent whole, and ``wait_async`` names worker 1's
-    refusal; worker 1 holds the whole version before, and the next send to it goes whole."""
+    refusal; worker 1 holds the whole version before, and the next send to it goes whole. No ack of the refused
+    version is waited for after that (a second ``wait_async`` waited for it until its timeout)."""
     model, scheme, workers = _second_copy_not_the_base(timeout=3.0)
     try:
         before = _flat_bytes(workers[1].model)
@@ -792,6 +794,9 @@ def test_a_refusal_of_an_async_versions_changes_whose_copy_a_send_to_others_move
         with pytest.raises(ws.ReceiverError, match="worker 1.*DeltaBaseError"):
             scheme.wait_async(20)
         assert workers[1].scheme.version == 1 and torch.equal(_flat_bytes(workers[1].model), before)
+        began = time.monotonic()
+        scheme.wait_async(20)
+        assert time.monotonic() - began < 2.0
         _sparse_step(model, 4)
         scheme.send()
         assert _all_hold(workers, model, 4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..errors import SyncTimeoutError, WeightSyncError
+from ..errors import ReceiverError, SyncTimeoutError, WeightSyncError
 
 __all__ = ["Ledger", "Peer"]
 
@@ -62,6 +62,14 @@ class Ledger:
             for w, v in expected.items()
             if w in self.dead and w not in failures and not self.has_acked(w, v)
         }
+
+    def answered(self, failures: dict[int, WeightSyncError]) -> None:
+        """Workers of ``failures`` that said they failed the last version sent to them hold the one they acked: no
+        ack of it is coming, and a later wait (``wait_async``, a staleness bound) is not for it."""
+        for w, error in failures.items():
+            peer = self.peers[w]
+            if isinstance(error, ReceiverError) and error.version == peer.sent and w not in self.dead:
+                peer.sent = peer.acked
 
     def timeouts(self, workers: list[int], expected: dict[int, int], within: str) -> dict[int, WeightSyncError]:
         """A :class:`SyncTimeoutError` for each of ``workers`` still without its ack of ``expected``."""

@@ -174,6 +174,7 @@ class Sender:
             again = self.changes.whole_again(failures)
             if again is not None:  # as a send that waits does at once (send_version)
                 self._send_whole_again(again, failures, deadline)
+            self.ledger.answered(failures)
             raise_failures(failures, model_id=self.model_id, version=self.version)
 
     def _send_whole_again(self, out: Outgoing, failures: dict[int, WeightSyncError], deadline: float) -> None:
@@ -328,6 +329,7 @@ class Sender:
                 self._send_whole_again(again, failures, deadline)
         errors = ledger.take_errors([w for w in targets if w not in failures])
         failures.update({w: e for w, e in errors.items() if not Changes.moot(e, version)})
+        ledger.answered(failures)
         raise_failures(failures, model_id=self.model_id, version=version)
 
     def collect(self, expected: dict[int, int], deadline: float) -> dict[int, WeightSyncError]:

@@ -115,6 +115,41 @@ def test_async_sends_to_a_busy_actor_coalesce_to_the_newest_unless_every_version
     scheme.shutdown()
 
 
+def test_a_version_held_back_behind_a_busy_actors_call_is_waited_for_when_ray_reports_that_calls_end_late(
+    monkeypatch,
+):
+    """``latest_wins``: a version sent while the actor's call for the one before runs waits in the trainer until
+    Ray reports that call's end, on a thread of its own, which then sends it. Where the trainer read the call as
+    ended first, it found nothing on its way and slept until the send's deadline (10 s here: an actor that had
+    applied the version would have been dropped under ``on_failure="drop"``); it now looks again until it goes."""
+    from weightsync.transports.ray.transport import RayTransport
+
+    ended = RayTransport._ended
+
+    def reported_late(self, call):  # (Ray's thread, later than the trainer reads the call as ended)
+        time.sleep(0.3)
+        ended(self, call)
+
+    monkeypatch.setattr(RayTransport, "_ended", reported_late)
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=10)
+    (actor,) = _joined(scheme, model, n=1)
+    try:
+        scheme.connect()
+        for step in (1, 3):
+            actor.busy.remote(0.5)
+            optimizer_step(model, step)
+            scheme.send_async()  # runs after the busy call
+            optimizer_step(model, step + 1)
+            began = time.monotonic()
+            scheme.send()  # held back behind it
+            assert time.monotonic() - began < 5.0
+        assert ray.get(actor.state.remote()) == (4, checksum(model, "tensordict"))
+    finally:
+        scheme.shutdown()
+        ray.kill(actor)
+
+
 def test_async_failure_is_reported_at_wait_async():
     model = build("tiny")
     scheme = ws.RayWeightSyncScheme(sync=False, timeout=30)

@@ -24,6 +24,9 @@ __all__ = ["DIRECT_MIN_BYTES", "RaySender", "ray"]
 DIRECT_MIN_BYTES = 256 * 1024
 #: The longest error text an actor's failure is reported with.
 MAX_ERROR_TEXT = 2000
+#: How often the trainer looks for the call of a version held back (``latest_wins``) while Ray's thread has not
+#: yet reported the end of the call before it, which sends it.
+HELD_BACK_S = 0.002
 
 
 def ray() -> Any:
@@ -226,8 +229,10 @@ class RaySender(SenderEngine):
         refs = list(self._refs(workers))
         if refs:
             ray().wait(refs, num_returns=len(refs), timeout=remaining(deadline))
+        elif any(self.transports[w].holds_back() for w in workers):  # (a call for it soon: looked for again)
+            time.sleep(min(HELD_BACK_S, max(remaining(deadline), 0.0)))
         else:  # no call on its way to them: nothing can come before the deadline
-            time.sleep(remaining(deadline))
+            time.sleep(max(remaining(deadline), 0.0))
 
     def close(self, timeout: float) -> None:
         # A call that failed and that no one read (an actor whose engine refused to start is sent version 0 all the

@@ -127,6 +127,13 @@ class RayTransport(PeerTransport):
         with self._lock:
             return dict(self.in_flight)
 
+    def holds_back(self) -> bool:
+        """Whether a version may still go from here with no call on its way that the trainer can wait for: one
+        held back, or a call read as ended whose end Ray's thread has not reported yet (it then sends the one
+        held back)."""
+        with self._lock:
+            return self.pending is not None or self._running > 0
+
     def forget(self, version: int) -> None:
         """The call for ``version`` was read."""
         with self._lock:

@@ -17,7 +17,7 @@ import torch
 import weightsync as ws
 from tests._vllm_engine import Engine, engine_spec
 from tests._workers import build
-from weightsync.core.timing import deadline_after, wait_until
+from weightsync.core.timing import deadline_after, remaining, wait_until
 from weightsync.integrations.vllm import VLLMEngines, VLLMWeightSyncScheme
 from weightsync.integrations.vllm.clients import AsyncLLMClient, EngineClient
 from weightsync.tensors.strategy import flatten_weights
@@ -221,6 +221,45 @@ def test_an_engine_that_does_not_fit_the_trainers_model_is_refused_by_name_befor
         assert info.value.remote_type == "WeightMismatchError" and info.value.worker_idx == 0
         assert engine.held == {} and engine.version == "checkpoint"
     finally:
+        scheme.shutdown()
+
+
+def test_an_engine_that_could_not_replace_one_still_joined_leaves_that_one_served():
+    """``replace`` of an engine that hangs, its receiver still joined (``on_failure="raise"``): the new engine is
+    refused (the worker is still connected), and the one it was to replace is served as before: once it answers
+    again, the next send reaches it (before, the engine that never joined stood in its place, and every later
+    send failed with its error)."""
+    release = threading.Event()
+
+    class Hangs(Engine):
+        def update_weights(self, update_info):
+            release.wait(60)
+            return super().update_weights(update_info)
+
+    model = build("tiny")
+    good, hangs = Engine(engine_spec(model)), Hangs(engine_spec(model))
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=3, connect_timeout=20)
+    engines = VLLMEngines([good, hangs], pause_mode="none")
+    try:
+        scheme.init_on_sender(model=model, context=engines)
+        scheme.connect()
+        _step(model, 1)
+        with pytest.raises(ws.SyncTimeoutError, match="worker 1"):
+            scheme.send()
+        client = engines.clients[1]
+        with pytest.raises(ws.WeightSyncError, match="already connected"):
+            engines.replace(1, Engine(engine_spec(model)), timeout=15)
+        assert engines.clients[1] is client
+        release.set()
+        _step(model, 1)
+        deadline = deadline_after(30)
+        while not (hangs.version == good.version == str(scheme.version) and _same(hangs, model)):
+            assert remaining(deadline) > 0, (good.version, hangs.version, scheme.version)
+            with contextlib.suppress(ws.WeightSyncError):  # (the hung version's failure, reported late)
+                scheme.send()
+        assert _same(good, model)
+    finally:
+        release.set()
         scheme.shutdown()
 
 

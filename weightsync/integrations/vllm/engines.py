@@ -138,7 +138,8 @@ class VLLMEngines:
             ConfigurationError: no such worker, ``engine`` is not an engine, or the scheme's engine does not take
                 workers back.
             WeightSyncError: the engine could not join (named), or not within ``timeout`` (default: the scheme's
-                ``connect_timeout``); or the send to it failed.
+                ``connect_timeout``): the engine it was to replace is served as before (one that hangs, its receiver
+                still joined, must be killed or dropped first); or the send to it failed.
         """
         gate = self._gate
         if gate is None:
@@ -150,8 +151,13 @@ class VLLMEngines:
                 f"{type(gate.scheme).__name__}'s engine does not take a worker back: a restarted engine cannot rejoin "
                 "it (restart the trainer's scheme instead)"
             )
+        old = self.clients[worker_idx]
         self.clients[worker_idx] = engine_client(engine, f"vLLM engine {worker_idx}", self.loop)
-        gate.rejoin(worker_idx, gate.core.connect_timeout if timeout is None else float(timeout))
+        try:
+            gate.rejoin(worker_idx, gate.core.connect_timeout if timeout is None else float(timeout))
+        except BaseException:  # the engine it was to replace is served as before (one that hangs, still joined)
+            self.clients[worker_idx] = old
+            raise
         gate.scheme.send(worker_ids=[worker_idx])
         if not gate.scheme.sync:
             gate.scheme.wait_async()

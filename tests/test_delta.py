@@ -715,6 +715,42 @@ def test_a_worker_that_refuses_changes_is_sent_whole_the_bytes_the_others_were_s
         _stop(scheme, workers)
 
 
+@pytest.mark.parametrize("flatten", [False, True], ids=["", "flatten_sender"])
+def test_a_worker_sent_a_version_whole_gets_the_bytes_the_others_were_sent_changes_to(monkeypatch, flatten):
+    """Worker 1 missed a version (sent to worker 0 alone), so the next send sends worker 0 changes and worker 1 the
+    version whole; another thread steps the trainer's tensors between the copy's update and the staging. Worker 1
+    gets the copy's bytes, the ones worker 0's changes make, not the stepped tensors: where a later step put a
+    value back, changes made against the copy would never mend it (worker 1 differed for good)."""
+    model, scheme, workers = _connected(flatten_sender=flatten)
+    engine = scheme._sending.engine
+    stage = engine.stage
+
+    def stepped_meanwhile(out, deadline):
+        with torch.no_grad():
+            model.body[0].weight.view(-1)[7] += 1.0
+        return stage(out, deadline)
+
+    try:
+        _sparse_step(model, 1)
+        scheme.send(worker_ids=[0])  # version 1, to worker 0 alone
+        _sparse_step(model, 2)
+        sent = _flat_bytes(model)
+        monkeypatch.setattr(engine, "stage", stepped_meanwhile)
+        scheme.send()  # version 2: changes to worker 0, whole to worker 1
+        monkeypatch.undo()
+        assert sorted(scheme.last_send.changes) == [0]
+        assert torch.equal(_flat_bytes(workers[0].model), sent) and torch.equal(_flat_bytes(workers[1].model), sent)
+        with torch.no_grad():
+            model.body[0].weight.view(-1)[7] -= 1.0  # (the value the copy holds, back)
+        for step in (3, 4):
+            _sparse_step(model, step)
+            scheme.send()
+            assert _all_hold(workers, model, step)
+    finally:
+        monkeypatch.undo()
+        _stop(scheme, workers)
+
+
 def test_an_async_send_whose_changes_a_worker_refuses_sends_it_whole_before_wait_async_returns():
     # The trainer's tensors may have moved on once send_async returned: the whole version is sent from the copy.
     model, scheme, workers = _second_copy_not_the_base()

@@ -64,6 +64,9 @@ class Changes:
         sources = wire_sources(self.layout, out.flat)
         own = [key for key, tensor in sources.items() if tensor.data_ptr() == out.flat[key].data_ptr()]
         delta = self.base.update(sources, out.version, whole_if_larger=mode == "auto", most=most, own=own)
+        # The workers sent the version whole get it from the copy too: the bytes the next changes are made from,
+        # even where another thread steps the trainer's tensors while this send stages them.
+        out.flat, out.whole = self.base.views, self.base.buffer
         checked = bool(getattr(self.options, "checksum", False))
         base_digest, self._digest = self._digest, digest([self.base.buffer]) if checked else None
         workers = [w for w in out.workers if before is not None and peers[w].acked == before == peers[w].sent]

@@ -937,7 +937,7 @@ def test_a_worker_whose_senders_word_that_it_dropped_it_lands_after_the_lines_en
     receiver = in_process_receiver(scheme, replica)
     try:
         _send_while_receiving(model, scheme, replica, receiver, 1)
-        held, looks = _word_held(monkeypatch, release_after=0.6)
+        held, looks = _word_held(monkeypatch, release_after=0.6, answer_s=0.2)  # (each look 0.2 s: another host)
         _dropped_with_its_line_ended(model, scheme, monkeypatch, ended)
         assert held, "the sender wrote no word"
         took, deadline = [], time.monotonic() + 30
@@ -994,10 +994,12 @@ def test_a_look_for_the_senders_word_made_in_its_grace_decides_nothing_however_l
             scheme.shutdown()
 
 
-def test_a_receive_that_meets_its_lines_end_stays_within_its_bound_on_a_slow_store(monkeypatch):
-    """A line ended with no word (a sender killed, its store the job's), the store answering each look in 0.2 s:
-    each ``receive(timeout=0.05)`` returns within its bound plus one look (``ANSWER_S``), none asking twice past
-    its own timeout, and the worker hears its sender went away once ``WORD_LATE_S`` passed."""
+@pytest.mark.parametrize("answer_s", [0.2, 0.6])
+def test_a_receive_that_meets_its_lines_end_stays_within_its_bound_on_a_slow_store(monkeypatch, answer_s):
+    """A line ended with no word (a sender killed, its store the job's), the store answering each look in 0.2 s,
+    or 0.6 s (past ``ANSWER_S``: a receive then says it did not answer, ``SyncTimeoutError``): each
+    ``receive(timeout=0.05)`` returns within its bound plus one look (``ANSWER_S``), none asking twice past its
+    own timeout, and the worker hears its sender went away once ``WORD_LATE_S`` passed."""
     from weightsync.transports.distributed.worker_side import ANSWER_S, WORD_LATE_S
 
     model, scheme, replica = _pair()
@@ -1005,13 +1007,15 @@ def test_a_receive_that_meets_its_lines_end_stays_within_its_bound_on_a_slow_sto
     try:
         _send_while_receiving(model, scheme, replica, receiver, 1)
         scheme._sending.engine.transports[0].line.close(0.0)  # (the line's end, no word on it or in the store)
-        _word_held(monkeypatch, answer_s=0.2)
+        _word_held(monkeypatch, answer_s=answer_s)
         took, began = [], time.monotonic()
         with pytest.raises(ConnectionClosedError, match="went away"):
             while time.monotonic() - began < 20:
                 start = time.monotonic()
                 try:
                     assert receiver.receive(timeout=0.05) is None
+                except SyncTimeoutError:
+                    assert answer_s > ANSWER_S  # (a look unanswered in its bound)
                 finally:
                     took.append(time.monotonic() - start)
         assert max(took) < 0.05 + ANSWER_S + 0.1, took

@@ -146,7 +146,9 @@ class WorkerSide:
             raw = self.line.frame(deadline_after(self.timeout), MAX_SAID_BYTES)
         except ConnectionClosedError as exc:
             self.hang_up(ended=isinstance(exc, PeerClosed))
-            if self.was_dropped(failed=exc):
+            # (its end read: asked within this receive's bound, one look, ANSWER_S at least; a silence is retried)
+            within = max(deadline, deadline_after(ANSWER_S)) if isinstance(exc, PeerClosed) else None
+            if self.was_dropped(failed=exc, deadline=within):
                 return {"dropped": "the sender closed this worker's line"}
             if isinstance(exc, PeerClosed):  # (its word may land in the store late: asked on, in this receive's time)
                 return self._last_word_after_line(remaining(deadline)) if remaining(deadline) > 0 else None
@@ -287,22 +289,22 @@ class WorkerSide:
 
         self.calls.post(write)
 
-    def was_dropped(self, failed: WeightSyncError | None = None) -> bool:
+    def was_dropped(self, failed: WeightSyncError | None = None, deadline: float | None = None) -> bool:
         """Whether the sender dropped this worker: asked once a message arrived whole (unless its bytes check against
         the digest sealed in its announcement), so that bytes sent from a buffer the sender reused after dropping it
         are never applied; and once what came from the sender (or went to it) ``failed``: its line, its group. A
         store that does not answer then either is a sender gone (``False``), unless ``failed`` is the line's end,
         read or met by a write (:class:`PeerClosed`): a host was there to end it, so the sender is stopped (its
         process, serving the store, would refuse at once had it died), and :class:`Unanswered` is raised.
+        ``deadline``: the look's (default: the scheme's ``timeout`` from now).
 
         Raises:
-            Unanswered: the store did not answer within the scheme's ``timeout`` (its process stopped).
+            Unanswered: the store did not answer by ``deadline`` (its process stopped).
             ConnectionClosedError: it went away. AuthenticationError: the word is not sealed with the run key.
         """
         try:
-            return self.calls.ask(
-                self._said_dropped, deadline_after(self.timeout), "whether it dropped this worker", **self._where()
-            )
+            within = deadline_after(self.timeout) if deadline is None else deadline
+            return self.calls.ask(self._said_dropped, within, "whether it dropped this worker", **self._where())
         except Unanswered:
             if failed is not None and not isinstance(failed, PeerClosed):
                 return False

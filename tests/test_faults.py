@@ -309,6 +309,47 @@ def test_staleness_bound_is_enforced_and_reported(workers, name):
     scheme.shutdown()
 
 
+@pytest.mark.parametrize("on_failure", ["raise", "drop"])
+def test_a_staleness_bound_waits_for_no_ack_that_is_not_coming(workers, on_failure):
+    """A worker that refused the last version sent to it, or that the sends between skipped, has nothing on its
+    way to it: the bound does not wait for an ack of a version it will never hold (it waited until its timeout,
+    then raised, or dropped a healthy worker)."""
+    model, scheme, group = _connected("multiprocess", workers, sync=False, max_staleness=1, on_failure=on_failure)
+    scheme.timeout = 3.0
+    try:
+        optimizer_step(model, 1)
+        scheme.send_async()
+        scheme.wait_async()
+        optimizer_step(model, 2)
+        scheme.send_async(worker_ids=0)  # worker 1 is skipped: it holds 1, and nothing is on its way to it
+        scheme.wait_async()
+        optimizer_step(model, 3)
+        began = time.monotonic()
+        scheme.send_async()  # worker 1 lags by two, but no ack of version 2 is coming from it
+        assert time.monotonic() - began < 2.0 and scheme.last_send.staleness_wait < 2.0
+        scheme.wait_async()
+        assert scheme.acked_versions == {0: 3, 1: 3}
+
+        assert group.ask(1, "break_model", "policy") == "broken"
+        optimizer_step(model, 4)
+        scheme.send_async()
+        with pytest.raises(ws.ReceiverError, match="worker 1") as info:
+            scheme.wait_async()
+        assert info.value.version == 4
+        optimizer_step(model, 5)
+        began = time.monotonic()
+        scheme.send_async()  # worker 1 refused 4: it holds 3, lags by two, and no ack of 4 is coming
+        assert time.monotonic() - began < 2.0 and scheme.last_send.staleness_wait < 2.0
+        with pytest.raises(ws.ReceiverError, match="worker 1") as info:
+            scheme.wait_async()
+        assert info.value.version == 5
+        assert scheme.acked_versions == {0: 5, 1: 3} and scheme.stats()["dropped_workers"] == {}
+        assert group.ask(0, "state")["policy"] == (5, checksum(model))
+    finally:
+        group.stop()
+        scheme.shutdown()
+
+
 @pytest.mark.parametrize("name", ["multiprocess", "distributed-gloo", DELTA])
 def test_send_metrics_name_the_version_bytes_and_every_ack(workers, name):
     model, scheme, group = _connected(name, workers)

@@ -125,7 +125,8 @@ MAX_STALENESS = Option(
     None,
     Optional[int],  # noqa: UP045
     "In asynchronous sends, how many versions a worker may lag behind the one being published; "
-    "``send_async`` first waits (at most ``timeout``) for workers further behind. ``None``: no bound.",
+    "``send_async`` first waits (at most ``timeout``) for the acks on their way from workers further behind "
+    "(a worker that refused its last version, or that sends skipped, has none coming). ``None``: no bound.",
     checks.optional(checks.integer(0, 2**31 - 1, what="a non-negative int or None")),
 )
 CHECK_FINITE = _flag(

@@ -428,17 +428,19 @@ class Sender:
         raise_failures(kept, model_id=self.model_id, version=version)
 
     def _bound_staleness(self, targets: list[int]) -> float:
-        """Wait until no targeted worker lags more than ``max_staleness`` behind the next version."""
+        """Wait until no targeted worker lags more than ``max_staleness`` behind the next version, as far as
+        the versions on their way to it can bring it: a worker with none (it said it failed the last one sent
+        to it) has no ack coming, and waits for none."""
         limit = self.options.max_staleness
         assert limit is not None  # called only under a bound
         upcoming = (self.version if self.version is not None else -1) + 1
         expected = {}
         for w in self.ledger.live(targets):
-            acked = self.ledger.peers[w].acked
-            lag = upcoming - (acked if acked is not None else -1)
+            peer = self.ledger.peers[w]
+            lag = upcoming - (peer.acked if peer.acked is not None else -1)
             self.metrics.max_lag = max(self.metrics.max_lag, lag - 1)
-            if lag > limit:
-                expected[w] = upcoming - limit
+            if lag > limit and peer.sent is not None and not self.ledger.has_acked(w, peer.sent):
+                expected[w] = min(upcoming - limit, peer.sent)
         if not expected:
             return 0.0
         started = time.perf_counter()

@@ -228,7 +228,8 @@ def test_an_engine_that_could_not_replace_one_still_joined_leaves_that_one_serve
     """``replace`` of an engine that hangs, its receiver still joined (``on_failure="raise"``): the new engine is
     refused (the worker is still connected), and the one it was to replace is served as before: once it answers
     again, the next send reaches it (before, the engine that never joined stood in its place, and every later
-    send failed with its error)."""
+    send failed with its error). Its call that hangs still holds its turn: the next version's calls wait behind it
+    (they were made at once, and their cleanup ended the session of the call that hangs)."""
     release = threading.Event()
 
     class Hangs(Engine):
@@ -250,6 +251,11 @@ def test_an_engine_that_could_not_replace_one_still_joined_leaves_that_one_serve
         with pytest.raises(ws.WeightSyncError, match="already connected"):
             engines.replace(1, Engine(engine_spec(model)), timeout=15)
         assert engines.clients[1] is client
+        calls = list(hangs.calls)
+        _step(model, 1)
+        with pytest.raises(ws.WeightSyncError, match="worker 1"):
+            scheme.send()
+        assert hangs.calls == calls and hangs.active, "a call reached the engine while its call hangs"
         release.set()
         _step(model, 1)
         deadline = deadline_after(30)

@@ -1,16 +1,22 @@
-"""How the vLLM driver runs an engine's calls: each in a thread of its own, and what failed as a weightsync error
-naming the engine and the version."""
+"""How the vLLM driver runs an engine's calls: each in a thread of its own, the calls around a load (the pause,
+and the engine put back to generating where they fail), and what failed as a weightsync error naming the engine
+and the version."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from ... import errors
 from ...errors import WeightSyncError
 
-__all__ = ["cause", "engine_error", "in_thread"]
+if TYPE_CHECKING:
+    from .clients import EngineClient
+
+__all__ = ["around_load", "cause", "engine_error", "in_thread"]
 
 
 def in_thread(call: Any, name: str) -> concurrent.futures.Future:
@@ -50,3 +56,73 @@ def engine_error(worker: int, version: int, error: BaseException, model_id: str 
         worker_idx=worker,
         version=version,
     )
+
+
+def around_load(
+    client: EngineClient,
+    left: Any,
+    body: Any,
+    mode: str,
+    timeout: float,
+    before: Any = None,
+    start: bool = False,
+    undone: Any = None,
+) -> float | None:
+    """``before()``, then ``body()`` with the engine paused in ``mode`` (if it pauses, and ``mode`` is not
+    ``"none"``), then the prefix cache reset; with ``start``, ``start_weight_update`` first (with the pause, where
+    the engine takes both at once). The calls share the time ``left()``; a resume, and the undoing of a failed
+    update, have ``timeout`` each (an engine must not stay paused because its update took all the time).
+    ``undone()``, where given, runs once a failed update was ended (before the resume); where it says the engine
+    serves the version all the same, the calls did not fail.
+
+    Returns:
+        The seconds from the pause (or ``body()``) to its end; ``None`` where ``undone()`` said the engine serves
+        the version.
+
+    Raises:
+        Exception: the first call that failed, once the engine generates again with no update open (best effort).
+    """
+    pause = client.pauses and mode != "none"
+    together = start and pause and client.starts_with_pause
+    begun = paused = False  # set before each call: one that raised (timed out) may have taken effect
+    started = time.perf_counter()
+    try:
+        if start and not together:
+            begun = True
+            client.start(left())
+        if before is not None:
+            before()
+        started = time.perf_counter()
+        if together:
+            begun = paused = True
+            client.start_and_pause(mode, left())
+        elif pause:
+            paused = True
+            client.pause(mode, left())
+        body()  # (an update's ends with finish_weight_update: the session it began is over)
+        begun = False
+    except BaseException:
+        # The engine back to generating with no update open, best effort (the failure raised is the first): an
+        # open session refuses every later start, and a pause left on stops generation for good. Each call waits
+        # behind the engine's own call in progress, if one still is (one that timed out here).
+        served = False
+        if begun:
+            with contextlib.suppress(Exception):
+                client.finish(None, timeout)
+            if undone is not None:
+                with contextlib.suppress(Exception):
+                    served = undone()
+        if paused:
+            with contextlib.suppress(Exception):
+                client.resume(timeout)
+        elif begun:  # a load that failed here may have changed the weights in the engine all the same
+            with contextlib.suppress(Exception):
+                client.reset_prefix_cache(timeout)
+        if not served:
+            raise
+        return None
+    if paused:
+        client.resume(timeout)
+    else:  # pausing cleared it; an engine not paused has nothing in flight to keep its cache for
+        client.reset_prefix_cache(left())
+    return time.perf_counter() - started

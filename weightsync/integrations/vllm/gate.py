@@ -29,7 +29,6 @@ An engine whose calls fail is a failed worker, named; one that does not answer i
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import threading
 import time
@@ -41,7 +40,7 @@ from ...core.timing import remaining
 from ...errors import LifecycleError, WeightSyncError
 from ...transports.ray.sender import RaySender
 from .actor import update_in_actor
-from .calls import cause, engine_error, in_thread
+from .calls import around_load, cause, engine_error, in_thread
 from .clients import EngineClient
 from .engines import VLLMEngines
 
@@ -147,76 +146,18 @@ class Gate(SenderEngine):
         with self._lock:
             self._calls.setdefault(worker, []).append((version, in_thread(in_turn, f"weightsync-vllm-{worker}")))
 
-    def _forget(self, worker: int) -> None:
-        """Drop ``worker``'s calls (its engine is gone or replaced: what its calls did is moot)."""
+    def _forget(self, worker: int) -> list[tuple[dict[int, Any], Any]]:
+        """Drop ``worker``'s calls (its engine is gone or replaced: what its calls did is moot); return what was
+        dropped, as (where, what) pairs."""
         with self._lock:
-            self._calls.pop(worker, None)
-            self._held.pop(worker, None)
-            self._failures.pop(worker, None)
-            self._told.pop(worker, None)
+            kept = [(d, d.pop(worker)) for d in (self._calls, self._held, self._failures, self._told) if worker in d]
+        return kept
 
-    def _paused(
-        self,
-        client: EngineClient,
-        left: Any,
-        body: Any,
-        worker: int,
-        version: int,
-        before: Any = None,
-        start: bool = False,
-        undone: Any = None,
-    ) -> None:
-        """``before()``, then ``body()`` with the engine paused (if it pauses), then the prefix cache reset; with
-        ``start``, ``start_weight_update`` first (with the pause, where the engine takes both at once). The calls
-        share the time ``left()``; a resume, and the undoing of a failed update, have the scheme's ``timeout`` each
-        (an engine must not stay paused because its update took all the time). ``undone()``, where given, runs
-        once a failed update was ended (before the resume); where it says the engine serves the version all the
-        same, the calls did not fail."""
-        mode = self.engines.pause_mode
-        pause = client.pauses and mode != "none"
-        together = start and pause and client.starts_with_pause
-        begun = paused = False  # set before each call: one that raised (timed out) may have taken effect
-        started = time.perf_counter()
-        try:
-            if start and not together:
-                begun = True
-                client.start(left())
-            if before is not None:
-                before()
-            started = time.perf_counter()
-            if together:
-                begun = paused = True
-                client.start_and_pause(mode, left())
-            elif pause:
-                paused = True
-                client.pause(mode, left())
-            body()  # (an update's ends with finish_weight_update: the session it began is over)
-            begun = False
-        except BaseException:
-            # The engine back to generating with no update open, best effort (the failure raised is the first):
-            # an open session refuses every later start, and a pause left on stops generation for good. Each
-            # call waits behind the engine's own call in progress, if one still is (one that timed out here).
-            served = False
-            if begun:
-                with contextlib.suppress(Exception):
-                    client.finish(None, self.core.timeout)
-                if undone is not None:
-                    with contextlib.suppress(Exception):
-                        served = undone()
-            if paused:
-                with contextlib.suppress(Exception):
-                    client.resume(self.core.timeout)
-            elif begun:  # a load that failed here may have changed the weights in the engine all the same
-                with contextlib.suppress(Exception):
-                    client.reset_prefix_cache(self.core.timeout)
-            if not served:
-                raise
-            return
-        if paused:
-            client.resume(self.core.timeout)
-        else:  # pausing cleared it; an engine not paused has nothing in flight to keep its cache for
-            client.reset_prefix_cache(left())
-        self.engines.record(worker, version, time.perf_counter() - started, paused=pause)
+    def _paused(self, client: EngineClient, left: Any, body: Any, worker: int, version: int, **calls: Any) -> None:
+        """:func:`~.calls.around_load` in the engines' pause mode, its time recorded."""
+        took = around_load(client, left, body, self.engines.pause_mode, self.core.timeout, **calls)
+        if took is not None:
+            self.engines.record(worker, version, took, paused=client.pauses and self.engines.pause_mode != "none")
 
     def _init_steps(self, worker: int, initial: bool) -> Any:
         config = self.scheme.receiver_config(worker)
@@ -330,13 +271,30 @@ class Gate(SenderEngine):
         return inner is not None and (inner.rejoins or (inner.pushes and hasattr(self.scheme, "rejoin")))
 
     def rejoin(self, worker: int, timeout: float) -> None:
-        """``worker``'s (new) engine joins and loads the newest version, within ``timeout``."""
+        """``worker``'s (new) engine joins and loads the newest version, within ``timeout``; where it cannot, the
+        engine it was to replace is served as before (:meth:`_served_again`)."""
         assert self.inner is not None
-        self._forget(worker)  # (the calls of the engine it replaces, if any are left)
+        kept = self._forget(worker)  # (the calls of the engine it replaces, if any are left)
         with self._lock:
-            self._served.pop(worker, None)  # a new engine: named by its own updates from now on
+            served = self._served.pop(worker, None)  # a new engine: named by its own updates from now on
             # Its own turn: a call of the engine it replaces that hangs holds the old one.
-            self._turns[worker] = threading.Lock()
+            turn, self._turns[worker] = self._turns[worker], threading.Lock()
+        try:
+            self._join(worker, timeout)
+        except BaseException:
+            self._served_again(worker, kept, turn, served)
+            raise
+        with self._lock:
+            held = self._held.pop(worker, None)
+            failure = self._failures.pop(worker, None)  # (its receiver's, held while the init call ran)
+        if failure is not None:
+            self.core.failed(worker, failure)
+        elif held is not None and not self.inner.pushes:  # its receiver's ack of the version it was taken back with
+            # (Ray's: the scheme's rejoin passed it on)
+            self.core.acked(worker, held)
+
+    def _join(self, worker: int, timeout: float) -> None:
+        assert self.inner is not None
         self._call(worker, 0, self._init_steps(worker, initial=False))
         with self._lock:
             future = self._calls[worker][-1][1]
@@ -355,13 +313,23 @@ class Gate(SenderEngine):
         finally:
             with self._lock:
                 self._calls.pop(worker, None)
-                held = self._held.pop(worker, None)
-                failure = self._failures.pop(worker, None)  # (its receiver's, held while the init call ran)
+
+    def _served_again(self, worker: int, kept: list[tuple[dict[int, Any], Any]], turn: Any, served: Any) -> None:
+        """The engine whose new one could not join is served as before: its calls, what they are to pass on, its
+        turn (a call of it that hangs holds it), the version it is named after; and what its receiver said while
+        the new one tried. (One that the failure dropped is gone: its calls are moot.)"""
+        if self.core.is_dead(worker):
+            return
+        with self._lock:
+            held, failure = self._held.pop(worker, None), self._failures.pop(worker, None)
+            self._turns[worker] = turn
+            self._served.update({} if served is None else {worker: served})
+            for where, what in kept:
+                where[worker] = what
+        if held is not None:
+            self.acked(worker, held)
         if failure is not None:
-            self.core.failed(worker, failure)
-        elif held is not None and not self.inner.pushes:  # its receiver's ack of the version it was taken back with
-            # (Ray's: the scheme's rejoin passed it on)
-            self.core.acked(worker, held)
+            self.failed(worker, failure)
 
     # ------------------------------------------------ the engine the core drives
     def _inner(self) -> SenderEngine:

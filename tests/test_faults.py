@@ -340,11 +340,20 @@ def test_a_staleness_bound_waits_for_no_ack_that_is_not_coming(workers, on_failu
         began = time.monotonic()
         scheme.send_async()  # worker 1 refused 4: it holds 3, lags by two, and no ack of 4 is coming
         assert time.monotonic() - began < 2.0 and scheme.last_send.staleness_wait < 2.0
+        # The bound itself finds worker 1's refusal of 5 (no wait_async between): the send raises it and publishes
+        # nothing, and the next bound waits for no ack of 5.
+        optimizer_step(model, 6)
+        with pytest.raises(ws.ReceiverError, match="worker 1") as info:
+            scheme.send_async()
+        assert info.value.version == 5 and scheme.version == 5
+        began = time.monotonic()
+        scheme.send_async()
+        assert time.monotonic() - began < 2.0 and scheme.last_send.staleness_wait < 2.0
         with pytest.raises(ws.ReceiverError, match="worker 1") as info:
             scheme.wait_async()
-        assert info.value.version == 5
-        assert scheme.acked_versions == {0: 5, 1: 3} and scheme.stats()["dropped_workers"] == {}
-        assert group.ask(0, "state")["policy"] == (5, checksum(model))
+        assert info.value.version == 6
+        assert scheme.acked_versions == {0: 6, 1: 3} and scheme.stats()["dropped_workers"] == {}
+        assert group.ask(0, "state")["policy"] == (6, checksum(model))
     finally:
         group.stop()
         scheme.shutdown()
@@ -374,8 +383,9 @@ def test_send_metrics_name_the_version_bytes_and_every_ack(workers, name):
 def test_policy_and_staleness_settings_are_checked():
     with pytest.raises(ws.ConfigurationError, match="on_failure must be 'raise' or 'drop'"):
         ws.MultiProcessWeightSyncScheme(on_failure="ignore")
-    with pytest.raises(ws.ConfigurationError, match="max_staleness must be a non-negative int"):
-        ws.DistributedWeightSyncScheme(max_staleness=-1)
+    for bad in (-1, 0):  # (0 waited for an ack of the version not yet published, until the timeout)
+        with pytest.raises(ws.ConfigurationError, match="max_staleness must be a positive int"):
+            ws.DistributedWeightSyncScheme(max_staleness=bad)
 
 
 _GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; this machine has none")

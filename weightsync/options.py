@@ -127,7 +127,8 @@ MAX_STALENESS = Option(
     "In asynchronous sends, how many versions a worker may lag behind the one being published; "
     "``send_async`` first waits (at most ``timeout``) for the acks on their way from workers further behind "
     "(a worker that refused its last version, or that sends skipped, has none coming). ``None``: no bound.",
-    checks.optional(checks.integer(0, 2**31 - 1, what="a non-negative int or None")),
+    # (0 would wait for an ack of the version not yet published: the version before is the least lag a send has)
+    checks.optional(checks.integer(1, 2**31 - 1, what="a positive int or None")),
 )
 CHECK_FINITE = _flag(
     "check_finite", False, "Refuse, in the caller and before any byte moves, weights holding NaN or Inf."

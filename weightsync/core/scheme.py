@@ -342,7 +342,9 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
         """Publish a new version without waiting; pair with :meth:`wait_async`.
 
         With ``max_staleness=k``, first waits (at most ``timeout``) until every targeted
-        worker acked at least the version ``k`` behind the one about to be published.
+        worker acked at least the version ``k`` behind the one about to be published, or
+        the last version sent to it, where that is older (no ack of a later one is coming:
+        one that sends with ``worker_ids`` skipped, or that it refused).
         """
         rt = self._runtime
         with rt.lock:

@@ -445,6 +445,7 @@ class Sender:
             return 0.0
         started = time.perf_counter()
         failures = self.collect(expected, deadline_after(self.timeout))
+        self.ledger.answered(failures)
         waited = time.perf_counter() - started
         self.metrics.staleness_waits += 1
         if failures:

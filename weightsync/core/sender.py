@@ -328,7 +328,7 @@ class Sender:
             if again is not None:  # a worker that does not hold the base gets the version whole, in this send
                 self._send_whole_again(again, failures, deadline)
         errors = ledger.take_errors([w for w in targets if w not in failures])
-        failures.update({w: e for w, e in errors.items() if not Changes.moot(e, version)})
+        failures.update({w: e for w, e in errors.items() if not _moot(e, version)})
         ledger.answered(failures)
         raise_failures(failures, model_id=self.model_id, version=version)
 
@@ -341,7 +341,7 @@ class Sender:
             self.engine.poll(ledger.live(sorted(ledger.peers)))
             failures.update(ledger.gone_before_acking(expected, failures))
             errors = ledger.take_errors([w for w in expected if w not in failures])
-            failures.update({w: e for w, e in errors.items() if not Changes.moot(e, expected[w])})
+            failures.update({w: e for w, e in errors.items() if not _moot(e, expected[w])})
             pending = ledger.missing(expected, failures)
             if not pending:
                 return failures
@@ -484,3 +484,11 @@ class Sender:
             self.engine.close(timeout)
         self.bound.forget()
         self.changes.close()
+
+
+def _moot(error: WeightSyncError, expected: int) -> bool:
+    """Whether a failure found earlier says nothing of the version ``expected`` of its worker: a refusal of an older
+    version's changes (:meth:`Changes.moot`), or an older version not answered in time (an engine's calls for it,
+    which gave up later than the send that timed out for it: the worker's answer to ``expected`` is what counts)."""
+    older = isinstance(error, SyncTimeoutError) and error.version is not None and error.version < expected
+    return older or Changes.moot(error, expected)

@@ -79,7 +79,14 @@ class EngineClient:
         """After an update whose calls failed here (timed out) and were ended: the engine runs a call to its end
         whatever became of its caller, so it may hold ``version`` all the same. If it does, name it so; each call
         within ``timeout``. Returns whether it held it (raises where a call failed)."""
-        self.start(timeout)
+        try:
+            self.start(timeout)
+        except Exception:
+            # A start that timed out (behind the engine's call in progress) begins its session all the same, later:
+            # ended behind it, or it would refuse every later start.
+            with contextlib.suppress(Exception):
+                self.finish(None, timeout)
+            raise
         try:
             self.update({"version": version, "wait": False}, timeout)
         except Exception:

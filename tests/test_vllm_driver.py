@@ -269,6 +269,45 @@ def test_an_engine_that_could_not_replace_one_still_joined_leaves_that_one_serve
         scheme.shutdown()
 
 
+@pytest.mark.parametrize("how", ["raises", "hangs"])
+def test_an_engine_whose_receiver_joined_before_its_init_failed_is_dropped_not_the_old_one_put_back(how):
+    """The engine to replace went away, unnoticed; the new engine's receiver joins (the scheme takes the worker
+    back: its bytes go to the new engine), then its init call raises or hangs past the timeout. The worker is
+    named gone; the old engine is not put back (before, it was: the next send failed inside the gone engine's
+    calls), and another engine then replaces it."""
+    release = threading.Event()
+
+    class JoinsThenFails(Engine):
+        def init_weight_transfer_engine(self, init_info):
+            super().init_weight_transfer_engine(init_info)
+            if how == "hangs":
+                release.wait(30)
+            raise RuntimeError("the engine broke after its receiver joined")
+
+    model = build("tiny")
+    first = Engine(engine_spec(model))
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=5, connect_timeout=20)
+    engines = VLLMEngines([first], pause_mode="none")
+    try:
+        scheme.init_on_sender(model=model, context=engines)
+        scheme.connect()
+        first.shutdown_weight_transfer_engine()  # (gone; the trainer has not sent since)
+        broken = JoinsThenFails(engine_spec(model))
+        with pytest.raises(ws.WeightSyncError, match="worker 0"):
+            engines.replace(0, broken, timeout=3)
+        assert engines.clients[0].target is broken
+        assert "joined in place of another" in scheme.stats()["failed_workers"][0]
+        release.set()
+        second = Engine(engine_spec(model))
+        engines.replace(0, second)
+        _step(model, 1)
+        scheme.send()
+        assert second.version == str(scheme.version) and _same(second, model)
+    finally:
+        release.set()
+        scheme.shutdown()
+
+
 def test_a_replaced_engine_serves_the_trainers_weights_as_a_new_version():
     model = build("tiny")
     first = Engine(engine_spec(model))

@@ -139,7 +139,9 @@ class VLLMEngines:
                 workers back.
             WeightSyncError: the engine could not join (named), or not within ``timeout`` (default: the scheme's
                 ``connect_timeout``): the engine it was to replace is served as before (one that hangs, its receiver
-                still joined, must be killed or dropped first); or the send to it failed.
+                still joined, must be killed or dropped first), unless the worker is dropped (it was, or the new
+                engine's receiver joined before its engine failed): ``replace`` may then be called again; or the
+                send to it failed.
         """
         gate = self._gate
         if gate is None:
@@ -155,8 +157,9 @@ class VLLMEngines:
         self.clients[worker_idx] = engine_client(engine, f"vLLM engine {worker_idx}", self.loop)
         try:
             gate.rejoin(worker_idx, gate.core.connect_timeout if timeout is None else float(timeout))
-        except BaseException:  # the engine it was to replace is served as before (one that hangs, still joined)
-            self.clients[worker_idx] = old
+        except BaseException:  # the engine it was to replace is served as before (one that hangs, still joined),
+            if not gate.core.is_dead(worker_idx):  # unless the worker is dropped (then its calls go nowhere)
+                self.clients[worker_idx] = old
             raise
         gate.scheme.send(worker_ids=[worker_idx])
         if not gate.scheme.sync:

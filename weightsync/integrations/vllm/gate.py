@@ -79,6 +79,8 @@ class Gate(SenderEngine):
         #: worker -> the newest version its engine was updated to and named: a turn is not taken in the order the
         #: calls were made, and an older version's, coming after, has nothing left to do
         self._served: dict[int, int] = {}
+        #: worker -> whether the scheme's engine took it back, while a new engine joins in its place (:meth:`rejoin`)
+        self._joining: dict[int, bool] = {}
 
     # ------------------------------------------------ the sink the scheme's engine reports to
     timeout = property(lambda self: self.core.timeout, doc="The core's (the scheme's ``timeout``).")
@@ -115,6 +117,9 @@ class Gate(SenderEngine):
         self.core.waiting(joined)
 
     def rejoining(self, worker: int, version: int | None = None) -> None:
+        with self._lock:
+            if worker in self._joining:  # (the scheme's engine took it back: the bytes now go to the new engine)
+                self._joining[worker] = True
         self.core.rejoining(worker, version)
 
     def send_to(self, weights: Any, workers: list[int], *, wait: bool | None) -> None:
@@ -271,20 +276,28 @@ class Gate(SenderEngine):
         return inner is not None and (inner.rejoins or (inner.pushes and hasattr(self.scheme, "rejoin")))
 
     def rejoin(self, worker: int, timeout: float) -> None:
-        """``worker``'s (new) engine joins and loads the newest version, within ``timeout``; where it cannot, the
-        engine it was to replace is served as before (:meth:`_served_again`)."""
+        """``worker``'s (new) engine joins and loads the newest version, within ``timeout``. Where it cannot, the
+        engine it was to replace is served as before (:meth:`_served_again`), unless the worker is dropped: it was
+        (the failure named it gone), or the scheme's engine took the new engine back before its failure (the bytes
+        go to the new engine from then on): then it is dropped, named."""
         assert self.inner is not None
         kept = self._forget(worker)  # (the calls of the engine it replaces, if any are left)
         with self._lock:
             served = self._served.pop(worker, None)  # a new engine: named by its own updates from now on
             # Its own turn: a call of the engine it replaces that hangs holds the old one.
             turn, self._turns[worker] = self._turns[worker], threading.Lock()
+            self._joining[worker] = False
         try:
             self._join(worker, timeout)
-        except BaseException:
+        except BaseException as exc:
+            with self._lock:
+                taken_back = self._joining.pop(worker)
+            if taken_back and not self.core.is_dead(worker):
+                self.core.died(worker, f"vLLM engine {worker} joined in place of another, then failed: {cause(exc)}")
             self._served_again(worker, kept, turn, served)
             raise
         with self._lock:
+            self._joining.pop(worker)
             held = self._held.pop(worker, None)
             failure = self._failures.pop(worker, None)  # (its receiver's, held while the init call ran)
         if failure is not None:
@@ -322,10 +335,14 @@ class Gate(SenderEngine):
             return
         with self._lock:
             held, failure = self._held.pop(worker, None), self._failures.pop(worker, None)
+            told = self._told.get(worker, -1)
             self._turns[worker] = turn
-            self._served.update({} if served is None else {worker: served})
             for where, what in kept:
                 where[worker] = what
+            # (its call that hung may have named a version meanwhile, or the core been told of one: the newer holds)
+            self._told.update({worker: max(told, self._told[worker])} if worker in self._told else {})
+            named = [v for v in (served, self._served.get(worker)) if v is not None]
+            self._served.update({worker: max(named)} if named else {})
         if held is not None:
             self.acked(worker, held)
         if failure is not None:

@@ -858,6 +858,32 @@ def test_an_update_that_outlasts_the_look_after_it_leaves_no_session_open(loop):
         target.core.shutdown(wait=False)
 
 
+def test_an_async_versions_time_out_is_raised_by_the_next_send_async_while_the_engine_acked_nothing_newer(loop):
+    """``send_async`` alone (no ``wait_async``): the engine's calls for version 1 time out behind a load that lasts,
+    and nothing newer was acked since. The next ``send_async`` raises that time-out (no send raised it before: an
+    older version's time-out is moot only where a later answer of the engine's came or is waited for)."""
+    pytest.importorskip("vllm")  # (the client builds vLLM's request objects)
+    model = build("tiny")
+    target = InOrder(engine_spec(model))
+    scheme = ws.SharedMemWeightSyncScheme(timeout=1, connect_timeout=30, sync=False)
+    engines = VLLMEngines([target], pause_mode="keep", loop=loop)
+    try:
+        scheme.init_on_sender(model=model, context=engines)
+        scheme.connect()
+        target.loading = loaded = threading.Event()
+        _step(model, 1)
+        scheme.send_async()
+        gate = engines._gate
+        assert wait_until(lambda: all(f.done() for _, f in gate._calls.get(0, [])), deadline_after(20), 0.05)
+        _step(model, 1)
+        with pytest.raises(ws.SyncTimeoutError, match=r"worker 0, version 1\]"):
+            scheme.send_async()
+    finally:
+        loaded.set()
+        scheme.shutdown()
+        target.core.shutdown(wait=False)
+
+
 def test_an_engine_behind_by_several_versions_names_each_one_it_computes_with():
     """Async sends faster than the engine loads: each update_weights(v) loads version v itself, so that the
     weight version finish_weight_update gives the engine is the one it computes with (a receiver that takes only

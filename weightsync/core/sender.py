@@ -328,7 +328,10 @@ class Sender:
             if again is not None:  # a worker that does not hold the base gets the version whole, in this send
                 self._send_whole_again(again, failures, deadline)
         errors = ledger.take_errors([w for w in targets if w not in failures])
-        failures.update({w: e for w, e in errors.items() if not _moot(e, version)})
+        # (not waited for: a time-out of an older version counts until the worker acked a later one)
+        failures.update(
+            {w: e for w, e in errors.items() if not _moot(e, version, version if wait else ledger.peers[w].acked)}
+        )
         ledger.answered(failures)
         raise_failures(failures, model_id=self.model_id, version=version)
 
@@ -341,7 +344,7 @@ class Sender:
             self.engine.poll(ledger.live(sorted(ledger.peers)))
             failures.update(ledger.gone_before_acking(expected, failures))
             errors = ledger.take_errors([w for w in expected if w not in failures])
-            failures.update({w: e for w, e in errors.items() if not _moot(e, expected[w])})
+            failures.update({w: e for w, e in errors.items() if not _moot(e, expected[w], expected[w])})
             pending = ledger.missing(expected, failures)
             if not pending:
                 return failures
@@ -430,7 +433,7 @@ class Sender:
     def _bound_staleness(self, targets: list[int]) -> float:
         """Wait until no targeted worker lags more than ``max_staleness`` behind the next version, as far as
         the versions on their way to it can bring it: a worker with none (it said it failed the last one sent
-        to it) has no ack coming, and waits for none."""
+        to it, or the sends since skipped it) has no ack coming, and is waited for not at all."""
         limit = self.options.max_staleness
         assert limit is not None  # called only under a bound
         upcoming = (self.version if self.version is not None else -1) + 1
@@ -486,9 +489,10 @@ class Sender:
         self.changes.close()
 
 
-def _moot(error: WeightSyncError, expected: int) -> bool:
+def _moot(error: WeightSyncError, expected: int, answered: int | None) -> bool:
     """Whether a failure found earlier says nothing of the version ``expected`` of its worker: a refusal of an older
-    version's changes (:meth:`Changes.moot`), or an older version not answered in time (an engine's calls for it,
-    which gave up later than the send that timed out for it: the worker's answer to ``expected`` is what counts)."""
-    older = isinstance(error, SyncTimeoutError) and error.version is not None and error.version < expected
-    return older or Changes.moot(error, expected)
+    version's changes (:meth:`Changes.moot`), or a time-out of a version older than ``answered`` (a version whose
+    answer from the worker came, or is waited for here, and says what counts). Such a time-out comes from an
+    engine's calls that gave up later than the send that timed out for them (the vLLM driver's)."""
+    timed_out = error.version if isinstance(error, SyncTimeoutError) else None
+    return (timed_out is not None and answered is not None and timed_out < answered) or Changes.moot(error, expected)

@@ -269,21 +269,10 @@ def test_an_engine_that_could_not_replace_one_still_joined_leaves_that_one_serve
         scheme.shutdown()
 
 
-@pytest.mark.parametrize("how", ["raises", "hangs"])
-def test_an_engine_whose_receiver_joined_before_its_init_failed_is_dropped_not_the_old_one_put_back(how):
-    """The engine to replace went away, unnoticed; the new engine's receiver joins (the scheme takes the worker
-    back: its bytes go to the new engine), then its init call raises or hangs past the timeout. The worker is
-    named gone; the old engine is not put back (before, it was: the next send failed inside the gone engine's
-    calls), and another engine then replaces it."""
-    release = threading.Event()
-
-    class JoinsThenFails(Engine):
-        def init_weight_transfer_engine(self, init_info):
-            super().init_weight_transfer_engine(init_info)
-            if how == "hangs":
-                release.wait(30)
-            raise RuntimeError("the engine broke after its receiver joined")
-
+@contextlib.contextmanager
+def _first_engine_gone(release: threading.Event):
+    """A scheme served one engine, which went away, unnoticed (the trainer has not sent since): yields (model,
+    scheme, engines) to try to replace it; then another engine replaces it, and serves the next version."""
     model = build("tiny")
     first = Engine(engine_spec(model))
     scheme = ws.MultiProcessWeightSyncScheme(timeout=5, connect_timeout=20)
@@ -291,12 +280,8 @@ def test_an_engine_whose_receiver_joined_before_its_init_failed_is_dropped_not_t
     try:
         scheme.init_on_sender(model=model, context=engines)
         scheme.connect()
-        first.shutdown_weight_transfer_engine()  # (gone; the trainer has not sent since)
-        broken = JoinsThenFails(engine_spec(model))
-        with pytest.raises(ws.WeightSyncError, match="worker 0"):
-            engines.replace(0, broken, timeout=3)
-        assert engines.clients[0].target is broken
-        assert "joined in place of another" in scheme.stats()["failed_workers"][0]
+        first.shutdown_weight_transfer_engine()
+        yield model, scheme, engines
         release.set()
         second = Engine(engine_spec(model))
         engines.replace(0, second)
@@ -306,6 +291,64 @@ def test_an_engine_whose_receiver_joined_before_its_init_failed_is_dropped_not_t
     finally:
         release.set()
         scheme.shutdown()
+
+
+@pytest.mark.parametrize("how", ["raises", "hangs", "raises_while_admitted"])
+def test_an_engine_whose_receiver_joined_before_its_init_failed_is_dropped_not_the_old_one_put_back(how):
+    """The engine to replace went away, unnoticed; the new engine's receiver joins (the scheme takes the worker
+    back: its bytes go to the new engine), then its init call raises or hangs past the timeout. The worker is
+    named gone; the old engine is not put back (before, it was: the next send failed inside the gone engine's
+    calls), and another engine then replaces it. It is named gone after its admission ends too, where that
+    admission is still under way when the init fails (before, the admission's end counted it live again)."""
+    release, failing = threading.Event(), threading.Event()
+
+    class JoinsThenFails(Engine):
+        def init_weight_transfer_engine(self, init_info):
+            super().init_weight_transfer_engine(init_info)
+            if how == "hangs":
+                release.wait(30)
+            failing.set()
+            raise RuntimeError("the engine broke after its receiver joined")
+
+    with _first_engine_gone(release) as (model, scheme, engines):
+        if how == "raises_while_admitted":
+            inner = engines._gate.inner
+            admit = inner.admit
+
+            def slow_to_end(candidate):  # (the rejoin thread's admission, under the core's lock)
+                admitted = admit(candidate)
+                if failing.wait(10):
+                    time.sleep(0.5)  # (the init's failure is handled meanwhile)
+                return admitted
+
+            inner.admit = slow_to_end
+        broken = JoinsThenFails(engine_spec(model))
+        with pytest.raises(ws.WeightSyncError, match="worker 0"):
+            engines.replace(0, broken, timeout=3)
+        assert engines.clients[0].target is broken
+        assert "joined in place of another" in scheme.stats()["failed_workers"][0]
+
+
+def test_a_replacement_whose_receiver_joins_after_replace_gave_up_is_dropped_named_and_can_be_replaced():
+    """The engine to replace went away; the new engine's init is slow, so ``replace`` times out before its
+    receiver joins, and the old engine's client is put back. The receiver that joins late is turned away: the
+    worker is named gone (before, it was taken back, its bytes went to the new engine and its calls to the gone
+    one: every later send failed inside the gone engine, and the worker was never dropped), and another engine
+    then replaces it."""
+    release = threading.Event()
+
+    class SlowToJoin(Engine):
+        def init_weight_transfer_engine(self, init_info):
+            release.wait(30)
+            super().init_weight_transfer_engine(init_info)
+
+    with _first_engine_gone(release) as (model, scheme, engines):
+        with pytest.raises(ws.WeightSyncError, match="did not join within"):
+            engines.replace(0, SlowToJoin(engine_spec(model)), timeout=1)
+        release.set()  # its receiver joins now
+        assert wait_until(
+            lambda: "joined late" in scheme.stats()["failed_workers"].get(0, ""), deadline_after(20), 0.05
+        ), scheme.stats()["failed_workers"]
 
 
 def test_a_replaced_engine_serves_the_trainers_weights_as_a_new_version():
@@ -858,30 +901,53 @@ def test_an_update_that_outlasts_the_look_after_it_leaves_no_session_open(loop):
         target.core.shutdown(wait=False)
 
 
-def test_an_async_versions_time_out_is_raised_by_the_next_send_async_while_the_engine_acked_nothing_newer(loop):
-    """``send_async`` alone (no ``wait_async``): the engine's calls for version 1 time out behind a load that lasts,
-    and nothing newer was acked since. The next ``send_async`` raises that time-out (no send raised it before: an
-    older version's time-out is moot only where a later answer of the engine's came or is waited for)."""
+@contextlib.contextmanager
+def _async_behind_a_held_load(loop, versions: int):
+    """An ``InOrder`` engine served ``send_async`` (``timeout`` 1 s), whose load of the first of ``versions`` sent
+    lasts: yields the scheme once the engine's calls for all of them are done (failed)."""
     pytest.importorskip("vllm")  # (the client builds vLLM's request objects)
     model = build("tiny")
     target = InOrder(engine_spec(model))
     scheme = ws.SharedMemWeightSyncScheme(timeout=1, connect_timeout=30, sync=False)
     engines = VLLMEngines([target], pause_mode="keep", loop=loop)
+    loaded = threading.Event()
     try:
         scheme.init_on_sender(model=model, context=engines)
         scheme.connect()
-        target.loading = loaded = threading.Event()
-        _step(model, 1)
-        scheme.send_async()
+        target.loading = loaded
+        for _ in range(versions):
+            _step(model, 1)
+            scheme.send_async()
         gate = engines._gate
         assert wait_until(lambda: all(f.done() for _, f in gate._calls.get(0, [])), deadline_after(20), 0.05)
         _step(model, 1)
-        with pytest.raises(ws.SyncTimeoutError, match=r"worker 0, version 1\]"):
-            scheme.send_async()
+        yield scheme
     finally:
         loaded.set()
         scheme.shutdown()
         target.core.shutdown(wait=False)
+
+
+def test_an_async_versions_time_out_is_raised_by_the_next_send_async_while_the_engine_acked_nothing_newer(loop):
+    """``send_async`` alone (no ``wait_async``): the engine's calls for version 1 time out behind a load that lasts,
+    and nothing newer was acked since. The next ``send_async`` raises that time-out (no send raised it before: an
+    older version's time-out is moot only where a later answer of the engine's came or is waited for)."""
+    with (
+        _async_behind_a_held_load(loop, 1) as scheme,
+        pytest.raises(ws.SyncTimeoutError, match=r"worker 0, version 1\]"),
+    ):
+        scheme.send_async()
+
+
+def test_two_async_versions_that_fail_behind_one_load_are_raised_by_the_wait_for_the_later_at_once(loop):
+    """Two ``send_async`` to an engine whose load of version 1 lasts: the calls for both versions fail (1 times
+    out, 2 never gets its turn). ``wait_async``, waiting for version 2, raises the engine's failure when the calls
+    are done, named with version 2, not a bare "no ack" a whole ``timeout`` later (the failure was named after
+    version 1 alone, which a wait for version 2 takes for moot)."""
+    with _async_behind_a_held_load(loop, 2) as scheme:
+        with pytest.raises(ws.SyncTimeoutError, match=r"worker 0, version 2\]") as raised:
+            scheme.wait_async(timeout=30)
+        assert "no ack" not in str(raised.value)  # (the engine's own word: its calls did not return)
 
 
 def test_an_engine_behind_by_several_versions_names_each_one_it_computes_with():

@@ -81,6 +81,9 @@ class Gate(SenderEngine):
         self._served: dict[int, int] = {}
         #: worker -> whether the scheme's engine took it back, while a new engine joins in its place (:meth:`rejoin`)
         self._joining: dict[int, bool] = {}
+        #: workers whose new engine did not join in time, until the next :meth:`rejoin`: its receiver, joining late,
+        #: is turned away (:meth:`admit`)
+        self._abandoned: set[int] = set()
 
     # ------------------------------------------------ the sink the scheme's engine reports to
     timeout = property(lambda self: self.core.timeout, doc="The core's (the scheme's ``timeout``).")
@@ -247,8 +250,10 @@ class Gate(SenderEngine):
             serves = max((v for v in served if v <= held.get(worker, -1)), default=None)
             if serves is not None and (failures or receiver is not None):
                 self.core.acked(worker, serves)
-            if init or (failures and receiver is None):  # the first (a later one is often its consequence)
-                failed, error = (init or failures)[0]
+            if init or (failures and receiver is None):
+                # The first's cause (a later one is often its consequence), named with the newest version failed:
+                # a wait for that version takes a failure of an older one alone for moot.
+                failed, error = init[0] if init else (failures[-1][0], failures[0][1])
                 if not self.core.is_dead(worker):
                     self.core.failed(worker, engine_error(worker, failed, error, self.core.model_id))
             elif receiver is not None:
@@ -283,6 +288,7 @@ class Gate(SenderEngine):
         assert self.inner is not None
         kept = self._forget(worker)  # (the calls of the engine it replaces, if any are left)
         with self._lock:
+            self._abandoned.discard(worker)
             served = self._served.pop(worker, None)  # a new engine: named by its own updates from now on
             # Its own turn: a call of the engine it replaces that hangs holds the old one.
             turn, self._turns[worker] = self._turns[worker], threading.Lock()
@@ -292,8 +298,13 @@ class Gate(SenderEngine):
         except BaseException as exc:
             with self._lock:
                 taken_back = self._joining.pop(worker)
-            if taken_back and not self.core.is_dead(worker):
-                self.core.died(worker, f"vLLM engine {worker} joined in place of another, then failed: {cause(exc)}")
+                if not taken_back:
+                    self._abandoned.add(worker)
+            with self.scheme._runtime.lock:  # (as the rejoin thread takes it to admit a worker)
+                if taken_back and not self.core.is_dead(worker):
+                    self.core.died(
+                        worker, f"vLLM engine {worker} joined in place of another, then failed: {cause(exc)}"
+                    )
             self._served_again(worker, kept, turn, served)
             raise
         with self._lock:
@@ -437,7 +448,15 @@ class Gate(SenderEngine):
         return self._inner().poll_rejoin()
 
     def admit(self, candidate: Any) -> tuple[int, int] | None:
-        return self._inner().admit(candidate)
+        """(Under the core's lock) The receiver of a new engine that did not join in time, joining now, is turned
+        away, its worker named gone (its bytes would go to it, its calls to the engine put back in its place)."""
+        admitted = self._inner().admit(candidate)
+        with self._lock:
+            if admitted is None or admitted[0] not in self._abandoned:
+                return admitted
+            self._abandoned.discard(admitted[0])
+        self.core.died(admitted[0], f"vLLM engine {admitted[0]}: a replacement that did not join in time joined late")
+        return None
 
     def discard(self, candidate: Any) -> None:
         self._inner().discard(candidate)

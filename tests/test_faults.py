@@ -832,3 +832,20 @@ def test_a_dropped_worker_whose_trainer_then_stops_waits_it_out_and_rejoins_with
                 trainer.join(5)
         if worker is not None:
             worker.shutdown()
+
+
+def test_a_wait_async_that_times_out_names_its_own_timeout_not_the_schemes():
+    from tests._workers import in_process_receiver
+
+    model = build("tiny")
+    scheme = ws.MultiProcessWeightSyncScheme(sync=False, timeout=30)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    receiver = in_process_receiver(scheme, build("tiny"))  # (connected, then never takes the next version)
+    try:
+        optimizer_step(model, 1)
+        scheme.send()
+        with pytest.raises(ws.SyncTimeoutError, match=r"no ack for version 1 within 0\.5s"):
+            scheme.wait_async(timeout=0.5)
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()

@@ -71,6 +71,14 @@ class Ledger:
             if isinstance(error, ReceiverError) and error.version == peer.sent and w not in self.dead:
                 peer.sent = peer.acked
 
+    @staticmethod
+    def overtaken(error: WeightSyncError, answered: int | None) -> bool:
+        """Whether ``error`` is a time-out of a version older than ``answered``, a version whose answer from the
+        worker came, or is waited for, and says what counts. Such a time-out comes from an engine's calls that gave
+        up later than the send that timed out for them (the vLLM driver's)."""
+        timed_out = error.version if isinstance(error, SyncTimeoutError) else None
+        return timed_out is not None and answered is not None and timed_out < answered
+
     def timeouts(self, workers: list[int], expected: dict[int, int], within: str) -> dict[int, WeightSyncError]:
         """A :class:`SyncTimeoutError` for each of ``workers`` still without its ack of ``expected``."""
         return {

@@ -166,11 +166,11 @@ class Sender:
         """Wait until each of ``workers`` acked the last version sent to it (at most ``timeout``, default the
         scheme's); raise what failed."""
         with self._lock:
-            deadline = deadline_after(self.timeout if timeout is None else timeout)
+            deadline = deadline_after(within := self.timeout if timeout is None else timeout)
             peers = self.ledger.peers
             expected = {w: peers[w].sent for w in workers if peers[w].sent is not None}
             failures = {w: self.ledger.dead[w] for w in workers if w in self.ledger.dead}
-            failures.update(self.collect(expected, deadline))  # type: ignore[arg-type]
+            failures.update(self.collect(expected, deadline, within))  # type: ignore[arg-type]
             again = self.changes.whole_again(failures)
             if again is not None:  # as a send that waits does at once (send_version)
                 self._send_whole_again(again, failures, deadline)
@@ -335,8 +335,11 @@ class Sender:
         ledger.answered(failures)
         raise_failures(failures, model_id=self.model_id, version=version)
 
-    def collect(self, expected: dict[int, int], deadline: float) -> dict[int, WeightSyncError]:
-        """Wait until each worker of ``expected`` acked at least its version, or ``deadline``; return failures."""
+    def collect(
+        self, expected: dict[int, int], deadline: float, within: float | None = None
+    ) -> dict[int, WeightSyncError]:
+        """Wait until each worker of ``expected`` acked at least its version, or ``deadline`` (``within`` seconds
+        away, which a time-out names; default: the scheme's ``timeout``); return failures."""
         assert self.engine is not None
         ledger = self.ledger
         failures: dict[int, WeightSyncError] = {}
@@ -349,7 +352,9 @@ class Sender:
             if not pending:
                 return failures
             if remaining(deadline) <= 0:
-                failures.update(ledger.timeouts(pending, expected, within=f"{self.timeout:.1f}s"))
+                failures.update(
+                    ledger.timeouts(pending, expected, f"{self.timeout if within is None else within:.1f}s")
+                )
                 return failures
             self.engine.wait(pending, deadline)
 
@@ -491,8 +496,5 @@ class Sender:
 
 def _moot(error: WeightSyncError, expected: int, answered: int | None) -> bool:
     """Whether a failure found earlier says nothing of the version ``expected`` of its worker: a refusal of an older
-    version's changes (:meth:`Changes.moot`), or a time-out of a version older than ``answered`` (a version whose
-    answer from the worker came, or is waited for here, and says what counts). Such a time-out comes from an
-    engine's calls that gave up later than the send that timed out for them (the vLLM driver's)."""
-    timed_out = error.version if isinstance(error, SyncTimeoutError) else None
-    return (timed_out is not None and answered is not None and timed_out < answered) or Changes.moot(error, expected)
+    version's changes (:meth:`Changes.moot`), or a time-out that a later answer overtook (:meth:`Ledger.overtaken`)."""
+    return Ledger.overtaken(error, answered) or Changes.moot(error, expected)

@@ -834,10 +834,37 @@ def test_a_dropped_worker_whose_trainer_then_stops_waits_it_out_and_rejoins_with
             worker.shutdown()
 
 
-def test_a_wait_async_that_times_out_names_its_own_timeout_not_the_schemes():
+def test_a_wait_that_times_out_names_its_own_timeout_not_the_schemes():
+    """``wait_async(timeout=...)`` says it waited that long, and ``connect()`` its ``connect_timeout`` (both said
+    the scheme's ``timeout``)."""
+    import pickle
+
     from tests._workers import in_process_receiver
+    from weightsync.tensors.strategy import flatten_weights
 
     model = build("tiny")
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=0.5, connect_timeout=2)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    receiver = pickle.loads(pickle.dumps(scheme))
+    spec = {k: (tuple(v.shape), v.dtype) for k, v in flatten_weights(model, scheme.strategy_str).items()}
+    loading = threading.Event()  # (it joins, and its load of version 0 does not return in time)
+    receiver.init_on_receiver(model_id="policy", model=ws.ExternalModel(spec, lambda _: loading.wait(20)), worker_idx=0)
+
+    def join() -> None:
+        with contextlib.suppress(ws.WeightSyncError):  # (the trainer gave up on it)
+            receiver.connect()
+
+    joining = threading.Thread(target=join)
+    try:
+        joining.start()
+        with pytest.raises(ws.SyncTimeoutError, match=r"version 0 within 2\.0s"):
+            scheme.connect()
+    finally:
+        loading.set()
+        scheme.shutdown()
+        joining.join(20)
+        receiver.shutdown()
+
     scheme = ws.MultiProcessWeightSyncScheme(sync=False, timeout=30)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
     receiver = in_process_receiver(scheme, build("tiny"))  # (connected, then never takes the next version)

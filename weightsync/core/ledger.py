@@ -71,6 +71,12 @@ class Ledger:
             if isinstance(error, ReceiverError) and error.version == peer.sent and w not in self.dead:
                 peer.sent = peer.acked
 
+    def renew(self, worker: int, sent: int | None) -> None:
+        """``worker`` is a new process, sent ``sent``: alive, with no failure and no ack yet."""
+        self.dead.pop(worker, None)
+        self.errors.pop(worker, None)
+        self.peers[worker].acked, self.peers[worker].sent = None, sent
+
     @staticmethod
     def overtaken(error: WeightSyncError, answered: int | None) -> bool:
         """Whether ``error`` is a time-out of a version older than ``answered``, a version whose answer from the

@@ -153,10 +153,7 @@ class Sender:
     def rejoining(self, worker: int, version: int | None = None) -> None:
         """``worker`` is coming back: from here on, a failure is the new process's (named with ``version``, what
         it is sent), and what it holds is what it acks next (the earlier process's acks say nothing of it)."""
-        self.ledger.dead.pop(worker, None)
-        self.ledger.errors.pop(worker, None)
-        self.ledger.peers[worker].acked = None
-        self.ledger.peers[worker].sent = version
+        self.ledger.renew(worker, version)
 
     def send_to(self, weights: Any, workers: list[int], *, wait: bool | None) -> None:
         with self._lock:
@@ -323,7 +320,8 @@ class Sender:
         finally:
             self._naming = None
         if wait:
-            failures.update(self.collect({w: version for w in live if w not in failures}, deadline))
+            within = self.connect_timeout if initial else None  # (the connect's deadline)
+            failures.update(self.collect({w: version for w in live if w not in failures}, deadline, within))
             again = self.changes.whole_again(failures)
             if again is not None:  # a worker that does not hold the base gets the version whole, in this send
                 self._send_whole_again(again, failures, deadline)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import gc
 import threading
 import time
 
@@ -270,7 +271,7 @@ def test_an_engine_that_could_not_replace_one_still_joined_leaves_that_one_serve
 
 
 @contextlib.contextmanager
-def _first_engine_gone(release: threading.Event):
+def _first_engine_gone(release: threading.Event, replaced_after: bool = True):
     """A scheme served one engine, which went away, unnoticed (the trainer has not sent since): yields (model,
     scheme, engines) to try to replace it; then another engine replaces it, and serves the next version."""
     model = build("tiny")
@@ -283,11 +284,12 @@ def _first_engine_gone(release: threading.Event):
         first.shutdown_weight_transfer_engine()
         yield model, scheme, engines
         release.set()
-        second = Engine(engine_spec(model))
-        engines.replace(0, second)
-        _step(model, 1)
-        scheme.send()
-        assert second.version == str(scheme.version) and _same(second, model)
+        if replaced_after:
+            second = Engine(engine_spec(model))
+            engines.replace(0, second)
+            _step(model, 1)
+            scheme.send()
+            assert second.version == str(scheme.version) and _same(second, model)
     finally:
         release.set()
         scheme.shutdown()
@@ -335,12 +337,15 @@ def test_a_replacement_whose_receiver_joins_after_replace_gave_up_is_dropped_nam
     worker is named gone (before, it was taken back, its bytes went to the new engine and its calls to the gone
     one: every later send failed inside the gone engine, and the worker was never dropped), and another engine
     then replaces it."""
-    release = threading.Event()
+    release, ended = threading.Event(), threading.Event()
 
     class SlowToJoin(Engine):
         def init_weight_transfer_engine(self, init_info):
             release.wait(30)
-            super().init_weight_transfer_engine(init_info)
+            try:
+                super().init_weight_transfer_engine(init_info)
+            finally:
+                ended.set()
 
     with _first_engine_gone(release) as (model, scheme, engines):
         with pytest.raises(ws.WeightSyncError, match="did not join within"):
@@ -349,6 +354,33 @@ def test_a_replacement_whose_receiver_joins_after_replace_gave_up_is_dropped_nam
         assert wait_until(
             lambda: "joined late" in scheme.stats()["failed_workers"].get(0, ""), deadline_after(20), 0.05
         ), scheme.stats()["failed_workers"]
+        assert ended.wait(20)  # (its receiver, turned away, let go of what it mapped)
+        gc.collect()
+
+
+def test_a_replacement_for_a_dropped_engine_that_joins_after_replace_gave_up_is_served():
+    """As above, but the worker was dropped before ``replace``: nothing is put back in its place, the new engine
+    stays its engine, and its receiver joining late is taken back and served by the next send."""
+    release = threading.Event()
+
+    class SlowToJoin(Engine):
+        def init_weight_transfer_engine(self, init_info):
+            release.wait(30)
+            super().init_weight_transfer_engine(init_info)
+
+    with _first_engine_gone(release, replaced_after=False) as (model, scheme, engines):
+        _step(model, 1)
+        with pytest.raises(ws.WeightSyncError, match="worker 0"):
+            scheme.send()  # (dropped)
+        slow = SlowToJoin(engine_spec(model))
+        with pytest.raises(ws.WeightSyncError, match="did not join within"):
+            engines.replace(0, slow, timeout=1)
+        assert engines.clients[0].target is slow
+        release.set()
+        assert wait_until(lambda: 0 not in scheme.stats()["failed_workers"], deadline_after(20), 0.05)
+        _step(model, 1)
+        scheme.send()
+        assert slow.version == str(scheme.version) and _same(slow, model)
 
 
 def test_a_replaced_engine_serves_the_trainers_weights_as_a_new_version():
@@ -948,6 +980,36 @@ def test_two_async_versions_that_fail_behind_one_load_are_raised_by_the_wait_for
         with pytest.raises(ws.SyncTimeoutError, match=r"worker 0, version 2\]") as raised:
             scheme.wait_async(timeout=30)
         assert "no ack" not in str(raised.value)  # (the engine's own word: its calls did not return)
+
+
+def test_failures_on_both_sides_of_a_served_version_are_named_with_the_later_ones_own_cause():
+    """Versions 1 and 3 fail, 2 is served between them: the failure reported is version 3's, with its own cause
+    (not version 1's, which the engine's serving version 2 made moot)."""
+    hold = threading.Event()
+
+    class Picky(Engine):
+        def update_weights(self, update_info):
+            if update_info.get("wait", True) and update_info["version"] in (1, 3):
+                if update_info["version"] == 1:
+                    hold.wait(20)
+                self.active = False
+                raise RuntimeError(f"bad version {update_info['version']}")
+            return super().update_weights(update_info)
+
+    model = build("tiny")
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=20, sync=False)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([Picky(engine_spec(model))], pause_mode="none"))
+        scheme.connect()
+        for _ in range(3):
+            _step(model, 1)
+            scheme.send_async()
+        hold.set()
+        with pytest.raises(ws.WeightSyncError, match=r"version 3\].*bad version 3"):
+            scheme.wait_async(timeout=20)
+    finally:
+        hold.set()
+        scheme.shutdown()
 
 
 def test_an_engine_behind_by_several_versions_names_each_one_it_computes_with():

@@ -132,7 +132,7 @@ class Gate(SenderEngine):
         self.core.wait_for(workers, timeout)
 
     # ------------------------------------------------ the engines' calls
-    def _call(self, worker: int, version: int, steps: Any) -> None:
+    def _call(self, worker: int, version: int, steps: Any) -> concurrent.futures.Future:
         """Run ``steps(client, left)`` for ``worker``'s engine in a thread, as its calls for ``version`` (after the
         engine's earlier calls, if any are still under way, within the same time): ``left()`` is what is left of
         that time, which the calls share."""
@@ -152,7 +152,10 @@ class Gate(SenderEngine):
                 turn.release()
 
         with self._lock:
-            self._calls.setdefault(worker, []).append((version, in_thread(in_turn, f"weightsync-vllm-{worker}")))
+            self._calls.setdefault(worker, []).append(
+                (version, future := in_thread(in_turn, f"weightsync-vllm-{worker}"))
+            )
+        return future
 
     def _forget(self, worker: int) -> list[tuple[dict[int, Any], Any]]:
         """Drop ``worker``'s calls (its engine is gone or replaced: what its calls did is moot); return what was
@@ -253,7 +256,8 @@ class Gate(SenderEngine):
             if init or (failures and receiver is None):
                 # The first's cause (a later one is often its consequence), named with the newest version failed:
                 # a wait for that version takes a failure of an older one alone for moot.
-                failed, error = init[0] if init else (failures[-1][0], failures[0][1])
+                after = [(v, e) for v, e in failures if v > max(served, default=-1)] or failures  # (not a served one's)
+                failed, error = init[0] if init else (after[-1][0], after[0][1])
                 if not self.core.is_dead(worker):
                     self.core.failed(worker, engine_error(worker, failed, error, self.core.model_id))
             elif receiver is not None:
@@ -293,13 +297,16 @@ class Gate(SenderEngine):
             # Its own turn: a call of the engine it replaces that hangs holds the old one.
             turn, self._turns[worker] = self._turns[worker], threading.Lock()
             self._joining[worker] = False
+        init: concurrent.futures.Future | None = None
         try:
-            self._join(worker, timeout)
+            init = self._call(worker, 0, self._init_steps(worker, initial=False))
+            self._join(worker, init, timeout)
         except BaseException as exc:
             with self._lock:
                 taken_back = self._joining.pop(worker)
-                if not taken_back:
-                    self._abandoned.add(worker)
+                if init and not (taken_back or init.done() or self.core.is_dead(worker)):  # (the old one put back)
+                    self._abandoned.add(worker)  # until the new one's init returns: its receiver joins late, or never
+                    init.add_done_callback(lambda _: self._abandoned.discard(worker))
             with self.scheme._runtime.lock:  # (as the rejoin thread takes it to admit a worker)
                 if taken_back and not self.core.is_dead(worker):
                     self.core.died(
@@ -317,11 +324,8 @@ class Gate(SenderEngine):
             # (Ray's: the scheme's rejoin passed it on)
             self.core.acked(worker, held)
 
-    def _join(self, worker: int, timeout: float) -> None:
+    def _join(self, worker: int, future: concurrent.futures.Future, timeout: float) -> None:
         assert self.inner is not None
-        self._call(worker, 0, self._init_steps(worker, initial=False))
-        with self._lock:
-            future = self._calls[worker][-1][1]
         try:
             if self.inner.pushes:  # Ray's: the scheme calls into the new actor, after the init call queued there
                 self.scheme.rejoin(worker, actor=self.engines.clients[worker].target, timeout=timeout)

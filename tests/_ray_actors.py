@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import ray
 
 import weightsync as ws
@@ -144,6 +146,8 @@ class _EngineInActor(Engine):
     def __init__(self, spec: dict, refuse_load: int | None = None) -> None:
         super().__init__(spec)
         self.refuse_load, self.loads = refuse_load, 0
+        with contextlib.suppress(ImportError):  # (an engine's actor has it, the requests it is sent are vLLM's:
+            import vllm.distributed.weight_transfer.base  # noqa: F401 - imported by the first, it took the connect's time)
 
     def _load(self, tensors: dict) -> None:
         self.calls.append("load")

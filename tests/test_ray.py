@@ -700,6 +700,8 @@ def test_a_vllm_engine_in_an_actor_is_loaded_and_named_each_version_in_one_call(
     model = build("tiny")
     spec = {k: (tuple(v.shape), v.dtype) for k, v in flatten_weights(model, "tensordict").items()}
     actor = EngineInActor.remote(spec, refuse_load=4)  # (version 3's load)
+    # Up first (vLLM imported): on 2 cores kept busy, its process took 46 s to start, vLLM's import as long again.
+    ray.get(actor.log.remote(), timeout=180)
     sums = {0: weights_sum(flatten_weights(model, "tensordict"))}
     seen: list[tuple] = []
     stop = threading.Event()
@@ -740,6 +742,7 @@ def test_a_vllm_engine_in_an_actor_is_loaded_and_named_each_version_in_one_call(
     assert ["start", "load", "finish None"] in [calls[i : i + 3] for i in range(len(calls))], calls
     ray.kill(actor)
     threaded = EngineInActor.options(max_concurrency=2).remote(spec)  # (a generate would run while it loads)
+    ray.get(threaded.log.remote(), timeout=180)
     scheme = ws.RayWeightSyncScheme(timeout=20, connect_timeout=30)
     try:
         scheme.init_on_sender(model=model, context=VLLMEngines([threaded], pause_mode="none"))

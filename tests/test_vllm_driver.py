@@ -9,6 +9,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import gc
+import subprocess
+import sys
 import threading
 import time
 
@@ -568,6 +570,22 @@ def test_a_subclass_of_vllms_llm_is_called_as_an_llm():
     llm = type("LLM", (), {"llm_engine": None})
     for cls in (llm, type("RolloutLLM", (llm,), {})):
         assert type(engine_client(cls(), "engine 0")) is LLMClient, cls
+
+
+def test_vllms_requests_are_imported_as_an_actors_engines_are_given_not_within_connect():
+    """The trainer of engines in Ray actors need not have imported vLLM: the module of its request classes, which
+    imports most of vLLM (4 s on 2 idle cores), is imported by ``VLLMEngines``, not by ``connect`` (where it took a
+    connect_timeout of 30 s on 2 busy cores, with the actor's own import)."""
+    pytest.importorskip("vllm")
+    code = (
+        "import sys; from weightsync.integrations.vllm import VLLMEngines\n"
+        "module = 'vllm.distributed.weight_transfer.base'\n"
+        "assert module not in sys.modules\n"
+        "VLLMEngines([type('ActorHandle', (), {})()], pause_mode='none')\n"
+        "assert module in sys.modules\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_the_engines_serve_one_scheme():

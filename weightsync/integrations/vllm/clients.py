@@ -9,7 +9,8 @@ on this host or another (its URL, ``"http://host:8000"``, or vLLM's ``HTTPVLLMWe
 through :class:`~weightsync.integrations.vllm.served.HTTPEngineClient`), a Ray actor holding an engine (its
 handle, :class:`RayActorClient`), or any object with vLLM's four calls (vLLM's ``RayVLLMWeightSyncClient``, or a
 client of your own); :func:`~weightsync.integrations.vllm.engines.engine_client` picks the client of each.
-Nothing here imports vLLM.
+Nothing here needs vLLM: where it is installed, vLLM's request classes are imported as a client that sends them
+is made (:func:`transfer_request`), not within the trainer's ``connect``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import inspect
 from typing import Any
 
@@ -157,6 +159,7 @@ class AsyncLLMClient(EngineClient):
     def __init__(self, target: Any, name: str, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(target, name)
         self.loop = loop
+        _requests()  # (as RayActorClient's)
 
     def _run(self, call: Any, timeout: float, what: str) -> Any:
         future = asyncio.run_coroutine_threadsafe(call, self.loop)
@@ -167,17 +170,13 @@ class AsyncLLMClient(EngineClient):
             raise SyncTimeoutError(f"{self.name}: {what} did not return within {timeout:.1f}s") from None
 
     def init(self, init_info: dict[str, Any], timeout: float) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        self._run(self.target.init_weight_transfer_engine(WeightTransferInitRequest(init_info)), timeout, "init")
+        self._run(self.target.init_weight_transfer_engine(transfer_request("init", init_info)), timeout, "init")
 
     def start(self, timeout: float) -> None:
         self._run(self.target.start_weight_update(), timeout, "start_weight_update")
 
     def update(self, update_info: dict[str, Any], timeout: float) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        self._run(self.target.update_weights(WeightTransferUpdateRequest(update_info)), timeout, "update_weights")
+        self._run(self.target.update_weights(transfer_request("update", update_info)), timeout, "update_weights")
 
     def finish(self, version: str | None, timeout: float) -> None:
         self._run(self.target.finish_weight_update(weight_version=version), timeout, "finish_weight_update")
@@ -244,6 +243,7 @@ class RayActorClient(EngineClient):
         super().__init__(target, name)
         self.pauses = _has_method(target, "pause_generation") and _has_method(target, "resume_generation")
         self._queued: tuple[dict[str, Any], Any] | None = None
+        _requests()  # (vLLM's import, where the trainer has none yet: seconds, here rather than in connect's time)
 
     def _get(self, ref: Any, timeout: float, what: str) -> Any:
         import ray
@@ -320,10 +320,18 @@ def transfer_request(kind: str, info: dict[str, Any]) -> Any:
     """vLLM's request object for ``init_weight_transfer_engine`` / ``update_weights`` (what an ``AsyncLLM`` takes;
     an ``LLM`` takes it too), or its dict form where vLLM is not installed beside the trainer (an ``LLM`` takes
     that)."""
+    requests = _requests()
+    if requests is None:
+        return {f"{kind}_info": info}
+    return requests[0](init_info=info) if kind == "init" else requests[1](update_info=info)
+
+
+@functools.cache
+def _requests() -> tuple[Any, Any] | None:
+    """vLLM's init and update request classes (``None`` where vLLM is not installed). Their module imports most of
+    vLLM (its configs, ``transformers``): 4 s on 2 idle cores, 3 to 4 times that on busy ones."""
     try:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
     except ImportError:
-        return {f"{kind}_info": info}
-    if kind == "init":
-        return WeightTransferInitRequest(init_info=info)
-    return WeightTransferUpdateRequest(update_info=info)
+        return None
+    return WeightTransferInitRequest, WeightTransferUpdateRequest

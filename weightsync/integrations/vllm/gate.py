@@ -81,8 +81,8 @@ class Gate(SenderEngine):
         self._served: dict[int, int] = {}
         #: worker -> whether the scheme's engine took it back, while a new engine joins in its place (:meth:`rejoin`)
         self._joining: dict[int, bool] = {}
-        #: workers whose new engine did not join in time, until the next :meth:`rejoin`: its receiver, joining late,
-        #: is turned away (:meth:`admit`)
+        #: workers whose new engine did not join in time, the old one put back, while its init call runs: its
+        #: receiver, joining late, is turned away (:meth:`admit`)
         self._abandoned: set[int] = set()
 
     # ------------------------------------------------ the sink the scheme's engine reports to

@@ -697,8 +697,8 @@ def test_a_worker_that_refuses_changes_is_sent_whole_the_bytes_the_others_were_s
     sender = scheme._sending
     collect = sender.collect
 
-    def stepped_meanwhile(expected, deadline):
-        got = collect(expected, deadline)
+    def stepped_meanwhile(expected, deadline, within=None):
+        got = collect(expected, deadline, within)
         _sparse_step(model, 9)
         return got
 

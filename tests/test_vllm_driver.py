@@ -321,8 +321,11 @@ def test_an_engine_whose_receiver_joined_before_its_init_failed_is_dropped_not_t
 
             def slow_to_end(candidate):  # (the rejoin thread's admission, under the core's lock)
                 admitted = admit(candidate)
-                if failing.wait(10):
-                    time.sleep(0.5)  # (the init's failure is handled meanwhile)
+                gate = engines._gate
+                if failing.wait(10) and wait_until(lambda: 0 not in gate._joining, deadline_after(10), 0.01):
+                    # The init's failure is being handled. Before the fix it named the worker gone at once, and
+                    # this admission's end then counted it live again; now it waits for this admission to end.
+                    wait_until(lambda: gate.core.is_dead(0), deadline_after(0.5), 0.01)
                 return admitted
 
             inner.admit = slow_to_end

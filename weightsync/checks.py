@@ -30,6 +30,7 @@ __all__ = [
     "host",
     "integer",
     "model_id",
+    "no_extra",
     "number",
     "one_of",
     "optional",
@@ -198,6 +199,17 @@ def host(value: Any, where: str) -> str:
 
 #: A TCP port.
 port = integer(1, 65535)
+
+
+def no_extra(given: Iterable[str], takes: Iterable[str], where: str) -> None:
+    """Refuse the keyword arguments in ``given`` that ``where`` does not take (``takes``).
+
+    Raises:
+        ConfigurationError: naming every such argument.
+    """
+    extra = sorted(set(given) - set(takes))
+    if extra:
+        raise ConfigurationError(f"{where} got unexpected arguments: {extra}")
 
 
 def fields(

@@ -164,7 +164,7 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
     def _open_sender(self, kwargs: dict[str, Any]) -> None:
         """Build the sender core and its engine (which takes the scheme-specific ``kwargs``)."""
         rt = self._runtime
-        _no_extra(kwargs, self.SENDER_HANDLES, "init_on_sender")
+        checks.no_extra(kwargs, self.SENDER_HANDLES, "init_on_sender")
         num_workers, layout = self._count_workers(kwargs), self._sender_layout()
         flat = functools.partial(self._flat_weights, detach=False)
         sending = Sender(
@@ -242,7 +242,7 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
             raise ConfigurationError(
                 "init_on_receiver needs model= (or a context holding the model)", model_id=rt.model_id
             )
-        _no_extra(kwargs, self.RECEIVER_HANDLES, "init_on_receiver")
+        checks.no_extra(kwargs, self.RECEIVER_HANDLES, "init_on_receiver")
         where = {"model_id": rt.model_id, "worker_idx": rt.worker_idx}  # the index may come at connect
         engine = self._receiver_engine(dict(rt.handoff or {}), kwargs, where)
         rt.receiving = Receiver(self, engine, where)
@@ -494,9 +494,3 @@ def _config_name(cls: type) -> str:
     """``MultiProcessWeightSyncScheme`` -> ``MultiProcessSchemeConfig``."""
     stem = cls.__name__.removesuffix("Scheme").removesuffix("WeightSync")
     return f"{stem}SchemeConfig"
-
-
-def _no_extra(kwargs: dict[str, Any], handles: tuple[str, ...], where: str) -> None:
-    extra = sorted(set(kwargs) - set(handles))
-    if extra:
-        raise ConfigurationError(f"{where} got unexpected arguments: {extra}")

@@ -771,6 +771,28 @@ def test_an_async_send_whose_changes_a_worker_refuses_sends_it_whole_before_wait
         _stop(scheme, workers)
 
 
+def test_the_whole_resend_under_wait_async_waits_by_and_names_wait_asyncs_timeout(monkeypatch):
+    """A version a worker refused the changes of is sent it whole within ``wait_async``'s own ``timeout``, and a
+    time-out of that resend names it (it named the scheme's ``timeout``, 30 s, where ``wait_async`` said 20)."""
+    model, scheme, workers = _second_copy_not_the_base()
+    sender = scheme._sending
+    collect, bounds = sender.collect, []
+
+    def recorded(expected, deadline, within=None):
+        bounds.append((sorted(expected), within))
+        return collect(expected, deadline, within)
+
+    try:
+        monkeypatch.setattr(sender, "collect", recorded)
+        scheme.send_async()
+        scheme.wait_async(20)
+        monkeypatch.undo()
+        assert bounds == [([0, 1], 20), ([1], 20)]  # the wait, then worker 1's whole resend
+        assert _all_hold(workers, model, 2)
+    finally:
+        _stop(scheme, workers)
+
+
 def test_a_version_whose_refusers_are_all_gone_by_its_whole_resend_goes_to_no_one_and_they_are_named():
     # Sent to no one, the whole version would still be staged and submitted, and stand as the engine's newest
     # whole version: Ray's kept no bytes of it (a whole resend has none published), and its next rejoin failed.
@@ -792,9 +814,11 @@ def test_a_version_whose_refusers_are_all_gone_by_its_whole_resend_goes_to_no_on
     ledger = Ledger("policy")
     gone = ws.WorkerDiedError("its actor died", model_id="policy", worker_idx=0)
     ledger.dead[0] = gone  # (it refused version 5's changes, then died)
-    sender = types.SimpleNamespace(engine=Engine(), ledger=ledger, model_id="policy", collect=lambda expected, d: {})
+    sender = types.SimpleNamespace(
+        engine=Engine(), ledger=ledger, model_id="policy", collect=lambda expected, deadline, within: {}
+    )
     failures: dict = {}
-    Sender._send_whole_again(sender, Outgoing(5, {"w": torch.ones(4)}, None, [0]), failures, 1e18)  # type: ignore[arg-type]
+    Sender._send_whole_again(sender, Outgoing(5, {"w": torch.ones(4)}, None, [0]), failures, 1e18, None)  # type: ignore[arg-type]
     assert sender.engine.submitted == [] and failures == {0: gone}
 
 

@@ -29,6 +29,7 @@ from .. import checks
 from ..config import SCHEMES, from_config
 from ..config.receiver import check_available
 from ..core.scheme import WeightSyncScheme
+from ..core.timing import shown_seconds
 from ..errors import ConfigurationError, ConnectionClosedError, WeightSyncError
 from ..schemes.no_sync import NoWeightSyncScheme
 from ..schemes.ray import RayWeightSyncScheme
@@ -352,7 +353,7 @@ class _Collector:
             except queue.Empty:
                 dead = [i for i, p in enumerate(self.procs) if not p.is_alive()]
                 raise WeightSyncError(
-                    f"no report from workers {sorted({w for w, _ in missing})} within {self.timeout:.0f}s "
+                    f"no report from workers {sorted({w for w, _ in missing})} within {shown_seconds(self.timeout)} "
                     f"(dead: {dead})"
                 ) from None
             self.record(report)

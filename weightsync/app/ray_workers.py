@@ -16,6 +16,7 @@ import torch
 
 from ..config import from_config
 from ..core.scheme import WeightSyncScheme
+from ..core.timing import shown_seconds
 from ..errors import ConfigurationError, WeightSyncError
 from ..schemes.ray import RayModuleTransformScheme
 from ..transports.ray import apply_in_actor
@@ -106,7 +107,7 @@ class RayWorkers:
                 results.append(self.ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
             except self.ray.exceptions.GetTimeoutError:
                 raise WeightSyncError(
-                    f"its Ray actor did not {what} within {self.timeout:.0f}s", worker_idx=i
+                    f"its Ray actor did not {what} within {shown_seconds(self.timeout)}", worker_idx=i
                 ) from None
             except self.ray.exceptions.RayActorError as exc:
                 raise WeightSyncError(f"its Ray actor died ({type(exc).__name__})", worker_idx=i) from None

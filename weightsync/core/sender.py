@@ -34,7 +34,7 @@ from .children import KnownProcesses
 from .engine import Outgoing, SenderEngine
 from .ledger import Ledger, Peer
 from .rejoin import Admitter
-from .timing import Progress, deadline_after, remaining
+from .timing import Progress, deadline_after, remaining, shown_seconds
 
 __all__ = ["Sender", "SenderOptions"]
 
@@ -170,13 +170,15 @@ class Sender:
             failures.update(self.collect(expected, deadline, within))  # type: ignore[arg-type]
             again = self.changes.whole_again(failures)
             if again is not None:  # as a send that waits does at once (send_version)
-                self._send_whole_again(again, failures, deadline)
+                self._send_whole_again(again, failures, deadline, within)
             self.ledger.answered(failures)
             raise_failures(failures, model_id=self.model_id, version=self.version)
 
-    def _send_whole_again(self, out: Outgoing, failures: dict[int, WeightSyncError], deadline: float) -> None:
-        """Send ``out`` (a version sent as changes) whole to its workers, which refused the changes; wait for them
-        and put what failed in ``failures``."""
+    def _send_whole_again(
+        self, out: Outgoing, failures: dict[int, WeightSyncError], deadline: float, within: float | None
+    ) -> None:
+        """Send ``out`` (a version sent as changes) whole to the workers that refused the changes; wait for them
+        until ``deadline`` (``within``: as :meth:`collect`) and put what failed in ``failures``."""
         assert self.engine is not None
         refused, dead = out.workers, self.ledger.dead
         log.info("model %r: workers %s refused the changes of version %s; sent whole", self.model_id, refused,
@@ -189,7 +191,7 @@ class Sender:
             failures.update({w: exc for w in refused})
             return
         failures.update({w: dead[w] for w in refused if w in dead and w not in failures})
-        failures.update(self.collect({w: out.version for w in refused if w not in failures}, deadline))
+        failures.update(self.collect({w: out.version for w in refused if w not in failures}, deadline, within))
 
     # ----------------------------------------------------------- the workers
     def mark_dead(self, worker: int, exc: WeightSyncError) -> WeightSyncError:
@@ -324,7 +326,7 @@ class Sender:
             failures.update(self.collect({w: version for w in live if w not in failures}, deadline, within))
             again = self.changes.whole_again(failures)
             if again is not None:  # a worker that does not hold the base gets the version whole, in this send
-                self._send_whole_again(again, failures, deadline)
+                self._send_whole_again(again, failures, deadline, within)
         errors = ledger.take_errors([w for w in targets if w not in failures])
         # (not waited for: a time-out of an older version counts until the worker acked a later one)
         failures.update(
@@ -351,7 +353,7 @@ class Sender:
                 return failures
             if remaining(deadline) <= 0:
                 failures.update(
-                    ledger.timeouts(pending, expected, f"{self.timeout if within is None else within:.1f}s")
+                    ledger.timeouts(pending, expected, shown_seconds(self.timeout if within is None else within))
                 )
                 return failures
             self.engine.wait(pending, deadline)
@@ -458,7 +460,7 @@ class Sender:
             late = {
                 w: SyncTimeoutError(
                     f"lags more than max_staleness={limit} versions and did not catch up within "
-                    f"{self.timeout:.1f}s ({e.detail})",
+                    f"{shown_seconds(self.timeout)} ({e.detail})",
                     model_id=self.model_id,
                     worker_idx=w,
                     version=upcoming,

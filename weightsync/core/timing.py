@@ -9,12 +9,18 @@ from typing import Any
 
 from ..errors import context
 
-__all__ = ["WAIT_TICK_S", "Progress", "as_timedelta", "deadline_after", "remaining", "wait_until"]
+__all__ = ["WAIT_TICK_S", "Progress", "as_timedelta", "deadline_after", "remaining", "shown_seconds", "wait_until"]
 
 
 def as_timedelta(seconds: float) -> timedelta:
     """``seconds`` as torch.distributed wants a timeout (never zero, which some of its waits read as "none")."""
     return timedelta(seconds=max(float(seconds), 0.001))
+
+
+def shown_seconds(seconds: float) -> str:
+    """``seconds`` as a message names a bound: ``"30s"``, ``"1.5s"``, ``"0.04s"`` (three significant digits at
+    most, so that a short bound is not shown as ``"0.0s"``)."""
+    return f"{float(f'{seconds:.3g}'):g}s"
 
 
 def deadline_after(timeout: float) -> float:

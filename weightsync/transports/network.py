@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import checks
-from ..core.timing import Progress, remaining
+from ..core.timing import Progress, remaining, shown_seconds
 from ..errors import ConfigurationError, SyncTimeoutError
 
 __all__ = [
@@ -138,7 +138,8 @@ def await_listener(host: str, port: int, deadline: float, timeout: float, what: 
         except OSError as exc:
             if remaining(deadline) <= 0:
                 raise SyncTimeoutError(
-                    f"no {what} answered at {host}:{port} within {timeout:.0f}s ({exc.strerror or exc})", **where
+                    f"no {what} answered at {host}:{port} within {shown_seconds(timeout)} ({exc.strerror or exc})",
+                    **where,
                 ) from None
             progress.tick(f"not there yet ({exc.strerror or exc})")
             time.sleep(min(pause, remaining(deadline)))

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..core.timing import Progress, as_timedelta, wait_until
+from ..core.timing import Progress, as_timedelta, shown_seconds, wait_until
 from ..errors import ConfigurationError, SyncTimeoutError
 from .plainjson import loads_object
 from .storeclient import connect_store
@@ -99,7 +99,7 @@ def await_key(store: dist.Store, key: str, deadline: float, timeout: float, what
     """
     progress = Progress(log, what, timeout, **where)
     if not wait_until(lambda: store.check([key]), deadline, KEY_POLL_S, lambda: progress.tick("not yet")):
-        raise SyncTimeoutError(f"gave up waiting for {what} after {timeout:.0f}s", **where)
+        raise SyncTimeoutError(f"gave up waiting for {what} after {shown_seconds(timeout)}", **where)
 
 
 def store_set(store: dist.Store, key: str, value: bytes) -> None:

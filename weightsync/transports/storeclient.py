@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from ..core.timing import as_timedelta, deadline_after, remaining
+from ..core.timing import as_timedelta, deadline_after, remaining, shown_seconds
 from ..errors import ConnectionClosedError, SyncTimeoutError, first_line
 from .network import await_listener, bound_silence
 
@@ -55,12 +55,15 @@ def dial_store(
     dialing = _dialing(port)
     if not dialing.acquire(timeout=max(remaining(deadline), 0.001)):
         raise SyncTimeoutError(
-            f"no TCP store answered at {host}:{port} within {timeout:.0f}s (another dial to it did not end)", **where
+            f"no TCP store answered at {host}:{port} within {shown_seconds(timeout)} (another dial to it did not end)",
+            **where,
         )
     store, found, error = _client(host, port, deadline, timeout, dialing, where)
     if store is None:
         why = f": {first_line(error)}" if error is not None else ""
-        raise SyncTimeoutError(f"no TCP store answered at {host}:{port} within {timeout:.0f}s{why}", **where) from error
+        raise SyncTimeoutError(
+            f"no TCP store answered at {host}:{port} within {shown_seconds(timeout)}{why}", **where
+        ) from error
     if len(found) > 1:  # torch's client opens one: another thread dialled the same store meanwhile
         log.debug("%d new connections to the store at %s:%d; none is taken as the client's", len(found), host, port)
         found = []

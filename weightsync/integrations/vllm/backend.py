@@ -50,7 +50,7 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 from ... import checks
 from ...config import from_config
 from ...core.external import ExternalModel
-from ...core.timing import deadline_after
+from ...core.timing import deadline_after, shown_seconds
 from ...errors import ConfigurationError, LifecycleError, SyncTimeoutError
 from ...tensors.strategy import WeightStrategy, flatten_weights
 from .prepared import prepare
@@ -213,7 +213,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             assert self._stager is not None
             if not self._stager.apply_next(deadline):
                 raise SyncTimeoutError(
-                    f"weightsync: version {update_info.version} did not arrive within {timeout:.1f}s "
+                    f"weightsync: version {update_info.version} did not arrive within {shown_seconds(timeout)} "
                     f"(the engine holds {scheme.version})",
                     model_id=scheme.model_id,
                     worker_idx=scheme.worker_idx,

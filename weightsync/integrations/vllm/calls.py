@@ -8,15 +8,17 @@ import concurrent.futures
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ... import errors
+from ...core.timing import shown_seconds
 from ...errors import WeightSyncError
 
 if TYPE_CHECKING:
     from .clients import EngineClient
 
-__all__ = ["around_load", "cause", "engine_error", "in_thread"]
+__all__ = ["around_load", "cause", "engine_error", "in_thread", "turn_of"]
 
 
 def in_thread(call: Any, name: str) -> concurrent.futures.Future:
@@ -36,6 +38,23 @@ def in_thread(call: Any, name: str) -> concurrent.futures.Future:
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
+
+
+@contextlib.contextmanager
+def turn_of(turn: threading.Lock, name: str, timeout: float) -> Iterator[float]:
+    """Hold ``turn`` (an engine's calls are made one at a time) for calls of the engine ``name`` that share
+    ``timeout`` from now, waiting at most that long for it: yields their deadline (``time.monotonic()``).
+
+    Raises:
+        SyncTimeoutError: the engine's earlier calls did not return within ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    if not turn.acquire(timeout=timeout):
+        raise errors.SyncTimeoutError(f"{name}: its previous calls did not return within {shown_seconds(timeout)}")
+    try:
+        yield deadline
+    finally:
+        turn.release()
 
 
 def cause(error: BaseException | None) -> str:

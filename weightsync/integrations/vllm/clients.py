@@ -22,6 +22,7 @@ import functools
 import inspect
 from typing import Any
 
+from ...core.timing import shown_seconds
 from ...errors import SyncTimeoutError, WorkerDiedError
 
 __all__ = [
@@ -167,7 +168,7 @@ class AsyncLLMClient(EngineClient):
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
-            raise SyncTimeoutError(f"{self.name}: {what} did not return within {timeout:.1f}s") from None
+            raise SyncTimeoutError(f"{self.name}: {what} did not return within {shown_seconds(timeout)}") from None
 
     def init(self, init_info: dict[str, Any], timeout: float) -> None:
         self._run(self.target.init_weight_transfer_engine(transfer_request("init", init_info)), timeout, "init")
@@ -252,7 +253,7 @@ class RayActorClient(EngineClient):
             return ray.get(ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             ray.cancel(ref)
-            raise SyncTimeoutError(f"{self.name}: {what} did not return within {timeout:.1f}s") from None
+            raise SyncTimeoutError(f"{self.name}: {what} did not return within {shown_seconds(timeout)}") from None
         except ray.exceptions.RayActorError as exc:
             raise WorkerDiedError(f"{self.name}: its actor died ({type(exc).__name__}) during {what}") from exc
         except ray.exceptions.RayTaskError as exc:  # the engine's own error, without Ray's dump of the actor

@@ -36,11 +36,11 @@ from typing import Any
 
 from ... import errors
 from ...core.engine import Outgoing, SenderEngine, Sink
-from ...core.timing import remaining
+from ...core.timing import remaining, shown_seconds
 from ...errors import LifecycleError, WeightSyncError
 from ...transports.ray.sender import RaySender
 from .actor import update_in_actor
-from .calls import around_load, cause, engine_error, in_thread
+from .calls import around_load, cause, engine_error, in_thread, turn_of
 from .clients import EngineClient
 from .engines import VLLMEngines
 
@@ -141,15 +141,10 @@ class Gate(SenderEngine):
         turn = self._turns[worker]
 
         def in_turn() -> None:
-            deadline = time.monotonic() + timeout
-            if not turn.acquire(timeout=timeout):
-                raise errors.SyncTimeoutError(f"{client.name}: its previous calls did not return within {timeout:.1f}s")
-            try:
+            with turn_of(turn, client.name, timeout) as deadline:
                 if self._closing:
                     raise LifecycleError(f"{client.name}: the scheme shut down before its calls for version {version}")
                 steps(client, lambda: max(0.001, remaining(deadline)))
-            finally:
-                turn.release()
 
         with self._lock:
             self._calls.setdefault(worker, []).append(
@@ -332,7 +327,7 @@ class Gate(SenderEngine):
             future.result(timeout)
         except concurrent.futures.TimeoutError:
             raise errors.WorkerDiedError(
-                f"vLLM engine {worker} did not join within {timeout:.1f}s",
+                f"vLLM engine {worker} did not join within {shown_seconds(timeout)}",
                 model_id=self.core.model_id,
                 worker_idx=worker,
             ) from None

@@ -16,6 +16,7 @@ import urllib.parse
 from typing import Any
 
 from ... import checks
+from ...core.timing import shown_seconds
 from ...errors import ConfigurationError, SyncTimeoutError
 from .calls import in_thread
 from .clients import EngineClient
@@ -165,7 +166,9 @@ class HTTPEngineClient(EngineClient):
         raise last
 
     def _timed_out(self, route: str, timeout: float) -> SyncTimeoutError:
-        return SyncTimeoutError(f"{self.name}: POST {route} at {self.url} did not return within {timeout:.1f}s")
+        return SyncTimeoutError(
+            f"{self.name}: POST {route} at {self.url} did not return within {shown_seconds(timeout)}"
+        )
 
     def init(self, init_info: dict[str, Any], timeout: float) -> None:
         self._post("/init_weight_transfer_engine", timeout, {"init_info": init_info})

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ...core.engine import Outgoing, SenderEngine, Sink
-from ...core.timing import deadline_after, remaining, wait_until
+from ...core.timing import deadline_after, remaining, shown_seconds, wait_until
 from ...errors import (
     AuthenticationError,
     ConfigurationError,
@@ -167,7 +167,7 @@ class DistributedSender(Admitting, SenderEngine):
             if not wait_until(lambda: store.check(hellos), deadline, STORE_POLL_S, lambda: self.sink.waiting(joined)):
                 missing = sorted(set(range(self.num_workers)) - set(joined()))
                 raise SyncTimeoutError(
-                    f"workers {missing} did not join within {timeout:.0f}s "
+                    f"workers {missing} did not join within {shown_seconds(timeout)} "
                     f"(store at {self.address[0]}:{self.address[1]})",
                     model_id=model_id,
                     worker_idx=missing[0] if len(missing) == 1 else None,
@@ -215,7 +215,7 @@ class DistributedSender(Admitting, SenderEngine):
             self.requests.open(remaining(deadline))
         except dist.DistError as exc:
             raise SyncTimeoutError(
-                f"the process group did not form within {timeout:.0f}s: {first_line(exc)}", model_id=model_id
+                f"the process group did not form within {shown_seconds(timeout)}: {first_line(exc)}", model_id=model_id
             ) from None
         return refused
 

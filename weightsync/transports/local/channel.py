@@ -37,7 +37,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ...core.timing import Progress, deadline_after, remaining
+from ...core.timing import Progress, deadline_after, remaining, shown_seconds
 from ...errors import (
     AuthenticationError,
     ConnectionClosedError,
@@ -140,8 +140,8 @@ class Channel:
                     if remaining(deadline) <= 0:
                         self.close()
                         raise ConnectionClosedError(
-                            f"{self.peer} did not take a message within {SEND_TIMEOUT:.0f}s (it stopped reading); "
-                            "closed the channel"
+                            f"{self.peer} did not take a message within {shown_seconds(SEND_TIMEOUT)} "
+                            "(it stopped reading); closed the channel"
                         ) from None
                     self._writable.poll(poll_ms(remaining(deadline)))
         except (BrokenPipeError, ConnectionResetError, OSError) as exc:
@@ -157,7 +157,7 @@ class Channel:
     def recv_fds(self, count: int, timeout: float) -> list[int]:
         """Receive ``count`` descriptors sent by :meth:`send_with_fds` after the message just read."""
         if not self.poll(timeout):
-            raise SyncTimeoutError(f"no file descriptor from {self.peer} within {timeout:.1f}s")
+            raise SyncTimeoutError(f"no file descriptor from {self.peer} within {shown_seconds(timeout)}")
         _, fds, _, _ = socket.recv_fds(self._sock, 1, count)
         if len(fds) != count:
             for fd in fds:
@@ -319,7 +319,7 @@ class ChannelListener:
 
     def _expire(self) -> None:
         for peer in [p for p in self._pending.values() if remaining(p.deadline) <= 0]:
-            self._drop(peer, f"it did not complete the handshake within {HANDSHAKE_TIMEOUT:.0f}s")
+            self._drop(peer, f"it did not complete the handshake within {shown_seconds(HANDSHAKE_TIMEOUT)}")
 
     def _take_new(self) -> None:
         for _ in range(_ACCEPT_BATCH):
@@ -439,10 +439,10 @@ def connect_channel(
                 raise
             if remaining(deadline) <= 0:
                 raise SyncTimeoutError(
-                    f"the sender at {address!r} did not take a connection within {timeout:.1f}s (its queue of "
-                    "connections stayed full)"
+                    f"the sender at {address!r} did not take a connection within {shown_seconds(timeout)} "
+                    "(its queue of connections stayed full)"
                     if full
-                    else f"no sender listening at {address!r} after {timeout:.1f}s"
+                    else f"no sender listening at {address!r} after {shown_seconds(timeout)}"
                 ) from exc
             # The sender may not have bound yet: back off briefly (bounded by the deadline).
             progress.tick("its queue of connections is full" if full else "nothing listens there yet")
@@ -457,8 +457,8 @@ def connect_channel(
         while not conn.poll(min(remaining(deadline), 1.0)):
             if remaining(deadline) <= 0:
                 raise SyncTimeoutError(
-                    f"the sender at {address!r} did not take this worker in within {timeout:.1f}s (its connect() "
-                    "did not run, or ended)"
+                    f"the sender at {address!r} did not take this worker in within {shown_seconds(timeout)} "
+                    "(its connect() did not run, or ended)"
                 )
             progress.tick("it listens, but its connect() has not taken this worker in yet")
         what = f"the sender at {address!r}"

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from ...core.engine import Outgoing, SenderEngine, Sink
-from ...core.timing import WAIT_TICK_S, remaining
+from ...core.timing import WAIT_TICK_S, remaining, shown_seconds
 from ...errors import ConnectionClosedError, SyncTimeoutError, WeightSyncError, WorkerDiedError
 from ...tensors import cuda
 from ...tensors.layout import FlatLayout
@@ -142,7 +142,8 @@ class LocalSender(SenderEngine):
                 self.transports.clear()
                 why = "".join(f"; worker {w}: {self._unwelcome[w]}" for w in missing if w in self._unwelcome)
                 raise SyncTimeoutError(
-                    f"workers {missing} did not connect within {timeout:.1f}s{why}", model_id=self.sink.model_id
+                    f"workers {missing} did not connect within {shown_seconds(timeout)}{why}",
+                    model_id=self.sink.model_id,
                 )
             self.sink.waiting(lambda: list(self.transports))
             try:

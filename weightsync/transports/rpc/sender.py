@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ...core.engine import Outgoing, SenderEngine, Sink
-from ...core.timing import remaining
+from ...core.timing import remaining, shown_seconds
 from ...errors import ReceiverError, SyncTimeoutError, WeightSyncError, first_line
 from ...tensors.layout import FlatLayout
 from ..staging import Staging, StagingPool
@@ -178,7 +178,7 @@ class RPCSender(SenderEngine):
                 self.sink.failed(
                     w,
                     SyncTimeoutError(
-                        f"no ack for version {version} within {self.sink.timeout:.1f}s",
+                        f"no ack for version {version} within {shown_seconds(self.sink.timeout)}",
                         model_id=self.sink.model_id,
                         worker_idx=w,
                         version=version,

@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from ...core.timing import WAIT_TICK_S, Progress, deadline_after, wait_until
+from ...core.timing import WAIT_TICK_S, Progress, deadline_after, shown_seconds, wait_until
 from ...errors import ConfigurationError, SyncTimeoutError, first_line
 from ..network import interface_for, local_address
 from ..store import open_store
@@ -228,7 +228,8 @@ def start_agent(
                 _SPENT = True
             _restore_environment(sess)
             raise SyncTimeoutError(
-                f"the RPC world ({sess.world_size} processes) did not form within {timeout:.0f}s: {first_line(exc)}",
+                f"the RPC world ({sess.world_size} processes) did not form within {shown_seconds(timeout)}: "
+                f"{first_line(exc)}",
                 **where,
             ) from None
         finally:
@@ -289,7 +290,7 @@ def _await_world(sess: Session, store: dist.Store, timeout: float, waiting: Wait
             absent = [rank for rank, key in enumerate(keys) if not store.check([key])]
             names = ["the sender" if rank == 0 else f"worker {rank - 1}" for rank in absent] or ["a process"]
             raise SyncTimeoutError(
-                f"the RPC world ({sess.world_size} processes) did not form within {timeout:.1f}s: "
+                f"the RPC world ({sess.world_size} processes) did not form within {shown_seconds(timeout)}: "
                 f"{', '.join(names)} never joined",
                 **where,
             )

@@ -459,7 +459,7 @@ class _Worker:
                 if not self.taking:
                     applied = self.scheme.receive(timeout=0.05) is not None
                 elif applied := (pending := self.scheme.take(0.05)) is not None:
-                    kept = self.scheme._runtime.receiving._kept[0].clone()
+                    kept = self.scheme._runtime.receiving.kept.buffer.clone()
                     self.between.append((kept, _flat_bytes(self.model)))
                     pending.apply()
                 if applied:
@@ -639,7 +639,7 @@ def test_a_worker_whose_copy_is_not_the_base_refuses_and_is_sent_the_version_who
     try:
         _sparse_step(model, 1)
         scheme.send()
-        kept = workers[1].scheme._runtime.receiving._kept[0]
+        kept = workers[1].scheme._runtime.receiving.kept.buffer
         kept[0] ^= 0xFF  # worker 1's copy of version 1 is no longer the sender's bytes
         _sparse_step(model, 2)
         scheme.send()  # no error: refused, then sent whole
@@ -667,7 +667,7 @@ def test_changes_taken_ahead_are_made_whole_before_the_apply_and_a_refusal_is_th
         assert torch.equal(held, before) and not torch.equal(held, _flat_bytes(model))
         assert torch.equal(kept, scheme._runtime.sending.changes.base.buffer)  # the new version, made of the changes
         assert _holds(worker.model, model) and scheme.stats()["changes_sent"] == 1
-        worker.scheme._runtime.receiving._kept[0][0] ^= 0xFF  # its copy is no longer the sender's bytes
+        worker.scheme._runtime.receiving.kept.buffer[0] ^= 0xFF  # its copy is no longer the sender's bytes
         _sparse_step(model, 2)
         scheme.send()  # refused when taken, acked so when applied, then sent whole in the same send
         assert worker.scheme.version == 2 and _holds(worker.model, model)
@@ -684,7 +684,7 @@ def _second_copy_not_the_base(**kw) -> tuple:
     model, scheme, workers = _connected(2, checksum=True, **kw)
     _sparse_step(model, 1)
     scheme.send()
-    workers[1].scheme._runtime.receiving._kept[0][0] ^= 0xFF
+    workers[1].scheme._runtime.receiving.kept.buffer[0] ^= 0xFF
     _sparse_step(model, 2)
     return model, scheme, workers
 

@@ -237,6 +237,36 @@ def test_take_brings_a_version_in_now_and_apply_loads_it_later(name):
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_a_version_taken_and_not_applied_holds_back_the_next_take_and_receive(name):
+    """A second ``take()`` before the first version's ``apply()`` handed out the next version; applying the first
+    after it then rolled the model back to the older version (under ``shared_mem``, from a slot the sender may have
+    given to a later version meanwhile). Now ``take()`` and ``receive()`` are refused, naming the version taken,
+    until it is applied; then the next version comes."""
+    model, sender, receiver, program = _pair(name, lambda m: Program(_spec(m)))
+    try:
+        connect_pair(sender, receiver, timeout=60)
+        _bump(model, 1)
+        sender.send_async()
+        first = receiver.take(timeout=20)
+        assert first is not None and first.version == 1
+        _bump(model, 1)
+        sender.send_async()
+        for call in (receiver.take, receiver.receive):
+            with pytest.raises(ws.LifecycleError, match="version 1 was taken .* not applied yet"):
+                call(timeout=1)
+        assert first.apply() == 1 and receiver.version == 1
+        second = receiver.take(timeout=20)
+        assert second is not None and second.version == 2 and second.apply() == 2
+        sender.wait_async(20)
+        assert receiver.version == 2 and sender.acked_versions == {0: 2}
+        expected = {f"engine.{k}": v for k, v in _weights(model).items()}
+        assert all(torch.equal(program.held[k], expected[k]) for k in expected)
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_a_program_prepares_a_version_as_it_is_taken_and_the_apply_makes_it_current(name):
     """``ExternalModel.prepare``: the taking thread hands the program the version's checked tensors while it goes on
     (an engine processes them while it generates); the program's model is unchanged until ``apply()``, which makes

@@ -168,7 +168,7 @@ def test_an_engine_that_refuses_a_versions_changes_is_sent_it_whole_in_the_same_
             next(model.parameters()).view(-1)[0] += 1.0
         scheme.send()
         assert scheme.stats()["changes_sent"] == 1
-        engine.scheme._runtime.receiving._kept[0][0] ^= 0xFF  # its copy of version 1 is not version 1 any more
+        engine.scheme._runtime.receiving.kept.buffer[0] ^= 0xFF  # its copy of version 1 is not version 1 any more
         with torch.no_grad():
             next(model.parameters()).view(-1)[1] += 1.0
         scheme.send()

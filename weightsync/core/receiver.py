@@ -22,20 +22,19 @@ from ..errors import (
     ConfigurationError,
     ConnectionClosedError,
     DeltaBaseError,
+    LifecycleError,
     SyncTimeoutError,
     WeightMismatchError,
 )
-from ..integrity import check_digest, digest
+from ..integrity import check_digest
 from ..tensors import cuda
 from ..tensors.bound import BoundModel, one_device
-from ..tensors.copies import copy_tensors, write_into
-from ..tensors.delta import SAME, Chunk, apply_delta, changed_spans, chunks_of, np_word
-from ..tensors.kernels import prepare_writes
+from ..tensors.copies import write_into
 from ..tensors.layout import FlatLayout
 from ..tensors.strategy import check_spec, flatten_weights, weights_spec
-from ..tensors.written import open_tracker
 from .engine import Delivery, ReceiverEngine
 from .external import ExternalModel
+from .kept import KeptCopy
 from .rejoin import stop_thread
 from .timing import deadline_after, remaining
 
@@ -43,9 +42,6 @@ __all__ = ["Receiver"]
 
 log = logging.getLogger("weightsync.core")
 
-#: Under ``track_writes``, a run of bytes this long or longer is unprotected in one call before an update writes it
-#: (about 3 ms for 100 MB, where a fault per 4 KB page costs about 14).
-UNPROTECT_MIN_BYTES = 256 << 10
 #: Seconds the background thread waits for an update before it looks again whether it must stop.
 THREAD_POLL_S = 0.05
 
@@ -80,15 +76,12 @@ class Receiver:
         self._thread_error: BaseException | None = None
         #: Called after each update applied (a driving program counts its model's versions).
         self.on_applied: Callable[[], None] | None = None
-        #: Under the scheme's ``delta``: a copy of the bytes of the version held (the layout's buffer, its views and
-        #: chunks), which changes sent against it are applied to; and the version it holds (``None``: none whole).
-        self._deltas = bool(getattr(scheme, "delta", False))
-        self._kept: tuple[torch.Tensor, dict[str, torch.Tensor], list[Chunk]] | None = None
-        self._kept_version: int | None = None
+        #: Under the scheme's ``delta``: the copy of the bytes of the version held, which changes are applied to.
+        delta, track = bool(getattr(scheme, "delta", False)), bool(getattr(scheme, "track_writes", False))
+        self.kept = KeptCopy(track) if delta else None
         #: A version taken ahead and prepared by the program (:meth:`_prepare`), with the call that makes it current.
         self._prepared: tuple[Delivery, Callable[[], None]] | None = None
-        #: Under ``track_writes`` too: the kernel's record of the model's pages the program wrote since an update.
-        self._tracker = open_tracker() if self._deltas and getattr(scheme, "track_writes", False) else None
+        self._outstanding: int | None = None  # the version taken and not applied yet (:meth:`take`)
         engine.attach(self.apply)
 
     def set_model(self, model: Any) -> None:
@@ -141,7 +134,18 @@ class Receiver:
     def take(self, timeout: float) -> list[Delivery]:
         """The updates the engine delivers within ``timeout`` (``[]``: none), taken off the transport, ready and
         not applied (the last one's changes made into its whole version: :meth:`_resolve`): :meth:`apply` them
-        (the engine hands out the next ones only then)."""
+        (the engine hands out the next ones only then).
+
+        Raises:
+            LifecycleError: a version taken earlier is not applied yet (a later one applied first would be rolled
+                back by it, and a shared-memory slot it reads may be given to another version meanwhile).
+        """
+        if self._outstanding is not None:
+            raise LifecycleError(
+                f"version {self._outstanding} was taken (take()) and is not applied yet: apply it before taking or "
+                "receiving another",
+                **self.where,
+            )
         try:
             taken = self.engine.take(timeout, self.latest_wins)
         except ConnectionClosedError:
@@ -151,6 +155,7 @@ class Receiver:
             taken = self._resolve(taken)
             self._prepared = self._prepare(taken[-1])
             self.engine.ready(taken)
+            self._outstanding = taken[-1].version
         return taken
 
     def _prepare(self, update: Delivery) -> tuple[Delivery, Callable[[], None]] | None:
@@ -181,7 +186,10 @@ class Receiver:
         if update.delta is None or update.refusal is not None or layout is None:
             return taken
         try:
-            whole = self._whole_version(update, layout, {**self.where, "version": update.version})
+            where = {**self.where, "version": update.version}
+            if self.kept is None:
+                raise DeltaBaseError("changes came, and this worker keeps no copy to apply them to", **where)
+            whole = self.kept.whole_version(update, self.version, where)
         except Exception as exc:  # noqa: BLE001 - whatever it is, the apply acks it
             whole = dataclasses.replace(update, refusal=exc)
         return [*taken[:-1], whole]
@@ -193,6 +201,7 @@ class Receiver:
             IntegrityError, WeightMismatchError, ConfigurationError: the update was refused (and acked so);
                 the model kept its weights.
         """
+        self._outstanding = None
         update = self._resolve(taken)[-1]  # (done when taken, unless the engine pushes its updates)
         where = {**self.where, "version": update.version}
         gpus: set[torch.device] = set()
@@ -209,7 +218,8 @@ class Receiver:
                 raise ConfigurationError("received an update before the layout", **where)
             if commit is None:  # (a prepared version's bytes were checked before they were prepared)
                 check_digest([piece for _, piece in update.pieces], update.digest, **where)
-            self._keep(update, layout)
+            if self.kept is not None:
+                self.kept.keep(update, layout, lambda: self._views_of(update, layout))
             if isinstance(self.model, ExternalModel):  # the program loads it: no tensor of ours to write
                 self._hand_over(self.model, update, layout, where, deadline, commit)
             else:
@@ -226,15 +236,18 @@ class Receiver:
                         cuda.settle(gpus, deadline, whole_device=True)
                     if update.fence is not None:  # bytes another process's GPU stream wrote: read them after it
                         cuda.wait_event(update.fence, gpus, deadline)
-                    if not self._write_changes(dst, update, layout):
+                    mends = self.kept if self.engine.placement != "share" else None  # (memory it shares is remapped)
+                    if mends is not None and mends.write_changes(dst, update, layout):
+                        self._written = (dst, None)
+                    else:
                         self._written = (dst, self._place(dst, update, layout, held))
-                        if self._tracker is not None:  # (protected again: the program's writes show next time)
-                            self._tracker.written(flatten_weights(self.model, self.strategy.extract_as))
+                        if self.kept is not None:  # (protected again: the program's writes show next time)
+                            self.kept.written(flatten_weights(self.model, self.strategy.extract_as))
                     self.version = update.version  # (its memory now: held, even if the settle fails, as acked)
                     if gpus:  # the copies are queued on the model's stream: done before the ack says so
                         cuda.settle(gpus, deadline, whole_device=cuda.settle_whole_device(self.engine.placement))
-            if self._deltas:
-                self._kept_version = update.version
+            if self.kept is not None:
+                self.kept.version = update.version
         except Exception as exc:
             if gpus:  # copies queued before the failure may still read the slot: done before the ack frees it
                 try:  # a deadline of its own: the failure may be that the first one ran out
@@ -247,76 +260,6 @@ class Receiver:
         if self.on_applied is not None:
             self.on_applied()
         return update.version
-
-    def _whole_version(self, update: Delivery, layout: FlatLayout, where: dict[str, Any]) -> Delivery:
-        """The whole version ``update``'s changes make of the version this worker holds: the copy of its bytes
-        kept here (as they travelled, the sender's), with the changes written in. Nothing of the model is written.
-
-        Raises:
-            DeltaBaseError: the changes are against another version than the one kept here (none kept, a version
-                whose apply failed, or bytes other than the sender's under ``checksum``).
-            ConfigurationError: the changes do not fit the layout.
-        """
-        delta = update.delta
-        assert delta is not None
-        kept, self._kept_version = self._kept_version, None  # until the version made here is applied
-        if self._kept is None or kept is None or delta.base != kept or kept != self.version:
-            raise DeltaBaseError(
-                f"the update holds the changes from version {delta.base}, and this worker holds {self.version} "
-                f"(the bytes kept to apply changes to: {kept}): refused, nothing written",
-                **where,
-            )
-        buffer, _, chunks = self._kept
-        if delta.base_digest is not None and digest([buffer]) != delta.base_digest:
-            raise DeltaBaseError(
-                f"the update holds the changes from version {delta.base}, and the copy of that version kept here "
-                "does not hash to the sender's: refused, nothing written",
-                **where,
-            )
-        apply_delta(buffer, chunks, delta)
-        changed: list[tuple[int, int]] = []  # (the chunks that changed, merged)
-        for chunk, kind in zip(chunks, delta.kinds):
-            if kind != SAME:
-                if changed and changed[-1][1] == chunk.start:
-                    changed[-1] = (changed[-1][0], chunk.end)
-                else:
-                    changed.append((chunk.start, chunk.end))
-        return Delivery(update.version, [(0, buffer)], delta.digest, token=update.token, changed=changed)
-
-    def _write_changes(self, dst: dict[str, torch.Tensor], update: Delivery, layout: FlatLayout) -> bool:
-        """Under ``track_writes``, an update made here from changes: write into the model only the chunks that
-        changed and the pages its program wrote since the last update (the rest holds the version it is made
-        from); whether it did (``False``: the update is placed whole)."""
-        if self._tracker is None or update.changed is None or self.engine.placement == "share":
-            return False
-        (offset, buffer), *others = update.pieces
-        if offset or others or buffer.numel() != layout.nbytes:
-            return False
-        spans = changed_spans(dst, buffer, layout, update.changed, self._tracker.written(dst))
-        if spans is None:
-            return False
-        targets, sources = spans
-        # (its pages open first, in one call, where it is more than a few: a write to a protected page faults)
-        self._tracker.unprotect([t for t in targets if t.numel() >= UNPROTECT_MIN_BYTES])
-        copy_tensors(targets, sources)
-        self._tracker.protect(targets)  # (the program's writes elsewhere since the scan above still show next time)
-        self._written = (dst, None)
-        return True
-
-    def _keep(self, update: Delivery, layout: FlatLayout) -> None:
-        """Under the scheme's ``delta``: copy the bytes of ``update`` (checked, about to be applied), tensor by
-        tensor, where the next changes will be applied to (the padding stays zero, as the sender's copy's)."""
-        if not self._deltas:
-            return
-        if self._kept is None or self._kept[0].numel() != layout.nbytes:
-            buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
-            self._kept = (buffer, layout.views(buffer), chunks_of(layout))
-            prepare_writes(np_word(chunk) for chunk in self._kept[2])  # (the version kept first, at connect, pays)
-        buffer, views, _ = self._kept
-        if update.pieces and update.pieces[0][1].data_ptr() == buffer.data_ptr():
-            return  # made here from changes: the copy holds it already
-        self._kept_version = None
-        write_into(views, self._views_of(update, layout))
 
     def _hand_over(
         self,
@@ -481,8 +424,8 @@ class Receiver:
                         tensor.data = tensor.data.clone()
         self._written = ({}, None)
         self.bound.forget()
-        if self._tracker is not None:
-            self._tracker.close()
+        if self.kept is not None:
+            self.kept.close()
         self.engine.close()
 
 

@@ -382,7 +382,8 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
                 ``None`` waits up to the scheme's ``timeout``.
 
         Raises:
-            LifecycleError: the scheme is not a connected receiver.
+            LifecycleError: the scheme is not a connected receiver, or a version taken (:meth:`take`) is not
+                applied yet.
             WeightMismatchError: the update did not fit this worker's model; the
                 model kept its weights and the sender was told.
             ConnectionClosedError: the sender shut down or died.
@@ -399,7 +400,8 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
         """Take the next update off the transport now (its bytes, under ``delta`` the version its changes make),
         while the worker goes on with its own work; ``pending.apply()`` then checks and applies it as
         :meth:`receive` would (a program that must pause to load, such as an inference engine, pauses for the
-        load only; an ``ExternalModel``'s ``prepare`` runs here). The worker takes no other version until then.
+        load only; an ``ExternalModel``'s ``prepare`` runs here). The worker takes no other version until then:
+        ``take()`` and ``receive()`` refuse meanwhile.
 
         Args:
             timeout: seconds to wait for an update: ``0`` (default) only checks, ``None`` waits up to the
@@ -411,7 +413,7 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
         Raises:
             LifecycleError: the scheme is not a connected receiver; or its updates are applied as they arrive
                 (a background thread applies them, or the engine's updates are calls into this process, as
-                Ray's are: :attr:`applied_on_arrival`).
+                Ray's are: :attr:`applied_on_arrival`); or a version taken earlier is not applied yet.
             ConnectionClosedError: the sender shut down or died.
         """
         rt = self._runtime

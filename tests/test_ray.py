@@ -603,6 +603,8 @@ def test_an_actor_ray_restarts_that_joins_again_is_sent_the_version_whole_in_the
         scheme.send()
         assert ray.get(actor.state.remote()) == (step, checksum(model, "tensordict"))
     assert scheme.acked_versions == {0: 3}
+    # Counted as a rejoin, and version 2 not as changes sent (it went whole): neither was, before.
+    assert scheme.stats()["rejoins"] == {0: 1} and scheme.stats()["changes_sent"] == (2 if delta else 0)
     # Again, with two asynchronous sends on their way to the new process: the first says it wants the layout.
     process = psutil.Process(ray.get(actor.pid.remote()))
     process.kill()
@@ -613,7 +615,7 @@ def test_an_actor_ray_restarts_that_joins_again_is_sent_the_version_whole_in_the
         scheme.send_async()
     scheme.wait_async()
     assert ray.get(actor.state.remote()) == (5, checksum(model, "tensordict"))
-    assert scheme.acked_versions == {0: 5}
+    assert scheme.acked_versions == {0: 5} and scheme.stats()["rejoins"] == {0: 2}
     scheme.shutdown()
 
 

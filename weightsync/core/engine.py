@@ -66,7 +66,13 @@ class Sink(Protocol):
 
     def rejoining(self, worker: int, version: int | None = None) -> None:
         """``worker`` is coming back (:meth:`SenderEngine.admit`): from here on, a failure is the new process's
-        (named with ``version``, what it is sent, where the engine knows it already)."""
+        (named with ``version``, what it is sent, where the engine knows it already).
+
+        Then :meth:`rejoined`, where the engine takes a worker back on its own (a Ray actor restarted behind its
+        handle), not in :meth:`SenderEngine.admit` (the core calls it with what ``admit`` returns)."""
+
+    def rejoined(self, worker: int, version: int | None) -> None:
+        """``worker`` is back, and was sent ``version``: it counts as live again, and as a rejoin in the stats."""
 
     def send_to(self, weights: Any, workers: list[int], *, wait: bool | None) -> None:
         """Publish ``weights`` to ``workers`` through the whole pipeline (the older transport API); ``wait``:

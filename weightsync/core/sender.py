@@ -103,15 +103,12 @@ class Sender:
         self.changes = Changes(scheme, layout)
 
     # --------------------------------------------------------------- the sink
-    @property
-    def timeout(self) -> float:
-        """The longest one update may take from its send to its ack: the scheme's ``timeout``."""
-        return self.options.timeout
-
-    @property
-    def connect_timeout(self) -> float:
-        """The longest a rendez-vous may take: the scheme's ``connect_timeout``."""
-        return self.options.connect_timeout
+    timeout = property(
+        lambda self: self.options.timeout, doc="The longest one update may take from its send to its ack: ``timeout``."
+    )
+    connect_timeout = property(
+        lambda self: self.options.connect_timeout, doc="The longest a rendez-vous may take: ``connect_timeout``."
+    )
 
     def acked(self, worker: int, held: int) -> None:
         self.ledger.ack(worker, held)
@@ -152,8 +149,10 @@ class Sender:
 
     def rejoining(self, worker: int, version: int | None = None) -> None:
         """``worker`` is coming back: from here on, a failure is the new process's (named with ``version``, what
-        it is sent), and what it holds is what it acks next (the earlier process's acks say nothing of it)."""
+        it is sent), and what it holds is what it acks next (the earlier process's acks say nothing of it); it is
+        sent the version whole (changes sent to the earlier process do not count)."""
         self.ledger.renew(worker, version)
+        self.changes.sent.pop(worker, None)
 
     def send_to(self, weights: Any, workers: list[int], *, wait: bool | None) -> None:
         with self._lock:

@@ -125,6 +125,9 @@ class Gate(SenderEngine):
                 self._joining[worker] = True
         self.core.rejoining(worker, version)
 
+    def rejoined(self, worker: int, version: int | None) -> None:
+        self.core.rejoined(worker, version)
+
     def send_to(self, weights: Any, workers: list[int], *, wait: bool | None) -> None:
         self.core.send_to(weights, workers, wait=wait)
 

@@ -202,7 +202,7 @@ class RaySender(SenderEngine):
                 if isinstance(cause, LayoutWanted) and self._newest_version() is not None:
                     # A new process behind the handle: sent the newest version whole, which acks this one too.
                     if self.transports[w] is transport:  # (once: a later call of the old process's says the same)
-                        self.resubmit(w)
+                        self.sink.rejoined(w, self.resubmit(w))
                     continue
                 text = str(cause).splitlines()[-1][:MAX_ERROR_TEXT] if str(cause) else repr(cause)
                 self.sink.failed(

@@ -336,12 +336,15 @@ def test_an_engine_whose_receiver_joined_before_its_init_failed_is_dropped_not_t
         assert "joined in place of another" in scheme.stats()["failed_workers"][0]
 
 
-def test_a_replacement_whose_receiver_joins_after_replace_gave_up_is_dropped_named_and_can_be_replaced():
+@pytest.mark.parametrize("init_returns", ["after_its_admission", "within_its_admission"])
+def test_a_replacement_whose_receiver_joins_after_replace_gave_up_is_dropped_named_and_can_be_replaced(init_returns):
     """The engine to replace went away; the new engine's init is slow, so ``replace`` times out before its
     receiver joins, and the old engine's client is put back. The receiver that joins late is turned away: the
     worker is named gone (before, it was taken back, its bytes went to the new engine and its calls to the gone
     one: every later send failed inside the gone engine, and the worker was never dropped), and another engine
-    then replaces it."""
+    then replaces it. Also where the new engine's init returns (its receiver welcomed and sent its first version)
+    before its admission ends: the end of that init clears the gate's mark (before, the receiver was then
+    taken back)."""
     release, ended = threading.Event(), threading.Event()
 
     class SlowToJoin(Engine):
@@ -353,6 +356,16 @@ def test_a_replacement_whose_receiver_joins_after_replace_gave_up_is_dropped_nam
                 ended.set()
 
     with _first_engine_gone(release) as (model, scheme, engines):
+        gate = engines._gate
+        if init_returns == "within_its_admission":
+            admit = gate.inner.admit
+
+            def init_returned_first(candidate):  # (the rejoin thread's admission, before the gate's check)
+                admitted = admit(candidate)
+                wait_until(lambda: 0 not in gate._abandoned, deadline_after(10), 0.01)  # (the init's end cleared it)
+                return admitted
+
+            gate.inner.admit = init_returned_first
         with pytest.raises(ws.WeightSyncError, match="did not join within"):
             engines.replace(0, SlowToJoin(engine_spec(model)), timeout=1)
         release.set()  # its receiver joins now

@@ -452,9 +452,11 @@ class Gate(SenderEngine):
     def admit(self, candidate: Any) -> tuple[int, int] | None:
         """(Under the core's lock) The receiver of a new engine that did not join in time, joining now, is turned
         away, its worker named gone (its bytes would go to it, its calls to the engine put back in its place)."""
+        with self._lock:
+            abandoned = set(self._abandoned)  # (the admission may let that init return, whose end clears the mark)
         admitted = self._inner().admit(candidate)
         with self._lock:
-            if admitted is None or admitted[0] not in self._abandoned:
+            if admitted is None or admitted[0] not in abandoned | self._abandoned:
                 return admitted
             self._abandoned.discard(admitted[0])
         self.core.died(admitted[0], f"vLLM engine {admitted[0]}: a replacement that did not join in time joined late")

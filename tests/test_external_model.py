@@ -229,7 +229,7 @@ def test_take_brings_a_version_in_now_and_apply_loads_it_later(name):
         assert not sent.is_alive() and sender.acked_versions == {0: 1} and program.loads == 2
         expected = {f"engine.{k}": v for k, v in _weights(model).items()}
         assert all(torch.equal(program.held[k], expected[k]) for k in expected)
-        with pytest.raises(ws.LifecycleError, match="applied already"):
+        with pytest.raises(ws.LifecycleError, match="applied or discarded already"):
             pending.apply()
     finally:
         receiver.shutdown()
@@ -254,11 +254,59 @@ def test_a_version_taken_and_not_applied_holds_back_the_next_take_and_receive(na
         for call in (receiver.take, receiver.receive):
             with pytest.raises(ws.LifecycleError, match="version 1 was taken .* not applied yet"):
                 call(timeout=1)
-        assert first.apply() == 1 and receiver.version == 1
+        loading, go_on, load = threading.Event(), threading.Event(), program.load
+
+        def slow_load(tensors):  # (and while it applies, too)
+            loading.set()
+            assert go_on.wait(20)
+            load(tensors)
+
+        program.model.__dict__["load"] = slow_load  # (the frozen ExternalModel's field, for this one apply)
+        applying = threading.Thread(target=first.apply)
+        applying.start()
+        try:
+            assert loading.wait(20)
+            with pytest.raises(ws.LifecycleError, match="version 1 was taken .* not applied yet"):
+                receiver.take(timeout=1)
+        finally:
+            go_on.set()
+            applying.join(30)
+        program.model.__dict__["load"] = load
+        assert receiver.version == 1
         second = receiver.take(timeout=20)
         assert second is not None and second.version == 2 and second.apply() == 2
         sender.wait_async(20)
         assert receiver.version == 2 and sender.acked_versions == {0: 2}
+        expected = {f"engine.{k}": v for k, v in _weights(model).items()}
+        assert all(torch.equal(program.held[k], expected[k]) for k in expected)
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_a_version_taken_can_be_discarded_the_sender_is_told_and_the_next_one_comes(name):
+    """A program that will not load a version it took discards it (without a way to, a lost ``PendingUpdate`` held
+    the worker back for good): the sender hears the worker did not apply it, the model keeps its weights, and the
+    next version is taken and applied."""
+    model, sender, receiver, program = _pair(name, lambda m: Program(_spec(m)))
+    try:
+        connect_pair(sender, receiver, timeout=60)
+        _bump(model, 1)
+        sender.send_async()
+        first = receiver.take(timeout=20)
+        assert first is not None and first.version == 1
+        first.discard()
+        with pytest.raises(ws.WeightSyncError, match="discarded it"):
+            sender.wait_async(20)
+        assert receiver.version == 0 and program.loads == 1
+        with pytest.raises(ws.LifecycleError, match="applied or discarded already"):
+            first.apply()
+        _bump(model, 1)
+        sender.send_async()
+        second = receiver.take(timeout=20)
+        assert second is not None and second.version == 2 and second.apply() == 2
+        sender.wait_async(20)
         expected = {f"engine.{k}": v for k, v in _weights(model).items()}
         assert all(torch.equal(program.held[k], expected[k]) for k in expected)
     finally:

@@ -23,7 +23,18 @@ LOCAL_AND_GLOO = ["multiprocess", "shared_mem", "distributed"]
 
 
 @pytest.mark.parametrize(
-    ("seconds", "shown"), [(30.0, "30s"), (2, "2s"), (0.5, "0.5s"), (0.04, "0.04s"), (1.25, "1.25s"), (3600, "3600s")]
+    ("seconds", "shown"),
+    [
+        (30.0, "30s"),
+        (2, "2s"),
+        (0.5, "0.5s"),
+        (0.04, "0.04s"),
+        (1.25, "1.25s"),
+        (3600, "3600s"),
+        (3599, "3599s"),
+        (1234.5, "1234.5s"),
+        (0, "0s"),
+    ],  # fmt: skip
 )
 def test_a_bound_is_named_as_given_not_rounded_away(seconds, shown):
     from weightsync.core.timing import shown_seconds

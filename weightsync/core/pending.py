@@ -16,7 +16,7 @@ __all__ = ["PendingUpdate"]
 class PendingUpdate:
     """A version taken off the transport and not applied yet (:meth:`~weightsync.core.scheme.WeightSyncScheme.take`):
     its bytes are in this process; :meth:`apply` checks and applies it as ``receive()`` would, and acks it. The
-    worker takes no other version until it was applied (or refused).
+    worker takes no other version until it was applied (or refused), or discarded (:meth:`discard`).
 
     Attributes:
         version: the version it is.
@@ -31,14 +31,27 @@ class PendingUpdate:
         """Apply it (and ack it); return the version the worker now holds.
 
         Raises:
-            LifecycleError: it was applied already.
+            LifecycleError: it was applied or discarded already.
             WeightMismatchError, IntegrityError, ConfigurationError: it was refused (and acked so); the model
                 kept its weights.
         """
         if self._done:
-            raise LifecycleError(f"version {self.version} was applied already", **self._receiver.where)
+            raise LifecycleError(f"version {self.version} was applied or discarded already", **self._receiver.where)
         self._done = True
         return self._receiver.apply(self._taken)
 
+    def discard(self) -> None:
+        """Let it go without applying it (a program that will not load it: it must apply or discard each version
+        it takes, or take no other). The sender is told this worker did not apply it (a failure that names it);
+        the model keeps its weights, and the worker takes the next version.
+
+        Raises:
+            LifecycleError: it was applied or discarded already.
+        """
+        if self._done:
+            raise LifecycleError(f"version {self.version} was applied or discarded already", **self._receiver.where)
+        self._done = True
+        self._receiver.discard(self._taken)
+
     def __repr__(self) -> str:
-        return f"PendingUpdate(version={self.version}{', applied' if self._done else ''})"
+        return f"PendingUpdate(version={self.version}{', done' if self._done else ''})"

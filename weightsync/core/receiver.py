@@ -142,8 +142,8 @@ class Receiver:
         """
         if self._outstanding is not None:
             raise LifecycleError(
-                f"version {self._outstanding} was taken (take()) and is not applied yet: apply it before taking or "
-                "receiving another",
+                f"version {self._outstanding} was taken (take()) and is not applied yet: apply or discard it before "
+                "taking or receiving another",
                 **self.where,
             )
         try:
@@ -201,7 +201,6 @@ class Receiver:
             IntegrityError, WeightMismatchError, ConfigurationError: the update was refused (and acked so);
                 the model kept its weights.
         """
-        self._outstanding = None
         update = self._resolve(taken)[-1]  # (done when taken, unless the engine pushes its updates)
         where = {**self.where, "version": update.version}
         gpus: set[torch.device] = set()
@@ -241,7 +240,7 @@ class Receiver:
                         self._written = (dst, None)
                     else:
                         self._written = (dst, self._place(dst, update, layout, held))
-                        if self.kept is not None:  # (protected again: the program's writes show next time)
+                        if self.kept is not None and self.kept.tracker is not None:  # (the program's writes show next)
                             self.kept.written(flatten_weights(self.model, self.strategy.extract_as))
                     self.version = update.version  # (its memory now: held, even if the settle fails, as acked)
                     if gpus:  # the copies are queued on the model's stream: done before the ack says so
@@ -254,12 +253,21 @@ class Receiver:
                     cuda.settle(gpus, deadline_after(self.update_timeout))
                 except Exception as late:  # noqa: BLE001 - the first failure is the one reported
                     log.warning("model %r: after a failed update, its GPU work: %s", self.where["model_id"], str(late))
+            self._outstanding = None  # (at the end: a take() while it applies is refused, as before it)
             self.engine.ack(taken, self.version, exc)
             raise
+        self._outstanding = None
         self.engine.ack(taken, update.version)
         if self.on_applied is not None:
             self.on_applied()
         return update.version
+
+    def discard(self, taken: list[Delivery]) -> None:
+        """Let ``taken`` go unapplied (:meth:`PendingUpdate.discard`): acked as not applied, with the reason; the
+        model keeps its version, and the next version may be taken."""
+        self._outstanding, self._prepared = None, None
+        where = {**self.where, "version": taken[-1].version}
+        self.engine.ack(taken, self.version, LifecycleError("the worker discarded it, not applied", **where))
 
     def _hand_over(
         self,

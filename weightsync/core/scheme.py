@@ -400,8 +400,8 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
         """Take the next update off the transport now (its bytes, under ``delta`` the version its changes make),
         while the worker goes on with its own work; ``pending.apply()`` then checks and applies it as
         :meth:`receive` would (a program that must pause to load, such as an inference engine, pauses for the
-        load only; an ``ExternalModel``'s ``prepare`` runs here). The worker takes no other version until then:
-        ``take()`` and ``receive()`` refuse meanwhile.
+        load only; an ``ExternalModel``'s ``prepare`` runs here). The worker takes no other version until then
+        (or ``pending.discard()``): ``take()`` and ``receive()`` refuse meanwhile.
 
         Args:
             timeout: seconds to wait for an update: ``0`` (default) only checks, ``None`` waits up to the

@@ -18,9 +18,11 @@ def as_timedelta(seconds: float) -> timedelta:
 
 
 def shown_seconds(seconds: float) -> str:
-    """``seconds`` as a message names a bound: ``"30s"``, ``"1.5s"``, ``"0.04s"`` (three significant digits at
-    most, so that a short bound is not shown as ``"0.0s"``)."""
-    return f"{float(f'{seconds:.3g}'):g}s"
+    """``seconds`` as a message names a bound: ``"30s"``, ``"1.5s"``, ``"3599s"``, ``"0.04s"`` (a bound under a
+    second to three significant digits, so that a short one is not shown as ``"0.0s"``; others to 0.01 s)."""
+    if 0 < abs(seconds) < 1:
+        return f"{seconds:.3g}s"
+    return f"{seconds:.2f}".rstrip("0").rstrip(".") + "s"
 
 
 def deadline_after(timeout: float) -> float:

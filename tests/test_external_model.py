@@ -101,6 +101,16 @@ def _send(sender, receiver) -> None:
     assert receiver.version == wanted and got[-1] is receiver.model  # (an ExternalModel's receive() returns it)
 
 
+def _connected_and_one_taken(model, sender, receiver):
+    """Connect the pair, send version 1 without waiting, and take it (not applied): return it."""
+    connect_pair(sender, receiver, timeout=60)
+    _bump(model, 1)
+    sender.send_async()
+    first = receiver.take(timeout=20)
+    assert first is not None and first.version == 1
+    return first
+
+
 def _pair(name: str, program_of):
     model = build("tiny")
     sender = SCHEMES[name]()
@@ -244,11 +254,7 @@ def test_a_version_taken_and_not_applied_holds_back_the_next_take_and_receive(na
     until it is applied; then the next version comes."""
     model, sender, receiver, program = _pair(name, lambda m: Program(_spec(m)))
     try:
-        connect_pair(sender, receiver, timeout=60)
-        _bump(model, 1)
-        sender.send_async()
-        first = receiver.take(timeout=20)
-        assert first is not None and first.version == 1
+        first = _connected_and_one_taken(model, sender, receiver)
         _bump(model, 1)
         sender.send_async()
         for call in (receiver.take, receiver.receive):
@@ -291,11 +297,7 @@ def test_a_version_taken_can_be_discarded_the_sender_is_told_and_the_next_one_co
     next version is taken and applied."""
     model, sender, receiver, program = _pair(name, lambda m: Program(_spec(m)))
     try:
-        connect_pair(sender, receiver, timeout=60)
-        _bump(model, 1)
-        sender.send_async()
-        first = receiver.take(timeout=20)
-        assert first is not None and first.version == 1
+        first = _connected_and_one_taken(model, sender, receiver)
         first.discard()
         with pytest.raises(ws.WeightSyncError, match="discarded it"):
             sender.wait_async(20)

@@ -5,6 +5,7 @@ trainer is told of, with the version unchanged."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -314,6 +315,36 @@ def test_a_version_taken_can_be_discarded_the_sender_is_told_and_the_next_one_co
     finally:
         receiver.shutdown()
         sender.shutdown()
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_an_interrupted_load_or_a_shut_down_scheme_leaves_no_version_taken_for_good(name):
+    """A load that raises what is not an ``Exception`` (an async engine's cancelled load, an interrupt) lets the
+    version taken go: the next one is taken (it was refused for good, the pending marked done). After the
+    worker's scheme shut down, a pending version's ``apply()`` says so, and ``discard()`` does nothing (both
+    raised a bare ``AssertionError`` inside the closed engine)."""
+    model, sender, receiver, program = _pair(name, lambda m: Program(_spec(m)))
+    try:
+        first = _connected_and_one_taken(model, sender, receiver)
+        load = program.model.load
+
+        def cancelled(tensors):
+            raise asyncio.CancelledError
+
+        program.model.__dict__["load"] = cancelled  # (the frozen ExternalModel's field, for this one apply)
+        with pytest.raises(asyncio.CancelledError):
+            first.apply()
+        program.model.__dict__["load"] = load
+        _bump(model, 1)
+        sender.send_async()
+        second = receiver.take(timeout=20)
+        assert second is not None and second.version == 2
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+    with pytest.raises(ws.LifecycleError, match="shut down"):
+        second.apply()
+    second.discard()
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))

@@ -31,13 +31,11 @@ class PendingUpdate:
         """Apply it (and ack it); return the version the worker now holds.
 
         Raises:
-            LifecycleError: it was applied or discarded already.
+            LifecycleError: it was applied or discarded already, or the worker's scheme shut down.
             WeightMismatchError, IntegrityError, ConfigurationError: it was refused (and acked so); the model
                 kept its weights.
         """
-        if self._done:
-            raise LifecycleError(f"version {self.version} was applied or discarded already", **self._receiver.where)
-        self._done = True
+        self._check()
         return self._receiver.apply(self._taken)
 
     def discard(self) -> None:
@@ -46,12 +44,20 @@ class PendingUpdate:
         the model keeps its weights, and the worker takes the next version.
 
         Raises:
-            LifecycleError: it was applied or discarded already.
+            LifecycleError: it was applied or discarded already (after the scheme shut down, it does nothing).
         """
+        if not self._receiver.closed:  # (shut down: the engine let everything go already)
+            self._check()
+            self._receiver.discard(self._taken)
+        self._done = True
+
+    def _check(self) -> None:
+        """Raise unless it can still be applied or discarded (then it no longer can)."""
         if self._done:
             raise LifecycleError(f"version {self.version} was applied or discarded already", **self._receiver.where)
+        if self._receiver.closed:
+            raise LifecycleError(f"version {self.version}: the worker's scheme shut down", **self._receiver.where)
         self._done = True
-        self._receiver.discard(self._taken)
 
     def __repr__(self) -> str:
         return f"PendingUpdate(version={self.version}{', done' if self._done else ''})"

@@ -10,6 +10,7 @@ by tensor — and acked. Weights and version change together under
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -82,6 +83,7 @@ class Receiver:
         #: A version taken ahead and prepared by the program (:meth:`_prepare`), with the call that makes it current.
         self._prepared: tuple[Delivery, Callable[[], None]] | None = None
         self._outstanding: int | None = None  # the version taken and not applied yet (:meth:`take`)
+        self.closed = False
         engine.attach(self.apply)
 
     def set_model(self, model: Any) -> None:
@@ -256,6 +258,9 @@ class Receiver:
             self._outstanding = None  # (at the end: a take() while it applies is refused, as before it)
             self.engine.ack(taken, self.version, exc)
             raise
+        except BaseException:  # (an interrupt, an engine's cancelled load: not acked, as before; the worker goes on)
+            self._outstanding = None
+            raise
         self._outstanding = None
         self.engine.ack(taken, update.version)
         if self.on_applied is not None:
@@ -267,7 +272,8 @@ class Receiver:
         model keeps its version, and the next version may be taken."""
         self._outstanding, self._prepared = None, None
         where = {**self.where, "version": taken[-1].version}
-        self.engine.ack(taken, self.version, LifecycleError("the worker discarded it, not applied", **where))
+        with contextlib.suppress(ConnectionClosedError):  # (a sender gone hears nothing: nothing is waited for)
+            self.engine.ack(taken, self.version, LifecycleError("the worker discarded it, not applied", **where))
 
     def _hand_over(
         self,
@@ -434,6 +440,7 @@ class Receiver:
         self.bound.forget()
         if self.kept is not None:
             self.kept.close()
+        self.closed = True
         self.engine.close()
 
 

@@ -112,6 +112,15 @@ def _connected_and_one_taken(model, sender, receiver):
     return first
 
 
+def _the_next_is_taken_and_applied(model, sender, receiver, program) -> None:
+    """Version 2, published, is taken and applied; the sender hears it, and the program holds the trainer's model."""
+    second = receiver.take(timeout=20)
+    assert second is not None and second.version == 2 and second.apply() == 2
+    sender.wait_async(20)
+    expected = {f"engine.{k}": v for k, v in _weights(model).items()}
+    assert all(torch.equal(program.held[k], expected[k]) for k in expected)
+
+
 def _pair(name: str, program_of):
     model = build("tiny")
     sender = SCHEMES[name]()
@@ -280,12 +289,8 @@ def test_a_version_taken_and_not_applied_holds_back_the_next_take_and_receive(na
             applying.join(30)
         program.model.__dict__["load"] = load
         assert receiver.version == 1
-        second = receiver.take(timeout=20)
-        assert second is not None and second.version == 2 and second.apply() == 2
-        sender.wait_async(20)
+        _the_next_is_taken_and_applied(model, sender, receiver, program)
         assert receiver.version == 2 and sender.acked_versions == {0: 2}
-        expected = {f"engine.{k}": v for k, v in _weights(model).items()}
-        assert all(torch.equal(program.held[k], expected[k]) for k in expected)
     finally:
         receiver.shutdown()
         sender.shutdown()
@@ -307,11 +312,7 @@ def test_a_version_taken_can_be_discarded_the_sender_is_told_and_the_next_one_co
             first.apply()
         _bump(model, 1)
         sender.send_async()
-        second = receiver.take(timeout=20)
-        assert second is not None and second.version == 2 and second.apply() == 2
-        sender.wait_async(20)
-        expected = {f"engine.{k}": v for k, v in _weights(model).items()}
-        assert all(torch.equal(program.held[k], expected[k]) for k in expected)
+        _the_next_is_taken_and_applied(model, sender, receiver, program)
     finally:
         receiver.shutdown()
         sender.shutdown()

@@ -108,11 +108,11 @@ class KeptCopy:
         self.tracker.protect(targets)  # (the program's writes elsewhere since the scan above still show next time)
         return True
 
-    def written(self, tensors: dict[str, torch.Tensor]) -> None:
-        """The model's ``tensors`` were just written whole: under ``track_writes``, protect them again (the
-        program's writes show from here on)."""
+    def written(self, tensors: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """The model's tensors (``tensors()``, walked only under ``track_writes``) were just written whole: protect
+        them again (the program's writes show from here on)."""
         if self.tracker is not None:
-            self.tracker.written(tensors)
+            self.tracker.written(tensors())
 
     def close(self) -> None:
         if self.tracker is not None:

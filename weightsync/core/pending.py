@@ -35,7 +35,7 @@ class PendingUpdate:
             WeightMismatchError, IntegrityError, ConfigurationError: it was refused (and acked so); the model
                 kept its weights.
         """
-        self._check()
+        self._claim()
         return self._receiver.apply(self._taken)
 
     def discard(self) -> None:
@@ -46,13 +46,14 @@ class PendingUpdate:
         Raises:
             LifecycleError: it was applied or discarded already (after the scheme shut down, it does nothing).
         """
-        if not self._receiver.closed:  # (shut down: the engine let everything go already)
-            self._check()
-            self._receiver.discard(self._taken)
-        self._done = True
+        if self._receiver.closed:  # (shut down: the engine let everything go already)
+            self._done = True
+            return
+        self._claim()
+        self._receiver.discard(self._taken)
 
-    def _check(self) -> None:
-        """Raise unless it can still be applied or discarded (then it no longer can)."""
+    def _claim(self) -> None:
+        """Mark it done, unless it was applied or discarded already, or its scheme shut down (raised)."""
         if self._done:
             raise LifecycleError(f"version {self.version} was applied or discarded already", **self._receiver.where)
         if self._receiver.closed:

@@ -242,8 +242,8 @@ class Receiver:
                         self._written = (dst, None)
                     else:
                         self._written = (dst, self._place(dst, update, layout, held))
-                        if self.kept is not None and self.kept.tracker is not None:  # (the program's writes show next)
-                            self.kept.written(flatten_weights(self.model, self.strategy.extract_as))
+                        if self.kept is not None:  # (the program's writes show next time)
+                            self.kept.written(lambda: flatten_weights(self.model, self.strategy.extract_as))
                     self.version = update.version  # (its memory now: held, even if the settle fails, as acked)
                     if gpus:  # the copies are queued on the model's stream: done before the ack says so
                         cuda.settle(gpus, deadline, whole_device=cuda.settle_whole_device(self.engine.placement))

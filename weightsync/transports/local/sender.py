@@ -141,10 +141,8 @@ class LocalSender(SenderEngine):
                     transport.close()
                 self.transports.clear()
                 why = "".join(f"; worker {w}: {self._unwelcome[w]}" for w in missing if w in self._unwelcome)
-                raise SyncTimeoutError(
-                    f"workers {missing} did not connect within {shown_seconds(timeout)}{why}",
-                    model_id=self.sink.model_id,
-                )
+                said = f"workers {missing} did not connect within {shown_seconds(timeout)}{why}"
+                raise SyncTimeoutError(said, model_id=self.sink.model_id)
             self.sink.waiting(lambda: list(self.transports))
             try:
                 accepted = self.listener.accept(min(left, WAIT_TICK_S))

@@ -349,6 +349,56 @@ def test_an_interrupted_load_or_a_shut_down_scheme_leaves_no_version_taken_for_g
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_a_background_thread_ended_by_what_is_not_an_exception_says_so_at_every_receive(name):
+    """A load in the background thread that raises what is not an ``Exception`` (an engine's cancelled load, a
+    ``SystemExit``) ends the thread, and every later ``receive()`` raises it: the thread died silently before, and
+    each ``receive()`` returned nothing, for good. The version was not applied, nor acked."""
+    model, sender, receiver, program = _pair(name, lambda m: Program(_spec(m)))
+    try:
+        receiver.background_thread = True
+        connect_pair(sender, receiver, timeout=60)
+
+        def cancelled(tensors):
+            raise asyncio.CancelledError
+
+        program.model.__dict__["load"] = cancelled  # (the frozen ExternalModel's field)
+        _bump(model, 1)
+        sender.send_async()
+        for _ in range(2):
+            with pytest.raises(asyncio.CancelledError):
+                receiver.receive(timeout=20)
+        assert receiver.version == 0 and program.loads == 1
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+@pytest.mark.parametrize("driven", [False, True], ids=["undriven", "driven"])
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_a_version_taken_whole_as_its_sender_shuts_down_is_applied_and_the_next_take_says_it_went(name, driven):
+    """A version whose bytes are here when the sender shuts down is applied (its ack is lost, no more), as any
+    version read before the sender's end; the next take says the sender went. Where a driver waits to hear the
+    worker took it (``driven``), the word that could not go lost the version with it: ``take`` raised, and
+    without a driver, ``apply`` raised ``ConnectionClosedError`` with the version applied."""
+    model, sender, receiver, program = _pair(name, lambda m: Preparing(_spec(m)))
+    try:
+        connect_pair(sender, receiver, timeout=60)
+        sender._runtime.sending.engine.reports_taken = driven  # (what the vLLM driver sets when it wraps the engine)
+        _bump(model, 1)
+        sender.send_async()
+        sender.shutdown()  # (the version's bytes are on their way, or here: nothing is taken yet)
+        pending = receiver.take(timeout=20)
+        assert pending is not None and pending.version == 1 and pending.apply() == 1
+        expected = {f"engine.{k}": v for k, v in _weights(model).items()}
+        assert receiver.version == 1 and all(torch.equal(program.held[k], expected[k]) for k in expected)
+        with pytest.raises(ws.ConnectionClosedError):
+            receiver.take(timeout=20)
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_a_program_prepares_a_version_as_it_is_taken_and_the_apply_makes_it_current(name):
     """``ExternalModel.prepare``: the taking thread hands the program the version's checked tensors while it goes on
     (an engine processes them while it generates); the program's model is unchanged until ``apply()``, which makes

@@ -36,7 +36,9 @@ class ExternalModel:
             the part of the load that does not change what the model computes yet (an engine's processing of
             the weights, into memory of its own) and returns the call that makes the version current, which the
             apply makes in place of ``load`` (under ``weights_lock``; what it raises refuses the update as
-            ``load``'s would). Returning ``None``, or raising (logged), leaves the version to ``load``.
+            ``load``'s would). Returning ``None``, or raising (logged), leaves the version to ``load``. A version
+            discarded (``pending.discard()``) drops its call uncalled: what the preparation holds is the
+            program's to free, or to reuse at its next ``prepare``.
         ignored: names of :attr:`spec` the program does not load (buffers its model computes itself): an update may
             carry them in any shape and dtype, or not at all, and ``load`` gets them as they came.
     """

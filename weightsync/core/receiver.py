@@ -10,7 +10,6 @@ by tensor — and acked. Weights and version change together under
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -156,8 +155,11 @@ class Receiver:
         if taken:
             taken = self._resolve(taken)
             self._prepared = self._prepare(taken[-1])
-            self.engine.ready(taken)
             self._outstanding = taken[-1].version
+            try:
+                self.engine.ready(taken)
+            except ConnectionClosedError as exc:  # (its bytes are here whole: applied, as any read before an end)
+                log.info("model %r: version %d taken, unheard: %s", self.where["model_id"], taken[-1].version, exc)
         return taken
 
     def _prepare(self, update: Delivery) -> tuple[Delivery, Callable[[], None]] | None:
@@ -256,13 +258,13 @@ class Receiver:
                 except Exception as late:  # noqa: BLE001 - the first failure is the one reported
                     log.warning("model %r: after a failed update, its GPU work: %s", self.where["model_id"], str(late))
             self._outstanding = None  # (at the end: a take() while it applies is refused, as before it)
-            self.engine.ack(taken, self.version, exc)
+            self._ack(taken, self.version, exc)
             raise
         except BaseException:  # (an interrupt, an engine's cancelled load: not acked, as before; the worker goes on)
             self._outstanding = None
             raise
         self._outstanding = None
-        self.engine.ack(taken, update.version)
+        self._ack(taken, update.version)
         if self.on_applied is not None:
             self.on_applied()
         return update.version
@@ -272,8 +274,16 @@ class Receiver:
         model keeps its version, and the next version may be taken."""
         self._outstanding, self._prepared = None, None
         where = {**self.where, "version": taken[-1].version}
-        with contextlib.suppress(ConnectionClosedError):  # (a sender gone hears nothing: nothing is waited for)
-            self.engine.ack(taken, self.version, LifecycleError("the worker discarded it, not applied", **where))
+        self._ack(taken, self.version, LifecycleError("the worker discarded it, not applied", **where))
+
+    def _ack(self, taken: list[Delivery], held: int | None, error: BaseException | None = None) -> None:
+        """Ack ``taken``. An ack its sender is gone to hear is lost, no more: what was applied stays applied (and
+        is reported as such), and the next take meets the sender's end, as after any version read before it."""
+        try:
+            self.engine.ack(taken, held, error)
+        except ConnectionClosedError as exc:
+            log.info("model %r: the ack of version %d is lost: %s", self.where["model_id"], taken[-1].version, exc)
+            self._leave_sender_memory()  # (the model may now be bound to the slot it arrived in)
 
     def _hand_over(
         self,
@@ -376,8 +386,8 @@ class Receiver:
                 self._applied.wait_for(lambda: self._thread_error is not None or self.version != self.reported, timeout)
                 if self.version == self.reported and self._thread_error is not None:
                     error = self._thread_error
-                    if not isinstance(error, ConnectionClosedError):
-                        self._thread_error = None  # an apply failure is reported once; a closed channel stays
+                    if isinstance(error, Exception) and not isinstance(error, ConnectionClosedError):
+                        self._thread_error = None  # an apply failure is reported once; what ended the thread stays
                     raise error
         if self.version == self.reported:
             return None
@@ -394,22 +404,26 @@ class Receiver:
         while not self._stop.is_set():
             try:
                 changed = self.poll_and_apply(THREAD_POLL_S)
-            except ConnectionClosedError as exc:
-                with self._applied:
-                    self._thread_error = exc
-                    self._applied.notify_all()
-                return
             except Exception as exc:  # noqa: BLE001 - reported to the worker at its next receive()
+                self._thread_failed(exc)
+                if isinstance(exc, ConnectionClosedError):
+                    return
                 log.error(
                     "model %r worker %s: update failed: %s", self.where["model_id"], self.where["worker_idx"], exc
                 )
-                with self._applied:
-                    self._thread_error = exc
-                    self._applied.notify_all()
                 continue
+            except BaseException as exc:  # (a load that exits, an engine's cancelled load): ends the thread, said
+                self._thread_failed(exc)
+                return
             if changed is not None:
                 with self._applied:
                     self._applied.notify_all()
+
+    def _thread_failed(self, exc: BaseException) -> None:
+        """What the background thread met, for the worker's next receive() to raise."""
+        with self._applied:
+            self._thread_error = exc
+            self._applied.notify_all()
 
     # ------------------------------------------------------------- shutdown
     def _leave_sender_memory(self) -> None:

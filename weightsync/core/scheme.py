@@ -387,6 +387,7 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
             WeightMismatchError: the update did not fit this worker's model; the
                 model kept its weights and the sender was told.
             ConnectionClosedError: the sender shut down or died.
+            (``background_thread``) what the thread's apply raised, once; what ended the thread, at every call.
         """
         self._runtime.require(RECEIVER_CONNECTED, action="receive")
         return self._receive(self.timeout if timeout is None else timeout)

@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import gc
+import itertools
 import subprocess
 import sys
 import threading
@@ -124,6 +125,36 @@ def test_a_receiver_config_with_background_thread_still_loads_each_version_in_th
             assert engine.version == str(version) and _same(engine, model)
         assert engine.stager._thread.is_alive()
         assert engine.loaded_outside == []
+    finally:
+        scheme.shutdown()
+
+
+def test_a_stager_whose_takes_meet_a_silence_takes_on_and_the_engine_serves_the_next_version():
+    """A take that meets a silence (``SyncTimeoutError``: a trainer stopped, then resumed; its store slow to answer)
+    ends neither a plain worker nor an engine's stager: the engine serves the version that comes after it. The
+    stager used to end at the first one, and every later update of the engine failed with it. An update that
+    waits in vain meanwhile names the silence."""
+    model = build("tiny")
+    engine = Engine(engine_spec(model))
+    scheme = VLLMWeightSyncScheme("distributed", pause_mode="none", timeout=20, connect_timeout=30)
+    try:
+        scheme.init_on_sender(model=model, engines=[engine])
+        scheme.connect()
+        take, silences = engine.scheme.take, iter(range(3))
+
+        def silent_for_a_while(timeout=0.0):
+            if next(silences, None) is not None:
+                raise ws.SyncTimeoutError("the store did not answer (the test's)")
+            return take(timeout)
+
+        engine.scheme.take = silent_for_a_while  # (the stager's scheme: its next three takes meet a silence)
+        _step(model, 1)
+        scheme.send()
+        assert engine.version == "1" and _same(engine, model) and engine.stager._thread.is_alive()
+        silences = itertools.count()  # (silent from here on)
+        with pytest.raises(ws.SyncTimeoutError, match="the test's"):
+            engine.stager.apply_next(deadline_after(0.3))
+        assert engine.stager._thread.is_alive()
     finally:
         scheme.shutdown()
 

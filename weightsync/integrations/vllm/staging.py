@@ -8,17 +8,21 @@ uses it; it needs no vLLM.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any
 
 from ...core.pending import PendingUpdate
 from ...core.timing import remaining
+from ...errors import SyncTimeoutError
 
 __all__ = ["STAGER_POLL_S", "Stager"]
 
 #: How long the stager waits for a version before it looks again whether it must stop (seconds).
 STAGER_POLL_S = 0.05
+
+log = logging.getLogger("weightsync.vllm")
 
 
 class Stager:
@@ -31,7 +35,8 @@ class Stager:
         self.scheme = scheme
         self._cond = threading.Condition()
         self._staged: PendingUpdate | None = None
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # what ended the taking
+        self._missed: SyncTimeoutError | None = None  # a take that met a silence, since apply_next began to wait
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -56,6 +61,11 @@ class Stager:
                 return
             try:
                 pending = self.scheme.take(STAGER_POLL_S)
+            except SyncTimeoutError as exc:  # a silence (a trainer stopped, then resumed): taken again, as receive()
+                log.warning("%s: %s; taking again", self._thread.name, exc)
+                with self._cond:
+                    self._missed = exc
+                continue
             except BaseException as exc:  # noqa: BLE001 - the sender is gone: update_weights says so
                 self._hand(None, exc)
                 return
@@ -73,10 +83,12 @@ class Stager:
 
         Raises:
             WeightSyncError: the receiver refused it (acked so), or the sender is gone.
+            SyncTimeoutError: none came, and the transport was silent meanwhile (the stager takes on).
         """
         with self._cond:
+            self._missed = None
             self._cond.wait_for(lambda: self._staged is not None or self._error is not None, remaining(deadline))
-            pending, error = self._staged, self._error
+            pending, error = self._staged, self._error or self._missed
         if pending is None:
             if error is not None:
                 raise error

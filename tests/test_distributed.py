@@ -372,28 +372,37 @@ def test_the_sender_waits_a_moment_for_a_workers_word_of_why_it_failed_and_no_lo
     # set was missing about once in 100 here. A worker says why it failed to apply a message that way just before
     # its ack goes, and the sender, once the ack came, looks for it a moment (it read "failure without details"
     # otherwise, and a refused set of changes was not sent whole). The worker does not wait for the store's
-    # answer itself: a sender stopped under a debugger never gives it, and held the worker's receive.
+    # answer itself: a sender stopped under a debugger never gives it, and held the worker's receive. The word is
+    # sealed with the run key: the sender acts on its type (changes refused: sent whole; a failure a later send
+    # made moot: dropped), and a stranger who reaches the store wrote one the sender took (it is waited past).
     import json
     import threading
     import types
 
+    from weightsync.transports.distributed.auth import Sealer
     from weightsync.transports.distributed.transport import ERROR_DETAIL_WAIT_S, DistributedTransport
 
     timeout = datetime.timedelta(seconds=10)
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     writer = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout)
+    sealer = Sealer(b"k" * 32, "run/")
     sender = types.SimpleNamespace(store=dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout))
-    sender.worker_idx = 0
+    sender.worker_idx, sender.sealer, sender._where = 0, sealer, dict
     said = {"type": "ConfigurationError", "message": "changes refused: base 3, holding 2"}
-    late = threading.Timer(0.2, lambda: writer.set("err/0/7", json.dumps(said)))
+    forged = json.dumps({"type": "DeltaBaseError", "message": "a stranger's"})
+    writer.set("err/0/7", forged)  # (first, as a stranger who watches the store would)
+    late = threading.Timer(0.2, lambda: writer.set("err/0/7", sealer.seal("err/0/7", json.dumps(said))))
     late.start()
     try:
         assert DistributedTransport.error_detail(sender, 7) == said  # type: ignore[arg-type]
     finally:
         late.join()
-    began = time.monotonic()
-    assert DistributedTransport.error_detail(sender, 8)["type"] == "UnknownError"  # type: ignore[arg-type]
-    assert time.monotonic() - began < ERROR_DETAIL_WAIT_S + 1.0
+    for seq, value in ((8, None), (9, forged), (10, sealer.seal("err/0/7", json.dumps(said)))):  # (10: moved)
+        if value is not None:
+            writer.set(f"err/0/{seq}", value)
+        began = time.monotonic()
+        assert DistributedTransport.error_detail(sender, seq)["type"] == "UnknownError"  # type: ignore[arg-type]
+        assert time.monotonic() - began < ERROR_DETAIL_WAIT_S + 1.0
 
 
 def test_a_store_probe_never_blocks_its_caller_says_when_the_store_is_gone_and_asks_nothing_once_closed():
@@ -516,7 +525,9 @@ def test_a_workers_writes_are_never_held_by_a_stopped_store_and_land_once_it_res
         assert time.monotonic() - began < 1.0
         os.kill(server.pid, signal.SIGCONT)
         landed = calls.ask(lambda: store.check(["taken/0", "err/0/2"]), time.monotonic() + 10, "a look")
-        assert landed and json.loads(store.get("err/0/2"))["message"] == "apply failed"
+        assert (
+            landed and json.loads(transport.sealer.open(store.get("err/0/2"), "err/0/2"))["message"] == "apply failed"
+        )
     finally:
         os.kill(server.pid, signal.SIGCONT)
         calls.close(5)

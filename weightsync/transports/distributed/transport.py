@@ -45,13 +45,13 @@ from ...errors import (
     first_line,
 )
 from ..base import PeerTransport
-from ..store import store_json, store_set
+from ..store import store_set
 from ..storeclient import StoreCalls
 from .auth import ACK_TAG_WORDS, Sealer
 from .doorbell import Doorbell, ring
 from .group import Link, Waiter
 from .line import ACK, FRAME, Line
-from .messages import announcement
+from .messages import announcement, sealed_object
 from .worker_side import ACK_FAILED, ACK_OK, MAX_ERROR_TEXT, TAG_ACK, TAG_DATA, WorkerSide
 
 if TYPE_CHECKING:
@@ -309,13 +309,24 @@ class DistributedTransport(WorkerSide, PeerTransport):
         """What the worker wrote about its failure to apply message ``seq``, looked for at most
         :data:`ERROR_DETAIL_WAIT_S`: torch's store client sends a set without waiting for its answer, so the
         worker's word, written before its ack, may reach the store after the ack reached this process. (The
-        worker does not wait for the store to answer: a sender that stopped, a debugger's, would hold it.)"""
-        key = f"err/{self.worker_idx}/{seq}"
+        worker does not wait for the store to answer: a sender that stopped, a debugger's, would hold it.) A value
+        not sealed with the run key is not its word (the sender acts on the failure's type), and is waited past."""
+        key, found = f"err/{self.worker_idx}/{seq}", []
+
+        def sealed() -> bool:
+            try:
+                found.append(sealed_object(self.sealer, self.store, key, **self._where()))
+            except AuthenticationError:
+                return False
+            return True
+
         try:
-            store = self.store
-            if wait_until(lambda: store.check([key]), deadline_after(ERROR_DETAIL_WAIT_S), 0.002):
-                detail = store_json(store, key)
-                return {"type": str(detail.get("type", "Error"))[:200], "message": str(detail.get("message", ""))}
+            if wait_until(lambda: self.store.check([key]) and sealed(), deadline_after(ERROR_DETAIL_WAIT_S), 0.002):
+                detail = found[-1]
+                return {
+                    "type": str(detail.get("type", "Error"))[:200],
+                    "message": str(detail.get("message", ""))[:MAX_ERROR_TEXT],
+                }
         except (dist.DistError, TransportError, LifecycleError):
             pass
         return {"type": "UnknownError", "message": "the worker reported a failure without details"}

@@ -384,13 +384,13 @@ class WorkerSide:
             raise TransportError("store key 'initial' names no version; refusing it", **self._where())
         return msg
 
-    def _write_why(self, store: dist.Store, seq: int, said: bytes) -> None:
-        """Leave why message ``seq`` failed in the store (made on the calls' thread); a store that went away loses
-        the details only: the ack still says it failed."""
+    def _write_why(self, store: dist.Store, key: str, sealed: bytes) -> None:
+        """Leave why a message failed in the store at ``key`` (made on the calls' thread); a store that went away
+        loses the details only: the ack still says it failed."""
         try:
-            store_set(store, f"err/{self.worker_idx}/{seq}", said)
+            store_set(store, key, sealed)
         except dist.DistError as exc:
-            log.warning("could not write why message %d failed: %s", seq, first_line(exc))
+            log.warning("could not write why a message failed (%s): %s", key, first_line(exc))
 
     def send_ack(
         self, version: int, error: BaseException | None = None, held: int | None = None, *, seqs: tuple[int, ...] = ()
@@ -401,8 +401,10 @@ class WorkerSide:
             status = ACK_OK if error is None else ACK_FAILED
             if error is not None:
                 detail = {"type": type(error).__name__, "message": str(error)[:MAX_ERROR_TEXT]}
-                # (the sender looks for it once the ack came, a moment: torch's set waits for no answer)
-                self.calls.post(partial(self._write_why, store, seq, json.dumps(detail).encode()))
+                # (sealed: the sender acts on its type; looked for once the ack came, as torch's set waits for
+                # no answer)
+                key = f"err/{self.worker_idx}/{seq}"
+                self.calls.post(partial(self._write_why, store, key, self.sealer.seal(key, json.dumps(detail))))
             words = [seq, -1 if held is None else held, status]
             tagged = words + self.sealer.ack_tag(self.worker_idx, *words)
             if self.line_lost:  # (its sender reads acks on the line only: they are lost)

@@ -1,0 +1,119 @@
+"""Ray's token (whoever holds it runs code in the cluster, the trainer's actors included) is kept readable by its
+owner alone: Ray writes ``~/.ray/auth_token`` with the process's umask, 0644 under the usual 022, and another user
+of the host who could enter the home directory read it and took over the trainer's actors (a security review,
+as uid 65534)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import weightsync as ws
+from weightsync.transports.ray.auth_token import keep_token_private, token_path
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """A home of this test's, no token in it, Ray's token settings unset."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_a_new_clusters_token_is_made_private_before_ray_would_make_it_open_to_all(home):
+    keep_token_private(new_cluster=False)  # joining a cluster: Ray makes none, nor does weightsync
+    assert not (home / ".ray").exists()
+    keep_token_private(new_cluster=True)
+    token = home / ".ray" / "auth_token"
+    assert _mode(token) == 0o600 and _mode(token.parent) == 0o700
+    made = token.read_text()
+    assert len(made) == 64 and int(made, 16) >= 0
+    keep_token_private(new_cluster=True)  # one there is kept
+    assert token.read_text() == made
+
+
+def test_a_token_open_to_others_is_made_private_and_said_and_one_not_read_from_a_file_is_left_alone(
+    home, monkeypatch, caplog
+):
+    token = home / ".ray" / "auth_token"
+    token.parent.mkdir()
+    token.write_text("a" * 64)
+    token.chmod(0o644)  # (as Ray writes it under umask 022)
+    with caplog.at_level(logging.WARNING, logger="weightsync.ray"):
+        keep_token_private(new_cluster=False)
+    assert _mode(token) == 0o600 and token.read_text() == "a" * 64
+    assert "readable by other users (mode 644): made private" in caplog.text
+    elsewhere = home / "token"
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(elsewhere))
+    keep_token_private(new_cluster=True)  # (a path given: Ray makes none there, nor does weightsync)
+    assert token_path() == elsewhere and not elsewhere.exists()
+    elsewhere.write_text("b" * 64)
+    elsewhere.chmod(0o640)
+    keep_token_private(new_cluster=False)
+    assert _mode(elsewhere) == 0o600
+    for name, value in (("RAY_AUTH_TOKEN", "c" * 64), ("RAY_AUTH_MODE", "disabled")):
+        monkeypatch.setenv(name, value)
+        elsewhere.chmod(0o644)
+        assert token_path() is None
+        keep_token_private(new_cluster=True)
+        assert _mode(elsewhere) == 0o644
+        monkeypatch.delenv(name)
+
+
+def test_a_token_open_to_others_that_cannot_be_made_private_is_refused_by_name(home, monkeypatch):
+    token = home / ".ray" / "auth_token"
+    token.parent.mkdir()
+    token.write_text("a" * 64)
+    token.chmod(0o604)
+
+    def refused(path, mode):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "chmod", refused)  # (another user's file)
+    with pytest.raises(ws.ConfigurationError, match=r"auth_token.*readable by other users \(mode 604\)"):
+        keep_token_private(new_cluster=False)
+
+
+def test_a_scheme_that_starts_a_local_cluster_starts_it_on_a_private_token_ray_then_uses(home):
+    script = textwrap.dedent(
+        """
+        import pathlib, stat
+        import ray
+        import weightsync as ws
+        from tests._netns import loopback_only_network
+
+        with loopback_only_network():
+            assert ws.RayWeightSyncScheme().join_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
+            try:
+                token = pathlib.Path.home() / ".ray" / "auth_token"
+                assert ray.get(ray.remote(lambda: 1).remote(), timeout=60) == 1  # (the cluster admits its driver)
+                print(oct(stat.S_IMODE(token.stat().st_mode)), len(token.read_text()))
+            finally:
+                ray.shutdown()
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    ran = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=Path(__file__).parents[1],
+    )
+    if "needs root" in ran.stderr:
+        pytest.skip("a private network namespace needs root here")
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.stdout.split()[-2:] == ["0o600", "64"]

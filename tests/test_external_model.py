@@ -373,6 +373,34 @@ def test_a_background_thread_ended_by_what_is_not_an_exception_says_so_at_every_
         sender.shutdown()
 
 
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_a_take_interrupted_as_it_says_it_took_a_version_leaves_no_version_taken(name):
+    """An interrupt (or an engine's own error) while the worker says it took a version hands nothing out and holds
+    nothing back: the next version is taken and applied (it left the version taken for good, and every later take
+    and receive refused)."""
+    model, sender, receiver, program = _pair(name, lambda m: Program(_spec(m)))
+    try:
+        connect_pair(sender, receiver, timeout=60)
+        engine = receiver._runtime.receiving.engine
+
+        def interrupted(taken):
+            raise KeyboardInterrupt
+
+        engine.ready = interrupted
+        _bump(model, 1)
+        sender.send_async()
+        with pytest.raises(KeyboardInterrupt):
+            receiver.take(timeout=20)
+        del engine.ready
+        _bump(model, 1)
+        sender.send_async()
+        pending = receiver.take(timeout=20)
+        assert pending is not None and pending.version == 2 and pending.apply() == 2
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
 @pytest.mark.parametrize("driven", [False, True], ids=["undriven", "driven"])
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_a_version_taken_whole_as_its_sender_shuts_down_is_applied_and_the_next_take_says_it_went(name, driven):

@@ -150,7 +150,8 @@ class Driver:
 
     def applied(self, context: Any) -> None:
         """A receiver that applies updates itself, whose context is now ``context``, just applied and acked an
-        update (called by the thread that applied it; default: nothing)."""
+        update, or applied one whose ack was lost with its sender (called by the thread that applied it; default:
+        nothing)."""
 
 
 #: The driver of a context that no program drives, and of no context: every answer is the default.

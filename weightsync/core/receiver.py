@@ -160,6 +160,9 @@ class Receiver:
                 self.engine.ready(taken)
             except ConnectionClosedError as exc:  # (its bytes are here whole: applied, as any read before an end)
                 log.info("model %r: version %d taken, unheard: %s", self.where["model_id"], taken[-1].version, exc)
+            except BaseException:  # (an interrupt, an engine's own error: nothing was handed out, nothing held)
+                self._outstanding, self._prepared = None, None
+                raise
         return taken
 
     def _prepare(self, update: Delivery) -> tuple[Delivery, Callable[[], None]] | None:
@@ -437,6 +440,7 @@ class Receiver:
             storage = self.bound.storage
             if storage is not None and storage.device.type == "cuda":
                 self.bound.release()
+                self._written = (self._written[0], None)  # (the views of the sender's memory: the model's own now)
 
     def close(self, timeout: float) -> None:
         """Stop the background thread (waiting at most ``timeout``), give the model memory of its own if it

@@ -65,6 +65,7 @@ class Stager:
                 log.warning("%s: %s; taking again", self._thread.name, exc)
                 with self._cond:
                     self._missed = exc
+                self._stop.wait(STAGER_POLL_S)  # (a pause: one that comes at once again is not a busy loop)
                 continue
             except BaseException as exc:  # noqa: BLE001 - the sender is gone: update_weights says so
                 self._hand(None, exc)

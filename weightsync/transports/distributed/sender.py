@@ -122,8 +122,6 @@ class DistributedSender(Admitting, SenderEngine):
         line_at = {"host": self.listener.address[0], "port": self.listener.address[1]}
         store_set(self.store, "line", self.sealer.seal("line", json.dumps(line_at)))
         self._nonce = ""  # the one-time key's nonce of the version being staged
-        if settings.backend == "nccl":
-            self.store.set("gpu", gpu_identity())
         self.link = Link(sealer=self.sealer)
         self.transports = {
             w: DistributedTransport(w, link=self.link, device=self.device, model_id=sink.model_id, sink=sink)

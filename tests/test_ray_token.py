@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import weightsync as ws
-from weightsync.transports.ray.auth_token import keep_token_private, token_path
+from weightsync.transports.ray.auth_token import keep_token_private, starts_cluster, token_path
 
 
 @pytest.fixture
@@ -84,6 +84,19 @@ def test_a_token_open_to_others_that_cannot_be_made_private_is_refused_by_name(h
     monkeypatch.setattr(os, "chmod", refused)  # (another user's file)
     with pytest.raises(ws.ConfigurationError, match=r"auth_token.*readable by other users \(mode 604\)"):
         keep_token_private(new_cluster=False)
+
+
+def test_a_token_is_made_only_where_ray_would_start_a_cluster_not_join_one(tmp_path, monkeypatch):
+    """``ray.init()`` with no address joins the cluster ``ray start`` left its address for in the temp dir: a token
+    made there (where that cluster runs without one) turned the driver to token mode, and the cluster then ran
+    none of its actors (a review, with Ray 2.60)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert starts_cluster(None, str(tmp_path)) and starts_cluster("local", str(tmp_path))
+    assert not starts_cluster("127.0.0.1:6379", str(tmp_path)) and not starts_cluster("ray://10.0.0.1:10001", None)
+    (tmp_path / "ray_current_cluster").write_text("127.0.0.1:6379")  # (what `ray start --head` leaves)
+    assert not starts_cluster(None, str(tmp_path))
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6380")
+    assert not starts_cluster(None, str(tmp_path / "elsewhere"))
 
 
 def test_a_scheme_that_starts_a_local_cluster_starts_it_on_a_private_token_ray_then_uses(home):

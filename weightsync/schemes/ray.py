@@ -86,12 +86,13 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
         ``RAY_ADDRESS``, else a new local one) in its ``namespace``; ``options`` go to ``ray.init``.
         Returns whether this call initialized Ray."""
         from ..transports.network import await_listener
-        from ..transports.ray.auth_token import keep_token_private
+        from ..transports.ray.auth_token import keep_token_private, starts_cluster
         from ..transports.ray.sender import ray
 
         address = self.address or os.environ.get("RAY_ADDRESS")
-        keep_token_private(new_cluster=not address and not ray().is_initialized())  # (others holding it run code)
-        if ray().is_initialized():
+        joined = ray().is_initialized()  # (a token open to others lets them run code in the cluster: kept private)
+        keep_token_private(new_cluster=not joined and starts_cluster(address, options.get("_temp_dir")))
+        if joined:
             return False
         host, colon, port = (address or "").removeprefix("ray://").rpartition(":")
         if colon and host and port.isdigit():  # (Ray's own connect retries for minutes, past connect_timeout)

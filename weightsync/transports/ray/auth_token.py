@@ -14,11 +14,12 @@ import logging
 import os
 import secrets
 import stat
+import tempfile
 from pathlib import Path
 
 from ...errors import ConfigurationError
 
-__all__ = ["keep_token_private", "token_path"]
+__all__ = ["keep_token_private", "starts_cluster", "token_path"]
 
 log = logging.getLogger("weightsync.ray")
 
@@ -62,14 +63,30 @@ def keep_token_private(new_cluster: bool) -> None:
         log.warning("Ray's token file %s was readable by other users (mode %o): made private (0600)", path, mode)
 
 
-def _create(path: Path) -> None:
-    """A new token at ``path`` (256 random bits in hex, as Ray makes one), private from its first byte (a directory
-    made for it is private too)."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+def starts_cluster(address: str | None, temp_dir: str | None) -> bool:
+    """Whether ``ray.init(address=address)`` starts a new local cluster, as Ray decides it: no address (nor one in
+    ``RAY_ADDRESS``, nor a cluster ``ray start`` left its address for in the temp dir), or ``"local"``."""
+    if address and address.startswith("ray://"):
+        return False
+    from ray._private.services import canonicalize_bootstrap_address  # (what ray.init asks)
+
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:  # (made meanwhile, by another process: made private as any)
-        keep_token_private(new_cluster=False)
-        return
-    with os.fdopen(fd, "w") as out:
-        out.write(secrets.token_hex(32))
+        return canonicalize_bootstrap_address(address, temp_dir) is None  # type: ignore[arg-type]
+    except (ValueError, ConnectionError):  # (an address ray.init refuses itself; "auto" and no cluster)
+        return False
+
+
+def _create(path: Path) -> None:
+    """A new token at ``path`` (256 random bits in hex, as Ray makes one), private from its first byte and whole
+    once it is there (a directory made for it is private too)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, written = tempfile.mkstemp(dir=path.parent, prefix=".auth_token.")  # (0600)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(32))
+        try:
+            os.link(written, path)
+        except FileExistsError:  # (made meanwhile, by another process: made private as any)
+            keep_token_private(new_cluster=False)
+    finally:
+        os.unlink(written)

@@ -71,6 +71,11 @@ def test_bad_arguments():
         ws.MultiProcessWeightSyncScheme(timeout=0)
     with pytest.raises(ws.ConfigurationError, match="max_slots"):
         ws.SharedMemWeightSyncScheme(max_slots=0)
+    # (a shared_mem worker reads the slot of its version while the next is written: with one, every send waited
+    # its whole timeout, then failed; a multiprocess worker copies out of it, and one slot serves)
+    with pytest.raises(ws.ConfigurationError, match="max_slots must be an int of at least 2 or None, got 1"):
+        ws.SharedMemWeightSyncScheme(max_slots=1)
+    assert ws.MultiProcessWeightSyncScheme(max_slots=1).max_slots == 1
     scheme = ws.MultiProcessWeightSyncScheme()
     with pytest.raises(ws.ConfigurationError, match="num_workers"):
         scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2))
@@ -137,6 +142,21 @@ def test_no_sync_receiver_needs_nothing():
     scheme.connect()
     assert scheme.receive() is None and scheme.get_receiver().receive() is False
     scheme.shutdown()
+
+
+def test_a_no_sync_trainers_receiver_config_makes_a_worker_that_moves_nothing():
+    """A trainer on ``no_sync`` hands its workers configs as any scheme does (the main job's
+    ``scheme=no_sync`` failed there on a bare AssertionError: no engine to say where it is)."""
+    sender = ws.NoWeightSyncScheme()
+    sender.init_on_sender(model_id="policy", model=nn.Linear(1, 1), num_workers=2)
+    config = sender.receiver_config(1)
+    assert config["connection"] == {} and config["worker_idx"] == 1
+    worker = ws.from_config(config)
+    worker.init_on_receiver(model_id="policy", model=nn.Linear(1, 1))
+    worker.connect()
+    assert worker.receive() is None and worker.worker_idx == 1
+    worker.shutdown()
+    sender.shutdown()
 
 
 def test_wrong_auth_key_is_refused():

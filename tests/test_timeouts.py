@@ -101,6 +101,33 @@ def test_receive_waits_its_timeout_when_nothing_comes(backend):
     assert within_its_timeout(took, T), took
 
 
+@pytest.mark.parametrize("backend", ["multiprocess", "no_sync"])
+def test_a_calls_own_timeout_is_checked_as_every_bound_is(backend):
+    """``receive``, ``take`` and ``wait_async`` take a bound of their own: one that is not a number of seconds from
+    0 to an hour is refused by name. Unchecked, ``receive(float("inf"))`` and ``receive(1e12)`` never returned,
+    ``-1`` and NaN were taken for 0 (a ``wait_async(-1)`` under ``on_failure="drop"`` dropped a live worker), and
+    others failed inside Python's clock (``OverflowError``); ``take()`` on ``no_sync`` raised a bare
+    ``AssertionError``."""
+    sender = ws.WeightSyncScheme.from_backend(backend, timeout=2, connect_timeout=30, on_failure="drop")
+    sender.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    worker = ws.from_config(sender.receiver_config(0))
+    worker.init_on_receiver(model=nn.Linear(2, 2))
+    connect_pair(sender, worker)
+    try:
+        sender.send_async()
+        for call in (worker.receive, worker.take, sender.wait_async):
+            for bad in (float("inf"), 1e12, 3601, -1, float("nan"), "1", True):
+                with pytest.raises(ws.ConfigurationError, match=rf"{call.__name__}\(timeout\) must be None or a"):
+                    call(bad)
+        pending = worker.take(None)  # (within the scheme's timeout: version 1, or nothing under no_sync)
+        assert (pending is None) if backend == "no_sync" else (pending.version == 1 and pending.apply() == 1)
+        sender.wait_async(None)
+        assert not sender.stats().get("dropped_workers")
+    finally:
+        worker.shutdown()
+        sender.shutdown()
+
+
 def test_a_worker_whose_trainer_was_killed_waits_its_connect_timeout_quietly(tmp_path: Path):
     """A receiver config left by a trainer that was SIGKILLed: the store it names is gone. The worker fails
     within its connect_timeout (torch's client would try twice as long, and print C++ stacks), saying so."""

@@ -125,6 +125,15 @@ def seconds(value: Any, where: str) -> float:
     return float(value)
 
 
+def within(value: Any, default: float, where: str) -> float:
+    """A call's own wait bound: ``default`` for ``None``; else from 0 (look, do not wait) to :data:`MAX_WAIT_S`."""
+    if value is None:
+        return float(default)
+    if not _finite_real(value) or not 0 <= value <= MAX_WAIT_S:
+        raise _refuse(where, f"None or a number of seconds from 0 to {MAX_WAIT_S:g}", value)
+    return float(value)
+
+
 def text(pattern: str | None = None, max_len: int = MAX_TEXT, what: str = "a string") -> Check:
     """A string of at most ``max_len`` characters, printable, matching ``pattern`` (whole) if given."""
     compiled = re.compile(pattern) if pattern is not None else None

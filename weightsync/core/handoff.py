@@ -40,13 +40,13 @@ class SchemeHandoff(SchemeProperties, TransportChoice, options.Declared):
         scheme = {"_target_": f"{cls.__module__}.{cls.__qualname__}", **self.option_values()}
         if self.TRANSPORTS and self.transport_name != self.TRANSPORTS[0].name:
             scheme["transport"] = self.transport_name
-        assert rt.sending is not None and rt.sending.engine is not None
+        engine = rt.sending.engine if rt.sending is not None else None  # (none: a scheme that moves nothing)
         return {
             "_target_": "weightsync.config.make_receiver",
             "scheme": scheme,
             "model_id": rt.model_id,
             "worker_idx": idx,
-            "connection": rt.sending.engine.connection(),
+            "connection": engine.connection() if engine is not None else {},
         }
 
     @classmethod

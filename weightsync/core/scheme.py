@@ -368,11 +368,11 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
             SyncTimeoutError: naming the workers that did not ack in time (with ``on_failure="drop"``,
                 they are dropped instead).
         """
-        rt = self._runtime
+        rt, bound = self._runtime, checks.within(timeout, self.timeout, "wait_async(timeout)")
         with rt.lock:
             rt.require(SENDER_CONNECTED, action="wait_async")
             if rt.sending is not None:
-                rt.sending.wait(self.timeout if timeout is None else timeout)
+                rt.sending.wait(bound)
 
     def receive(self, timeout: float | None = 0.0) -> Any:
         """Apply a pending update, if any; return the weights applied, or ``None``.
@@ -390,7 +390,7 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
             (``background_thread``) what the thread's apply raised, once; what ended the thread, at every call.
         """
         self._runtime.require(RECEIVER_CONNECTED, action="receive")
-        return self._receive(self.timeout if timeout is None else timeout)
+        return self._receive(checks.within(timeout, self.timeout, "receive(timeout)"))
 
     def _receive(self, timeout: float) -> Any:
         rt = self._runtime
@@ -429,7 +429,7 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
                 model_id=self.model_id,
                 worker_idx=rt.worker_idx,
             )
-        taken = rt.receiving.take(self.timeout if timeout is None else timeout)
+        taken = rt.receiving.take(checks.within(timeout, self.timeout, "take(timeout)"))
         return PendingUpdate(rt.receiving, taken) if taken else None
 
     def shutdown(self) -> None:

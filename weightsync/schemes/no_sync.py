@@ -5,7 +5,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from .. import checks
 from ..core.scheme import WeightSyncScheme
+from ..core.states import RECEIVER_CONNECTED
 from ..errors import ConfigurationError
 
 __all__ = ["NoWeightSyncScheme"]
@@ -59,6 +61,11 @@ class NoWeightSyncScheme(WeightSyncScheme, name="no_sync", aliases=("none",), co
     def _receive(self, timeout: float) -> Any:
         self._closing.wait(timeout)
         return None
+
+    def take(self, timeout: float | None = 0.0) -> None:
+        """``None`` after waiting ``timeout``, as another scheme's take when nothing comes."""
+        self._runtime.require(RECEIVER_CONNECTED, action="take")
+        self._receive(checks.within(timeout, self.timeout, "take(timeout)"))
 
     def _close(self, timeout: float) -> None:
         self._closing.set()

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .. import options, registry
+from .. import checks, options, registry
 from ..core.engine import ReceiverEngine, SenderEngine, Sink
 from ..core.facade import WeightReceiver, WeightSender
 from ..core.settings import TransportSettings
@@ -203,7 +203,7 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
             # this scheme's engine (RaySender), or a driver's wrapping it (vLLM engines: VLLMEngines.replace)
             engine: Any = sending.engine
             version = engine.resubmit(worker_idx, actor)
-            deadline = deadline_after(self.timeout if timeout is None else timeout)
+            deadline = deadline_after(checks.within(timeout, self.timeout, "rejoin(timeout)"))
             failures = sending.collect({worker_idx: version}, deadline)
             if failures:
                 sending.mark_dead(worker_idx, failures[worker_idx])

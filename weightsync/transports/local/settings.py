@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
+from ... import checks
 from ...core.settings import TransportSettings
-from ...options import option, positive
+from ...options import Option, option, positive
 
-__all__ = ["MAX_SLOTS", "MPSettings", "SharedMemSettings"]
+__all__ = ["MAX_SLOTS", "MPSettings", "SHARED_MAX_SLOTS", "SharedMemSettings"]
 
-MAX_SLOTS = positive(
+_SLOTS_DOC = (
+    "Shared weight slots the sender may allocate (``None``: ``num_workers + 2``, which no send "
+    "pattern exceeds); fewer make a send wait for lagging workers."
+)
+MAX_SLOTS = positive("max_slots", None, _SLOTS_DOC)
+#: Under ``shared_mem`` a worker reads its model from the slot of the version it holds until it applies the next,
+#: which is written into another: one slot would make every send wait its whole timeout, then fail.
+SHARED_MAX_SLOTS = Option(
     "max_slots",
     None,
-    "Shared weight slots the sender may allocate (``None``: ``num_workers + 2``, which no send "
-    "pattern exceeds); fewer make a send wait for lagging workers.",
+    Optional[int],  # noqa: UP045 - omegaconf 2.3
+    _SLOTS_DOC + " At least 2: a worker reads the slot of the version it holds while the next is written.",
+    checks.optional(checks.integer(2, 2**31 - 1, what="an int of at least 2 or None")),
 )
 
 
@@ -25,3 +36,5 @@ class SharedMemSettings(
     MPSettings, name="shared_mem", transport="weightsync.transports.local.shared_mem:SharedMemTransport"
 ):
     """The channels to local workers that read their model from the shared slots."""
+
+    max_slots: int | None = option(SHARED_MAX_SLOTS)

@@ -267,19 +267,23 @@ def test_no_sync_scheme_moves_nothing(workers):
 
 @pytest.mark.parametrize("per_worker_weights", [False, True])
 def test_send_waits_for_a_free_slot_then_times_out_publishing_nothing(per_worker_weights):
-    """With one slot, a shared-memory worker pins it: the next send cannot get a slot and must not half-publish."""
+    """With two slots, a shared-memory worker pins the one it reads and the other holds the version it did not take
+    yet: the next send cannot get a slot and must not half-publish. (One slot is refused: every send failed so.)"""
 
     model = build("tiny")
-    scheme = ws.SharedMemWeightSyncScheme(timeout=0.5, max_slots=1, per_worker_weights=per_worker_weights)
+    scheme = ws.SharedMemWeightSyncScheme(timeout=0.5, max_slots=2, sync=False, per_worker_weights=per_worker_weights)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
     replica = build("tiny")
     receiver = in_process_receiver(scheme, replica)
     optimizer_step(model, 1)
+    scheme.send()
+    optimizer_step(model, 2)
     start = time.monotonic()
     with pytest.raises(ws.SyncTimeoutError, match="no free weight slot .* workers \\[0\\] still hold"):
         scheme.send()
     assert 0.5 <= time.monotonic() - start < 3.0
-    assert scheme.version == 0 and receiver.receive() is None and receiver.version == 0
+    assert scheme.version == 1 and receiver.receive(timeout=5) is not None and receiver.version == 1
+    assert receiver.receive() is None and receiver.version == 1
     receiver.shutdown()
     scheme.shutdown()
 
@@ -487,15 +491,19 @@ def test_flatten_sender_publishes_the_trainer_model_with_one_copy(monkeypatch, s
 
 
 def test_flatten_sender_refuses_weights_on_several_devices():
-    model = torch.nn.ParameterDict(
-        {"here": torch.nn.Parameter(torch.zeros(3)), "there": torch.nn.Parameter(torch.zeros(3, device="meta"))}
-    )
-    scheme = ws.SharedMemWeightSyncScheme(flatten_sender=True)
+    from weightsync.tensors.bound import BoundModel
+    from weightsync.tensors.layout import FlatLayout
+
+    # (a second device without a GPU: the meta one, which a scheme refuses before, as it holds no data)
+    flat = {"here": torch.nn.Parameter(torch.zeros(3)), "there": torch.nn.Parameter(torch.zeros(3, device="meta"))}
     with pytest.raises(
         ws.ConfigurationError, match=r"flatten_sender needs every weight on one device; they are on \['cpu', 'meta'\]"
     ):
-        scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
-    assert model["here"].is_cpu and model["there"].is_meta  # nothing moved
+        BoundModel().adopt(flat, FlatLayout.from_weights(flat), "policy")
+    assert flat["here"].is_cpu and flat["there"].is_meta  # nothing moved
+    scheme = ws.SharedMemWeightSyncScheme(flatten_sender=True)
+    with pytest.raises(ws.InvalidWeightsError, match=r"not these: \{'there': 'on the meta device"):
+        scheme.init_on_sender(model_id="policy", model=torch.nn.ParameterDict(flat), num_workers=1)
     scheme.shutdown()
 
 

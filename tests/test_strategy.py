@@ -284,3 +284,36 @@ def test_the_tensordict_format_is_the_unflattened_one(keys):
     assert list(got.keys(True, True)) == list(expected.keys(True, True))
     assert all(got[key] is expected[key] for key in expected.keys(True, True))  # the same tensors: no copy
     assert got.batch_size == expected.batch_size and got.device == expected.device
+
+
+def test_weights_whose_bytes_cannot_be_sent_are_refused_by_name_at_init_and_at_send():
+    """A sparse, nested, quantized or meta tensor among the trainer's weights was taken at ``init_on_sender`` and
+    failed at ``connect()`` inside torch's copy (not naming the tensor; the workers waited their whole
+    ``connect_timeout``); given to ``send(weights=)``, the same. Now refused by name, and nothing is sent."""
+    unsendable = {
+        "sparse_coo": torch.zeros(2, 3).to_sparse(),
+        "nested": torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]),
+        "quantized": torch.quantize_per_tensor(torch.zeros(6), 0.1, 0, torch.qint8),
+        "on the meta device": torch.zeros(2, 3, device="meta"),
+    }
+    for why, tensor in unsendable.items():
+        scheme = ws.MultiProcessWeightSyncScheme()
+        with pytest.raises(ws.InvalidWeightsError, match=rf"not these: \{{'w': '{why}"):
+            scheme.init_on_sender(model_id="policy", weights={"w": tensor, "b": torch.zeros(2)}, num_workers=1)
+        assert scheme.state == "new"
+    scheme = ws.MultiProcessWeightSyncScheme(sync=False)
+    scheme.init_on_sender(model_id="policy", weights={"w": torch.zeros(2, 3)}, num_workers=1)
+    for why in ("sparse_coo", "on the meta device"):
+        with pytest.raises(ws.InvalidWeightsError, match=rf"not these: \{{'w': '{why}"):
+            scheme.prepare_weights({"w": unsendable[why]})
+
+
+def test_a_dotted_key_and_a_nested_one_of_the_same_name_are_refused_not_merged():
+    """``{"a.b": x, "a": {"b": y}}`` flattened to one ``a.b`` (``y``), and ``x`` was dropped without a word."""
+    for weights in (
+        {"a.b": torch.zeros(1), "a": {"b": torch.ones(1)}},
+        {"a": {"b": torch.ones(1)}, "a.b": torch.zeros(1)},
+    ):
+        with pytest.raises(ws.InvalidWeightsError, match="two weights are named 'a.b'"):
+            ws.WeightStrategy().flat(weights)
+    assert list(ws.WeightStrategy().flat({"a": {"b": torch.ones(1)}, "a.c": torch.ones(1)})) == ["a.b", "a.c"]

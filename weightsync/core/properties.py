@@ -13,7 +13,7 @@ from ..metrics import SendMetrics, SendRecord
 from ..model_path import resolve_weights
 from ..tensors.bound import one_device
 from ..tensors.copies import in_shared_memory
-from ..tensors.strategy import flatten_weights
+from ..tensors.strategy import check_sendable, flatten_weights
 from .external import ExternalModel
 from .runtime import Runtime
 from .states import RECEIVER_CONNECTED, RECEIVING, SENDER_CONNECTED, SENDING
@@ -232,7 +232,10 @@ class SchemeProperties:
         if weights is None and rt.model is not None and (model_id or rt.model_id) == rt.model_id:
             weights = rt.model
         source = resolve_weights(weights, context, model_id or rt.model_id)
-        return strategy.flat(source) if detach else flatten_weights(source, strategy.extract_as)
+        flat = strategy.flat(source) if detach else flatten_weights(source, strategy.extract_as)
+        if source is not rt.model:  # (the registered model was checked at init: its sends stay as cheap)
+            check_sendable(flat, model_id=model_id or rt.model_id)
+        return flat
 
     @property
     def sender_transports(self) -> dict[int, Any]:

@@ -30,7 +30,7 @@ from ..errors import ConfigurationError, LifecycleError, WeightSyncError
 from ..model_path import resolve_model
 from ..options import option
 from ..tensors.layout import FlatLayout, wire_dtype_from_name
-from ..tensors.strategy import WeightStrategy
+from ..tensors.strategy import WeightStrategy, check_sendable
 from .drivers import driver_for, driver_of
 from .engine import ReceiverEngine, SenderEngine, Sink
 from .facade import SchemeFacades
@@ -202,6 +202,7 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
         flat = rt.strategy.flat(rt.model)
         if not flat:
             raise ConfigurationError("the model has no weights to synchronize", model_id=rt.model_id)
+        check_sendable(flat, model_id=rt.model_id)
         return FlatLayout.from_weights(flat, wire_dtype_from_name(self.wire_dtype))
 
     def init_on_receiver(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:

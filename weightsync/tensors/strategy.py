@@ -44,6 +44,8 @@ def _flatten_mapping(src: Mapping, prefix: str, out: dict[str, Any]) -> None:
         name = f"{prefix}{key}"
         if isinstance(value, Mapping) and not isinstance(value, torch.Tensor):
             _flatten_mapping(value, name + ".", out)
+        elif name in out:  # (a dotted key and a nested one: the one flat name for two values)
+            raise InvalidWeightsError(f"two weights are named {name!r} once flattened (a dotted key and a nested one)")
         else:
             out[name] = value
 
@@ -75,6 +77,24 @@ def flatten_weights(source: Any, extract_as: str = "tensordict") -> dict[str, to
     if bad:
         raise InvalidWeightsError(f"weights must be tensors; non-tensor values at {bad}")
     return out
+
+
+def check_sendable(flat: Mapping[str, torch.Tensor], **where: Any) -> None:
+    """Raise :class:`InvalidWeightsError` naming each tensor whose bytes cannot be sent: one that is not dense in
+    memory (sparse or another layout, nested, quantized), or has no data (the meta device)."""
+    bad = {k: why for k, t in flat.items() if (why := _not_dense(t)) is not None}
+    if bad:
+        raise InvalidWeightsError(f"only dense tensors that hold data can be sent; not these: {bad}", **where)
+
+
+def _not_dense(tensor: torch.Tensor) -> str | None:
+    if tensor.is_nested:
+        return "nested"
+    if tensor.layout is not torch.strided:
+        return str(tensor.layout).removeprefix("torch.")
+    if tensor.is_quantized:
+        return "quantized"
+    return "on the meta device (no data)" if tensor.is_meta else None
 
 
 def _is_tensordict(source: Any) -> bool:

@@ -170,6 +170,33 @@ def test_main_job_exits_1_on_a_failed_verification_after_every_sweep_job_ran(tmp
     assert "did not match the trainer's for 0:b, 1:a\n" in sweep.stderr
 
 
+_ERRING_JOB = """
+import weightsync.app.main as main
+from weightsync.errors import ConfigurationError
+row = dict(scheme="multiprocess", model_mb=1.0, workers=1, sync=True, rounds=2, median_ms=1.0, p95_ms=1.0, gb_s=1.0)
+
+def run_job(cfg, progress=None):
+    if cfg.seed == 1:
+        raise ConfigurationError("schemes.policy: timeout must be a positive number of seconds, got -1.0")
+    return [{**row, "model": "a", "verified": "yes"}]
+
+main.run_job = run_job
+main.main()
+"""
+
+
+def test_a_sweep_job_that_ends_on_an_error_is_named_at_the_end_and_the_others_still_run(tmp_path):
+    """One job of a multirun refused (its overrides a bad value) ended the whole sweep: the jobs after it never ran,
+    and no report was written. Now each job runs, the report holds the failed one's error, and the sweep exits 2 as
+    a single run refused so does."""
+    sweep = _run(["-c", _ERRING_JOB, "-m", "seed=1,2", f"hydra.sweep.dir={tmp_path}"])
+    assert sweep.returncode == 2, sweep.stderr
+    table = (tmp_path / "results.md").read_text()
+    assert "| 0 |  | - |" in table and "| error: ConfigurationError: schemes.policy: timeout" in table, table
+    assert "| 1 | multiprocess | a |" in table and (tmp_path / "results.png").exists()
+    assert "sweep jobs that ended on an error: 0 (ConfigurationError: schemes.policy: timeout" in sweep.stderr
+
+
 def test_main_job_without_ray_says_which_extra_to_install(tmp_path):
     hidden = "import sys; sys.modules['ray'] = None; import weightsync.app.main as m; m.main()"  # as if not installed
     out = _run(["-c", hidden, "scheme=ray", "num_workers=1", *SMALL, f"hydra.run.dir={tmp_path}"], timeout=60)

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from ..config.store import register_scheme_group
 from ..errors import WeightSyncError
 from .job import JobConfig, run_job
-from .report import RESULTS_FILE, failed_models, markdown_table, verification_error
+from .report import RESULTS_FILE, error_row, failed_models, markdown_table, verification_error
 
 __all__ = ["main"]
 
@@ -44,18 +44,20 @@ def _app(cfg: DictConfig) -> None:
         # disable=None: no bar where stderr is not a terminal (a file, a pipe), where it would run into the table
         return tqdm(rounds, desc="rounds", unit="round", disable=None if cfg.progress else True, leave=False)
 
+    hydra_cfg = HydraConfig.get()
     try:
         rows = run_job(cfg, progress=progress)
     except WeightSyncError as exc:
         log.error("%s", exc)
         print(f"weightsync: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode != RunMode.MULTIRUN:
+            sys.exit(2)
+        rows = [error_row(exc)]  # (a sweep's other jobs run, and its end names this one)
     overrides = " ".join(hydra_cfg.overrides.task)
     rows = [{**row, "overrides": overrides} for row in rows]
     (Path(hydra_cfg.runtime.output_dir) / RESULTS_FILE).write_text(json.dumps(rows, indent=1))
     print(markdown_table(rows))
-    for row in rows:
+    for row in (row for row in rows if "median_ms" in row):  # (a sweep's job that ended on an error timed nothing)
         log.info(
             "model %r: median send %s ms, p95 %s ms, %s GB/s over %d rounds; verified: %s", row["model"],
             row["median_ms"], row["p95_ms"], row["gb_s"], row["rounds"], row["verified"],

@@ -15,6 +15,8 @@ from omegaconf import DictConfig
 __all__ = [
     "COLUMNS",
     "SweepReport",
+    "error_row",
+    "failed_jobs",
     "failed_models",
     "markdown_table",
     "series_labels",
@@ -36,12 +38,27 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str] = COLUMNS) -> 
 
 def failed_models(rows: list[dict[str, Any]]) -> list[str]:
     """The rows whose verification failed (a report that did not match, or none at all), as ``job:model``
-    (``model`` for a single run). A row passes with ``yes``, or ``n/a`` where the scheme moves nothing."""
+    (``model`` for a single run). A row passes with ``yes``, or ``n/a`` where the scheme moves nothing; a sweep's
+    job that ended on an error is :func:`failed_jobs`'."""
     return [
         f"{row['job']}:{row['model']}" if "job" in row else str(row["model"])
         for row in rows
-        if not (row["verified"] == "yes" or str(row["verified"]).startswith("n/a"))
+        if not (row["verified"] == "yes" or str(row["verified"]).startswith(("n/a", ERROR)))
     ]
+
+
+ERROR = "error: "
+
+
+def error_row(exc: BaseException) -> dict[str, Any]:
+    """The one row of a sweep's job that ended on ``exc`` (its configuration refused, its workers lost)."""
+    said = " ".join(str(exc).split())
+    return {"model": "-", "verified": f"{ERROR}{type(exc).__name__}: {said[:300]}"}
+
+
+def failed_jobs(rows: list[dict[str, Any]]) -> list[str]:
+    """The sweep's jobs that ended on an error, as ``job (the error)``."""
+    return [f"{row['job']} ({row['verified'][len(ERROR) :]})" for row in rows if str(row["verified"]).startswith(ERROR)]
 
 
 def verification_error(failed: list[str]) -> str:
@@ -63,7 +80,9 @@ def write_sweep_report(sweep_dir: Path) -> list[dict[str, Any]]:
         writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    _plot(rows, sweep_dir / "results.png")
+    timed = [row for row in rows if "median_ms" in row]  # (a job that ended on an error timed nothing)
+    if timed:
+        _plot(timed, sweep_dir / "results.png")
     return rows
 
 
@@ -132,7 +151,10 @@ class SweepReport(Callback):
         if rows:
             print(f"\nAll jobs ({sweep_dir}/results.md, results.csv, results.png):\n")
             print(markdown_table(rows, ["job", *COLUMNS, "overrides"]))
-        failed = failed_models(rows)
-        if failed:  # after every job ran and the table is written: a sweep exits 1 as a single run does
+        failed, erred = failed_models(rows), failed_jobs(rows)
+        if erred:
+            print(f"weightsync: error: sweep jobs that ended on an error: {', '.join(erred)}", file=sys.stderr)
+        if failed:
             print(verification_error(failed), file=sys.stderr)
-            sys.exit(1)
+        if erred or failed:  # after every job ran and the table is written: a sweep exits as a single run does
+            sys.exit(2 if erred else 1)

@@ -76,11 +76,19 @@ def test_bad_arguments():
     with pytest.raises(ws.ConfigurationError, match="max_slots must be an int of at least 2 or None, got 1"):
         ws.SharedMemWeightSyncScheme(max_slots=1)
     assert ws.MultiProcessWeightSyncScheme(max_slots=1).max_slots == 1
+    # (an option of the network schemes: Python's own message named neither the class nor what it takes)
+    with pytest.raises(
+        TypeError, match=r"MultiProcessWeightSyncScheme: got an unexpected keyword argument 'delta'; it"
+    ):
+        ws.MultiProcessWeightSyncScheme(delta=True)
     scheme = ws.MultiProcessWeightSyncScheme()
     with pytest.raises(ws.ConfigurationError, match="num_workers"):
         scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2))
     with pytest.raises(ws.ConfigurationError, match="num_workers must be a positive int"):
         scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=0)
+    for many in (65537, 10**9, 2**63):  # (10**9 ran for a minute, then ended in a bare MemoryError)
+        with pytest.raises(ws.ConfigurationError, match="num_workers must be a positive int of at most 65536"):
+            scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=many)
     with pytest.raises(ws.ConfigurationError, match="unexpected arguments: \\['pipes'\\]"):
         scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1, pipes=[])
     with pytest.raises(ws.ConfigurationError, match="model path"):

@@ -341,7 +341,11 @@ def _constructor(cls: type[Declared]) -> Any:
     def __init__(self: Declared, *args: Any, **kwargs: Any) -> None:
         for name in kwargs.keys() & cls.RENAMED.keys():
             raise ConfigurationError(cls.RENAMED[name])
-        bound = signature.bind(self, *args, **kwargs).arguments
+        try:
+            bound = signature.bind(self, *args, **kwargs).arguments
+        except TypeError as exc:  # (Python's says neither the class nor what it takes)
+            taken = ", ".join(p.name for p in params[1:])
+            raise TypeError(f"{cls.__name__}: {exc}; it takes {taken}") from None
         self._configure(
             {k: v for k, v in bound.items() if k in names},
             {p.name: bound.get(p.name, p.default) for p in cls.EXTRA},

@@ -178,6 +178,8 @@ row = dict(scheme="multiprocess", model_mb=1.0, workers=1, sync=True, rounds=2, 
 def run_job(cfg, progress=None):
     if cfg.seed == 1:
         raise ConfigurationError("schemes.policy: timeout must be a positive number of seconds, got -1.0")
+    if cfg.seed == 3:
+        raise KeyError("an interpolation that names nothing")
     return [{**row, "model": "a", "verified": "yes"}]
 
 main.run_job = run_job
@@ -189,12 +191,14 @@ def test_a_sweep_job_that_ends_on_an_error_is_named_at_the_end_and_the_others_st
     """One job of a multirun refused (its overrides a bad value) ended the whole sweep: the jobs after it never ran,
     and no report was written. Now each job runs, the report holds the failed one's error, and the sweep exits 2 as
     a single run refused so does."""
-    sweep = _run(["-c", _ERRING_JOB, "-m", "seed=1,2", f"hydra.sweep.dir={tmp_path}"])
+    sweep = _run(["-c", _ERRING_JOB, "-m", "seed=1,2,3", f"hydra.sweep.dir={tmp_path}"])
     assert sweep.returncode == 2, sweep.stderr
     table = (tmp_path / "results.md").read_text()
     assert "| 0 |  | - |" in table and "| error: ConfigurationError: schemes.policy: timeout" in table, table
     assert "| 1 | multiprocess | a |" in table and (tmp_path / "results.png").exists()
+    assert "| 2 |  | - |" in table and "| error: KeyError: 'an interpolation that names nothing' |" in table, table
     assert "sweep jobs that ended on an error: 0 (ConfigurationError: schemes.policy: timeout" in sweep.stderr
+    assert "2 (KeyError: 'an interpolation that names nothing')" in sweep.stderr
 
 
 def test_main_job_without_ray_says_which_extra_to_install(tmp_path):

@@ -385,6 +385,9 @@ def test_a_replaced_or_restarted_actor_rejoins_and_gets_the_current_version(delt
     optimizer_step(model, 2)  # the trainer moves on without sending: the newcomer must get version 1
     newcomer = _collectors(1)[0]
     ray.get(newcomer.join.remote(scheme.receiver_config(0), 0))
+    with pytest.raises(ws.ConfigurationError, match=r"rejoin\(timeout\) must be None"):  # (before it is sent anything)
+        scheme.rejoin(0, newcomer, timeout=7200)
+    assert ray.get(newcomer.state.remote())[0] is None
     assert scheme.rejoin(0, newcomer) == 1
     assert ray.get(newcomer.state.remote()) == (1, latest)
     assert scheme.stats()["rejoins"] == {0: 1} and scheme.stats()["dropped_workers"] == {}

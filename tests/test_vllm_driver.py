@@ -447,6 +447,10 @@ def test_a_replaced_engine_serves_the_trainers_weights_as_a_new_version():
         with pytest.raises(ws.WeightSyncError, match="worker 0"):
             scheme.send()
         second = Engine(engine_spec(model))
+        for bad in (7200, -1):  # (refused before the engine is called or the scheme takes the worker back)
+            with pytest.raises(ws.ConfigurationError, match=r"replace\(timeout\) must be None or a number"):
+                engines.replace(0, second, timeout=bad)
+        assert second.calls == [] and engines.clients[0].target is first
         engines.replace(0, second)
         assert second.version == str(scheme.version) == "3" and _same(second, model)
         _step(model, 1)

@@ -47,10 +47,13 @@ def _app(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     try:
         rows = run_job(cfg, progress=progress)
-    except WeightSyncError as exc:
-        log.error("%s", exc)
+    except Exception as exc:
+        sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+        if not sweeping and not isinstance(exc, WeightSyncError):
+            raise
+        log.error("%s", exc, exc_info=not isinstance(exc, WeightSyncError))
         print(f"weightsync: error: {exc}", file=sys.stderr)
-        if hydra_cfg.mode != RunMode.MULTIRUN:
+        if not sweeping:
             sys.exit(2)
         rows = [error_row(exc)]  # (a sweep's other jobs run, and its end names this one)
     overrides = " ".join(hydra_cfg.overrides.task)

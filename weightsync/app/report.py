@@ -149,7 +149,8 @@ class SweepReport(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = write_sweep_report(sweep_dir)
         if rows:
-            print(f"\nAll jobs ({sweep_dir}/results.md, results.csv, results.png):\n")
+            plot = ", results.png" if (sweep_dir / "results.png").exists() else ""  # (no job timed: none)
+            print(f"\nAll jobs ({sweep_dir}/results.md, results.csv{plot}):\n")
             print(markdown_table(rows, ["job", *COLUMNS, "overrides"]))
         failed, erred = failed_models(rows), failed_jobs(rows)
         if erred:

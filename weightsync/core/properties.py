@@ -233,7 +233,7 @@ class SchemeProperties:
             weights = rt.model
         source = resolve_weights(weights, context, model_id or rt.model_id)
         flat = strategy.flat(source) if detach else flatten_weights(source, strategy.extract_as)
-        if source is not rt.model:  # (the registered model was checked at init: its sends stay as cheap)
+        if source is not rt.model or rt.skeleton:  # (the registered model was checked at init: its sends stay cheap)
             check_sendable(flat, model_id=model_id or rt.model_id)
         return flat
 

@@ -34,6 +34,8 @@ class Runtime:
         model_id: the model's name or path inside ``context`` (``None`` before init).
         context: the object the model was found in, or the program that drives the scheme.
         model: the registered model (sender: or its weights).
+        skeleton: sender: the registered model holds tensors without data (the meta device): a send that reads it
+            is checked (and refused), and weights must be given (``send(weights=...)``).
         worker_idx: receiver: which worker this is (``None`` until known).
         num_workers: sender: how many workers it serves; a receiver rebuilt from a sender knows it too.
         handoff: what a worker needs to reach its sender (from a pickled sender or a receiver config), else ``None``.
@@ -54,6 +56,7 @@ class Runtime:
     model_id: str | None = None
     context: Any = None
     model: Any = None
+    skeleton: bool = False
     worker_idx: int | None = None
     num_workers: int | None = None
     handoff: dict[str, Any] | None = None

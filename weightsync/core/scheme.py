@@ -202,7 +202,7 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
         flat = rt.strategy.flat(rt.model)
         if not flat:
             raise ConfigurationError("the model has no weights to synchronize", model_id=rt.model_id)
-        check_sendable(flat, model_id=rt.model_id)
+        rt.skeleton = check_sendable(flat, meta_ok=True, model_id=rt.model_id)  # (weights given at each send)
         return FlatLayout.from_weights(flat, wire_dtype_from_name(self.wire_dtype))
 
     def init_on_receiver(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:

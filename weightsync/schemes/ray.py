@@ -199,11 +199,12 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
             raise ConfigurationError(
                 f"worker_idx {worker_idx!r} is not in 0..{len(sending.ledger.peers) - 1}", model_id=self.model_id
             )
+        within = checks.within(timeout, self.timeout, "rejoin(timeout)")  # (before the actor is sent anything)
         with self._runtime.lock:
             # this scheme's engine (RaySender), or a driver's wrapping it (vLLM engines: VLLMEngines.replace)
             engine: Any = sending.engine
             version = engine.resubmit(worker_idx, actor)
-            deadline = deadline_after(checks.within(timeout, self.timeout, "rejoin(timeout)"))
+            deadline = deadline_after(within)
             failures = sending.collect({worker_idx: version}, deadline)
             if failures:
                 sending.mark_dead(worker_idx, failures[worker_idx])

@@ -79,12 +79,20 @@ def flatten_weights(source: Any, extract_as: str = "tensordict") -> dict[str, to
     return out
 
 
-def check_sendable(flat: Mapping[str, torch.Tensor], **where: Any) -> None:
+def check_sendable(flat: Mapping[str, torch.Tensor], *, meta_ok: bool = False, **where: Any) -> bool:
     """Raise :class:`InvalidWeightsError` naming each tensor whose bytes cannot be sent: one that is not dense in
-    memory (sparse or another layout, nested, quantized), or has no data (the meta device)."""
+    memory (sparse or another layout, nested, quantized), or has no data (the meta device: unless ``meta_ok``, for
+    a skeleton whose weights are given at each send). Return whether some tensor is on the meta device."""
     bad = {k: why for k, t in flat.items() if (why := _not_dense(t)) is not None}
+    skeleton = any(why == META for why in bad.values())
+    if meta_ok:
+        bad = {k: why for k, why in bad.items() if why != META}
     if bad:
         raise InvalidWeightsError(f"only dense tensors that hold data can be sent; not these: {bad}", **where)
+    return skeleton
+
+
+META = "on the meta device (no data)"
 
 
 def _not_dense(tensor: torch.Tensor) -> str | None:
@@ -94,7 +102,7 @@ def _not_dense(tensor: torch.Tensor) -> str | None:
         return str(tensor.layout).removeprefix("torch.")
     if tensor.is_quantized:
         return "quantized"
-    return "on the meta device (no data)" if tensor.is_meta else None
+    return META if tensor.is_meta else None
 
 
 def _is_tensordict(source: Any) -> bool:

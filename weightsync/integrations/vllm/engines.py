@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ... import checks
 from ...errors import ConfigurationError, LifecycleError
 from .clients import PAUSE_MODES, PROTOCOL, AsyncLLMClient, EngineClient, LLMClient, RayActorClient
 from .served import HTTPEngineClient
@@ -153,10 +154,11 @@ class VLLMEngines:
                 f"{type(gate.scheme).__name__}'s engine does not take a worker back: a restarted engine cannot rejoin "
                 "it (restart the trainer's scheme instead)"
             )
+        within = checks.within(timeout, gate.core.connect_timeout, "replace(timeout)")  # (before the engine is called)
         old = self.clients[worker_idx]
         self.clients[worker_idx] = engine_client(engine, f"vLLM engine {worker_idx}", self.loop)
         try:
-            gate.rejoin(worker_idx, gate.core.connect_timeout if timeout is None else float(timeout))
+            gate.rejoin(worker_idx, within)
         except BaseException:  # the engine it was to replace is served as before (one that hangs, still joined),
             if not gate.core.is_dead(worker_idx):  # unless the worker is dropped (then its calls go nowhere)
                 self.clients[worker_idx] = old

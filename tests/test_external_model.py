@@ -102,6 +102,11 @@ def _send(sender, receiver) -> None:
     assert receiver.version == wanted and got[-1] is receiver.model  # (an ExternalModel's receive() returns it)
 
 
+def _cancelled(tensors):
+    """A load an async engine cancelled: it raises what is not an ``Exception``."""
+    raise asyncio.CancelledError
+
+
 def _connected_and_one_taken(model, sender, receiver):
     """Connect the pair, send version 1 without waiting, and take it (not applied): return it."""
     connect_pair(sender, receiver, timeout=60)
@@ -328,11 +333,7 @@ def test_an_interrupted_load_or_a_shut_down_scheme_leaves_no_version_taken_for_g
     try:
         first = _connected_and_one_taken(model, sender, receiver)
         load = program.model.load
-
-        def cancelled(tensors):
-            raise asyncio.CancelledError
-
-        program.model.__dict__["load"] = cancelled  # (the frozen ExternalModel's field, for this one apply)
+        program.model.__dict__["load"] = _cancelled  # (the frozen ExternalModel's field, for this one apply)
         with pytest.raises(asyncio.CancelledError):
             first.apply()
         program.model.__dict__["load"] = load
@@ -357,11 +358,7 @@ def test_a_background_thread_ended_by_what_is_not_an_exception_says_so_at_every_
     try:
         receiver.background_thread = True
         connect_pair(sender, receiver, timeout=60)
-
-        def cancelled(tensors):
-            raise asyncio.CancelledError
-
-        program.model.__dict__["load"] = cancelled  # (the frozen ExternalModel's field)
+        program.model.__dict__["load"] = _cancelled  # (the frozen ExternalModel's field)
         _bump(model, 1)
         sender.send_async()
         for _ in range(2):

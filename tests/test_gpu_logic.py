@@ -270,6 +270,31 @@ def test_a_failed_apply_settles_its_gpu_work_before_it_acks(monkeypatch):
     assert calls == ["settle whole=False", "ack RuntimeError"]
 
 
+def test_a_lost_ack_moves_a_model_off_the_senders_gpu_memory_and_reports_its_own_tensors(monkeypatch):
+    # A shared_mem worker on the trainer's GPU memory whose ack cannot reach its gone sender: the model gets memory
+    # of its own at once (the sender's is undefined once it exited), and what receive() hands out from then on is
+    # the model's tensors, not the views of that memory it had before.
+    import types
+
+    from weightsync.errors import ConnectionClosedError
+
+    calls: list[str] = []
+    receiver = _gpu_receiver(monkeypatch, calls)
+    receiver.engine.placement = "share"
+    receiver.bound = types.SimpleNamespace(
+        storage=types.SimpleNamespace(device=torch.device("cuda", 0)), release=lambda: calls.append("release")
+    )
+    mine, view = torch.zeros(2), torch.ones(2)
+    receiver._written = ({"w": mine}, {"w": view})
+
+    def gone(taken, held, error=None):
+        raise ConnectionClosedError("the sender went away (the test's)")
+
+    monkeypatch.setattr(receiver.engine, "ack", gone)
+    receiver._ack([Delivery(1, [])], 1)  # lost, no more
+    assert calls == ["release"] and receiver._written == ({"w": mine}, None)
+
+
 def test_a_worker_that_copies_into_its_model_waits_for_every_stream_before_it_writes(monkeypatch):
     # Inference queued earlier on another stream may still read the model's memory: the copy must not overwrite it
     # under those kernels. A worker whose model moves to the new memory instead writes nothing the model reads.

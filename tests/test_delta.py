@@ -441,6 +441,7 @@ class _Worker:
         #: taken, the bytes of the copy kept for changes and of the model between the two.
         self.taking = taking
         self.between: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.discarding = 0  # with ``taking``: how many of the next versions taken are discarded, not applied
         self._stop = threading.Event()
         self._applied = threading.Condition()  # notified after each version applied
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -461,6 +462,10 @@ class _Worker:
                 elif applied := (pending := self.scheme.take(0.05)) is not None:
                     kept = self.scheme._runtime.receiving.kept.buffer.clone()
                     self.between.append((kept, _flat_bytes(self.model)))
+                    if self.discarding:
+                        self.discarding -= 1
+                        pending.discard()
+                        continue
                     pending.apply()
                 if applied:
                     with self._applied:
@@ -672,6 +677,24 @@ def test_changes_taken_ahead_are_made_whole_before_the_apply_and_a_refusal_is_th
         scheme.send()  # refused when taken, acked so when applied, then sent whole in the same send
         assert worker.scheme.version == 2 and _holds(worker.model, model)
         assert [type(e) for e in worker.errors] == [ws.DeltaBaseError]
+        assert scheme.stats()["changes_sent"] == 1
+    finally:
+        worker.stop()
+        scheme.shutdown()
+
+
+def test_changes_refused_when_taken_and_then_discarded_are_acked_refused_and_sent_whole_in_the_same_send():
+    # The program discarded a version the worker had refused on taking it (its copy is not the base): the ack says
+    # why it was refused (it said "discarded" before), so the sender sends it whole in the same send.
+    model, scheme, (worker,) = _connected(1, taking=True, checksum=True)
+    try:
+        _sparse_step(model, 1)
+        scheme.send()
+        worker.scheme._runtime.receiving.kept.buffer[0] ^= 0xFF  # its copy is no longer the sender's bytes
+        worker.discarding = 1
+        _sparse_step(model, 2)
+        scheme.send()
+        assert worker.scheme.version == 2 and _holds(worker.model, model) and worker.discarding == 0
         assert scheme.stats()["changes_sent"] == 1
     finally:
         worker.stop()

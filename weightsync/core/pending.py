@@ -40,8 +40,9 @@ class PendingUpdate:
 
     def discard(self) -> None:
         """Let it go without applying it (a program that will not load it: it must apply or discard each version
-        it takes, or take no other). The sender is told this worker did not apply it (a failure that names it);
-        the model keeps its weights, and the worker takes the next version.
+        it takes, or take no other). The sender is told this worker did not apply it (a failure that names it; a
+        version refused when taken, such as changes against a copy this worker does not hold, with that refusal,
+        and its sender then sends it whole); the model keeps its weights, and the worker takes the next version.
 
         Raises:
             LifecycleError: it was applied or discarded already (after the scheme shut down, it does nothing).

@@ -273,11 +273,13 @@ class Receiver:
         return update.version
 
     def discard(self, taken: list[Delivery]) -> None:
-        """Let ``taken`` go unapplied (:meth:`PendingUpdate.discard`): acked as not applied, with the reason; the
-        model keeps its version, and the next version may be taken."""
+        """Let ``taken`` go unapplied (:meth:`PendingUpdate.discard`): acked as not applied, with the reason (a
+        version refused when taken is acked with its refusal: changes against a copy this worker does not hold
+        are then sent whole); the model keeps its version, and the next version may be taken."""
         self._outstanding, self._prepared = None, None
         where = {**self.where, "version": taken[-1].version}
-        self._ack(taken, self.version, LifecycleError("the worker discarded it, not applied", **where))
+        refused = taken[-1].refusal or self._refusal
+        self._ack(taken, self.version, refused or LifecycleError("the worker discarded it, not applied", **where))
 
     def _ack(self, taken: list[Delivery], held: int | None, error: BaseException | None = None) -> None:
         """Ack ``taken``. An ack its sender is gone to hear is lost, no more: what was applied stays applied (and

@@ -90,6 +90,19 @@ def test_an_option_refused_is_named_and_settings_are_immutable():
         ws.DistributedWeightSyncScheme(transport=settings, bucket_mb=2)
 
 
+@pytest.mark.parametrize("name", sorted(n for n, cls in CLASSES.items() if "track_writes" in cls.option_names()))
+def test_an_option_that_does_nothing_without_another_is_warned_about_not_refused(name, caplog):
+    # track_writes without delta did nothing, silently; refused, it would end a sweep's runs that turn delta off.
+    cls = CLASSES[name]
+    with caplog.at_level("WARNING", logger="weightsync.options"):
+        scheme = cls(track_writes=True)
+    assert scheme.track_writes and "track_writes=True does nothing while delta is off" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="weightsync.options"):
+        cls(track_writes=True, delta="auto"), cls(delta=True)
+    assert not caplog.records
+
+
 def test_a_constructor_written_in_the_class_body_is_kept():
     class Wrapped(ws.MultiProcessWeightSyncScheme):
         def __init__(self, label: str, **kwargs) -> None:

@@ -18,6 +18,7 @@ declarations in step.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
@@ -26,6 +27,8 @@ from typing_extensions import dataclass_transform
 
 from . import checks
 from .errors import ConfigurationError
+
+log = logging.getLogger("weightsync.options")
 
 __all__ = ["Declared", "Option", "option", "positive"]
 
@@ -41,6 +44,8 @@ class Option:
         doc: what it does, in one or two sentences.
         check: validates a given value (``check(value, where)``) and returns it as the option holds it.
         plain: the value as plain data, from what ``check`` returned (default: as it is).
+        needs: the option that gives this one its meaning: given while that one is off, it is warned about
+            (not refused: a sweep that turns the other off keeps its runs).
     """
 
     name: str
@@ -49,6 +54,7 @@ class Option:
     doc: str
     check: checks.Check
     plain: Callable[[Any], Any] | None = None
+    needs: str | None = None
 
     def to_plain(self, value: Any) -> Any:
         return value if self.plain is None else self.plain(value)
@@ -72,8 +78,8 @@ def _wire_dtype(value: Any, where: str) -> str | None:
     return value
 
 
-def _flag(name: str, default: bool, doc: str) -> Option:
-    return Option(name, default, bool, doc, checks.boolean)
+def _flag(name: str, default: bool, doc: str, needs: str | None = None) -> Option:
+    return Option(name, default, bool, doc, checks.boolean, needs=needs)
 
 
 def positive(name: str, default: int | None, doc: str) -> Option:
@@ -236,6 +242,7 @@ TRACK_WRITES = _flag(
     "since the last version, and compare or write only those (a model mostly frozen, or not stepped between two "
     "sends, then costs a small message); the first write to each 4 KB page after a send costs a page fault (about "
     "0.5 us). Where the kernel keeps no such record, every byte is read, as without it (docs/delta.md).",
+    needs="delta",
 )
 
 
@@ -318,6 +325,10 @@ class Declared:
         for o in self.OPTIONS:
             if o.name not in exclude:
                 object.__setattr__(self, _attr(o), o.check(given.get(o.name, o.default), o.name))
+        for o in self.OPTIONS:
+            value = getattr(self, _attr(o), o.default)
+            if o.needs is not None and value != o.default and not getattr(self, o.needs, None):
+                log.warning("%s: %s=%r does nothing while %s is off", type(self).__name__, o.name, value, o.needs)
 
     def option_values(self) -> dict[str, Any]:
         """Every option's value, as plain data (what a config or a receiver config holds)."""

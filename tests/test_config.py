@@ -241,6 +241,7 @@ def test_bad_overrides_fail_in_hydra(override):
         ("models.value.size_mb=inf", "models.value.size_mb must be"),
         ("seed=99999999999999999999", r"seed must be in \[0, 2\*\*63\)"),
         ("scheme.timeout=-1", "schemes.policy: timeout must be a positive number of seconds"),
+        ("scheme=shared_mem scheme.transport.max_slots=1", "schemes.policy.transport: max_slots must be an int"),
         (
             "schemes.value={_target_:weightsync.MultiProcessWeightSyncScheme,timeout:-1}",
             "schemes.value: timeout must be a positive number of seconds",
@@ -256,7 +257,7 @@ def test_the_jobs_own_bad_values_fail_by_name_before_a_worker_starts(override, n
 
     monkeypatch.setattr(job, "_Collector", no_workers)
     with pytest.raises(ws.ConfigurationError, match=named):
-        job.run_job(_main(["rounds=1", "num_workers=1", override]))
+        job.run_job(_main(["rounds=1", "num_workers=1", *override.split()]))
 
 
 def test_receiver_config_is_plain_and_secret_free():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing as mp
+import re
 import statistics
 import threading
 import time
@@ -303,8 +304,11 @@ def _instantiate_scheme(instantiate: Any, scheme_cfg: DictConfig, model_id: str)
         return instantiate(scheme_cfg)
     except Exception as exc:  # Hydra wraps the target's error; surface ours as it is, name the model otherwise
         cause = exc.__cause__ or exc
-        if type(cause) is ConfigurationError:  # a scheme's own check: say which model's scheme it was
-            raise ConfigurationError(f"schemes.{model_id}: {cause.detail}", model_id=cause.model_id) from None
+        if type(cause) is ConfigurationError:  # a scheme's own check: say which model's scheme (and node) it was
+            # Hydra's message says which node's target failed: the scheme's own, or its transport or strategy.
+            node = re.search(r"^full_key: \S*?\b(transport|strategy)$", str(exc), re.MULTILINE)
+            where = f"schemes.{model_id}" + (f".{node.group(1)}" if node else "")
+            raise ConfigurationError(f"{where}: {cause.detail}", model_id=cause.model_id) from None
         if isinstance(cause, WeightSyncError):
             raise cause from None
         raise ConfigurationError(f"schemes.{model_id}: cannot build {scheme_cfg._target_}: {cause}") from exc

@@ -10,6 +10,7 @@ It holds no key and no config. It finds the trainer's store the way any local us
     python -m tests._attack_distributed hello PORT     # worker 0's hello, replaced by JSON 200,000 deep
     python -m tests._attack_distributed rejoin PORT    # a request to rejoin as worker 0, 200,000 deep
     python -m tests._attack_distributed counters PORT  # the rejoin counters, overwritten with words
+    python -m tests._attack_distributed rollback PORT N  # worker 0's count of connections, set back to N
     python -m tests._attack_distributed line PORT      # the line port: a forged proof, and a flood of silent peers
 """
 
@@ -199,6 +200,9 @@ def main(mode: str, port: str, *args: str) -> None:
             print(f"verdict: {store.get(f'verdict/0/{gen}').decode(errors='replace')[:300]}", flush=True)
     elif mode == "line":
         line_port(store, int(args[0]) if args else 72)
+    elif mode == "rollback":  # the next process of worker 0 counts itself as the (N+1)th, as an earlier one did
+        store.set("gen/0", args[0])
+        print(f"gen/0 set back to {store.get('gen/0').decode()}", flush=True)
     elif mode == "counters":
         store.set("rejoins", "not a number")  # an add to it makes the store's server drop the adding client
         restored = wait_until(lambda: store.get("rejoins").isdigit(), deadline_after(20), 0.02)

@@ -383,6 +383,38 @@ def test_what_a_stranger_writes_for_rejoins_leaves_the_admitter_serving(attack, 
         scheme.shutdown()
 
 
+@needs_stranger
+@pytest.mark.parametrize("back_to", [0, 1], ids=["first-start", "rejoin"])
+def test_a_restarted_worker_whose_count_a_stranger_set_back_refuses_the_answer_an_earlier_process_got(back_to):
+    """A restarted worker counts itself (``gen/<w>``, in the store) to know whether it starts the run or rejoins
+    it, then reads the sender's sealed answer to that count. A stranger set the count back: the answer the worker
+    found was one an earlier process of it got, still in the store and still sealed, and the worker went on to
+    apply what it was sent next (with a rank 0 of the stranger's, an old version it knew the bytes of). Each
+    answer now names the process it lets in, by its hello's nonce: the worker refuses the earlier one's."""
+    _, scheme, port = _sender()
+    workers = [_Worker(scheme)]
+    try:
+        scheme.connect()
+        assert workers[0].report()[0] == "connected"
+        for _ in range(back_to):  # a rejoin first, as generation 2: its answer is the one found again
+            workers[-1].proc.kill()
+            workers[-1].proc.join(10)
+            workers.append(_Worker(scheme))
+            assert workers[-1].report()[:2] == ("connected", 0)
+        workers[-1].proc.kill()
+        workers[-1].proc.join(10)
+        done = run_stranger([*ATTACK, "rollback", str(port), str(back_to)], timeout=60)
+        assert f"gen/0 set back to {back_to}" in done.stdout, done.stdout + done.stderr
+        workers.append(_Worker(scheme))
+        got = workers[-1].report()
+        assert got[0] == "refused" and got[1] == "AuthenticationError" and "replayed" in got[2], got
+        assert got[3], "the worker's weights changed"
+    finally:
+        for worker in workers:
+            worker.stop()
+        scheme.shutdown()
+
+
 @pytest.mark.parametrize("alg", MACS)
 def test_an_update_mac_binds_the_bytes_the_version_the_nonce_and_the_layout(alg):
     """Each MAC a worker may be told to use (AES-GMAC, Poly1305, or HMAC-SHA256 where cryptography is missing)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ...errors import TransportError
+from ...errors import AuthenticationError, TransportError
 from ...tensors.layout import FlatLayout
 from ..plainjson import loads_object
 from ..store import MAX_STORE_JSON
@@ -15,7 +15,7 @@ from .auth import MACS, Sealer, layout_tag
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["announcement", "checked_announcement", "sealed_layout", "sealed_object"]
+__all__ = ["addressed", "announcement", "checked_announcement", "sealed_layout", "sealed_object"]
 
 
 def announcement(
@@ -79,6 +79,24 @@ def sealed_object(sealer: Sealer, store: dist.Store, key: str, **where: Any) -> 
         TransportError: it is not a bounded JSON object.
     """
     return loads_object(sealer.open(store.get(key), key, **where), f"store key {key!r}", max_bytes=MAX_STORE_JSON)
+
+
+def addressed(said: dict[str, Any], key: str, nonce: str, **where: Any) -> None:
+    """Check that the verdict ``said`` (read under ``key``) lets in this process of its worker: the one whose hello
+    carried ``nonce`` (the sender names, per worker it lets in, the nonce of the hello it read). A verdict sealed
+    for an earlier process of the worker opens as well: its store key came back when a process that reached the
+    store set the worker's count of connections back, and would let this one apply what that earlier one was sent.
+
+    Raises:
+        AuthenticationError: it lets in another process of this worker, not this one.
+    """
+    nonces = said.get("nonces")
+    if not isinstance(nonces, dict) or nonces.get(str(where["worker_idx"])) != nonce:
+        raise AuthenticationError(
+            f"store key {key!r} answers another process of this worker (an earlier one's answer, replayed: the "
+            "store's count of its connections was set back); refusing it",
+            **where,
+        )
 
 
 def sealed_layout(sealer: Sealer, store: dist.Store, **where: Any) -> tuple[FlatLayout, bytes]:

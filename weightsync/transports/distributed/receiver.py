@@ -41,11 +41,11 @@ from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphane
 from ..processes import process_identity
 from ..store import SILENT_TIMEOUTS, await_key
 from ..storeclient import StoreCalls, dial_store, hung_up_at
-from .auth import NO_BYTES, PayloadMac, Sealer, Unverifiable, proof, run_prefix
+from .auth import NO_BYTES, PayloadMac, Sealer, Unverifiable, new_nonce, proof, run_prefix
 from .doorbell import Doorbell, dial_doorbell
 from .group import GROUP_TIMEOUT_FACTOR, Link, gpu_identity, new_group_within
 from .line import Dialing, Line, PeerClosed
-from .messages import sealed_layout, sealed_object
+from .messages import addressed, sealed_layout, sealed_object
 from .rejoins import ask_to_rejoin
 from .settings import DistributedSettings
 from .transport import MAX_ERROR_TEXT, DistributedTransport
@@ -185,7 +185,7 @@ class DistributedReceiver(ReceiverEngine):
             hello: dict[str, Any] = {"ok": True}
             if refusal is not None:
                 hello = {"ok": False, "type": type(refusal).__name__, "message": str(refusal)[:MAX_ERROR_TEXT]}
-            hello["process"] = process_identity()
+            hello["process"], hello["nonce"] = process_identity(), new_nonce()  # (the verdict names this process by it)
             if self.settings.backend == "nccl":
                 hello["gpu"] = gpu_identity()
             world = int(self.handoff["world_size"])
@@ -202,6 +202,8 @@ class DistributedReceiver(ReceiverEngine):
                     reason = verdict.get(str(w))
                     if reason is not None and not isinstance(reason, str):
                         raise TransportError("store key 'verdict' holds no reason for this worker; refuses it", **where)
+                    if reason is None:
+                        addressed(verdict, "verdict", hello["nonce"], **where)
                 except BaseException:
                     if dialing is not None:
                         dialing.cancel()

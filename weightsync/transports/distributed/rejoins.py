@@ -21,7 +21,7 @@ from ..store import store_count, store_json, store_set
 from ..storeclient import connect_store
 from .auth import Sealer, new_nonce, proof, proven
 from .group import GROUP_TIMEOUT_FACTOR, gpu_identity, new_group_within
-from .messages import announcement, sealed_object
+from .messages import addressed, announcement, sealed_object
 from .transport import MAX_ERROR_TEXT, DistributedTransport
 
 if TYPE_CHECKING:
@@ -78,6 +78,7 @@ def read_hello(store: dist.Store, key: str, key_bytes: bytes, w: int, gen: int) 
         or not isinstance(hello.get("message", ""), str)
         or not (process is None or (isinstance(process, dict) and all(isinstance(k, str) for k in process)))
         or not (gpu is None or isinstance(gpu, str))
+        or not (isinstance(hello.get("nonce"), str) and 0 < len(hello["nonce"]) <= 64)
     ):
         return {}, f"store key {key!r} is not a hello a worker writes"
     return hello, None
@@ -136,6 +137,7 @@ def ask_to_rejoin(
             time.sleep(min(REJOIN_POLL_S, remaining(deadline)))
         said = sealed_object(sealer, store, verdict, **where)
         if said.get("refused") is None:
+            addressed(said, verdict, hello["nonce"], **where)
             return gen, None
         if said.get("again") is not True or remaining(deadline) <= ASK_AGAIN_S:
             note = " (it asked again until its deadline)" if asked else ""
@@ -198,12 +200,13 @@ class RejoinRequests:
         self._seen = asked
         return None
 
-    def answer(self, w: int, gen: int, problem: str | None, sealer: Sealer) -> None:
-        """Tell worker ``w`` (generation ``gen``) whether it may rejoin (``problem``: why not), sealed; a refusal
-        for want of a whole version (:data:`NO_WHOLE_VERSION`) says to ask again."""
+    def answer(self, w: int, gen: int, hello: dict[str, Any], problem: str | None, sealer: Sealer) -> None:
+        """Tell worker ``w`` (generation ``gen``, its request ``hello``) whether it may rejoin (``problem``: why
+        not), sealed; a refusal for want of a whole version (:data:`NO_WHOLE_VERSION`) says to ask again. A process
+        let in is named by its hello's nonce (:func:`~.messages.addressed`)."""
         assert self.store is not None
         key = f"verdict/{w}/{gen}"
-        said: dict[str, Any] = {"ok": True} if problem is None else {"refused": problem}
+        said: dict[str, Any] = {"refused": problem} if problem else {"ok": True, "nonces": {str(w): hello["nonce"]}}
         if problem == NO_WHOLE_VERSION:
             said["again"] = True
         store_set(self.store, key, sealer.seal(key, json.dumps(said)))
@@ -264,7 +267,7 @@ class Admitting:
             hello, problem = read_hello(store, f"rejoin/{w}/{gen}", self.authkey, w, gen)
             if problem is None:
                 problem = self._rejoin_problem(w, hello)
-            requests.answer(w, gen, problem, self.sealer)
+            requests.answer(w, gen, hello, problem, self.sealer)
             if problem is not None:
                 log.warning("model %r: refused worker %d connecting again: %s", self.sink.model_id, w, problem)
                 return None

@@ -173,10 +173,13 @@ class DistributedSender(Admitting, SenderEngine):
             refused: dict[int, WeightSyncError] = {}
             # NCCL refuses two ranks on one GPU, and only at the first transfer: name it now, by worker.
             holders = {gpu_identity(): "the sender"} if self.settings.backend == "nccl" else {}
-            verdict = {}
+            verdict: dict[str, Any] = {}
+            nonces = {}  # each process let in, by its hello's nonce (messages.addressed)
             for w, key in enumerate(hellos):
                 hello, problem = read_hello(self.store, key, self.authkey, w, 1)
                 self.hellos[w] = hello
+                if problem is None:
+                    nonces[str(w)] = hello["nonce"]
                 if problem is not None:
                     verdict[str(w)] = problem
                     refused[w] = AuthenticationError(f"{problem}: refused", model_id=model_id, worker_idx=w)
@@ -195,7 +198,7 @@ class DistributedSender(Admitting, SenderEngine):
                 elif hello.get("gpu"):
                     holders[hello["gpu"]] = f"worker {w}"
             lines = self._take_lines(set(range(self.num_workers)) - set(refused), deadline)
-            said = {**verdict, "lines": sorted(lines)}  # (a worker not named there is reached through its doorbell)
+            said = {**verdict, "lines": sorted(lines), "nonces": nonces}  # (a worker not in lines: its doorbell)
             store_set(self.store, "verdict", self.sealer.seal("verdict", json.dumps(said)))
             # Anyone who reaches the store may claim a rank of the group as it forms: the wait ends at the deadline.
             self.link.pg = new_group_within(

@@ -182,6 +182,27 @@ def test_a_cpu_engines_stager_runs_on_a_core_vllm_keeps_off_its_compute_threads_
         assert engine._cpu is cpu, device  # (a GPU engine neither loads ahead nor moves its stager)
 
 
+def test_an_init_whose_receiver_config_is_refused_leaves_the_engine_its_receiver():
+    # vLLM's routes take any caller's init: one with a config that is no receiver's shut the engine's receiver down
+    # first, and every update after it failed until the trainer initialised the engine again. (No engine: the
+    # backend's call itself.)
+    from weightsync.integrations.vllm.backend import WeightsyncEngine, WeightsyncInitInfo
+
+    class Serving:
+        stopped = False
+
+        def shutdown(self) -> None:
+            self.stopped = True
+
+    config = type("Config", (), {"parallel_config": None, "model_config": None})()
+    engine = WeightsyncEngine(None, config, torch.device("cpu"), torch.nn.Linear(2, 2))
+    engine.scheme = serving = Serving()
+    for receiver in ({}, {"_target_": "os.system", "command": "true"}, {"scheme": "pigeon"}):
+        with pytest.raises(ws.ConfigurationError):
+            engine.init_transfer_engine(WeightsyncInitInfo(receiver=receiver))
+        assert engine.scheme is serving and not serving.stopped, receiver
+
+
 def test_versions_sent_as_their_changes_alone_are_what_the_engine_generates(llm, model_dirs):
     # The engine's worker keeps a copy of the version it was sent, applies the changes to it, and hands vLLM's
     # loader the whole version: what it computes is the trainer's model, version after version.

@@ -701,6 +701,40 @@ def test_changes_refused_when_taken_and_then_discarded_are_acked_refused_and_sen
         scheme.shutdown()
 
 
+@TRACKED
+def test_a_worker_whose_model_ties_two_names_the_trainer_keeps_apart_ends_as_a_whole_send_leaves_it(track):
+    # (state_dict names both.) A whole send writes the first name, then the second over the memory they share: the
+    # second's bytes win. Under track_writes the changes of the first were written alone, and the worker's model held
+    # bytes of the first no whole send leaves there.
+    class Net(torch.nn.Module):
+        def __init__(self, tie: bool) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(20000, 64)  # 5 MB each: the second's chunks are apart from the first's
+            self.head = torch.nn.Linear(64, 20000, bias=False)
+            if tie:
+                self.head.weight = self.emb.weight
+
+    torch.manual_seed(0)
+    trainer, replica = Net(tie=False), Net(tie=True)
+    scheme = ws.DistributedWeightSyncScheme(
+        timeout=20, connect_timeout=60, delta="auto", track_writes=track, strategy="state_dict"
+    )
+    scheme.init_on_sender(model_id="policy", model=trainer, num_workers=1)
+    worker = _Worker(scheme, 0, replica)
+    joining = threading.Thread(target=worker.scheme.connect)
+    joining.start()
+    scheme.connect()
+    joining.join(30)
+    worker.start()
+    try:
+        with torch.no_grad():
+            trainer.emb.weight[1, :5] += 1.0  # changes in the first name's first chunk alone
+        scheme.send()
+        assert torch.equal(replica.emb.weight, trainer.head.weight)  # what a whole send leaves
+    finally:
+        _stop(scheme, [worker])
+
+
 def _second_copy_not_the_base(**kw) -> tuple:
     """Two workers that took version 1's changes; worker 1's copy of it is then no longer the sender's bytes, and
     the trainer takes a step (``kw``: the scheme's options)."""

@@ -220,7 +220,7 @@ def _scan(
                 # (lanes cut out of the 8-byte word in a register; lane 0 is the low bits: little-endian)
                 w = np.uint64(new64[u])
                 x = w ^ np.uint64(old64[u])
-                old64[u] = new64[u]
+                old64[u] = w  # (the word read once: what is sent and what is kept are the same bytes)
                 if dense:
                     for lane in range(per):
                         at[n] = first + u * per + lane

@@ -99,6 +99,29 @@ def test_bad_arguments():
         receiver.init_on_receiver(model_id="policy", model=nn.Linear(2, 2), worker_idx=0)
 
 
+def test_worker_ids_take_numpys_ints_and_refuse_what_names_no_worker_by_name():
+    import numpy as np
+
+    from weightsync.core.workers import check_worker_idx, targets
+
+    # (numpy's ints were refused, a list of them as "not workers of this scheme (valid: 0..1)", as num_workers took
+    # them; a dict was taken as its keys)
+    assert targets(np.int64(1), 2, "policy") == [1] and targets([np.int32(1), 0], 2, "policy") == [0, 1]
+    assert check_worker_idx(np.int64(1), 2, "policy") == 1 and type(targets([np.int64(1)], 2, None)[0]) is int
+    assert targets([], 2, "policy") == []  # (published for workers that rejoin: test_ray.py)
+    refused = [
+        ({0: 1}, "must be None, an int or a list"),
+        ("01", "must be None"),
+        ([True], r"\[True\]"),
+        ([1.0], r"\[1.0\]"),
+        ([-1, np.int64(2)], r"\[-1, np.int64\(2\)\]"),
+        ([0, np.int64(0)], "duplicates"),
+    ]
+    for bad, named in refused:
+        with pytest.raises(ws.ConfigurationError, match=named):
+            targets(bad, 2, "policy")
+
+
 def test_pickle_keeps_configuration_only():
     scheme = ws.SharedMemWeightSyncScheme(strategy="state_dict", sync=False, timeout=7, per_worker_weights=True)
     clone = pickle.loads(pickle.dumps(scheme))

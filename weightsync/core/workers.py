@@ -7,7 +7,7 @@ Each function takes what it checks and the model's name (for the error), and rai
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..errors import ConfigurationError
@@ -35,13 +35,19 @@ def check_num_workers(num_workers: Any, model_id: str | None) -> int | None:
     return int(num_workers)
 
 
+def _index(value: Any) -> int | None:
+    """``value`` as a worker's index, if it is an int (numpy's too; not a bool); ``None`` where it is none."""
+    return None if isinstance(value, bool) or not isinstance(value, numbers.Integral) else int(value)
+
+
 def check_worker_idx(worker_idx: Any, num_workers: int | None, model_id: str | None) -> int:
-    """``worker_idx``, a non-negative int, below ``num_workers`` when that is known."""
-    if isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or worker_idx < 0:
+    """``worker_idx``, a non-negative int (numpy's too), below ``num_workers`` when that is known."""
+    idx = _index(worker_idx)
+    if idx is None or idx < 0:
         raise ConfigurationError(f"worker_idx must be a non-negative int, got {worker_idx!r}", model_id=model_id)
-    if num_workers is not None and worker_idx >= num_workers:
-        raise ConfigurationError(f"worker_idx {worker_idx} out of range for {num_workers} workers", model_id=model_id)
-    return worker_idx
+    if num_workers is not None and idx >= num_workers:
+        raise ConfigurationError(f"worker_idx {idx} out of range for {num_workers} workers", model_id=model_id)
+    return idx
 
 
 def same_worker(worker_idx: Any, num_workers: int | None, made_for: int | None, model_id: str | None) -> int:
@@ -58,19 +64,21 @@ def same_worker(worker_idx: Any, num_workers: int | None, made_for: int | None, 
 
 
 def targets(worker_ids: int | Iterable[int] | None, num_workers: int, model_id: str | None) -> list[int]:
-    """The workers ``worker_ids`` names, sorted: one index, several, or ``None`` for all ``num_workers``."""
+    """The workers ``worker_ids`` names, sorted: one index, several (numpy's ints too), or ``None`` for all
+    ``num_workers`` (an empty list names none: the version is published for workers that rejoin)."""
     if worker_ids is None:
         return list(range(num_workers))
-    ids = [worker_ids] if isinstance(worker_ids, int) and not isinstance(worker_ids, bool) else worker_ids
-    try:
-        ids = list(ids)  # type: ignore[arg-type]  # a bool is refused just below, with the others
-    except TypeError:
-        raise ConfigurationError(f"worker_ids must be None, an int or a list of ints, got {worker_ids!r}") from None
-    bad = [w for w in ids if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < num_workers]
+    one = _index(worker_ids)
+    given = [worker_ids] if one is not None else worker_ids
+    if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Iterable):
+        raise ConfigurationError(f"worker_ids must be None, an int or a list of ints, got {worker_ids!r}")
+    given = list(given)
+    ids = [_index(w) for w in given]
+    bad = [g for g, w in zip(given, ids) if w is None or not 0 <= w < num_workers]
     if bad:
         raise ConfigurationError(
             f"worker_ids {bad} are not workers of this scheme (valid: 0..{num_workers - 1})", model_id=model_id
         )
     if len(set(ids)) != len(ids):
         raise ConfigurationError(f"worker_ids has duplicates: {ids}", model_id=model_id)
-    return sorted(ids)
+    return sorted(int(w) for w in ids if w is not None)

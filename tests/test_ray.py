@@ -455,6 +455,28 @@ def test_an_actor_rejoins_after_sends_that_reached_no_one_and_the_shut_down_send
     assert (engine._staging, engine.newest, engine._unstaged) == (None, None, None)
 
 
+def test_a_rejoin_that_times_out_names_its_own_timeout():
+    # (it waited its own, and named the scheme's: "within 20s")
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=20, on_failure="drop")
+    actors = _joined(scheme, model, n=1)
+    newcomer = None
+    try:
+        scheme.connect()
+        ray.kill(actors[0], no_restart=True)
+        optimizer_step(model, 1)
+        scheme.send()  # worker 0 dropped
+        newcomer = _collectors(1)[0]
+        ray.get(newcomer.join.remote(scheme.receiver_config(0), 0))
+        newcomer.busy.remote(5)  # (the rejoin's call waits behind it)
+        with pytest.raises(ws.SyncTimeoutError, match=r"no ack for version 1 within 1s"):
+            scheme.rejoin(0, newcomer, timeout=1)
+    finally:
+        scheme.shutdown()
+        if newcomer is not None:
+            ray.kill(newcomer)
+
+
 def test_actor_that_cannot_apply_reports_to_the_sender():
     model = build("tiny")
     scheme = ws.RayWeightSyncScheme(timeout=20)

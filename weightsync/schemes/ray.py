@@ -205,7 +205,7 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
             engine: Any = sending.engine
             version = engine.resubmit(worker_idx, actor)
             deadline = deadline_after(within)
-            failures = sending.collect({worker_idx: version}, deadline)
+            failures = sending.collect({worker_idx: version}, deadline, within)
             if failures:
                 sending.mark_dead(worker_idx, failures[worker_idx])
                 raise_failures(failures, model_id=self.model_id, version=version)

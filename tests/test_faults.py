@@ -876,3 +876,27 @@ def test_a_wait_that_times_out_names_its_own_timeout_not_the_schemes():
     finally:
         receiver.shutdown()
         scheme.shutdown()
+
+
+def test_an_engines_own_time_out_of_a_version_a_wait_reported_is_not_reported_again():
+    # An RPC's own time-out equals the send's: it could land just after send() raised SyncTimeoutError for that
+    # version, and the next send_async() raised it again (having published its version all the same).
+    from weightsync.core.ledger import Ledger, Peer
+
+    ledger = Ledger("policy", peers={0: Peer(sent=1, acked=0)})
+    assert list(ledger.timeouts([0], {0: 1}, "3s")) == [0]  # the wait's report
+
+    def found(error: ws.WeightSyncError) -> dict:
+        ledger.errors[0] = error
+        return ledger.take_errors([0])
+
+    assert found(ws.SyncTimeoutError("no ack for version 1 within 3s", worker_idx=0, version=1)) == {}
+    assert found(ws.SyncTimeoutError("no ack for version 0", worker_idx=0, version=0)) == {}
+    for later in (
+        ws.SyncTimeoutError("no ack for version 2 within 3s", worker_idx=0, version=2),
+        ws.ReceiverError("ValueError", "bad", worker_idx=0, version=1),  # (not a time-out: reported)
+    ):
+        assert found(later) == {0: later}
+    ledger.renew(0, 3)  # a new process of the worker: its time-outs are its own
+    again = ws.SyncTimeoutError("no ack for version 1 within 3s", worker_idx=0, version=1)
+    assert found(again) == {0: again}

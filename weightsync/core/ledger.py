@@ -18,6 +18,8 @@ class Peer:
     acked: int | None = None
     #: ``time.perf_counter()`` when :attr:`acked` last moved (the per-worker ack times of send metrics).
     acked_at: float = float("-inf")
+    #: The newest version a wait reported this worker timed out on (:meth:`Ledger.timeouts`).
+    timed_out: int | None = None
 
 
 @dataclass
@@ -45,8 +47,15 @@ class Ledger:
         return [w for w in workers if w not in self.dead]
 
     def take_errors(self, workers: list[int] | dict[int, int]) -> dict[int, WeightSyncError]:
-        """The failures found earlier for ``workers`` (each reported once)."""
-        return {w: self.errors.pop(w) for w in list(self.errors) if w in workers}
+        """The failures found earlier for ``workers`` (each reported once: an engine's own time-out of a version,
+        found after a wait reported that the worker timed out on it, or on a later one, was reported then)."""
+        taken = {w: self.errors.pop(w) for w in list(self.errors) if w in workers}
+        return {w: e for w, e in taken.items() if not self._reported(w, e)}
+
+    def _reported(self, worker: int, error: WeightSyncError) -> bool:
+        reported = self.peers[worker].timed_out
+        timed_out = error.version if isinstance(error, SyncTimeoutError) else None
+        return timed_out is not None and reported is not None and timed_out <= reported
 
     def missing(self, expected: dict[int, int], failures: dict[int, WeightSyncError]) -> list[int]:
         """Live workers of ``expected`` (none of ``failures``) that have not acked their version yet."""
@@ -75,7 +84,7 @@ class Ledger:
         """``worker`` is a new process, sent ``sent``: alive, with no failure and no ack yet."""
         self.dead.pop(worker, None)
         self.errors.pop(worker, None)
-        self.peers[worker].acked, self.peers[worker].sent = None, sent
+        self.peers[worker].acked, self.peers[worker].sent, self.peers[worker].timed_out = None, sent, None
 
     @staticmethod
     def overtaken(error: WeightSyncError, answered: int | None) -> bool:
@@ -86,8 +95,9 @@ class Ledger:
         return timed_out is not None and answered is not None and timed_out < answered
 
     def timeouts(self, workers: list[int], expected: dict[int, int], within: str) -> dict[int, WeightSyncError]:
-        """A :class:`SyncTimeoutError` for each of ``workers`` still without its ack of ``expected``."""
-        return {
+        """A :class:`SyncTimeoutError` for each of ``workers`` still without its ack of ``expected`` (recorded: the
+        engine's own time-out of that version, found later, is the same failure)."""
+        found: dict[int, WeightSyncError] = {
             w: SyncTimeoutError(
                 f"no ack for version {expected[w]} within {within} (last acked: {self.peers[w].acked})",
                 model_id=self.model_id,
@@ -97,3 +107,6 @@ class Ledger:
             for w in workers
             if not self.has_acked(w, expected[w])
         }
+        for w in found:
+            self.peers[w].timed_out = max(expected[w], self.peers[w].timed_out or 0)
+        return found

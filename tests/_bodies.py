@@ -326,6 +326,39 @@ def hung_worker_costs_one_timeout(scheme, workers, timeout=2.0, device=""):
     scheme.shutdown()
 
 
+def a_worker_dropped_alive_hears_it_was_dropped(scheme, workers):
+    """RPC (``on_failure="drop"``): a worker hung past the timeout is dropped; once it runs again, it hears so
+    (``ConnectionClosedError`` naming the drop) within a few of its looks at the sender (RPC tells a process
+    nothing of a peer no call of its waits on, and the store outlives the sender's agent: it waited for versions
+    for good, holding the last one it got). The other worker is served on."""
+    import os
+    import signal
+
+    from weightsync.core.timing import deadline_after, wait_until
+
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, ready = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    assert all(errors == {} for _, _, errors in ready)
+    scheme.timeout = 2.0
+    os.kill(group.procs[1].pid, signal.SIGSTOP)
+    try:
+        optimizer_step(model, 1)
+        scheme.send()  # worker 1 dropped
+    finally:
+        os.kill(group.procs[1].pid, signal.SIGCONT)
+    assert scheme.stats()["dropped_workers"].keys() == {1}
+    heard: dict = {}
+    assert wait_until(lambda: heard.update(group.ask(1, "closed")) or heard, deadline_after(20), 0.2), heard
+    assert "the sender dropped this worker (" in heard["policy"], heard
+    optimizer_step(model, 2)
+    scheme.send()
+    assert group.ask(0, "state")["policy"] == (2, checksum(model, scheme.strategy.extract_as))
+    assert group.ask(0, "closed") == {}
+    group.stop()
+    scheme.shutdown()
+
+
 def rpc_shutdown_waits_a_bounded_time_for_workers_that_stay(scheme, workers):
     """RPC: a clean shutdown is a barrier of the whole RPC world (so TensorPipe logs no closed connection). Workers
     that heard the trainer's goodbye but do not shut down (``serve`` goes on looping) hold the trainer's

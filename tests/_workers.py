@@ -118,6 +118,7 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
         log = [(mid, s.version, checksum(models[mid], extract[mid])) for mid, s in schemes.items() if mid not in errors]
         cmd.send(("ready", log, errors))
         log = []
+        closed: dict[str, str] = {}  # why each model's sender ended, as the worker heard it
         channels = [  # local schemes: wake up when the sender writes; other engines are polled
             s.receiver_transport.channel.connection
             for s in schemes.values()
@@ -139,7 +140,8 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
                             got = scheme.get_receiver().receive(block)
                         else:
                             got = scheme.receive(block) is not None
-                    except ws.ConnectionClosedError:
+                    except ws.ConnectionClosedError as exc:
+                        closed.setdefault(mid, str(exc))
                         channels = []
                         continue
                     except ws.WeightSyncError as exc:
@@ -158,6 +160,8 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
                         with getattr(s, "weights_lock", None) or threading.RLock():
                             state[mid] = (s.version, checksum(models[mid], extract[mid]))
                     cmd.send(state)
+                elif op == "closed":  # why each model's sender ended, as this worker heard it
+                    cmd.send(closed)
                 elif op == "storage":  # where the model's first parameter lives now, and its storage object
                     storage = next(models[args[0]].parameters()).untyped_storage()
                     cmd.send((storage.data_ptr(), storage._cdata))

@@ -50,6 +50,7 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str
         "restarted_worker_is_refused_with_the_reason",
         "hung_worker_costs_one_timeout::on_failure=raise",
         "hung_worker_costs_one_timeout::on_failure=drop",
+        "a_worker_dropped_alive_hears_it_was_dropped::on_failure=drop",
         "connect_waits_its_timeout_for_absent_workers::connect_timeout=2",
         "a_worker_that_joins_then_dies_costs_connect_its_timeout::connect_timeout=4",
         "an_agent_whose_world_did_not_form_is_stopped::connect_timeout=10",

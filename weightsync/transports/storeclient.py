@@ -245,11 +245,14 @@ class Probe:
     def _check(self) -> None:
         failed = None
         try:
-            self.store.check([self.KEY])
+            self._ask()
         except (RuntimeError, dist.DistError) as exc:
             failed = first_line(exc)
         with self._lock:
             self._out, self._failed = False, failed
+
+    def _ask(self) -> None:  # one check, in the probe's thread: raises where the store does not answer
+        self.store.check([self.KEY])
 
     def close(self, timeout: float) -> None:
         """End the check that is out, if one is (its store's connection is shut down: the store's client is

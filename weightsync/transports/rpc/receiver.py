@@ -17,7 +17,15 @@ from ...tensors.layout import FlatLayout
 from ..store import SILENT_TIMEOUTS
 from ..storeclient import hung_up_at
 from .mailbox import Arrival, drop_mailbox, mailbox
-from .session import Session, default_worker_name, join_worker_session, leave_session, sender_gone, start_agent
+from .session import (
+    Session,
+    default_worker_name,
+    join_worker_session,
+    leave_session,
+    sender_gone,
+    sender_said,
+    start_agent,
+)
 
 __all__ = ["RPCReceiver"]
 
@@ -100,6 +108,9 @@ class RPCReceiver(ReceiverEngine):
         reason = sender_gone(self.session)
         if reason is not None:
             raise ConnectionClosedError(f"the sender went away ({reason})", **self.where)
+        said = sender_said(self.session, self.where["model_id"], self.where["worker_idx"])
+        if said is not None:  # (a worker RPC cannot take back into its world: this one's part is over)
+            raise ConnectionClosedError(said, **self.where)
 
     def _delivery(self, arrived: list[Arrival]) -> Delivery:
         update, refusal = arrived[-1], None

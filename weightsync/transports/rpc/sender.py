@@ -12,7 +12,7 @@ from ...core.timing import remaining, shown_seconds
 from ...errors import ReceiverError, SyncTimeoutError, WeightSyncError, first_line
 from ...tensors.layout import FlatLayout
 from ..staging import Staging, StagingPool
-from .session import SENDER_NAME, Session, leave_session, open_sender_session, start_agent
+from .session import SENDER_NAME, Session, leave_session, open_sender_session, say_ended, start_agent
 from .settings import RPCSettings
 from .transport import RPCTransport
 
@@ -207,12 +207,17 @@ class RPCSender(SenderEngine):
         self.transports[worker].in_flight.clear()
         if self.pool is not None:
             self.pool.retire(worker)  # RPC cannot cancel a send: what it still writes must not change
+        # (a worker dropped alive, a stalled one, is told: RPC cannot take its rank back into the world)
+        say_ended(self.session, self.sink.model_id, worker, f"the sender dropped this worker ({reason})")
 
     def close(self, timeout: float) -> None:
         clean = self._connected  # every worker alive heard the goodbye: the whole world is shutting down
         for w, transport in self.transports.items():
             alive = self._connected and not self.sink.is_dead(w)
-            clean = alive and transport.close(min(timeout, CLOSE_WAIT_S)) and clean
+            heard = alive and transport.close(min(timeout, CLOSE_WAIT_S))
+            if alive and not heard:  # (one that did not hear it reads it in the store: say_ended)
+                say_ended(self.session, self.sink.model_id, w, "the sender shut down")
+            clean = heard and clean
         self.transports.clear()
         self.pool = None
         if self.session is not None:

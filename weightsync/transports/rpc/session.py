@@ -37,7 +37,9 @@ __all__ = [
     "join_worker_session",
     "leave_session",
     "open_sender_session",
+    "say_ended",
     "sender_gone",
+    "sender_said",
     "session",
     "start_agent",
 ]
@@ -174,7 +176,7 @@ def join_worker_session(handoff: dict[str, Any], timeout: float, silence: float,
             int(handoff["counter"]),
             store,
             users=1,
-            probe=Probe(store, hangup, "weightsync-rpc-probe"),
+            probe=_Listening(store, hangup, "weightsync-rpc-probe"),
         )
         return _SESSION
 
@@ -316,6 +318,50 @@ def _restore_environment(sess: Session) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+#: The longest last word of a sender a worker reads (characters).
+MAX_WORD = 2000
+
+
+def _ended(model_id: str | None, worker_idx: int) -> str:
+    return f"weightsync-ended/{model_id}/{worker_idx}"
+
+
+class _Listening(Probe):
+    """A worker's probe of its sender's store that also looks, in each check, for the sender's last word to each
+    of the worker's models (:func:`say_ended`)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.watched: set[str] = set()
+        self.said: dict[str, str] = {}
+
+    def _ask(self) -> None:
+        super()._ask()
+        for key in [k for k in list(self.watched) if k not in self.said]:
+            if self.store.check([key]):
+                self.said[key] = self.store.get(key)[: 4 * MAX_WORD].decode("utf-8", "replace")[:MAX_WORD]
+
+
+def say_ended(sess: Session | None, model_id: str | None, worker_idx: int, word: str) -> None:
+    """Leave in the session's store (the sender's: it answers at once) why the sender serves worker ``worker_idx``
+    no more (it dropped it, or shut down without its goodbye reaching it): RPC tells a process nothing of a peer no
+    call of its is waiting on, and the store outlives the agent (torch keeps it), so without this word a worker
+    left alive waited for versions for good (:func:`sender_said`)."""
+    if sess is not None and sess.store is not None and sess.owned:
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            sess.store.set(_ended(model_id, worker_idx), word[:MAX_WORD])
+
+
+def sender_said(sess: Session, model_id: str | None, worker_idx: int) -> str | None:
+    """The sender's last word to worker ``worker_idx`` of ``model_id`` (:func:`say_ended`), once a check of the
+    worker's probe found it; ``None`` until then. Never blocks (asked by the probe's next check)."""
+    if not isinstance(sess.probe, _Listening):
+        return None
+    key = _ended(model_id, worker_idx)
+    sess.probe.watched.add(key)
+    return sess.probe.said.get(key)
 
 
 def sender_gone(sess: Session) -> str | None:

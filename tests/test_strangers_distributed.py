@@ -415,6 +415,36 @@ def test_a_restarted_worker_whose_count_a_stranger_set_back_refuses_the_answer_a
         scheme.shutdown()
 
 
+def test_a_worker_that_rejoins_twice_refuses_its_own_earlier_rejoins_answer_found_again():
+    # (its hello's nonce was made once per process: a live worker dropped twice, whose count was set back after its
+    # first rejoin, read that rejoin's answer again, which named its own nonce, and went on to the pair's old keys)
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    from weightsync.core.timing import deadline_after, wait_until
+    from weightsync.transports.distributed.auth import new_nonce
+    from weightsync.transports.distributed.rejoins import RejoinRequests, ask_to_rejoin, read_hello
+
+    base = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store, key, where = dist.PrefixStore("run", base), b"k" * 32, {"model_id": "policy", "worker_idx": 0}
+    sealer = Sealer(key, "run")
+    requests = RejoinRequests("run", ("127.0.0.1", base.port), 1, "policy")
+    requests.store = store  # (the sender's rejoin thread, answering the request it reads)
+    hello = {"ok": True, "process": None, "nonce": new_nonce()}  # (the process's, kept for its rejoins)
+    store.set("gen/0", "1")
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(ask_to_rejoin, store, key, sealer, 2, hello, time.monotonic() + 20, where)
+        assert wait_until(lambda: store.check(["rejoin/0/2"]), deadline_after(10), 0.01)
+        read, problem = read_hello(store, "rejoin/0/2", key, 0, 2)
+        assert problem is None, problem
+        requests.answer(0, 2, read, None, sealer)
+        assert first.result(20) == (2, None)
+    store.set("gen/0", "1")  # set back: the second rejoin counts itself 2 again, and finds the first one's answer
+    with pytest.raises(ws.AuthenticationError, match="replayed"):
+        ask_to_rejoin(store, key, sealer, int(store.add("gen/0", 1)), hello, time.monotonic() + 2, where)
+
+
 @pytest.mark.parametrize("alg", MACS)
 def test_an_update_mac_binds_the_bytes_the_version_the_nonce_and_the_layout(alg):
     """Each MAC a worker may be told to use (AES-GMAC, Poly1305, or HMAC-SHA256 where cryptography is missing)

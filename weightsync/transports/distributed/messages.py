@@ -82,18 +82,19 @@ def sealed_object(sealer: Sealer, store: dist.Store, key: str, **where: Any) -> 
 
 
 def addressed(said: dict[str, Any], key: str, nonce: str, **where: Any) -> None:
-    """Check that the verdict ``said`` (read under ``key``) lets in this process of its worker: the one whose hello
-    carried ``nonce`` (the sender names, per worker it lets in, the nonce of the hello it read). A verdict sealed
-    for an earlier process of the worker opens as well: its store key came back when a process that reached the
-    store set the worker's count of connections back, and would let this one apply what that earlier one was sent.
+    """Check that the verdict ``said`` (read under ``key``) answers this request of its worker: the one whose hello
+    carried ``nonce``, made for it (the sender names, per worker it lets in, the nonce of the hello it read). A
+    verdict sealed for an earlier request (an earlier process of the worker, or this one's earlier rejoin) opens as
+    well: its store key came back when a process that reached the store set the worker's count of connections
+    back, and would let this one apply what was sent after that earlier answer.
 
     Raises:
-        AuthenticationError: it lets in another process of this worker, not this one.
+        AuthenticationError: it answers another request of this worker, not this one.
     """
     nonces = said.get("nonces")
     if not isinstance(nonces, dict) or nonces.get(str(where["worker_idx"])) != nonce:
         raise AuthenticationError(
-            f"store key {key!r} answers another process of this worker (an earlier one's answer, replayed: the "
+            f"store key {key!r} answers another request of this worker (an earlier one's answer, replayed: the "
             "store's count of its connections was set back); refusing it",
             **where,
         )

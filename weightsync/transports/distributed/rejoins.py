@@ -125,6 +125,7 @@ def ask_to_rejoin(
     """
     w, asked = where["worker_idx"], False
     while True:
+        hello = {**hello, "nonce": new_nonce()}  # (each request's own: a process that rejoins twice, too)
         store.set(f"rejoin/{w}/{gen}", json.dumps({**hello, "proof": proof(key, w, gen, hello)}))
         store.add("rejoins", 1)
         verdict = f"verdict/{w}/{gen}"

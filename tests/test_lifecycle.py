@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
+import torch
 from torch import nn
 
 import weightsync as ws
@@ -111,6 +112,8 @@ def test_worker_ids_take_numpys_ints_and_refuse_what_names_no_worker_by_name():
     assert targets([], 2, "policy") == []  # (published for workers that rejoin: test_ray.py)
     refused = [
         ({0: 1}, "must be None, an int or a list"),
+        (np.array(1), "must be None, an int or a list"),
+        (torch.tensor(1), "must be None, an int or a list"),
         ("01", "must be None"),
         ([True], r"\[True\]"),
         ([1.0], r"\[1.0\]"),

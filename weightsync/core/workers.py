@@ -72,7 +72,10 @@ def targets(worker_ids: int | Iterable[int] | None, num_workers: int, model_id: 
     given = [worker_ids] if one is not None else worker_ids
     if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Iterable):
         raise ConfigurationError(f"worker_ids must be None, an int or a list of ints, got {worker_ids!r}")
-    given = list(given)
+    try:
+        given = list(given)
+    except TypeError:  # (a 0-d array or tensor says it is iterable, and is not)
+        raise ConfigurationError(f"worker_ids must be None, an int or a list of ints, got {worker_ids!r}") from None
     ids = [_index(w) for w in given]
     bad = [g for g, w in zip(given, ids) if w is None or not 0 <= w < num_workers]
     if bad:

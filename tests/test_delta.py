@@ -701,21 +701,32 @@ def test_changes_refused_when_taken_and_then_discarded_are_acked_refused_and_sen
         scheme.shutdown()
 
 
-@TRACKED
-def test_a_worker_whose_model_ties_two_names_the_trainer_keeps_apart_ends_as_a_whole_send_leaves_it(track):
-    # (state_dict names both.) A whole send writes the first name, then the second over the memory they share: the
-    # second's bytes win. Under track_writes the changes of the first were written alone, and the worker's model held
-    # bytes of the first no whole send leaves there.
-    class Net(torch.nn.Module):
-        def __init__(self, tie: bool) -> None:
-            super().__init__()
-            self.emb = torch.nn.Embedding(20000, 64)  # 5 MB each: the second's chunks are apart from the first's
-            self.head = torch.nn.Linear(64, 20000, bias=False)
-            if tie:
-                self.head.weight = self.emb.weight
+class _Tied(torch.nn.Module):
+    """An embedding and an output layer of 5 MB each (the second's chunks apart from the first's), the same
+    Parameter under both names where ``tie``."""
 
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(20000, 64)
+        self.head = torch.nn.Linear(64, 20000, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("track", [False, True], ids=["", "track_writes"])
+@pytest.mark.parametrize("trainer_tied", [False, True], ids=["apart", "tied"])
+def test_a_worker_whose_model_ties_two_names_ends_as_a_whole_send_leaves_it(track, trainer_tied, monkeypatch):
+    # (state_dict names both.) A whole send writes the first name, then the second over the memory they share: the
+    # second's bytes win. Under track_writes, where the trainer keeps the two apart, the changes of the first were
+    # written alone, and the worker's model held bytes of the first no whole send leaves there; where the trainer
+    # ties them too (the same bytes under both), the changes alone are written still.
+    from weightsync.core.kept import KeptCopy
+
+    changes_alone: list[bool] = []
+    real = KeptCopy.write_changes
+    monkeypatch.setattr(KeptCopy, "write_changes", lambda *a: changes_alone.append(real(*a)) or changes_alone[-1])
     torch.manual_seed(0)
-    trainer, replica = Net(tie=False), Net(tie=True)
+    trainer, replica = _Tied(tie=trainer_tied), _Tied(tie=True)
     scheme = ws.DistributedWeightSyncScheme(
         timeout=20, connect_timeout=60, delta="auto", track_writes=track, strategy="state_dict"
     )
@@ -727,10 +738,12 @@ def test_a_worker_whose_model_ties_two_names_the_trainer_keeps_apart_ends_as_a_w
     joining.join(30)
     worker.start()
     try:
-        with torch.no_grad():
-            trainer.emb.weight[1, :5] += 1.0  # changes in the first name's first chunk alone
-        scheme.send()
-        assert torch.equal(replica.emb.weight, trainer.head.weight)  # what a whole send leaves
+        for step in (1, 2):
+            with torch.no_grad():
+                trainer.emb.weight[step, :5] += 1.0  # changes in the first name's first chunk alone
+            scheme.send()
+            assert torch.equal(replica.emb.weight, trainer.head.weight), step  # what a whole send leaves
+        assert changes_alone[-1] is (track and trainer_tied), changes_alone
     finally:
         _stop(scheme, [worker])
 

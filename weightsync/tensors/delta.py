@@ -434,18 +434,25 @@ def changed_spans(
     the byte views to write and those to read (:func:`copy_tensors` them), in order, none overlapping.
 
     ``None`` where ``dst`` cannot be written byte for byte (a tensor not contiguous, not on the CPU, or not of its
-    wire dtype), or where two of its names share memory (tied in the worker's model and not in the trainer's, a write
-    under one name shows under the other, which a whole write then overwrites in the layout's order): the caller
-    writes the version whole.
+    wire dtype), or where two of its names share memory and the version's bytes differ under them (tied in the
+    worker's model and not in the trainer's: a write under one name shows under the other, which a whole write then
+    overwrites in the layout's order): the caller writes the version whole. Names tied alike on both sides (the
+    same memory, the same bytes) are written as any other.
     """
     slots = [slot for slot in layout.slots if slot.nbytes]
     for slot in slots:
         tensor = dst[slot.key]
         if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dtype != slot.wire:
             return None
-    held = sorted((dst[s.key].data_ptr(), dst[s.key].data_ptr() + s.nbytes) for s in slots)
-    if any(lo < end for (_, end), (lo, _) in zip(held, held[1:])):
-        return None
+    held = sorted(slots, key=lambda s: dst[s.key].data_ptr())
+    for a, b in zip(held, held[1:]):
+        at_a, at_b = dst[a.key].data_ptr(), dst[b.key].data_ptr()
+        if at_b < at_a + a.nbytes and not (
+            at_a == at_b
+            and a.nbytes == b.nbytes
+            and torch.equal(buffer[a.offset : a.offset + a.nbytes], buffer[b.offset : b.offset + b.nbytes])
+        ):
+            return None
     starts = [lo for lo, _ in changed]
     targets, sources = [], []
     for slot in slots:

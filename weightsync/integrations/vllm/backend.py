@@ -148,7 +148,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
 
     # ------------------------------------------------------------ vLLM's calls
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
-        # A config refused leaves the receiver the engine has serving (vLLM's routes take any caller's).
+        # A config refused leaves the receiver the engine has serving; one that names a trainer it then cannot
+        # join (or whose weights do not fit) ends it: the old one went first, the two never serve at once.
         scheme = from_config(init_info.receiver)
         if getattr(scheme, "background_thread", False):
             raise ConfigurationError(
@@ -158,10 +159,10 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             )
         strategy = scheme.strategy
         assert isinstance(strategy, WeightStrategy)
+        spec, loaded = checkpoint_spec(self.model_config, strategy.extract_as)
         if self.scheme is not None:  # a new trainer (or the same one, restarted): the old receiver goes first
             self.shutdown()
-        self.prepares = init_info.load_ahead and self._cpu
-        spec, self._loaded = checkpoint_spec(self.model_config, strategy.extract_as)
+        self.prepares, self._loaded = init_info.load_ahead and self._cpu, loaded
         prepare = self._prepare if self.prepares else None  # (None: the receiver hands the version to _load alone)
         # (buffers the engine computes itself: a copy of the trainer's in the engine's dtype has them in another)
         ignored = frozenset(spec) - self._loaded

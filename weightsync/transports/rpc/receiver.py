@@ -20,6 +20,7 @@ from .mailbox import Arrival, drop_mailbox, mailbox
 from .session import (
     Session,
     default_worker_name,
+    forget_ended,
     join_worker_session,
     leave_session,
     sender_gone,
@@ -72,6 +73,7 @@ class RPCReceiver(ReceiverEngine):
         self.session = join_worker_session(
             self.handoff, remaining(deadline), SILENT_TIMEOUTS * update_timeout, **self.where
         )
+        forget_ended(self.session, self.where["model_id"], w)
         probe = self.session.probe
         try:
             # The agent's start asks the sender's store, as a stopped sender leaves it: past the deadline, it

@@ -12,7 +12,15 @@ from ...core.timing import remaining, shown_seconds
 from ...errors import ReceiverError, SyncTimeoutError, WeightSyncError, first_line
 from ...tensors.layout import FlatLayout
 from ..staging import Staging, StagingPool
-from .session import SENDER_NAME, Session, leave_session, open_sender_session, say_ended, start_agent
+from .session import (
+    SENDER_NAME,
+    Session,
+    forget_ended,
+    leave_session,
+    open_sender_session,
+    say_ended,
+    start_agent,
+)
 from .settings import RPCSettings
 from .transport import RPCTransport
 
@@ -70,6 +78,8 @@ class RPCSender(SenderEngine):
         if names is None:
             assert master is not None
             self.session = open_sender_session(master, num_workers + 1, sink.connect_timeout)
+            for w in range(num_workers):
+                forget_ended(self.session, sink.model_id, w)
         self.transports = {
             w: RPCTransport(w, names[w] if names else None, model_id=sink.model_id, sink=sink)
             for w in range(num_workers)

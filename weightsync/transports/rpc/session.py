@@ -34,6 +34,7 @@ __all__ = [
     "Session",
     "agent_running",
     "default_worker_name",
+    "forget_ended",
     "join_worker_session",
     "leave_session",
     "open_sender_session",
@@ -342,6 +343,19 @@ class _Listening(Probe):
         for key in [k for k in list(self.watched) if k not in self.said]:
             if self.store.check([key]):
                 self.said[key] = self.store.get(key)[: 4 * MAX_WORD].decode("utf-8", "replace")[:MAX_WORD]
+
+
+def forget_ended(sess: Session, model_id: str | None, worker_idx: int) -> None:
+    """A new scheme of ``model_id`` for worker ``worker_idx`` in ``sess`` (the session outlives one scheme of
+    it: another keeps it): what the sender said to an earlier one is not said to it. Called by the sender's
+    side as it opens (the word is deleted from the store), and by the worker's as it joins (its probe forgets
+    it)."""
+    key = _ended(model_id, worker_idx)
+    if isinstance(sess.probe, _Listening):
+        sess.probe.said.pop(key, None)
+    elif sess.store is not None and sess.owned:
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            sess.store.delete_key(key)
 
 
 def say_ended(sess: Session | None, model_id: str | None, worker_idx: int, word: str) -> None:

@@ -266,3 +266,26 @@ def test_connect_names_a_worker_process_that_exited_before_it_connected_at_once(
     assert f"worker process doomed (pid {proc.pid}) exited with code 3 before it connected" in str(caught.value)
     assert "workers [0, 1] have not connected" in str(caught.value)
     assert took < 30  # spawning takes seconds; the timeout is 60 s
+
+
+def test_a_worker_pays_for_its_strategys_format_at_connect_not_at_its_first_receive():
+    # (tensordict costs seconds to import: the first receive() imported it after its ack, and the worker's next
+    # ack came that much later; a sender with a short timeout dropped a healthy worker)
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import sys, torch, weightsync as ws
+from tests._workers import in_process_receiver
+sender = ws.MultiProcessWeightSyncScheme(timeout=20)
+sender.init_on_sender(model_id="policy", model=torch.nn.Linear(2, 2), num_workers=1)
+before = "tensordict" in sys.modules
+receiver = in_process_receiver(sender, torch.nn.Linear(2, 2))
+print(before, "tensordict" in sys.modules)
+receiver.shutdown()
+sender.shutdown()
+"""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "True"], done.stdout + done.stderr[-2000:]

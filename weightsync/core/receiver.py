@@ -110,6 +110,8 @@ class Receiver:
     def connect(self, timeout: float, background_thread: bool = False) -> None:
         """Join the sender and apply the initial version (engines that push: it arrives as a call)."""
         deadline = deadline_after(timeout)
+        if not isinstance(self.model, ExternalModel):  # (what receive() returns is the strategy's format)
+            self.strategy.warm()
         self.engine.join(deadline, self._check, self.update_timeout)
         if not self.engine.pushes:
             while self.version is None:

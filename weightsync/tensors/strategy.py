@@ -176,6 +176,12 @@ class WeightStrategy:
         """
         return {k: v.detach() for k, v in flatten_weights(source, self.extract_as).items()}
 
+    def warm(self) -> None:
+        """Import what :meth:`format` needs now (tensordict costs seconds): a worker's first ``receive()`` paid
+        it after its ack, and its next ack came that much later (a sender with a short ``timeout`` dropped it)."""
+        if self.extract_as == "tensordict":
+            import tensordict  # noqa: F401
+
     def format(self, flat: Mapping[str, torch.Tensor]) -> Any:
         """Pack a flat dict into this strategy's output format (no copy): a ``TensorDict`` or a ``dict``."""
         if self.extract_as == "state_dict":

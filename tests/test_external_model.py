@@ -323,6 +323,30 @@ def test_a_version_taken_can_be_discarded_the_sender_is_told_and_the_next_one_co
         sender.shutdown()
 
 
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem"])
+def test_versions_a_program_keeps_hold_no_memory_of_the_engine_once_applied_or_shut_down(name):
+    # A program that keeps the last PendingUpdate it handled (a variable, a list of them) kept the engine's slot
+    # mapped, or its segment's descriptor open, past the worker's shutdown().
+    def mapped() -> list[str]:
+        with open("/proc/self/maps") as maps:
+            return [line for line in maps if "weightsync" in line]
+
+    before = len(mapped())
+    model, sender, receiver, program = _pair(name, lambda m: Program(_spec(m)))
+    try:
+        first = _connected_and_one_taken(model, sender, receiver)
+        assert first.apply() == 1
+        _bump(model, 1)
+        sender.send_async()
+        second = receiver.take(timeout=20)
+        assert second is not None and second.version == 2
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+    assert len(mapped()) == before, mapped()  # (first and second are still held here)
+    assert first.version == 1 and second.version == 2
+
+
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_an_interrupted_load_or_a_shut_down_scheme_leaves_no_version_taken_for_good(name):
     """A load that raises what is not an ``Exception`` (an async engine's cancelled load, an interrupt) lets the

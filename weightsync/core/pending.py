@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 from ..errors import LifecycleError
@@ -26,6 +27,7 @@ class PendingUpdate:
         self._receiver, self._taken = receiver, taken
         self.version: int = taken[-1].version
         self._done = False
+        receiver.pending = weakref.ref(self)  # (its shutdown lets go of the bytes this holds: :meth:`release`)
 
     def apply(self) -> int:
         """Apply it (and ack it); return the version the worker now holds.
@@ -36,7 +38,10 @@ class PendingUpdate:
                 kept its weights.
         """
         self._claim()
-        return self._receiver.apply(self._taken)
+        try:
+            return self._receiver.apply(self._taken)
+        finally:
+            self.release()
 
     def discard(self) -> None:
         """Let it go without applying it (a program that will not load it: it must apply or discard each version
@@ -49,9 +54,18 @@ class PendingUpdate:
         """
         if self._receiver.closed:  # (shut down: the engine let everything go already)
             self._done = True
+            self.release()
             return
         self._claim()
-        self._receiver.discard(self._taken)
+        try:
+            self._receiver.discard(self._taken)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Let go of the version's bytes (once it was applied or discarded, or its scheme shut down): a shared
+        slot's mapping, a segment's descriptor, held for as long as the program keeps this object."""
+        self._taken = []
 
     def _claim(self) -> None:
         """Mark it done, unless it was applied or discarded already, or its scheme shut down (raised)."""

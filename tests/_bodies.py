@@ -327,10 +327,10 @@ def hung_worker_costs_one_timeout(scheme, workers, timeout=2.0, device=""):
 
 
 def a_worker_dropped_alive_hears_it_was_dropped(scheme, workers):
-    """RPC (``on_failure="drop"``): a worker hung past the timeout is dropped; once it runs again, it hears so
-    (``ConnectionClosedError`` naming the drop) within a few of its looks at the sender (RPC tells a process
-    nothing of a peer no call of its waits on, and the store outlives the sender's agent: it waited for versions
-    for good, holding the last one it got). The other worker is served on."""
+    """``on_failure="drop"``: a worker hung past the timeout is dropped; once it runs again, it hears so
+    (``ConnectionClosedError`` naming the drop), where an RPC worker waited for versions for good (RPC tells a
+    process nothing of a peer no call of its waits on, and the store outlives the sender's agent) and a local one
+    heard that its sender had shut down (it may rejoin). The other worker is served on."""
     import os
     import signal
 

@@ -121,6 +121,11 @@ def test_hung_worker_costs_one_timeout_then_is_raised_or_dropped(workers, name, 
 
 
 @pytest.mark.parametrize("name", LOCAL)
+def test_a_worker_dropped_alive_hears_it_was_dropped(workers, name):
+    bodies.a_worker_dropped_alive_hears_it_was_dropped(_scheme(name, on_failure="drop"), workers)
+
+
+@pytest.mark.parametrize("name", LOCAL)
 @pytest.mark.parametrize("policy", ["raise", "drop"])
 def test_closed_channel_is_named_or_dropped(workers, name, policy):
     model, scheme, group = _connected(name, workers, on_failure=policy)

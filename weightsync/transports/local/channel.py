@@ -115,19 +115,19 @@ class Channel:
     def connection(self) -> Connection:
         return self._conn
 
-    def send(self, msg: dict[str, Any]) -> None:
-        """Send one message. Raises :class:`ConnectionClosedError` if the peer is gone."""
+    def send(self, msg: dict[str, Any], timeout: float = SEND_TIMEOUT) -> None:
+        """Send one message (``timeout``: how long the peer may leave its buffer full). Raises
+        :class:`ConnectionClosedError` if the peer is gone, or took nothing in time."""
         data = json.dumps(msg, separators=(",", ":")).encode()
         with self._send_lock:
-            self._send_bytes(data)
+            self._send_bytes(data, timeout=timeout)
 
-    def _send_bytes(self, data: bytes, fds: list[int] | None = None) -> None:
+    def _send_bytes(self, data: bytes, fds: list[int] | None = None, timeout: float = SEND_TIMEOUT) -> None:
         """Write ``data`` as one frame, then (with ``fds``) one byte carrying those descriptors, all of it within
-        :data:`SEND_TIMEOUT` (else the channel is closed: a frame written in part leaves nothing readable after
-        it)."""
+        ``timeout`` (else the channel is closed: a frame written in part leaves nothing readable after it)."""
         out = memoryview(frame(data))
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-        deadline = deadline_after(SEND_TIMEOUT)
+        deadline = deadline_after(timeout)
         try:
             while out or rights:
                 try:
@@ -140,7 +140,7 @@ class Channel:
                     if remaining(deadline) <= 0:
                         self.close()
                         raise ConnectionClosedError(
-                            f"{self.peer} did not take a message within {shown_seconds(SEND_TIMEOUT)} "
+                            f"{self.peer} did not take a message within {shown_seconds(timeout)} "
                             "(it stopped reading); closed the channel"
                         ) from None
                     self._writable.poll(poll_ms(remaining(deadline)))

@@ -9,6 +9,7 @@ receiver copies them into the worker's own model and acks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -40,6 +41,8 @@ __all__ = ["Ack", "MPTransport", "Update"]
 
 #: Seconds a worker waits for a slot's descriptor once the message announcing it arrived (it follows at once).
 FD_WAIT_S = 5.0
+#: The longest reason a sender gives a worker it dropped (characters).
+MAX_REASON = 2000
 #: A worker waiting for an update looks this often whether the sender's process is still there: its death closes
 #: the channel, unless a process it forked holds the channel's end too.
 PEER_LOOK_S = 0.5
@@ -109,8 +112,17 @@ class MPTransport(PeerTransport, TransportBackend):
         self._pins: dict[int, cuda.Pinned] = {}  # by slot
         self._unmapped: dict[int, tuple[int, int]] = {}  # host slots whose mapping failed: descriptor, bytes
         self.closed_by_sender = False
+        self.ended = "the sender has shut down"  # what a receive says once the sender closed its end
 
     # ------------------------------------------------------------ sender side
+    def dropped(self, reason: str) -> None:
+        """The sender gave up on this worker (dead, or dropped after a timeout): say why, where the worker's buffer
+        takes it at once (a stalled worker's may be full), and close the channel. A worker that comes back to life
+        reads why, then the end, and may rejoin (a new receiver from its config or pickled scheme)."""
+        with contextlib.suppress(WeightSyncError):
+            self.channel.send({"op": "dropped", "reason": reason[:MAX_REASON]}, timeout=0.0)
+        self.channel.close()
+
     def notify(self, slot: SharedSlot | DeviceSlot, version: int, report_taken: bool = False) -> None:
         """Tell the worker that ``slot`` holds ``version``; ship the slot's descriptor (or CUDA share) on first use.
         ``report_taken``: the worker is to say when it took it (:meth:`wait_taken`).
@@ -236,7 +248,7 @@ class MPTransport(PeerTransport, TransportBackend):
             raise TypeError(f"unexpected arguments {sorted(kwargs)}")
         updates: list[Update] = []
         if self.closed_by_sender:
-            raise ConnectionClosedError("the sender has shut down", worker_idx=self.worker_idx)
+            raise ConnectionClosedError(self.ended, worker_idx=self.worker_idx)
         deadline = deadline_after(timeout or 0.0)
         # A slot's share comes in a message of its own, ahead of the update that names it: the wait goes on until
         # an update (or the deadline), never ends on a share alone.
@@ -262,7 +274,7 @@ class MPTransport(PeerTransport, TransportBackend):
                 continue
             self._read(msg, updates)
         if not updates and self.closed_by_sender:
-            raise ConnectionClosedError("the sender has shut down", worker_idx=self.worker_idx)
+            raise ConnectionClosedError(self.ended, worker_idx=self.worker_idx)
         return updates
 
     def _read(self, msg: dict[str, Any] | None, updates: list[Update]) -> None:
@@ -282,6 +294,10 @@ class MPTransport(PeerTransport, TransportBackend):
                 self._unmap(int(msg["slot"]))
             elif op == "bye":
                 self.closed_by_sender = True
+                return
+            elif op == "dropped":
+                self.closed_by_sender = True
+                self.ended = f"the sender dropped this worker ({str(msg.get('reason'))[:MAX_REASON]})"
                 return
             else:
                 raise TransportError(f"unexpected message {op!r} from the sender", worker_idx=self.worker_idx)

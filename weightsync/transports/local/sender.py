@@ -300,10 +300,8 @@ class LocalSender(SenderEngine):
         for pool in self.pools.values():
             # Its slots are rewritten only once its process exited: dropped after a timeout, it may still read one.
             pool.drop_worker(worker, process)
-        # A worker given up on (dead, or dropped after a timeout) finds its channel closed if it comes back
-        # to life, and may rejoin.
         if transport is not None:
-            transport.channel.close()
+            transport.dropped(reason)
 
     # ---------------------------------------------------------------- sending
     def _pool_key(self, worker: int) -> _PoolKey:

@@ -125,6 +125,34 @@ def test_worker_ids_take_numpys_ints_and_refuse_what_names_no_worker_by_name():
             targets(bad, 2, "policy")
 
 
+def _init_in_fork(scheme, conn) -> None:
+    try:
+        scheme.init_on_receiver(model_id="policy", model=nn.Linear(2, 2), worker_idx=0)
+        conn.send("initialized")
+    except ws.WeightSyncError as exc:
+        conn.send(f"{type(exc).__name__}: {exc}")
+
+
+def test_a_sender_that_reached_a_worker_by_fork_is_refused_there_by_name():
+    # ('fork', Linux's default start method before Python 3.14, hands the child the trainer's object, not a pickled
+    # one: it said "scheme is initialized as sender; init_on_receiver needs it new", naming no cause)
+    import multiprocessing as mp
+
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=20)
+    scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=_init_in_fork, args=(scheme, theirs))
+    try:
+        child.start()
+        assert ours.poll(60), "the forked worker said nothing"
+        said = ours.recv()
+    finally:
+        child.join(30)
+        scheme.shutdown()
+    assert said.startswith("LifecycleError") and "by fork, not pickled" in said and "receiver_config" in said, said
+
+
 def test_pickle_keeps_configuration_only():
     scheme = ws.SharedMemWeightSyncScheme(strategy="state_dict", sync=False, timeout=7, per_worker_weights=True)
     clone = pickle.loads(pickle.dumps(scheme))

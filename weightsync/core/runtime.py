@@ -7,6 +7,7 @@ that state from here (its facts, its handoff, the older facade), so none has to 
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,7 @@ class Runtime:
             runs beside a background receiver thread holds it too.
         hold: the model's forward passes taking turns with updates on ``weights_lock``, where a program applies
             updates itself.
+        pid: the process that made it (a scheme that reached another by ``fork`` is refused by name there).
     """
 
     strategy: WeightStrategy
@@ -68,6 +70,7 @@ class Runtime:
     lock: threading.RLock = field(default_factory=threading.RLock)
     weights_lock: threading.RLock = field(default_factory=threading.RLock)
     hold: ModelHold = field(init=False)
+    pid: int = field(default_factory=os.getpid)
 
     def __post_init__(self) -> None:
         self.hold = ModelHold(self.weights_lock)
@@ -78,6 +81,15 @@ class Runtime:
         Raises:
             LifecycleError: naming the state it is in, the ones ``action`` needs, the model and the worker.
         """
+        if self.state not in states and self.pid != os.getpid():
+            raise LifecycleError(
+                f"cannot {action}: this scheme is {self.state} in process {self.pid}, and reached process "
+                f"{os.getpid()} by fork, not pickled: give each worker the scheme pickled (multiprocessing's 'spawn' "
+                "or 'forkserver' start method does; 'fork', Linux's default before Python 3.14, does not) or its "
+                "receiver_config(worker_idx)",
+                model_id=self.model_id,
+                worker_idx=self.worker_idx,
+            )
         if self.state not in states:
             raise LifecycleError(
                 f"cannot {action}: scheme is {self.state}; {action} needs it {' or '.join(states)}",

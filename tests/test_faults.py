@@ -905,3 +905,32 @@ def test_an_engines_own_time_out_of_a_version_a_wait_reported_is_not_reported_ag
     ledger.renew(0, 3)  # a new process of the worker: its time-outs are its own
     again = ws.SyncTimeoutError("no ack for version 1 within 3s", worker_idx=0, version=1)
     assert found(again) == {0: again}
+
+
+def test_shared_mem_slots_all_held_with_no_ack_to_come_are_said_at_once_by_name(workers):
+    # Each shared_mem worker's model is the memory of the slot of the version it holds: sends to worker 0 alone left
+    # worker 1 on the other slot of two, and every later send waited its whole timeout for an ack that was not
+    # coming, then blamed workers [0, 1] alike; a worker that is late with its ack is named as the one waited for.
+    model, scheme, group = _connected("shared_mem", workers, max_slots=2, timeout=TIMEOUT)
+    optimizer_step(model, 1)
+    scheme.send(worker_ids=[0])
+    optimizer_step(model, 2)
+    began = time.monotonic()
+    with pytest.raises(ws.ConfigurationError, match=r"no free weight slot: workers \[0, 1\] hold .*max_slots=2"):
+        scheme.send(worker_ids=[0])
+    assert time.monotonic() - began < TIMEOUT / 2
+    group.stop()
+    scheme.shutdown()
+    model, scheme, group = _connected("shared_mem", workers, max_slots=2, timeout=TIMEOUT)
+    os.kill(group.procs[1].pid, signal.SIGSTOP)
+    try:
+        optimizer_step(model, 1)
+        with pytest.raises(ws.SyncTimeoutError):
+            scheme.send()  # worker 1 holds version 0's slot, and acks nothing
+        optimizer_step(model, 2)
+        with pytest.raises(ws.SyncTimeoutError, match=r"worker 1, version 2\] no free weight slot in time: no ack "):
+            scheme.send()
+    finally:
+        os.kill(group.procs[1].pid, signal.SIGCONT)
+    group.stop()
+    scheme.shutdown()

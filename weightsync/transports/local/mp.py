@@ -100,6 +100,7 @@ class MPTransport(PeerTransport, TransportBackend):
         #: The newest version the worker said it took (and its program prepared), where the sender asked, and the
         #: newest it acked (applied or refused).
         self.taken, self.acked = -1, -1
+        self.notified = -1  # the newest version the worker was told of (an ack of it may be on its way)
         # A driver's thread reads the channel too while it waits for that (:meth:`wait_taken`): one reader at a time,
         # and what it finds besides waits here for :meth:`acks`.
         self._reading = threading.Lock()
@@ -140,6 +141,7 @@ class MPTransport(PeerTransport, TransportBackend):
                 self.slots_sent.add(slot.id)
             update = {"op": "update", "version": version, "slot": slot.id, "digest": slot.digest}
             self.channel.send({**update, "taken": True} if report_taken else update)
+            self.notified = max(self.notified, version)
         except ConnectionClosedError as exc:
             raise WorkerDiedError(
                 f"channel closed while sending ({exc.detail})", worker_idx=self.worker_idx, version=version

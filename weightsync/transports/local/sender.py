@@ -43,7 +43,7 @@ import torch
 
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import WAIT_TICK_S, remaining, shown_seconds
-from ...errors import ConnectionClosedError, SyncTimeoutError, WeightSyncError, WorkerDiedError
+from ...errors import ConfigurationError, ConnectionClosedError, SyncTimeoutError, WeightSyncError, WorkerDiedError
 from ...tensors import cuda
 from ...tensors.layout import FlatLayout
 from ..descriptors import readable
@@ -103,8 +103,7 @@ class LocalSender(SenderEngine):
         self.kinds: dict[int, str] = {}  # where each worker's slots live, from the GPU its hello names
         #: The trainer's GPU, by UUID (``None``: no GPU, or no CUDA here).
         self.gpu_uuid = cuda.device_uuid(gpu) if gpu is not None and torch.cuda.is_available() else None
-        # Transports of worker processes given up on or replaced: their CUDA shares are released once each
-        # process is known to have exited (a live one may still map the memory).
+        # Transports of worker processes given up on or replaced: their CUDA shares go once each process exited.
         self._departed: list[MPTransport] = []
         self._sent: dict[int, int] = {}  # the newest version notified to each worker
         self._authkey = secrets.token_bytes(KEY_BYTES)
@@ -336,11 +335,15 @@ class LocalSender(SenderEngine):
         slot = pool.acquire()
         while slot is None:
             busy = sorted(pool.busy_workers())
+            late = [w for w, t in self.transports.items() if w in busy and t.acked < t.notified]  # (acks to come)
+            if busy and not late:
+                raise ConfigurationError(pool.stuck(busy), model_id=self.sink.model_id, version=version)
             if remaining(deadline) <= 0:
                 raise SyncTimeoutError(
-                    f"no free weight slot in time: workers {busy} still hold or read older versions "
-                    f"(max_slots={pool.max_slots})",
+                    f"no free weight slot in time: no ack from workers {late}, of the versions that would free one "
+                    f"(workers {busy} hold or read the slots, max_slots={pool.max_slots})",
                     model_id=self.sink.model_id,
+                    worker_idx=late[0] if len(late) == 1 else None,
                     version=version,
                 )
             if busy:

@@ -317,6 +317,16 @@ class SlotPool:
     def busy_workers(self) -> set[int]:
         return set().union(*(s.readers for s in self.slots)) if self.slots else set()
 
+    def stuck(self, busy: list[int]) -> str:
+        """Why no slot will be free (``busy``, every slot's readers, each holding the version of its slot, with no
+        ack on its way that would let one go): for the error that says so at once, not after the send's timeout."""
+        return (
+            f"no free weight slot: workers {busy} hold the versions of all max_slots={self.max_slots} slots, their "
+            "models mapped onto them (shared_mem), and no newer version is on its way to them that would free one: "
+            "sends to some workers only leave the others on older slots; raise max_slots (to one more than the "
+            "versions the workers hold at once) or leave it None"
+        )
+
     def held(self) -> list[str]:
         """The processes given up on that still keep slots out of use (for a timeout's message)."""
         return sorted({repr(h) for slot in self.slots for h in slot.holders if not h.gone()})

@@ -934,3 +934,59 @@ def test_shared_mem_slots_all_held_with_no_ack_to_come_are_said_at_once_by_name(
         os.kill(group.procs[1].pid, signal.SIGCONT)
     group.stop()
     scheme.shutdown()
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem"])
+def test_a_worker_restarted_during_the_rendezvous_takes_its_place(name):
+    # Worker 1 said hello, then died while the trainer still waited for worker 0; its restart (from its receiver
+    # config) was refused as "already connected", and connect() ended naming worker 1. (Where worker 0 comes before
+    # the restart, the rendez-vous ends without it: connect() names worker 1, whose restart then rejoins.)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests._workers import serve
+    from tests.conftest import _CTX
+    from weightsync.core.timing import deadline_after, wait_until
+
+    model = build("tiny")
+    scheme = _scheme(name)
+    scheme.timeout = TIMEOUT
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    started = []
+
+    def worker(i: int):
+        ours, theirs = _CTX.Pipe()
+        schemes = {"policy": ws.from_config(scheme.receiver_config(i))}
+        proc = _CTX.Process(target=serve, args=(schemes, i, {"policy": "tiny"}, theirs), daemon=True)
+        proc.start()
+        started.append((proc, ours))
+        return proc, ours
+
+    with ThreadPoolExecutor(1) as pool:
+        connecting = pool.submit(scheme.connect)
+        try:
+            first, _ = worker(1)
+            engine = scheme._runtime.sending.engine
+            assert wait_until(lambda: 1 in engine.transports, deadline_after(60), 0.01), "worker 1 never said hello"
+            first.kill()
+            first.join(30)
+            restarted, again = worker(1)
+            said_hello = lambda: getattr(engine.transports[1].process, "pid", None) == restarted.pid  # noqa: E731
+            assert wait_until(said_hello, deadline_after(60), 0.01), "the restarted worker 1 was not taken"
+            _, other = worker(0)  # (worker 0 last: the rendez-vous ends with it, the restart in place)
+            connecting.result(90)
+            for cmd in (again, other):
+                assert cmd.poll(60)
+                said, log, errors = cmd.recv()
+                assert said == "ready" and errors == {} and log[0][1] == 0, (said, log, errors)
+            optimizer_step(model, 1)
+            scheme.send()
+            assert scheme.acked_versions == {0: 1, 1: 1}
+        finally:
+            for proc, cmd in started:
+                if proc.is_alive():
+                    with contextlib.suppress(OSError):
+                        cmd.send(("stop",))
+                    proc.join(30)
+                if proc.is_alive():
+                    proc.kill()
+            scheme.shutdown()

@@ -279,7 +279,9 @@ def test_send_waits_for_a_free_slot_then_times_out_publishing_nothing(per_worker
     scheme.send()
     optimizer_step(model, 2)
     start = time.monotonic()
-    with pytest.raises(ws.SyncTimeoutError, match="no free weight slot .* workers \\[0\\] still hold"):
+    with pytest.raises(
+        ws.SyncTimeoutError, match="worker 0, version 2\\] no free weight slot in time: no ack from workers \\[0\\]"
+    ):
         scheme.send()
     assert 0.5 <= time.monotonic() - start < 3.0
     assert scheme.version == 1 and receiver.receive(timeout=5) is not None and receiver.version == 1

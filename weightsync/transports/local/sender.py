@@ -166,7 +166,8 @@ class LocalSender(SenderEngine):
         for key, value in texts.items():
             if value is not None and not isinstance(value, str):
                 return f"its hello's {key} is a {type(value).__name__}, not a string"
-        if w in self.transports and not self.sink.is_dead(w):
+        old = self.transports.get(w)  # (one whose process is gone is replaced: a restart in the rendez-vous too)
+        if old is not None and not self.sink.is_dead(w) and not (old.process is not None and old.process.gone()):
             return f"worker {w} is already connected"
         if hello.get("model_id") != self.sink.model_id:
             return f"model_id {str(hello.get('model_id'))[:80]!r} does not match {self.sink.model_id!r}"
@@ -400,8 +401,7 @@ class LocalSender(SenderEngine):
                 self.sink.died(w, exc.detail)
 
     def wait_sent(self, worker: int, deadline: float) -> None:
-        # The bytes are in shared memory already; the worker's program takes (and prepares) each version in a
-        # thread of its own while it goes on, and says so: a driver pauses it for the load after that.
+        # The bytes are in shared memory already; the worker's program takes each version and says so (a driver waits).
         transport = self.transports.get(worker)
         if self.reports_taken and transport is not None and worker in self._sent:
             transport.wait_taken(self._sent[worker], deadline)

@@ -27,7 +27,7 @@ class PendingUpdate:
         self._receiver, self._taken = receiver, taken
         self.version: int = taken[-1].version
         self._done = False
-        receiver.pending = weakref.ref(self)  # (its shutdown lets go of the bytes this holds: :meth:`release`)
+        receiver.release_pending = weakref.WeakMethod(self.release)  # (its shutdown lets go of the bytes held here)
 
     def apply(self) -> int:
         """Apply it (and ack it); return the version the worker now holds.

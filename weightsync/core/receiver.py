@@ -15,7 +15,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -38,9 +38,6 @@ from .external import ExternalModel
 from .kept import KeptCopy
 from .rejoin import stop_thread
 from .timing import deadline_after, remaining
-
-if TYPE_CHECKING:
-    from .pending import PendingUpdate
 
 __all__ = ["Receiver"]
 
@@ -72,7 +69,8 @@ class Receiver:
         self.version: int | None = None
         self.reported: int | None = None
         self._refusal: WeightMismatchError | None = None  # the model does not fit the sender's layout
-        self.pending: weakref.ref[PendingUpdate] | None = None  # the last version handed out by scheme.take
+        #: How the last version handed out by ``scheme.take`` (a :class:`~.pending.PendingUpdate`) lets go of its bytes.
+        self.release_pending: weakref.WeakMethod[Callable[[], None]] | None = None
         # The model's tensors the last update went to, and the views they now are, if they read them.
         self._written: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None] = ({}, None)
         self._thread: threading.Thread | None = None
@@ -464,9 +462,9 @@ class Receiver:
                     if tensor.is_cpu and tensor.is_shared():  # (a model the user shared is moved too)
                         tensor.data = tensor.data.clone()
         self._written = ({}, None)
-        pending = self.pending() if self.pending is not None else None
-        if pending is not None:  # (a program that keeps it must not keep the engine's memory mapped)
-            pending.release()
+        release = self.release_pending() if self.release_pending is not None else None
+        if release is not None:  # (a program that keeps it must not keep the engine's memory mapped)
+            release()
         self.bound.forget()
         if self.kept is not None:
             self.kept.close()

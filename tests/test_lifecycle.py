@@ -125,12 +125,17 @@ def test_worker_ids_take_numpys_ints_and_refuse_what_names_no_worker_by_name():
             targets(bad, 2, "policy")
 
 
-def _init_in_fork(scheme, conn) -> None:
+def _init_in_fork(scheme, conn, as_sender_first: bool = False) -> None:
     try:
+        if as_sender_first:  # (a scheme forked new, made a sender here: a misuse here is not the fork's)
+            scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
         scheme.init_on_receiver(model_id="policy", model=nn.Linear(2, 2), worker_idx=0)
         conn.send("initialized")
     except ws.WeightSyncError as exc:
         conn.send(f"{type(exc).__name__}: {exc}")
+    finally:
+        if as_sender_first:  # (its own sender: the parent's is the parent's to shut down)
+            scheme.shutdown()
 
 
 def test_a_sender_that_reached_a_worker_by_fork_is_refused_there_by_name():
@@ -138,17 +143,25 @@ def test_a_sender_that_reached_a_worker_by_fork_is_refused_there_by_name():
     # one: it said "scheme is initialized as sender; init_on_receiver needs it new", naming no cause)
     import multiprocessing as mp
 
-    scheme = ws.MultiProcessWeightSyncScheme(timeout=20)
-    scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
     ctx = mp.get_context("fork")
-    ours, theirs = ctx.Pipe()
-    child = ctx.Process(target=_init_in_fork, args=(scheme, theirs))
+
+    def forked(scheme, as_sender_first: bool = False) -> str:
+        ours, theirs = ctx.Pipe()
+        child = ctx.Process(target=_init_in_fork, args=(scheme, theirs, as_sender_first))
+        try:
+            child.start()
+            assert ours.poll(60), "the forked process said nothing"
+            return ours.recv()
+        finally:
+            child.join(30)
+
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=20)
+    said = forked(scheme, as_sender_first=True)  # (forked new: the fork is not the cause)
+    assert said.startswith("LifecycleError") and "fork" not in said and "initialized as sender" in said, said
+    scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
     try:
-        child.start()
-        assert ours.poll(60), "the forked worker said nothing"
-        said = ours.recv()
+        said = forked(scheme)
     finally:
-        child.join(30)
         scheme.shutdown()
     assert said.startswith("LifecycleError") and "by fork, not pickled" in said and "receiver_config" in said, said
 

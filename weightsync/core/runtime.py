@@ -50,7 +50,8 @@ class Runtime:
             runs beside a background receiver thread holds it too.
         hold: the model's forward passes taking turns with updates on ``weights_lock``, where a program applies
             updates itself.
-        pid: the process that made it (a scheme that reached another by ``fork`` is refused by name there).
+        pid: the process it left :data:`NEW` in (its construction's until then): one that reached another process by
+            ``fork`` after that is refused by name there.
     """
 
     strategy: WeightStrategy
@@ -74,6 +75,11 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.hold = ModelHold(self.weights_lock)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "state" and value != NEW and getattr(self, "state", NEW) == NEW:  # (a new one forked is new)
+            object.__setattr__(self, "pid", os.getpid())
+        object.__setattr__(self, name, value)
 
     def require(self, *states: str, action: str) -> None:
         """Refuse ``action`` unless the scheme is in one of ``states``.

@@ -37,9 +37,10 @@ class PendingUpdate:
             WeightMismatchError, IntegrityError, ConfigurationError: it was refused (and acked so); the model
                 kept its weights.
         """
+        taken = self._taken  # (a shutdown meanwhile lets this object's go)
         self._claim()
         try:
-            return self._receiver.apply(self._taken)
+            return self._receiver.apply(taken)
         finally:
             self.release()
 

@@ -336,8 +336,8 @@ class LocalSender(SenderEngine):
         slot = pool.acquire()
         while slot is None:
             busy = sorted(pool.busy_workers())
-            late = [w for w, t in self.transports.items() if w in busy and t.acked < t.notified]  # (acks to come)
-            if busy and not late:
+            late = [w for w, t in self.transports.items() if w in busy and (t.acked < t.notified or t.has_unread())]
+            if busy and not late and pool.pinning:  # (every slot a model's memory: shared_mem)
                 raise ConfigurationError(pool.stuck(busy), model_id=self.sink.model_id, version=version)
             if remaining(deadline) <= 0:
                 raise SyncTimeoutError(

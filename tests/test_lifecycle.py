@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
@@ -134,8 +135,7 @@ def _init_in_fork(scheme, conn, as_sender_first: bool = False) -> None:
     except ws.WeightSyncError as exc:
         conn.send(f"{type(exc).__name__}: {exc}")
     finally:
-        if as_sender_first:  # (its own sender: the parent's is the parent's to shut down)
-            scheme.shutdown()
+        scheme.shutdown()  # (a worker's own, or a copy of its parent's: that lets go of nothing of the parent's)
 
 
 def test_a_sender_that_reached_a_worker_by_fork_is_refused_there_by_name():
@@ -160,10 +160,12 @@ def test_a_sender_that_reached_a_worker_by_fork_is_refused_there_by_name():
     assert said.startswith("LifecycleError") and "fork" not in said and "initialized as sender" in said, said
     scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
     try:
+        key_file = scheme.receiver_config(0)["connection"]["authkey_file"]
         said = forked(scheme)
+        assert said.startswith("LifecycleError") and "by fork, not pickled" in said and "receiver_config" in said, said
+        assert os.path.exists(key_file)  # (the child's shutdown removed it: workers from configs could not join)
     finally:
         scheme.shutdown()
-    assert said.startswith("LifecycleError") and "by fork, not pickled" in said and "receiver_config" in said, said
 
 
 def test_pickle_keeps_configuration_only():

@@ -81,13 +81,19 @@ class Runtime:
             object.__setattr__(self, "pid", os.getpid())
         object.__setattr__(self, name, value)
 
+    @property
+    def forked(self) -> bool:
+        """This is a copy ``fork`` made of a scheme another process set up: what it holds is that process's (its
+        shutdown here lets go of nothing: a worker's ``finally: shutdown()`` removed its trainer's key file)."""
+        return self.state != NEW and self.pid != os.getpid()
+
     def require(self, *states: str, action: str) -> None:
         """Refuse ``action`` unless the scheme is in one of ``states``.
 
         Raises:
             LifecycleError: naming the state it is in, the ones ``action`` needs, the model and the worker.
         """
-        if self.state not in states and self.pid != os.getpid():
+        if self.state not in states and self.forked:
             raise LifecycleError(
                 f"cannot {action}: this scheme is {self.state} in process {self.pid}, and reached process "
                 f"{os.getpid()} by fork, not pickled: give each worker the scheme pickled (multiprocessing's 'spawn' "

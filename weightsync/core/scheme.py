@@ -440,7 +440,7 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
 
     def _shutdown(self, timeout: float) -> None:
         rt = self._runtime
-        if rt.state in (NEW, CLOSED):
+        if rt.state in (NEW, CLOSED) or rt.forked:
             rt.state = CLOSED
             return
         try:

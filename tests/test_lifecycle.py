@@ -305,6 +305,10 @@ def test_connect_names_a_worker_process_that_exited_before_it_connected_at_once(
         scheme.connect(processes=[proc] if handed == "receiver_config" else None)
     took = time.monotonic() - began
     proc.join(10)
+    # Said once: a connect() made again (a restart on its way) is not ended by it again, at once.
+    scheme.connect_timeout = 1.0
+    with pytest.raises(ws.SyncTimeoutError, match=r"did not (connect|join) within 1s"):
+        scheme.connect()
     scheme.shutdown()
     assert f"worker process doomed (pid {proc.pid}) exited with code 3 before it connected" in str(caught.value)
     assert "workers [0, 1] have not connected" in str(caught.value)

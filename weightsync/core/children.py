@@ -47,17 +47,21 @@ class KnownProcesses:
             self._handed.append(proc)
 
     def exited(self) -> list[str]:
-        """Each known process that has exited, in words: ``"worker process doomed (pid 4711) exited with code 3"``."""
+        """Each known process that has exited since the last call, in words: ``"worker process doomed (pid 4711)
+        exited with code 3"``. Each is said once, then forgotten: a ``connect()`` made again, once its restart is
+        on its way, is not ended by it again."""
         found = []
-        for popen in self._popens:
+        for popen in list(self._popens):
             code = popen.poll()
             if code is not None:
                 found.append(f"worker process {_name(popen)} (pid {popen.pid}) exited with code {code}")
-        for proc in self._handed:
+                self._popens.remove(popen)
+        for proc in list(self._handed):
             code = proc.poll() if isinstance(proc, subprocess.Popen) else _exitcode(proc)
             if code is not None:
                 name = proc.name if isinstance(proc, multiprocessing.process.BaseProcess) else proc.args
                 found.append(f"worker process {name} (pid {proc.pid}) exited with code {code}")
+                self._handed.remove(proc)
         return found
 
 

@@ -117,6 +117,15 @@ def _connected_and_one_taken(model, sender, receiver):
     return first
 
 
+def _second_published_and_taken(model, sender, receiver):
+    """Version 2, published without waiting, and taken (not applied): return it."""
+    _bump(model, 1)
+    sender.send_async()
+    second = receiver.take(timeout=20)
+    assert second is not None and second.version == 2
+    return second
+
+
 def _the_next_is_taken_and_applied(model, sender, receiver, program) -> None:
     """Version 2, published, is taken and applied; the sender hears it, and the program holds the trainer's model."""
     second = receiver.take(timeout=20)
@@ -336,10 +345,7 @@ def test_versions_a_program_keeps_hold_no_memory_of_the_engine_once_applied_or_s
     try:
         first = _connected_and_one_taken(model, sender, receiver)
         assert first.apply() == 1
-        _bump(model, 1)
-        sender.send_async()
-        second = receiver.take(timeout=20)
-        assert second is not None and second.version == 2
+        second = _second_published_and_taken(model, sender, receiver)
     finally:
         receiver.shutdown()
         sender.shutdown()
@@ -361,10 +367,7 @@ def test_an_interrupted_load_or_a_shut_down_scheme_leaves_no_version_taken_for_g
         with pytest.raises(asyncio.CancelledError):
             first.apply()
         program.model.__dict__["load"] = load
-        _bump(model, 1)
-        sender.send_async()
-        second = receiver.take(timeout=20)
-        assert second is not None and second.version == 2
+        second = _second_published_and_taken(model, sender, receiver)
     finally:
         receiver.shutdown()
         sender.shutdown()

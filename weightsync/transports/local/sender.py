@@ -105,7 +105,6 @@ class LocalSender(SenderEngine):
         self.gpu_uuid = cuda.device_uuid(gpu) if gpu is not None and torch.cuda.is_available() else None
         # Transports of worker processes given up on or replaced: their CUDA shares go once each process exited.
         self._departed: list[MPTransport] = []
-        self._sent: dict[int, int] = {}  # the newest version notified to each worker
         self._authkey = secrets.token_bytes(KEY_BYTES)
         self._key_file: str | None = None
         self.listener: ChannelListener | None = ChannelListener(self._authkey, address)
@@ -396,15 +395,14 @@ class LocalSender(SenderEngine):
         for w in out.workers:
             try:
                 self.transports[w].notify(staged[w], out.version, self.reports_taken)
-                self._sent[w] = out.version
             except WorkerDiedError as exc:
                 self.sink.died(w, exc.detail)
 
     def wait_sent(self, worker: int, deadline: float) -> None:
         # The bytes are in shared memory already; the worker's program takes each version and says so (a driver waits).
         transport = self.transports.get(worker)
-        if self.reports_taken and transport is not None and worker in self._sent:
-            transport.wait_taken(self._sent[worker], deadline)
+        if self.reports_taken and transport is not None and transport.notified >= 0:
+            transport.wait_taken(transport.notified, deadline)
 
     # ----------------------------------------------------------------- rejoin
     def poll_rejoin(self) -> tuple[Channel, dict[str, Any]] | None:

@@ -561,9 +561,10 @@ def restarted_worker_is_refused_with_the_reason(scheme, workers):
     scheme.shutdown()
 
 
-def dropped_worker_is_named_and_the_others_go_on(scheme, workers, when="before"):
+def dropped_worker_is_named_and_the_others_go_on(scheme, workers, when="before", then_all=False):
     """``on_failure="drop"``: a worker SIGKILLed before a send (or as the update reaches it) is dropped, named
-    in ``stats()``, and later sends go on to the other without waiting for it."""
+    in ``stats()``, and later sends go on to the other without waiting for it. ``then_all``: the other is killed
+    too, and two more sends go to no one (the test reads what they logged)."""
     import os
     import signal
     import time
@@ -592,6 +593,13 @@ def dropped_worker_is_named_and_the_others_go_on(scheme, workers, when="before")
         scheme.send()
         assert group.ask(0, "state")["policy"] == (step, checksum(model, extract))
     assert scheme.acked_versions[0] == 3
+    if then_all:
+        os.kill(group.procs[0].pid, signal.SIGKILL)
+        group.procs[0].join(10)
+        for step in (4, 5):
+            optimizer_step(model, step)
+            scheme.send()
+        assert list(scheme.stats()["dropped_workers"]) == [1, 0]
     group.stop()
     scheme.shutdown()
 

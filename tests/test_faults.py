@@ -67,10 +67,15 @@ def _rejoin(workers, scheme, w, kind="tiny"):
 @pytest.mark.parametrize("when", ["before", "during"])
 def test_drop_policy_goes_on_without_a_killed_worker_and_names_it(workers, caplog, name, when):
     with caplog.at_level(logging.WARNING, logger="weightsync.schemes"):
-        bodies.dropped_worker_is_named_and_the_others_go_on(_scheme(name, on_failure="drop"), workers, when)
-    assert any(
-        "dropped worker 1 at version 1" in r.getMessage() and "'policy'" in r.getMessage() for r in caplog.records
-    )
+        bodies.dropped_worker_is_named_and_the_others_go_on(
+            _scheme(name, on_failure="drop"), workers, when, then_all=True
+        )
+    said = [r.getMessage() for r in caplog.records]
+    assert any("dropped worker 1 at version 1" in m and "'policy'" in m for m in said)
+    # The last worker's drop is said once more: every send from then on reaches no one.
+    assert [m for m in said if "every worker is dropped" in m] == [
+        "model 'policy': every worker is dropped: sends reach none until one rejoins"
+    ]
 
 
 @pytest.mark.parametrize("name", REJOINING)

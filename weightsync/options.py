@@ -122,8 +122,8 @@ ON_FAILURE = Option(
     "raise",
     str,
     '``"raise"``: a send raises an error naming a worker that died or did not ack in time; ``"drop"``: it logs '
-    "a warning, stops sending to that worker and goes on (a restarted worker may rejoin). A worker that refuses "
-    "an update raises in both modes.",
+    "a warning, stops sending to that worker and goes on (a restarted worker may rejoin; one more warning says "
+    "when every worker is dropped). A worker that refuses an update raises in both modes.",
     checks.one_of("raise", "drop"),
 )
 MAX_STALENESS = Option(

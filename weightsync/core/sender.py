@@ -17,7 +17,6 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import (
-    InvalidWeightsError,
     SyncTimeoutError,
     TransportError,
     WeightSyncError,
@@ -28,7 +27,7 @@ from ..errors import (
 from ..metrics import SendMetrics, SendRecord
 from ..tensors.bound import BoundModel
 from ..tensors.layout import FlatLayout
-from ..tensors.strategy import check_spec, flatten_weights, weights_spec
+from ..tensors.strategy import check_finite, check_spec, flatten_weights, weights_spec
 from .changes import Changes
 from .children import KnownProcesses
 from .engine import Outgoing, SenderEngine
@@ -362,7 +361,7 @@ class Sender:
         """One send under the failure policy, measured: bound staleness, publish, then raise or drop."""
         started = time.perf_counter()
         if self.options.check_finite:
-            self._refuse_non_finite(weights)
+            check_finite(self._flat_weights(weights), model_id=self.model_id)
         stale_wait = 0.0
         if not wait and self.options.max_staleness is not None:
             stale_wait = self._bound_staleness(targets)
@@ -405,16 +404,6 @@ class Sender:
         except WeightSyncError as exc:
             self.handle_failures(exc, self.version)
 
-    def _refuse_non_finite(self, weights: Any) -> None:
-        flat = self._flat_weights(weights)
-        bad = sorted(
-            key for key, t in flat.items() if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all())
-        )
-        if bad:
-            raise InvalidWeightsError(
-                f"weights hold NaN or Inf in {bad} (check_finite=True); nothing was sent", model_id=self.model_id
-            )
-
     def handle_failures(self, exc: WeightSyncError, version: int | None) -> None:
         """Raise ``exc`` (``on_failure="raise"``), or drop the workers it names as dead or late and raise
         only what is left (a worker that refused the update, an error that names no worker)."""
@@ -422,6 +411,7 @@ class Sender:
         if self.options.on_failure == "raise" or not failures:
             raise exc
         kept = {}
+        dropped = len(self.metrics.dropped)
         for w, error in failures.items():
             if isinstance(error, (TransportError, SyncTimeoutError)):
                 if w not in self.metrics.dropped:
@@ -432,6 +422,8 @@ class Sender:
                 self.mark_dead(w, error)
             else:
                 kept[w] = error
+        if len(self.metrics.dropped) > dropped and not self.ledger.live(sorted(self.ledger.peers)):
+            log.warning("model %r: every worker is dropped: sends reach none until one rejoins", self.model_id)
         raise_failures(kept, model_id=self.model_id, version=version)
 
     def _bound_staleness(self, targets: list[int]) -> float:

@@ -92,6 +92,13 @@ def check_sendable(flat: Mapping[str, torch.Tensor], *, meta_ok: bool = False, *
     return skeleton
 
 
+def check_finite(flat: Mapping[str, torch.Tensor], **where: Any) -> None:
+    """Raise :class:`InvalidWeightsError` naming each floating-point tensor that holds NaN or Inf."""
+    bad = sorted(k for k, t in flat.items() if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()))
+    if bad:
+        raise InvalidWeightsError(f"weights hold NaN or Inf in {bad} (check_finite=True); nothing was sent", **where)
+
+
 META = "on the meta device (no data)"
 
 

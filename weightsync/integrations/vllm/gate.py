@@ -36,13 +36,14 @@ from typing import Any
 
 from ... import errors
 from ...core.engine import Outgoing, SenderEngine, Sink
-from ...core.timing import remaining, shown_seconds
+from ...core.timing import remaining
 from ...errors import LifecycleError, WeightSyncError
 from ...transports.ray.sender import RaySender
 from .actor import update_in_actor
 from .calls import around_load, cause, engine_error, in_thread, turn_of
 from .clients import EngineClient
 from .engines import VLLMEngines
+from .rejoining import Rejoins
 
 __all__ = ["Gate"]
 
@@ -52,7 +53,7 @@ log = logging.getLogger("weightsync.vllm")
 SLICE_S = 0.002
 
 
-class Gate(SenderEngine):
+class Gate(Rejoins, SenderEngine):
     """The scheme's own engine, wrapped: the engines' control calls go around each version, and a worker's ack
     reaches the core (``core``) only once its engine's calls for that version returned. It is also the sink the
     scheme's engine reports to."""
@@ -274,92 +275,6 @@ class Gate(SenderEngine):
         if version == 0 or self._inner().pushes or worker in self._failures:  # (Ray's: the call is the receiver's)
             return True
         return self._held.get(worker, -1) >= version or any(f.exception() is not None for _, f in calls)
-
-    @property
-    def takes_back(self) -> bool:
-        """A worker whose engine was replaced can join again: the scheme's engine takes workers back, or its
-        updates are calls into the engine's actor (Ray's), which the scheme makes to the new one."""
-        inner = self.inner
-        return inner is not None and (inner.rejoins or (inner.pushes and hasattr(self.scheme, "rejoin")))
-
-    def rejoin(self, worker: int, timeout: float) -> None:
-        """``worker``'s (new) engine joins and loads the newest version, within ``timeout``. Where it cannot, the
-        engine it was to replace is served as before (:meth:`_served_again`), unless the worker is dropped: it was
-        (the failure named it gone), or the scheme's engine took the new engine back before its failure (the bytes
-        go to the new engine from then on): then it is dropped, named."""
-        assert self.inner is not None
-        kept = self._forget(worker)  # (the calls of the engine it replaces, if any are left)
-        with self._lock:
-            self._abandoned.discard(worker)
-            served = self._served.pop(worker, None)  # a new engine: named by its own updates from now on
-            # Its own turn: a call of the engine it replaces that hangs holds the old one.
-            turn, self._turns[worker] = self._turns[worker], threading.Lock()
-            self._joining[worker] = False
-        init: concurrent.futures.Future | None = None
-        try:
-            init = self._call(worker, 0, self._init_steps(worker, initial=False))
-            self._join(worker, init, timeout)
-        except BaseException as exc:
-            with self._lock:
-                taken_back = self._joining.pop(worker)
-                if init and not (taken_back or init.done() or self.core.is_dead(worker)):  # (the old one put back)
-                    self._abandoned.add(worker)  # until the new one's init returns: its receiver joins late, or never
-                    init.add_done_callback(lambda _: self._abandoned.discard(worker))
-            with self.scheme._runtime.lock:  # (as the rejoin thread takes it to admit a worker)
-                if taken_back and not self.core.is_dead(worker):
-                    self.core.died(
-                        worker, f"vLLM engine {worker} joined in place of another, then failed: {cause(exc)}"
-                    )
-            self._served_again(worker, kept, turn, served)
-            raise
-        with self._lock:
-            self._joining.pop(worker)
-            held = self._held.pop(worker, None)
-            failure = self._failures.pop(worker, None)  # (its receiver's, held while the init call ran)
-        if failure is not None:
-            self.core.failed(worker, failure)
-        elif held is not None and not self.inner.pushes:  # its receiver's ack of the version it was taken back with
-            # (Ray's: the scheme's rejoin passed it on)
-            self.core.acked(worker, held)
-
-    def _join(self, worker: int, future: concurrent.futures.Future, timeout: float) -> None:
-        assert self.inner is not None
-        try:
-            if self.inner.pushes:  # Ray's: the scheme calls into the new actor, after the init call queued there
-                self.scheme.rejoin(worker, actor=self.engines.clients[worker].target, timeout=timeout)
-            future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise errors.WorkerDiedError(
-                f"vLLM engine {worker} did not join within {shown_seconds(timeout)}",
-                model_id=self.core.model_id,
-                worker_idx=worker,
-            ) from None
-        except Exception as exc:
-            raise engine_error(worker, 0, exc, self.core.model_id) from exc
-        finally:
-            with self._lock:
-                self._calls.pop(worker, None)
-
-    def _served_again(self, worker: int, kept: list[tuple[dict[int, Any], Any]], turn: Any, served: Any) -> None:
-        """The engine whose new one could not join is served as before: its calls, what they are to pass on, its
-        turn (a call of it that hangs holds it), the version it is named after; and what its receiver said while
-        the new one tried. (One that the failure dropped is gone: its calls are moot.)"""
-        if self.core.is_dead(worker):
-            return
-        with self._lock:
-            held, failure = self._held.pop(worker, None), self._failures.pop(worker, None)
-            told = self._told.get(worker, -1)
-            self._turns[worker] = turn
-            for where, what in kept:
-                where[worker] = what
-            # (its call that hung may have named a version meanwhile, or the core been told of one: the newer holds)
-            self._told.update({worker: max(told, self._told[worker])} if worker in self._told else {})
-            named = [v for v in (served, self._served.get(worker)) if v is not None]
-            self._served.update({worker: max(named)} if named else {})
-        if held is not None:
-            self.acked(worker, held)
-        if failure is not None:
-            self.failed(worker, failure)
 
     # ------------------------------------------------ the engine the core drives
     def _inner(self) -> SenderEngine:

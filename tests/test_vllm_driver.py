@@ -1212,3 +1212,74 @@ def test_a_receivers_failure_held_during_a_rejoining_engines_init_is_reported_on
     gate._init_steps = init_steps  # type: ignore[method-assign]
     gate.rejoin(0, 5.0)
     assert core.failures == [refused] and gate._failures == {}
+
+
+class _Owned(EngineClient):
+    """A client like an ``LLM``'s: its calls must end within the send that made them."""
+
+    ends_within_send = True
+
+
+class _Counted(Engine):
+    """An engine whose loads take ``load_s`` (or until ``release``), which counts the trainer's calls under way."""
+
+    def __init__(self, spec: dict, load_s: float) -> None:
+        super().__init__(spec)
+        self.load_s, self.release, self.under_way = load_s, threading.Event(), 0
+        self._count = threading.Lock()
+
+    def __getattribute__(self, name):
+        attr = super().__getattribute__(name)
+        if name not in ("start_weight_update", "update_weights", "finish_weight_update", "reset_prefix_cache"):
+            return attr
+
+        def counted(*a, **k):
+            with self._count:
+                self.under_way += 1
+            try:
+                if name == "update_weights":
+                    self.release.wait(self.load_s)
+                return attr(*a, **k)
+            finally:
+                with self._count:
+                    self.under_way -= 1
+
+        return counted
+
+
+@pytest.mark.parametrize("how", ["timed_out", "async", "still_running"])
+def test_a_send_returns_only_once_its_calls_into_an_llm_ended(how):
+    """A ``vllm.LLM`` takes no call beside another: its owner's ``generate`` after a send that timed out, or
+    after ``send_async``, took the update's answer for its own, and the engine failed for good. A send now returns
+    only once its calls into such an engine ended; where they outlast the scheme's ``timeout`` once more, the error
+    says they still run, and ``VLLMEngines.idle`` waits for them."""
+    model = build("tiny")
+    target = _Counted(engine_spec(model), load_s={"timed_out": 1.6, "async": 0.5, "still_running": 60}[how])
+    scheme = ws.SharedMemWeightSyncScheme(timeout=1, connect_timeout=30)
+    engines = VLLMEngines([_Owned(target, "vLLM engine 0")], pause_mode="none")
+    try:
+        scheme.init_on_sender(model=model, context=engines)
+        scheme.connect()
+        _step(model, 1)
+        if how == "async":
+            scheme.send_async()
+            assert target.under_way == 0 and engines.idle(0)
+            scheme.wait_async()
+        elif how == "timed_out":
+            with pytest.raises(ws.SyncTimeoutError, match="no ack for version 1"):
+                scheme.send()
+            assert target.under_way == 0 and engines.idle(0)
+        else:
+            with pytest.raises(ws.SyncTimeoutError, match="its calls still run") as raised:
+                scheme.send()
+            assert raised.value.worker_idx == 0 and not engines.idle(0)
+            target.release.set()
+            assert engines.idle(10) and target.under_way == 0
+        assert target.version == "1" and _same(target, model)
+        target.load_s = 0.0
+        _step(model, 1)
+        scheme.send()
+        assert target.version == "2" and _same(target, model)
+    finally:
+        target.release.set()
+        scheme.shutdown()

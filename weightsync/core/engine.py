@@ -137,8 +137,8 @@ class SenderEngine(ABC):
        says whether the workers that joined are served;
     3) for each version, the initial one included: :meth:`poll` (what came back since), :meth:`stage` once,
        :meth:`submit` once, then :meth:`poll` and :meth:`wait` in turn until every targeted worker acked or the
-       deadline passed; :meth:`payload_bytes` for the metrics; :meth:`unpublished` instead, if staging or
-       submitting it raised;
+       deadline passed (not at all for a send that does not wait); then :meth:`settle`; :meth:`payload_bytes` for
+       the metrics; :meth:`unpublished` instead, if staging or submitting it raised;
     4) :meth:`lost`, whenever the core gives up on a worker (dead, or dropped), at any step from 2) on;
     5) where :attr:`rejoins`: :meth:`poll_rejoin` in a thread of the core's own, and :meth:`admit` (under the
        core's lock, between sends) for each worker it returns, or :meth:`discard` once the core shuts down (an
@@ -247,6 +247,12 @@ class SenderEngine(ABC):
         (:attr:`Outgoing.published`) may hold that version's bytes now, which were not sent, or not to everyone;
         a worker that rejoins must not be sent them as the version they were handed with."""
         return None
+
+    def settle(self, workers: list[int], deadline: float) -> dict[int, WeightSyncError]:
+        """At the end of each send, whether it waited for acks or not, and whatever they said: wait, until
+        ``deadline``, for the work this send began for ``workers`` that must end within it (a driver's calls into
+        an object that its caller uses next); return the workers whose work still runs, each with its error."""
+        return {}
 
     def wait_sent(self, worker: int, deadline: float) -> None:
         """Wait (until ``deadline``) until the newest version's bytes reached ``worker``: an engine whose

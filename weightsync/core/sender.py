@@ -325,6 +325,7 @@ class Sender:
             again = self.changes.whole_again(failures)
             if again is not None:  # a worker that does not hold the base gets the version whole, in this send
                 self._send_whole_again(again, failures, deadline, within)
+        failures.update(self.engine.settle(live, deadline_after(self.timeout)))
         errors = ledger.take_errors([w for w in targets if w not in failures])
         # (not waited for: a time-out of an older version counts until the worker acked a later one)
         failures.update(

@@ -57,6 +57,9 @@ class EngineClient:
     pauses: bool = False
     #: :meth:`start_and_pause` sends both calls at once: the engine takes them between the same two steps.
     starts_with_pause: bool = False
+    #: The calls a send makes end before that send returns, whatever it raised (a ``vllm.LLM``: its owner calls it
+    #: next, from its own thread, and it takes no call beside another).
+    ends_within_send: bool = False
 
     def __init__(self, target: Any, name: str) -> None:
         self.target, self.name = target, name
@@ -141,7 +144,11 @@ class EngineClient:
 
 class LLMClient(EngineClient):
     """A ``vllm.LLM``: synchronous calls, in the trainer's thread or another one, between ``generate`` calls (an
-    ``LLM`` has no pause: drive its updates and its generation from one loop)."""
+    ``LLM`` has no pause: drive its updates and its generation from one loop). It is not made for calls from two
+    threads at once: a ``generate`` made while an update's call runs took that call's answer for its own, and the
+    engine failed from then on. So a send, ``send_async`` included, returns only once its calls ended."""
+
+    ends_within_send = True
 
     def init(self, init_info: dict[str, Any], timeout: float) -> None:
         self.target.init_weight_transfer_engine({"init_info": init_info})

@@ -30,6 +30,8 @@ class _Serving(Protocol):
 
     def rejoin(self, worker: int, timeout: float) -> None: ...
 
+    def idle(self, timeout: float, workers: list[int] | None = None) -> bool: ...
+
 
 #: How many :class:`EngineTiming` records :class:`VLLMEngines` keeps.
 KEPT = 1000
@@ -127,6 +129,20 @@ class VLLMEngines:
         with self._timings_lock:
             self.timings.append(EngineTiming(worker, version, seconds, paused))
             del self.timings[:-KEPT]
+
+    def idle(self, timeout: float | None = None) -> bool:
+        """Wait until no call of the trainer's into any engine is under way, at most ``timeout`` seconds (default:
+        the scheme's ``timeout``; 0: do not wait); return whether none is. A send returns with none into a
+        ``vllm.LLM`` unless it raised that one still runs: that ``LLM`` must not be called (``generate``) until
+        this says so (it takes no call beside another).
+
+        Raises:
+            ConfigurationError: ``timeout`` is not None or a number of seconds from 0 to an hour."""
+        gate = self._gate
+        if gate is None:
+            checks.within(timeout, 0.0, "idle(timeout)")
+            return True
+        return gate.idle(checks.within(timeout, gate.core.timeout, "idle(timeout)"))
 
     def replace(self, worker_idx: int, engine: Any, timeout: float | None = None) -> None:
         """Serve ``engine`` as worker ``worker_idx`` from now on (an engine restarted after the old one died or was

@@ -36,7 +36,7 @@ from typing import Any
 
 from ... import errors
 from ...core.engine import Outgoing, SenderEngine, Sink
-from ...core.timing import remaining
+from ...core.timing import remaining, shown_seconds
 from ...errors import LifecycleError, WeightSyncError
 from ...transports.ray.sender import RaySender
 from .actor import update_in_actor
@@ -77,6 +77,8 @@ class Gate(Rejoins, SenderEngine):
         self._told: dict[int, int] = {}
         #: One engine's calls are made one at a time (an engine's client is not made for concurrent calls).
         self._turns = [threading.Lock() for _ in range(engines.num_workers)]
+        #: worker -> its engine's calls under way (whatever the core was told of them): :meth:`settle`, :meth:`idle`
+        self._running: dict[int, set[concurrent.futures.Future]] = {}
         #: worker -> the newest version its engine was updated to and named: a turn is not taken in the order the
         #: calls were made, and an older version's, coming after, has nothing left to do
         self._served: dict[int, int] = {}
@@ -154,7 +156,36 @@ class Gate(Rejoins, SenderEngine):
             self._calls.setdefault(worker, []).append(
                 (version, future := in_thread(in_turn, f"weightsync-vllm-{worker}"))
             )
+            running = self._running.setdefault(worker, set())
+            running.add(future)
+        future.add_done_callback(running.discard)
         return future
+
+    def settle(self, workers: list[int], deadline: float) -> dict[int, WeightSyncError]:
+        """The calls of engines whose calls end within a send (:attr:`EngineClient.ends_within_send`: an ``LLM``)
+        are waited for until ``deadline``; each engine whose calls still run is named."""
+        owned = [w for w in workers if self.engines.clients[w].ends_within_send]
+        if not owned or self.idle(remaining(deadline), owned):
+            self._forward()
+            return {}
+        self._forward()
+        return {
+            w: errors.SyncTimeoutError(
+                f"{self.engines.clients[w].name}: its calls still run, {shown_seconds(self.core.timeout)} after the "
+                "send ended; do not call it (generate) until they return: VLLMEngines.idle(timeout) waits for that",
+                model_id=self.core.model_id,
+                worker_idx=w,
+            )
+            for w in owned
+            if self._running.get(w)
+        }
+
+    def idle(self, timeout: float, workers: list[int] | None = None) -> bool:
+        """Wait until no call into the engines of ``workers`` (default: all) is under way, at most ``timeout``;
+        return whether none is."""
+        with self._lock:
+            running = [f for w in (workers or self._running) for f in self._running.get(w, ())]
+        return not concurrent.futures.wait(running, max(timeout, 0.0)).not_done
 
     def _forget(self, worker: int) -> list[tuple[dict[int, Any], Any]]:
         """Drop ``worker``'s calls (its engine is gone or replaced: what its calls did is moot); return what was

@@ -1283,3 +1283,33 @@ def test_a_send_returns_only_once_its_calls_into_an_llm_ended(how):
     finally:
         target.release.set()
         scheme.shutdown()
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem", "distributed"])
+def test_a_trainer_whose_engine_another_took_over_leaves_the_others_receiver_at_shutdown(name):
+    """Trainer B re-inits an engine trainer A served (B's receiver replaces A's there); then A shuts down. vLLM's
+    call that lets a receiver go names none: A's made the engine let B's go, and B's next send failed. A no longer
+    tells an engine whose receiver it found gone (by the time it shuts down, or at its last send)."""
+    model = build("tiny")
+    engine = Engine(engine_spec(model))
+    first = VLLMWeightSyncScheme(name, pause_mode="none", timeout=10, connect_timeout=30)
+    second = VLLMWeightSyncScheme(name, pause_mode="none", timeout=10, connect_timeout=30)
+    try:
+        first.init_on_sender(model=model, engines=[engine])
+        first.connect()
+        _step(model, 1)
+        second.init_on_sender(model=model, engines=[engine])
+        second.connect()  # (A's receiver in the engine let go of first)
+        assert engine.version == "0" and _same(engine, model)
+        if name == "distributed":  # (A finds its receiver gone when it sends: it reads no line between sends)
+            with pytest.raises(ws.WorkerDiedError, match="worker 0"):
+                first.send()
+        first.shutdown()
+        assert engine.calls.count("shutdown") == 0 and engine.scheme is not None
+        _step(model, 1)
+        second.send()
+        assert engine.version == "1" and _same(engine, model)
+    finally:
+        first.shutdown()
+        second.shutdown()
+    assert engine.calls[-1] == "shutdown"

@@ -77,6 +77,9 @@ class Gate(Rejoins, SenderEngine):
         self._told: dict[int, int] = {}
         #: One engine's calls are made one at a time (an engine's client is not made for concurrent calls).
         self._turns = [threading.Lock() for _ in range(engines.num_workers)]
+        #: workers whose receiver the scheme's engine found gone (its channel ended): at close, their engine is not
+        #: told to let its receiver go (the one it holds, if any, is that of a trainer that took the engine over)
+        self._gone: set[int] = set()
         #: worker -> its engine's calls under way (whatever the core was told of them): :meth:`settle`, :meth:`idle`
         self._running: dict[int, set[concurrent.futures.Future]] = {}
         #: worker -> the newest version its engine was updated to and named: a turn is not taken in the order the
@@ -112,6 +115,7 @@ class Gate(Rejoins, SenderEngine):
         self.core.failed(worker, error)
 
     def died(self, worker: int, error: WeightSyncError | str) -> None:
+        self._gone.add(worker)
         self.core.died(worker, error)
 
     def is_dead(self, worker: int) -> bool:
@@ -123,6 +127,7 @@ class Gate(Rejoins, SenderEngine):
         self.core.waiting(joined)
 
     def rejoining(self, worker: int, version: int | None = None) -> None:
+        self._gone.discard(worker)
         with self._lock:
             if worker in self._joining:  # (the scheme's engine took it back: the bytes now go to the new engine)
                 self._joining[worker] = True
@@ -417,9 +422,14 @@ class Gate(Rejoins, SenderEngine):
     def close(self, timeout: float) -> None:
         self._closing = True
         if timeout > 0:  # each engine lets its receiver go (it goes on serving the version it holds)
+            try:  # (first, the receivers gone since the last send: _gone)
+                self._inner().poll([w for w in range(self.engines.num_workers) if not self.core.is_dead(w)])
+            except Exception as exc:  # noqa: BLE001 - a close goes on (each engine is then told)
+                log.info("model %r: at shutdown, the engines' receivers could not be polled: %s", self.model_id, exc)
             stops = [
                 in_thread(lambda w=w: self._stop(w, timeout), f"weightsync-vllm-{w}")
                 for w in range(self.engines.num_workers)
+                if w not in self._gone
             ]
             concurrent.futures.wait(stops, timeout)
         if self.inner is not None:

@@ -288,6 +288,56 @@ def test_ray_collector():
         assert scheme.state == "shut down"
 
 
+def _shut_down_in_actor(actor) -> None:
+    import multiprocessing.util
+
+    actor.shutdown()
+    multiprocessing.util._run_finalizers(0)  # (what the actor's exit would run: unlinks its semaphores)
+
+
+def test_a_ray_collectors_actor_with_workers_of_its_own_passes_each_update_on_to_them():
+    """``RayCollector(collector_class="sync", num_workers_per_collector=2)``: its actor runs a MultiSyncCollector
+    whose worker processes run the policy. The update reached the actor's collector, was acked, and its workers
+    went on acting with version 0's weights. Now it goes on to them before it is acked, as TorchRL's own schemes
+    pass it on."""
+    ray = pytest.importorskip("ray")
+    from torchrl.collectors.distributed import RayCollector
+
+    from tests.conftest import local_ray_cluster
+
+    tests_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with local_ray_cluster(runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([tests_root, WITHOUT_VLLM])}}):
+        policy = make_policy(0.0)
+        scheme = ws.RayWeightSyncScheme(timeout=60)
+        collector = RayCollector(
+            [make_env],
+            policy,
+            frames_per_batch=8,
+            total_frames=10**6,
+            sync=True,
+            collector_class="sync",
+            num_workers_per_collector=2,
+            num_collectors=1,
+            remote_configs={"num_cpus": 1, "memory": 512 * 1024**2},
+            weight_sync_schemes={"policy": scheme},
+        )
+        try:
+            collector.update_policy_weights_()
+            batches = iter(collector)
+            assert actions(next(batches)) == {0.0}
+            for bias in (1.0, 2.0):
+                trainer_step(policy, bias)
+                collector.update_policy_weights_()
+                assert [actions(next(batches)) for _ in range(2)] == [{bias}] * 2
+        finally:
+            # (the actor's collector first, and the semaphores its queues named: RayCollector's shutdown kills the
+            # actor, whose finalizers would not run, and TorchRL's semaphores would be left in /dev/shm)
+            with contextlib.suppress(Exception):
+                ray.get(collector.remote_collectors[0].__ray_call__.remote(_shut_down_in_actor), timeout=60)
+            collector.shutdown()
+        assert scheme.state == "shut down"
+
+
 def test_one_override_switches_a_torchrl_hydra_app_to_weightsync():
     """A TorchRL app picks its scheme from TorchRL's group ``weight_sync_scheme``; ``weightsync_<name>`` there
     is weightsync's, so one override on the command line switches it."""

@@ -148,10 +148,10 @@ class Driver:
             ConfigurationError: naming what the program did and what works instead.
         """
 
-    def applied(self, context: Any) -> None:
-        """A receiver that applies updates itself, whose context is now ``context``, just applied and acked an
-        update, or applied one whose ack was lost with its sender (called by the thread that applied it; default:
-        nothing)."""
+    def applied(self, scheme: Any) -> None:
+        """A receiver that applies updates itself (``scheme``'s, whose context is now ``scheme.context``) just
+        applied an update, and acks it once this returns (an error raised here is acked as the update's failure).
+        Called by the thread that applied it; default: nothing."""
 
 
 #: The driver of a context that no program drives, and of no context: every answer is the default.

@@ -77,7 +77,7 @@ class Receiver:
         self._stop = threading.Event()
         self._applied = threading.Condition()
         self._thread_error: BaseException | None = None
-        #: Called after each update applied (a driving program counts its model's versions).
+        #: Called after each update applied, before its ack (a driving program counts its model's versions).
         self.on_applied: Callable[[], None] | None = None
         #: Under the scheme's ``delta``: the copy of the bytes of the version held, which changes are applied to.
         delta, track = bool(getattr(scheme, "delta", False)), bool(getattr(scheme, "track_writes", False))
@@ -259,6 +259,8 @@ class Receiver:
                         cuda.settle(gpus, deadline, whole_device=cuda.settle_whole_device(self.engine.placement))
             if self.kept is not None:
                 self.kept.version = update.version
+            if self.on_applied is not None:  # (before the ack: what the program passes the update on to has it)
+                self.on_applied()
         except Exception as exc:
             if gpus:  # copies queued before the failure may still read the slot: done before the ack frees it
                 try:  # a deadline of its own: the failure may be that the first one ran out
@@ -273,8 +275,6 @@ class Receiver:
             raise
         self._outstanding = None
         self._ack(taken, update.version)
-        if self.on_applied is not None:
-            self.on_applied()
         return update.version
 
     def discard(self, taken: list[Delivery]) -> None:

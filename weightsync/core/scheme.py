@@ -318,7 +318,7 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
             raise
         if applies_itself:  # the program runs the model beside the receiver's thread: they take turns
             rt.hold.hold(rt.model)
-            rt.receiving.on_applied = lambda: rt.driver.applied(rt.context)
+            rt.receiving.on_applied = lambda: rt.driver.applied(self)
 
     def send(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> None:
         """Publish a new version to ``worker_ids`` (all by default).

@@ -149,7 +149,14 @@ class TorchRLDriver(Driver, name="torchrl"):
             model_id=scheme.model_id,
         )
 
-    def applied(self, context: Any) -> None:
+    def applied(self, scheme: Any) -> None:
+        context = scheme.context
+        if hasattr(context, "num_workers") and scheme.applied_on_arrival:
+            # A collector with workers of its own, in the actor of a RayCollector (each update is a call into the
+            # actor, which runs one call at a time: never beside the collector's): the update goes on to its
+            # workers before it is acked, as TorchRL's own schemes pass it on.
+            context.update_policy_weights_(collector_model(context, scheme.model_id), model_id=scheme.model_id)
+            return
         # The inner collector counts the policy's versions, as with TorchRL's own schemes.
         bump = getattr(context, "increment_version", None)
         if callable(bump):

@@ -108,6 +108,22 @@ def test_multi_collector_isolates_updates_and_names_a_dead_worker(cls_name, back
     assert not any(p.is_alive() for p in collector.procs)
 
 
+def test_a_collector_that_forks_its_workers_is_refused_at_once_by_name(monkeypatch):
+    """TorchRL's messages advise ``mp.set_start_method("fork")``. A forked worker refused the scheme (it held the
+    trainer's copy, not one pickled for it) and exited; the trainer waited for it until ``connect_timeout`` (120 s)
+    and said only that workers did not connect. The collector's start method is refused at init, by name."""
+    import multiprocessing
+
+    import torchrl.collectors._multi_base as multi_base
+
+    monkeypatch.setattr(multi_base, "_get_mp_ctx", lambda: multiprocessing.get_context("fork"))
+    monkeypatch.setattr(multi_base, "_set_mp_start_method_if_unset", lambda method: None)  # (this process's stays)
+    scheme = ws.SharedMemWeightSyncScheme(timeout=30)
+    with pytest.raises(ws.ConfigurationError, match="'fork'.*'spawn' or 'forkserver'"):
+        multi("MultiSyncCollector", scheme, policy=make_policy(0.0))
+    assert scheme.state == "new"
+
+
 @pytest.mark.parametrize("backend", ["multiprocess", "shared_mem"])
 def test_single_collector_applies_weights_it_is_sent(backend):
     """``Collector`` runs its policy in the trainer's process. Given the trainer's own module it runs those very

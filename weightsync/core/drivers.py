@@ -64,7 +64,7 @@ class Driver:
 
     1. :meth:`drives` — whether ``context`` is this program; the first registered driver that says yes is asked
        the rest (a context none takes, :data:`UNDRIVEN`).
-    2. :meth:`terms` — how it drives this scheme (pickled with it into the workers).
+    2. :meth:`terms` — how it drives this scheme (pickled with it into the workers); then :meth:`extras`.
     3. :meth:`model` — the model ``model_id``, unless ``model=`` or ``weights=`` was given.
     4. :meth:`num_workers` — how many workers, unless ``num_workers=`` was given.
     5. :meth:`sink` — what the sender's engine reports acks, refusals and deaths to (default: the core).
@@ -77,7 +77,7 @@ class Driver:
 
     1. :meth:`check_receiver` — before the receiver opens anything.
     2. :meth:`follow` — the scheme is initialized.
-    3. :meth:`applied` — after each update a receiver that applies updates itself applied and acked.
+    3. :meth:`applied` — after each update a receiver that applies updates itself applied, before its ack.
     """
 
     #: Its name in the registry (``name=`` of its class statement).
@@ -101,6 +101,13 @@ class Driver:
     def terms(self, context: Any) -> Drive | None:
         """How this program drives a sender initialized with ``context`` (``None``: as no program does)."""
         return Drive(self.name) if self.name else None
+
+    def extras(self, context: Any, given: dict[str, Any]) -> None:
+        """The :attr:`sender_extras` given to ``init_on_sender`` (``None``: not given), which the scheme takes and
+        does not need (default: nothing is done with them).
+
+        Raises:
+            ConfigurationError: one says the program will start its workers in a way the scheme cannot serve."""
 
     def model(self, context: Any, model_id: str) -> Any:
         """The model ``model_id`` of ``context`` (default: found by name or path, :func:`~weightsync.resolve_model`).

@@ -146,8 +146,7 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
             rt.context = context
             rt.driver = driver = driver_of(context)
             rt.drive = driver.terms(context)
-            for extra in driver.sender_extras:
-                kwargs.pop(extra, None)
+            driver.extras(context, {extra: kwargs.pop(extra, None) for extra in driver.sender_extras})
             model = kwargs.pop("model", None)
             weights = kwargs.pop("weights", None)
             if model is None and weights is None and context is not None:

@@ -112,6 +112,18 @@ class TorchRLDriver(Driver, name="torchrl"):
         client = client_of(context) or {}
         return Drive(self.name, bool(client.get("applies_itself")), client.get("index_base", 0))
 
+    def extras(self, context: Any, given: dict[str, Any]) -> None:
+        """``ctx``: the collector starts its workers with it. Refused where it forks them: a forked worker would
+        refuse the scheme (it holds the trainer's copy, not one pickled for it) and exit, and the trainer would
+        wait for it until ``connect_timeout``, without its reason."""
+        method = getattr(given.get("ctx"), "get_start_method", None)
+        if callable(method) and method() == "fork":
+            raise ConfigurationError(
+                f"{type(context).__name__} starts its workers with multiprocessing's 'fork': a weightsync scheme "
+                "reaches each worker pickled, which fork does not do. Start them with 'spawn' or 'forkserver' "
+                "(multiprocessing.set_start_method('spawn') before the collector is made)"
+            )
+
     def model(self, context: Any, model_id: str) -> Any:
         return collector_model(context, model_id)
 

@@ -119,6 +119,34 @@ def test_main_job_single_run_verifies_and_keeps_secrets_out_of_its_outputs(tmp_p
         assert "authkey" not in path.read_text(errors="replace"), f"{path} mentions the auth key"
 
 
+def test_a_main_job_ended_by_sigterm_shuts_its_schemes_down_and_leaves_no_key_file(tmp_path):
+    """``timeout`` or a scheduler ends a job with SIGTERM: the job's schemes shut down as at Ctrl-C (their key
+    files, workers and shared memory go), and it exits 143. Before, Python's default ended it where it stood, and
+    each run left its models' key files behind."""
+    import os
+    import signal
+
+    runtime = tmp_path / "xdg"
+    runtime.mkdir(mode=0o700)
+    keys = runtime / f"weightsync-{os.getuid()}"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "weightsync", "rounds=100000", *SMALL[1:], f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=ROOT,
+        env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert wait_until(lambda: keys.is_dir() and len(list(keys.iterdir())) >= 2, deadline_after(120), 0.1)
+        job.send_signal(signal.SIGTERM)
+        out, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 143, out
+    assert list(keys.iterdir()) == [], out
+
+
 def test_main_job_multirun_writes_a_combined_table_csv_and_plot(tmp_path):
     # Ray's workers are actors the job starts on a local cluster; the namespace keeps it on loopback. rpc runs on
     # its own: it needs its opt-in (scheme.allow_store_peers_to_run_code=true), a field the other schemes lack.

@@ -232,8 +232,9 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
             scheme.init_on_sender(model_id=model_id, model=models[model_id], num_workers=n, **extra)
         for i in range(n if in_procs else 0):
             configs = {m: s.receiver_config(i) for m, s in in_procs.items()}
-            procs.append(ctx.Process(target=_worker, args=(i, configs, specs, reports, stop), daemon=True))
-            procs[-1].start()
+            proc = ctx.Process(target=_worker, args=(i, configs, specs, reports, stop), daemon=True)
+            proc.start()
+            procs.append(proc)  # (once started: a start interrupted, by a SIGTERM, has no process to join)
         if actors is not None:
             actors.join({m: schemes[m] for m in on_ray})
         times: dict[str, list[float]] = {m: [] for m in schemes}

@@ -7,10 +7,11 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -74,12 +75,18 @@ def _app(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Entry point of ``python -m weightsync`` and the ``weightsync`` command: runs the app, then ends the process
-    with its exit status (:func:`_leave`)."""
+    with its exit status (:func:`_leave`). A SIGTERM (``timeout``, a scheduler's end of a job) ends it as Ctrl-C
+    does: its schemes shut down (their workers, key files and shared memory go) and it exits 143."""
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         _app()
     except SystemExit as exc:
         _leave(exc.code)
     _leave(0)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _leave(code: str | int | None) -> NoReturn:

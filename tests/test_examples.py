@@ -147,6 +147,35 @@ def test_a_main_job_ended_by_sigterm_shuts_its_schemes_down_and_leaves_no_key_fi
     assert list(keys.iterdir()) == [], out
 
 
+def test_a_main_job_that_drops_a_killed_worker_names_it_at_once(tmp_path):
+    """``scheme.on_failure=drop``: the scheme drops a worker killed mid-run and goes on; the job, which checks
+    every worker's report of each version, waited for the dead one's until ``worker_timeout`` (120 s)."""
+    import signal
+    import time
+
+    import psutil
+
+    job = subprocess.Popen(
+        [sys.executable, "-m", "weightsync", "rounds=100000", "scheme.on_failure=drop", *SMALL[1:],
+         f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+
+        def workers() -> list:
+            below = psutil.Process(job.pid).children(recursive=True)
+            return [p for s in below if "forkserver" in " ".join(s.cmdline()) for p in s.children()]
+
+        assert wait_until(lambda: len(workers()) == 2, deadline_after(120), 0.1)
+        time.sleep(1.0)  # (into its rounds)
+        workers()[0].send_signal(signal.SIGKILL)
+        out, _ = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == 2, out
+    assert re.search(r"worker processes \[[01]\] exited \(codes \[-9\]\) before reporting", out), out
+
+
 def test_main_job_multirun_writes_a_combined_table_csv_and_plot(tmp_path):
     # Ray's workers are actors the job starts on a local cluster; the namespace keeps it on loopback. rpc runs on
     # its own: it needs its opt-in (scheme.allow_store_peers_to_run_code=true), a field the other schemes lack.

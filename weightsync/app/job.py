@@ -30,7 +30,7 @@ from .. import checks
 from ..config import SCHEMES, from_config
 from ..config.receiver import check_available
 from ..core.scheme import WeightSyncScheme
-from ..core.timing import shown_seconds
+from ..core.timing import deadline_after, remaining, shown_seconds
 from ..errors import ConfigurationError, ConnectionClosedError, WeightSyncError
 from ..schemes.no_sync import NoWeightSyncScheme
 from ..schemes.ray import RayWeightSyncScheme
@@ -46,6 +46,8 @@ log = logging.getLogger("weightsync.app")
 MAX_SIZE_MB = 1e6
 #: Seconds a worker's loop waits for an update before it looks whether it must stop.
 RECEIVE_WAIT_S = 0.05
+#: Seconds the trainer waits for a worker's report at a time, between looks at whether its process exited.
+REPORT_SLICE_S = 0.2
 
 
 @dataclass
@@ -349,17 +351,26 @@ class _Collector:
         import queue
 
         latest = {m: max(self.expected[m]) for m in model_ids}
+        deadline = deadline_after(self.timeout)
         while True:
             missing = [(w, m) for w in range(n) for m in latest if latest[m] not in self.seen.get((w, m), {})]
             if not missing:
                 return
-            try:
-                report = self.reports.get(timeout=self.timeout)
+            try:  # (in slices: a worker process found gone is named at once, once it has nothing left to say)
+                report = self.reports.get(timeout=max(0.0, min(REPORT_SLICE_S, remaining(deadline))))
             except queue.Empty:
-                dead = [i for i, p in enumerate(self.procs) if not p.is_alive()]
+                gone = {w: p.exitcode for w, p in enumerate(self.procs) if not p.is_alive()}
+                late = sorted({w for w, _ in missing})
+                if gone.keys() & set(late):
+                    raise WeightSyncError(
+                        f"worker processes {sorted(gone.keys() & set(late))} exited (codes "
+                        f"{[gone[w] for w in sorted(gone.keys() & set(late))]}) before reporting "
+                        f"{', '.join(f'{m} version {v}' for m, v in sorted(latest.items()))}"
+                    ) from None
+                if remaining(deadline) > 0:
+                    continue
                 raise WeightSyncError(
-                    f"no report from workers {sorted({w for w, _ in missing})} within {shown_seconds(self.timeout)} "
-                    f"(dead: {dead})"
+                    f"no report from workers {late} within {shown_seconds(self.timeout)} (dead: {sorted(gone)})"
                 ) from None
             self.record(report)
 

@@ -241,6 +241,7 @@ def test_bad_overrides_fail_in_hydra(override):
         ("models.value.size_mb=inf", "models.value.size_mb must be"),
         ("seed=99999999999999999999", r"seed must be in \[0, 2\*\*63\)"),
         ("scheme.timeout=-1", "schemes.policy: timeout must be a positive number of seconds"),
+        ("models.policy.size_mb=0.01 models.policy.tensors=20000", "cannot be split into 20000 tensors"),
         ("scheme=shared_mem scheme.transport.max_slots=1", "schemes.policy.transport: max_slots must be an int"),
         (
             "schemes.value={_target_:weightsync.MultiProcessWeightSyncScheme,timeout:-1}",

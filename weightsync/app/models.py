@@ -32,7 +32,12 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
     size_mb, tensors = float(spec["size_mb"]), int(spec["tensors"])
     if size_mb <= 0 or tensors < 1:
         raise ConfigurationError(f"a model needs size_mb > 0 and tensors >= 1, got {size_mb} and {tensors}")
-    numel = max(1, int(size_mb * 1e6 / 4 / tensors))
+    numel = int(size_mb * 1e6 / 4 / tensors)
+    if numel < 1:  # (one value each would make the model larger than asked)
+        raise ConfigurationError(
+            f"a model of {size_mb:g} MB holds {int(size_mb * 1e6 / 4)} float32 values: it cannot be split into "
+            f"{tensors} tensors (tensors: at most that many)"
+        )
     return nn.ParameterList([nn.Parameter(torch.zeros(numel)) for _ in range(tensors)])
 
 

@@ -417,3 +417,34 @@ def test_benchmark_suite_prints_every_case_against_its_target_and_plots(tmp_path
     ):
         assert row in table, table
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_sweep_reports_its_own_jobs_not_an_earlier_sweeps_in_the_same_folder(tmp_path, capsys):
+    """Two sweeps into one ``hydra.sweep.dir``: the second's table listed the first's jobs too, and its exit
+    status blamed a job of the first that had failed."""
+    import json
+    import os
+    import time
+
+    from omegaconf import OmegaConf
+
+    from weightsync.app.report import RESULTS_FILE, SweepReport, error_row
+
+    def job(name: str, rows: list[dict]) -> Path:
+        (tmp_path / name).mkdir(exist_ok=True)
+        path = tmp_path / name / RESULTS_FILE
+        path.write_text(json.dumps(rows))
+        return path
+
+    ok = {"scheme": "shared_mem", "model": "policy", "model_mb": 1.0, "workers": 2, "sync": True, "rounds": 2,
+          "median_ms": 1.0, "p95_ms": 1.0, "gb_s": 1.0, "verified": "yes", "overrides": "num_workers=2"}  # fmt: skip
+    earlier = job("1", [{**error_row(ValueError("an earlier sweep's job failed")), "overrides": "x=1"}])
+    os.utime(earlier, (time.time() - 3600, time.time() - 3600))
+    report = SweepReport()
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    report.on_multirun_start(config)
+    job("0", [ok])
+    report.on_multirun_end(config)  # (no exit: this sweep's one job passed)
+    table = (tmp_path / "results.md").read_text()
+    assert "| 0 | shared_mem |" in table and "an earlier sweep" not in table and "| 1 |" not in table
+    assert "an earlier sweep" not in capsys.readouterr().err

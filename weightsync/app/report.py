@@ -6,6 +6,7 @@ import csv
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +66,14 @@ def verification_error(failed: list[str]) -> str:
     return f"weightsync: error: the workers' weights did not match the trainer's for {', '.join(failed)}"
 
 
-def write_sweep_report(sweep_dir: Path) -> list[dict[str, Any]]:
-    """Combine every job's ``results.json`` under ``sweep_dir`` into results.md, results.csv and results.png."""
+def write_sweep_report(sweep_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:
+    """Combine every job's ``results.json`` under ``sweep_dir`` written at ``since`` (``time.time()``) or later
+    (the sweep's own: an earlier sweep into the same folder left its jobs') into results.md, results.csv and
+    results.png."""
     rows = []
     for path in sorted(sweep_dir.glob(f"*/{RESULTS_FILE}"), key=lambda p: (len(p.parent.name), p.parent.name)):
+        if path.stat().st_mtime < since:
+            continue
         for row in json.loads(path.read_text()):
             rows.append({"job": path.parent.name, **row})
     if not rows:
@@ -143,11 +148,16 @@ def series_labels(rows: list[dict[str, Any]]) -> list[str]:
 
 
 class SweepReport(Callback):
-    """Hydra callback: at the end of a multirun, write and print the combined table."""
+    """Hydra callback: at the end of a multirun, write and print the combined table of its jobs."""
+
+    started = 0.0
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.started = time.time() - 1.0  # (a file system's time stamps may be coarser than the clock's)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows = write_sweep_report(sweep_dir)
+        rows = write_sweep_report(sweep_dir, self.started)
         if rows:
             plot = ", results.png" if (sweep_dir / "results.png").exists() else ""  # (no job timed: none)
             print(f"\nAll jobs ({sweep_dir}/results.md, results.csv{plot}):\n")

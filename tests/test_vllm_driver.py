@@ -1313,3 +1313,49 @@ def test_a_trainer_whose_engine_another_took_over_leaves_the_others_receiver_at_
         first.shutdown()
         second.shutdown()
     assert engine.calls[-1] == "shutdown"
+
+
+class _LeftInAnUpdate(Engine):
+    """An engine a trainer died in the middle of updating: paused, its update session open. Its start says what
+    vLLM's worker says while a session is open."""
+
+    def __init__(self, spec: dict) -> None:
+        super().__init__(spec)
+        self.active, self.paused = True, True
+
+    def start_weight_update(self) -> None:
+        if self.active:
+            raise RuntimeError(
+                "start_weight_update called while a weight update is already active. Call finish_weight_update first."
+            )
+        super().start_weight_update()
+
+
+class _Pauses(EngineClient):
+    pauses = True
+
+    def pause(self, mode: str, timeout: float) -> None:
+        self.target.paused = True
+
+    def resume(self, timeout: float) -> None:
+        self.target.paused = False
+
+
+@pytest.mark.parametrize("mode", ["none", "keep"])
+def test_a_trainer_that_takes_over_an_engine_left_in_an_update_ends_that_update_and_generates(mode):
+    """A trainer killed between its start (and pause) and its load left the engine paused with its session open:
+    the next trainer's connect succeeded, its first send failed at its start ("already active"), reported as the
+    engine's failure, and with ``pause_mode="none"`` nothing ever resumed the engine."""
+    model = build("tiny")
+    engine = _LeftInAnUpdate(engine_spec(model))
+    scheme = ws.SharedMemWeightSyncScheme(timeout=10, connect_timeout=30)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([_Pauses(engine, "vLLM engine 0")], pause_mode=mode))
+        scheme.connect()
+        assert not engine.paused
+        for version in (1, 2):
+            _step(model, 1)
+            scheme.send()
+            assert engine.version == str(version) and _same(engine, model) and not engine.paused
+    finally:
+        scheme.shutdown()

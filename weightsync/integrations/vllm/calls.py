@@ -77,6 +77,24 @@ def engine_error(worker: int, version: int, error: BaseException, model_id: str 
     )
 
 
+#: What vLLM's worker answers a start while an update session is open (``_start_weight_update``, in
+#: ``vllm/v1/worker/gpu_worker.py``): it refuses every start until the session is ended.
+OPEN_SESSION = "already active"
+
+
+def _started(start: Any, client: EngineClient, left: Any) -> None:
+    """``start()``, made once more after ending the update session the engine says is open: one that a trainer
+    left there (it died in an update, and this trainer's init took the engine over), or a start of this trainer's
+    that timed out and began later."""
+    try:
+        start()
+    except Exception as exc:
+        if OPEN_SESSION not in str(exc):
+            raise
+        client.finish(None, left())
+        start()
+
+
 def around_load(
     client: EngineClient,
     left: Any,
@@ -108,13 +126,13 @@ def around_load(
     try:
         if start and not together:
             begun = True
-            client.start(left())
+            _started(lambda: client.start(left()), client, left)
         if before is not None:
             before()
         started = time.perf_counter()
         if together:
             begun = paused = True
-            client.start_and_pause(mode, left())
+            _started(lambda: client.start_and_pause(mode, left()), client, left)
         elif pause:
             paused = True
             client.pause(mode, left())

@@ -225,6 +225,8 @@ class Gate(Rejoins, SenderEngine):
                     client.set_version("0", left())
 
             self._paused(client, left, body, worker, 0)
+            if client.pauses and self.engines.pause_mode == "none":  # (the other modes' pause ended in a resume:
+                client.resume(left())  # an engine that a trainer which died in an update left paused generates)
 
         return steps
 

@@ -71,3 +71,12 @@ def factory_policy() -> TensorDictModule:
 def actions(batch) -> set[float]:
     """The distinct actions of a batch, rounded."""
     return {round(float(a), 3) for a in batch["action"].flatten()}
+
+
+def make_env_that_fails_in_a_worker() -> TinyEnv:
+    """An environment that cannot be built in a collector's worker process (a missing ROM, say)."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None:
+        raise RuntimeError("this env cannot be built in a worker: missing ROM")
+    return make_env()

@@ -124,6 +124,25 @@ def test_a_collector_that_forks_its_workers_is_refused_at_once_by_name(monkeypat
     assert scheme.state == "new"
 
 
+def test_a_worker_that_fails_at_its_start_is_named_with_its_error():
+    """A collector's worker whose environment cannot be built sends its error on its pipe and exits (code 0). The
+    collector reads the pipe only once the scheme connected, which it never did: the trainer heard "exited with
+    code 0 before it connected", and the error was lost."""
+    from tests._torchrl_env import make_env_that_fails_in_a_worker
+
+    scheme = ws.SharedMemWeightSyncScheme(timeout=30)
+    collector = None
+    with pytest.raises(ws.WorkerDiedError, match=r"worker 0 said: RuntimeError: .*missing ROM"):
+        collector = MultiSyncCollector(
+            [make_env_that_fails_in_a_worker, make_env],
+            policy=make_policy(0.0),
+            frames_per_batch=8,
+            total_frames=-1,
+            weight_sync_schemes={"policy": scheme},
+        )
+    assert collector is None
+
+
 @pytest.mark.parametrize("backend", ["multiprocess", "shared_mem"])
 def test_single_collector_applies_weights_it_is_sent(backend):
     """``Collector`` runs its policy in the trainer's process. Given the trainer's own module it runs those very

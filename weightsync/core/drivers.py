@@ -155,6 +155,11 @@ class Driver:
             ConfigurationError: naming what the program did and what works instead.
         """
 
+    def last_words(self, context: Any, workers: list[int]) -> list[str]:
+        """What the program's ``workers`` said before they exited, where it left their words (their errors), for
+        the error that names them (called once a worker process exited before it connected; default: none)."""
+        return []
+
     def applied(self, scheme: Any) -> None:
         """A receiver that applies updates itself (``scheme``'s, whose context is now ``scheme.context``) just
         applied an update, and acks it once this returns (an error raised here is acked as the update's failure).

@@ -181,8 +181,8 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
                 engine.close(0)
             rt.driver.abandon(self, sink)
             raise
-        rt.num_workers = num_workers
-        rt.sending = sending
+        rt.num_workers, rt.sending = num_workers, sending
+        sending.last_words = functools.partial(rt.driver.last_words, rt.context)
 
     def _count_workers(self, kwargs: dict[str, Any]) -> int:
         """How many workers this sender serves (``num_workers``, unless the engine's handles say so)."""

@@ -97,6 +97,8 @@ class Sender:
         self._admitter: Admitter | None = None
         #: The worker processes this sender knows of: one that exits before it connected is named at once.
         self.processes = KnownProcesses()
+        #: What the program's workers that have not connected said before they exited (a driver's ``last_words``).
+        self.last_words: Callable[[list[int]], list[str]] | None = None
         self._progress: Progress | None = None
         #: Under the scheme's ``delta``: the trainer's copy of the newest version, and who is sent changes.
         self.changes = Changes(scheme, layout)
@@ -139,8 +141,10 @@ class Sender:
 
         exited = self.processes.exited()
         if exited:
+            said = self.last_words(missing()) if self.last_words is not None else []
             raise WorkerDiedError(
-                f"{'; '.join(exited)} before it connected (workers {missing()} have not connected)",
+                f"{'; '.join(exited)} before it connected (workers {missing()} have not connected)"
+                + "".join(f"; {words}" for words in said),
                 model_id=self.model_id,
             )
         if self._progress is not None:

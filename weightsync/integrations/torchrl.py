@@ -161,6 +161,22 @@ class TorchRLDriver(Driver, name="torchrl"):
             model_id=scheme.model_id,
         )
 
+    def last_words(self, context: Any, workers: list[int]) -> list[str]:
+        """A collector's worker that failed at its start sends its error on its pipe and exits (code 0); the
+        collector reads it only once the scheme connected, which it never does then."""
+        pipes = getattr(context, "pipes", None)
+        said = []
+        for w in workers:
+            try:
+                pipe = pipes[w] if isinstance(pipes, list) and w < len(pipes) else None
+                message = pipe.recv() if pipe is not None and pipe.poll(0) else None
+            except (OSError, EOFError):  # (closed, or nothing whole on it)
+                continue
+            if isinstance(message, dict) and message.get("error"):
+                error = f"{message.get('exception_type')}: {message.get('exception_msg')}"
+                said.append(f"worker {w} said: {error[:2000]}")
+        return said
+
     def applied(self, scheme: Any) -> None:
         context = scheme.context
         if hasattr(context, "num_workers") and scheme.applied_on_arrival:

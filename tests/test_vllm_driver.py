@@ -1247,16 +1247,20 @@ class _Counted(Engine):
         return counted
 
 
-@pytest.mark.parametrize("how", ["timed_out", "async", "still_running"])
+@pytest.mark.parametrize("how", ["timed_out", "async", "still_running", "replaced", "shut_down"])
 def test_a_send_returns_only_once_its_calls_into_an_llm_ended(how):
     """A ``vllm.LLM`` takes no call beside another: its owner's ``generate`` after a send that timed out, or
     after ``send_async``, took the update's answer for its own, and the engine failed for good. A send now returns
     only once its calls into such an engine ended; where they outlast the scheme's ``timeout`` once more, the error
-    says they still run, and ``VLLMEngines.idle`` waits for them."""
+    says they still run, and ``VLLMEngines.idle`` waits for them: after ``shutdown()`` too, and not for the calls of
+    an engine another replaced (whose sends then settled on them, and failed)."""
     model = build("tiny")
-    target = _Counted(engine_spec(model), load_s={"timed_out": 1.6, "async": 0.5, "still_running": 60}[how])
+    load_s = {"timed_out": 1.6, "async": 0.5}.get(how, 60)
+    target = _Counted(engine_spec(model), load_s=load_s)
     scheme = ws.SharedMemWeightSyncScheme(timeout=1, connect_timeout=30)
     engines = VLLMEngines([_Owned(target, "vLLM engine 0")], pause_mode="none")
+    with pytest.raises(ws.ConfigurationError, match="worker_ids must be a list of engine indices below 1"):
+        engines.idle(0, [1])
     try:
         scheme.init_on_sender(model=model, context=engines)
         scheme.connect()
@@ -1273,8 +1277,23 @@ def test_a_send_returns_only_once_its_calls_into_an_llm_ended(how):
             with pytest.raises(ws.SyncTimeoutError, match="its calls still run") as raised:
                 scheme.send()
             assert raised.value.worker_idx == 0 and not engines.idle(0)
+            if how == "replaced":  # (its process killed: its receiver gone, its call never returns)
+                target.shutdown_weight_transfer_engine()
+                _step(model, 1)
+                with pytest.raises(ws.WeightSyncError, match="worker 0"):
+                    scheme.send()
+                fresh = _Counted(engine_spec(model), load_s=0.0)
+                engines.replace(0, _Owned(fresh, "vLLM engine 0"))  # (settled on the new engine's calls alone)
+                assert engines.idle(0) and fresh.version == "3" and _same(fresh, model)
+                target.release.set()
+                return
+            if how == "shut_down":
+                scheme.shutdown()
+                assert not engines.idle(0)  # (the call into the LLM still runs past the shutdown)
             target.release.set()
             assert engines.idle(10) and target.under_way == 0
+            if how == "shut_down":
+                return
         assert target.version == "1" and _same(target, model)
         target.load_s = 0.0
         _step(model, 1)

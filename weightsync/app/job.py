@@ -15,6 +15,7 @@ import logging
 import math
 import multiprocessing as mp
 import re
+import signal
 import statistics
 import threading
 import time
@@ -91,6 +92,7 @@ def resolve_schemes(cfg: DictConfig) -> dict[str, DictConfig]:
 
 def _worker(idx: int, configs: dict, specs: dict, reports, stop) -> None:
     """A worker process: build each model, join each scheme from its receiver config, report every version."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C reaches the trainer too, whose shutdown ends this one)
     torch.set_num_threads(1)
     schemes, models = {}, {}
     threads: list[threading.Thread] = []

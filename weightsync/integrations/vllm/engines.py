@@ -103,6 +103,7 @@ class VLLMEngines:
         self.clients: list[EngineClient] = [engine_client(e, f"vLLM engine {i}", loop) for i, e in enumerate(engines)]
         self.num_workers = len(self.clients)
         self._gate: _Serving | None = None  # the driver's, while a connected scheme serves these engines
+        self._closed: _Serving | None = None  # the last that did: its calls may outlast it (idle)
         #: The last updates' calls, per engine (newest last, at most :data:`KEPT`): see :meth:`record`.
         self.timings: list[EngineTiming] = []
         self._timings_lock = threading.Lock()
@@ -130,19 +131,27 @@ class VLLMEngines:
             self.timings.append(EngineTiming(worker, version, seconds, paused))
             del self.timings[:-KEPT]
 
-    def idle(self, timeout: float | None = None) -> bool:
-        """Wait until no call of the trainer's into any engine is under way, at most ``timeout`` seconds (default:
-        the scheme's ``timeout``; 0: do not wait); return whether none is. A send returns with none into a
-        ``vllm.LLM`` unless it raised that one still runs: that ``LLM`` must not be called (``generate``) until
-        this says so (it takes no call beside another).
+    def idle(self, timeout: float | None = None, worker_ids: list[int] | None = None) -> bool:
+        """Wait until no call of the trainer's into the engines of ``worker_ids`` (default: every engine) is under
+        way, at most ``timeout`` seconds (default: the scheme's ``timeout``; 0: do not wait); return whether none
+        is. A send returns with none into a ``vllm.LLM`` unless it raised that one still runs: that ``LLM`` must
+        not be called (``generate``) until this says so (it takes no call beside another); nor after
+        ``shutdown()``, which may return with such a call under way. An engine that :meth:`replace` put in another's
+        place is asked about alone (the calls into the one it replaced are not counted).
 
         Raises:
-            ConfigurationError: ``timeout`` is not None or a number of seconds from 0 to an hour."""
-        gate = self._gate
+            ConfigurationError: ``timeout`` is not None or a number of seconds from 0 to an hour, or ``worker_ids``
+                names no engine."""
+        gate = self._gate or self._closed
+        known = range(self.num_workers)
+        if worker_ids is not None and not (
+            isinstance(worker_ids, list) and all(type(w) is int and w in known for w in worker_ids)
+        ):
+            raise ConfigurationError(f"worker_ids must be a list of engine indices below {self.num_workers}")
         if gate is None:
             checks.within(timeout, 0.0, "idle(timeout)")
             return True
-        return gate.idle(checks.within(timeout, gate.core.timeout, "idle(timeout)"))
+        return gate.idle(checks.within(timeout, gate.core.timeout, "idle(timeout)"), worker_ids)
 
     def replace(self, worker_idx: int, engine: Any, timeout: float | None = None) -> None:
         """Serve ``engine`` as worker ``worker_idx`` from now on (an engine restarted after the old one died or was

@@ -163,8 +163,12 @@ class Gate(Rejoins, SenderEngine):
             )
             running = self._running.setdefault(worker, set())
             running.add(future)
-        future.add_done_callback(running.discard)
+        future.add_done_callback(lambda done: self._ended(running, done))
         return future
+
+    def _ended(self, running: set[concurrent.futures.Future], future: concurrent.futures.Future) -> None:
+        with self._lock:  # (idle() reads the sets under it)
+            running.discard(future)
 
     def settle(self, workers: list[int], deadline: float) -> dict[int, WeightSyncError]:
         """The calls of engines whose calls end within a send (:attr:`EngineClient.ends_within_send`: an ``LLM``)
@@ -182,14 +186,14 @@ class Gate(Rejoins, SenderEngine):
                 worker_idx=w,
             )
             for w in owned
-            if self._running.get(w)
+            if not self.idle(0.0, [w])
         }
 
     def idle(self, timeout: float, workers: list[int] | None = None) -> bool:
         """Wait until no call into the engines of ``workers`` (default: all) is under way, at most ``timeout``;
-        return whether none is."""
+        return whether none is. (The calls of an engine another replaced are not counted: its own.)"""
         with self._lock:
-            running = [f for w in (workers or self._running) for f in self._running.get(w, ())]
+            running = [f for w in (self._running if workers is None else workers) for f in self._running.get(w, ())]
         return not concurrent.futures.wait(running, max(timeout, 0.0)).not_done
 
     def _forget(self, worker: int) -> list[tuple[dict[int, Any], Any]]:
@@ -437,6 +441,7 @@ class Gate(Rejoins, SenderEngine):
         if self.inner is not None:
             self.inner.close(timeout)
         self.engines._gate = None
+        self.engines._closed = self  # (its calls that outlast it are still waited for by VLLMEngines.idle)
 
     def _stop(self, worker: int, timeout: float) -> None:
         """Tell ``worker``'s engine to let its receiver go, once its other calls returned (within ``timeout``)."""

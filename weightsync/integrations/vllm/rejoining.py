@@ -28,6 +28,7 @@ class Rejoins:
     _failures: dict[int, errors.WeightSyncError]
     _told: dict[int, int]
     _turns: list[threading.Lock]
+    _running: dict[int, set[concurrent.futures.Future]]
     _served: dict[int, int]
     _joining: dict[int, bool]
     _abandoned: set[int]
@@ -57,8 +58,9 @@ class Rejoins:
         with self._lock:
             self._abandoned.discard(worker)
             served = self._served.pop(worker, None)  # a new engine: named by its own updates from now on
-            # Its own turn: a call of the engine it replaces that hangs holds the old one.
+            # Its own turn, and its own calls under way: a call of the engine it replaces that hangs holds the old.
             turn, self._turns[worker] = self._turns[worker], threading.Lock()
+            running, self._running[worker] = self._running.get(worker, set()), set()
             self._joining[worker] = False
         init: concurrent.futures.Future | None = None
         try:
@@ -75,7 +77,7 @@ class Rejoins:
                     self.core.died(
                         worker, f"vLLM engine {worker} joined in place of another, then failed: {cause(exc)}"
                     )
-            self._served_again(worker, kept, turn, served)
+            self._served_again(worker, kept, (turn, running), served)
             raise
         with self._lock:
             self._joining.pop(worker)
@@ -107,14 +109,15 @@ class Rejoins:
 
     def _served_again(self, worker: int, kept: list[tuple[dict[int, Any], Any]], turn: Any, served: Any) -> None:
         """The engine whose new one could not join is served as before: its calls, what they are to pass on, its
-        turn (a call of it that hangs holds it), the version it is named after; and what its receiver said while
-        the new one tried. (One that the failure dropped is gone: its calls are moot.)"""
+        turn and its calls under way (``turn``: a call of it that hangs holds it), the version it is named after;
+        and what its receiver said while the new one tried. (One that the failure dropped is gone: its calls are
+        moot.)"""
         if self.core.is_dead(worker):
             return
         with self._lock:
             held, failure = self._held.pop(worker, None), self._failures.pop(worker, None)
             told = self._told.get(worker, -1)
-            self._turns[worker] = turn
+            self._turns[worker], self._running[worker] = turn
             for where, what in kept:
                 where[worker] = what
             # (its call that hung may have named a version meanwhile, or the core been told of one: the newer holds)

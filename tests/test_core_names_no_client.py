@@ -8,6 +8,7 @@ import pickle
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,52 @@ def test_a_driver_must_say_which_contexts_it_drives():
             pass
 
     assert "test-mute" not in registry.drivers()
+
+
+@pytest.fixture
+def passing_on_driver():
+    class PassingOn(Driver, name="test-passing-on"):
+        failing: int | None = None  # the version whose passing-on fails
+
+        def drives(self, context):
+            return isinstance(context, Program)
+
+        def num_workers(self, context):
+            return 1
+
+        def terms(self, context):
+            return Drive(self.name, applies_itself=True)
+
+        def applied(self, scheme):
+            if scheme.version == self.failing:
+                raise RuntimeError("the program's own workers did not take it")
+
+    yield PassingOn
+    registry._drivers.pop("test-passing-on", None)
+
+
+def test_a_program_that_fails_to_pass_an_applied_update_on_is_named_for_that_and_the_version_is_held(
+    passing_on_driver,
+):
+    """A driver's ``applied()`` runs before the ack, to pass the update on (TorchRL's collectors in a Ray actor);
+    its failure came back as the worker's failure to apply, while the worker held the version."""
+    program = Program()
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender("policy", context=program)
+    worker = pickle.loads(pickle.dumps(scheme))
+    held = torch.nn.Linear(2, 2)
+    worker.init_on_receiver(model=held, worker_idx=0)
+    try:
+        joining = threading.Thread(target=worker.connect)
+        joining.start()
+        scheme.connect()
+        joining.join(30)
+        registry.drivers()["test-passing-on"].failing = 1
+        with torch.no_grad():
+            program.policy.weight.add_(1.0)
+        with pytest.raises(ws.ReceiverError, match="version 1 was applied here, then passing it on failed: Runtime"):
+            scheme.send()
+        assert scheme.acked_versions == {0: 1} and torch.equal(held.weight, program.policy.weight)
+    finally:
+        worker.shutdown()
+        scheme.shutdown()

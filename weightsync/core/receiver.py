@@ -5,7 +5,7 @@ is exactly as bound), then placed as the engine's placement says — the model
 swaps memory with, or binds to, the buffer the update arrived in; is loaded
 with one copy per piece into the buffer it is bound to; or is written tensor
 by tensor — and acked. Weights and version change together under
-``weights_lock``; a failure changes nothing and is acked with its cause.
+``weights_lock``; a failure changes nothing and is acked with its cause (but :class:`PassOnError`'s).
 """
 
 from __future__ import annotations
@@ -39,9 +39,15 @@ from .kept import KeptCopy
 from .rejoin import stop_thread
 from .timing import deadline_after, remaining
 
-__all__ = ["Receiver"]
+__all__ = ["PassOnError", "Receiver"]
 
 log = logging.getLogger("weightsync.core")
+
+
+class PassOnError(RuntimeError):
+    """An update was applied, then the program this receiver serves failed to pass it on (its ack names both:
+    the worker holds the version)."""
+
 
 #: Seconds the background thread waits for an update before it looks again whether it must stop.
 THREAD_POLL_S = 0.05
@@ -212,6 +218,8 @@ class Receiver:
         Raises:
             IntegrityError, WeightMismatchError, ConfigurationError: the update was refused (and acked so);
                 the model kept its weights.
+            PassOnError: the update was applied (the model holds it, and the ack says so), then the program it
+                drives failed to pass it on (:attr:`on_applied`).
         """
         update = self._resolve(taken)[-1]  # (done when taken, unless the engine pushes its updates)
         where = {**self.where, "version": update.version}
@@ -260,7 +268,13 @@ class Receiver:
             if self.kept is not None:
                 self.kept.version = update.version
             if self.on_applied is not None:  # (before the ack: what the program passes the update on to has it)
-                self.on_applied()
+                try:
+                    self.on_applied()
+                except Exception as exc:
+                    raise PassOnError(
+                        f"version {update.version} was applied here, then passing it on failed: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
         except Exception as exc:
             if gpus:  # copies queued before the failure may still read the slot: done before the ack frees it
                 try:  # a deadline of its own: the failure may be that the first one ran out
@@ -418,8 +432,8 @@ class Receiver:
                 self._thread_failed(exc)
                 if isinstance(exc, ConnectionClosedError):
                     return
-                log.error(
-                    "model %r worker %s: update failed: %s", self.where["model_id"], self.where["worker_idx"], exc
+                log.error(  # (its words: a record kept by a log handler must not keep the update's frames)
+                    "model %r worker %s: update failed: %s", self.where["model_id"], self.where["worker_idx"], str(exc)
                 )
                 continue
             except BaseException as exc:  # (a load that exits, an engine's cancelled load): ends the thread, said

@@ -67,9 +67,11 @@ def verification_error(failed: list[str]) -> str:
 
 
 def write_sweep_report(sweep_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:
-    """Combine every job's ``results.json`` under ``sweep_dir`` written at ``since`` (``time.time()``) or later
-    (the sweep's own: an earlier sweep into the same folder left its jobs') into results.md, results.csv and
-    results.png."""
+    """Combine every job's ``results.json`` under ``sweep_dir`` written at ``since`` (a time stamp of the file
+    system's) or later (the sweep's own: an earlier sweep into the same folder left its jobs') into results.md,
+    results.csv and results.png (an earlier sweep's files of those names go)."""
+    for stale in ("results.md", "results.csv", "results.png"):
+        (sweep_dir / stale).unlink(missing_ok=True)
     rows = []
     for path in sorted(sweep_dir.glob(f"*/{RESULTS_FILE}"), key=lambda p: (len(p.parent.name), p.parent.name)):
         if path.stat().st_mtime < since:
@@ -153,7 +155,12 @@ class SweepReport(Callback):
     started = 0.0
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self.started = time.time() - 1.0  # (a file system's time stamps may be coarser than the clock's)
+        # The time the jobs' files are compared with, by the file system's clock (where a job on another host
+        # writes them, its clock may not be this host's): a mark of this sweep's start, in its folder.
+        mark = Path(config.hydra.sweep.dir) / ".weightsync-sweep"
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.write_text(f"{time.time()}\n")
+        self.started = mark.stat().st_mtime
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

@@ -148,8 +148,11 @@ def test_a_program_that_fails_to_pass_an_applied_update_on_is_named_for_that_and
         registry.drivers()["test-passing-on"].failing = 1
         with torch.no_grad():
             program.policy.weight.add_(1.0)
-        with pytest.raises(ws.ReceiverError, match="version 1 was applied here, then passing it on failed: Runtime"):
+        with pytest.raises(ws.ReceiverError) as raised:
             scheme.send()
+        assert raised.value.remote_type == "PassOnError" and raised.value.detail.startswith(
+            "receiver: version 1 was applied here, then passing it on failed: RuntimeError: the program's own"
+        )
         assert scheme.acked_versions == {0: 1} and torch.equal(held.weight, program.policy.weight)
     finally:
         worker.shutdown()

@@ -449,6 +449,7 @@ def test_a_sweep_reports_its_own_jobs_not_an_earlier_sweeps_in_the_same_folder(t
     assert "| 0 | shared_mem |" in table and "an earlier sweep" not in table and "| 1 |" not in table
     assert "an earlier sweep" not in capsys.readouterr().err
     assert (tmp_path / "results.png").exists()
+    os.utime(tmp_path / "results.png", (time.time() - 3600, time.time() - 3600))
     # A sweep whose jobs timed nothing draws no plot: the earlier sweep's is not announced as its own.
     report.on_multirun_start(config)
     job("0", [{**error_row(ValueError("this sweep's job failed")), "overrides": "x=2"}])

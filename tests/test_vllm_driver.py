@@ -1378,3 +1378,29 @@ def test_a_trainer_that_takes_over_an_engine_left_in_an_update_ends_that_update_
             assert engine.version == str(version) and _same(engine, model) and not engine.paused
     finally:
         scheme.shutdown()
+
+
+def test_a_call_into_an_llm_that_outlasts_shutdown_is_waited_for_by_idle():
+    """``shutdown()`` tells each engine to let its receiver go, and waits for that at most ``timeout``: a call
+    into an ``LLM`` that outlasts it still runs after the shutdown, and ``idle()`` said there was none."""
+    model = build("tiny")
+    release = threading.Event()
+
+    class SlowToLetGo(Engine):
+        def shutdown_weight_transfer_engine(self) -> None:
+            release.wait(30)
+            super().shutdown_weight_transfer_engine()
+
+    engine = SlowToLetGo(engine_spec(model))
+    scheme = ws.SharedMemWeightSyncScheme(timeout=1, connect_timeout=30)
+    engines = VLLMEngines([_Owned(engine, "vLLM engine 0")], pause_mode="none")
+    try:
+        scheme.init_on_sender(model=model, context=engines)
+        scheme.connect()
+        scheme.shutdown()
+        assert not engines.idle(0) and not engines.idle(0, [0])
+        release.set()
+        assert engines.idle(10) and engine.scheme is None
+    finally:
+        release.set()
+        scheme.shutdown()

@@ -10,6 +10,7 @@ the keys involved, both in its message and as attributes::
     ├── InvalidWeightsError           weights that cannot be sent (also TypeError)
     │   └── WeightMismatchError       keys, shapes or dtypes differ from the target
     ├── DeltaBaseError                a delta against a version the worker does not hold (sent whole instead)
+    ├── PassOnError                   an update applied, then not passed on by the program the worker serves
     ├── TransportError                the data plane broke
     │   ├── AuthenticationError       a peer failed the auth-key challenge
     │   ├── ConnectionClosedError     the peer closed its end (sender shut down)
@@ -34,6 +35,7 @@ __all__ = [
     "IntegrityError",
     "InvalidWeightsError",
     "LifecycleError",
+    "PassOnError",
     "ReceiverError",
     "SendFailedError",
     "SyncTimeoutError",
@@ -147,6 +149,12 @@ class DeltaBaseError(WeightSyncError):
     version whole, in the same ``send()`` when it waits for acks (else in ``wait_async()``)."""
 
 
+class PassOnError(WeightSyncError):
+    """A worker applied an update (it holds the version, and its ack says so), then the program it serves failed
+    to pass the update on (a driver's ``applied()``: TorchRL's collector to its own workers). The trainer's
+    :class:`ReceiverError` names it."""
+
+
 class TransportError(WeightSyncError):
     """The channel to a peer failed."""
 
@@ -183,6 +191,9 @@ class ReceiverError(WeightSyncError):
     def __init__(self, remote_type: str, remote_message: str, **where: Any) -> None:
         self.remote_type = remote_type
         self.remote_message = remote_message
+        if remote_type == PassOnError.__name__:  # (applied: its message says so, and what failed after)
+            super().__init__(f"receiver: {remote_message}", **where)
+            return
         super().__init__(f"receiver failed to apply the update: {remote_type}: {remote_message}", **where)
 
 

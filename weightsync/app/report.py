@@ -69,9 +69,7 @@ def verification_error(failed: list[str]) -> str:
 def write_sweep_report(sweep_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:
     """Combine every job's ``results.json`` under ``sweep_dir`` written at ``since`` (a time stamp of the file
     system's) or later (the sweep's own: an earlier sweep into the same folder left its jobs') into results.md,
-    results.csv and results.png (an earlier sweep's files of those names go)."""
-    for stale in ("results.md", "results.csv", "results.png"):
-        (sweep_dir / stale).unlink(missing_ok=True)
+    results.csv and results.png (an earlier sweep's plot goes where this one's jobs timed nothing)."""
     rows = []
     for path in sorted(sweep_dir.glob(f"*/{RESULTS_FILE}"), key=lambda p: (len(p.parent.name), p.parent.name)):
         if path.stat().st_mtime < since:
@@ -88,8 +86,11 @@ def write_sweep_report(sweep_dir: Path, since: float = 0.0) -> list[dict[str, An
         writer.writeheader()
         writer.writerows(rows)
     timed = [row for row in rows if "median_ms" in row]  # (a job that ended on an error timed nothing)
+    plot = sweep_dir / "results.png"
     if timed:
-        _plot(timed, sweep_dir / "results.png")
+        _plot(timed, plot)
+    elif plot.exists() and plot.stat().st_mtime < since:  # (not this sweep's)
+        plot.unlink()
     return rows
 
 

@@ -1,11 +1,10 @@
 """A worker's side of every scheme: one apply path, one owner of the bound model, whatever the engine.
 
-An update is checked (checksum, then the model against the layout, unless it
-is exactly as bound), then placed as the engine's placement says — the model
-swaps memory with, or binds to, the buffer the update arrived in; is loaded
-with one copy per piece into the buffer it is bound to; or is written tensor
-by tensor — and acked. Weights and version change together under
-``weights_lock``; a failure changes nothing and is acked with its cause (but :class:`PassOnError`'s).
+An update is checked (checksum, then the model against the layout, unless it is exactly as bound), then placed
+as the engine's placement says — the model swaps memory with, or binds to, the buffer the update arrived in; is
+loaded with one copy per piece into the buffer it is bound to; or is written tensor by tensor — and acked.
+Weights and version change together under ``weights_lock``; a failure changes nothing and is acked with its cause
+(but a :class:`~weightsync.errors.PassOnError`, raised once the update was applied).
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import traceback
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +24,7 @@ from ..errors import (
     ConnectionClosedError,
     DeltaBaseError,
     LifecycleError,
+    PassOnError,
     SyncTimeoutError,
     WeightMismatchError,
 )
@@ -39,14 +40,9 @@ from .kept import KeptCopy
 from .rejoin import stop_thread
 from .timing import deadline_after, remaining
 
-__all__ = ["PassOnError", "Receiver"]
+__all__ = ["Receiver"]
 
 log = logging.getLogger("weightsync.core")
-
-
-class PassOnError(RuntimeError):
-    """An update was applied, then the program this receiver serves failed to pass it on (its ack names both:
-    the worker holds the version)."""
 
 
 #: Seconds the background thread waits for an update before it looks again whether it must stop.
@@ -444,7 +440,11 @@ class Receiver:
                     self._applied.notify_all()
 
     def _thread_failed(self, exc: BaseException) -> None:
-        """What the background thread met, for the worker's next receive() to raise."""
+        """What the background thread met, for the worker's next receive() to raise (without its frames' locals:
+        the update it failed on, whose slot a worker that never calls receive() would keep mapped)."""
+        chain = [exc, exc.__cause__, exc.__context__]  # (what apply raised, and what it was raised from)
+        for seen in (e for e in chain if e is not None):
+            traceback.clear_frames(seen.__traceback__)
         with self._applied:
             self._thread_error = exc
             self._applied.notify_all()

@@ -141,9 +141,10 @@ class Sender:
 
         exited = self.processes.exited()
         if exited:
-            said = self.last_words(missing()) if self.last_words is not None else []
+            absent = missing()
+            said = self.last_words(absent) if self.last_words is not None else []
             raise WorkerDiedError(
-                f"{'; '.join(exited)} before it connected (workers {missing()} have not connected)"
+                f"{'; '.join(exited)} before it connected (workers {absent} have not connected)"
                 + "".join(f"; {words}" for words in said),
                 model_id=self.model_id,
             )

@@ -170,7 +170,7 @@ class TorchRLDriver(Driver, name="torchrl"):
             try:
                 pipe = pipes[w] if isinstance(pipes, list) and w < len(pipes) else None
                 message = pipe.recv() if pipe is not None and pipe.poll(0) else None
-            except (OSError, EOFError):  # (closed, or nothing whole on it)
+            except Exception:  # noqa: BLE001 - (closed, nothing whole on it, or not a message): the death is named as is
                 continue
             if isinstance(message, dict) and message.get("error"):
                 error = f"{message.get('exception_type')}: {message.get('exception_msg')}"

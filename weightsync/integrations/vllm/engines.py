@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ... import checks
+from ...core.timing import deadline_after, remaining
 from ...errors import ConfigurationError, LifecycleError
 from .clients import PAUSE_MODES, PROTOCOL, AsyncLLMClient, EngineClient, LLMClient, RayActorClient
 from .served import HTTPEngineClient
@@ -142,16 +143,17 @@ class VLLMEngines:
         Raises:
             ConfigurationError: ``timeout`` is not None or a number of seconds from 0 to an hour, or ``worker_ids``
                 names no engine."""
-        gate = self._gate or self._closed
+        gates = [g for g in (self._gate, self._closed) if g is not None]  # (the calls of both may be under way)
         known = range(self.num_workers)
         if worker_ids is not None and not (
             isinstance(worker_ids, list) and all(type(w) is int and w in known for w in worker_ids)
         ):
             raise ConfigurationError(f"worker_ids must be a list of engine indices below {self.num_workers}")
-        if gate is None:
+        if not gates:
             checks.within(timeout, 0.0, "idle(timeout)")
             return True
-        return gate.idle(checks.within(timeout, gate.core.timeout, "idle(timeout)"), worker_ids)
+        deadline = deadline_after(checks.within(timeout, gates[0].core.timeout, "idle(timeout)"))
+        return all(gate.idle(remaining(deadline), worker_ids) for gate in gates)
 
     def replace(self, worker_idx: int, engine: Any, timeout: float | None = None) -> None:
         """Serve ``engine`` as worker ``worker_idx`` from now on (an engine restarted after the old one died or was

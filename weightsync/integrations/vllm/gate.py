@@ -77,9 +77,6 @@ class Gate(Rejoins, SenderEngine):
         self._told: dict[int, int] = {}
         #: One engine's calls are made one at a time (an engine's client is not made for concurrent calls).
         self._turns = [threading.Lock() for _ in range(engines.num_workers)]
-        #: workers whose receiver the scheme's engine found gone (its channel ended): at close, their engine is not
-        #: told to let its receiver go (the one it holds, if any, is that of a trainer that took the engine over)
-        self._gone: set[int] = set()
         #: worker -> its engine's calls under way (whatever the core was told of them): :meth:`settle`, :meth:`idle`
         self._running: dict[int, set[concurrent.futures.Future]] = {}
         #: worker -> the newest version its engine was updated to and named: a turn is not taken in the order the
@@ -115,7 +112,6 @@ class Gate(Rejoins, SenderEngine):
         self.core.failed(worker, error)
 
     def died(self, worker: int, error: WeightSyncError | str) -> None:
-        self._gone.add(worker)
         self.core.died(worker, error)
 
     def is_dead(self, worker: int) -> bool:
@@ -127,7 +123,6 @@ class Gate(Rejoins, SenderEngine):
         self.core.waiting(joined)
 
     def rejoining(self, worker: int, version: int | None = None) -> None:
-        self._gone.discard(worker)
         with self._lock:
             if worker in self._joining:  # (the scheme's engine took it back: the bytes now go to the new engine)
                 self._joining[worker] = True
@@ -161,6 +156,11 @@ class Gate(Rejoins, SenderEngine):
             self._calls.setdefault(worker, []).append(
                 (version, future := in_thread(in_turn, f"weightsync-vllm-{worker}"))
             )
+        return self._track(worker, future)
+
+    def _track(self, worker: int, future: concurrent.futures.Future) -> concurrent.futures.Future:
+        """Count ``future``, a call into ``worker``'s engine, as under way until it is done (:meth:`idle`)."""
+        with self._lock:
             running = self._running.setdefault(worker, set())
             running.add(future)
         future.add_done_callback(lambda done: self._ended(running, done))
@@ -427,15 +427,17 @@ class Gate(Rejoins, SenderEngine):
 
     def close(self, timeout: float) -> None:
         self._closing = True
-        if timeout > 0:  # each engine lets its receiver go (it goes on serving the version it holds)
-            try:  # (first, the receivers gone since the last send: _gone)
+        if timeout > 0:  # each engine lets its receiver go (it goes on serving the version it holds), but one whose
+            # worker is gone or dropped: vLLM's call names no receiver, and the one its engine holds may be another
+            # trainer's (whose init took the engine over). First, the receivers gone since the last send:
+            try:
                 self._inner().poll([w for w in range(self.engines.num_workers) if not self.core.is_dead(w)])
             except Exception as exc:  # noqa: BLE001 - a close goes on (each engine is then told)
                 log.info("model %r: at shutdown, the engines' receivers could not be polled: %s", self.model_id, exc)
-            stops = [
-                in_thread(lambda w=w: self._stop(w, timeout), f"weightsync-vllm-{w}")
+            stops = [  # (an LLM's call that outlasts the close is waited for by VLLMEngines.idle)
+                self._track(w, in_thread(lambda w=w: self._stop(w, timeout), f"weightsync-vllm-{w}"))
                 for w in range(self.engines.num_workers)
-                if w not in self._gone
+                if not self.core.is_dead(w)
             ]
             concurrent.futures.wait(stops, timeout)
         if self.inner is not None:

@@ -162,8 +162,9 @@ class Driver:
 
     def applied(self, scheme: Any) -> None:
         """A receiver that applies updates itself (``scheme``'s, whose context is now ``scheme.context``) just
-        applied an update, and acks it once this returns (an error raised here is acked as the update's failure).
-        Called by the thread that applied it; default: nothing."""
+        applied an update, and acks it once this returns (an error raised here is acked as a
+        :class:`~weightsync.errors.PassOnError`, the version held). Called by the thread that applied it; default:
+        nothing."""
 
 
 #: The driver of a context that no program drives, and of no context: every answer is the default.

@@ -174,10 +174,10 @@ class Gate(Rejoins, SenderEngine):
         """The calls of engines whose calls end within a send (:attr:`EngineClient.ends_within_send`: an ``LLM``)
         are waited for until ``deadline``; each engine whose calls still run is named."""
         owned = [w for w in workers if self.engines.clients[w].ends_within_send]
-        if not owned or self.idle(remaining(deadline), owned):
-            self._forward()
+        ended = not owned or self.idle(remaining(deadline), owned)
+        self._forward()  # (what the calls that ended said)
+        if ended:
             return {}
-        self._forward()
         return {
             w: errors.SyncTimeoutError(
                 f"{self.engines.clients[w].name}: its calls still run, {shown_seconds(self.core.timeout)} after the "
@@ -191,7 +191,7 @@ class Gate(Rejoins, SenderEngine):
 
     def idle(self, timeout: float, workers: list[int] | None = None) -> bool:
         """Wait until no call into the engines of ``workers`` (default: all) is under way, at most ``timeout``;
-        return whether none is. (The calls of an engine another replaced are not counted: its own.)"""
+        return whether none is. (A worker's engine that replaced another is asked about its own calls alone.)"""
         with self._lock:
             running = [f for w in (self._running if workers is None else workers) for f in self._running.get(w, ())]
         return not concurrent.futures.wait(running, max(timeout, 0.0)).not_done

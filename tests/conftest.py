@@ -77,6 +77,15 @@ def _private_dev_shm() -> bool:
 # Made before any test process or thread exists (unshare refuses a process with threads).
 PRIVATE_SHM = _private_dev_shm()
 
+# tqdm's write lock, made at a process's first bar (transformers' writes draw one), is a multiprocessing RLock,
+# whose named semaphore stays in /dev/shm for the process's life once a test's collector set the start method to
+# spawn: it was reported by whichever test drew the first bar after that. The test process's bars take a thread
+# lock instead (made here, it fixes no start method).
+with contextlib.suppress(ImportError):
+    import tqdm
+
+    tqdm.tqdm.set_lock(threading.RLock())
+
 # vLLM's engines leave their IPC sockets (files named by a uuid) in its VLLM_RPC_BASE_PATH, the temp directory by
 # default: this run's engines (and the processes of its doc blocks and examples) put them in a folder of its own,
 # removed when the run ends.

@@ -151,7 +151,6 @@ def test_a_main_job_that_drops_a_killed_worker_names_it_at_once(tmp_path):
     """``scheme.on_failure=drop``: the scheme drops a worker killed mid-run and goes on; the job, which checks
     every worker's report of each version, waited for the dead one's until ``worker_timeout`` (120 s)."""
     import signal
-    import time
 
     import psutil
 
@@ -166,8 +165,9 @@ def test_a_main_job_that_drops_a_killed_worker_names_it_at_once(tmp_path):
             below = psutil.Process(job.pid).children(recursive=True)
             return [p for s in below if "forkserver" in " ".join(s.cmdline()) for p in s.children()]
 
-        assert wait_until(lambda: len(workers()) == 2, deadline_after(120), 0.1)
-        time.sleep(1.0)  # (into its rounds)
+        story = tmp_path / "weightsync.log"  # (Hydra's job log: the job says when its rounds begin)
+        began = lambda: story.exists() and "rounds begin" in story.read_text()  # noqa: E731
+        assert wait_until(lambda: len(workers()) == 2 and began(), deadline_after(120), 0.1)
         workers()[0].send_signal(signal.SIGKILL)
         out, _ = job.communicate(timeout=60)
     finally:

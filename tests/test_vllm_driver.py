@@ -1259,7 +1259,7 @@ def test_a_send_returns_only_once_its_calls_into_an_llm_ended(how):
     target = _Counted(engine_spec(model), load_s=load_s)
     scheme = ws.SharedMemWeightSyncScheme(timeout=1, connect_timeout=30)
     engines = VLLMEngines([_Owned(target, "vLLM engine 0")], pause_mode="none")
-    with pytest.raises(ws.ConfigurationError, match="worker_ids must be a list of engine indices below 1"):
+    with pytest.raises(ws.ConfigurationError, match=r"worker_ids \[1\] are not workers"):
         engines.idle(0, [1])
     try:
         scheme.init_on_sender(model=model, context=engines)

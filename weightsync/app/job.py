@@ -251,6 +251,7 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
             for report in actors.reports():
                 collector.record(report)
         collector.expect(moving, n)
+        log.info("every worker holds the initial versions: %d rounds begin", int(cfg.rounds))
         gen = torch.Generator().manual_seed(int(cfg.seed) + 1)
         rounds = range(1, int(cfg.rounds) + 1)
         for _ in progress(rounds) if progress else rounds:
@@ -363,10 +364,10 @@ class _Collector:
             except queue.Empty:
                 gone = {w: p.exitcode for w, p in enumerate(self.procs) if not p.is_alive()}
                 late = sorted({w for w, _ in missing})
-                if gone.keys() & set(late):
+                exited = [w for w in late if w in gone]
+                if exited:
                     raise WeightSyncError(
-                        f"worker processes {sorted(gone.keys() & set(late))} exited (codes "
-                        f"{[gone[w] for w in sorted(gone.keys() & set(late))]}) before reporting "
+                        f"worker processes {exited} exited (codes {[gone[w] for w in exited]}) before reporting "
                         f"{', '.join(f'{m} version {v}' for m, v in sorted(latest.items()))}"
                     ) from None
                 if remaining(deadline) > 0:

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from ... import checks
 from ...core.timing import deadline_after, remaining
+from ...core.workers import targets
 from ...errors import ConfigurationError, LifecycleError
 from .clients import PAUSE_MODES, PROTOCOL, AsyncLLMClient, EngineClient, LLMClient, RayActorClient
 from .served import HTTPEngineClient
@@ -144,11 +145,8 @@ class VLLMEngines:
             ConfigurationError: ``timeout`` is not None or a number of seconds from 0 to an hour, or ``worker_ids``
                 names no engine."""
         gates = [g for g in (self._gate, self._closed) if g is not None]  # (the calls of both may be under way)
-        known = range(self.num_workers)
-        if worker_ids is not None and not (
-            isinstance(worker_ids, list) and all(type(w) is int and w in known for w in worker_ids)
-        ):
-            raise ConfigurationError(f"worker_ids must be a list of engine indices below {self.num_workers}")
+        if worker_ids is not None:
+            worker_ids = targets(worker_ids, self.num_workers, None)
         if not gates:
             checks.within(timeout, 0.0, "idle(timeout)")
             return True

@@ -6,6 +6,7 @@ The shared bodies (every send, isolation, bad weights) run over it from test_loc
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import socket
@@ -132,6 +133,33 @@ def test_the_training_jobs_own_group_and_store_are_left_alone(workers, monkeypat
         scheme.shutdown()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_store_this_process_serves_is_served_while_a_scheme_that_joined_it_on_its_port_holds_it():
+    """Two schemes of one process given one port (``MASTER_PORT``): the second joins the store the first serves
+    as a client, and the first's shutdown closed it under the second (whose sends then timed out, and whose rejoin
+    thread dialled a store gone for good). The second's client now holds the store: served until both let go."""
+    from weightsync.core.timing import deadline_after, wait_until
+    from weightsync.transports.store import open_store
+
+    first, port, owned = open_store("127.0.0.1", 0, 10)
+    second, same_port, served_here = open_store("127.0.0.1", port, 10)
+    assert owned and not served_here and same_port == port and second is not first
+    second.set("second/key", "still served")
+    del first  # (the first scheme shut down)
+    gc.collect()
+    assert second.get("second/key") == b"still served"
+    del second  # (and then the second)
+    gc.collect()
+
+    def refused() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            return True
+        return False
+
+    assert wait_until(refused, deadline_after(10), 0.05)
 
 
 def test_receiver_config_carries_what_a_worker_on_another_host_needs(monkeypatch):

@@ -498,7 +498,7 @@ def test_a_dial_that_fails_before_its_thread_runs_leaves_the_port_to_the_next_di
         def addresses(*args):
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(storeclient, "_addresses", addresses)
+        monkeypatch.setattr(storeclient, "addresses_of", addresses)
         raised: type[BaseException] = KeyboardInterrupt
     elif fails == "no thread":
         real_start = threading.Thread.start

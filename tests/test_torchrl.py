@@ -220,8 +220,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture
+def master_environment_put_back():
+    """TorchRL's distributed collector sets ``MASTER_ADDR`` and ``MASTER_PORT`` in this process and leaves them set:
+    put back once the test ended (a later test's two distributed trainers were given one port, and the first's
+    shutdown took the store the second had joined). (``monkeypatch.delenv`` of a variable not set restores nothing.)"""
+    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
-def test_distributed_collector(sync):
+def test_distributed_collector(sync, master_environment_put_back):
     policy = make_policy(0.0)
     scheme = ws.DistributedWeightSyncScheme(timeout=30, connect_timeout=90)
     collector = DistributedCollector(

@@ -4,6 +4,7 @@ other end of a connection (its user, where it runs on this host), and whose conn
 from __future__ import annotations
 
 import collections
+import ipaddress
 import logging
 import os
 import socket
@@ -17,10 +18,12 @@ from ..core.timing import Progress, remaining, shown_seconds
 from ..errors import ConfigurationError, SyncTimeoutError
 
 __all__ = [
+    "addresses_of",
     "await_listener",
     "bound_silence",
     "crowded_out",
     "interface_for",
+    "ip_of",
     "is_loopback",
     "local_address",
     "local_interfaces",
@@ -191,3 +194,27 @@ def tcp_peer_uids(socks: Iterable[socket.socket]) -> dict[socket.socket, int | N
         except OSError:  # not Linux
             break
     return found
+
+
+def ip_of(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``address`` as an IP address (an IPv4 address mapped into IPv6 as itself, a scope left out); ``None`` if it
+    is none."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def addresses_of(host: str, port: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The IP addresses ``host`` names (what torch's client may have connected to; a connection to the unspecified
+    address, ``0.0.0.0`` or ``::``, reaches the loopback one); empty if it names none."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return set()
+    named = {ip for info in infos if (ip := ip_of(str(info[4][0]))) is not None}
+    loopback = {ipaddress.ip_address("::1" if ip.version == 6 else "127.0.0.1") for ip in named if ip.is_unspecified}
+    return named | loopback

@@ -4,14 +4,19 @@ sender's store: :mod:`.storeclient`.)"""
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
+import os
 import socket
+import threading
+import weakref
 from typing import Any
 
 import torch.distributed as dist
 
 from ..core.timing import Progress, as_timedelta, shown_seconds, wait_until
 from ..errors import ConfigurationError, SyncTimeoutError
+from .network import addresses_of, ip_of
 from .plainjson import loads_object
 from .storeclient import connect_store
 
@@ -68,25 +73,57 @@ def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, b
 
     If the port is taken (typically by the training job's own store at
     ``MASTER_PORT``), join that store as a client instead: the scheme then
-    works under a key prefix of its own and leaves the job's keys alone.
+    works under a key prefix of its own and leaves the job's keys alone. A
+    store this process serves there (another scheme given the same port) is
+    held by that client: served until both let go, whichever shuts down first
+    (it closed under the client when the scheme that served it shut down).
     """
-    try:
-        sock = socket.create_server((host, port), backlog=BACKLOG)
-    except OSError as exc:
-        if exc.errno != errno.EADDRINUSE or port == 0:
-            raise ConfigurationError(f"cannot serve a TCP store on {host}:{port}: {exc}") from exc
-        log.info("%s:%d is taken; joining the store there under weightsync's own prefix", host, port)
-        return connect_store(host, port, timeout), port, False
-    port = sock.getsockname()[1]
-    store = dist.TCPStore(
-        host,
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=as_timedelta(timeout),
-        master_listen_fd=sock.detach(),
-    )
-    return store, port, True
+    with _served_guard:  # (two schemes opening one port at once: the second finds the first's store)
+        try:
+            sock = socket.create_server((host, port), backlog=BACKLOG)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or port == 0:
+                raise ConfigurationError(f"cannot serve a TCP store on {host}:{port}: {exc}") from exc
+            served = _served_here(host, port)
+        else:
+            bound = sock.getsockname()
+            store = dist.TCPStore(
+                host,
+                bound[1],
+                is_master=True,
+                wait_for_workers=False,
+                timeout=as_timedelta(timeout),
+                master_listen_fd=sock.detach(),
+            )
+            _served[(os.getpid(), ip_of(str(bound[0])), bound[1])] = store
+            return store, bound[1], True
+    log.info("%s:%d is taken; joining the store there under weightsync's own prefix", host, port)
+    client = connect_store(host, port, timeout)
+    if served is not None:  # (a client of its own all the same: calls on one client wait behind each other)
+        weakref.finalize(client, _let_go, served)
+    return client, port, False
+
+
+def _let_go(served: dist.Store) -> None:
+    """What a client of a store this process serves does with that store once the client is gone: nothing (the
+    finalizer held it)."""
+
+
+#: The stores this process serves, by (pid, address, port), held weakly: a store is served as long as a scheme
+#: holds it. (The pid: a forked child inherits the table, not the server's thread.)
+_served: weakref.WeakValueDictionary[tuple[int, Any, int], dist.Store] = weakref.WeakValueDictionary()
+_served_guard = threading.Lock()
+
+
+def _served_here(host: str, port: int) -> dist.Store | None:
+    """The store this process serves on ``port`` at an address ``host`` names, or at every address (its caller
+    holds ``_served_guard``)."""
+    wildcard = {ipaddress.ip_address("0.0.0.0"), ipaddress.ip_address("::")}
+    for ip in [*addresses_of(host, port), *wildcard]:
+        store = _served.get((os.getpid(), ip, port))
+        if store is not None:
+            return store
+    return None
 
 
 def await_key(store: dist.Store, key: str, deadline: float, timeout: float, what: str, **where: Any) -> None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..core.timing import as_timedelta, deadline_after, remaining, shown_seconds
 from ..errors import ConnectionClosedError, SyncTimeoutError, first_line
-from .network import await_listener, bound_silence
+from .network import addresses_of, await_listener, bound_silence, ip_of
 
 __all__ = ["Hangup", "Probe", "StoreCalls", "Unanswered", "connect_store", "dial_store", "hung_up_at"]
 
@@ -104,7 +104,7 @@ def _client(
 
     try:  # (until its thread runs, nothing else releases ``dialing``)
         await_listener(host, port, deadline, timeout, "TCP store", **where)
-        addresses, before = _addresses(host, port), _open_fds()
+        addresses, before = addresses_of(host, port), _open_fds()
         left = remaining(deadline)
         own = as_timedelta(left - min(0.25, left / 10))  # (ends first: no retry of its own starts at the deadline)
         thread = threading.Thread(target=make, name=f"weightsync-store-dial-{port}", daemon=True)
@@ -454,30 +454,6 @@ def _dialing(port: int) -> threading.Lock:
         return _dials.setdefault(port, threading.Lock())
 
 
-def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """``address`` as an IP address (an IPv4 address mapped into IPv6 as itself, a scope left out); ``None`` if it
-    is none."""
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
-
-
-def _addresses(host: str, port: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """The IP addresses ``host`` names (what torch's client may have connected to; a connection to the unspecified
-    address, ``0.0.0.0`` or ``::``, reaches the loopback one); empty if it names none."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError:
-        return set()
-    named = {ip for info in infos if (ip := _ip(str(info[4][0]))) is not None}
-    loopback = {ipaddress.ip_address("::1" if ip.version == 6 else "127.0.0.1") for ip in named if ip.is_unspecified}
-    return named | loopback
-
-
 def _connections_to(
     addresses: set[ipaddress.IPv4Address | ipaddress.IPv6Address], port: int, since: set[tuple[int, str]]
 ) -> list[tuple[int, str]]:
@@ -494,7 +470,7 @@ def _connections_to(
                 peer = sock.getpeername() if sock.type == socket.SOCK_STREAM else None
             except OSError:  # not connected
                 continue
-        if not isinstance(peer, tuple) or len(peer) < 2 or peer[1] != port or _ip(str(peer[0])) not in addresses:
+        if not isinstance(peer, tuple) or len(peer) < 2 or peer[1] != port or ip_of(str(peer[0])) not in addresses:
             continue  # not a TCP connection to that store (a Unix socket's peer is a string)
         found.append((fd, what))
     return found

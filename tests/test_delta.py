@@ -934,8 +934,11 @@ def test_a_refusal_of_an_async_versions_changes_whose_copy_a_send_to_others_move
         _stop(scheme, workers)
 
 
-def test_a_refusal_of_an_older_async_versions_changes_does_not_fail_the_next_async_send_that_sends_it_whole():
-    model, scheme, workers = _second_copy_not_the_base()
+@pytest.mark.parametrize("bound", [None, 1], ids=["unbounded", "max_staleness"])
+def test_a_refusal_of_an_older_async_versions_changes_does_not_fail_the_next_async_send_that_sends_it_whole(bound):
+    """(Under ``max_staleness``, the bound's wait before version 3 found the refusal and raised it: version 3 went
+    to no worker.)"""
+    model, scheme, workers = _second_copy_not_the_base(max_staleness=bound)
     try:
         scheme.send_async()  # version 2: worker 1 refuses its changes
         assert workers[1].erred.wait(20)

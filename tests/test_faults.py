@@ -350,20 +350,21 @@ def test_a_staleness_bound_waits_for_no_ack_that_is_not_coming(workers, on_failu
         began = time.monotonic()
         scheme.send_async()  # worker 1 refused 4: it holds 3, lags by two, and no ack of 4 is coming
         assert time.monotonic() - began < 2.0 and scheme.last_send.staleness_wait < 2.0
-        # The bound itself finds worker 1's refusal of 5 (no wait_async between): the send raises it and publishes
-        # nothing, and the next bound waits for no ack of 5.
+        # The bound itself finds worker 1's refusal of 5 (no wait_async between): the send publishes 6 to every
+        # worker, then raises it, as a send without a bound does (it published nothing: worker 0 went without 6).
         optimizer_step(model, 6)
         with pytest.raises(ws.ReceiverError, match="worker 1") as info:
             scheme.send_async()
-        assert info.value.version == 5 and scheme.version == 5
-        began = time.monotonic()
-        scheme.send_async()
-        assert time.monotonic() - began < 2.0 and scheme.last_send.staleness_wait < 2.0
+        assert info.value.version == 5 and scheme.version == 6
         with pytest.raises(ws.ReceiverError, match="worker 1") as info:
             scheme.wait_async()
         assert info.value.version == 6
         assert scheme.acked_versions == {0: 6, 1: 3} and scheme.stats()["dropped_workers"] == {}
         assert group.ask(0, "state")["policy"] == (6, checksum(model))
+        optimizer_step(model, 7)
+        began = time.monotonic()
+        scheme.send_async()  # the next bound waits for no ack of 6
+        assert time.monotonic() - began < 2.0 and scheme.last_send.staleness_wait < 2.0
     finally:
         group.stop()
         scheme.shutdown()

@@ -80,6 +80,15 @@ class Ledger:
             if isinstance(error, ReceiverError) and error.version == peer.sent and w not in self.dead:
                 peer.sent = peer.acked
 
+    def keep_answers(self, failures: dict[int, WeightSyncError]) -> dict[int, WeightSyncError]:
+        """``failures`` less the workers' own answers (each failed a version: its ack is not late), which are kept
+        as failures found outside any wait: the next call that targets the worker reports them (or finds them
+        moot: a refusal of changes, whose version goes whole)."""
+        for w, error in failures.items():
+            if isinstance(error, ReceiverError):
+                self.errors.setdefault(w, error)
+        return {w: e for w, e in failures.items() if not isinstance(e, ReceiverError)}
+
     def renew(self, worker: int, sent: int | None) -> None:
         """``worker`` is a new process, sent ``sent``: alive, with no failure and no ack yet."""
         self.dead.pop(worker, None)

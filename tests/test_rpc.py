@@ -138,6 +138,43 @@ class _Sink:
         return False
 
 
+def test_the_initial_versions_rpc_waits_connect_timeout_and_later_ones_timeout():
+    """The initial version is part of ``connect()``, bound by ``connect_timeout`` (a worker's first apply may compile
+    the delta's loops: seconds on a loaded host). Its RPC was given ``timeout``: the trainer's ``connect()`` named
+    the worker late and dropped it, while the worker's own ``connect()`` succeeded."""
+    import torch
+
+    from weightsync.core.engine import Outgoing
+    from weightsync.tensors.layout import FlatLayout
+    from weightsync.transports.rpc.sender import RPCSender
+    from weightsync.transports.rpc.settings import RPCSettings
+
+    sink = _Sink()
+    sink.timeout, sink.connect_timeout = 2.0, 60.0
+    weights = {"w": torch.zeros(8)}
+    sender = RPCSender(sink, FlatLayout.from_weights(weights), 1, RPCSettings(), names=["a"], master=None)
+    transport = sender.transports[0]
+    bounds: list[float] = []
+
+    def submit(version, buffer, layout, timeout, digest=None, delta=None):
+        bounds.append(timeout)
+        transport.in_flight[version] = torch.futures.Future()
+        return transport.in_flight[version]
+
+    transport.submit = submit
+    for version in (0, 1):
+        out = Outgoing(version, {"w": torch.full((8,), float(version))}, None, [0], initial=version == 0)
+        sender.submit(out, sender.stage(out, deadline=float("inf")))
+        transport.in_flight[version].set_exception(RuntimeError("RPC ran for more than set timeout (1 ms)"))
+        sender.poll([0])
+    assert bounds == [60.0, 2.0]
+    assert [str(e.detail) for _, e in sink.failures] == [
+        "no ack for version 0 within 60s",
+        "no ack for version 1 within 2s",
+    ]
+    sender.close(0.0)
+
+
 def test_a_buffer_an_rpc_may_still_write_is_never_reused():
     """TensorPipe cannot cancel a send: an RPC that timed out (or whose worker was dropped) is still written to
     the wire if the link comes back, from the staging buffer itself. Reusing that buffer for a later version

@@ -136,7 +136,7 @@ class RPCSender(SenderEngine):
         staging, payload_digest = staged
         for w in out.whole_to:
             layout = None if w in self._has_layout else self.layout.to_plain()  # until the worker has it
-            future = self._submit(w, out.version, staging.tensor, layout, payload_digest)
+            future = self._submit(w, out.version, staging.tensor, layout, payload_digest, initial=out.initial)
             if future is not None:
                 staging.readers[w] = future
 
@@ -148,16 +148,22 @@ class RPCSender(SenderEngine):
         layout: dict | None,
         payload_digest: str | None,
         delta: dict | None = None,
+        initial: bool = False,
     ) -> Any:
-        """One RPC bringing ``version`` to worker ``w``; its future, or ``None`` if the worker is gone."""
+        """One RPC bringing ``version`` to worker ``w``; its future, or ``None`` if the worker is gone. ``initial``:
+        the version of ``connect()``, bound by ``connect_timeout`` (a worker's first apply may compile code)."""
         transport = self.transports[w]
         try:
-            future = transport.submit(version, buffer, layout, self.sink.timeout, payload_digest, delta)
+            future = transport.submit(version, buffer, layout, self._bound(initial), payload_digest, delta)
         except RuntimeError as exc:
             self.sink.died(w, f"RPC peer {transport.worker_name} went away ({first_line(exc)})")
             return None
         future.add_done_callback(lambda _: self._answered.set())
         return future
+
+    def _bound(self, initial: bool) -> float:
+        """The longest one RPC of a version waits for its answer."""
+        return self.sink.connect_timeout if initial else self.sink.timeout
 
     def _settle(self, w: int, future: Any, seconds: float) -> bool:
         self._answered.wait(seconds)
@@ -188,7 +194,7 @@ class RPCSender(SenderEngine):
                 self.sink.failed(
                     w,
                     SyncTimeoutError(
-                        f"no ack for version {version} within {shown_seconds(self.sink.timeout)}",
+                        f"no ack for version {version} within {shown_seconds(self._bound(version == 0))}",
                         model_id=self.sink.model_id,
                         worker_idx=w,
                         version=version,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import gc
 import json
+import logging
 import os
 import socket
 import threading
@@ -160,6 +161,25 @@ def test_a_store_this_process_serves_is_served_while_a_scheme_that_joined_it_on_
         return False
 
     assert wait_until(refused, deadline_after(10), 0.05)
+
+
+def test_a_trainer_waiting_for_a_workers_word_in_a_store_gone_stops_waiting_at_once():
+    """The vLLM driver waits for a worker's word that it took a version, in the store; a store gone for good (its
+    server closed) answers no look again: the wait looked every millisecond until its deadline, each failed look
+    logged by torch (thousands of lines)."""
+    from weightsync.core.timing import deadline_after
+    from weightsync.transports.distributed.group import Link
+    from weightsync.transports.distributed.transport import DistributedTransport
+    from weightsync.transports.store import connect_store, open_store
+
+    served, port, _ = open_store("127.0.0.1", 0, 10)
+    client = connect_store("127.0.0.1", port, 10)
+    del served  # (the store's server closes)
+    gc.collect()
+    transport = DistributedTransport(0, link=Link(pg=object(), store=client))
+    began = time.monotonic()
+    assert transport.wait_taken(deadline_after(5.0)) is False
+    assert time.monotonic() - began < 2.0
 
 
 def test_receiver_config_carries_what_a_worker_on_another_host_needs(monkeypatch):
@@ -737,3 +757,21 @@ def test_a_worker_closes_at_once_with_a_look_still_out_to_a_stopped_store_and_it
         calls.close(5)
         server.kill()
         server.wait(10)
+
+
+def test_a_rejoin_thread_whose_store_is_gone_says_so_once(caplog):
+    """The sender's rejoin thread reconnects to its store each second once the store dropped it; a store gone for
+    good (a job's store the scheme joined, whose process exited) logged a warning at every try, until shutdown."""
+    from weightsync.transports.distributed.rejoins import RejoinRequests
+
+    with socket.socket() as probe:  # (a port where nothing listens)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    requests = RejoinRequests("run", ("127.0.0.1", port), 1, "policy")
+    requests.store = object()  # (open: a client the store dropped)
+    with caplog.at_level(logging.DEBUG, logger="weightsync"):
+        for _ in range(3):
+            requests.reconnect()
+    tries = [r for r in caplog.records if "could not reach the store again" in r.getMessage()]
+    assert [r.levelno for r in tries] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+    assert requests.unreachable and requests.store is not None

@@ -166,6 +166,8 @@ class RejoinRequests:
         self.store: dist.Store | None = None
         self._gens: dict[int, int] = {}  # worker -> the generation (connection count) read last
         self._seen = 0
+        #: Whether the last reconnect failed (the store gone): the failures that follow are logged at debug level.
+        self.unreachable = False
 
     def open(self, timeout: float) -> None:
         """Connect the thread's client (within ``timeout``)."""
@@ -218,8 +220,11 @@ class RejoinRequests:
         try:
             fresh = dist.PrefixStore(self.prefix, connect_store(*self.address, 1.0, model_id=self.model_id))
         except (dist.DistError, WeightSyncError) as exc:
-            log.warning("model %r: could not reach the store again: %s", self.model_id, first_line(exc))
+            level, self.unreachable = logging.DEBUG if self.unreachable else logging.WARNING, True
+            log.log(level, "model %r: could not reach the store again (tried each second, said once): %s",
+                    self.model_id, first_line(exc))  # fmt: skip
             return
+        self.unreachable = False
         if self.store is not None:  # not closed meanwhile
             self.store = fresh
 
@@ -291,7 +296,9 @@ class Admitting:
         except (dist.DistError, WeightSyncError, ValueError) as exc:  # ValueError: a counter that is no number
             if requests.store is None:  # closed meanwhile
                 raise EOFError from None
-            log.warning("model %r: a worker connecting again could not join: %s", self.sink.model_id, first_line(exc))
+            level = logging.DEBUG if requests.unreachable else logging.WARNING  # (said once while the store is gone)
+            log.log(level, "model %r: a worker connecting again could not join: %s", self.sink.model_id,
+                    first_line(exc))  # fmt: skip
             if isinstance(exc, dist.DistError):  # the store dropped this client (a counter it could not add to)
                 requests.reconnect()
             time.sleep(REJOIN_POLL_S)  # whatever failed may fail again at once: never a loop without a pause

@@ -230,13 +230,15 @@ class DistributedTransport(WorkerSide, PeerTransport):
 
     def wait_taken(self, deadline: float) -> bool:
         """Wait (until ``deadline``) until the worker took the message announced last off the wire and checked it
-        (:meth:`say_taken`); ``False`` if it did not say so in time. A value not sealed with the run key is not
-        its word, and is waited past."""
+        (:meth:`say_taken`); ``False`` if it did not say so in time, or the store went away. A value not sealed
+        with the run key is not its word, and is waited past."""
         key = f"taken/{self.worker_idx}"
         while True:
             try:  # (looked at, not waited on: a store wait that times out logs torch's warnings each time)
                 if self.store.check([key]) and int(self._opened(key)) >= self.seq:
                     return True
+            except dist.DistNetworkError:  # the store is gone: no word can come (each look would fail, logged)
+                return False
             except (dist.DistError, WeightSyncError, ValueError):
                 pass  # not there yet, or not the worker's
             if remaining(deadline) <= 0:

@@ -775,3 +775,36 @@ def test_a_rejoin_thread_whose_store_is_gone_says_so_once(caplog):
     tries = [r for r in caplog.records if "could not reach the store again" in r.getMessage()]
     assert [r.levelno for r in tries] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
     assert requests.unreachable and requests.store is not None
+
+
+def test_a_send_interrupted_midway_leaves_the_next_send_to_a_live_worker_whole(monkeypatch):
+    """A Ctrl-C in ``send()`` after a worker's line carried the version, before the trainer expected its ack: the
+    worker's ack of it came first at the next send, which took it for an ack out of order and named the live worker
+    gone ("ack out of order: expected message 2, got 1", found by a review's interrupted sends)."""
+    from weightsync.transports.distributed.transport import DistributedTransport
+
+    model, scheme, replica, receiver = _one_worker_here()
+    real = DistributedTransport.expect_ack
+    interrupted: list[bool] = []
+
+    def once(self, *args, **kwargs):
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DistributedTransport, "expect_ack", once)
+    try:
+        optimizer_step(model, 1)
+        with pytest.raises(KeyboardInterrupt):
+            scheme.send_async()
+        assert receiver.receive(timeout=10) is not None  # (version 1: its line carried it)
+        optimizer_step(model, 2)
+        scheme.send_async()
+        assert receiver.receive(timeout=10) is not None
+        scheme.wait_async(10)
+        assert receiver.version == 2 and checksum(replica) == checksum(model)
+        assert scheme.acked_versions == {0: 2}
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()

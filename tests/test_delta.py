@@ -934,6 +934,47 @@ def test_a_refusal_of_an_async_versions_changes_whose_copy_a_send_to_others_move
         _stop(scheme, workers)
 
 
+def test_a_worker_whose_config_has_delta_off_refuses_changes_once_then_keeps_a_copy(caplog):
+    """A worker built from a receiver config edited to ``delta: false`` under a trainer with ``delta`` on refused
+    every version's changes (it kept no copy): each version went twice, and its ``receive()`` raised each time.
+    It now keeps a copy once changes came (said once), from the version sent whole next."""
+    model = build("tiny")
+    scheme = ws.DistributedWeightSyncScheme(connect_timeout=60, timeout=20, delta="auto")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    cfg = scheme.receiver_config(0)
+    cfg["scheme"]["delta"] = False
+    worker, replica = ws.from_config(cfg), build("tiny")
+    worker.init_on_receiver(model_id="policy", model=replica, worker_idx=0)
+    connect_pair(scheme, worker)
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                worker.receive(timeout=0.05)
+            except ws.WeightSyncError as exc:
+                errors.append(type(exc).__name__)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    changes = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="weightsync"):
+            for step in (1, 2, 3, 4):
+                _sparse_step(model, step)
+                scheme.send()
+                changes.append(bool(scheme.last_send.changes))
+                assert worker.version == step and _holds(replica, model), step
+        assert changes == [False, True, True, True] and errors == ["DeltaBaseError"]
+        assert sum("kept no copy" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        stop.set()
+        thread.join(5)
+        worker.shutdown()
+        scheme.shutdown()
+
+
 @pytest.mark.parametrize("bound", [None, 1], ids=["unbounded", "max_staleness"])
 def test_a_refusal_of_an_older_async_versions_changes_does_not_fail_the_next_async_send_that_sends_it_whole(bound):
     """(Under ``max_staleness``, the bound's wait before version 3 found the refusal and raised it: version 3 went

@@ -27,11 +27,12 @@ from ..errors import (
     PassOnError,
     SyncTimeoutError,
     WeightMismatchError,
+    context,
 )
 from ..integrity import check_digest
 from ..tensors import cuda
 from ..tensors.bound import BoundModel, one_device
-from ..tensors.copies import write_into
+from ..tensors.copies import materialize, write_into
 from ..tensors.layout import FlatLayout
 from ..tensors.strategy import check_spec, flatten_weights, weights_spec
 from .engine import Delivery, ReceiverEngine
@@ -82,8 +83,8 @@ class Receiver:
         #: Called after each update applied, before its ack (a driving program counts its model's versions).
         self.on_applied: Callable[[], None] | None = None
         #: Under the scheme's ``delta``: the copy of the bytes of the version held, which changes are applied to.
-        delta, track = bool(getattr(scheme, "delta", False)), bool(getattr(scheme, "track_writes", False))
-        self.kept = KeptCopy(track) if delta else None
+        delta, self._track = bool(getattr(scheme, "delta", False)), bool(getattr(scheme, "track_writes", False))
+        self.kept = KeptCopy(self._track) if delta else None
         #: A version taken ahead and prepared by the program (:meth:`_prepare`), with the call that makes it current.
         self._prepared: tuple[Delivery, Callable[[], None]] | None = None
         self._outstanding: int | None = None  # the version taken and not applied yet (:meth:`take`)
@@ -201,7 +202,10 @@ class Receiver:
             return taken
         try:
             where = {**self.where, "version": update.version}
-            if self.kept is None:
+            if self.kept is None:  # (its config said delta off, its sender's on): it keeps one from the next version
+                self.kept = KeptCopy(self._track)  # on, which its sender sends whole (rather than each one twice)
+                log.warning("%schanges came, and this worker kept no copy (delta off in its config): it keeps one "
+                            "from now on", context(**where))  # fmt: skip
                 raise DeltaBaseError("changes came, and this worker keeps no copy to apply them to", **where)
             whole = self.kept.whole_version(update, self.version, where)
         except Exception as exc:  # noqa: BLE001 - whatever it is, the apply acks it
@@ -242,7 +246,7 @@ class Receiver:
                 held = self.engine.placement != "write" and self.bound.holds(dst)  # exactly as bound: checks hold
                 if not held:
                     check_spec(layout.spec, weights_spec(dst), **where)
-                    _materialize(dst, update)
+                    materialize(dst, update.pieces[0][1].device if update.pieces else torch.device("cpu"))
                 with self.weights_lock:  # weights and version change together for readers holding the lock
                     gpus = self._gpus(dst, held)
                     in_thread = threading.current_thread() is self._thread
@@ -484,17 +488,3 @@ class Receiver:
             self.kept.close()
         self.closed = True
         self.engine.close()
-
-
-def _materialize(dst: dict[str, torch.Tensor], update: Delivery) -> None:
-    """Give every tensor of ``dst`` on the meta device (a policy its driving program sent the worker without its
-    weights) real memory, on the device the update's bytes are on, for the update to be placed into."""
-    if not any(t.is_meta for t in dst.values()):
-        return
-    device = update.pieces[0][1].device if update.pieces else torch.device("cpu")
-    for tensor in dst.values():
-        if tensor.is_meta:
-            real = torch.empty_like(tensor, device=device)
-            if isinstance(tensor, torch.nn.Parameter):
-                real = torch.nn.Parameter(real, requires_grad=tensor.requires_grad)
-            torch.utils.swap_tensors(tensor, real)  # the same tensor objects (Parameters stay Parameters), now real

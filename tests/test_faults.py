@@ -319,6 +319,23 @@ def test_staleness_bound_is_enforced_and_reported(workers, name):
     scheme.shutdown()
 
 
+def test_a_staleness_bound_counts_a_workers_failure_as_its_answer_only_with_nothing_more_on_its_way():
+    """In the bound's wait, a worker's failure of the last version sent to it is its answer: not late, the failure
+    kept for the send (which publishes, then reports it). A failure of an older version, with a later one on its
+    way, is not: that one could still bring the worker within the bound (counted as an answer, the bound published
+    a version 3 past ``max_staleness=2``, found by a review)."""
+    from weightsync.core.ledger import Ledger, Peer
+
+    ledger = Ledger("policy", peers={0: Peer(sent=2, acked=1), 1: Peer(sent=2, acked=0)})
+    failed = {
+        w: ws.ReceiverError("RuntimeError", "no", model_id="policy", worker_idx=w, version=v)
+        for w, v in [(0, 2), (1, 1)]
+    }
+    ledger.answered(failed)
+    assert list(ledger.keep_answers(failed)) == [1]  # (still a failure: the bound raises it, as before)
+    assert list(ledger.errors) == [0] and ledger.peers[0].sent == 1  # (reported by the send; nothing on its way)
+
+
 @pytest.mark.parametrize("on_failure", ["raise", "drop"])
 def test_a_staleness_bound_waits_for_no_ack_that_is_not_coming(workers, on_failure):
     """A worker that refused the last version sent to it, or that the sends between skipped, has nothing on its

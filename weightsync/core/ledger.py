@@ -81,13 +81,18 @@ class Ledger:
                 peer.sent = peer.acked
 
     def keep_answers(self, failures: dict[int, WeightSyncError]) -> dict[int, WeightSyncError]:
-        """``failures`` less the workers' own answers (each failed a version: its ack is not late), which are kept
-        as failures found outside any wait: the next call that targets the worker reports them (or finds them
-        moot: a refusal of changes, whose version goes whole)."""
-        for w, error in failures.items():
-            if isinstance(error, ReceiverError):
-                self.errors.setdefault(w, error)
-        return {w: e for w, e in failures.items() if not isinstance(e, ReceiverError)}
+        """``failures`` less the answers of workers with nothing left on its way to them (:meth:`answered` first:
+        each failed the last version sent to it, and is not late), which are kept as failures found outside any
+        wait: the next call that targets the worker reports them (or finds them moot: a refusal of changes, whose
+        version goes whole). A failure of an older version, a later one on its way, stays a failure."""
+        kept = {w: e for w, e in failures.items() if isinstance(e, ReceiverError) and self._idle(w)}
+        for w, error in kept.items():
+            self.errors.setdefault(w, error)
+        return {w: e for w, e in failures.items() if w not in kept}
+
+    def _idle(self, worker: int) -> bool:
+        """Nothing is on its way to ``worker`` that it has not answered."""
+        return self.peers[worker].sent == self.peers[worker].acked
 
     def renew(self, worker: int, sent: int | None) -> None:
         """``worker`` is a new process, sent ``sent``: alive, with no failure and no ack yet."""

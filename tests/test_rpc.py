@@ -162,15 +162,17 @@ def test_the_initial_versions_rpc_waits_connect_timeout_and_later_ones_timeout()
         return transport.in_flight[version]
 
     transport.submit = submit
-    for version in (0, 1):
-        out = Outgoing(version, {"w": torch.full((8,), float(version))}, None, [0], initial=version == 0)
+    # (a version 0 that is not the initial one: the send after a connect() whose weights did not fit)
+    for version, initial in ((0, True), (1, False), (0, False)):
+        out = Outgoing(version, {"w": torch.full((8,), float(version))}, None, [0], initial=initial)
         sender.submit(out, sender.stage(out, deadline=float("inf")))
         transport.in_flight[version].set_exception(RuntimeError("RPC ran for more than set timeout (1 ms)"))
         sender.poll([0])
-    assert bounds == [60.0, 2.0]
+    assert bounds == [60.0, 2.0, 2.0]
     assert [str(e.detail) for _, e in sink.failures] == [
         "no ack for version 0 within 60s",
         "no ack for version 1 within 2s",
+        "no ack for version 0 within 2s",
     ]
     sender.close(0.0)
 

@@ -86,6 +86,7 @@ class RPCSender(SenderEngine):
         }
         self.pool: StagingPool | None = None
         self._answered = threading.Event()  # set by every answer's future
+        self._initial: set[tuple[int, int]] = set()  # (worker, version) of the initial versions' RPCs in flight
         self._has_layout: set[int] = set()  # workers that answered once: they hold the layout
         self._connected = False
 
@@ -155,6 +156,8 @@ class RPCSender(SenderEngine):
         transport = self.transports[w]
         try:
             future = transport.submit(version, buffer, layout, self._bound(initial), payload_digest, delta)
+            if initial:
+                self._initial.add((w, version))
         except RuntimeError as exc:
             self.sink.died(w, f"RPC peer {transport.worker_name} went away ({first_line(exc)})")
             return None
@@ -184,7 +187,8 @@ class RPCSender(SenderEngine):
 
     def _answer(self, w: int, version: int, future: Any) -> None:
         """Read one worker's answer: its ack, its failure, or that it is gone."""
-        transport = self.transports[w]
+        transport, initial = self.transports[w], (w, version) in self._initial
+        self._initial.discard((w, version))
         try:
             answer = future.wait()
         except RuntimeError as exc:
@@ -194,7 +198,7 @@ class RPCSender(SenderEngine):
                 self.sink.failed(
                     w,
                     SyncTimeoutError(
-                        f"no ack for version {version} within {shown_seconds(self._bound(version == 0))}",
+                        f"no ack for version {version} within {shown_seconds(self._bound(initial))}",
                         model_id=self.sink.model_id,
                         worker_idx=w,
                         version=version,

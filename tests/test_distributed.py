@@ -777,23 +777,28 @@ def test_a_rejoin_thread_whose_store_is_gone_says_so_once(caplog):
     assert requests.unreachable and requests.store is not None
 
 
-def test_a_send_interrupted_midway_leaves_the_next_send_to_a_live_worker_whole(monkeypatch):
+@pytest.mark.parametrize("where", ["line.write", "expect_ack"])
+def test_a_send_interrupted_midway_leaves_the_next_send_to_a_live_worker_whole(monkeypatch, where):
     """A Ctrl-C in ``send()`` after a worker's line carried the version, before the trainer expected its ack: the
     worker's ack of it came first at the next send, which took it for an ack out of order and named the live worker
-    gone ("ack out of order: expected message 2, got 1", found by a review's interrupted sends)."""
+    gone ("ack out of order: expected message 2, got 1", found by a review's interrupted sends). One right after
+    the line took it: the next message reused its number, and the worker refused it, then lost its line."""
+    from weightsync.transports.distributed.line import Line
     from weightsync.transports.distributed.transport import DistributedTransport
 
     model, scheme, replica, receiver = _one_worker_here()
-    real = DistributedTransport.expect_ack
+    target, name = (Line, "write") if where == "line.write" else (DistributedTransport, "expect_ack")
+    real = getattr(target, name)
     interrupted: list[bool] = []
 
     def once(self, *args, **kwargs):
+        done = real(self, *args, **kwargs) if where == "line.write" else None  # (written, then interrupted)
         if not interrupted:
             interrupted.append(True)
             raise KeyboardInterrupt
-        return real(self, *args, **kwargs)
+        return done if where == "line.write" else real(self, *args, **kwargs)
 
-    monkeypatch.setattr(DistributedTransport, "expect_ack", once)
+    monkeypatch.setattr(target, name, once)
     try:
         optimizer_step(model, 1)
         with pytest.raises(KeyboardInterrupt):

@@ -202,8 +202,8 @@ class Receiver:
             return taken
         try:
             where = {**self.where, "version": update.version}
-            if self.kept is None:  # (its config said delta off, its sender's on): it keeps one from the next version
-                self.kept = KeptCopy(self._track)  # on, which its sender sends whole (rather than each one twice)
+            if self.kept is None:  # its config says delta off, its sender's on: it keeps a copy from the version
+                self.kept = KeptCopy(self._track)  # sent next, whole (else every version would come twice)
                 log.warning("%schanges came, and this worker kept no copy (delta off in its config): it keeps one "
                             "from now on", context(**where))  # fmt: skip
                 raise DeltaBaseError("changes came, and this worker keeps no copy to apply them to", **where)

@@ -75,8 +75,8 @@ def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, b
     ``MASTER_PORT``), join that store as a client instead: the scheme then
     works under a key prefix of its own and leaves the job's keys alone. A
     store this process serves there (another scheme given the same port) is
-    held by that client: served until both let go, whichever shuts down first
-    (it closed under the client when the scheme that served it shut down).
+    held by that client: served until both let go, whichever shuts down
+    first, rather than closed under the client by the other's shutdown.
     """
     with _served_guard:  # (two schemes opening one port at once: the second finds the first's store)
         try:

@@ -777,28 +777,23 @@ def test_a_rejoin_thread_whose_store_is_gone_says_so_once(caplog):
     assert requests.unreachable and requests.store is not None
 
 
-@pytest.mark.parametrize("where", ["line.write", "expect_ack"])
-def test_a_send_interrupted_midway_leaves_the_next_send_to_a_live_worker_whole(monkeypatch, where):
+def test_a_send_interrupted_midway_leaves_the_next_send_to_a_live_worker_whole(monkeypatch):
     """A Ctrl-C in ``send()`` after a worker's line carried the version, before the trainer expected its ack: the
     worker's ack of it came first at the next send, which took it for an ack out of order and named the live worker
-    gone ("ack out of order: expected message 2, got 1", found by a review's interrupted sends). One right after
-    the line took it: the next message reused its number, and the worker refused it, then lost its line."""
-    from weightsync.transports.distributed.line import Line
+    gone ("ack out of order: expected message 2, got 1", found by a review's interrupted sends)."""
     from weightsync.transports.distributed.transport import DistributedTransport
 
     model, scheme, replica, receiver = _one_worker_here()
-    target, name = (Line, "write") if where == "line.write" else (DistributedTransport, "expect_ack")
-    real = getattr(target, name)
+    real = DistributedTransport.expect_ack
     interrupted: list[bool] = []
 
     def once(self, *args, **kwargs):
-        done = real(self, *args, **kwargs) if where == "line.write" else None  # (written, then interrupted)
         if not interrupted:
             interrupted.append(True)
             raise KeyboardInterrupt
-        return done if where == "line.write" else real(self, *args, **kwargs)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(target, name, once)
+    monkeypatch.setattr(DistributedTransport, "expect_ack", once)
     try:
         optimizer_step(model, 1)
         with pytest.raises(KeyboardInterrupt):

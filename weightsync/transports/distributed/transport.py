@@ -200,7 +200,6 @@ class DistributedTransport(WorkerSide, PeerTransport):
         seq = 0 if initial else self.seq + 1
         sent = None
         if not initial:
-            self.seq = seq  # (first: a Ctrl-C once the line took it must not have the next message reuse the number)
             key = f"msg/{self.worker_idx}/{seq}"
             said = announcement(version, nonce, mac, delta, taken, digest, inline=body is not None)
             sealed = self.sealer.seal(key, json.dumps(said))

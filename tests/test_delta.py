@@ -991,6 +991,30 @@ def test_a_refusal_of_an_older_async_versions_changes_does_not_fail_the_next_asy
         _stop(scheme, workers)
 
 
+@pytest.mark.parametrize("bound", [None, 2], ids=["unbounded", "max_staleness"])
+def test_a_refusal_found_in_a_staleness_bounds_wait_after_a_later_version_went_whole_is_moot(bound):
+    """Worker 1 refuses version 2's changes after version 3 went to it whole: under ``max_staleness=2``, the bound's
+    wait before version 4 expected version 2 of it, found the refusal and raised it (version 4 went to no worker),
+    where the refusal is moot (found by a review). The bound now waits for version 3's ack instead."""
+    model, scheme, workers = _second_copy_not_the_base(max_staleness=bound, timeout=10.0)
+    try:
+        workers[1].pause()
+        scheme.send_async()  # version 2: changes to both
+        pending = workers[1].scheme.take(10)
+        assert pending is not None and pending.version == 2
+        _sparse_step(model, 3)
+        scheme.send_async()  # version 3: whole to worker 1 (it acked 1 only)
+        with pytest.raises(ws.DeltaBaseError):
+            pending.apply()  # (its refusal of version 2 is acked now)
+        _sparse_step(model, 4)
+        threading.Timer(1.0, workers[1].resume).start()  # (it takes version 3 while the bound waits)
+        scheme.send_async()  # version 4: the bound waits for worker 1's ack of version 3 (lag 3, at most 2)
+        scheme.wait_async(20)
+        assert _all_hold(workers, model, 4)
+    finally:
+        _stop(scheme, workers)
+
+
 @TRACKED
 def test_a_workers_own_change_to_its_model_is_gone_at_the_next_update_as_with_whole_versions(track):
     model, scheme, workers = _connected(track_writes=track)

@@ -351,7 +351,8 @@ class Sender:
             self.engine.poll(ledger.live(sorted(ledger.peers)))
             failures.update(ledger.gone_before_acking(expected, failures))
             errors = ledger.take_errors([w for w in expected if w not in failures])
-            failures.update({w: e for w, e in errors.items() if not _moot(e, expected[w], expected[w])})
+            latest = {w: max(v, ledger.peers[w].sent or -1) for w, v in expected.items()}  # (a bound's may be older)
+            failures.update({w: e for w, e in errors.items() if not _moot(e, latest[w], expected[w])})
             pending = ledger.missing(expected, failures)
             if not pending:
                 return failures
@@ -493,6 +494,7 @@ class Sender:
 
 
 def _moot(error: WeightSyncError, expected: int, answered: int | None) -> bool:
-    """Whether a failure found earlier says nothing of the version ``expected`` of its worker: a refusal of an older
-    version's changes (:meth:`Changes.moot`), or a time-out that a later answer overtook (:meth:`Ledger.overtaken`)."""
+    """Whether a failure found earlier says nothing of the version ``expected`` of its worker (the last sent to it):
+    a refusal of an older version's changes (:meth:`Changes.moot`: that one went whole), or a time-out that a later
+    answer overtook (:meth:`Ledger.overtaken`)."""
     return Ledger.overtaken(error, answered) or Changes.moot(error, expected)

@@ -350,9 +350,9 @@ class Sender:
         while True:
             self.engine.poll(ledger.live(sorted(ledger.peers)))
             failures.update(ledger.gone_before_acking(expected, failures))
-            errors = ledger.take_errors([w for w in expected if w not in failures])
-            latest = {w: max(v, ledger.peers[w].sent or -1) for w, v in expected.items()}  # (a bound's may be older)
-            failures.update({w: e for w, e in errors.items() if not _moot(e, latest[w], expected[w])})
+            for w, e in ledger.take_errors([w for w in expected if w not in failures]).items():
+                if not _moot(e, max(expected[w], ledger.peers[w].sent or -1), expected[w]):  # (a bound's is older)
+                    failures[w] = e
             pending = ledger.missing(expected, failures)
             if not pending:
                 return failures

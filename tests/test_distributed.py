@@ -777,15 +777,31 @@ def test_a_rejoin_thread_whose_store_is_gone_says_so_once(caplog):
     assert requests.unreachable and requests.store is not None
 
 
-def test_a_send_interrupted_midway_leaves_the_next_send_to_a_live_worker_whole(monkeypatch):
-    """A Ctrl-C in ``send()`` after a worker's line carried the version, before the trainer expected its ack: the
-    worker's ack of it came first at the next send, which took it for an ack out of order and named the live worker
-    gone ("ack out of order: expected message 2, got 1", found by a review's interrupted sends)."""
+@pytest.mark.parametrize("delta", [False, True], ids=["whole", "changes"])
+@pytest.mark.parametrize("way", ["line", "group"])
+def test_a_send_interrupted_midway_leaves_the_next_send_to_a_live_worker_whole(way, delta, monkeypatch):
+    """A Ctrl-C in ``send()`` after a worker was announced the version and sent its parts, before the trainer
+    expected its ack.
+
+    On the worker's line, its ack of it came first at the next send, which took it for an ack out of order and
+    named the live worker gone ("ack out of order: expected message 2, got 1", found by a review's interrupted
+    sends). Without a line (``group``: a worker that rejoined acks over the group), gloo holds the worker's ack
+    until the trainer posts its receive, and none was posted: the ack waited the worker's timeout, the worker
+    closed its group, and the next send named it gone. That receive is now posted as the version is announced."""
+    from weightsync.transports.distributed import receiver as receiver_module
     from weightsync.transports.distributed.transport import DistributedTransport
 
-    model, scheme, replica, receiver = _one_worker_here()
-    real = DistributedTransport.expect_ack
+    if way == "group":
+        monkeypatch.setattr(receiver_module.DistributedReceiver, "_dial", lambda self, store, deadline: None)
+    model = build("tiny")
+    scheme = ws.DistributedWeightSyncScheme(timeout=3, connect_timeout=60, sync=False, delta=delta)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    receiver = in_process_receiver(scheme, replica)
+    assert (scheme._sending.engine.transports[0].line is not None) == (way == "line")
+    real, announce = DistributedTransport.expect_ack, DistributedTransport.announce
     interrupted: list[bool] = []
+    changes: list[bool] = []
 
     def once(self, *args, **kwargs):
         if not interrupted:
@@ -793,12 +809,18 @@ def test_a_send_interrupted_midway_leaves_the_next_send_to_a_live_worker_whole(m
             raise KeyboardInterrupt
         return real(self, *args, **kwargs)
 
+    def announcing(self, *args, **kwargs):
+        changes.append(kwargs.get("delta") is not None)
+        return announce(self, *args, **kwargs)
+
     monkeypatch.setattr(DistributedTransport, "expect_ack", once)
+    monkeypatch.setattr(DistributedTransport, "announce", announcing)
     try:
         optimizer_step(model, 1)
         with pytest.raises(KeyboardInterrupt):
             scheme.send_async()
-        assert receiver.receive(timeout=10) is not None  # (version 1: its line carried it)
+        assert changes == [delta]  # (version 1: its changes, or whole)
+        assert receiver.receive(timeout=10) is not None  # (its ack left)
         optimizer_step(model, 2)
         scheme.send_async()
         assert receiver.receive(timeout=10) is not None

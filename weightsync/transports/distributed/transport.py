@@ -69,13 +69,35 @@ ERROR_DETAIL_WAIT_S = 1.0
 
 @dataclass
 class _Pending:
-    """An update on its way to one worker: its sequence number, version and the ack being received (over the
-    group; both ``None``: on the worker's line)."""
+    """An update on its way to one worker: its sequence number and version, and whether its ack comes on the
+    worker's line (else over the group, into the oldest of :attr:`DistributedTransport.posted`)."""
 
     seq: int
     version: int
-    ack: torch.Tensor | None = None
+    on_line: bool
+
+
+@dataclass
+class _Posted:
+    """A receive of an ack posted over the group: the tensor it lands in, gloo's work, and the future the waiter
+    completes with that work (``None`` until the message's parts are all sent:
+    :meth:`~DistributedTransport.expect_ack`)."""
+
+    ack: torch.Tensor
+    work: Any
     done: Future | None = None
+
+
+def posts_ack_first(device: torch.device) -> bool:
+    """Whether an ack's receive over the group is posted as its message is announced, before the parts are sent.
+
+    gloo holds a send until its receiver posts the receive: a receive posted only after the parts leaves a
+    window (the whole send of the parts) where a Ctrl-C in the trainer leaves the worker's ack with no receive,
+    and the worker's ack waits its timeout, then closes its group. NCCL (acks on the GPU) runs a pair's
+    operations in order on one stream: a receive posted before the parts would hold them behind the ack that
+    only follows them, so there it is posted after them.
+    """
+    return device.type == "cpu"
 
 
 class DistributedTransport(WorkerSide, PeerTransport):
@@ -125,6 +147,7 @@ class DistributedTransport(WorkerSide, PeerTransport):
         self.sync = sync
         self.seq = 0  # sequence number of the last message to this worker (the initial weights are 0)
         self.pending: deque[_Pending] = deque()
+        self.posted: deque[_Posted] = deque()  # on the sender: the receives of acks over the group, oldest first
         self._waiter: Waiter | None = None
         self.bell = bell
         self.line = line
@@ -214,7 +237,14 @@ class DistributedTransport(WorkerSide, PeerTransport):
         self.seq = seq
         if self._waiter is None:
             self._waiter = Waiter(f"weightsync-{self.model_id}-rank{self.rank}")
+        if self.line is None and posts_ack_first(self.device):
+            self._post_ack()
         return sent
+
+    def _post_ack(self) -> None:
+        pg, _ = self._group()
+        ack = torch.zeros(3 + ACK_TAG_WORDS, dtype=torch.int64, device=self.device)
+        self.posted.append(_Posted(ack, pg.recv([ack], self.rank, TAG_ACK)))
 
     def send_part(self, part: torch.Tensor) -> Future:
         """Send one bucket of the message announced last; its future completes once ``part`` is no longer read."""
@@ -246,14 +276,16 @@ class DistributedTransport(WorkerSide, PeerTransport):
             time.sleep(min(TAKEN_POLL_S, max(remaining(deadline), 0.0)))
 
     def expect_ack(self, version: int) -> None:
-        """Post the receive of the ack of the message announced last (every part of it sent)."""
-        if self.line is not None:  # read off the line by take_ack()
-            self.pending.append(_Pending(self.seq, version))
-            return
-        pg, _ = self._group()
-        assert self._waiter is not None
-        ack = torch.zeros(3 + ACK_TAG_WORDS, dtype=torch.int64, device=self.device)
-        self.pending.append(_Pending(self.seq, version, ack, self._waiter.watch(pg.recv([ack], self.rank, TAG_ACK))))
+        """Expect the ack of the message announced last (every part of it sent): read off the worker's line by
+        :meth:`take_ack`, or received over the group (the receive posted now, or as it was announced)."""
+        if self.line is None:
+            if not posts_ack_first(self.device):
+                self._post_ack()
+            assert self._waiter is not None
+            for posted in self.posted:  # (watched after the parts: the waiter completes its works in order)
+                if posted.done is None:
+                    posted.done = self._waiter.watch(posted.work)
+        self.pending.append(_Pending(self.seq, version, on_line=self.line is not None))
 
     def take_ack(self) -> tuple[_Pending, int, int] | None:
         """The oldest pending ack as (pending, held version, status), if it arrived already.
@@ -267,21 +299,20 @@ class DistributedTransport(WorkerSide, PeerTransport):
             return None
         head = self.pending[0]
         try:
-            if head.done is None:  # on the line
+            if head.on_line:
                 if self.line is None:
                     raise ConnectionClosedError("its line is gone")
                 raw = self.line.take(ACK.size)
                 if raw is None:
                     return None
-                self.pending.popleft()
                 words = list(ACK.unpack(raw))
-            elif head.done.done():
-                self.pending.popleft()
-                head.done.result()
-                assert head.ack is not None
-                words = [int(x) for x in head.ack.tolist()]
-            else:
-                return None
+            else:  # (an ack lands in the oldest receive posted, whichever message it acks)
+                posted = self.posted[0] if self.posted else None
+                if posted is None or posted.done is None or not posted.done.done():
+                    return None
+                self.posted.popleft()
+                posted.done.result()
+                words = [int(x) for x in posted.ack.tolist()]
         except (RuntimeError, CancelledError, ConnectionClosedError) as exc:
             raise WorkerDiedError(
                 f"its rank {self.rank} went away ({first_line(exc)})", **self._where(head.version)
@@ -295,20 +326,22 @@ class DistributedTransport(WorkerSide, PeerTransport):
                 "took this worker's place in the group",
                 **self._where(head.version),
             )
-        if seq < head.seq and head.done is None:  # the ack of a message whose send was cut short (a Ctrl-C before
-            self.pending.appendleft(head)  # its ack was expected): read past it, to the one expected
-            return self.take_ack()
+        if seq < head.seq:  # the ack of a message whose send was cut short (a Ctrl-C before its ack was expected):
+            return self.take_ack()  # read past it, to the one expected
         if seq != head.seq:
             raise ConnectionClosedError(
                 f"ack out of order: expected message {head.seq}, got {seq}", **self._where(head.version)
             )
+        self.pending.popleft()
         return head, held, status
 
     def waiting_on(self) -> Future | Line | None:
         """The future of the oldest ack still awaited, if any; the line it comes on, where it does."""
         if not self.pending:
             return None
-        return self.pending[0].done if self.pending[0].done is not None else self.line
+        if self.pending[0].on_line:
+            return self.line
+        return self.posted[0].done if self.posted else None
 
     def error_detail(self, seq: int) -> dict[str, str]:
         """What the worker wrote about its failure to apply message ``seq``, looked for at most
@@ -380,6 +413,7 @@ class DistributedTransport(WorkerSide, PeerTransport):
             )
         self._waiter = None
         self.pending.clear()
+        self.posted.clear()
 
     def receive_weights(self, timeout: float | None = None, **kwargs: Any) -> Any:
         raise LifecycleError("a distributed worker receives with scheme.receive()")

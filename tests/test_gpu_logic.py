@@ -526,3 +526,39 @@ def test_an_apply_whose_gpu_work_times_out_after_the_model_took_the_new_slot_ack
     finally:
         receiver.shutdown()
         scheme.shutdown()
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"], ids=["gloo", "nccl"])
+def test_an_acks_receive_over_the_group_is_posted_before_the_parts_with_gloo_and_after_them_with_nccl(device):
+    """gloo holds the worker's ack until the trainer posts its receive: posted as the version is announced, a
+    Ctrl-C in the parts' send leaves it posted. NCCL runs a pair's operations in order on one stream: a receive
+    posted before the parts would hold them behind an ack that only follows them (acks live on the GPU there:
+    the meta device stands in for it)."""
+    from weightsync.transports.distributed.group import Link
+    from weightsync.transports.distributed.transport import DistributedTransport
+    from weightsync.transports.distributed.worker_side import TAG_ACK, TAG_DATA
+
+    calls: list[tuple[str, int]] = []
+
+    class Work:
+        def wait(self, *args: object) -> bool:
+            return True
+
+    class Group:
+        def send(self, tensors: list, rank: int, tag: int) -> Work:
+            calls.append(("send", tag))
+            return Work()
+
+        def recv(self, tensors: list, rank: int, tag: int) -> Work:
+            calls.append(("recv", tag))
+            return Work()
+
+    transport = DistributedTransport(0, link=Link(Group(), object()), device=torch.device(device))  # type: ignore[arg-type]
+    try:
+        transport.announce(0, "nonce", "mac", initial=True)
+        transport.send_part(torch.zeros(4, device=device))
+        transport.expect_ack(0)
+    finally:
+        transport.stop_waiting(5)
+    parts, ack = ("send", TAG_DATA), ("recv", TAG_ACK)
+    assert calls == ([ack, parts] if device == "cpu" else [parts, ack])

@@ -502,3 +502,29 @@ def test_an_ack_without_the_run_keys_tag_is_not_counted(monkeypatch):
     finally:
         worker.stop()
         scheme.shutdown()
+
+
+@needs_stranger
+@pytest.mark.parametrize("scheme", ["distributed", "rpc"])
+def test_a_master_port_another_user_listens_on_is_refused_not_joined(scheme):
+    """A stranger who listens on the ``master_port`` a run is given first (before a store of the job's own is up)
+    served the run's store: the trainer joined it as the job's, and the stranger saw every key and could hold
+    the trainer's store calls (found by a review: ``connect()`` held 200 s past its bound). A port of this host
+    taken by another user is now refused by name; a job's own store runs as the job's user, and is joined."""
+    listen = "import socket, time; s = socket.create_server(('127.0.0.1', 0)); print(s.getsockname()[1], flush=True)"
+    attacker = start_stranger(["-c", f"{listen}; time.sleep(60)"])
+    try:
+        line = attacker.stdout.readline()
+        assert line.strip().isdigit(), line
+        port = int(line)
+        if scheme == "distributed":
+            made = ws.DistributedWeightSyncScheme(master_port=port, timeout=3, connect_timeout=CONNECT_TIMEOUT)
+        else:
+            made = ws.RPCWeightSyncScheme(
+                master_port=port, timeout=3, connect_timeout=CONNECT_TIMEOUT, allow_store_peers_to_run_code=True
+            )
+        with pytest.raises(ws.ConfigurationError, match=f"127.0.0.1:{port} is taken by a listener of another user"):
+            made.init_on_sender(model=_model(0), num_workers=1)
+        made.shutdown()
+    finally:
+        _end(attacker)

@@ -24,6 +24,7 @@ __all__ = [
     "crowded_out",
     "interface_for",
     "ip_of",
+    "listener_uids",
     "is_loopback",
     "local_address",
     "local_interfaces",
@@ -218,3 +219,24 @@ def addresses_of(host: str, port: int) -> set[ipaddress.IPv4Address | ipaddress.
     named = {ip for info in infos if (ip := ip_of(str(info[4][0]))) is not None}
     loopback = {ipaddress.ip_address("::1" if ip.version == 6 else "127.0.0.1") for ip in named if ip.is_unspecified}
     return named | loopback
+
+
+def listener_uids(host: str, port: int) -> set[int] | None:
+    """The users who own a TCP socket listening on ``port`` at an address ``host`` names or at every address, in
+    this network namespace (their rows in ``/proc/net/tcp`` and ``tcp6``); ``None`` off Linux."""
+    everywhere = {ipaddress.ip_address("0.0.0.0"), ipaddress.ip_address("::")}
+    wanted = {_proc_address((str(ip), port)) for ip in addresses_of(host, port) | everywhere}
+    uids: set[int] = set()
+    read = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as rows:
+                read = True
+                next(rows, None)  # the header
+                for row in rows:
+                    fields = row.split()  # (fields[3]: the state, 0A for a listener; fields[7]: its owner)
+                    if len(fields) > 7 and fields[3] == "0A" and fields[1] in wanted and fields[7].isdigit():
+                        uids.add(int(fields[7]))
+        except OSError:  # not Linux, or no IPv6
+            continue
+    return uids if read else None

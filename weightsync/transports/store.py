@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..core.timing import Progress, as_timedelta, shown_seconds, wait_until
 from ..errors import ConfigurationError, SyncTimeoutError
-from .network import addresses_of, ip_of
+from .network import addresses_of, ip_of, listener_uids
 from .plainjson import loads_object
 from .storeclient import connect_store
 
@@ -72,7 +72,8 @@ def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, b
     """Serve a TCP store bound to ``host:port`` (only that address); return (store, port, owned).
 
     If the port is taken (typically by the training job's own store at
-    ``MASTER_PORT``), join that store as a client instead: the scheme then
+    ``MASTER_PORT``), join that store as a client instead (refused, with
+    ConfigurationError, where another user of this host listens there): the scheme then
     works under a key prefix of its own and leaves the job's keys alone. A
     store this process serves there (another scheme given the same port) is
     held by that client: served until both let go, whichever shuts down
@@ -85,6 +86,8 @@ def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, b
             if exc.errno != errno.EADDRINUSE or port == 0:
                 raise ConfigurationError(f"cannot serve a TCP store on {host}:{port}: {exc}") from exc
             served = _served_here(host, port)
+            if served is None:
+                _refuse_a_strangers(host, port)
         else:
             bound = sock.getsockname()
             store = dist.TCPStore(
@@ -102,6 +105,17 @@ def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, b
     if served is not None:  # (a client of its own all the same: calls on one client wait behind each other)
         weakref.finalize(client, _let_go, served)
     return client, port, False
+
+
+def _refuse_a_strangers(host: str, port: int) -> None:
+    """Refuse to join the store at a taken ``port`` of this host if another user listens there: its store would
+    see every key of the run, and could hold each call made to it (a job's own store runs as its user)."""
+    strangers = sorted((listener_uids(host, port) or set()) - {os.geteuid()})
+    if strangers:
+        raise ConfigurationError(
+            f"{host}:{port} is taken by a listener of another user (uid {', '.join(map(str, strangers))}), not "
+            "by a store of this job's: pick another master_port (or leave it 0 for a free one)"
+        )
 
 
 def _let_go(served: dist.Store) -> None:

@@ -5,6 +5,7 @@ The shared bodies (every send, isolation, bad weights) run over it from test_loc
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -833,6 +834,73 @@ def test_a_send_interrupted_midway_leaves_the_next_send_to_a_live_worker_whole(w
         scheme.wait_async(10)
         assert receiver.version == 2 and checksum(replica) == checksum(model)
         assert scheme.acked_versions == {0: 2}
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+@pytest.mark.parametrize("first", ["trainer", "worker"])
+@pytest.mark.parametrize("way", ["line", "group"])
+def test_a_worker_whose_group_closed_when_an_update_came_late_rejoins_instead_of_ending(way, first, monkeypatch):
+    """An update's bytes over the group came later than the worker's ``timeout`` (a link down for a moment, under
+    ``on_failure="raise"``, where the trainer drops no one): gloo closed the worker's connection to the trainer at
+    that wait's timeout. Where the trainer announced the next version before it saw that connection close (the
+    link was still down), the worker's receive of its bytes took the closed connection for a trainer gone
+    ("Application timeout caused pair closure": the sender went away), and the worker, alive, ended for good
+    (found by a review on two hosts, with a 2 s blip). It now asks to rejoin, as a dropped worker does, and gets
+    the newest version. (``line``: a worker whose bytes go over the group, its announcements on its line.
+    ``first``: who acts first once the link is back, the trainer with its next version, or the worker asking back
+    before the trainer saw it gone: the trainer takes it back, its process being the one it knew.)"""
+    from concurrent.futures import Future
+
+    from weightsync.transports.distributed import receiver as receiver_module
+    from weightsync.transports.distributed.transport import DistributedTransport
+
+    if way == "group":
+        monkeypatch.setattr(receiver_module.DistributedReceiver, "_dial", lambda self, store, deadline: None)
+    monkeypatch.setattr(sender_module, "INLINE_DIGEST_BYTES", 0)
+    model = build("tiny")
+    scheme = ws.DistributedWeightSyncScheme(timeout=2, connect_timeout=60, sync=False, on_failure="raise")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    receiver = in_process_receiver(scheme, replica)
+    assert (scheme._sending.engine.transports[0].line is not None) == (way == "line")
+    send_part, take_ack = DistributedTransport.send_part, DistributedTransport.take_ack
+    lost: list[bool] = []
+
+    def lose_once(self, part):  # (the bytes of version 1 never leave: the worker waits for them past its timeout)
+        if not lost:
+            lost.append(True)
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        return send_part(self, part)
+
+    monkeypatch.setattr(DistributedTransport, "send_part", lose_once)
+    monkeypatch.setattr(DistributedTransport, "take_ack", lambda self: None)  # (the link is down: nothing comes)
+    try:
+        optimizer_step(model, 1)
+        scheme.send_async()
+        with pytest.raises(ws.SyncTimeoutError, match="did not arrive in time"):
+            receiver.receive(timeout=10)
+        with pytest.raises(ws.SyncTimeoutError):
+            scheme.wait_async(1)
+        monkeypatch.setattr(DistributedTransport, "take_ack", take_ack)  # (the link is back)
+        if first == "worker":
+            assert receiver.receive(timeout=10) is not None
+            assert receiver.version == 1 and checksum(replica) == checksum(model)
+        optimizer_step(model, 2)
+        with contextlib.suppress(ws.WeightSyncError):  # (raise: a send names the worker gone once it sees it gone)
+            scheme.send_async()
+        for _ in range(3):  # (the newest version comes as the rejoined worker's first, in a receive or two)
+            if receiver.receive(timeout=10) is not None:
+                break
+        assert receiver.version == 2 and checksum(replica) == checksum(model)
+        optimizer_step(model, 3)
+        scheme.send_async()
+        assert receiver.receive(timeout=10) is not None
+        scheme.wait_async(10)
+        assert receiver.version == 3 and checksum(replica) == checksum(model)
     finally:
         receiver.shutdown()
         scheme.shutdown()

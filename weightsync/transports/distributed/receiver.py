@@ -259,12 +259,13 @@ class DistributedReceiver(ReceiverEngine):
         return Link(pg, pair, self.sealer.scoped(f"pair/{w}/{gen}/")), None
 
     def _rejoin(self, timeout: float) -> list[Delivery]:
-        """The sender dropped this worker (an ack it never got: a link down, a stall) and it is still alive:
-        connect again as a new generation and receive the newest version, as a restarted worker does."""
+        """This live worker is out of its sender's group (dropped: no ack in time; or its connection closed): connect
+        again as a new generation and receive the newest version, as a restarted worker does."""
         assert self._stores is not None and self._dropped is not None and self._calls is not None
         store, w, why = self._stores[1], self.where["worker_idx"], self._dropped
         deadline = deadline_after(self.update_timeout * GROUP_TIMEOUT_FACTOR)
-        log.warning("model %r worker %d: the sender dropped it (%s); connecting again", self.where["model_id"], w, why)
+        log.warning("model %r worker %d: out of its sender's group (%s); connecting again", self.where["model_id"], w,
+                    why)  # fmt: skip
 
         def rejoin() -> tuple[Link, str | None, Doorbell | None]:
             late = SyncTimeoutError("a rejoin not made in time (the sender's store was silent)", **self.where)
@@ -285,12 +286,12 @@ class DistributedReceiver(ReceiverEngine):
             link, reason, bell = self._calls.ask(*ask, key="rejoin", discard=discard, **self.where)
         except dist.DistError as exc:
             raise ConnectionClosedError(
-                f"the sender dropped this worker ({why}) and could not be reached again: {first_line(exc)}",
+                f"this worker is out of its sender's group ({why}) and could not reach it again: {first_line(exc)}",
                 **self.where,
             ) from None
         if reason is not None:
             raise ConnectionClosedError(
-                f"the sender dropped this worker ({why}) and refused it back: {reason}", **self.where
+                f"this worker is out of its sender's group ({why}) and was refused back: {reason}", **self.where
             )
         if self.transport is not None:
             self.transport.hang_up()
@@ -355,6 +356,10 @@ class DistributedReceiver(ReceiverEngine):
             parts = self._parts() if delta is None else [delta.body] if delta.nbytes else []
             try:  # (changes with no bytes: nothing to hash, no one-time key to derive)
                 transport.receive_into(parts, self.update_timeout, version, mac if parts else None)
+            except SyncTimeoutError:
+                if transport.group_closed:  # (where the sender dropped no one, under "raise": this worker asks)
+                    self._dropped = "its connection to the sender closed when an update came late"
+                raise
             except ConnectionClosedError as exc:  # (its line or group, closed by a sender that dropped it, or gone)
                 if transport.line is None and self._dropped_meanwhile(failed=exc):
                     return self._rejoin(max(remaining(deadline), self.update_timeout))

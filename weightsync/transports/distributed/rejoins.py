@@ -92,11 +92,12 @@ def place_taken(
     model_id: str | None,
 ) -> str | None:
     """Why a new process of worker ``w`` (its ``hello``) may not take the worker's place, by what every worker said
-    when it last joined (``hellos``): its earlier process is alive, or its GPU is another rank's (NCCL needs one GPU
-    per rank). ``None``: it may (with a warning if it comes from another machine, where its earlier process cannot
-    be looked at)."""
+    when it last joined (``hellos``): its earlier process is alive (and not the one asking: a worker whose
+    connection closed asks back itself), or its GPU is another rank's (NCCL needs one GPU per rank). ``None``: it
+    may (with a warning if it comes from another machine, where its earlier process cannot be looked at)."""
     earlier = hellos.get(w, {}).get("process")
-    gone = True if is_dead(w) else process_is_gone(earlier)
+    itself = earlier is not None and hello.get("process") == earlier  # (its connection closed: it asks back)
+    gone = True if is_dead(w) or itself else process_is_gone(earlier)
     if gone is False:
         return f"worker {w} is already connected (its process {earlier['pid']} is alive)"  # type: ignore[index]
     if gone is None:

@@ -152,6 +152,7 @@ class DistributedTransport(WorkerSide, PeerTransport):
         self.bell = bell
         self.line = line
         self.line_lost = False  # on a worker: it hung up its line (it then learns only that it was dropped)
+        self.group_closed = False  # on a worker: gloo closed its connection to the sender at a wait's timeout
         self.line_ended: float | None = None  # on a worker: when it read its sender's end of the line it hung up
         self._inline = False  # on a worker: the bytes of the message announced last come on the line
         self._spent: list[str] = []  # on a worker: keys read and not deleted yet (:meth:`sweep`)

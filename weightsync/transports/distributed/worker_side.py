@@ -66,6 +66,7 @@ class WorkerSide:
         line: Line | None
         line_lost: bool
         line_ended: float | None
+        group_closed: bool
         _inline: bool
         _looked: tuple[int, float]
         _spent: list[str]
@@ -253,7 +254,8 @@ class WorkerSide:
                 if mac is not None:
                     mac.ready(arrived)
         except RuntimeError as exc:
-            if is_timeout(exc):
+            if is_timeout(exc):  # (gloo closed the connection at that wait's timeout: nothing comes over it again)
+                self.group_closed = True
                 raise SyncTimeoutError("the announced update did not arrive in time", **self._where(version)) from None
             raise ConnectionClosedError(f"the sender went away ({first_line(exc)})", **self._where(version)) from None
 

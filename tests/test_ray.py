@@ -780,12 +780,15 @@ def test_a_vllm_engine_in_an_actor_is_loaded_and_named_each_version_in_one_call(
         ray.kill(threaded)
 
 
-def test_an_interrupted_send_never_leaves_its_version_number_to_other_weights():
-    """A send interrupted after one actor's call went out (``KeyboardInterrupt`` while submitting to the next):
-    that actor may hold the version's bytes, so the next send names its weights with a new number. (Reusing it,
-    the actor skipped the next send as a version it held, acked it, and took every later change against bytes
-    the trainer never had, silently, for good.)"""
+@pytest.mark.parametrize("where", ["between calls", "after the calls"])
+def test_an_interrupted_send_never_leaves_its_version_number_to_other_weights(where):
+    """A send interrupted after one actor's call went out (``KeyboardInterrupt`` while submitting to the next, or
+    once every call went out, before the send had counted the number spent: found by a review's sweep of
+    interrupts): an actor may hold the version's bytes, so the next send names its weights with a new number.
+    (Reusing it, the actor skipped the next send as a version it held, acked it, and took every later change
+    against bytes the trainer never had, silently, for good.)"""
     from tests._bodies import sparse_step
+    from weightsync.core.changes import Changes
     from weightsync.transports.ray.transport import RayTransport
 
     model, scheme, actors = _sent_once(delta=True)
@@ -797,7 +800,15 @@ def test_an_interrupted_send_never_leaves_its_version_number_to_other_weights():
             raise KeyboardInterrupt("after worker 0's call went out")
         return submit(self, *args, **kwargs)
 
-    with mock.patch.object(RayTransport, "submit", interrupted), pytest.raises(KeyboardInterrupt):
+    def interrupted_after(self, *args, **kwargs):  # (the first thing the send does once every call went out)
+        raise KeyboardInterrupt("after every call went out")
+
+    patched = (
+        mock.patch.object(RayTransport, "submit", interrupted)
+        if where == "between calls"
+        else mock.patch.object(Changes, "submitted", interrupted_after)
+    )
+    with patched, pytest.raises(KeyboardInterrupt):
         scheme.send()
     assert wait_until(lambda: ray.get(actors[0].state.remote())[0] == 2, deadline_after(10), 0.05)
     try:

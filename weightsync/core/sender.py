@@ -308,6 +308,7 @@ class Sender:
                 staged = self.engine.stage(out, deadline)
                 submitting = True
                 self.engine.submit(out, staged)
+                self.next_version = version + 1  # (spent at once: a Ctrl-C below must not leave it to the next)
             except BaseException:
                 # The copy may hold bytes of this version, which was not sent (or not to everyone): the next send
                 # fills it whole, and the engine no longer takes it for the newest version (for one that rejoins).
@@ -320,7 +321,6 @@ class Sender:
             for w in live:
                 ledger.peers[w].sent = version
             failures.update({w: ledger.dead[w] for w in live if w in ledger.dead})  # found gone just now
-            self.next_version += 1
             self.version = version
         finally:
             self._naming = None

@@ -780,6 +780,38 @@ def test_a_vllm_engine_in_an_actor_is_loaded_and_named_each_version_in_one_call(
         ray.kill(threaded)
 
 
+def test_a_send_interrupted_as_it_asked_to_hear_of_a_calls_end_leaves_the_actor_served(monkeypatch):
+    """``latest_wins`` holds a whole version back while a call to the actor is on its way, and sends it when Ray
+    says that call ended. A Ctrl-C as the send asked Ray to say so (found by a review's sweep of interrupts) left
+    the call counted with nobody to report its end: every later version to that actor was held back for good, and
+    each send timed out naming it. A call's end is now also looked for by the trainer, once."""
+    import concurrent.futures
+
+    model, scheme, actors = _sent_once()
+    scheme.timeout = 5.0
+    assert scheme.sender_transports[1].coalesce
+    register = concurrent.futures.Future.add_done_callback
+    interrupted: list[bool] = []
+
+    def once(self, fn):
+        if not interrupted and getattr(fn, "__self__", None) is scheme.sender_transports[1]:
+            interrupted.append(True)
+            raise KeyboardInterrupt("as the send asked to hear of the call's end")
+        return register(self, fn)
+
+    monkeypatch.setattr(concurrent.futures.Future, "add_done_callback", once)
+    try:
+        optimizer_step(model, 2)
+        with pytest.raises(KeyboardInterrupt):
+            scheme.send()
+        for step in (3, 4):
+            optimizer_step(model, step)
+            scheme.send()
+            assert ray.get([a.state.remote() for a in actors]) == [(scheme.version, checksum(model))] * 2
+    finally:
+        scheme.shutdown()
+
+
 @pytest.mark.parametrize("where", ["between calls", "after the calls"])
 def test_an_interrupted_send_never_leaves_its_version_number_to_other_weights(where):
     """A send interrupted after one actor's call went out (``KeyboardInterrupt`` while submitting to the next, or

@@ -109,14 +109,18 @@ class RayTransport(PeerTransport):
         self.pending: tuple[int, Any, dict | None] | None = None
         # (the trainer's thread submits; Ray's thread that learns a call ended submits what was held back)
         self._lock = threading.RLock()
-        self._running = 0  # calls whose end Ray has not reported yet (where versions are held back)
+        #: The calls (their futures) whose end is not reported yet, where versions are held back. A call counts
+        #: from one step (its append), and its end is reported once whoever sees it first (Ray's thread, or a look
+        #: here: :meth:`_reap`): a Ctrl-C that cut its callback's registration short leaves no call counted for good.
+        self._unended: list[Any] = []
         self._closed = False
 
     def submit(self, version: int, payload_ref: Any, layout: dict | None, *, whole: bool = True) -> None:
         """Ask the actor to apply ``version`` (queued after its earlier calls, in order); a whole version, while
         a call is on its way and :attr:`coalesce` says so, is held back until that call ended."""
         with self._lock:
-            if self.coalesce and whole and self._running:
+            self._reap()
+            if self.coalesce and whole and self._unended:
                 self.pending = (version, payload_ref, layout if self.pending is None else self.pending[2] or layout)
                 return
             self._send_pending()  # (one held back goes first: what comes after it is newer)
@@ -132,7 +136,8 @@ class RayTransport(PeerTransport):
         held back, or a call read as ended whose end Ray's thread has not reported yet (it then sends the one
         held back)."""
         with self._lock:
-            return self.pending is not None or self._running > 0
+            self._reap()
+            return self.pending is not None or bool(self._unended)
 
     def forget(self, version: int) -> None:
         """The call for ``version`` was read."""
@@ -153,19 +158,29 @@ class RayTransport(PeerTransport):
         ref = self._remote(version, payload_ref, layout)
         self.in_flight[version] = ref
         if self.coalesce:
-            self._running += 1
-            ref.future().add_done_callback(self._ended)
+            future = ref.future()
+            self._unended.append(future)
+            future.add_done_callback(self._ended)
 
     def _ended(self, call: Any) -> None:
-        """(Ray's thread) A call ended: the version held back goes now, unless the actor is gone."""
+        """(Ray's thread, or :meth:`_reap`) A call ended: the version held back goes now, unless the actor is gone.
+        Reported once: a second report of the same call does nothing."""
         from ray.exceptions import RayActorError
 
         with self._lock:
-            self._running -= 1
+            if not any(future is call for future in self._unended):
+                return
+            self._unended = [future for future in self._unended if future is not call]
             if isinstance(call.exception(), RayActorError) or self._closed:
                 self.pending = None
-            elif not self._running:
+            elif not self._unended:
                 self._send_pending()
+
+    def _reap(self) -> None:
+        """Report the calls that ended whose end Ray's thread has not reported (yet, or ever: a Ctrl-C cut their
+        callback's registration short)."""
+        for future in [f for f in self._unended if f.done()]:
+            self._ended(future)
 
     def _remote(self, version: int, payload_ref: Any, layout: dict | None) -> Any:
         return self.actor.__ray_call__.remote(self.in_actor, self.model_id, version, payload_ref, layout)

@@ -904,3 +904,79 @@ def test_a_worker_whose_group_closed_when_an_update_came_late_rejoins_instead_of
     finally:
         receiver.shutdown()
         scheme.shutdown()
+
+
+def test_a_send_interrupted_before_its_digest_leaves_no_receive_for_an_ack_that_never_comes(monkeypatch):
+    """A Ctrl-C after a version's parts went out to a worker without a line, before its digest was set: the worker
+    never acks that version. A receive for its ack posted as the version was announced was never answered: the
+    trainer's waiter waited on it for good, its shutdown waited and warned, and the process aborted at exit (found
+    by a review of the fix that posts it early). It is posted only once the worker can ack."""
+    from weightsync.transports.distributed import receiver as receiver_module
+    from weightsync.transports.distributed.transport import DistributedTransport
+
+    monkeypatch.setattr(receiver_module.DistributedReceiver, "_dial", lambda self, store, deadline: None)
+    monkeypatch.setattr(sender_module, "INLINE_DIGEST_BYTES", 0)  # (the digest follows the parts)
+    model = build("tiny")
+    scheme = ws.DistributedWeightSyncScheme(timeout=2, connect_timeout=60, sync=False, on_failure="drop")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    receiver = in_process_receiver(scheme, replica)
+    real = DistributedTransport.set_digest
+    interrupted: list[bool] = []
+
+    def once(self, *args, **kwargs):
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DistributedTransport, "set_digest", once)
+    try:
+        optimizer_step(model, 1)
+        with pytest.raises(KeyboardInterrupt):
+            scheme.send_async()
+        for step in (2, 3):
+            optimizer_step(model, step)
+            with contextlib.suppress(ws.WeightSyncError):
+                scheme.send_async()
+            for _ in range(3):
+                with contextlib.suppress(ws.WeightSyncError):
+                    if receiver.receive(timeout=5) is not None and receiver.version == step:
+                        break
+            with contextlib.suppress(ws.WeightSyncError):
+                scheme.wait_async(10)
+        assert receiver.version == 3 and checksum(replica) == checksum(model)
+        assert [len(t.posted) for t in scheme._sending.engine.transports.values()] == [0]
+    finally:
+        receiver.shutdown()
+        began = time.monotonic()
+        scheme.shutdown()
+        assert time.monotonic() - began < 2.0
+
+
+def test_a_second_receiver_of_the_same_worker_in_the_same_process_is_refused_and_the_first_keeps_its_place():
+    """The trainer takes back a worker's process that asks back itself (its connection closed). A second receiver
+    for the same worker index in that process is not it: it was taken in the first's place, and the first was told
+    the sender shut down (found by a review of that rule). It is refused, and the first receives on."""
+    import pickle
+
+    model = build("tiny")
+    scheme = ws.DistributedWeightSyncScheme(timeout=3, connect_timeout=30, sync=False)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    first = in_process_receiver(scheme, replica)
+    second = pickle.loads(pickle.dumps(scheme))
+    second.init_on_receiver(model_id="policy", model=build("tiny"), worker_idx=0)
+    try:
+        with pytest.raises(ws.WeightSyncError, match="already connected"):
+            second.connect()
+        optimizer_step(model, 1)
+        scheme.send_async()
+        assert first.receive(timeout=10) is not None
+        scheme.wait_async(10)
+        assert first.version == 1 and checksum(replica) == checksum(model)
+    finally:
+        for receiver in (first, second):
+            with contextlib.suppress(ws.WeightSyncError):
+                receiver.shutdown()
+        scheme.shutdown()

@@ -530,10 +530,10 @@ def test_an_apply_whose_gpu_work_times_out_after_the_model_took_the_new_slot_ack
 
 @pytest.mark.parametrize("device", ["cpu", "meta"], ids=["gloo", "nccl"])
 def test_an_acks_receive_over_the_group_is_posted_before_the_parts_with_gloo_and_after_them_with_nccl(device):
-    """gloo holds the worker's ack until the trainer posts its receive: posted as the version is announced, a
-    Ctrl-C in the parts' send leaves it posted. NCCL runs a pair's operations in order on one stream: a receive
-    posted before the parts would hold them behind an ack that only follows them (acks live on the GPU there:
-    the meta device stands in for it)."""
+    """gloo holds the worker's ack until the trainer posts its receive: posted as soon as the worker can ack (here
+    the version announced with its digest), a Ctrl-C before the trainer expects the ack leaves it posted. NCCL
+    runs a pair's operations in order on one stream: a receive posted before the parts would hold them behind an
+    ack that only follows them (acks live on the GPU there: the meta device stands in for it)."""
     from weightsync.transports.distributed.group import Link
     from weightsync.transports.distributed.transport import DistributedTransport
     from weightsync.transports.distributed.worker_side import TAG_ACK, TAG_DATA
@@ -555,7 +555,7 @@ def test_an_acks_receive_over_the_group_is_posted_before_the_parts_with_gloo_and
 
     transport = DistributedTransport(0, link=Link(Group(), object()), device=torch.device(device))  # type: ignore[arg-type]
     try:
-        transport.announce(0, "nonce", "mac", initial=True)
+        transport.announce(0, "nonce", "mac", initial=True, digest="its digest")  # (all the worker needs to ack)
         transport.send_part(torch.zeros(4, device=device))
         transport.expect_ack(0)
     finally:

@@ -812,6 +812,51 @@ def test_a_send_interrupted_as_it_asked_to_hear_of_a_calls_end_leaves_the_actor_
         scheme.shutdown()
 
 
+def test_a_ctrl_c_as_the_trainer_sends_a_held_back_version_leaves_it_to_go(monkeypatch):
+    """Under ``latest_wins`` the trainer's wait may send a version held back itself, where Ray's thread has not
+    reported the call before it ended yet. A Ctrl-C as it made that call lost the version for good: the actor was
+    never sent it, and the next wait timed out (found by a review of the fix that lets the trainer send it)."""
+    import threading
+
+    from weightsync.transports.ray.transport import RayTransport
+
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=5, sync=False)
+    (actor,) = _joined(scheme, model, n=1)
+    scheme.connect()
+    ended, remote = RayTransport._ended, RayTransport._remote
+    hits: list[int] = []
+
+    def reported_late(self, call):  # (Ray's thread reports the call's end after the trainer saw it)
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(1.5)
+        ended(self, call)
+
+    def interrupted_once(self, version, *args):
+        if threading.current_thread() is threading.main_thread() and version == 2 and not hits:
+            hits.append(version)
+            raise KeyboardInterrupt("as the held-back version goes")
+        return remote(self, version, *args)
+
+    monkeypatch.setattr(RayTransport, "_ended", reported_late)
+    try:
+        actor.busy.remote(0.5)
+        optimizer_step(model, 2)
+        scheme.send_async()  # (version 1: behind the busy call)
+        optimizer_step(model, 3)
+        scheme.send_async()  # (version 2: held back while version 1's call runs)
+        assert scheme.sender_transports[0].pending is not None
+        monkeypatch.setattr(RayTransport, "_remote", interrupted_once)
+        with pytest.raises(KeyboardInterrupt):
+            scheme.wait_async(10)
+        assert hits == [2]
+        monkeypatch.setattr(RayTransport, "_remote", remote)
+        scheme.wait_async(10)
+        assert ray.get(actor.state.remote()) == (2, checksum(model))
+    finally:
+        scheme.shutdown()
+
+
 @pytest.mark.parametrize("where", ["between calls", "after the calls"])
 def test_an_interrupted_send_never_leaves_its_version_number_to_other_weights(where):
     """A send interrupted after one actor's call went out (``KeyboardInterrupt`` while submitting to the next, or

@@ -504,15 +504,30 @@ def test_an_ack_without_the_run_keys_tag_is_not_counted(monkeypatch):
         scheme.shutdown()
 
 
+#: What the stranger runs: it takes a port of 127.0.0.1 and says which, then listens there (at once, or 2 s later).
+_TAKE_A_PORT = {
+    "listening": "s = socket.create_server(('127.0.0.1', 0))",
+    "mapped": "s = socket.socket(socket.AF_INET6); s.bind(('::ffff:127.0.0.1', 0)); s.listen()",
+    "late": "s = socket.socket(); s.bind(('127.0.0.1', 0))",
+}
+
+
 @needs_stranger
-@pytest.mark.parametrize("scheme", ["distributed", "rpc"])
-def test_a_master_port_another_user_listens_on_is_refused_not_joined(scheme):
+@pytest.mark.parametrize(
+    ("scheme", "how"),
+    [("distributed", "listening"), ("rpc", "listening"), ("distributed", "mapped"), ("distributed", "late")],
+)
+def test_a_master_port_another_user_listens_on_is_refused_not_joined(scheme, how):
     """A stranger who listens on the ``master_port`` a run is given first (before a store of the job's own is up)
     served the run's store: the trainer joined it as the job's, and the stranger saw every key and could hold
     the trainer's store calls (found by a review: ``connect()`` held 200 s past its bound). A port of this host
-    taken by another user is now refused by name; a job's own store runs as the job's user, and is joined."""
-    listen = "import socket, time; s = socket.create_server(('127.0.0.1', 0)); print(s.getsockname()[1], flush=True)"
-    attacker = start_stranger(["-c", f"{listen}; time.sleep(60)"])
+    served by another user is now refused by name, however it listens: on an IPv6 socket bound to the IPv4
+    address (``mapped``), or only after the trainer found the port taken (``late``; both found by a review of
+    the first form of this check, which read the table of listeners). A job's own store runs as the job's
+    user, and is joined."""
+    listen = "" if how != "late" else "time.sleep(2); s.listen(); "
+    program = f"import socket, time; {_TAKE_A_PORT[how]}; print(s.getsockname()[1], flush=True); {listen}time.sleep(60)"
+    attacker = start_stranger(["-c", program])
     try:
         line = attacker.stdout.readline()
         assert line.strip().isdigit(), line
@@ -528,3 +543,42 @@ def test_a_master_port_another_user_listens_on_is_refused_not_joined(scheme):
         made.shutdown()
     finally:
         _end(attacker)
+
+
+@needs_stranger
+def test_a_job_store_is_joined_though_a_stranger_listens_on_its_port_at_another_address():
+    """The job's store serves 127.0.0.1 alone; a stranger listens on the same port of ``::`` only (``IPV6_V6ONLY``,
+    which shares no address with it). The trainer reaches the job's store there, and joins it: a table of
+    listeners by port had counted the stranger's and refused the run (found by a review)."""
+    import subprocess
+    import sys
+
+    serve = (
+        "from weightsync.transports.store import open_store\n"
+        "store, port, _ = open_store('127.0.0.1', 0, 60)\n"
+        "store.set('job-key', 'x')\n"
+        "print(port, flush=True)\n"
+        "import sys; sys.stdin.readline()\n"
+    )
+    job = subprocess.Popen([sys.executable, "-c", serve], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    attacker = None
+    try:
+        port = int(job.stdout.readline())  # type: ignore[union-attr]
+        v6only = (
+            "import socket, time; s = socket.socket(socket.AF_INET6); "
+            "s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1); "
+            f"s.bind(('::', {port})); s.listen(); print('listening', flush=True); time.sleep(60)"
+        )
+        attacker = start_stranger(["-c", v6only])
+        assert attacker.stdout.readline().strip() == "listening"
+        made = ws.DistributedWeightSyncScheme(master_port=port, timeout=3, connect_timeout=CONNECT_TIMEOUT)
+        try:
+            made.init_on_sender(model=_model(0), num_workers=1)
+            assert made._sending.engine._base_store.check(["job-key"])  # (the job's store, joined)
+        finally:
+            made.shutdown()
+    finally:
+        if attacker is not None:
+            _end(attacker)
+        job.kill()
+        job.wait(10)

@@ -24,7 +24,6 @@ __all__ = [
     "crowded_out",
     "interface_for",
     "ip_of",
-    "listener_uids",
     "is_loopback",
     "local_address",
     "local_interfaces",
@@ -159,6 +158,11 @@ def crowded_out(users: list[int | None], newcomer: int | None) -> int:
     return next((i for i, uid in enumerate(users) if uid == most), 0)
 
 
+def _mapped(address: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An IPv4 ``(ip, port)`` as an IPv6 socket names it (``::ffff:ip``)."""
+    return (f"::ffff:{address[0]}", *address[1:])
+
+
 def _proc_address(address: tuple[Any, ...]) -> str:
     """``(ip, port, ...)`` as ``/proc/net/tcp*`` writes it: the address's 32-bit words in host order, in hex."""
     ip, port = str(address[0]).split("%", 1)[0], int(address[1])
@@ -178,8 +182,11 @@ def tcp_peer_uids(socks: Iterable[socket.socket]) -> dict[socket.socket, int | N
     found: dict[socket.socket, int | None] = {}
     for sock in socks:
         found[sock] = None
-        try:
-            wanted[(_proc_address(sock.getpeername()), _proc_address(sock.getsockname()))] = sock
+        try:  # (the other end's row: its address first; IPv4 ends as an IPv6 socket has them too, mapped)
+            peer, mine = sock.getpeername(), sock.getsockname()
+            wanted[(_proc_address(peer), _proc_address(mine))] = sock
+            if ":" not in str(peer[0]):
+                wanted[(_proc_address(_mapped(peer)), _proc_address(_mapped(mine)))] = sock
         except (OSError, ValueError):  # closed meanwhile, or not an IP address
             continue
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -219,24 +226,3 @@ def addresses_of(host: str, port: int) -> set[ipaddress.IPv4Address | ipaddress.
     named = {ip for info in infos if (ip := ip_of(str(info[4][0]))) is not None}
     loopback = {ipaddress.ip_address("::1" if ip.version == 6 else "127.0.0.1") for ip in named if ip.is_unspecified}
     return named | loopback
-
-
-def listener_uids(host: str, port: int) -> set[int] | None:
-    """The users who own a TCP socket listening on ``port`` at an address ``host`` names or at every address, in
-    this network namespace (their rows in ``/proc/net/tcp`` and ``tcp6``); ``None`` off Linux."""
-    everywhere = {ipaddress.ip_address("0.0.0.0"), ipaddress.ip_address("::")}
-    wanted = {_proc_address((str(ip), port)) for ip in addresses_of(host, port) | everywhere}
-    uids: set[int] = set()
-    read = False
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as rows:
-                read = True
-                next(rows, None)  # the header
-                for row in rows:
-                    fields = row.split()  # (fields[3]: the state, 0A for a listener; fields[7]: its owner)
-                    if len(fields) > 7 and fields[3] == "0A" and fields[1] in wanted and fields[7].isdigit():
-                        uids.add(int(fields[7]))
-        except OSError:  # not Linux, or no IPv6
-            continue
-    return uids if read else None

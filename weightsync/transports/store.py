@@ -9,14 +9,15 @@ import logging
 import os
 import socket
 import threading
+import time
 import weakref
 from typing import Any
 
 import torch.distributed as dist
 
-from ..core.timing import Progress, as_timedelta, shown_seconds, wait_until
+from ..core.timing import Progress, as_timedelta, deadline_after, remaining, shown_seconds, wait_until
 from ..errors import ConfigurationError, SyncTimeoutError
-from .network import addresses_of, ip_of, listener_uids
+from .network import addresses_of, ip_of, tcp_peer_uids
 from .plainjson import loads_object
 from .storeclient import connect_store
 
@@ -39,6 +40,8 @@ BACKLOG = 1024
 SILENT_TIMEOUTS = 4
 #: How often a worker looks for a key it waits for in its sender's store.
 KEY_POLL_S = 0.02
+#: How often a trainer dials a taken port again, to tell who serves it (seconds).
+PROBE_AGAIN_S = 0.05
 #: The largest store value read as JSON: a layout of some 100,000 tensors. Anyone who reaches the store can
 #: write its keys (it has no authentication), so what is read there is bounded and checked, never unpickled.
 MAX_STORE_JSON = 16 * 1024 * 1024
@@ -86,8 +89,6 @@ def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, b
             if exc.errno != errno.EADDRINUSE or port == 0:
                 raise ConfigurationError(f"cannot serve a TCP store on {host}:{port}: {exc}") from exc
             served = _served_here(host, port)
-            if served is None:
-                _refuse_a_strangers(host, port)
         else:
             bound = sock.getsockname()
             store = dist.TCPStore(
@@ -100,6 +101,8 @@ def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, b
             )
             _served[(os.getpid(), ip_of(str(bound[0])), bound[1])] = store
             return store, bound[1], True
+    if served is None:
+        _refuse_a_strangers(host, port, timeout)
     log.info("%s:%d is taken; joining the store there under weightsync's own prefix", host, port)
     client = connect_store(host, port, timeout)
     if served is not None:  # (a client of its own all the same: calls on one client wait behind each other)
@@ -107,14 +110,32 @@ def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, b
     return client, port, False
 
 
-def _refuse_a_strangers(host: str, port: int) -> None:
-    """Refuse to join the store at a taken ``port`` of this host if another user listens there: its store would
-    see every key of the run, and could hold each call made to it (a job's own store runs as its user)."""
-    strangers = sorted((listener_uids(host, port) or set()) - {os.geteuid()})
-    if strangers:
+def _refuse_a_strangers(host: str, port: int, timeout: float) -> None:
+    """Refuse to join the store at a taken ``port`` of this host unless this user serves it: a store another user
+    served would see every key of the run, and could hold each call made to it (a job's own store runs as its
+    user). Its owner is read off a connection to it (the row of the end it accepted, in ``/proc/net/tcp*``),
+    dialled until it answers, within ``timeout``: a port another user bound and listens on only later is met once
+    it does (not a row of listeners, which would miss that, and count one that shares no address with ``host``).
+
+    Raises:
+        ConfigurationError: another user serves it. SyncTimeoutError: nothing answered there in time.
+    """
+    deadline = deadline_after(timeout)
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(remaining(deadline), 0.01)) as probe:
+                owner = tcp_peer_uids([probe])[probe]
+            break
+        except OSError as exc:
+            if remaining(deadline) <= 0:
+                raise SyncTimeoutError(
+                    f"{host}:{port} is taken, and no store answered there within {shown_seconds(timeout)} ({exc})"
+                ) from None
+            time.sleep(min(PROBE_AGAIN_S, remaining(deadline)))
+    if owner is not None and owner != os.geteuid():
         raise ConfigurationError(
-            f"{host}:{port} is taken by a listener of another user (uid {', '.join(map(str, strangers))}), not "
-            "by a store of this job's: pick another master_port (or leave it 0 for a free one)"
+            f"{host}:{port} is taken by a listener of another user (uid {owner}), not by a store of this job's: "
+            "pick another master_port (or leave it 0 for a free one)"
         )
 
 

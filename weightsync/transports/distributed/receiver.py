@@ -185,7 +185,8 @@ class DistributedReceiver(ReceiverEngine):
             hello: dict[str, Any] = {"ok": True}
             if refusal is not None:
                 hello = {"ok": False, "type": type(refusal).__name__, "message": str(refusal)[:MAX_ERROR_TEXT]}
-            hello["process"], hello["nonce"] = process_identity(), new_nonce()  # (the verdict names this process by it)
+            # (the verdict names it by its nonce; "receiver": its own, which another receiver of this process lacks)
+            hello["process"], hello["nonce"] = {**process_identity(), "receiver": new_nonce()}, new_nonce()
             if self.settings.backend == "nccl":
                 hello["gpu"] = gpu_identity()
             world = int(self.handoff["world_size"])
@@ -264,8 +265,7 @@ class DistributedReceiver(ReceiverEngine):
         assert self._stores is not None and self._dropped is not None and self._calls is not None
         store, w, why = self._stores[1], self.where["worker_idx"], self._dropped
         deadline = deadline_after(self.update_timeout * GROUP_TIMEOUT_FACTOR)
-        log.warning("model %r worker %d: out of its sender's group (%s); connecting again", self.where["model_id"], w,
-                    why)  # fmt: skip
+        log.warning("model %r worker %d: out of its group (%s); connecting again", self.where["model_id"], w, why)
 
         def rejoin() -> tuple[Link, str | None, Doorbell | None]:
             late = SyncTimeoutError("a rejoin not made in time (the sender's store was silent)", **self.where)

@@ -89,13 +89,14 @@ class _Posted:
 
 
 def posts_ack_first(device: torch.device) -> bool:
-    """Whether an ack's receive over the group is posted as its message is announced, before the parts are sent.
+    """Whether an ack's receive over the group is posted as soon as the worker has all it needs to ack (the
+    message announced with its digest, or the digest set after the parts), before :meth:`expect_ack`.
 
-    gloo holds a send until its receiver posts the receive: a receive posted only after the parts leaves a
-    window (the whole send of the parts) where a Ctrl-C in the trainer leaves the worker's ack with no receive,
-    and the worker's ack waits its timeout, then closes its group. NCCL (acks on the GPU) runs a pair's
-    operations in order on one stream: a receive posted before the parts would hold them behind the ack that
-    only follows them, so there it is posted after them.
+    gloo holds a send until its receiver posts the receive: a receive posted later leaves a window where a Ctrl-C
+    in the trainer leaves the worker's ack with no receive, and the worker's ack waits its timeout, then closes
+    its group. (Not before the worker can ack: a receive no ack ever comes to would hold the waiter for good.)
+    NCCL (acks on the GPU) runs a pair's operations in order on one stream: a receive posted before the parts
+    would hold them behind the ack that only follows them, so there it is posted after them.
     """
     return device.type == "cpu"
 
@@ -148,6 +149,7 @@ class DistributedTransport(WorkerSide, PeerTransport):
         self.seq = 0  # sequence number of the last message to this worker (the initial weights are 0)
         self.pending: deque[_Pending] = deque()
         self.posted: deque[_Posted] = deque()  # on the sender: the receives of acks over the group, oldest first
+        self._ack_posted = -1  # on the sender: the message whose ack's receive was posted last
         self._waiter: Waiter | None = None
         self.bell = bell
         self.line = line
@@ -238,14 +240,18 @@ class DistributedTransport(WorkerSide, PeerTransport):
         self.seq = seq
         if self._waiter is None:
             self._waiter = Waiter(f"weightsync-{self.model_id}-rank{self.rank}")
-        if self.line is None and posts_ack_first(self.device):
+        if digest is not None and posts_ack_first(self.device):
             self._post_ack()
         return sent
 
     def _post_ack(self) -> None:
+        """Post the receive of the ack of the message announced last, once (over the group)."""
+        if self.line is not None or self._ack_posted == self.seq:
+            return
         pg, _ = self._group()
         ack = torch.zeros(3 + ACK_TAG_WORDS, dtype=torch.int64, device=self.device)
         self.posted.append(_Posted(ack, pg.recv([ack], self.rank, TAG_ACK)))
+        self._ack_posted = self.seq
 
     def send_part(self, part: torch.Tensor) -> Future:
         """Send one bucket of the message announced last; its future completes once ``part`` is no longer read."""
@@ -258,6 +264,8 @@ class DistributedTransport(WorkerSide, PeerTransport):
         the bytes against before applying them."""
         key = f"digest/{self.worker_idx}/{self.seq}"
         store_set(self.store, key, self.sealer.seal(key, digest, version))
+        if posts_ack_first(self.device):
+            self._post_ack()
 
     def wait_taken(self, deadline: float) -> bool:
         """Wait (until ``deadline``) until the worker took the message announced last off the wire and checked it
@@ -280,8 +288,7 @@ class DistributedTransport(WorkerSide, PeerTransport):
         """Expect the ack of the message announced last (every part of it sent): read off the worker's line by
         :meth:`take_ack`, or received over the group (the receive posted now, or as it was announced)."""
         if self.line is None:
-            if not posts_ack_first(self.device):
-                self._post_ack()
+            self._post_ack()
             assert self._waiter is not None
             for posted in self.posted:  # (watched after the parts: the waiter completes its works in order)
                 if posted.done is None:

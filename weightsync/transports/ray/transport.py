@@ -150,9 +150,13 @@ class RayTransport(PeerTransport):
             self._closed, self.pending = True, None
 
     def _send_pending(self) -> None:
-        if self.pending is not None:
-            held, self.pending = self.pending, None
+        held = self.pending
+        if held is not None:
+            # Let go once its call went out: a Ctrl-C in the call (from the trainer's :meth:`_reap`) leaves it to
+            # go again, and an actor that got it skips it as a version it holds.
             self._call(*held)
+            if self.pending is held:
+                self.pending = None
 
     def _call(self, version: int, payload_ref: Any, layout: dict | None) -> None:
         ref = self._remote(version, payload_ref, layout)
@@ -178,9 +182,12 @@ class RayTransport(PeerTransport):
 
     def _reap(self) -> None:
         """Report the calls that ended whose end Ray's thread has not reported (yet, or ever: a Ctrl-C cut their
-        callback's registration short)."""
+        callback's registration short); and send a version held back with no call left on its way (its sending
+        was cut short)."""
         for future in [f for f in self._unended if f.done()]:
             self._ended(future)
+        if self.pending is not None and not self._unended and not self._closed:
+            self._send_pending()
 
     def _remote(self, version: int, payload_ref: Any, layout: dict | None) -> Any:
         return self.actor.__ray_call__.remote(self.in_actor, self.model_id, version, payload_ref, layout)

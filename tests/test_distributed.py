@@ -297,6 +297,35 @@ def _one_worker_here():
     return model, scheme, replica, in_process_receiver(scheme, replica)
 
 
+def _worker_here(monkeypatch, line: bool = True, **options):
+    """:func:`_one_worker_here` with the scheme's ``options`` (``connect_timeout`` 60, ``sync=False``), its worker
+    with a line, or without one (``line=False``: it acks over the group, as one that rejoined)."""
+    from weightsync.transports.distributed import receiver as receiver_module
+
+    if not line:
+        monkeypatch.setattr(receiver_module.DistributedReceiver, "_dial", lambda self, store, deadline: None)
+    model = build("tiny")
+    scheme = ws.DistributedWeightSyncScheme(connect_timeout=60, sync=False, **options)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    receiver = in_process_receiver(scheme, replica)
+    assert (scheme._sending.engine.transports[0].line is not None) == line
+    return model, scheme, replica, receiver
+
+
+def _interrupted_once(monkeypatch, owner, name: str) -> None:
+    """``owner.<name>`` raises ``KeyboardInterrupt`` at its first call (a Ctrl-C there), then runs as before."""
+    real, calls = getattr(owner, name), []
+
+    def once(self, *args, **kwargs):
+        calls.append(name)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, once)
+
+
 def test_an_update_that_fails_to_apply_leaves_a_switched_model_as_it_was():
     # The refused update arrived in the buffer the model does not read: nothing of it shows in the model.
     model, scheme, replica, receiver = _one_worker_here()
@@ -795,32 +824,16 @@ def test_a_send_interrupted_midway_leaves_the_next_send_to_a_live_worker_whole(w
     sends). Without a line (``group``: a worker that rejoined acks over the group), gloo holds the worker's ack
     until the trainer posts its receive, and none was posted: the ack waited the worker's timeout, the worker
     closed its group, and the next send named it gone. That receive is now posted as the version is announced."""
-    from weightsync.transports.distributed import receiver as receiver_module
     from weightsync.transports.distributed.transport import DistributedTransport
 
-    if way == "group":
-        monkeypatch.setattr(receiver_module.DistributedReceiver, "_dial", lambda self, store, deadline: None)
-    model = build("tiny")
-    scheme = ws.DistributedWeightSyncScheme(timeout=3, connect_timeout=60, sync=False, delta=delta)
-    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
-    replica = build("tiny")
-    receiver = in_process_receiver(scheme, replica)
-    assert (scheme._sending.engine.transports[0].line is not None) == (way == "line")
-    real, announce = DistributedTransport.expect_ack, DistributedTransport.announce
-    interrupted: list[bool] = []
-    changes: list[bool] = []
-
-    def once(self, *args, **kwargs):
-        if not interrupted:
-            interrupted.append(True)
-            raise KeyboardInterrupt
-        return real(self, *args, **kwargs)
+    model, scheme, replica, receiver = _worker_here(monkeypatch, way == "line", timeout=3, delta=delta)
+    announce, changes = DistributedTransport.announce, []
 
     def announcing(self, *args, **kwargs):
         changes.append(kwargs.get("delta") is not None)
         return announce(self, *args, **kwargs)
 
-    monkeypatch.setattr(DistributedTransport, "expect_ack", once)
+    _interrupted_once(monkeypatch, DistributedTransport, "expect_ack")
     monkeypatch.setattr(DistributedTransport, "announce", announcing)
     try:
         optimizer_step(model, 1)
@@ -853,18 +866,10 @@ def test_a_worker_whose_group_closed_when_an_update_came_late_rejoins_instead_of
     before the trainer saw it gone: the trainer takes it back, its process being the one it knew.)"""
     from concurrent.futures import Future
 
-    from weightsync.transports.distributed import receiver as receiver_module
     from weightsync.transports.distributed.transport import DistributedTransport
 
-    if way == "group":
-        monkeypatch.setattr(receiver_module.DistributedReceiver, "_dial", lambda self, store, deadline: None)
     monkeypatch.setattr(sender_module, "INLINE_DIGEST_BYTES", 0)
-    model = build("tiny")
-    scheme = ws.DistributedWeightSyncScheme(timeout=2, connect_timeout=60, sync=False, on_failure="raise")
-    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
-    replica = build("tiny")
-    receiver = in_process_receiver(scheme, replica)
-    assert (scheme._sending.engine.transports[0].line is not None) == (way == "line")
+    model, scheme, replica, receiver = _worker_here(monkeypatch, way == "line", timeout=2, on_failure="raise")
     send_part, take_ack = DistributedTransport.send_part, DistributedTransport.take_ack
     lost: list[bool] = []
 
@@ -911,26 +916,11 @@ def test_a_send_interrupted_before_its_digest_leaves_no_receive_for_an_ack_that_
     never acks that version. A receive for its ack posted as the version was announced was never answered: the
     trainer's waiter waited on it for good, its shutdown waited and warned, and the process aborted at exit (found
     by a review of the fix that posts it early). It is posted only once the worker can ack."""
-    from weightsync.transports.distributed import receiver as receiver_module
     from weightsync.transports.distributed.transport import DistributedTransport
 
-    monkeypatch.setattr(receiver_module.DistributedReceiver, "_dial", lambda self, store, deadline: None)
     monkeypatch.setattr(sender_module, "INLINE_DIGEST_BYTES", 0)  # (the digest follows the parts)
-    model = build("tiny")
-    scheme = ws.DistributedWeightSyncScheme(timeout=2, connect_timeout=60, sync=False, on_failure="drop")
-    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
-    replica = build("tiny")
-    receiver = in_process_receiver(scheme, replica)
-    real = DistributedTransport.set_digest
-    interrupted: list[bool] = []
-
-    def once(self, *args, **kwargs):
-        if not interrupted:
-            interrupted.append(True)
-            raise KeyboardInterrupt
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(DistributedTransport, "set_digest", once)
+    model, scheme, replica, receiver = _worker_here(monkeypatch, False, timeout=2, on_failure="drop")
+    _interrupted_once(monkeypatch, DistributedTransport, "set_digest")
     try:
         optimizer_step(model, 1)
         with pytest.raises(KeyboardInterrupt):

@@ -826,10 +826,11 @@ def test_a_ctrl_c_as_the_trainer_sends_a_held_back_version_leaves_it_to_go(monke
     scheme.connect()
     ended, remote = RayTransport._ended, RayTransport._remote
     hits: list[int] = []
+    interrupted = threading.Event()
 
-    def reported_late(self, call):  # (Ray's thread reports the call's end after the trainer saw it)
+    def reported_late(self, call):  # (Ray's thread reports the call's end once the trainer's wait was interrupted)
         if threading.current_thread() is not threading.main_thread():
-            time.sleep(1.5)
+            interrupted.wait(30)
         ended(self, call)
 
     def interrupted_once(self, version, *args):
@@ -849,6 +850,7 @@ def test_a_ctrl_c_as_the_trainer_sends_a_held_back_version_leaves_it_to_go(monke
         monkeypatch.setattr(RayTransport, "_remote", interrupted_once)
         with pytest.raises(KeyboardInterrupt):
             scheme.wait_async(10)
+        interrupted.set()
         assert hits == [2]
         monkeypatch.setattr(RayTransport, "_remote", remote)
         scheme.wait_async(10)

@@ -504,7 +504,7 @@ def test_an_ack_without_the_run_keys_tag_is_not_counted(monkeypatch):
         scheme.shutdown()
 
 
-#: What the stranger runs: it takes a port of 127.0.0.1 and says which, then listens there (at once, or 2 s later).
+#: What the stranger runs: it takes a port of 127.0.0.1 and says which, then listens there (at once, or once told).
 _TAKE_A_PORT = {
     "listening": "s = socket.create_server(('127.0.0.1', 0))",
     "mapped": "s = socket.socket(socket.AF_INET6); s.bind(('::ffff:127.0.0.1', 0)); s.listen()",
@@ -517,7 +517,7 @@ _TAKE_A_PORT = {
     ("scheme", "how"),
     [("distributed", "listening"), ("rpc", "listening"), ("distributed", "mapped"), ("distributed", "late")],
 )
-def test_a_master_port_another_user_listens_on_is_refused_not_joined(scheme, how):
+def test_a_master_port_another_user_listens_on_is_refused_not_joined(scheme, how, monkeypatch):
     """A stranger who listens on the ``master_port`` a run is given first (before a store of the job's own is up)
     served the run's store: the trainer joined it as the job's, and the stranger saw every key and could hold
     the trainer's store calls (found by a review: ``connect()`` held 200 s past its bound). A port of this host
@@ -525,9 +525,26 @@ def test_a_master_port_another_user_listens_on_is_refused_not_joined(scheme, how
     address (``mapped``), or only after the trainer found the port taken (``late``; both found by a review of
     the first form of this check, which read the table of listeners). A job's own store runs as the job's
     user, and is joined."""
-    listen = "" if how != "late" else "time.sleep(2); s.listen(); "
-    program = f"import socket, time; {_TAKE_A_PORT[how]}; print(s.getsockname()[1], flush=True); {listen}time.sleep(60)"
-    attacker = start_stranger(["-c", program])
+    import subprocess
+
+    from weightsync.transports import network
+
+    listen = "" if how != "late" else "sys.stdin.readline(); s.listen(); "  # (once the trainer was refused)
+    program = f"import socket, sys; {_TAKE_A_PORT[how]}; print(s.getsockname()[1], flush=True); {listen}"
+    attacker = start_stranger(["-c", f"{program}sys.stdin.readline()"], stdin=subprocess.PIPE)  # (until killed)
+    dial, refused = network.socket.create_connection, []
+
+    def dialling(*args, **kwargs):  # (the trainer's first dial of the taken port, refused, tells the stranger)
+        try:
+            return dial(*args, **kwargs)
+        except OSError:
+            if not refused:
+                refused.append(True)
+                attacker.stdin.write("listen now\n")
+                attacker.stdin.flush()
+            raise
+
+    monkeypatch.setattr(network.socket, "create_connection", dialling)
     try:
         line = attacker.stdout.readline()
         assert line.strip().isdigit(), line
@@ -541,6 +558,7 @@ def test_a_master_port_another_user_listens_on_is_refused_not_joined(scheme, how
         with pytest.raises(ws.ConfigurationError, match=f"127.0.0.1:{port} is taken by a listener of another user"):
             made.init_on_sender(model=_model(0), num_workers=1)
         made.shutdown()
+        assert refused == ([True] if how == "late" else [])
     finally:
         _end(attacker)
 
@@ -565,11 +583,11 @@ def test_a_job_store_is_joined_though_a_stranger_listens_on_its_port_at_another_
     try:
         port = int(job.stdout.readline())  # type: ignore[union-attr]
         v6only = (
-            "import socket, time; s = socket.socket(socket.AF_INET6); "
+            "import socket, sys; s = socket.socket(socket.AF_INET6); "
             "s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1); "
-            f"s.bind(('::', {port})); s.listen(); print('listening', flush=True); time.sleep(60)"
+            f"s.bind(('::', {port})); s.listen(); print('listening', flush=True); sys.stdin.readline()"
         )
-        attacker = start_stranger(["-c", v6only])
+        attacker = start_stranger(["-c", v6only], stdin=subprocess.PIPE)  # (listening until killed)
         assert attacker.stdout.readline().strip() == "listening"
         made = ws.DistributedWeightSyncScheme(master_port=port, timeout=3, connect_timeout=CONNECT_TIMEOUT)
         try:

@@ -123,11 +123,15 @@ def interface_for(address: str) -> str | None:
     return local_interfaces().get(address)
 
 
-def await_listener(host: str, port: int, deadline: float, timeout: float, what: str, **where: Any) -> None:
+def await_listener(
+    host: str, port: int, deadline: float, timeout: float, what: str, *, owner: bool = False, **where: Any
+) -> int | None:
     """Wait until something accepts TCP connections at ``host:port``, at most until ``deadline`` (``timeout``:
     the whole wait's length, for messages), saying at INFO what it waits for while it lasts. A server's own client
     may retry a refused connection far past any bound of ours (torch's TCP store client: its whole timeout, twice,
     logging a C++ stack each time; Ray's: minutes): one that is not there must fail within its timeout, quietly.
+    With ``owner``, returns the user who owns the end that accepted (:func:`tcp_peer_uids`: ``None`` where it is
+    on another host); else ``None``.
 
     Raises:
         SyncTimeoutError: nothing accepted a connection in time (``what`` names the server: "TCP store").
@@ -136,8 +140,8 @@ def await_listener(host: str, port: int, deadline: float, timeout: float, what: 
     pause = 0.02
     while True:
         try:
-            with socket.create_connection((host, port), timeout=max(0.05, min(remaining(deadline), 5.0))):
-                return
+            with socket.create_connection((host, port), timeout=max(0.05, min(remaining(deadline), 5.0))) as probe:
+                return tcp_peer_uids([probe])[probe] if owner else None
         except OSError as exc:
             if remaining(deadline) <= 0:
                 raise SyncTimeoutError(

@@ -9,15 +9,14 @@ import logging
 import os
 import socket
 import threading
-import time
 import weakref
 from typing import Any
 
 import torch.distributed as dist
 
-from ..core.timing import Progress, as_timedelta, deadline_after, remaining, shown_seconds, wait_until
+from ..core.timing import Progress, as_timedelta, deadline_after, shown_seconds, wait_until
 from ..errors import ConfigurationError, SyncTimeoutError
-from .network import addresses_of, ip_of, tcp_peer_uids
+from .network import addresses_of, await_listener, ip_of
 from .plainjson import loads_object
 from .storeclient import connect_store
 
@@ -40,8 +39,6 @@ BACKLOG = 1024
 SILENT_TIMEOUTS = 4
 #: How often a worker looks for a key it waits for in its sender's store.
 KEY_POLL_S = 0.02
-#: How often a trainer dials a taken port again, to tell who serves it (seconds).
-PROBE_AGAIN_S = 0.05
 #: The largest store value read as JSON: a layout of some 100,000 tensors. Anyone who reaches the store can
 #: write its keys (it has no authentication), so what is read there is bounded and checked, never unpickled.
 MAX_STORE_JSON = 16 * 1024 * 1024
@@ -113,25 +110,14 @@ def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, b
 def _refuse_a_strangers(host: str, port: int, timeout: float) -> None:
     """Refuse to join the store at a taken ``port`` of this host unless this user serves it: a store another user
     served would see every key of the run, and could hold each call made to it (a job's own store runs as its
-    user). Its owner is read off a connection to it (the row of the end it accepted, in ``/proc/net/tcp*``),
-    dialled until it answers, within ``timeout``: a port another user bound and listens on only later is met once
-    it does (not a row of listeners, which would miss that, and count one that shares no address with ``host``).
+    user). Its owner is read off a connection to it (the end it accepted: :func:`await_listener`), dialled until
+    it answers, within ``timeout``: a port another user bound and listens on only later is met once it does (not
+    a row of listeners, which would miss that, and count one that shares no address with ``host``).
 
     Raises:
         ConfigurationError: another user serves it. SyncTimeoutError: nothing answered there in time.
     """
-    deadline = deadline_after(timeout)
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=max(remaining(deadline), 0.01)) as probe:
-                owner = tcp_peer_uids([probe])[probe]
-            break
-        except OSError as exc:
-            if remaining(deadline) <= 0:
-                raise SyncTimeoutError(
-                    f"{host}:{port} is taken, and no store answered there within {shown_seconds(timeout)} ({exc})"
-                ) from None
-            time.sleep(min(PROBE_AGAIN_S, remaining(deadline)))
+    owner = await_listener(host, port, deadline_after(timeout), timeout, "TCP store", owner=True)
     if owner is not None and owner != os.geteuid():
         raise ConfigurationError(
             f"{host}:{port} is taken by a listener of another user (uid {owner}), not by a store of this job's: "

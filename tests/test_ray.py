@@ -824,6 +824,10 @@ def test_a_ctrl_c_as_the_trainer_sends_a_held_back_version_leaves_it_to_go(monke
     scheme = ws.RayWeightSyncScheme(timeout=5, sync=False)
     (actor,) = _joined(scheme, model, n=1)
     scheme.connect()
+    transport = scheme.sender_transports[0]
+    for call in list(transport._unended):  # (version 0's call reported first: until then, version 1 is held back too,
+        call.result(30)  # and Ray's thread, reporting it, sends the newest itself)
+    assert not transport.holds_back()
     ended, remote = RayTransport._ended, RayTransport._remote
     hits: list[int] = []
     interrupted = threading.Event()
@@ -841,12 +845,12 @@ def test_a_ctrl_c_as_the_trainer_sends_a_held_back_version_leaves_it_to_go(monke
 
     monkeypatch.setattr(RayTransport, "_ended", reported_late)
     try:
-        actor.busy.remote(0.5)
+        actor.busy.remote(1.5)
         optimizer_step(model, 2)
         scheme.send_async()  # (version 1: behind the busy call)
         optimizer_step(model, 3)
         scheme.send_async()  # (version 2: held back while version 1's call runs)
-        assert scheme.sender_transports[0].pending is not None
+        assert transport.pending is not None and transport.pending[0] == 2 and 1 in transport.refs()
         monkeypatch.setattr(RayTransport, "_remote", interrupted_once)
         with pytest.raises(KeyboardInterrupt):
             scheme.wait_async(10)

@@ -76,6 +76,13 @@ class Host:
         """Plug this host's cable in or pull it out (its switch port goes up or down)."""
         _ip("-n", self.switch, "link", "set", self.port, "up" if up else "down")
 
+    def lose(self, lost: bool) -> None:
+        """Lose every packet to and from this host, or none again: its switch port leaves the switch (or joins it
+        again). Unlike a cable pulled (:meth:`link`), its own link stays up, so its kernel goes on sending as into
+        a network that drops everything: its TCP retries wait longer and longer, as they do across a real outage
+        (with no carrier, the kernel retries every 0.5 s)."""
+        _ip("-n", self.switch, "link", "set", self.port, *(["nomaster"] if lost else ["master", "br0"]))
+
     def shape(self, bits_per_s: float) -> None:
         """Limit what this host sends to ``bits_per_s``: a token bucket (``tbf``) on its ``eth0``, whose bucket
         holds 10 ms of the rate (at least 1 MB) so that the timer's granularity does not lower the rate."""

@@ -285,6 +285,58 @@ def test_distributed_workers_on_their_lines_exit_cleanly_when_the_trainers_host_
     exited_cleanly_holding_whole_versions(sent, results)
 
 
+_ECHO = """
+import socket, sys
+srv = socket.create_server(("198.18.0.1", 29517))
+print("listening", flush=True)
+conn, _ = srv.accept()
+while data := conn.recv(64):
+    conn.sendall(data)
+"""
+_BOUNDED = """
+import socket, sys, time
+from weightsync.transports.network import bound_silence
+sock = socket.create_connection(("198.18.0.1", 29517), timeout=10)
+assert bound_silence(sock, float(sys.argv[1]))
+print("connected", flush=True)
+sys.stdin.readline()
+sock.sendall(b"x")  # (unacknowledged for as long as the cable is out)
+start = time.monotonic()
+sock.settimeout(60)
+try:
+    print("echoed" if sock.recv(1) == b"x" else "ended", f"after {time.monotonic() - start:.1f} s", flush=True)
+except OSError as exc:
+    print("failed", f"after {time.monotonic() - start:.1f} s:", exc, flush=True)
+"""
+
+
+@pytest.mark.skipif(
+    tuple(int(part) for part in re.findall(r"\d+", os.uname().release)[:2]) < (6, 15),
+    reason="the retries' interval is bounded from Linux 6.15 on (TCP_RTO_MAX_MS)",
+)
+def test_a_connection_whose_silence_is_bounded_outlives_an_outage_of_three_quarters_of_the_bound():
+    """The store's and the line's connections end after ``4 x timeout`` of silence (``bound_silence``), and a
+    link down for less heals unseen. TCP sends what waits for its acknowledgement again after waits that double
+    (0.2 s, 0.4 s, ... by 6.2 s, the next try at 12.6 s): after an outage longer than about half the bound, the
+    next try fell past it, and the kernel ended the connection though the link was back (a worker of a trainer
+    cut off for 8 s with ``timeout=3`` ended, reading its store's error as its sender gone, in 2 of 4 runs).
+    Here a byte is sent as the switch starts to lose host B's packets for 7.5 s, the bound 10 s: the byte's
+    echo comes back."""
+    with hosts(2) as (a, b):
+        server = Lines(a.spawn(["python", "-c", _ECHO]))
+        server.wait_for("listening", 60)
+        client = b.spawn(["python", "-c", _BOUNDED, "10"], stdin=subprocess.PIPE)
+        said = Lines(client)
+        said.wait_for("connected", 60)
+        b.lose(True)
+        client.stdin.write("\n")
+        client.stdin.flush()
+        time.sleep(7.5)  # (the outage itself)
+        b.lose(False)
+        result = said.wait_for("after", 30)
+    assert result.startswith("echoed"), result
+
+
 def vanish(host: Host, trainer, workers: list, timeout: float) -> list[tuple[int, str, str]]:
     """The trainer's host vanishes: no packet from it again, not even a reset. Each worker's ``finish``; each
     said it was done within four timeouts (and a margin), and then exited, within four timeouts and 30 s (a Python

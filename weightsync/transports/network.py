@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -37,12 +38,19 @@ log = logging.getLogger("weightsync.transports.network")
 _PROBE_PORT = 9
 
 
+#: ``TCP_RTO_MAX_MS`` (Linux 6.15 and later; Python names it from 3.14 on).
+_TCP_RTO_MAX_MS = getattr(socket, "TCP_RTO_MAX_MS", 44)
+
+
 def bound_silence(sock: socket.socket, seconds: float) -> bool:
     """Make the kernel give up on the TCP connection ``sock`` once its peer stays silent ``seconds``: keepalive
     probes while nothing is sent, and ``TCP_USER_TIMEOUT`` while something waits for its acknowledgement
     (Linux). A peer whose host vanished (powered off, cut off) sends no reset: without this, a read waits for it
-    forever; with it, the read fails. A link down for less heals unseen. ``False``: not a TCP connection, or an
-    option this platform lacks."""
+    forever; with it, the read fails. A link down for less heals unseen: what waits for its acknowledgement is
+    sent again at least every tenth of ``seconds`` (at least every second; Linux 6.15 and later), where TCP's
+    doubling wait between tries let the next one fall past the bound after an outage of half of it, and the
+    connection ended though the link was back. ``False``: not a TCP connection, or an option this platform
+    lacks."""
     try:
         if sock.type != socket.SOCK_STREAM:
             return False
@@ -53,6 +61,11 @@ def bound_silence(sock: socket.socket, seconds: float) -> bool:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))
     except (OSError, AttributeError):  # not TCP, or an option this platform lacks
         return False
+    if sys.platform == "linux":
+        try:  # (the kernel takes 1 s to 120 s)
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MAX_MS, min(max(int(seconds * 100), 1000), 120_000))
+        except OSError:  # a kernel before 6.15: an outage over half the bound may end the connection
+            log.debug("TCP_RTO_MAX_MS is not taken by this kernel", exc_info=True)
     return True
 
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 import pytest
 import torch
@@ -89,6 +90,21 @@ def test_worker_killed_after_a_send_is_found_by_the_next_one(workers, name):
         scheme.send()
     assert (info.value.worker_idx, info.value.version) == (0, 2)
     assert group.ask(1, "state")["policy"] == (2, checksum(model))
+    # Every later send names it too, by that send's version, each with an error of its own: the one error raised
+    # again named version 2 at every send, and its traceback grew by each send's frames (and kept them).
+    named = []
+    for version in (3, 4):
+        optimizer_step(model, version)
+        with pytest.raises(ws.WorkerDiedError) as later:
+            scheme.send()
+        named.append(later.value)
+        assert (later.value.worker_idx, later.value.version) == (0, version)
+        assert f"version {version}] since version 2: " in str(later.value), str(later.value)
+    assert named[0] is not named[1] and not {id(e) for e in named} & {id(info.value)}
+    assert len(traceback.extract_tb(named[1].__traceback__)) == len(traceback.extract_tb(named[0].__traceback__))
+    with pytest.raises(ws.WorkerDiedError, match=r"version 4\] since version 2: ") as waited:
+        scheme.wait_async()
+    assert waited.value is not named[1]
     group.stop()
     scheme.shutdown()
 

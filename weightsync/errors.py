@@ -219,6 +219,19 @@ def by_worker(exc: WeightSyncError) -> dict[int, WeightSyncError]:
     return {} if exc.worker_idx is None else {exc.worker_idx: exc}
 
 
+def restated(error: WeightSyncError, version: int | None = None) -> WeightSyncError:
+    """``error`` for a later call to report (a worker found gone is named by every send after): a copy, since an
+    exception raised again grows its traceback by that call's frames, and keeps them and what they hold, at every
+    raise. With ``version`` (a later version's send), about that version, saying since which one it holds."""
+    state = dict(error.__dict__)
+    if version is not None and error.version is not None and version != error.version:
+        state.update(version=version, detail=f"since version {error.version}: {error.detail}")
+    copy = type(error).__new__(type(error))
+    Exception.__init__(copy, context(state["model_id"], state["worker_idx"], state["version"]) + state["detail"])
+    copy.__dict__.update(state)
+    return copy
+
+
 def raise_failures(failures: Mapping[int, WeightSyncError], *, model_id: str | None, version: int | None) -> None:
     """Raise the single failure as itself, several as one :class:`SendFailedError`."""
     if not failures:

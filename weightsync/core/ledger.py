@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..errors import ReceiverError, SyncTimeoutError, WeightSyncError
+from ..errors import ReceiverError, SyncTimeoutError, WeightSyncError, restated
 
 __all__ = ["Ledger", "Peer"]
 
@@ -46,6 +46,11 @@ class Ledger:
     def live(self, workers: list[int]) -> list[int]:
         return [w for w in workers if w not in self.dead]
 
+    def gone(self, workers: list[int], version: int | None = None) -> dict[int, WeightSyncError]:
+        """Those of ``workers`` found gone, each with the error that showed it, fresh for this call to raise
+        (:func:`~weightsync.errors.restated`), about ``version`` where given."""
+        return {w: restated(self.dead[w], version) for w in workers if w in self.dead}
+
     def take_errors(self, workers: list[int] | dict[int, int]) -> dict[int, WeightSyncError]:
         """The failures found earlier for ``workers`` (each reported once: an engine's own time-out of a version,
         found after a wait reported that the worker timed out on it, or on a later one, was reported then)."""
@@ -66,11 +71,7 @@ class Ledger:
     ) -> dict[int, WeightSyncError]:
         """Workers of ``expected`` recorded as gone without acking their version (one that acked, then left,
         did its part), with the error that named them."""
-        return {
-            w: self.dead[w]
-            for w, v in expected.items()
-            if w in self.dead and w not in failures and not self.has_acked(w, v)
-        }
+        return self.gone([w for w, v in expected.items() if w not in failures and not self.has_acked(w, v)])
 
     def answered(self, failures: dict[int, WeightSyncError]) -> None:
         """Workers of ``failures`` that said they failed the last version sent to them hold the one they acked: no

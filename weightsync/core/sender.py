@@ -168,8 +168,8 @@ class Sender:
         with self._lock:
             deadline = deadline_after(within := self.timeout if timeout is None else timeout)
             peers = self.ledger.peers
-            expected = {w: peers[w].sent for w in workers if peers[w].sent is not None}
-            failures = {w: self.ledger.dead[w] for w in workers if w in self.ledger.dead}
+            failures = self.ledger.gone(workers, self.version)
+            expected = {w: peers[w].sent for w in workers if peers[w].sent is not None and w not in failures}
             failures.update(self.collect(expected, deadline, within))  # type: ignore[arg-type]
             again = self.changes.whole_again(failures)
             if again is not None:  # as a send that waits does at once (send_version)
@@ -183,7 +183,7 @@ class Sender:
         """Send ``out`` (a version sent as changes) whole to the workers that refused the changes; wait for them
         until ``deadline`` (``within``: as :meth:`collect`) and put what failed in ``failures``."""
         assert self.engine is not None
-        refused, dead = out.workers, self.ledger.dead
+        refused = out.workers
         log.info("model %r: workers %s refused the changes of version %s; sent whole", self.model_id, refused,
                  out.version)  # fmt: skip
         out.workers = self.ledger.live(refused)
@@ -193,7 +193,7 @@ class Sender:
         except WeightSyncError as exc:  # no free buffer in time: those workers keep the version they hold
             failures.update({w: exc for w in refused})
             return
-        failures.update({w: dead[w] for w in refused if w in dead and w not in failures})
+        failures.update(self.ledger.gone([w for w in refused if w not in failures]))
         failures.update(self.collect({w: out.version for w in refused if w not in failures}, deadline, within))
 
     # ----------------------------------------------------------- the workers
@@ -298,7 +298,7 @@ class Sender:
         self._naming = version
         try:
             self.engine.poll(ledger.live(sorted(ledger.peers)))  # what came back since: acks, deaths
-            failures = {w: ledger.dead[w] for w in targets if w in ledger.dead}
+            failures = ledger.gone(targets, version)  # (found before: named by this send's version)
             live = ledger.live(targets)
             out = Outgoing(version, flat, whole, live, initial)
             submitting = False
@@ -320,7 +320,7 @@ class Sender:
             self.changes.submitted(out)
             for w in live:
                 ledger.peers[w].sent = version
-            failures.update({w: ledger.dead[w] for w in live if w in ledger.dead})  # found gone just now
+            failures.update(ledger.gone(live))  # found gone just now
             self.version = version
         finally:
             self._naming = None

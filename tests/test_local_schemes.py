@@ -107,6 +107,36 @@ def test_no_torn_reads_while_sending_alternating_weights(workers, kind):
     bodies.no_torn_reads_under_alternating_sends(scheme, workers, 150, background)
 
 
+@pytest.mark.parametrize("cls", [ws.MultiProcessWeightSyncScheme, ws.SharedMemWeightSyncScheme])
+def test_what_ended_a_background_thread_is_raised_at_every_receive_as_an_error_of_its_own(cls):
+    """The sender shut down: every later ``receive()`` of a worker whose background thread saw it raises
+    ``ConnectionClosedError``, each a copy: the one error raised again grew its traceback by every receive's frames
+    (a worker polling ``receive(0)`` kept more at each)."""
+    import pickle
+    import traceback
+
+    from tests._workers import connect_pair
+
+    sender = cls(timeout=20)
+    sender.init_on_sender(model_id="policy", model=build("tiny"), num_workers=1)
+    receiver = pickle.loads(pickle.dumps(sender))
+    receiver.background_thread = True
+    receiver.init_on_receiver(model_id="policy", model=build("tiny"), worker_idx=0)
+    try:
+        connect_pair(sender, receiver)
+        sender.shutdown()
+        raised = []
+        for _ in range(3):
+            with pytest.raises(ws.ConnectionClosedError) as info:
+                receiver.receive(timeout=20)
+            raised.append(info.value)
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+    assert len({id(e) for e in raised}) == 3
+    assert len({len(traceback.extract_tb(e.__traceback__)) for e in raised}) == 1, [e.__traceback__ for e in raised]
+
+
 def test_receiver_that_cannot_apply_reports_to_the_sender(workers):
     model = build("tiny")
     scheme = ws.SharedMemWeightSyncScheme(timeout=20)

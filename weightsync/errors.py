@@ -222,13 +222,16 @@ def by_worker(exc: WeightSyncError) -> dict[int, WeightSyncError]:
 def restated(error: WeightSyncError, version: int | None = None) -> WeightSyncError:
     """``error`` for a later call to report (a worker found gone is named by every send after): a copy, since an
     exception raised again grows its traceback by that call's frames, and keeps them and what they hold, at every
-    raise. With ``version`` (a later version's send), about that version, saying since which one it holds."""
+    raise. With ``version`` (a later version's send), about that version, saying since which one it holds. One
+    raised before is the copy's cause: its traceback says where it arose."""
     state = dict(error.__dict__)
     if version is not None and error.version is not None and version != error.version:
         state.update(version=version, detail=f"since version {error.version}: {error.detail}")
     copy = type(error).__new__(type(error))
     Exception.__init__(copy, context(state["model_id"], state["worker_idx"], state["version"]) + state["detail"])
     copy.__dict__.update(state)
+    if error.__traceback__ is not None:
+        copy.__cause__ = error
     return copy
 
 

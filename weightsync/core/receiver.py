@@ -27,7 +27,9 @@ from ..errors import (
     PassOnError,
     SyncTimeoutError,
     WeightMismatchError,
+    WeightSyncError,
     context,
+    restated,
 )
 from ..integrity import check_digest
 from ..tensors import cuda
@@ -228,8 +230,8 @@ class Receiver:
         prepared, self._prepared = self._prepared, None
         commit = prepared[1] if prepared is not None and prepared[0] is update else None
         try:
-            if self._refusal is not None:
-                raise self._refusal
+            if self._refusal is not None:  # (a copy: one error raised at every update would keep every one's frames)
+                raise restated(self._refusal)
             if update.refusal is not None:
                 raise update.refusal
             layout = self.engine.layout
@@ -412,7 +414,7 @@ class Receiver:
                     error = self._thread_error
                     if isinstance(error, Exception) and not isinstance(error, ConnectionClosedError):
                         self._thread_error = None  # an apply failure is reported once; what ended the thread stays
-                    raise error
+                    raise restated(error) if isinstance(error, WeightSyncError) else error  # (raised again: a copy)
         if self.version == self.reported:
             return None
         with self.weights_lock:  # the tensors the update was written to: no second walk of the model

@@ -889,7 +889,8 @@ def test_a_version_whose_refusers_are_all_gone_by_its_whole_resend_goes_to_no_on
     )
     failures: dict = {}
     Sender._send_whole_again(sender, Outgoing(5, {"w": torch.ones(4)}, None, [0]), failures, 1e18, None)  # type: ignore[arg-type]
-    assert sender.engine.submitted == [] and failures == {0: gone}
+    assert sender.engine.submitted == [] and list(failures) == [0]
+    assert type(failures[0]) is ws.WorkerDiedError and str(failures[0]) == str(gone)  # (a copy, raised by this send)
 
 
 def test_a_refusal_of_an_older_async_versions_changes_does_not_fail_the_send_that_sends_it_whole():

@@ -298,12 +298,14 @@ import socket, sys, time
 from weightsync.transports.network import bound_silence
 sock = socket.create_connection(("198.18.0.1", 29517), timeout=10)
 assert bound_silence(sock, float(sys.argv[1]))
+sock.sendall(b"w")
+assert sock.recv(1) == b"w"
 print("connected", flush=True)
 sys.stdin.readline()
-sock.sendall(b"x")  # (unacknowledged for as long as the cable is out)
 start = time.monotonic()
 sock.settimeout(60)
 try:
+    sock.sendall(b"x")  # (busy: unacknowledged for as long as the outage lasts; idle: sent after it)
     print("echoed" if sock.recv(1) == b"x" else "ended", f"after {time.monotonic() - start:.1f} s", flush=True)
 except OSError as exc:
     print("failed", f"after {time.monotonic() - start:.1f} s:", exc, flush=True)
@@ -314,25 +316,34 @@ except OSError as exc:
     tuple(int(part) for part in re.findall(r"\d+", os.uname().release)[:2]) < (6, 15),
     reason="the retries' interval is bounded from Linux 6.15 on (TCP_RTO_MAX_MS)",
 )
-def test_a_connection_whose_silence_is_bounded_outlives_an_outage_of_three_quarters_of_the_bound():
-    """The store's and the line's connections end after ``4 x timeout`` of silence (``bound_silence``), and a
-    link down for less heals unseen. TCP sends what waits for its acknowledgement again after waits that double
-    (0.2 s, 0.4 s, ... by 6.2 s, the next try at 12.6 s): after an outage longer than about half the bound, the
-    next try fell past it, and the kernel ended the connection though the link was back (a worker of a trainer
-    cut off for 8 s with ``timeout=3`` ended, reading its store's error as its sender gone, in 2 of 4 runs).
-    Here a byte is sent as the switch starts to lose host B's packets for 7.5 s, the bound 10 s: the byte's
-    echo comes back."""
+@pytest.mark.parametrize("connection", ["busy", "idle"])
+def test_a_connection_whose_silence_is_bounded_outlives_an_outage_of_two_thirds_of_the_bound(connection):
+    """The store's and the line's connections end after ``4 x timeout`` of silence (``bound_silence``), and a link
+    down for less heals unseen. Here the switch loses every packet of host B for 8 s, the bound 12 s (``timeout``
+    3 s), and the connection lives. Busy: a byte sent as the outage begins, whose echo comes back. TCP sends it
+    again after waits that double (0.2 s, 0.4 s, ... by 6.2 s, the next try at 12.6 s): the next try fell past
+    the bound, and the kernel ended the connection though the link was back. Idle: 3.5 s after it last heard
+    from its peer, whose echo then comes. The kernel counts the silence from that, and probed only after 4 s,
+    2 s apart: the connection ended at 12 s (a worker of a trainer cut off for 8 s took that for its sender gone,
+    in 4 of 4 runs of a review)."""
     with hosts(2) as (a, b):
         server = Lines(a.spawn(["python", "-c", _ECHO]))
         server.wait_for("listening", 60)
-        client = b.spawn(["python", "-c", _BOUNDED, "10"], stdin=subprocess.PIPE)
+        client = b.spawn(["python", "-c", _BOUNDED, "12"], stdin=subprocess.PIPE)
         said = Lines(client)
         said.wait_for("connected", 60)
+        if connection == "idle":
+            time.sleep(3.5)  # (the connection idle that long before the outage)
         b.lose(True)
-        client.stdin.write("\n")
-        client.stdin.flush()
-        time.sleep(7.5)  # (the outage itself)
+        if connection == "busy":
+            client.stdin.write("\n")
+            client.stdin.flush()
+        time.sleep(8)  # (the outage itself)
         b.lose(False)
+        if connection == "idle":
+            time.sleep(4)  # (past the bound, counted from what the client last heard)
+            client.stdin.write("\n")
+            client.stdin.flush()
         result = said.wait_for("after", 30)
     assert result.startswith("echoed"), result
 

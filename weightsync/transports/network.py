@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import ipaddress
 import logging
+import math
 import os
 import socket
 import struct
@@ -46,24 +47,28 @@ def bound_silence(sock: socket.socket, seconds: float) -> bool:
     """Make the kernel give up on the TCP connection ``sock`` once its peer stays silent ``seconds``: keepalive
     probes while nothing is sent, and ``TCP_USER_TIMEOUT`` while something waits for its acknowledgement
     (Linux). A peer whose host vanished (powered off, cut off) sends no reset: without this, a read waits for it
-    forever; with it, the read fails. A link down for less heals unseen: what waits for its acknowledgement is
-    sent again at least every tenth of ``seconds`` (at least every second; Linux 6.15 and later), where TCP's
-    doubling wait between tries let the next one fall past the bound after an outage of half of it, and the
-    connection ended though the link was back. ``False``: not a TCP connection, or an option this platform
-    lacks."""
+    forever; with it, the read fails.
+
+    A link down for less heals unseen, up to about 80% of ``seconds``: the kernel counts the silence from what
+    it last received, so an idle connection is probed every tenth of ``seconds`` (at least every second), and
+    what waits for its acknowledgement is sent again as often (Linux 6.15 and later). Before, probes began after
+    a third of it, 2 s apart at ``seconds=12``, and TCP's doubling wait between tries let the next one fall past
+    the bound: an outage of half of it ended the connection though the link was back. ``False``: not a TCP
+    connection, or an option this platform lacks."""
+    every = min(max(1, int(seconds / 10)), 32_767)  # (the kernel's bounds)
     try:
         if sock.type != socket.SOCK_STREAM:
             return False
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(seconds / 3)))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(seconds / 6)))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, every)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, every)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, min(max(1, math.ceil(seconds / every)), 127))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))
     except (OSError, AttributeError):  # not TCP, or an option this platform lacks
         return False
     if sys.platform == "linux":
         try:  # (the kernel takes 1 s to 120 s)
-            sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MAX_MS, min(max(int(seconds * 100), 1000), 120_000))
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MAX_MS, min(every * 1000, 120_000))
         except OSError:  # a kernel before 6.15: an outage over half the bound may end the connection
             log.debug("TCP_RTO_MAX_MS is not taken by this kernel", exc_info=True)
     return True

@@ -3,6 +3,7 @@ process of its own (torch.distributed.rpc starts once per process)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -74,6 +75,80 @@ def no_torn_reads_under_alternating_sends(
         assert stats["torn"] == 0, f"worker {w} saw {stats['torn']} torn reads in {stats['reads']}"
         assert stats["reads"] > 0 and stats["applied"] > 0 and stats["version"] == sends
     scheme.shutdown()
+
+
+@contextlib.contextmanager
+def sigint_at_first_call(owner, name: str, *, after: bool = False):
+    """A Ctrl-C at ``owner.<name>``'s first call in the main thread: a real ``SIGINT`` raised in this process just
+    before the call (or, ``after``, just after it returned), which Python turns into ``KeyboardInterrupt`` at its
+    next step unless the code holds interrupts there. Yields the list of calls it hit (one at most); ``owner`` is
+    restored at the block's end."""
+    import signal
+    import threading
+
+    real, hits = getattr(owner, name), []
+
+    def hit() -> None:
+        if not hits and threading.current_thread() is threading.main_thread():
+            hits.append(name)
+            signal.raise_signal(signal.SIGINT)
+
+    def call(*args, **kwargs):
+        if not after:
+            hit()
+        made = real(*args, **kwargs)
+        if after:
+            hit()
+        return made
+
+    setattr(owner, name, call)
+    try:
+        yield hits
+    finally:
+        setattr(owner, name, real)
+
+
+def _a_send_cut_by_a_ctrl_c(scheme, workers, owner, name: str, after: bool = False, then=lambda scheme: None):
+    """Two workers; a Ctrl-C at ``owner.<name>``'s first call in a send (:func:`sigint_at_first_call`), which
+    raises ``KeyboardInterrupt``; ``then(scheme)``; then the next wait and send reach both workers whole."""
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    try:
+        optimizer_step(model, 1)
+        with sigint_at_first_call(owner, name, after=after) as hits, pytest.raises(KeyboardInterrupt):
+            scheme.send()
+        assert hits == [name]
+        then(scheme)
+        scheme.wait_async()
+        optimizer_step(model, 2)
+        scheme.send()
+        assert [group.ask(i, "state")["policy"] for i in range(2)] == [(2, checksum(model))] * 2
+    finally:
+        group.stop()
+        scheme.shutdown()
+
+
+def a_ctrl_c_as_the_trainer_takes_an_ack_loses_no_ack(scheme, workers):
+    """A Ctrl-C as the trainer hands an ack it read on to the ledger: the send raises ``KeyboardInterrupt``, the
+    ack counts, and the next wait and send reach every worker in time. (The ack was read and dropped: the next
+    wait timed out naming a live worker, which ``on_failure="drop"`` dropped for good.)"""
+    from weightsync.core.sender import Sender
+
+    _a_send_cut_by_a_ctrl_c(scheme, workers, Sender, "acked")
+
+
+def a_ctrl_c_as_an_rpc_goes_out_leaves_it_waited_for(scheme, workers):
+    """``rpc``: a Ctrl-C right after the call bringing a version to a worker went out, before it was recorded: the
+    call was neither waited for (the next wait timed out naming a live worker) nor counted as reading its staging
+    buffer, which the next send could refill while the call still sent it."""
+    from torch.distributed import rpc
+
+    def read_by_its_call(scheme) -> None:  # (the call to worker 0 counts as reading its buffer)
+        staged = scheme._runtime.sending.engine.pool.buffers
+        assert any(0 in staging.readers for staging in staged), [staging.readers for staging in staged]
+
+    _a_send_cut_by_a_ctrl_c(scheme, workers, rpc, "rpc_async", after=True, then=read_by_its_call)
 
 
 def start(workers, schemes: dict, kinds: dict, n: int = 2, **kw):

@@ -191,6 +191,43 @@ def test_restarted_worker_rejoins_and_gets_the_current_version(workers, name):
     scheme.shutdown()
 
 
+@pytest.mark.parametrize("name", LOCAL)
+def test_a_version_a_ctrl_c_cut_off_before_any_worker_was_told_is_never_handed_to_a_rejoin(workers, name):
+    """A Ctrl-C once a version was written into its slot, before it was submitted: its number is not spent, and a
+    worker that rejoined was handed those bytes under it; the next send then gave other weights that number
+    (found by a review's sweep of interrupts). Now the rejoin gets the version before, where a slot still holds
+    it, or is told to join again after the next send; every version a worker holds is the trainer's."""
+    from weightsync.transports.local.slots import SlotPool
+
+    model, scheme, group = _connected(name, workers, on_failure="drop")
+    sent = {0: checksum(model)}
+    optimizer_step(model, 1)
+    scheme.send()
+    sent[1] = checksum(model)
+    optimizer_step(model, 2)
+    with bodies.sigint_at_first_call(SlotPool, "publish", after=True) as hits, pytest.raises(KeyboardInterrupt):
+        scheme.send()
+    assert hits == ["publish"]
+    _kill(group, 1)
+    again, (_, log, errors) = _rejoin(workers, scheme, 1)
+    if errors:  # (the send's copy took the slot that held version 1: nothing to hand over until the next send)
+        assert "join again after its next send" in errors["policy"], errors
+        again.stop()
+    else:
+        assert log == [("policy", 1, sent[1])], log
+    optimizer_step(model, 3)
+    scheme.send()
+    sent[scheme.version] = checksum(model)
+    if errors:
+        again, (_, log, errors) = _rejoin(workers, scheme, 1)
+        assert errors == {} and log == [("policy", scheme.version, sent[scheme.version])], (log, errors)
+    for worker in (group.ask(0, "log"), again.ask(0, "log")):
+        assert all(sent[version] == digest for _, version, digest in worker), (worker, sent)
+    again.stop()
+    group.stop()
+    scheme.shutdown()
+
+
 def test_a_dropped_distributed_worker_that_lives_rejoins_by_itself(workers):
     """gloo: a worker dropped for an ack it never sent (here it hung; across hosts, its link went down) reads
     that it was dropped once it runs again, asks to rejoin, and holds the newest version; the next send reaches

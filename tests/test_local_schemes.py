@@ -107,6 +107,80 @@ def test_no_torn_reads_while_sending_alternating_weights(workers, kind):
     bodies.no_torn_reads_under_alternating_sends(scheme, workers, 150, background)
 
 
+def test_a_ctrl_c_as_the_trainer_takes_an_ack_loses_no_ack(make_scheme, workers):
+    bodies.a_ctrl_c_as_the_trainer_takes_an_ack_loses_no_ack(make_scheme(), workers)
+
+
+def _two_connected(cls, workers):
+    model = build("tiny")
+    scheme = cls(timeout=5)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, ready = start_workers(workers, {"policy": scheme}, {"policy": "tiny"})
+    assert all(errors == {} for _, _, errors in ready)
+    return model, scheme, group
+
+
+def _every_worker_holds_the_next_version(model, scheme, group) -> None:
+    """The next send reaches both workers whole, within the scheme's bound, naming no one."""
+    optimizer_step(model, 7)
+    scheme.send()
+    assert [group.ask(i, "state")["policy"] for i in range(2)] == [(scheme.version, checksum(model))] * 2
+
+
+@pytest.mark.parametrize("cls", [ws.MultiProcessWeightSyncScheme, ws.SharedMemWeightSyncScheme])
+def test_a_ctrl_c_as_the_trainer_reads_an_ack_leaves_the_channel_in_step(cls, workers):
+    """A Ctrl-C right after bytes of an ack's frame were read off the channel, before they were taken: they were
+    lost, the next read began in the middle of the frame ("announced a frame of 2065854320 bytes"), and the live
+    worker was named dead at every later send (found by a review's sweep of interrupts)."""
+    from weightsync.transports.local.frames import FrameReader
+
+    model, scheme, group = _two_connected(cls, workers)
+    try:
+        optimizer_step(model, 1)
+        with bodies.sigint_at_first_call(FrameReader, "feed") as hits, pytest.raises(KeyboardInterrupt):
+            scheme.send()
+        assert hits == ["feed"]
+        _every_worker_holds_the_next_version(model, scheme, group)
+    finally:
+        scheme.shutdown()
+
+
+class _SocketCutBeforeItsDescriptors:
+    """A channel's socket, on which a Ctrl-C comes between a frame and the byte that carries its descriptors."""
+
+    def __init__(self, sock, hits: list) -> None:
+        self._sock, self._hits = sock, hits
+
+    def sendmsg(self, *args):
+        if not self._hits:
+            self._hits.append("sendmsg")
+            signal.raise_signal(signal.SIGINT)
+        return self._sock.sendmsg(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def test_a_ctrl_c_between_a_slots_announcement_and_its_descriptor_leaves_the_channel_in_step(workers):
+    """The frame that announces a new slot, then the byte that carries its descriptor: a Ctrl-C between the two
+    left the worker waiting for a descriptor that never came ("expected 1 file descriptors, got 0"), its channel
+    out of step, and every later send named it dead."""
+    model, scheme, group = _two_connected(ws.SharedMemWeightSyncScheme, workers)
+    try:
+        hits: list = []
+        channel = scheme.sender_transports[0].channel
+        channel._sock = _SocketCutBeforeItsDescriptors(channel._sock, hits)
+        optimizer_step(model, 1)
+        with pytest.raises(KeyboardInterrupt):
+            scheme.send()
+        assert hits == ["sendmsg"]
+        channel._sock = channel._sock._sock
+        scheme.wait_async()
+        _every_worker_holds_the_next_version(model, scheme, group)
+    finally:
+        scheme.shutdown()
+
+
 @pytest.mark.parametrize("cls", [ws.MultiProcessWeightSyncScheme, ws.SharedMemWeightSyncScheme])
 def test_what_ended_a_background_thread_is_raised_at_every_receive_as_an_error_of_its_own(cls):
     """The sender shut down: every later ``receive()`` of a worker whose background thread saw it raises

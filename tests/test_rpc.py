@@ -63,6 +63,9 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str
         "killed_worker_is_named_and_the_others_are_served::delta=true",
         "dropped_worker_is_named_and_the_others_go_on::on_failure=drop,delta=true",
         "hung_worker_costs_one_timeout::on_failure=drop,delta=true",
+        # A Ctrl-C in the trainer: as an answer is taken (the next wait timed out), as a call goes out.
+        "a_ctrl_c_as_the_trainer_takes_an_ack_loses_no_ack",
+        "a_ctrl_c_as_an_rpc_goes_out_leaves_it_waited_for",
     ],
 )
 def test_rpc_scheme(scenario):

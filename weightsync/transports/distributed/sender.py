@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ...core.engine import Outgoing, SenderEngine, Sink
+from ...core.interrupts import held_interrupts
 from ...core.timing import deadline_after, remaining, shown_seconds, wait_until
 from ...errors import (
     AuthenticationError,
@@ -375,27 +376,32 @@ class DistributedSender(Admitting, SenderEngine):
         for w in workers:
             transport = self.transports[w]
             while not self.sink.is_dead(w):
-                try:
-                    got = transport.take_ack()
-                except WeightSyncError as exc:
-                    self.sink.died(w, exc)
-                    break
-                if got is None:
-                    break
-                pending, held, status = got
-                if status == ACK_OK:
-                    self.sink.acked(w, held)
-                    continue
-                detail = transport.error_detail(pending.seq)
-                self.sink.failed(
-                    w,
-                    ReceiverError(
-                        detail["type"], detail["message"], model_id=self.sink.model_id, worker_idx=w,
-                        version=pending.version,
-                    ),
-                )  # fmt: skip
-                if held >= 0:
-                    self.sink.acked(w, held)
+                with held_interrupts():  # (taken and handed on in one step: an ack taken and dropped was lost)
+                    if not self._hand_on_ack(w, transport):
+                        break
+
+    def _hand_on_ack(self, w: int, transport: DistributedTransport) -> bool:
+        """Take worker ``w``'s oldest ack that arrived and hand it on; ``False`` where none did, or it is gone."""
+        try:
+            got = transport.take_ack()
+        except WeightSyncError as exc:
+            self.sink.died(w, exc)
+            return False
+        if got is None:
+            return False
+        pending, held, status = got
+        if status != ACK_OK:
+            detail = transport.error_detail(pending.seq)  # (looked for within a bound)
+            self.sink.failed(
+                w,
+                ReceiverError(
+                    detail["type"], detail["message"], model_id=self.sink.model_id, worker_idx=w,
+                    version=pending.version,
+                ),
+            )  # fmt: skip
+        if status == ACK_OK or held >= 0:
+            self.sink.acked(w, held)
+        return True
 
     def wait(self, workers: list[int], deadline: float) -> None:
         heads = [f for f in (self.transports[w].waiting_on() for w in workers) if f is not None]

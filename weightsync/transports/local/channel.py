@@ -37,6 +37,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ...core.interrupts import held_interrupts
 from ...core.timing import Progress, deadline_after, remaining, shown_seconds
 from ...errors import (
     AuthenticationError,
@@ -124,29 +125,37 @@ class Channel:
 
     def _send_bytes(self, data: bytes, fds: list[int] | None = None, timeout: float = SEND_TIMEOUT) -> None:
         """Write ``data`` as one frame, then (with ``fds``) one byte carrying those descriptors, all of it within
-        ``timeout`` (else the channel is closed: a frame written in part leaves nothing readable after it)."""
+        ``timeout`` (else the channel is closed: a frame written in part leaves nothing readable after it). A
+        Ctrl-C meanwhile waits for the write's end (:class:`held_interrupts`): half a frame, or a frame without its
+        descriptors, left the channel out of step for good."""
         out = memoryview(frame(data))
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         deadline = deadline_after(timeout)
         try:
-            while out or rights:
-                try:
-                    if out:
-                        out = out[self._sock.send(out, socket.MSG_DONTWAIT) :]
-                    else:  # (socket.send_fds drops its flags before Python 3.12: sendmsg, as it does)
-                        self._sock.sendmsg([b"F"], rights, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
-                        rights = []
-                except BlockingIOError:  # the peer's buffer is full: wait until it reads, or the deadline
-                    if remaining(deadline) <= 0:
-                        self.close()
-                        raise ConnectionClosedError(
-                            f"{self.peer} did not take a message within {shown_seconds(timeout)} "
-                            "(it stopped reading); closed the channel"
-                        ) from None
-                    self._writable.poll(poll_ms(remaining(deadline)))
+            with held_interrupts():
+                self._write(out, rights, deadline, timeout)
         except (BrokenPipeError, ConnectionResetError, OSError) as exc:
             self.closed = True
             raise ConnectionClosedError(f"channel to {self.peer} is closed ({exc})") from exc
+
+    def _write(
+        self, out: memoryview, rights: list[tuple[int, int, array.array]], deadline: float, timeout: float
+    ) -> None:
+        while out or rights:
+            try:
+                if out:
+                    out = out[self._sock.send(out, socket.MSG_DONTWAIT) :]
+                else:  # (socket.send_fds drops its flags before Python 3.12: sendmsg, as it does)
+                    self._sock.sendmsg([b"F"], rights, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+                    rights = []
+            except BlockingIOError:  # the peer's buffer is full: wait until it reads, or the deadline
+                if remaining(deadline) <= 0:
+                    self.close()
+                    raise ConnectionClosedError(
+                        f"{self.peer} did not take a message within {shown_seconds(timeout)} "
+                        "(it stopped reading); closed the channel"
+                    ) from None
+                self._writable.poll(poll_ms(remaining(deadline)))
 
     def send_with_fds(self, msg: dict[str, Any], fds: list[int]) -> None:
         """Send a message followed by file descriptors, atomically with respect to other senders."""

@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...core.interrupts import held_interrupts
 from ...core.timing import deadline_after, remaining
 from ...errors import (
     ConnectionClosedError,
@@ -134,14 +135,16 @@ class MPTransport(PeerTransport, TransportBackend):
         try:
             if slot.id not in self.slots_sent:
                 announce = {"op": "slot", "slot": slot.id, "nbytes": slot.nbytes}
-                if isinstance(slot, DeviceSlot):
-                    self.channel.send({**announce, "cuda": self._device_share(slot)})
-                else:
-                    self.channel.send_with_fds(announce, [slot.reader_fd])
-                self.slots_sent.add(slot.id)
+                with held_interrupts():  # (sent and counted in one step, as every write below)
+                    if isinstance(slot, DeviceSlot):
+                        self.channel.send({**announce, "cuda": self._device_share(slot)})
+                    else:
+                        self.channel.send_with_fds(announce, [slot.reader_fd])
+                    self.slots_sent.add(slot.id)
             update = {"op": "update", "version": version, "slot": slot.id, "digest": slot.digest}
-            self.channel.send({**update, "taken": True} if report_taken else update)
-            self.notified = max(self.notified, version)
+            with held_interrupts():
+                self.channel.send({**update, "taken": True} if report_taken else update)
+                self.notified = max(self.notified, version)
         except ConnectionClosedError as exc:
             raise WorkerDiedError(
                 f"channel closed while sending ({exc.detail})", worker_idx=self.worker_idx, version=version
@@ -156,33 +159,35 @@ class MPTransport(PeerTransport, TransportBackend):
         assert slot.event is not None
         return {"shares": shares, "event": slot.event.handle()}
 
-    def acks(self, model_id: str | None) -> tuple[list[Ack], ConnectionClosedError | None]:
-        """The acks already received, without waiting, and how the channel closed if it did (after them)."""
-        out: list[Ack] = []
+    def acks(self, model_id: str | None, on_ack: Callable[[Ack], None]) -> ConnectionClosedError | None:
+        """Hand each ack received to ``on_ack``, without waiting; how the channel closed if it did (after them).
+        Each is taken (off the channel, or out of what :meth:`wait_taken` read) and handed on in one step that a
+        Ctrl-C does not cut in two: an ack read and not handed on left the sender waiting for it in vain, and
+        bytes read and not yet taken left the channel out of step, its worker named dead."""
         try:
             with self._reading:
-                unread, self._unread = self._unread, []
-                out.extend(self._ack(msg, model_id) for msg in unread)
-                for msg in self._messages():
-                    out.append(self._ack(msg, model_id))
+                while self._unread or self.channel.poll(0):
+                    with held_interrupts():
+                        msg = self._unread.pop(0) if self._unread else self._next_message()
+                        if msg is not None:
+                            on_ack(self._ack(msg, model_id))
         except ConnectionClosedError as exc:
-            return out, exc
-        return out, None
+            return exc
+        return None
 
-    def _messages(self) -> Iterator[dict[str, Any]]:
-        """The worker's messages already received (the caller holds ``_reading``), but its word that it took a
-        version, which is recorded (as the newest version acked is)."""
-        while self.channel.poll(0):
-            msg = self.channel.recv(0)
-            if msg is None:
-                return
-            op, version = msg.get("op"), msg.get("version")
-            if isinstance(version, int) and not isinstance(version, bool) and op in ("taken", "ack"):
-                if op == "taken":
-                    self.taken = max(self.taken, version)
-                    continue
-                self.acked = max(self.acked, version)
-            yield msg
+    def _next_message(self) -> dict[str, Any] | None:
+        """The worker's next message, already received (the caller holds ``_reading``); ``None`` where none is
+        whole yet, or it was its word that it took a version, which is recorded (as the newest version acked is)."""
+        msg = self.channel.recv(0)
+        if msg is None:
+            return None
+        op, version = msg.get("op"), msg.get("version")
+        if isinstance(version, int) and not isinstance(version, bool) and op in ("taken", "ack"):
+            if op == "taken":
+                self.taken = max(self.taken, version)
+                return None
+            self.acked = max(self.acked, version)
+        return msg
 
     def has_unread(self) -> bool:
         """Messages :meth:`wait_taken` read that :meth:`acks` has not handed on yet."""
@@ -200,7 +205,11 @@ class MPTransport(PeerTransport, TransportBackend):
         while waiting() and remaining(deadline) > 0 and not self.channel.closed:
             if self._reading.acquire(blocking=False):
                 try:
-                    self._unread.extend(self._messages())
+                    while self.channel.poll(0):
+                        with held_interrupts():  # (kept as it is read)
+                            msg = self._next_message()
+                            if msg is not None:
+                                self._unread.append(msg)
                 except ConnectionClosedError:
                     return
                 finally:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -12,23 +11,16 @@ import torch
 from ...core.engine import Delivery, ReceiverEngine
 from ...core.timing import remaining
 from ...errors import ConfigurationError, ConnectionClosedError, LifecycleError
-from ...tensors import cuda
 from ...tensors.bound import BoundModel
 from ...tensors.layout import FlatLayout
 from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphaned
 from .channel import connect_channel
+from .hello import hello_of
 from .mp import MPTransport, Update
 from .peers import PeerProcess
 from .settings import MPSettings
 
-__all__ = ["LocalReceiver", "gpu_uuid"]
-
-
-def gpu_uuid(device: str | None) -> str | None:
-    """The UUID of the GPU ``device`` names (``"cuda:1"``), or ``None`` (not one GPU, or no CUDA here)."""
-    if device is None or not device.startswith("cuda") or not torch.cuda.is_available():
-        return None
-    return cuda.device_uuid(torch.device(device))
+__all__ = ["LocalReceiver"]
 
 
 class LocalReceiver(ReceiverEngine):
@@ -102,15 +94,7 @@ class LocalReceiver(ReceiverEngine):
         return cls(address, authkey, key_file, settings, **options)
 
     def join(self, deadline: float, check: Callable[[FlatLayout], Any], update_timeout: float) -> None:
-        hello = {
-            "worker_idx": self.where["worker_idx"],
-            "pid": os.getpid(),
-            "model_id": self.where["model_id"],
-            "device": self.device,
-            # The GPU of the model, by UUID: the sender hands device slots only to a worker on its very GPU, and
-            # an index means another GPU in a process with another CUDA_VISIBLE_DEVICES.
-            "gpu": gpu_uuid(self.device),
-        }
+        hello = hello_of(self.where["worker_idx"], self.where["model_id"], self.device)
         try:
             # A sender writes its key file once it listens: with one read, a refused connection will not heal.
             channel = connect_channel(

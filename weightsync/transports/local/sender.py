@@ -8,23 +8,18 @@ telling each targeted worker which slot holds it. A slot is written only
 when no worker still reads it: that rule is what makes torn reads impossible.
 The listener stays open after the rendez-vous, for workers that come back.
 
-Where the slots live depends on the devices. The trainer's weights on a GPU
-and a worker's model on a GPU: the worker's pool is in the trainer's GPU
-memory (one device-to-device copy per send, then an event; no host memory on
-the way). Otherwise, host memory (pinned when the trainer's weights are on a
-GPU), so a CUDA trainer with CPU workers and a CPU trainer with CUDA workers
-both copy through page-locked memory. A ``checksum`` keeps every pool in host
-memory, where it is computed.
+Where the slots live depends on the devices. The trainer's weights on a GPU and a worker's model on a GPU: the
+worker's pool is in the trainer's GPU memory (one device-to-device copy per send, then an event; no host memory on
+the way). Otherwise, host memory (pinned when the trainer's weights are on a GPU), so a CUDA trainer with CPU
+workers and a CPU trainer with CUDA workers both copy through page-locked memory. A ``checksum`` keeps every pool
+in host memory, where it is computed.
 
-"The trainer's GPU" is decided by UUID (the worker's hello names the GPU of its
-model by UUID; indexes differ between processes under ``CUDA_VISIBLE_DEVICES``):
-a worker on another GPU reads pinned host slots (one device-to-host copy per
-send, shared by all such workers, then one host-to-device copy each) rather
-than peer copies out of the trainer's GPU, which would cost that worker a CUDA
-context on the trainer's GPU and work on it at every update. A pool of device
-slots is bounded (:func:`~weightsync.transports.local.slots.device_pool_size`);
-where even the smallest does not fit in the GPU's free memory, its workers
-read pinned host slots.
+"The trainer's GPU" is decided by UUID (the worker's hello names the GPU of its model by UUID; indexes differ
+between processes under ``CUDA_VISIBLE_DEVICES``): a worker on another GPU reads pinned host slots (one
+device-to-host copy per send, shared by all such workers, then one host-to-device copy each) rather than peer
+copies out of the trainer's GPU, which would cost that worker a CUDA context on the trainer's GPU and work on it
+at every update. A pool of device slots is bounded (:func:`~weightsync.transports.local.slots.device_pool_size`);
+where even the smallest does not fit in the GPU's free memory, its workers read pinned host slots.
 
 Memory a worker maps is given back (a CUDA share released, a slot rewritten)
 only once the worker's process is known to have exited: see
@@ -33,6 +28,7 @@ only once the worker's process is known to have exited: see
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -49,6 +45,7 @@ from ...tensors.layout import FlatLayout
 from ..descriptors import readable
 from ..keyfiles import KEY_BYTES, remove_key_file, write_key_file
 from .channel import Channel, ChannelListener
+from .hello import hello_problem
 from .mp import MPTransport
 from .peers import PeerProcess
 from .settings import MPSettings
@@ -105,6 +102,8 @@ class LocalSender(SenderEngine):
         self.gpu_uuid = cuda.device_uuid(gpu) if gpu is not None and torch.cuda.is_available() else None
         # Transports of worker processes given up on or replaced: their CUDA shares go once each process exited.
         self._departed: list[MPTransport] = []
+        self._staging: int | None = None  # the version staged last, and submitted last
+        self._submitting: int | None = None
         self._authkey = secrets.token_bytes(KEY_BYTES)
         self._key_file: str | None = None
         self.listener: ChannelListener | None = ChannelListener(self._authkey, address)
@@ -155,22 +154,14 @@ class LocalSender(SenderEngine):
         return len(self.transports) == self.num_workers
 
     def _hello_problem(self, hello: dict[str, Any]) -> str | None:
-        """Why a hello (bounded JSON from a key holder) cannot be taken: every field it names is type-checked."""
-        w = hello.get("worker_idx")
-        if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < self.num_workers:
-            return f"worker_idx {str(w)[:40]!r} is not in 0..{self.num_workers - 1}"
-        pid, texts = hello.get("pid"), {k: hello.get(k) for k in ("model_id", "device")}
-        if isinstance(pid, bool) or not isinstance(pid, int):
-            return f"its hello's pid is a {type(pid).__name__}, not an integer"
-        for key, value in texts.items():
-            if value is not None and not isinstance(value, str):
-                return f"its hello's {key} is a {type(value).__name__}, not a string"
+        """Why a hello (bounded JSON from a key holder) cannot be taken (:func:`~.hello.hello_problem`), or its
+        worker is connected already."""
+        problem = hello_problem(hello, self.num_workers, self.sink.model_id)
+        w = int(hello["worker_idx"]) if problem is None else -1
         old = self.transports.get(w)  # (one whose process is gone is replaced: a restart in the rendez-vous too)
         if old is not None and not self.sink.is_dead(w) and not (old.process is not None and old.process.gone()):
             return f"worker {w} is already connected"
-        if hello.get("model_id") != self.sink.model_id:
-            return f"model_id {str(hello.get('model_id'))[:80]!r} does not match {self.sink.model_id!r}"
-        return None
+        return problem
 
     def _welcome(self, channel: Channel, hello: dict[str, Any]) -> None:
         """Take ``channel`` as its worker's, or turn it away with the reason."""
@@ -264,9 +255,7 @@ class LocalSender(SenderEngine):
             transport = self.transports.get(w)
             if transport is None or self.sink.is_dead(w):
                 continue
-            acks, closed = transport.acks(self.sink.model_id)
-            for ack in acks:
-                self._on_ack(w, ack)
+            closed = transport.acks(self.sink.model_id, functools.partial(self._on_ack, w))
             if closed is None and transport.process is not None and transport.process.gone():
                 # (after its acks were read: a process that acked, then exited, did its part) Its channel may
                 # outlive it: a child it forked holds its end.
@@ -376,6 +365,7 @@ class LocalSender(SenderEngine):
             by_pool.setdefault(self._pool_key(w), []).append(w)
         # Every slot is secured before anything is written, so a send that times out here publishes nothing.
         slots = {key: self._acquire(self._pool(key), deadline, out.version) for key in by_pool}
+        self._staging = out.version
         staged: dict[int, _Slot] = {}
         payload_digest = None  # every pool gets the same bytes: hashed once
         for key, members in by_pool.items():
@@ -391,7 +381,14 @@ class LocalSender(SenderEngine):
             staged.update(dict.fromkeys(members, slot))
         return staged
 
+    def unpublished(self) -> None:
+        if self._staging != self._submitting:  # (submitted, its number is spent: its slot holds it)
+            notified = {w: transport.notified for w, transport in self.transports.items()}
+            for pool in self.pools.values():
+                pool.unpublish(self._staging, notified)
+
     def submit(self, out: Outgoing, staged: dict[int, _Slot]) -> None:
+        self._submitting = out.version
         for w in out.workers:
             try:
                 self.transports[w].notify(staged[w], out.version, self.reports_taken)
@@ -427,7 +424,11 @@ class LocalSender(SenderEngine):
             self.poll([w])  # a worker killed since the last send is noticed now
         newest = self._newest_slot()
         if newest is None:
-            self.discard(candidate, "the sender has not published any version yet")
+            self.discard(
+                candidate,
+                "the sender holds no version to hand over yet (none was sent, or the last send "
+                "was cut short before any worker was told): join again after its next send",
+            )
             return None
         problem = self._hello_problem(hello)
         if problem is not None:

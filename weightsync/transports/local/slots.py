@@ -295,6 +295,15 @@ class SlotPool:
         slot.version = version
         slot.readers = set(readers)
 
+    def unpublish(self, version: int | None, notified: dict[int, int]) -> None:
+        """``version`` was staged and not submitted (a Ctrl-C): its slot holds no version, and nobody reads it, unless
+        a reader was told of it (``notified``: per worker, the newest version it was told of). A rejoin was handed
+        its bytes under a number that the next send then gave other weights."""
+        for slot in self.slots:
+            if version is not None and slot.version == version:
+                if not any(notified.get(w, -1) >= version for w in slot.readers):
+                    slot.version, slot.readers = None, set()
+
     def on_ack(self, worker: int, acked: int, held: int | None) -> None:
         """Record that ``worker`` is done with every version up to ``acked`` and now holds ``held``."""
         for slot in self.slots:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ...core.engine import Outgoing, SenderEngine, Sink
+from ...core.interrupts import held_interrupts
 from ...core.timing import remaining, shown_seconds
 from ...errors import ReceiverError, SyncTimeoutError, WeightSyncError, first_line
 from ...tensors.layout import FlatLayout
@@ -131,15 +132,19 @@ class RPCSender(SenderEngine):
         if out.delta is not None:
             described = out.delta.to_plain()
             for w in out.delta_workers:  # (they acked a version: they hold the layout)
-                self._submit(w, out.version, out.delta.body, None, None, described)
+                with held_interrupts():  # (each call made and recorded in one step, as below)
+                    self._submit(w, out.version, out.delta.body, None, None, described)
         if staged is None:
             return
         staging, payload_digest = staged
         for w in out.whole_to:
             layout = None if w in self._has_layout else self.layout.to_plain()  # until the worker has it
-            future = self._submit(w, out.version, staging.tensor, layout, payload_digest, initial=out.initial)
-            if future is not None:
-                staging.readers[w] = future
+            # Made and recorded in one step: a call a Ctrl-C left unrecorded was neither waited for, nor counted
+            # as reading its buffer, which the next send could refill while the call still sent it.
+            with held_interrupts():
+                future = self._submit(w, out.version, staging.tensor, layout, payload_digest, initial=out.initial)
+                if future is not None:
+                    staging.readers[w] = future
 
     def _submit(
         self,
@@ -180,8 +185,9 @@ class RPCSender(SenderEngine):
             for version, future in sorted(transport.in_flight.items()):
                 if not future.done():
                     break
-                del transport.in_flight[version]
-                self._answer(w, version, future)
+                with held_interrupts():  # (taken and read in one step: an answer taken and not read was lost)
+                    del transport.in_flight[version]
+                    self._answer(w, version, future)
                 if self.sink.is_dead(w):
                     break
 

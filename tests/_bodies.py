@@ -636,6 +636,28 @@ def restarted_worker_is_refused_with_the_reason(scheme, workers):
     scheme.shutdown()
 
 
+def the_goodbye_says_whether_the_world_leaves_whole(scheme, workers):
+    """``rpc``: the sender's goodbye says whether every worker is alive. With one dropped, the others leave the world
+    alone, as the sender does: they waited (5 s) for the world's barrier, which neither the dead worker nor the
+    sender joined, and torch printed its failure at their exit ("Failed to respond to 'Shutdown Proceed'")."""
+    import os
+    import signal
+
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, _ = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    os.kill(group.procs[1].pid, signal.SIGKILL)
+    group.procs[1].join(10)
+    optimizer_step(model, 1)
+    scheme.send()  # (worker 1 dropped)
+    scheme.shutdown()
+    deadline = time.monotonic() + 30
+    while not group.ask(0, "closed") and time.monotonic() < deadline:  # (it hears the goodbye at its next look)
+        time.sleep(0.05)
+    assert group.ask(0, "goodbye") == {"policy": (True, False)}
+    group.stop()
+
+
 def dropped_worker_is_named_and_the_others_go_on(scheme, workers, when="before", then_all=False):
     """``on_failure="drop"``: a worker SIGKILLed before a send (or as the update reaches it) is dropped, named
     in ``stats()``, and later sends go on to the other without waiting for it. ``then_all``: the other is killed

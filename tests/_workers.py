@@ -162,6 +162,9 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
                     cmd.send(state)
                 elif op == "closed":  # why each model's sender ended, as this worker heard it
                     cmd.send(closed)
+                elif op == "goodbye":  # rpc: whether each sender's goodbye came, and said the world leaves whole
+                    boxes = {mid: getattr(s._runtime.receiving.engine, "mailbox", None) for mid, s in schemes.items()}
+                    cmd.send({mid: (box.closed, box.whole) for mid, box in boxes.items() if box is not None})
                 elif op == "storage":  # where the model's first parameter lives now, and its storage object
                     storage = next(models[args[0]].parameters()).untyped_storage()
                     cmd.send((storage.data_ptr(), storage._cdata))

@@ -66,6 +66,7 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str
         # A Ctrl-C in the trainer: as an answer is taken (the next wait timed out), as a call goes out.
         "a_ctrl_c_as_the_trainer_takes_an_ack_loses_no_ack",
         "a_ctrl_c_as_an_rpc_goes_out_leaves_it_waited_for",
+        "the_goodbye_says_whether_the_world_leaves_whole::on_failure=drop",
     ],
 )
 def test_rpc_scheme(scenario):

@@ -36,6 +36,8 @@ class Mailbox:
         self.cond = threading.Condition()
         self.queue: deque[Arrival] = deque()
         self.closed = False
+        #: The sender's goodbye said the whole world leaves with it (every worker alive): leave by its barrier.
+        self.whole = False
 
 
 _MAILBOXES: dict[str, Mailbox] = {}
@@ -78,10 +80,10 @@ def deliver(
     return arrival.future
 
 
-def close_mailbox(model_id: str) -> bool:
-    """Runs in the worker: the sender shut down."""
+def close_mailbox(model_id: str, whole: bool = True) -> bool:
+    """Runs in the worker: the sender shut down; ``whole``: with every worker alive (the world leaves whole)."""
     box = mailbox(model_id)
     with box.cond:
-        box.closed = True
+        box.closed, box.whole = True, whole
         box.cond.notify_all()
     return True

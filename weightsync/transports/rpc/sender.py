@@ -237,10 +237,14 @@ class RPCSender(SenderEngine):
         say_ended(self.session, self.sink.model_id, worker, f"the sender dropped this worker ({reason})")
 
     def close(self, timeout: float) -> None:
-        clean = self._connected  # every worker alive heard the goodbye: the whole world is shutting down
+        # Every worker alive hears the goodbye: the whole world is shutting down, by its barrier. One dead (dropped,
+        # or gone) never joins it: the others are told to leave alone, as this sender does (they waited for a
+        # barrier nobody else joined, and torch printed its failure at their every exit).
+        whole = self._connected and not any(self.sink.is_dead(w) for w in self.transports)
+        clean = whole
         for w, transport in self.transports.items():
             alive = self._connected and not self.sink.is_dead(w)
-            heard = alive and transport.close(min(timeout, CLOSE_WAIT_S))
+            heard = alive and transport.close(min(timeout, CLOSE_WAIT_S), whole)
             if alive and not heard:  # (one that did not hear it reads it in the store: say_ended)
                 say_ended(self.session, self.sink.model_id, w, "the sender shut down")
             clean = heard and clean

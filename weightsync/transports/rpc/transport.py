@@ -59,14 +59,14 @@ class RPCTransport(PeerTransport):
         self.in_flight[version] = future
         return future
 
-    def close(self, timeout: float) -> bool:
-        """Tell the worker the sender is gone (best effort, bounded; ``timeout`` 0: not at all). Returns whether
+    def close(self, timeout: float, whole: bool = True) -> bool:
+        """Tell the worker the sender is gone (best effort, bounded; ``timeout`` 0: not at all), and whether the
+        world leaves whole (``whole``: every worker alive, which then leave by the world's barrier). Returns whether
         the worker heard it."""
         heard = False
         if timeout > 0:
             with contextlib.suppress(RuntimeError):
-                heard = bool(
-                    rpc.rpc_async(self.worker_name, close_mailbox, args=(self.model_id,), timeout=timeout).wait()
-                )
+                said = (self.model_id, whole)
+                heard = bool(rpc.rpc_async(self.worker_name, close_mailbox, args=said, timeout=timeout).wait())
         self.in_flight.clear()
         return heard

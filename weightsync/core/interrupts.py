@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from types import FrameType, TracebackType
 from typing import Any
@@ -16,9 +17,48 @@ __all__ = ["held_interrupts"]
 
 _SIGINT = int(signal.SIGINT)
 
-_MAIN = threading.main_thread().ident
-#: A hold is in force in the main thread: one entered meanwhile joins it (and costs nothing).
-_holding = False
+
+class _Hold:
+    """The main thread's hold: how many blocks are in it, the handler it stands in for, the ``SIGINT`` it caught."""
+
+    depth = 0
+    handler: Any = None
+    caught: tuple[int, FrameType | None] | None = None
+    frame: FrameType | None = None  # where the outermost block runs
+
+
+def _gate(signum: int, frame: FrameType | None) -> None:
+    """The handler while a hold is in force: the first ``SIGINT`` waits for the hold's end. Where no block is in
+    force (its start or end was cut short by another signal's handler: the interrupted frame does not run in the
+    outermost block's), it is handled now, and the handler put back."""
+    if _Hold.depth and _running_in(frame, _Hold.frame):
+        if _Hold.caught is None:
+            _Hold.caught = (signum, frame)
+        return
+    _Hold.depth, _Hold.frame = 0, None
+    _put_back()
+    _Hold.handler(signum, frame)
+
+
+def _running_in(frame: FrameType | None, outer: FrameType | None) -> bool:
+    while frame is not None:
+        if frame is outer:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _put_back() -> BaseException | None:
+    """Put the handler the hold stands in for back, whatever another signal's handler raises meanwhile (a
+    watchdog's alarm); what it raised, if it did."""
+    raised: BaseException | None = None
+    while True:
+        try:
+            if _raw.getsignal(_SIGINT) is not _gate:
+                return raised
+            _raw.signal(_SIGINT, _Hold.handler)
+        except BaseException as error:  # noqa: BLE001 - the caller raises it, once the handler is back
+            raised = raised or error
 
 
 class held_interrupts:  # noqa: N801 - used as a context, like contextlib's lower-case ones
@@ -30,44 +70,45 @@ class held_interrupts:  # noqa: N801 - used as a context, like contextlib's lowe
     for good; a frame written in part leaves its reader waiting for the rest. Held here, the block ends first.
     Hold it only over steps whose length is bounded (a read of what is already there, a write with a deadline).
 
-    Elsewhere than in the main thread (where Python raises no ``KeyboardInterrupt``), and where ``SIGINT`` has
-    no Python handler, the block runs as it is. A hold swaps the handler twice (under a microsecond each).
+    Elsewhere than in the main thread (where Python raises no ``KeyboardInterrupt``), and where ``SIGINT`` has no
+    Python handler, the block runs as it is. A block within another joins its hold; the outermost swaps the handler
+    in and out (under a microsecond each). The handler is put back whatever another signal's handler raises
+    meanwhile (a watchdog's alarm), and where that cut an end short (it may, at the end's first step), the next
+    hold's end puts it back, and handles the ``SIGINT`` it caught.
     """
 
-    def __init__(self) -> None:
-        self._handler: Any = None
-        self._caught: tuple[int, FrameType | None] | None = None
-
-    @property
-    def pending(self) -> bool:
-        """A Ctrl-C came while the block ran (it is handled as the block ends)."""
-        return self._caught is not None
-
-    def _hold(self, signum: int, frame: FrameType | None) -> None:
-        if self._caught is None:
-            self._caught = (signum, frame)
+    __slots__ = ()
 
     def __enter__(self) -> held_interrupts:
-        global _holding
-        if _holding or threading.get_ident() != _MAIN or _raw.getsignal(_SIGINT) is None:
-            return self  # (None: a handler not set from Python, which could not be put back)
-        try:
-            previous = _raw.signal(_SIGINT, self._hold)
-        except ValueError:  # not the main interpreter
+        if threading.current_thread() is not threading.main_thread():
             return self
-        if callable(previous):
-            self._handler, _holding = previous, True
-        else:  # the default action, or ignored: no KeyboardInterrupt to hold
-            _raw.signal(_SIGINT, previous)
+        if _Hold.depth:
+            _Hold.depth += 1
+            return self
+        current = _raw.getsignal(_SIGINT)
+        if current is not _gate:  # (the gate itself: left in by an end cut short, which this hold's end mends)
+            if current is None or not callable(current):  # (not set from Python, the default action, ignored)
+                return self
+            _Hold.handler = current
+        _Hold.depth, _Hold.frame = 1, sys._getframe(1)
+        try:
+            _raw.signal(_SIGINT, _gate)
+        except BaseException:  # another signal's handler raised (before the swap or after it), or a subinterpreter
+            _Hold.depth = 0
+            _put_back()
+            raise
         return self
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: TracebackType | None) -> None:
-        global _holding
-        handler, self._handler = self._handler, None
-        if handler is None:
+        if _Hold.depth == 0 or threading.current_thread() is not threading.main_thread():
             return
-        _holding = False
-        _raw.signal(_SIGINT, handler)
-        caught, self._caught = self._caught, None
+        _Hold.depth -= 1
+        if _Hold.depth:
+            return
+        _Hold.frame = None
+        raised = _put_back()
+        handler, caught, _Hold.caught = _Hold.handler, _Hold.caught, None
+        if raised is not None:
+            raise raised
         if caught is not None:
             handler(*caught)

@@ -813,6 +813,33 @@ def test_a_rejoin_thread_whose_store_is_gone_says_so_once(caplog):
     assert requests.unreachable and requests.store is not None
 
 
+class _LineSocket:
+    """A line's socket, whose ``send`` the test can watch."""
+
+    def __init__(self, sock) -> None:
+        self._sock = sock
+
+    def send(self, data):
+        return self._sock.send(data)
+
+
+@pytest.mark.parametrize("when", ["midway", "after"])
+def test_a_ctrl_c_as_an_announcement_goes_on_a_line_leaves_the_line_in_step(workers, monkeypatch, when):
+    """A real SIGINT as the trainer writes a version's announcement on a worker's line (midway: once the frame's
+    header is out, before the rest; after: once written, before its number was counted). The frame was cut in two
+    ("a frame of 1920296317 bytes on the line"), or the next message took its number, which the worker refused:
+    either way the live worker was named dead at every later send (found by a review's sweep of real signals)."""
+    from weightsync.transports.distributed.line import Line
+
+    scheme = ws.DistributedWeightSyncScheme(timeout=20, connect_timeout=60)
+    if when == "after":
+        bodies.a_send_cut_by_a_ctrl_c(scheme, workers, Line, "write", after=True)
+        return
+    send_now = Line._send_now
+    monkeypatch.setattr(Line, "_send_now", lambda line, sock, views: send_now(line, _LineSocket(sock), views))
+    bodies.a_send_cut_by_a_ctrl_c(scheme, workers, _LineSocket, "send", after=True)
+
+
 @pytest.mark.parametrize("delta", [False, True], ids=["whole", "changes"])
 @pytest.mark.parametrize("way", ["line", "group"])
 def test_a_send_interrupted_midway_leaves_the_next_send_to_a_live_worker_whole(way, delta, monkeypatch):

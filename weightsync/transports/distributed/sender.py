@@ -280,14 +280,17 @@ class DistributedSender(Admitting, SenderEngine):
             inline_ok = said_digest is not None and transport.line is not None and on_a_line(staging.tensor.device)
             body = staging.tensor if inline_ok else None
             try:
-                taken, initial = self.reports_taken, out.initial
-                sent = transport.announce(
-                    out.version, self._nonce, self.mac, initial=initial, taken=taken, digest=said_digest, body=body
-                )
+                # (written and numbered in one step: a Ctrl-C in it cut a frame on the line in two, or left its
+                # number to the next message, which the worker refused, and it was named dead)
+                with held_interrupts():
+                    sent = transport.announce(
+                        out.version, self._nonce, self.mac, initial=out.initial, taken=self.reports_taken,
+                        digest=said_digest, body=body,
+                    )  # fmt: skip
+                    staging.readers[w] = []
             except (RuntimeError, WeightSyncError) as exc:  # the store or the peer is gone
                 self._gone(w, exc)
                 continue
-            staging.readers[w] = []
             if sent is not None:
                 staging.readers[w].append(sent)
                 inline.append(w)
@@ -348,10 +351,11 @@ class DistributedSender(Admitting, SenderEngine):
         for w in workers:
             transport = self.transports[w]
             try:
-                transport.announce(
-                    out.version, nonce, self.mac, delta=described, taken=self.reports_taken, digest=digest
-                )
-                staging.readers[w] = [transport.send_part(body)] if body.numel() else []
+                with held_interrupts():  # (as a whole version's announcement: in one step)
+                    transport.announce(
+                        out.version, nonce, self.mac, delta=described, taken=self.reports_taken, digest=digest
+                    )
+                    staging.readers[w] = [transport.send_part(body)] if body.numel() else []
                 transport.expect_ack(out.version)
             except (RuntimeError, WeightSyncError) as exc:  # the peer is gone: gloo refuses to send to it
                 self._gone(w, exc)

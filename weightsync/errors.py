@@ -224,7 +224,7 @@ def restated(error: WeightSyncError, version: int | None = None) -> WeightSyncEr
     exception raised again grows its traceback by that call's frames, and keeps them and what they hold, at every
     raise. With ``version`` (a later version's send), about that version, saying since which one it holds. One
     raised before is the copy's cause: its traceback says where it arose."""
-    state = dict(error.__dict__)
+    state: dict[str, Any] = {key: list(value) if key == "__notes__" else value for key, value in error.__dict__.items()}
     if version is not None and error.version is not None and version != error.version:
         state.update(version=version, detail=f"since version {error.version}: {error.detail}")
     copy = type(error).__new__(type(error))

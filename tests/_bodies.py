@@ -101,14 +101,17 @@ def sigint_at_first_call(owner, name: str, *, after: bool = False):
             hit()
         return made
 
+    # Python's own handler, whatever this process inherited (a job started in the background ignores SIGINT)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     setattr(owner, name, call)
     try:
         yield hits
     finally:
         setattr(owner, name, real)
+        signal.signal(signal.SIGINT, before)
 
 
-def _a_send_cut_by_a_ctrl_c(scheme, workers, owner, name: str, after: bool = False, then=lambda scheme: None):
+def a_send_cut_by_a_ctrl_c(scheme, workers, owner, name: str, after: bool = False, then=lambda scheme: None):
     """Two workers; a Ctrl-C at ``owner.<name>``'s first call in a send (:func:`sigint_at_first_call`), which
     raises ``KeyboardInterrupt``; ``then(scheme)``; then the next wait and send reach both workers whole."""
     model = build("tiny")
@@ -135,7 +138,7 @@ def a_ctrl_c_as_the_trainer_takes_an_ack_loses_no_ack(scheme, workers):
     wait timed out naming a live worker, which ``on_failure="drop"`` dropped for good.)"""
     from weightsync.core.sender import Sender
 
-    _a_send_cut_by_a_ctrl_c(scheme, workers, Sender, "acked")
+    a_send_cut_by_a_ctrl_c(scheme, workers, Sender, "acked")
 
 
 def a_ctrl_c_as_an_rpc_goes_out_leaves_it_waited_for(scheme, workers):
@@ -148,7 +151,7 @@ def a_ctrl_c_as_an_rpc_goes_out_leaves_it_waited_for(scheme, workers):
         staged = scheme._runtime.sending.engine.pool.buffers
         assert any(0 in staging.readers for staging in staged), [staging.readers for staging in staged]
 
-    _a_send_cut_by_a_ctrl_c(scheme, workers, rpc, "rpc_async", after=True, then=read_by_its_call)
+    a_send_cut_by_a_ctrl_c(scheme, workers, rpc, "rpc_async", after=True, then=read_by_its_call)
 
 
 def start(workers, schemes: dict, kinds: dict, n: int = 2, **kw):

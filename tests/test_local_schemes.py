@@ -145,16 +145,13 @@ def test_a_ctrl_c_as_the_trainer_reads_an_ack_leaves_the_channel_in_step(cls, wo
         scheme.shutdown()
 
 
-class _SocketCutBeforeItsDescriptors:
-    """A channel's socket, on which a Ctrl-C comes between a frame and the byte that carries its descriptors."""
+class _ChannelSocket:
+    """A channel's socket, whose ``sendmsg`` (the byte that carries a frame's descriptors) the test can watch."""
 
-    def __init__(self, sock, hits: list) -> None:
-        self._sock, self._hits = sock, hits
+    def __init__(self, sock) -> None:
+        self._sock = sock
 
     def sendmsg(self, *args):
-        if not self._hits:
-            self._hits.append("sendmsg")
-            signal.raise_signal(signal.SIGINT)
         return self._sock.sendmsg(*args)
 
     def __getattr__(self, name):
@@ -167,11 +164,10 @@ def test_a_ctrl_c_between_a_slots_announcement_and_its_descriptor_leaves_the_cha
     out of step, and every later send named it dead."""
     model, scheme, group = _two_connected(ws.SharedMemWeightSyncScheme, workers)
     try:
-        hits: list = []
         channel = scheme.sender_transports[0].channel
-        channel._sock = _SocketCutBeforeItsDescriptors(channel._sock, hits)
+        channel._sock = _ChannelSocket(channel._sock)
         optimizer_step(model, 1)
-        with pytest.raises(KeyboardInterrupt):
+        with bodies.sigint_at_first_call(_ChannelSocket, "sendmsg") as hits, pytest.raises(KeyboardInterrupt):
             scheme.send()
         assert hits == ["sendmsg"]
         channel._sock = channel._sock._sock

@@ -654,9 +654,9 @@ def the_goodbye_says_whether_the_world_leaves_whole(scheme, workers):
     optimizer_step(model, 1)
     scheme.send()  # (worker 1 dropped)
     scheme.shutdown()
-    deadline = time.monotonic() + 30
-    while not group.ask(0, "closed") and time.monotonic() < deadline:  # (it hears the goodbye at its next look)
-        time.sleep(0.05)
+    from weightsync.core.timing import deadline_after, wait_until
+
+    assert wait_until(lambda: group.ask(0, "closed"), deadline_after(30), 0.05)  # (heard at its next look)
     assert group.ask(0, "goodbye") == {"policy": (True, False)}
     group.stop()
 

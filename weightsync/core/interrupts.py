@@ -73,8 +73,8 @@ class held_interrupts:  # noqa: N801 - used as a context, like contextlib's lowe
     Elsewhere than in the main thread (where Python raises no ``KeyboardInterrupt``), and where ``SIGINT`` has no
     Python handler, the block runs as it is. A block within another joins its hold; the outermost swaps the handler
     in and out (under a microsecond each). The handler is put back whatever another signal's handler raises
-    meanwhile (a watchdog's alarm), and where that cut an end short (it may, at the end's first step), the next
-    hold's end puts it back, and handles the ``SIGINT`` it caught.
+    meanwhile (a watchdog's alarm); where that cut a block's end short (it may, at the end's first step), the next
+    ``SIGINT`` that comes outside the block is handled at once, and the handler put back.
     """
 
     __slots__ = ()

@@ -156,9 +156,8 @@ class RPCReceiver(ReceiverEngine):
         self._answered_at = time.monotonic()
 
     def close(self) -> None:
-        said_goodbye = (
-            self.mailbox.closed and self.mailbox.whole
-        )  # the sender is shutting down the world: leave with it
+        # The sender is shutting down the whole world (its goodbye said every worker is alive): leave with it.
+        said_goodbye = self.mailbox.closed and self.mailbox.whole
         drop_mailbox(self.where["model_id"] or "")
         if self.session is not None:
             # Leaving alone, give the last answer (a refusal at connect, answered just before this) time to go out.

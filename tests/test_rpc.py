@@ -234,3 +234,38 @@ def test_a_buffer_an_rpc_may_still_write_is_never_reused():
     sender.poll([0])
     assert send(4, [0]).data_ptr() == third.data_ptr()
     sender.close(0.0)
+
+
+def test_a_worker_whose_check_of_its_sender_is_out_as_it_leaves_waits_for_it_and_leaves_with_the_world():
+    """A worker leaving its RPC world while its probe of the sender's store is out (it looks every half second
+    when idle) gives the check a bounded moment to come back: one that does leaves the world by its barrier.
+    Taken as a stopped sender at once, such a check left the world unclean: the sender waited for this worker at
+    its barrier for 5 s, and TensorPipe logged errors at both ends (a CI run of the main job failed on them)."""
+    import threading
+    import time
+
+    from weightsync.transports.rpc import session as rpc_session
+    from weightsync.transports.storeclient import Hangup, Probe
+
+    class SlowStore(Probe):
+        def __init__(self, answer_after: float) -> None:
+            super().__init__(None, Hangup([]), "test-slow-probe")  # type: ignore[arg-type]
+            self.answer_after, self.released = answer_after, threading.Event()
+
+        def _ask(self) -> None:
+            self.released.wait(self.answer_after)
+
+    def leave(probe: SlowStore) -> tuple[bool, float]:
+        sess = rpc_session.Session("t", "127.0.0.1", 1, 2, 0, users=1, probe=probe)
+        assert probe() is None and probe.out  # a check goes out just before the worker leaves
+        began = time.monotonic()
+        rpc_session.leave_session(sess, clean=True)
+        return sess.clean, time.monotonic() - began
+
+    answering = SlowStore(answer_after=0.3)
+    assert leave(answering)[0] and not answering.out
+    stopped = SlowStore(answer_after=60)
+    stopped.hangup = stopped.released.set  # type: ignore[assignment]  # (ending a check shuts its connection)
+    clean, took = leave(stopped)
+    assert not clean and rpc_session.PROBE_SETTLE_S <= took < rpc_session.PROBE_SETTLE_S + rpc_session.GRACEFUL_S
+    assert not [t for t in threading.enumerate() if t.name == "test-slow-probe"]

@@ -254,6 +254,15 @@ class Probe:
     def _ask(self) -> None:  # one check, in the probe's thread: raises where the store does not answer
         self.store.check([self.KEY])
 
+    def settle(self, timeout: float) -> bool:
+        """Wait (at most ``timeout``) for the check that is out, if one is; whether none is out now (a store that
+        answers, however slowly, comes back: one stopped does not)."""
+        with self._lock:
+            thread = self._thread if self._out else None
+        if thread is not None:
+            thread.join(timeout)
+        return not self.out
+
     def close(self, timeout: float) -> None:
         """End the check that is out, if one is (its store's connection is shut down: the store's client is
         done), and wait for the thread, at most ``timeout`` seconds. No check starts after this (a receive that

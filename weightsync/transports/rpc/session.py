@@ -56,6 +56,8 @@ TRANSPORTS = ["uv"]
 #: two halves). 3 s was too short once in CI, on 2 cores under load: the trainer stopped on its own and a worker's
 #: agent logged the connection it closed.
 GRACEFUL_S = 5.0
+#: Seconds a worker leaving its RPC world gives a check of its sender's store that is out to come back.
+PROBE_SETTLE_S = 1.0
 
 
 def default_worker_name(worker_idx: int) -> str:
@@ -401,9 +403,11 @@ def leave_session(sess: Session, clean: bool = False) -> None:
         if sess.users > 0:
             return
         if sess.probe is not None:
-            # A check still out (the sender stopped answering) would hold every later call on the store, the
-            # agent's barrier included: end it, and leave without that barrier.
-            sess.clean = sess.clean and not sess.probe.out
+            # A check still out would hold every later call on the store, the agent's barrier included: one that
+            # does not come back in time (the sender stopped answering) is ended, and this process leaves without
+            # that barrier. (Taken as gone at once, a check of a store that answers left the world unclean: the
+            # sender waited for this process at its barrier for GRACEFUL_S, and TensorPipe logged errors.)
+            sess.clean = sess.clean and sess.probe.settle(PROBE_SETTLE_S)
             sess.probe.close(GRACEFUL_S)
         if sess.started and sess.owned:
             _stop_agent(sess)

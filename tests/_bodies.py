@@ -404,6 +404,46 @@ def hung_worker_costs_one_timeout(scheme, workers, timeout=2.0, device=""):
     scheme.shutdown()
 
 
+def a_late_worker_is_passed_by_until_it_acks(scheme, workers, timeout=2.0, kind="flat2_8mb"):
+    """``on_failure="raise"``: once a worker stopped (a debugger, ``SIGSTOP``) timed out, each later send names it
+    at once ("passed by", by that send's version) and sends it nothing, and the other worker holds every version.
+    Sent each version, the stopped worker held the buffers and slots of all of them, which engines keep while it
+    may still read them: after two to four sends, every send failed for every worker (versions over 4 MiB staged by
+    ``distributed``; the local schemes' slots). Once it runs again and acks, the next send reaches it."""
+    import os
+    import signal
+    import time
+
+    model = build(kind)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, ready = start(workers, {"policy": scheme}, {"policy": kind})
+    assert all(errors == {} for _, _, errors in ready)
+    scheme.timeout = timeout
+    os.kill(group.procs[1].pid, signal.SIGSTOP)
+    try:
+        send_past_hung_worker_1(scheme, model, timeout)
+        for version in range(2, 8):
+            optimizer_step(model, version)
+            began = time.monotonic()
+            with pytest.raises(ws.SyncTimeoutError, match="passed by: still no ack for version 1, which timed out"):
+                try:
+                    scheme.send()
+                except ws.SyncTimeoutError as exc:
+                    assert (exc.worker_idx, exc.version, exc.model_id) == (1, version, "policy"), exc
+                    raise
+            assert time.monotonic() - began < timeout  # (not waited for)
+            assert group.ask(0, "state")["policy"] == (version, checksum(model))
+    finally:
+        os.kill(group.procs[1].pid, signal.SIGCONT)
+    scheme.wait_async()  # worker 1 takes version 1, the last sent to it, and acks it
+    assert scheme.acked_versions == {0: 7, 1: 1}
+    optimizer_step(model, 8)
+    scheme.send()
+    assert [group.ask(w, "state")["policy"] for w in (0, 1)] == [(8, checksum(model))] * 2
+    group.stop()
+    scheme.shutdown()
+
+
 def a_worker_dropped_alive_hears_it_was_dropped(scheme, workers):
     """``on_failure="drop"``: a worker hung past the timeout is dropped; once it runs again, it hears so
     (``ConnectionClosedError`` naming the drop), where an RPC worker waited for versions for good (RPC tells a

@@ -55,6 +55,8 @@ def build(kind: str) -> nn.Module:
         return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
     if kind == "flat4":  # four 64k-float tensors: large enough for a torn read to be visible
         return nn.ParameterList([nn.Parameter(torch.zeros(65536)) for _ in range(4)])
+    if kind == "flat2_8mb":  # two 1M-float tensors (8 MiB): over the size distributed stages in its buffers
+        return nn.ParameterList([nn.Parameter(torch.zeros(1 << 20)) for _ in range(2)])
     if kind == "flat4_64mb":  # four 4M-float tensors (64 MiB): a GPU copy long enough for a missing fence to show
         return nn.ParameterList([nn.Parameter(torch.zeros(1 << 22)) for _ in range(4)])
     raise ValueError(kind)

@@ -141,6 +141,11 @@ def test_hung_worker_costs_one_timeout_then_is_raised_or_dropped(workers, name, 
     bodies.hung_worker_costs_one_timeout(_scheme(name, on_failure=policy), workers, TIMEOUT)
 
 
+@pytest.mark.parametrize("name", REJOINING)
+def test_a_late_worker_is_passed_by_until_it_acks_and_starves_no_other(workers, name):
+    bodies.a_late_worker_is_passed_by_until_it_acks(_scheme(name), workers, TIMEOUT)
+
+
 @pytest.mark.parametrize("name", LOCAL)
 def test_a_worker_dropped_alive_hears_it_was_dropped(workers, name):
     bodies.a_worker_dropped_alive_hears_it_was_dropped(_scheme(name, on_failure="drop"), workers)
@@ -387,6 +392,29 @@ def test_a_staleness_bound_counts_a_workers_failure_as_its_answer_only_with_noth
     ledger.answered(failed)
     assert list(ledger.keep_answers(failed)) == [1]  # (still a failure: the bound raises it, as before)
     assert list(ledger.errors) == [0] and ledger.peers[0].sent == 1  # (reported by the send; nothing on its way)
+
+
+def test_a_worker_is_late_while_the_version_it_timed_out_on_may_still_be_acked():
+    """A worker is passed by (late) from the wait that timed out on a version until it acks that version, or a
+    later one; or until no ack of it can come: the worker answered it with a failure, or the engine's own call for
+    it timed out (an RPC's; passed by for good, such a worker was never sent a version again). A failure of an
+    older version does not end it, and a new process under its index is not late."""
+    from weightsync.core.ledger import Ledger, Peer
+
+    ledger = Ledger("policy", peers={w: Peer(sent=1, acked=0) for w in range(4)})
+    assert ledger.late([0, 1, 2, 3]) == {}
+    ledger.timeouts([0, 1, 2, 3], {w: 1 for w in range(4)}, "2s")
+    late = ledger.late([0, 1, 2, 3], version=5)
+    assert sorted(late) == [0, 1, 2, 3] and all(isinstance(e, ws.SyncTimeoutError) for e in late.values())
+    assert (late[2].worker_idx, late[2].version, late[2].model_id) == (2, 5, "policy")
+    assert "passed by: still no ack for version 1, which timed out (last acked: 0)" in str(late[2])
+    ledger.ack(0, 1)
+    ledger.failed(1, ws.ReceiverError("RuntimeError", "no", model_id="policy", worker_idx=1, version=1))
+    ledger.failed(2, ws.SyncTimeoutError("its call timed out", model_id="policy", worker_idx=2, version=1))
+    ledger.failed(3, ws.ReceiverError("RuntimeError", "an older one", model_id="policy", worker_idx=3, version=0))
+    assert list(ledger.late([0, 1, 2, 3])) == [3]
+    ledger.renew(3, sent=4)
+    assert ledger.late([3]) == {}
 
 
 @pytest.mark.parametrize("on_failure", ["raise", "drop"])

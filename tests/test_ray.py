@@ -354,8 +354,20 @@ def test_hung_actor_costs_one_timeout_then_is_raised_or_dropped(policy):
     try:
         send_past_hung_worker_1(scheme, model, 2.0)
         assert ray.get(actors[0].state.remote()) == (1, checksum(model, "tensordict"))
+        if policy == "raise":  # a late actor is passed by (named at once) until it acks: the other gets each version
+            optimizer_step(model, 2)
+            began = time.monotonic()
+            with pytest.raises(ws.SyncTimeoutError, match="passed by: still no ack for version 1") as info:
+                scheme.send()
+            assert (info.value.worker_idx, info.value.version) == (1, 2) and time.monotonic() - began < 2.0
+            assert ray.get(actors[0].state.remote()) == (2, checksum(model, "tensordict"))
     finally:
         os.kill(pid, signal.SIGCONT)
+    if policy == "raise":  # once it ran again and acked, the next send reaches it
+        scheme.wait_async()
+        optimizer_step(model, 3)
+        scheme.send()
+        assert [ray.get(a.state.remote()) for a in actors] == [(3, checksum(model, "tensordict"))] * 2
     if policy == "drop":  # the next send does not wait for it again
         optimizer_step(model, 2)
         began = time.monotonic()

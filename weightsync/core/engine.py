@@ -166,6 +166,10 @@ class SenderEngine(ABC):
     pushes: ClassVar[bool] = False
     #: It sends :attr:`Outgoing.delta` to :attr:`Outgoing.delta_workers` (the scheme's ``delta`` option).
     takes_deltas: ClassVar[bool] = False
+    #: A worker late on a version (:meth:`~weightsync.core.ledger.Ledger.late`) is passed by until it acks it: each
+    #: version on its way to a worker holds buffers or slots, kept while the worker may still read them. ``False``:
+    #: the engine holds a worker's later versions back itself (the vLLM gate's calls, one at a time, in order).
+    passes_late_by: ClassVar[bool] = True
 
     sink: Sink
     layout: FlatLayout

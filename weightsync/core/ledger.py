@@ -20,6 +20,9 @@ class Peer:
     acked_at: float = float("-inf")
     #: The newest version a wait reported this worker timed out on (:meth:`Ledger.timeouts`).
     timed_out: int | None = None
+    #: The newest version whose call ended without an ack (the worker's failure of it, or the engine's own time-out
+    #: of it: an RPC's): no ack of it comes.
+    ended: int | None = None
 
 
 @dataclass
@@ -38,6 +41,15 @@ class Ledger:
             peer.acked = held
             peer.acked_at = time.perf_counter()
 
+    def failed(self, worker: int, error: WeightSyncError) -> None:
+        """A failure found outside any wait, which the next call that targets ``worker`` reports. It also says no
+        ack of its version comes (the worker failed it, or the engine's own call for it timed out): the worker is
+        not late on that version (:meth:`late`)."""
+        self.errors[worker] = error
+        if error.version is not None:
+            peer = self.peers[worker]
+            peer.ended = max(error.version, peer.ended if peer.ended is not None else error.version)
+
     def has_acked(self, worker: int, version: int) -> bool:
         """``worker`` acked ``version`` or a later one."""
         acked = self.peers[worker].acked
@@ -50,6 +62,26 @@ class Ledger:
         """Those of ``workers`` found gone, each with the error that showed it, fresh for this call to raise
         (:func:`~weightsync.errors.restated`), about ``version`` where given."""
         return {w: restated(self.dead[w], version) for w in workers if w in self.dead}
+
+    def late(self, workers: list[int], version: int | None = None) -> dict[int, WeightSyncError]:
+        """Those of ``workers`` still without their ack of a version a wait found them late on, each with a
+        :class:`SyncTimeoutError` about ``version``: a send passes them by until they ack it. (Sent more, a
+        worker that stopped would hold the buffers and slots of every version on its way to it, which engines
+        keep while it may still read them, and starve the others once all are held.)"""
+        return {
+            w: SyncTimeoutError(
+                f"passed by: still no ack for version {peer.timed_out}, which timed out (last acked: {peer.acked}); "
+                "it is sent newer versions once it acks",
+                model_id=self.model_id,
+                worker_idx=w,
+                version=version,
+            )
+            for w in workers
+            if w not in self.dead
+            and (peer := self.peers[w]).timed_out is not None
+            and not self.has_acked(w, peer.timed_out)
+            and (peer.ended is None or peer.ended < peer.timed_out)
+        }
 
     def take_errors(self, workers: list[int] | dict[int, int]) -> dict[int, WeightSyncError]:
         """The failures found earlier for ``workers`` (each reported once: an engine's own time-out of a version,
@@ -99,7 +131,8 @@ class Ledger:
         """``worker`` is a new process, sent ``sent``: alive, with no failure and no ack yet."""
         self.dead.pop(worker, None)
         self.errors.pop(worker, None)
-        self.peers[worker].acked, self.peers[worker].sent, self.peers[worker].timed_out = None, sent, None
+        peer = self.peers[worker]
+        peer.acked, peer.sent, peer.timed_out, peer.ended = None, sent, None, None
 
     @staticmethod
     def overtaken(error: WeightSyncError, answered: int | None) -> bool:

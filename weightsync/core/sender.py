@@ -16,14 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..errors import (
-    SyncTimeoutError,
-    TransportError,
-    WeightSyncError,
-    WorkerDiedError,
-    by_worker,
-    raise_failures,
-)
+from ..errors import SyncTimeoutError, TransportError, WeightSyncError, WorkerDiedError, by_worker, raise_failures
 from ..metrics import SendMetrics, SendRecord
 from ..tensors.bound import BoundModel
 from ..tensors.layout import FlatLayout
@@ -115,7 +108,7 @@ class Sender:
         self.ledger.ack(worker, held)
 
     def failed(self, worker: int, error: WeightSyncError) -> None:
-        self.ledger.errors[worker] = error
+        self.ledger.failed(worker, error)
 
     def died(self, worker: int, error: WeightSyncError | str) -> None:
         if isinstance(error, str):
@@ -298,8 +291,8 @@ class Sender:
         self._naming = version
         try:
             self.engine.poll(ledger.live(sorted(ledger.peers)))  # what came back since: acks, deaths
-            failures = ledger.gone(targets, version)  # (found before: named by this send's version)
-            live = ledger.live(targets)
+            failures = {**ledger.gone(targets, version), **self._late(targets, version)}  # (named by this send)
+            live = [w for w in targets if w not in failures]
             out = Outgoing(version, flat, whole, live, initial)
             submitting = False
             try:
@@ -338,6 +331,11 @@ class Sender:
         )
         ledger.answered(failures)
         raise_failures(failures, model_id=self.model_id, version=version)
+
+    def _late(self, targets: list[int], version: int | None = None) -> dict[int, WeightSyncError]:
+        """The workers of ``targets`` a send passes by (:attr:`SenderEngine.passes_late_by`), each with its error."""
+        late = self.engine is not None and self.engine.passes_late_by
+        return self.ledger.late(targets, version) if late else {}
 
     def collect(
         self, expected: dict[int, int], deadline: float, within: float | None = None
@@ -436,16 +434,17 @@ class Sender:
     def _bound_staleness(self, targets: list[int]) -> float:
         """Wait until no targeted worker lags more than ``max_staleness`` behind the next version, as far as
         the versions on their way to it can bring it: a worker with none (it said it failed the last one sent
-        to it, or the sends since skipped it) has no ack coming, and is waited for not at all."""
+        to it, or the sends since skipped it) has no ack coming, and one late is passed by: neither is waited for."""
         limit = self.options.max_staleness
         assert limit is not None  # called only under a bound
         upcoming = (self.version if self.version is not None else -1) + 1
         expected = {}
+        late = self._late(targets)  # (passed by: the send names them)
         for w in self.ledger.live(targets):
             peer = self.ledger.peers[w]
             lag = upcoming - (peer.acked if peer.acked is not None else -1)
             self.metrics.max_lag = max(self.metrics.max_lag, lag - 1)
-            if lag > limit and peer.sent is not None and not self.ledger.has_acked(w, peer.sent):
+            if lag > limit and w not in late and peer.sent is not None and not self.ledger.has_acked(w, peer.sent):
                 expected[w] = min(upcoming - limit, peer.sent)
         if not expected:
             return 0.0

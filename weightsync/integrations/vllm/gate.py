@@ -328,6 +328,10 @@ class Gate(Rejoins, SenderEngine):
     def rejoins(self) -> bool:  # type: ignore[override]
         return self.inner is not None and self.inner.rejoins
 
+    #: An engine whose update timed out is sent the next version, whose calls wait their turn behind the earlier's
+    #: (its undoing: resume, the session ended): served once those end, within the send's time.
+    passes_late_by = False
+
     @property
     def takes_deltas(self) -> bool:  # type: ignore[override]
         """The scheme's engine's: a class attribute of every engine, which ``__getattr__`` would never be asked for

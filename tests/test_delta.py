@@ -785,6 +785,42 @@ def test_a_worker_that_refuses_changes_is_sent_whole_the_bytes_the_others_were_s
         _stop(scheme, workers)
 
 
+def test_a_worker_that_refused_changes_and_then_stopped_on_the_whole_version_is_passed_by_until_it_acks(monkeypatch):
+    """Worker 1 refuses version 2's changes, then stops (a debugger) before it acks the version sent whole: it is
+    late on that version, and the next send passes it by at once. Its refusal had counted as the end of version 2's
+    call, so the next send waited its whole timeout for it, and held another buffer (found by a review)."""
+    model, scheme, workers = _second_copy_not_the_base()
+    sender = scheme._sending
+    whole_again = sender._send_whole_again
+
+    def stopped_after_its_refusal(out, failures, deadline, within):
+        workers[1].pause()
+        return whole_again(out, failures, deadline, within)
+
+    try:
+        scheme.timeout = 1.0
+        monkeypatch.setattr(sender, "_send_whole_again", stopped_after_its_refusal)
+        with pytest.raises(ws.SyncTimeoutError, match=r"worker 1, version 2\] no ack for version 2"):
+            scheme.send()
+        monkeypatch.undo()
+        _sparse_step(model, 3)
+        began = time.monotonic()
+        with pytest.raises(ws.SyncTimeoutError, match=r"version 3\] passed by: still no ack for version 2"):
+            scheme.send()
+        assert time.monotonic() - began < scheme.timeout
+        assert _all_hold(workers[:1], model, 3)
+    finally:
+        monkeypatch.undo()
+        workers[1].resume()
+    try:
+        scheme.wait_async()  # it takes version 2, sent whole
+        _sparse_step(model, 4)
+        scheme.send()
+        assert _all_hold(workers, model, 4)
+    finally:
+        _stop(scheme, workers)
+
+
 @pytest.mark.parametrize("flatten", [False, True], ids=["", "flatten_sender"])
 def test_a_worker_sent_a_version_whole_gets_the_bytes_the_others_were_sent_changes_to(monkeypatch, flatten):
     """Worker 1 missed a version (sent to worker 0 alone), so the next send sends worker 0 changes and worker 1 the

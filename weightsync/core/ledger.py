@@ -50,6 +50,15 @@ class Ledger:
             peer = self.peers[worker]
             peer.ended = max(error.version, peer.ended if peer.ended is not None else error.version)
 
+    def resent(self, workers: list[int], version: int) -> None:
+        """``version``, whose changes ``workers`` refused, is on its way to them again, whole: an ack of it can come
+        (a refusal ended its call). Each was not late before the refusal (it was sent the version), so its earlier
+        ended call, if one counted, was an older version's."""
+        for w in workers:
+            peer = self.peers[w]
+            if peer.ended == version:
+                peer.ended = version - 1 if version > 0 else None
+
     def has_acked(self, worker: int, version: int) -> bool:
         """``worker`` acked ``version`` or a later one."""
         acked = self.peers[worker].acked

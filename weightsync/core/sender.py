@@ -26,6 +26,7 @@ from .children import KnownProcesses
 from .engine import Outgoing, SenderEngine
 from .ledger import Ledger, Peer
 from .rejoin import Admitter
+from .staleness import bound_staleness
 from .timing import Progress, deadline_after, remaining, shown_seconds
 
 __all__ = ["Sender", "SenderOptions"]
@@ -183,6 +184,7 @@ class Sender:
         try:
             if out.workers:  # (sent to no one, it would stand as the engine's newest: a whole version, unstaged)
                 self.engine.submit(out, self.engine.stage(out, deadline))
+                self.ledger.resent(out.workers, out.version)
         except WeightSyncError as exc:  # no free buffer in time: those workers keep the version they hold
             failures.update({w: exc for w in refused})
             return
@@ -291,7 +293,7 @@ class Sender:
         self._naming = version
         try:
             self.engine.poll(ledger.live(sorted(ledger.peers)))  # what came back since: acks, deaths
-            failures = {**ledger.gone(targets, version), **self._late(targets, version)}  # (named by this send)
+            failures = {**ledger.gone(targets, version), **self.late(targets, version)}  # (named by this send)
             live = [w for w in targets if w not in failures]
             out = Outgoing(version, flat, whole, live, initial)
             submitting = False
@@ -332,7 +334,7 @@ class Sender:
         ledger.answered(failures)
         raise_failures(failures, model_id=self.model_id, version=version)
 
-    def _late(self, targets: list[int], version: int | None = None) -> dict[int, WeightSyncError]:
+    def late(self, targets: list[int], version: int | None = None) -> dict[int, WeightSyncError]:
         """The workers of ``targets`` a send passes by (:attr:`SenderEngine.passes_late_by`), each with its error."""
         late = self.engine is not None and self.engine.passes_late_by
         return self.ledger.late(targets, version) if late else {}
@@ -369,7 +371,7 @@ class Sender:
             check_finite(self._flat_weights(weights), model_id=self.model_id)
         stale_wait = 0.0
         if not wait and self.options.max_staleness is not None:
-            stale_wait = self._bound_staleness(targets)
+            stale_wait = bound_staleness(self, targets, self.options.max_staleness)
         before = self.version
         failure: WeightSyncError | None = None
         try:
@@ -430,48 +432,6 @@ class Sender:
         if len(self.metrics.dropped) > dropped and not self.ledger.live(sorted(self.ledger.peers)):
             log.warning("model %r: every worker is dropped: sends reach none until one rejoins", self.model_id)
         raise_failures(kept, model_id=self.model_id, version=version)
-
-    def _bound_staleness(self, targets: list[int]) -> float:
-        """Wait until no targeted worker lags more than ``max_staleness`` behind the next version, as far as
-        the versions on their way to it can bring it: a worker with none (it said it failed the last one sent
-        to it, or the sends since skipped it) has no ack coming, and one late is passed by: neither is waited for."""
-        limit = self.options.max_staleness
-        assert limit is not None  # called only under a bound
-        upcoming = (self.version if self.version is not None else -1) + 1
-        expected = {}
-        late = self._late(targets)  # (passed by: the send names them)
-        for w in self.ledger.live(targets):
-            peer = self.ledger.peers[w]
-            lag = upcoming - (peer.acked if peer.acked is not None else -1)
-            self.metrics.max_lag = max(self.metrics.max_lag, lag - 1)
-            if lag > limit and w not in late and peer.sent is not None and not self.ledger.has_acked(w, peer.sent):
-                expected[w] = min(upcoming - limit, peer.sent)
-        if not expected:
-            return 0.0
-        started = time.perf_counter()
-        failures = self.collect(expected, deadline_after(self.timeout))
-        self.ledger.answered(failures)
-        failures = self.ledger.keep_answers(failures)  # (the send reports them as it would without a bound)
-        waited = time.perf_counter() - started
-        self.metrics.staleness_waits += 1
-        if failures:
-            late = {
-                w: SyncTimeoutError(
-                    f"lags more than max_staleness={limit} versions and did not catch up within "
-                    f"{shown_seconds(self.timeout)} ({e.detail})",
-                    model_id=self.model_id,
-                    worker_idx=w,
-                    version=upcoming,
-                )
-                if isinstance(e, SyncTimeoutError)
-                else e
-                for w, e in failures.items()
-            }
-            try:
-                raise_failures(late, model_id=self.model_id, version=upcoming)
-            except WeightSyncError as exc:
-                self.handle_failures(exc, upcoming)
-        return waited
 
     # --------------------------------------------------------------- reports
     def stats(self) -> dict[str, Any]:

@@ -50,8 +50,9 @@ def _released(future: Any) -> bool:
 
 class RPCSender(SenderEngine):
     """The sender's RPC session (unless the caller runs RPC), staging buffers and one :class:`RPCTransport` per
-    worker. Each RPC is bounded by the core's ``timeout``; a session the engine runs serves its store, bounded by
-    the core's ``connect_timeout``, from construction on.
+    worker. The initial version's RPCs are bounded by the core's ``connect_timeout``, later ones only by the core's
+    waits (:meth:`_bound`); a session the engine runs serves its store, bounded by ``connect_timeout``, from
+    construction on.
 
     Args:
         settings: the transport's (``max_buffers``).
@@ -170,8 +171,12 @@ class RPCSender(SenderEngine):
         return future
 
     def _bound(self, initial: bool) -> float:
-        """The longest one RPC of a version waits for its answer."""
-        return self.sink.connect_timeout if initial else self.sink.timeout
+        """The longest one RPC of a version waits for its answer: the initial version's, ``connect_timeout``; a later
+        one's, no bound of its own (0: TensorPipe's "never"). The core's wait bounds the send, and a worker that did
+        not answer in it is late, passed by while its call is out (its answer, when it comes, is its ack). A call
+        bounded by ``timeout`` ended there, so the next send made another, and TensorPipe held the bytes of each
+        until the worker read again: a trainer grew by the model's size per send while a worker was stopped."""
+        return self.sink.connect_timeout if initial else 0.0
 
     def _settle(self, w: int, future: Any, seconds: float) -> bool:
         self._answered.wait(seconds)

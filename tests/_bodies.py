@@ -444,6 +444,51 @@ def a_late_worker_is_passed_by_until_it_acks(scheme, workers, timeout=2.0, kind=
     scheme.shutdown()
 
 
+def sends_that_do_not_wait_go_on_past_a_stopped_worker(scheme, workers, timeout=1.0, kind="flat2_8mb"):
+    """``send_async`` with no wait: no wait finds a stopped worker late, and the versions on their way to it hold
+    every staging buffer (``distributed``, ``rpc``: versions over 4 MiB) or slot (local) after two to four sends.
+    The send whose staging it holds up for its whole wait finds it late: under ``drop`` it is dropped, under
+    ``raise`` its engine sets aside what it holds (kept alive for it) and the send goes on past it, naming it; the
+    other worker holds every version. The local schemes cannot give up slots a live worker may still map: under
+    ``raise`` their sends fail, naming the stopped worker, until it resumes. (Before, every send failed for every
+    worker under both policies, named no worker, and ``drop`` never dropped it.)"""
+    import os
+    import signal
+
+    from weightsync.core.timing import deadline_after, wait_until
+
+    model = build(kind)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, ready = start(workers, {"policy": scheme}, {"policy": kind})
+    assert all(errors == {} for _, _, errors in ready)
+    scheme.timeout = timeout
+    local = (ws.MultiProcessWeightSyncScheme, ws.SharedMemWeightSyncScheme)
+    stuck = scheme.on_failure == "raise" and isinstance(scheme, local)
+    os.kill(group.procs[1].pid, signal.SIGSTOP)
+    try:
+        for version in range(1, 7):
+            optimizer_step(model, version)
+            try:
+                scheme.send_async()
+            except ws.SyncTimeoutError as exc:
+                assert (exc.worker_idx, exc.model_id) == (1, "policy"), exc
+            if stuck:
+                continue
+            holds = (version, checksum(model))
+            assert wait_until(lambda h=holds: group.ask(0, "state")["policy"] == h, deadline_after(10), 0.02), version
+        if scheme.on_failure == "drop":
+            assert list(scheme.stats()["dropped_workers"]) == [1]
+    finally:
+        os.kill(group.procs[1].pid, signal.SIGCONT)
+    if scheme.on_failure == "raise":  # once it runs again, it takes what is on its way, and the next send reaches it
+        scheme.wait_async(timeout=30)
+        optimizer_step(model, 7)
+        scheme.send()  # (a send that published nothing numbered no version)
+        assert [group.ask(w, "state")["policy"] for w in (0, 1)] == [(scheme.version, checksum(model))] * 2
+    group.stop()
+    scheme.shutdown()
+
+
 def a_worker_dropped_alive_hears_it_was_dropped(scheme, workers):
     """``on_failure="drop"``: a worker hung past the timeout is dropped; once it runs again, it hears so
     (``ConnectionClosedError`` naming the drop), where an RPC worker waited for versions for good (RPC tells a

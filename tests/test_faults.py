@@ -146,6 +146,12 @@ def test_a_late_worker_is_passed_by_until_it_acks_and_starves_no_other(workers, 
     bodies.a_late_worker_is_passed_by_until_it_acks(_scheme(name), workers, TIMEOUT)
 
 
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem", "distributed-gloo"])
+def test_sends_that_do_not_wait_go_on_past_a_stopped_worker_that_holds_up_their_staging(workers, name, policy):
+    bodies.sends_that_do_not_wait_go_on_past_a_stopped_worker(_scheme(name, on_failure=policy), workers)
+
+
 @pytest.mark.parametrize("name", LOCAL)
 def test_a_worker_dropped_alive_hears_it_was_dropped(workers, name):
     bodies.a_worker_dropped_alive_hears_it_was_dropped(_scheme(name, on_failure="drop"), workers)

@@ -51,6 +51,8 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str
         "hung_worker_costs_one_timeout::on_failure=raise",
         "hung_worker_costs_one_timeout::on_failure=drop",
         "a_late_worker_is_passed_by_until_it_acks",
+        "sends_that_do_not_wait_go_on_past_a_stopped_worker",
+        "sends_that_do_not_wait_go_on_past_a_stopped_worker::on_failure=drop",
         "a_worker_dropped_alive_hears_it_was_dropped::on_failure=drop",
         "connect_waits_its_timeout_for_absent_workers::connect_timeout=2",
         "a_worker_that_joins_then_dies_costs_connect_its_timeout::connect_timeout=4",

@@ -246,6 +246,13 @@ class SenderEngine(ABC):
         """``worker`` is gone: release what it held."""
         return None
 
+    def set_aside(self, worker: int) -> bool:
+        """``worker`` is late (it held up a version's staging past the send's wait): what the versions on their way
+        to it hold leaves the pool the engine stages in, kept alive until it is done with them, so that the next
+        versions, which pass it by, have room. Returns whether the engine did (``False``: it cannot give up
+        memory a live worker may still read)."""
+        return False
+
     def unpublished(self) -> None:
         """Staging or submitting a version raised: the core's copy handed with the last send of changes alone
         (:attr:`Outgoing.published`) may hold that version's bytes now, which were not sent, or not to everyone;

@@ -50,6 +50,14 @@ class Ledger:
             peer = self.peers[worker]
             peer.ended = max(error.version, peer.ended if peer.ended is not None else error.version)
 
+    def held_up(self, workers: list[int]) -> None:
+        """``workers`` held up a send's staging for its whole wait (no earlier version taken off the wire): each is
+        late on the newest version sent to it."""
+        for w in workers:
+            peer = self.peers[w]
+            if peer.sent is not None:
+                peer.timed_out = max(peer.sent, peer.timed_out if peer.timed_out is not None else peer.sent)
+
     def resent(self, workers: list[int], version: int) -> None:
         """``version``, whose changes ``workers`` refused, is on its way to them again, whole: an ack of it can come
         (a refusal ended its call). Each was not late before the refusal (it was sent the version), so its earlier

@@ -375,7 +375,12 @@ class Sender:
         before = self.version
         failure: WeightSyncError | None = None
         try:
-            self.send_version(weights, targets, wait=wait)
+            try:
+                self.send_version(weights, targets, wait=wait)
+            except WeightSyncError as exc:
+                if self.version != before or not self._past(exc):
+                    raise
+                self.send_version(weights, targets, wait=wait)  # (once more: the late are passed by)
         except WeightSyncError as exc:
             if self.version == before:  # nothing was published (bad weights, no free buffer): always raised
                 raise
@@ -403,6 +408,20 @@ class Sender:
         log.debug("model %r: send %s", self.model_id, record)
         if failure is not None:
             self.handle_failures(failure, self.version)
+
+    def _past(self, exc: WeightSyncError) -> bool:
+        """A send that published nothing because workers held up its staging (no free buffer or slot in its wait,
+        as sends that do not wait left versions to a stopped worker): they are late. Under ``drop`` they are
+        dropped, else their engine sets aside what they hold; returns whether the send may go on past them."""
+        assert self.engine is not None
+        held = [w for w, e in by_worker(exc).items() if isinstance(e, SyncTimeoutError) and w in self.ledger.peers]
+        if not held or not self.engine.passes_late_by:
+            return False
+        self.ledger.held_up(held)
+        if self.options.on_failure == "drop":
+            self.handle_failures(exc, self.version)
+            return True
+        return all([self.engine.set_aside(w) for w in held])
 
     def wait(self, timeout: float) -> None:
         """``wait_async``: every worker's ack of the last version sent to it, under the failure policy."""

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..core.timing import remaining
-from ..errors import SyncTimeoutError
+from ..errors import SyncTimeoutError, raise_failures
 
 __all__ = ["Staging", "StagingPool"]
 
@@ -60,7 +60,8 @@ class StagingPool:
         """A free buffer, waiting (until ``deadline``) for the oldest one's sends to finish.
 
         Raises:
-            SyncTimeoutError: every buffer is still read by a worker that did not take its update in time.
+            SyncTimeoutError: every buffer is still read by a worker that did not take its update in time (each
+                such worker named: :class:`~weightsync.errors.SendFailedError` for several).
         """
         while True:
             for staging in self.buffers:
@@ -71,11 +72,13 @@ class StagingPool:
                 return self.buffers[-1]
             oldest = self.buffers[0]
             if remaining(deadline) <= 0:
-                raise SyncTimeoutError(
-                    f"workers {oldest.busy(self._done)} have not taken earlier versions off the wire; nothing was "
-                    f"sent (all {self.limit} staging buffers are in use)",
-                    **where,
+                busy = oldest.busy(self._done)
+                said = (
+                    f"workers {busy} have not taken earlier versions off the wire; nothing was sent (all {self.limit} "
+                    "staging buffers are in use)"
                 )
+                raise_failures({w: SyncTimeoutError(said, **where, worker_idx=w) for w in busy}, **where)
+                continue  # (its last send ended just now: it is free)
             for w, op in list(oldest.readers.items()):
                 if self._settle(w, op, min(remaining(deadline), SETTLE_S)):
                     oldest.readers.pop(w, None)

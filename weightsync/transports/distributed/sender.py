@@ -436,6 +436,11 @@ class DistributedSender(Admitting, SenderEngine):
     def unpublished(self) -> None:
         self._unstaged = None  # (a whole version staged before, in self.newest, still stands)
 
+    def set_aside(self, worker: int) -> bool:
+        if self.pool is not None:
+            self.pool.retire(worker)  # (the sends still reading its buffers keep them alive)
+        return True
+
     def lost(self, worker: int, reason: str) -> None:
         self.transports[worker].drop(reason)
         if self.pool is not None:

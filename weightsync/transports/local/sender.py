@@ -39,7 +39,14 @@ import torch
 
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import WAIT_TICK_S, remaining, shown_seconds
-from ...errors import ConfigurationError, ConnectionClosedError, SyncTimeoutError, WeightSyncError, WorkerDiedError
+from ...errors import (
+    ConfigurationError,
+    ConnectionClosedError,
+    SyncTimeoutError,
+    WeightSyncError,
+    WorkerDiedError,
+    raise_failures,
+)
 from ...tensors import cuda
 from ...tensors.layout import FlatLayout
 from ..descriptors import readable
@@ -328,13 +335,14 @@ class LocalSender(SenderEngine):
             if busy and not late and pool.pinning:  # (every slot a model's memory: shared_mem)
                 raise ConfigurationError(pool.stuck(busy), model_id=self.sink.model_id, version=version)
             if remaining(deadline) <= 0:
-                raise SyncTimeoutError(
+                said = (
                     f"no free weight slot in time: no ack from workers {late}, of the versions that would free one "
-                    f"(workers {busy} hold or read the slots, max_slots={pool.max_slots})",
-                    model_id=self.sink.model_id,
-                    worker_idx=late[0] if len(late) == 1 else None,
-                    version=version,
+                    f"(workers {busy} hold or read the slots, max_slots={pool.max_slots})"
                 )
+                model_id = self.sink.model_id
+                each = {w: SyncTimeoutError(said, model_id=model_id, worker_idx=w, version=version) for w in late}
+                raise_failures(each, model_id=model_id, version=version)
+                raise SyncTimeoutError(said, model_id=model_id, version=version)
             if busy:
                 self.wait(busy, deadline)
                 self.poll(busy)

@@ -234,6 +234,11 @@ class RPCSender(SenderEngine):
     def wait(self, workers: list[int], deadline: float) -> None:
         self._answered.wait(remaining(deadline))
 
+    def set_aside(self, worker: int) -> bool:
+        if self.pool is not None:
+            self.pool.retire(worker)  # (the sends still reading its buffers keep them alive)
+        return True
+
     def lost(self, worker: int, reason: str) -> None:
         self.transports[worker].in_flight.clear()
         if self.pool is not None:

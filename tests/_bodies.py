@@ -540,6 +540,28 @@ def rpc_shutdown_waits_a_bounded_time_for_workers_that_stay(scheme, workers):
     group.stop()
 
 
+def rpc_shutdown_is_bounded_with_a_versions_call_still_out(scheme, workers):
+    """RPC: a version's call has no bound of its own (the send's wait has one), and the world's barrier, TensorPipe's
+    graceful shutdown, waits for every call still out with no bound either. A worker that heard the goodbye but
+    still holds a call (its loop busy in its own code) leaves the trainer's ``shutdown()`` to stop on its own,
+    within its bounds; the worker leaves too once its loop runs again."""
+    from weightsync.transports.rpc.session import GRACEFUL_S
+
+    model = build("tiny")
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, ready = start(workers, {"policy": scheme}, {"policy": "tiny"})
+    assert all(errors == {} for _, _, errors in ready)
+    assert group.ask(1, "busy", 4 * GRACEFUL_S) == "busy"
+    optimizer_step(model, 1)
+    scheme.send_async()  # (worker 1's call stays out: its loop does not receive)
+    began = time.monotonic()
+    scheme.shutdown()
+    took = time.monotonic() - began
+    assert took <= 1.1 * 2 * GRACEFUL_S + 1.0, f"shutdown() took {took:.1f}s"
+    assert group.ask(0, "state")["policy"][0] == 1
+    group.stop(timeout=6 * GRACEFUL_S)
+
+
 def mismatching_worker_is_refused_by_name(scheme, workers, device=""):
     """A worker whose model does not fit fails the rendez-vous by name; the other is connected and served."""
     model = build(on("tiny", device))

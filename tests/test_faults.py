@@ -27,6 +27,7 @@ from tests import _bodies as bodies
 from tests._bodies import optimizer_step, start
 from tests._workers import build, checksum, serve
 from tests.conftest import SCHEMES
+from weightsync.errors import by_worker
 
 LOCAL = ["multiprocess", "shared_mem", "shared_mem-per_worker"]
 #: distributed sending only what changed (``delta=True``: changes even where every value changed, as each
@@ -42,13 +43,13 @@ def _scheme(name: str, **kw) -> ws.WeightSyncScheme:
     return SCHEMES[name](**kw)
 
 
-def _connected(name, workers, n=2, timeout=None, **kw):
-    model = build("tiny")
+def _connected(name, workers, n=2, timeout=None, kind="tiny", **kw):
+    model = build(kind)
     scheme = _scheme(name, **kw)
     if timeout is not None:  # before the workers get the scheme: theirs too
         scheme.timeout = timeout
     scheme.init_on_sender(model_id="policy", model=model, num_workers=n)
-    group, ready = start(workers, {"policy": scheme}, {"policy": "tiny"}, n=n)
+    group, ready = start(workers, {"policy": scheme}, {"policy": kind}, n=n)
     assert all(errors == {} for _, _, errors in ready)
     return model, scheme, group
 
@@ -144,6 +145,37 @@ def test_hung_worker_costs_one_timeout_then_is_raised_or_dropped(workers, name, 
 @pytest.mark.parametrize("name", REJOINING)
 def test_a_late_worker_is_passed_by_until_it_acks_and_starves_no_other(workers, name):
     bodies.a_late_worker_is_passed_by_until_it_acks(_scheme(name), workers, TIMEOUT)
+
+
+@pytest.mark.parametrize("name", REJOINING)
+def test_two_workers_stopped_at_different_versions_hold_up_no_send(workers, name):
+    """Worker 1 stops before version 1, worker 2 after it acked version 1: each is late on another version, and the
+    versions on their way to them held both of ``distributed``'s two staging buffers. Each send that passes them by
+    sets aside what they hold: worker 0 gets every version at once, and once both run again, the next send reaches
+    all three (before, each send from the third on waited its whole timeout for a buffer; found by a review)."""
+    model, scheme, group = _connected(name, workers, n=3, timeout=TIMEOUT, kind="flat2_8mb")
+    try:
+        os.kill(group.procs[1].pid, signal.SIGSTOP)
+        for version in range(1, 6):
+            if version == 2:
+                os.kill(group.procs[2].pid, signal.SIGSTOP)
+            optimizer_step(model, version)
+            began = time.monotonic()
+            with pytest.raises(ws.WeightSyncError) as info:
+                scheme.send()
+            named = sorted(by_worker(info.value))
+            assert named == ([1] if version == 1 else [1, 2]), info.value
+            assert version < 3 or time.monotonic() - began < TIMEOUT, (version, time.monotonic() - began)
+            assert group.ask(0, "state")["policy"] == (version, checksum(model))
+    finally:
+        os.kill(group.procs[1].pid, signal.SIGCONT)
+        os.kill(group.procs[2].pid, signal.SIGCONT)
+    scheme.wait_async(timeout=30)
+    optimizer_step(model, 6)
+    scheme.send()
+    assert [group.ask(w, "state")["policy"] for w in range(3)] == [(6, checksum(model))] * 3
+    group.stop()
+    scheme.shutdown()
 
 
 @pytest.mark.parametrize("policy", ["raise", "drop"])

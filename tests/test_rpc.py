@@ -58,6 +58,7 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str
         "a_worker_that_joins_then_dies_costs_connect_its_timeout::connect_timeout=4",
         "an_agent_whose_world_did_not_form_is_stopped::connect_timeout=10",
         "rpc_shutdown_waits_a_bounded_time_for_workers_that_stay",
+        "rpc_shutdown_is_bounded_with_a_versions_call_still_out",
         "agents_sit_idle_between_sends",
         "agent_environment_holds_until_the_agent_stopped",
         # Only what changed (delta=true: even where every value changed): the same guarantees (the first also

@@ -247,10 +247,11 @@ class SenderEngine(ABC):
         return None
 
     def set_aside(self, worker: int) -> bool:
-        """``worker`` is late (it held up a version's staging past the send's wait): what the versions on their way
-        to it hold leaves the pool the engine stages in, kept alive until it is done with them, so that the next
-        versions, which pass it by, have room. Returns whether the engine did (``False``: it cannot give up
-        memory a live worker may still read)."""
+        """``worker`` is late (a send passes it by, or it held up a version's staging past the send's wait): what
+        the versions on their way to it hold leaves the pool the engine stages in, kept alive until it is done with
+        them, so that the next versions, which pass it by, have room (called at every send that passes it by:
+        nothing more to do once done). Returns whether the engine did (``False``: it cannot give up memory a live
+        worker may still read)."""
         return False
 
     def unpublished(self) -> None:

@@ -293,7 +293,10 @@ class Sender:
         self._naming = version
         try:
             self.engine.poll(ledger.live(sorted(ledger.peers)))  # what came back since: acks, deaths
-            failures = {**ledger.gone(targets, version), **self.late(targets, version)}  # (named by this send)
+            passed = self.late(targets, version)
+            for w in passed:  # (what the versions on their way to it hold leaves the pool: the others wait for none)
+                self.engine.set_aside(w)
+            failures = {**ledger.gone(targets, version), **passed}  # (named by this send's version)
             live = [w for w in targets if w not in failures]
             out = Outgoing(version, flat, whole, live, initial)
             submitting = False

@@ -9,11 +9,12 @@ import torch
 
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.interrupts import held_interrupts
-from ...core.timing import remaining, shown_seconds
+from ...core.timing import deadline_after, remaining, shown_seconds, wait_until
 from ...errors import ReceiverError, SyncTimeoutError, WeightSyncError, first_line
 from ...tensors.layout import FlatLayout
 from ..staging import Staging, StagingPool
 from .session import (
+    GRACEFUL_S,
     SENDER_NAME,
     Session,
     forget_ended,
@@ -172,11 +173,15 @@ class RPCSender(SenderEngine):
 
     def _bound(self, initial: bool) -> float:
         """The longest one RPC of a version waits for its answer: the initial version's, ``connect_timeout``; a later
-        one's, no bound of its own (0: TensorPipe's "never"). The core's wait bounds the send, and a worker that did
-        not answer in it is late, passed by while its call is out (its answer, when it comes, is its ack). A call
-        bounded by ``timeout`` ended there, so the next send made another, and TensorPipe held the bytes of each
-        until the worker read again: a trainer grew by the model's size per send while a worker was stopped."""
-        return self.sink.connect_timeout if initial else 0.0
+        one's, in a world this engine runs, no bound of its own (0: TensorPipe's "never"). The core's wait bounds
+        the send, and a worker that did not answer in it is late, passed by while its call is out (its answer, when
+        it comes, is its ack). A call bounded by ``timeout`` ended there, so the next send made another, and
+        TensorPipe held the bytes of each until the worker read again: a trainer grew by the model's size per send
+        while a worker was stopped. In a world the caller runs, ``timeout``: the caller's own graceful shutdown
+        waits for every call still out, with no bound of its own (:meth:`close` bounds this engine's)."""
+        if initial:
+            return self.sink.connect_timeout
+        return 0.0 if self.session is not None else self.sink.timeout
 
     def _settle(self, w: int, future: Any, seconds: float) -> bool:
         self._answered.wait(seconds)
@@ -252,12 +257,18 @@ class RPCSender(SenderEngine):
         # barrier nobody else joined, and torch printed its failure at their every exit).
         whole = self._connected and not any(self.sink.is_dead(w) for w in self.transports)
         clean = whole
+        calls = [future for transport in self.transports.values() for future in transport.in_flight.values()]
         for w, transport in self.transports.items():
             alive = self._connected and not self.sink.is_dead(w)
             heard = alive and transport.close(min(timeout, CLOSE_WAIT_S), whole)
             if alive and not heard:  # (one that did not hear it reads it in the store: say_ended)
                 say_ended(self.session, self.sink.model_id, w, "the sender shut down")
             clean = heard and clean
+        if clean and calls:
+            # The world's barrier (TensorPipe's graceful shutdown) waits, with no bound, for every call still out,
+            # and a version's call has none of its own: each worker that heard the goodbye answers what it still
+            # holds as it closes. One that does not in time (hung in its own code) leaves this sender to stop alone.
+            clean = wait_until(lambda: all(f.done() for f in calls), deadline_after(min(timeout, GRACEFUL_S)), 0.01)
         self.transports.clear()
         self.pool = None
         if self.session is not None:

@@ -149,10 +149,11 @@ class _Sink:
 def test_the_initial_versions_rpc_waits_connect_timeout_and_later_ones_have_no_bound_of_their_own():
     """The initial version is part of ``connect()``, bound by ``connect_timeout`` (a worker's first apply may compile
     the delta's loops: seconds on a loaded host). Its RPC was given ``timeout``: the trainer's ``connect()`` named
-    the worker late and dropped it, while the worker's own ``connect()`` succeeded. A later version's RPC has no
-    bound of its own (0): the send's wait has one, and a worker late on the call is passed by until it answers.
-    Given ``timeout``, the call to a stopped worker ended, each send made another, and TensorPipe kept each one's
-    bytes (64 MiB a send, measured)."""
+    the worker late and dropped it, while the worker's own ``connect()`` succeeded. In a world weightsync runs, a
+    later version's RPC has no bound of its own (0): the send's wait has one, and a worker late on the call is
+    passed by until it answers (given ``timeout``, the call to a stopped worker ended, each send made another, and
+    TensorPipe kept each one's bytes: 64 MiB a send, measured). In a world the caller runs, ``timeout``: the
+    caller's own graceful ``rpc.shutdown()`` waits for every call still out."""
     import torch
 
     from weightsync.core.engine import Outgoing
@@ -177,13 +178,19 @@ def test_the_initial_versions_rpc_waits_connect_timeout_and_later_ones_have_no_b
     for version, initial in ((0, True), (1, False), (0, False)):
         out = Outgoing(version, {"w": torch.full((8,), float(version))}, None, [0], initial=initial)
         sender.submit(out, sender.stage(out, deadline=float("inf")))
-        if initial:
-            transport.in_flight[version].set_exception(RuntimeError("RPC ran for more than set timeout (1 ms)"))
-        else:
-            transport.in_flight[version].set_result({"held": version})
+        transport.in_flight[version].set_exception(RuntimeError("RPC ran for more than set timeout (1 ms)"))
         sender.poll([0])
-    assert bounds == [60.0, 0.0, 0.0]
-    assert [str(e.detail) for _, e in sink.failures] == ["no ack for version 0 within 60s"]
+    assert bounds == [60.0, 2.0, 2.0]  # (the caller runs this world: names given)
+    assert [str(e.detail) for _, e in sink.failures] == [
+        "no ack for version 0 within 60s",
+        "no ack for version 1 within 2s",
+        "no ack for version 0 within 2s",
+    ]
+    sender.session = object()  # type: ignore[assignment]  # (as in a world the engine runs)
+    try:
+        assert (sender._bound(initial=True), sender._bound(initial=False)) == (60.0, 0.0)
+    finally:
+        sender.session = None
     sender.close(0.0)
 
 

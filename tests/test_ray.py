@@ -345,7 +345,8 @@ def test_hung_actor_costs_one_timeout_then_is_raised_or_dropped(policy):
     import signal
 
     model = build("tiny")
-    scheme = ws.RayWeightSyncScheme(timeout=20, on_failure=policy)
+    # (latest_wins holds an actor's later versions back behind its call on its way: a late one is not passed by)
+    scheme = ws.RayWeightSyncScheme(timeout=20, on_failure=policy, latest_wins=policy == "drop")
     actors = _joined(scheme, model)
     scheme.connect()
     scheme.timeout = 2.0

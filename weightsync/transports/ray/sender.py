@@ -78,6 +78,13 @@ class RaySender(SenderEngine):
         #: The newest version's bytes (the sender core's) and version, where only changes were sent of it.
         self._unstaged: tuple[torch.Tensor | None, int] | None = None
 
+    @property
+    def passes_late_by(self) -> bool:  # type: ignore[override]
+        """Where every actor's later versions are held back behind its call on its way (``latest_wins``: the newest
+        replaces them, and goes once that call ended), a late actor holds one version and is sent the next as soon
+        as it can take it; elsewhere each version would be a call pinning its object in the store: passed by."""
+        return not all(transport.coalesce for transport in self.transports.values())
+
     def _transport(self, actor: Any, worker: int) -> RayTransport:
         transport = self.transport_class(actor, worker, self.sink.model_id, self.extract_as, self.sink)
         transport.in_actor = self._in_actor

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from ..core.timing import remaining
 from ..errors import SyncTimeoutError, raise_failures
 
-__all__ = ["Staging", "StagingPool"]
+__all__ = ["Staging", "StagingPool", "held_up"]
 
 #: Seconds a send waiting for a free buffer gives each in-flight send at a time before it looks again.
 SETTLE_S = 0.05
+
+
+def held_up(said: str, workers: list[int], **where: Any) -> NoReturn:
+    """Raise the time-out of a send's wait for a free buffer or slot: one error per worker that held it up (each is
+    late: the sender core goes on past them), or one naming no worker where none is known."""
+    raise_failures({w: SyncTimeoutError(said, **where, worker_idx=w) for w in workers}, **where)
+    raise SyncTimeoutError(said, **where)
 
 
 class Staging:
@@ -77,7 +84,8 @@ class StagingPool:
                     f"workers {busy} have not taken earlier versions off the wire; nothing was sent (all {self.limit} "
                     "staging buffers are in use)"
                 )
-                raise_failures({w: SyncTimeoutError(said, **where, worker_idx=w) for w in busy}, **where)
+                if busy:
+                    held_up(said, busy, **where)
                 continue  # (its last send ended just now: it is free)
             for w, op in list(oldest.readers.items()):
                 if self._settle(w, op, min(remaining(deadline), SETTLE_S)):

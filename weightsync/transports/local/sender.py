@@ -39,18 +39,12 @@ import torch
 
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import WAIT_TICK_S, remaining, shown_seconds
-from ...errors import (
-    ConfigurationError,
-    ConnectionClosedError,
-    SyncTimeoutError,
-    WeightSyncError,
-    WorkerDiedError,
-    raise_failures,
-)
+from ...errors import ConfigurationError, ConnectionClosedError, SyncTimeoutError, WeightSyncError, WorkerDiedError
 from ...tensors import cuda
 from ...tensors.layout import FlatLayout
 from ..descriptors import readable
 from ..keyfiles import KEY_BYTES, remove_key_file, write_key_file
+from ..staging import held_up
 from .channel import Channel, ChannelListener
 from .hello import hello_problem
 from .mp import MPTransport
@@ -339,10 +333,7 @@ class LocalSender(SenderEngine):
                     f"no free weight slot in time: no ack from workers {late}, of the versions that would free one "
                     f"(workers {busy} hold or read the slots, max_slots={pool.max_slots})"
                 )
-                model_id = self.sink.model_id
-                each = {w: SyncTimeoutError(said, model_id=model_id, worker_idx=w, version=version) for w in late}
-                raise_failures(each, model_id=model_id, version=version)
-                raise SyncTimeoutError(said, model_id=model_id, version=version)
+                held_up(said, late, model_id=self.sink.model_id, version=version)
             if busy:
                 self.wait(busy, deadline)
                 self.poll(busy)

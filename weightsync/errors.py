@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = [
     "AuthenticationError",
@@ -242,6 +242,13 @@ def raise_failures(failures: Mapping[int, WeightSyncError], *, model_id: str | N
     if len(failures) == 1:
         raise next(iter(failures.values()))
     raise SendFailedError(failures, model_id=model_id, version=version)
+
+
+def held_up(said: str, workers: Iterable[int], **where: Any) -> NoReturn:
+    """Raise the time-out of a send's wait for a free staging buffer or slot (``said``): one error per worker that
+    held it up (each is late: the sender core goes on past them), or one naming no worker where none is known."""
+    raise_failures({w: SyncTimeoutError(said, **where, worker_idx=w) for w in workers}, **where)
+    raise SyncTimeoutError(said, **where)
 
 
 def first_line(exc: BaseException) -> str:

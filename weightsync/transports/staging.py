@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from ..core.timing import remaining
-from ..errors import SyncTimeoutError, raise_failures
+from ..errors import held_up
 
-__all__ = ["Staging", "StagingPool", "held_up"]
+__all__ = ["Staging", "StagingPool"]
 
 #: Seconds a send waiting for a free buffer gives each in-flight send at a time before it looks again.
 SETTLE_S = 0.05
-
-
-def held_up(said: str, workers: list[int], **where: Any) -> NoReturn:
-    """Raise the time-out of a send's wait for a free buffer or slot: one error per worker that held it up (each is
-    late: the sender core goes on past them), or one naming no worker where none is known."""
-    raise_failures({w: SyncTimeoutError(said, **where, worker_idx=w) for w in workers}, **where)
-    raise SyncTimeoutError(said, **where)
 
 
 class Staging:

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ... import errors
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.timing import WAIT_TICK_S, remaining, shown_seconds
 from ...errors import ConfigurationError, ConnectionClosedError, SyncTimeoutError, WeightSyncError, WorkerDiedError
@@ -44,7 +45,6 @@ from ...tensors import cuda
 from ...tensors.layout import FlatLayout
 from ..descriptors import readable
 from ..keyfiles import KEY_BYTES, remove_key_file, write_key_file
-from ..staging import held_up
 from .channel import Channel, ChannelListener
 from .hello import hello_problem
 from .mp import MPTransport
@@ -333,7 +333,7 @@ class LocalSender(SenderEngine):
                     f"no free weight slot in time: no ack from workers {late}, of the versions that would free one "
                     f"(workers {busy} hold or read the slots, max_slots={pool.max_slots})"
                 )
-                held_up(said, late, model_id=self.sink.model_id, version=version)
+                errors.held_up(said, late, model_id=self.sink.model_id, version=version)
             if busy:
                 self.wait(busy, deadline)
                 self.poll(busy)

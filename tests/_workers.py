@@ -7,7 +7,6 @@ import hashlib
 import os
 import signal
 import threading
-import time
 import traceback
 from multiprocessing.connection import wait
 
@@ -181,9 +180,9 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
                 elif op == "pinned":  # whether the host slots this worker copies from are page-locked
                     transport = schemes[args[0]].receiver_transport
                     cmd.send([pin.pinned for pin in transport._pins.values()])
-                elif op == "busy":  # the worker's loop is busy in its own code for args[0] seconds (its agent runs)
-                    cmd.send("busy")
-                    time.sleep(args[0])
+                elif op == "busy":  # the worker's loop is busy in its own code (its agent runs) until the test's
+                    cmd.send("busy")  # next command, at most args[0] seconds
+                    cmd.poll(args[0])
                 elif op == "close_channel":  # the worker's end of the transport goes away; the process lives
                     schemes[args[0]].receiver_transport.close()
                     cmd.send("closed")

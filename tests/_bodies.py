@@ -448,10 +448,11 @@ def sends_that_do_not_wait_go_on_past_a_stopped_worker(scheme, workers, timeout=
     """``send_async`` with no wait: no wait finds a stopped worker late, and the versions on their way to it hold
     every staging buffer (``distributed``, ``rpc``: versions over 4 MiB) or slot (local) after two to four sends.
     The send whose staging it holds up for its whole wait finds it late: under ``drop`` it is dropped, under
-    ``raise`` its engine sets aside what it holds (kept alive for it) and the send goes on past it, naming it; the
-    other worker holds every version. The local schemes cannot give up slots a live worker may still map: under
-    ``raise`` their sends fail, naming the stopped worker, until it resumes. (Before, every send failed for every
-    worker under both policies, named no worker, and ``drop`` never dropped it.)"""
+    ``raise`` its engine sets aside what it holds (kept alive for it: a local slot leaves the pool, never written
+    again) and the send goes on past it, naming it; the other worker holds every version. Once it runs again it
+    reads what was on its way, and a local worker lets the slots that left the pool go once it acked past them.
+    (Before, every send failed for every worker under both policies, named no worker, and ``drop`` never dropped
+    it; then the local schemes' sends failed under ``raise`` until it resumed.)"""
     import os
     import signal
 
@@ -462,8 +463,7 @@ def sends_that_do_not_wait_go_on_past_a_stopped_worker(scheme, workers, timeout=
     group, ready = start(workers, {"policy": scheme}, {"policy": kind})
     assert all(errors == {} for _, _, errors in ready)
     scheme.timeout = timeout
-    local = (ws.MultiProcessWeightSyncScheme, ws.SharedMemWeightSyncScheme)
-    stuck = scheme.on_failure == "raise" and isinstance(scheme, local)
+    local = isinstance(scheme, (ws.MultiProcessWeightSyncScheme, ws.SharedMemWeightSyncScheme))
     os.kill(group.procs[1].pid, signal.SIGSTOP)
     try:
         for version in range(1, 7):
@@ -472,8 +472,6 @@ def sends_that_do_not_wait_go_on_past_a_stopped_worker(scheme, workers, timeout=
                 scheme.send_async()
             except ws.SyncTimeoutError as exc:
                 assert (exc.worker_idx, exc.model_id) == (1, "policy"), exc
-            if stuck:
-                continue
             holds = (version, checksum(model))
             assert wait_until(lambda h=holds: group.ask(0, "state")["policy"] == h, deadline_after(10), 0.02), version
         if scheme.on_failure == "drop":
@@ -483,8 +481,15 @@ def sends_that_do_not_wait_go_on_past_a_stopped_worker(scheme, workers, timeout=
     if scheme.on_failure == "raise":  # once it runs again, it takes what is on its way, and the next send reaches it
         scheme.wait_async(timeout=30)
         optimizer_step(model, 7)
-        scheme.send()  # (a send that published nothing numbered no version)
+        scheme.send()
         assert [group.ask(w, "state")["policy"] for w in (0, 1)] == [(scheme.version, checksum(model))] * 2
+        if local:  # (every slot that left the pool is let go: the worker maps the pool's slots, at most)
+            pool = scheme._runtime.sending.engine.shared
+            assert pool.left == [] and pool.aside == set()
+            optimizer_step(model, 8)
+            scheme.send()
+            live = {slot.id for slot in pool.slots}
+            assert set(group.ask(1, "slots", "policy")) <= live, (group.ask(1, "slots", "policy"), live)
     group.stop()
     scheme.shutdown()
 

@@ -180,6 +180,8 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
                 elif op == "pinned":  # whether the host slots this worker copies from are page-locked
                     transport = schemes[args[0]].receiver_transport
                     cmd.send([pin.pinned for pin in transport._pins.values()])
+                elif op == "slots":  # the slots this worker maps now (local schemes)
+                    cmd.send(sorted(schemes[args[0]].receiver_transport.slot_buffers))
                 elif op == "busy":  # the worker's loop is busy in its own code (its agent runs) until the test's
                     cmd.send("busy")  # next command, at most args[0] seconds
                     cmd.poll(args[0])

@@ -366,10 +366,11 @@ def test_no_sync_scheme_moves_nothing(workers):
 
 
 @pytest.mark.parametrize("per_worker_weights", [False, True])
-def test_send_waits_for_a_free_slot_then_times_out_publishing_nothing(per_worker_weights):
+def test_send_waits_for_a_free_slot_then_passes_the_worker_holding_them_by(per_worker_weights):
     """With two slots, a shared-memory worker pins the one it reads and the other holds the version it did not take
-    yet: the next send cannot get a slot and must not half-publish. (One slot is refused: every send failed so.)"""
-
+    yet: the next send waits its whole timeout for a slot, then finds the worker late and passes it by, naming it
+    (its slots leave the pool, never written again); the worker reads the version on its way intact, and the next
+    send reaches it. (One slot is refused: every send failed so. Before, each send failed until the worker read.)"""
     model = build("tiny")
     scheme = ws.SharedMemWeightSyncScheme(timeout=0.5, max_slots=2, sync=False, per_worker_weights=per_worker_weights)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
@@ -377,15 +378,17 @@ def test_send_waits_for_a_free_slot_then_times_out_publishing_nothing(per_worker
     receiver = in_process_receiver(scheme, replica)
     optimizer_step(model, 1)
     scheme.send()
+    held = checksum(model)
     optimizer_step(model, 2)
     start = time.monotonic()
-    with pytest.raises(
-        ws.SyncTimeoutError, match="worker 0, version 2\\] no free weight slot in time: no ack from workers \\[0\\]"
-    ):
+    with pytest.raises(ws.SyncTimeoutError, match="worker 0, version 2\\] passed by: still no ack for version 1"):
         scheme.send()
     assert 0.5 <= time.monotonic() - start < 3.0
-    assert scheme.version == 1 and receiver.receive(timeout=5) is not None and receiver.version == 1
+    assert receiver.receive(timeout=5) is not None and (receiver.version, checksum(replica)) == (1, held)
     assert receiver.receive() is None and receiver.version == 1
+    optimizer_step(model, 3)
+    scheme.send()
+    assert receiver.receive(timeout=5) is not None and (receiver.version, checksum(replica)) == (3, checksum(model))
     receiver.shutdown()
     scheme.shutdown()
 
@@ -623,3 +626,47 @@ def test_the_shared_transport_is_the_pool_every_worker_reads(workers, name, own)
         assert slots and all(not slot.buffer.is_cuda for slot in slots)
     group.stop()
     scheme.shutdown()
+
+
+@pytest.mark.parametrize("pinning", [False, True], ids=["copying", "mapping"])
+def test_slots_read_only_by_a_late_worker_leave_the_pool_and_are_let_go_once_it_acked_past_them(pinning):
+    """A late worker (``set_aside``: sends pass it by) holds no slot up: a slot only it reads leaves the pool at the
+    next acquire, is never written again, and a new one takes its place; a slot another worker reads too stays. The
+    late worker is told to let a slot that left go only once it acked past it (a ``shared_mem`` model lives on the
+    slot of the version it holds); an ack makes it a worker like the others until a send sets it aside again."""
+    from weightsync.tensors.layout import FlatLayout
+    from weightsync.transports.local.slots import SlotPool
+
+    pool = SlotPool(FlatLayout.from_weights({"w": torch.zeros(1024)}), 3, pinning=pinning, tag="t")
+    try:
+        first = pool.acquire()
+        pool.publish(first, 1, [0, 1])
+        pool.on_ack(0, 1, 1)
+        second = pool.acquire()
+        pool.publish(second, 2, [0, 1])  # worker 1 stopped: it never acked version 1 or 2
+        pool.on_ack(0, 2, 2)  # (a shared_mem worker 0 holds version 2: its model is that slot)
+        third = pool.acquire()
+        pool.publish(third, 3, [0, 1])
+        assert pool.acquire() is None and pool.busy_workers() == {0, 1}
+        pool.set_aside(1)
+        assert pool.busy_workers() == {0}
+        fourth = pool.acquire()  # the slots worker 1 alone reads left the pool; the others stay
+        gone = [first] if pinning else [first, second]
+        assert fourth is not None and pool.left == gone == pool.retired
+        assert [slot.id for slot in pool.slots] == ([1, 2, 3] if pinning else [2, 3])
+        assert (first.version, second.version) == (1, 2)  # (never written again)
+        for slot in pool.retired:  # (the sender closes them: a worker's mapping keeps their memory)
+            slot.close()
+        pool.retired.clear()
+        pool.publish(fourth, 4, [0])
+        # It runs again: each ack returns the slots that left which it is done with (told to let them go then).
+        assert pool.on_ack(1, 1, 1 if pinning else None) == ([] if pinning else [first])
+        assert pool.aside == set()
+        assert pool.on_ack(1, 2, 2) == ([first] if pinning else [second])
+        assert pool.left == [] and 1 not in first.readers and (1 in second.readers) == pinning  # (it holds 2)
+        assert 1 in third.readers  # (in the pool: version 3 is on its way to it)
+        pool.set_aside(1)
+        pool.drop_worker(1)  # a worker given up on is set aside no more: its process's rule takes over
+        assert pool.aside == set() and 1 not in third.readers
+    finally:
+        pool.close()

@@ -251,7 +251,7 @@ class SenderEngine(ABC):
         the versions on their way to it hold leaves the pool the engine stages in, kept alive until it is done with
         them, so that the next versions, which pass it by, have room (called at every send that passes it by:
         nothing more to do once done). Returns whether the engine did (``False``: it cannot give up memory a live
-        worker may still read)."""
+        worker may still read, and the send fails naming the worker)."""
         return False
 
     def unpublished(self) -> None:

@@ -1,16 +1,22 @@
-"""A worker's hello: what it says of itself as it connects (built by the worker), and whether the sender can take
-it (checked by the sender: bounded JSON from a holder of the key, every field type-checked)."""
+"""A worker's hello: what it says of itself as it connects (built by the worker), whether the sender can take it
+(checked by the sender: bounded JSON from a holder of the key, every field type-checked), and the sender's answer
+when it cannot."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from typing import Any
 
 import torch
 
+from ...errors import WeightSyncError
 from ...tensors import cuda
 
-__all__ = ["gpu_uuid", "hello_of", "hello_problem"]
+__all__ = ["gpu_uuid", "hello_of", "hello_problem", "refuse"]
+
+log = logging.getLogger("weightsync.transports.local")
 
 
 def gpu_uuid(device: str | None) -> str | None:
@@ -47,3 +53,12 @@ def hello_problem(hello: dict[str, Any], num_workers: int, model_id: str | None)
     if hello.get("model_id") != model_id:
         return f"model_id {str(hello.get('model_id'))[:80]!r} does not match {model_id!r}"
     return None
+
+
+def refuse(channel: Any, problem: str, model_id: str | None) -> None:
+    """Tell the process at the other end of ``channel`` (a :class:`~.channel.Channel`) why the sender of
+    ``model_id`` turns it away, and close the channel."""
+    log.warning("model %r: refused %s: %s", model_id, channel.peer, problem)
+    with contextlib.suppress(WeightSyncError):
+        channel.send({"op": "refused", "reason": problem})
+    channel.close()

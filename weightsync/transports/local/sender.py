@@ -46,7 +46,7 @@ from ...tensors.layout import FlatLayout
 from ..descriptors import readable
 from ..keyfiles import KEY_BYTES, remove_key_file, write_key_file
 from .channel import Channel, ChannelListener
-from .hello import hello_problem
+from .hello import hello_problem, refuse
 from .mp import MPTransport
 from .peers import PeerProcess
 from .settings import MPSettings
@@ -242,13 +242,7 @@ class LocalSender(SenderEngine):
 
     def discard(self, candidate: Any, problem: str = "the sender is shutting down") -> None:
         """Tell a connecting process why it is turned away, and close its channel."""
-        channel = candidate[0]
-        log.warning("model %r: refused %s: %s", self.sink.model_id, channel.peer, problem)
-        try:
-            channel.send({"op": "refused", "reason": problem})
-        except WeightSyncError:
-            pass
-        channel.close()
+        refuse(candidate[0], problem, self.sink.model_id)
 
     # ------------------------------------------------------------------ acks
     def poll(self, workers: list[int]) -> None:
@@ -267,7 +261,8 @@ class LocalSender(SenderEngine):
 
     def _on_ack(self, w: int, ack: Any) -> None:
         for pool in self.pools.values():
-            pool.on_ack(w, ack.version, ack.held)
+            for slot in pool.on_ack(w, ack.version, ack.held):  # (slots that left the pool while it was late)
+                self._forget(w, slot)
         if ack.error is not None:
             self.sink.failed(w, ack.error)
         if ack.held is not None:
@@ -282,6 +277,11 @@ class LocalSender(SenderEngine):
         fds += [t.process.fileno() for t in transports if t.process is not None and t.process.fileno() >= 0]
         if fds:
             readable(fds, remaining(deadline))
+
+    def set_aside(self, worker: int) -> bool:
+        for pool in self.pools.values():
+            pool.set_aside(worker)
+        return True
 
     def lost(self, worker: int, reason: str) -> None:
         transport = self.transports.get(worker)
@@ -348,15 +348,16 @@ class LocalSender(SenderEngine):
         they map it), telling the live workers that mapped them to let them go."""
         for slot in pool.retired:
             for w, transport in self.transports.items():
-                if slot.id in transport.slots_sent and not self.sink.is_dead(w):
-                    try:
-                        transport.forget(slot)
-                    except WeightSyncError:
-                        pass
+                if slot.id in transport.slots_sent and w not in slot.readers:  # (a late reader: once it acked past)
+                    self._forget(w, slot)
             processes = [t.process for t in self.transports.values() if t.process is not None]
             close_slot(slot, [*processes, *slot.holders])
         pool.retired.clear()
         self._release_departed()
+
+    def _forget(self, w: int, slot: _Slot) -> None:
+        if not self.sink.is_dead(w):
+            self.transports[w].forget(slot)
 
     def stage(self, out: Outgoing, deadline: float) -> dict[int, _Slot]:
         by_pool: dict[_PoolKey, list[int]] = {}

@@ -34,6 +34,12 @@ A slot read by a worker that was given up on (dropped after a timeout, refused,
 replaced by a rejoining process) is rewritten only once that worker's process
 is known to have exited (:meth:`SlotPool.drop_worker`): until then it may still
 read the slot, or run its model on it.
+
+A slot read only by late workers (:meth:`SlotPool.set_aside`: a stopped worker
+that sends pass by) is never rewritten either: it leaves the pool for good, a
+new slot takes its place, and the late worker reads it on when it runs again.
+The worker is told to let it go (``forget``) only once it acked past it: told
+before, it would refuse the update on its way in that slot.
 """
 
 from __future__ import annotations
@@ -263,22 +269,30 @@ class SlotPool:
         self.slots: list[SharedSlot | DeviceSlot] = []
         #: Slots taken out of the pool because processes given up on may still read them (the sender closes them).
         self.retired: list[SharedSlot | DeviceSlot] = []
+        #: Late workers (:meth:`set_aside`): a slot only they read leaves the pool.
+        self.aside: set[int] = set()
+        #: Slots that left the pool still read by late workers (their readers): each is told to let its slot go
+        #: once it acked past it (:meth:`on_ack` returns them).
+        self.left: list[SharedSlot | DeviceSlot] = []
         self._next_id = 0
 
     def acquire(self) -> SharedSlot | DeviceSlot | None:
         """A slot nobody reads, allocating one if allowed; ``None`` when all are busy.
 
-        A slot read only by processes given up on (see :meth:`drop_worker`) is never rewritten: it leaves the pool
-        for :attr:`retired` (the sender closes it; its memory lives on while those processes map it: the kernel
-        keeps a memfd's pages, torch an IPC-shared block) and a new slot takes its place."""
+        A slot read only by processes given up on (see :meth:`drop_worker`) or by late workers (see
+        :meth:`set_aside`) is never rewritten: it leaves the pool for :attr:`retired` (the sender closes it; its
+        memory lives on while those processes map it: the kernel keeps a memfd's pages, torch an IPC-shared block)
+        and a new slot takes its place."""
         for slot in list(self.slots):
-            if slot.readers:
+            if slot.readers - self.aside:
                 continue
             slot.holders = [holder for holder in slot.holders if not holder.gone()]
-            if not slot.holders:
+            if not slot.holders and not slot.readers:
                 return slot
             self.slots.remove(slot)
             self.retired.append(slot)
+            if slot.readers:
+                self.left.append(slot)
         if len(self.slots) < self.max_slots:
             n = self._next_id
             self._next_id += 1  # ids are never reused: a worker may still know a retired slot by its id
@@ -304,27 +318,45 @@ class SlotPool:
                 if not any(notified.get(w, -1) >= version for w in slot.readers):
                     slot.version, slot.readers = None, set()
 
-    def on_ack(self, worker: int, acked: int, held: int | None) -> None:
-        """Record that ``worker`` is done with every version up to ``acked`` and now holds ``held``."""
-        for slot in self.slots:
-            if worker not in slot.readers or slot.version is None or slot.version > acked:
-                continue
-            if slot.version == held and self.pinning:
-                continue
+    def on_ack(self, worker: int, acked: int, held: int | None) -> list[SharedSlot | DeviceSlot]:
+        """Record that ``worker`` is done with every version up to ``acked`` and now holds ``held`` (it runs: no
+        longer set aside, until the next send that passes it by says so again). Returns the slots that left the
+        pool it is done with now: it is to let them go."""
+        self.aside.discard(worker)
+        done = [slot for slot in [*self.slots, *self.left] if worker in slot.readers and self._past(slot, acked, held)]
+        for slot in done:
             slot.readers.discard(worker)
+        self.left = [slot for slot in self.left if slot.readers]
+        return [slot for slot in done if slot not in self.slots]
+
+    def _past(self, slot: SharedSlot | DeviceSlot, acked: int, held: int | None) -> bool:
+        """Whether a reader that acked ``acked`` and holds ``held`` is done with ``slot``."""
+        if slot.version is None or slot.version > acked:
+            return False
+        return not (slot.version == held and self.pinning)
+
+    def set_aside(self, worker: int) -> None:
+        """``worker`` is late (sends pass it by): the slots only it reads leave the pool at the next
+        :meth:`acquire` that meets them, so that they hold up no send; it reads them on once it runs."""
+        self.aside.add(worker)
 
     def drop_worker(self, worker: int, process: Holder | None = None) -> None:
         """``worker`` no longer counts as a reader. ``process``: the process it was, which may still map the slots
         it read: they stay out of use until it has exited (``None``, or a process gone: free them now)."""
         holder = process if process is not None and not process.gone() else None
+        self.aside.discard(worker)
         for slot in self.slots:
             if worker in slot.readers:
                 slot.readers.discard(worker)
                 if holder is not None:
                     slot.holders.append(holder)
+        for slot in self.left:  # (closed here already: its memory is the process's)
+            slot.readers.discard(worker)
+        self.left = [slot for slot in self.left if slot.readers]
 
     def busy_workers(self) -> set[int]:
-        return set().union(*(s.readers for s in self.slots)) if self.slots else set()
+        """The workers that hold up slots: every slot's readers but the late (their slots leave the pool)."""
+        return set().union(*(s.readers for s in self.slots)) - self.aside if self.slots else set()
 
     def stuck(self, busy: list[int]) -> str:
         """Why no slot will be free (``busy``, every slot's readers, each holding the version of its slot, with no
@@ -345,4 +377,4 @@ class SlotPool:
         processes = list(processes)
         for slot in [*self.slots, *self.retired]:
             close_slot(slot, [*processes, *slot.holders])
-        self.slots, self.retired = [], []
+        self.slots, self.retired, self.left = [], [], []

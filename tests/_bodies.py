@@ -840,13 +840,18 @@ def a_worker_that_joins_then_dies_costs_connect_its_timeout(scheme, workers):
     scheme.shutdown()
 
 
-def _dies_once_its_agent_runs(config) -> None:
-    """A worker whose process ends inside init_rpc, once its agent started (where the world gathers)."""
+def _dies_once_its_agent_runs(config, trainers_agent_runs) -> None:
+    """A worker whose process ends inside init_rpc, once its agent and the trainer's started (where the world
+    gathers)."""
     import os
 
     import torch.distributed.rpc.api as api
 
-    api._all_gather = lambda *args, **kwargs: os._exit(3)
+    def dies(*args, **kwargs):
+        trainers_agent_runs.wait(60)
+        os._exit(3)
+
+    api._all_gather = dies
     scheme = ws.from_config(config, allow_store_peers_to_run_code=True)
     scheme.init_on_receiver(model=build("tiny"))
     scheme.connect()
@@ -855,22 +860,34 @@ def _dies_once_its_agent_runs(config) -> None:
 def an_agent_whose_world_did_not_form_is_stopped(scheme, workers):
     """The trainer's agent started and the world did not form (its worker died in init_rpc): the agent is stopped
     with the failure (it ran on, serving calls, after shutdown()), the environment set for it restored, and the
-    next scheme is told the process ran its RPC world."""
+    next scheme is told the process ran its RPC world. (The worker dies once the trainer's agent runs: dead
+    before, under load, it failed the trainer's init_rpc ahead of its agent, which leaves the process free to
+    run a world.)"""
     import multiprocessing
     import os
+
+    import torch.distributed.rpc.api as api
 
     from weightsync.transports.rpc import session
 
     before = os.environ.get("TP_SOCKET_IFNAME")
     scheme.init_on_sender(model_id="policy", model=build("tiny"), num_workers=1)
-    worker = multiprocessing.get_context("spawn").Process(
-        target=_dies_once_its_agent_runs, args=(scheme.receiver_config(0),)
-    )
+    context = multiprocessing.get_context("spawn")
+    runs = context.Event()
+    worker = context.Process(target=_dies_once_its_agent_runs, args=(scheme.receiver_config(0), runs))
+    gather = api._all_gather
+
+    def gathers(*args, **kwargs):  # (the trainer's agent runs by now)
+        runs.set()
+        return gather(*args, **kwargs)
+
+    api._all_gather = gathers
     worker.start()
     try:
         with pytest.raises(ws.SyncTimeoutError, match="did not form"):
             scheme.connect()
     finally:
+        api._all_gather = gather
         worker.join(60)
     assert not session.agent_running() and os.environ.get("TP_SOCKET_IFNAME") == before
     scheme.shutdown()

@@ -356,7 +356,8 @@ def test_versions_a_program_keeps_hold_no_memory_of_the_engine_once_applied_or_s
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_an_interrupted_load_or_a_shut_down_scheme_leaves_no_version_taken_for_good(name):
     """A load that raises what is not an ``Exception`` (an async engine's cancelled load, an interrupt) lets the
-    version taken go: the next one is taken (it was refused for good, the pending marked done). After the
+    version taken go, acked as not applied: the next one is taken (it was refused for good, the pending marked
+    done; then, unacked, its worker was passed by for good under ``raise``). After the
     worker's scheme shut down, a pending version's ``apply()`` says so, and ``discard()`` does nothing (both
     raised a bare ``AssertionError`` inside the closed engine)."""
     model, sender, receiver, program = _pair(name, lambda m: Program(_spec(m)))
@@ -367,6 +368,8 @@ def test_an_interrupted_load_or_a_shut_down_scheme_leaves_no_version_taken_for_g
         with pytest.raises(asyncio.CancelledError):
             first.apply()
         program.model.__dict__["load"] = load
+        with pytest.raises(ws.ReceiverError, match="cut short before it was applied \\(CancelledError\\)"):
+            sender.wait_async(20)  # (acked as not applied: its sender waits for nothing in vain)
         second = _second_published_and_taken(model, sender, receiver)
     finally:
         receiver.shutdown()
@@ -380,7 +383,7 @@ def test_an_interrupted_load_or_a_shut_down_scheme_leaves_no_version_taken_for_g
 def test_a_background_thread_ended_by_what_is_not_an_exception_says_so_at_every_receive(name):
     """A load in the background thread that raises what is not an ``Exception`` (an engine's cancelled load, a
     ``SystemExit``) ends the thread, and every later ``receive()`` raises it: the thread died silently before, and
-    each ``receive()`` returned nothing, for good. The version was not applied, nor acked."""
+    each ``receive()`` returned nothing, for good. The version was not applied, and is acked so."""
     model, sender, receiver, program = _pair(name, lambda m: Program(_spec(m)))
     try:
         receiver.background_thread = True
@@ -416,6 +419,8 @@ def test_a_take_interrupted_as_it_says_it_took_a_version_leaves_no_version_taken
         with pytest.raises(KeyboardInterrupt):
             receiver.take(timeout=20)
         del engine.ready
+        with pytest.raises(ws.ReceiverError, match="cut short before it was applied \\(KeyboardInterrupt\\)"):
+            sender.wait_async(20)  # (acked as not applied)
         _bump(model, 1)
         sender.send_async()
         pending = receiver.take(timeout=20)

@@ -93,3 +93,54 @@ def test_a_hold_whose_end_another_signals_handler_cut_short_lets_the_next_sigint
         assert calls == [signal.SIGINT] * 2
     finally:
         signal.signal(signal.SIGALRM, before)
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem", "distributed-gloo", "distributed-gloo+delta"])
+@pytest.mark.parametrize("where", ["take", "apply"])
+def test_a_worker_whose_update_a_ctrl_c_cut_short_acks_it_and_is_sent_the_next(name, where, monkeypatch):
+    """A Ctrl-C in a worker's receive() (a program that goes on after it: a notebook, a handler) as it took or
+    applied a version: the version is acked as not applied, the send names the worker at once, and the next
+    version reaches it. Unacked, the worker was late on it for good: every later send passed it by."""
+    import weightsync as ws
+    import weightsync.core.receiver as receiver_module
+    from tests._bodies import optimizer_step
+    from tests._workers import build, checksum, in_process_receiver
+    from tests.conftest import SCHEMES
+
+    model = build("tiny")
+    name, _, delta = name.partition("+")
+    scheme = SCHEMES[name](**({"delta": True} if delta else {}))
+    scheme.timeout = 5.0
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    receiver = in_process_receiver(scheme, replica)
+    held = checksum(replica)
+    real = receiver_module.check_digest if where == "apply" else receiver_module.Receiver._resolve
+    cut: list[bool] = []
+
+    def once(*args, **kwargs):
+        if not cut:
+            cut.append(True)
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    if where == "apply":
+        monkeypatch.setattr(receiver_module, "check_digest", once)
+    else:
+        monkeypatch.setattr(receiver_module.Receiver, "_resolve", once)
+    try:
+        optimizer_step(model, 1)
+        scheme.send_async()
+        with pytest.raises(KeyboardInterrupt):
+            receiver.receive(timeout=10)
+        assert cut and (receiver.version, checksum(replica)) == (0, held)
+        with pytest.raises(ws.WeightSyncError, match="cut short before it was applied \\(KeyboardInterrupt\\)"):
+            scheme.wait_async(timeout=5)
+        optimizer_step(model, 2)
+        scheme.send_async()
+        assert receiver.receive(timeout=10) is not None
+        assert (receiver.version, checksum(replica)) == (2, checksum(model))
+        scheme.wait_async(timeout=5)
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()

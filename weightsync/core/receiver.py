@@ -9,6 +9,7 @@ Weights and version change together under ``weights_lock``; a failure changes no
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -163,15 +164,17 @@ class Receiver:
             self._leave_sender_memory()
             raise
         if taken:
-            taken = self._resolve(taken)
-            self._prepared = self._prepare(taken[-1])
-            self._outstanding = taken[-1].version
             try:
-                self.engine.ready(taken)
-            except ConnectionClosedError as exc:  # (its bytes are here whole: applied, as any read before an end)
-                log.info("model %r: version %d taken, unheard: %s", self.where["model_id"], taken[-1].version, exc)
-            except BaseException:  # (an interrupt, an engine's own error: nothing was handed out, nothing held)
+                taken = self._resolve(taken)
+                self._prepared = self._prepare(taken[-1])
+                self._outstanding = taken[-1].version
+                try:
+                    self.engine.ready(taken)
+                except ConnectionClosedError as exc:  # (its bytes are here whole: applied, as any read before an end)
+                    log.info("model %r: version %d taken, unheard: %s", self.where["model_id"], taken[-1].version, exc)
+            except BaseException as exc:  # (an interrupt, an engine's own error: nothing was handed out, nothing held)
                 self._outstanding, self._prepared = None, None
+                self._cut_short(taken, exc)
                 raise
         return taken
 
@@ -250,7 +253,7 @@ class Receiver:
                     check_spec(layout.spec, weights_spec(dst), **where)
                     materialize(dst, update.pieces[0][1].device if update.pieces else torch.device("cpu"))
                 with self.weights_lock:  # weights and version change together for readers holding the lock
-                    gpus = self._gpus(dst, held)
+                    gpus = self.bound.gpus() if held else cuda.cuda_devices(dst.values())
                     in_thread = threading.current_thread() is self._thread
                     if gpus and cuda.settle_before_write(self.engine.placement, in_thread):
                         # Inference another thread queued under the lock, on a stream of its own, ends first.
@@ -286,8 +289,9 @@ class Receiver:
             self._outstanding = None  # (at the end: a take() while it applies is refused, as before it)
             self._ack(taken, self.version, exc)
             raise
-        except BaseException:  # (an interrupt, an engine's cancelled load: not acked, as before; the worker goes on)
+        except BaseException as exc:  # (an interrupt, an engine's cancelled load: the worker goes on)
             self._outstanding = None
+            self._cut_short(taken, exc)
             raise
         self._outstanding = None
         self._ack(taken, update.version)
@@ -301,6 +305,16 @@ class Receiver:
         where = {**self.where, "version": taken[-1].version}
         refused = taken[-1].refusal or self._refusal
         self._ack(taken, self.version, refused or LifecycleError("the worker discarded it, not applied", **where))
+
+    def _cut_short(self, taken: list[Delivery], cause: BaseException) -> None:
+        """``taken`` was cut short by what is not an ``Exception`` (a Ctrl-C, an async engine's cancelled load):
+        acked as applied where the model holds it, else as not (what was written in part, the next version, sent
+        whole, mends). Unacked, its worker was late on it for good: passed by, never sent a newer version to ack."""
+        version, where = taken[-1].version, {**self.where, "version": taken[-1].version}
+        if not isinstance(cause, Exception):
+            error = LifecycleError(f"cut short before it was applied ({type(cause).__name__})", **where)
+            with contextlib.suppress(Exception):  # (the interrupt is what the caller hears)
+                self._ack(taken, self.version, None if self.version == version else error)
 
     def _ack(self, taken: list[Delivery], held: int | None, error: BaseException | None = None) -> None:
         """Ack ``taken``. An ack its sender is gone to hear is lost, no more: what was applied stays applied (and
@@ -341,14 +355,6 @@ class Receiver:
         if update.fence is not None:
             cuda.wait_event(update.fence, cuda.cuda_devices(views.values()), deadline)
         return views
-
-    def _gpus(self, dst: dict[str, torch.Tensor], held: bool) -> set[torch.device]:
-        """The GPUs the model's tensors ``dst`` are on (``held``: all in the bound storage, whose device says)."""
-        if held:
-            assert self.bound.storage is not None
-            device = self.bound.storage.device
-            return {device} if device.type == "cuda" else set()
-        return cuda.cuda_devices(dst.values())
 
     def _place(
         self, dst: dict[str, torch.Tensor], update: Delivery, layout: FlatLayout, held: bool

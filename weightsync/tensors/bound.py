@@ -92,6 +92,11 @@ class BoundModel:
         self._dtypes: list[torch.dtype] = []
         self._shared_at_first: bool | None = None  # :meth:`load`: whether the model was in shared memory
 
+    def gpus(self) -> set[torch.device]:
+        """The GPU of the tensors bound (none: they are on the CPU); for a model that :meth:`holds` them."""
+        assert self.storage is not None
+        return {self.storage.device} if self.storage.device.type == "cuda" else set()
+
     def holds(self, dst: dict[str, torch.Tensor]) -> bool:
         """Whether ``dst`` (the model's tensors, as walked now) is exactly what was bound: the same keys in the
         same order, the same tensor objects, each still the contiguous view of the storage, of the shape and

@@ -144,3 +144,55 @@ def test_a_worker_whose_update_a_ctrl_c_cut_short_acks_it_and_is_sent_the_next(n
     finally:
         receiver.shutdown()
         scheme.shutdown()
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem"])
+def test_a_ctrl_c_as_a_local_worker_reads_a_slots_share_leaves_its_channel_in_step_and_loses_no_update(
+    name, monkeypatch
+):
+    """A Ctrl-C as a local worker read the message that shares a new slot, before the descriptor behind it: the
+    message and the descriptor are read in one step, the interrupt raised once it ended, and the update read with
+    them is kept for the next receive(). (Before, the descriptor was left on the channel: the next read took it for
+    a frame's length, and the channel closed, the worker lost.)"""
+    import os
+
+    from tests._bodies import optimizer_step
+    from tests._workers import build, checksum, in_process_receiver
+    from tests.conftest import SCHEMES
+    from weightsync.transports.local.mp import MPTransport
+
+    model = build("tiny")
+    scheme = SCHEMES[name]()
+    scheme.timeout = 5.0
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    replica = build("tiny")
+    receiver = in_process_receiver(scheme, replica)
+    real = MPTransport._map_slot
+    cut: list[bool] = []
+
+    def interrupted(self, msg):
+        if not cut:
+            cut.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # (Python raises it at the next step it may)
+        return real(self, msg)
+
+    monkeypatch.setattr(MPTransport, "_map_slot", interrupted)
+    try:
+        for version in (1, 2):  # (version 2 goes to a slot not shared yet: its share comes first)
+            optimizer_step(model, version)
+            scheme.send_async()
+        with pytest.raises(KeyboardInterrupt):
+            receiver.receive(timeout=10)
+        assert cut
+        assert receiver.receive(timeout=10) is not None
+        assert (receiver.version, checksum(replica)) == (2, checksum(model))
+        scheme.wait_async(timeout=5)
+        for version in (3, 4):
+            optimizer_step(model, version)
+            scheme.send_async()
+            assert receiver.receive(timeout=10) is not None
+            assert (receiver.version, checksum(replica)) == (version, checksum(model))
+            scheme.wait_async(timeout=5)
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()

@@ -113,6 +113,7 @@ class MPTransport(PeerTransport, TransportBackend):
         self.pin_host = False  # the model is on a GPU: pin the host slots it copies from
         self._pins: dict[int, cuda.Pinned] = {}  # by slot
         self._unmapped: dict[int, tuple[int, int]] = {}  # host slots whose mapping failed: descriptor, bytes
+        self._arrived: list[Update] = []  # updates read and not returned yet
         self.closed_by_sender = False
         self.ended = "the sender has shut down"  # what a receive says once the sender closed its end
 
@@ -257,8 +258,8 @@ class MPTransport(PeerTransport, TransportBackend):
         """
         if kwargs:
             raise TypeError(f"unexpected arguments {sorted(kwargs)}")
-        updates: list[Update] = []
-        if self.closed_by_sender:
+        updates = self._arrived  # (kept here as they are read: a Ctrl-C as a read ends loses none)
+        if self.closed_by_sender and not updates:
             raise ConnectionClosedError(self.ended, worker_idx=self.worker_idx)
         deadline = deadline_after(timeout or 0.0)
         # A slot's share comes in a message of its own, ahead of the update that names it: the wait goes on until
@@ -266,26 +267,29 @@ class MPTransport(PeerTransport, TransportBackend):
         while not updates and not self.closed_by_sender:
             try:
                 # (in slices: the sender's process is looked at between them)
-                msg = self.channel.recv(min(remaining(deadline), PEER_LOOK_S))
+                if self.channel.poll(min(remaining(deadline), PEER_LOOK_S)):
+                    # Read and acted on in one step that a Ctrl-C does not cut in two: a frame read in part, or a
+                    # slot's share read without the descriptors behind it, left the channel out of step for good.
+                    with held_interrupts():
+                        self._read(self.channel.recv(0.0), updates)
+                    continue
             except ConnectionClosedError:
                 self.closed_by_sender = True
                 raise ConnectionClosedError(
                     "the sender closed the channel (shut down or died)", worker_idx=self.worker_idx
                 ) from None
-            if msg is None:
-                if self.process is not None and self.process.gone() and not self.channel.poll(0):
-                    self.closed_by_sender = True
-                    raise ConnectionClosedError(
-                        f"the sender's process {self.process.pid} exited (its channel is held open by another "
-                        "process, a child it forked)",
-                        worker_idx=self.worker_idx,
-                    )
-                if remaining(deadline) <= 0:
-                    break
-                continue
-            self._read(msg, updates)
+            if self.process is not None and self.process.gone() and not self.channel.poll(0):
+                self.closed_by_sender = True
+                raise ConnectionClosedError(
+                    f"the sender's process {self.process.pid} exited (its channel is held open by another "
+                    "process, a child it forked)",
+                    worker_idx=self.worker_idx,
+                )
+            if remaining(deadline) <= 0:
+                break
         if not updates and self.closed_by_sender:
             raise ConnectionClosedError(self.ended, worker_idx=self.worker_idx)
+        self._arrived = []
         return updates
 
     def _read(self, msg: dict[str, Any] | None, updates: list[Update]) -> None:

@@ -238,20 +238,27 @@ def _rss() -> int:
 
 def connect_pair(sender, receiver, timeout: float = 20.0) -> None:
     """Connect a sender and an in-process receiver: the receiver joins from a thread while the sender waits."""
+    connect_all(sender, [receiver], timeout)
+
+
+def connect_all(sender, receivers, timeout: float = 20.0) -> None:
+    """Connect a sender and in-process receivers: each joins from a thread of its own while the sender waits."""
     errors = []
 
-    def join():
+    def join(receiver):
         try:
             receiver.connect()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(exc)
 
-    joiner = threading.Thread(target=join)
-    joiner.start()
+    joiners = [threading.Thread(target=join, args=(receiver,)) for receiver in receivers]
+    for joiner in joiners:
+        joiner.start()
     try:
         sender.connect()
     finally:
-        joiner.join(timeout)
+        for joiner in joiners:
+            joiner.join(timeout)
     if errors:
         raise errors[0]
 

@@ -1052,7 +1052,8 @@ def test_an_engines_own_time_out_of_a_version_a_wait_reported_is_not_reported_ag
 def test_shared_mem_slots_all_held_with_no_ack_to_come_are_said_at_once_by_name(workers):
     # Each shared_mem worker's model is the memory of the slot of the version it holds: sends to worker 0 alone left
     # worker 1 on the other slot of two, and every later send waited its whole timeout for an ack that was not
-    # coming, then blamed workers [0, 1] alike; a worker that is late with its ack is named as the one waited for.
+    # coming, then blamed workers [0, 1] alike. A worker that is late with its ack is named at once, passed by, and
+    # the slot only it holds leaves the pool: the other worker is sent the version.
     model, scheme, group = _connected("shared_mem", workers, max_slots=2, timeout=TIMEOUT)
     optimizer_step(model, 1)
     scheme.send(worker_ids=[0])

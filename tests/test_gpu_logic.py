@@ -189,6 +189,26 @@ def test_cuda_shares_are_released_only_for_processes_known_to_have_exited(monkey
     assert released == ["b", "a"]  # shutdown releases nothing of a process not known gone
 
 
+def test_a_late_worker_on_device_slots_keeps_them_in_the_pool():
+    """A late worker's host slots leave the pool (new ones take their place); its device slots do not: the pool
+    was sized to the GPU's free memory, and the slots that left keep theirs while the worker maps them, so a new one
+    would not fit. The engine says it could not set them aside (a send held up by it fails, naming it)."""
+    from weightsync.transports.local.slots import SlotPool
+
+    layout = FlatLayout.from_weights({"w": torch.zeros(4)})
+    sender = _sender(layout)
+    try:
+        sender.kinds = {0: "cuda", 1: "host"}
+        host = sender.pools[("host", None)] = SlotPool(layout, 2, pinning=False)
+        device = sender.pools[("cuda", None)] = SlotPool(layout, 2, pinning=False)
+        device.device = torch.device("cuda", 0)  # (stands for a pool on the trainer's GPU: nothing is allocated)
+        assert sender.set_aside(1) and host.aside == {1}
+        assert not sender.set_aside(0) and device.aside == set() and host.aside == {1}
+    finally:
+        sender.pools.clear()
+        sender.close(0.0)
+
+
 def test_a_peer_process_is_known_gone_only_once_it_exited():
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     process = PeerProcess(child.pid)

@@ -670,3 +670,85 @@ def test_slots_read_only_by_a_late_worker_leave_the_pool_and_are_let_go_once_it_
         assert pool.aside == set() and 1 not in third.readers
     finally:
         pool.close()
+
+
+def test_the_newest_versions_slot_stays_in_the_pool_though_only_a_late_worker_reads_it():
+    """A worker that rejoins is handed the newest version's slot: it stays in the pool while only a late worker
+    reads it (the others copied it out), and leaves once a newer version is in the pool. (It left at once, and a
+    send whose staging then failed left no slot of the newest version: a rejoin was refused, found by a review.)"""
+    from weightsync.tensors.layout import FlatLayout
+    from weightsync.transports.local.slots import SlotPool
+
+    pool = SlotPool(FlatLayout.from_weights({"w": torch.zeros(1024)}), 3, pinning=False, tag="t")
+    try:
+        first = pool.acquire()
+        pool.publish(first, 1, [0, 1])
+        pool.on_ack(0, 1, 1)  # (copied out: worker 0 no longer reads it; worker 1 stopped)
+        pool.set_aside(1)
+        second = pool.acquire()
+        assert second is not first and pool.slots == [first, second] and pool.left == []
+        pool.publish(second, 2, [0])
+        pool.on_ack(0, 2, 2)
+        third = pool.acquire()  # (version 2 is the newest now: version 1's slot leaves)
+        assert third is not first and pool.left == [first] == pool.retired and first.version == 1
+        for slot in pool.retired:
+            slot.close()
+        pool.retired.clear()
+    finally:
+        pool.close()
+
+
+def test_slots_that_left_the_pool_are_closed_where_a_new_slot_cannot_be_made(monkeypatch):
+    """A late worker's slots leave the pool before a new slot is made: where making it fails (memory), the send
+    raises and the slots that left are closed all the same, and the next send makes it. (They stayed in the
+    sender's hands, found by a review: with a pool sized to the memory there is, every later send failed.)"""
+    import pickle
+
+    from tests._workers import connect_all
+    from weightsync.transports.local import slots
+
+    model = build("tiny")
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=0.5, sync=False)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    receivers = [pickle.loads(pickle.dumps(scheme)) for _ in range(2)]
+    for w, receiver in enumerate(receivers):
+        receiver.init_on_receiver(model_id="policy", model=build("tiny"), worker_idx=w)
+    connect_all(scheme, receivers)
+    pool = scheme._runtime.sending.engine.shared
+    try:
+        real = slots.SharedSlot.__init__
+
+        def no_memory(self, *args, **kwargs):  # (once slots left the pool, none more fits)
+            if pool.left:
+                raise OSError(12, "Cannot allocate memory")
+            real(self, *args, **kwargs)
+
+        monkeypatch.setattr(slots.SharedSlot, "__init__", no_memory)
+        failed = None
+        while failed is None:  # (worker 1 is stopped, it receives nothing: versions on their way to it fill the pool)
+            optimizer_step(model, scheme.version + 1)
+            try:
+                scheme.send_async()
+            except ws.SyncTimeoutError as exc:
+                assert exc.worker_idx == 1, exc
+            except OSError as exc:
+                failed = exc
+            assert failed is not None or receivers[0].receive(timeout=5) is not None
+            assert scheme.version < 10
+        assert "Cannot allocate memory" in str(failed) and pool.aside == {1}
+        assert pool.left and pool.retired == [] and all(slot.fd == -1 for slot in pool.left)
+        monkeypatch.setattr(slots.SharedSlot, "__init__", real)
+        with pytest.raises(ws.SyncTimeoutError, match="passed by"):
+            scheme.send_async()
+        assert receivers[0].receive(timeout=5) is not None
+        assert (receivers[0].version, checksum(receivers[0].model)) == (scheme.version, checksum(model))
+        while receivers[1].receive(timeout=0.5) is not None:  # (it runs again: it reads what was on its way)
+            pass
+        scheme.wait_async(timeout=5)
+        optimizer_step(model, scheme.version + 1)
+        scheme.send_async()
+        assert receivers[1].receive(timeout=5) is not None and receivers[1].version == scheme.version
+    finally:
+        for receiver in receivers:
+            receiver.shutdown()
+        scheme.shutdown()

@@ -173,7 +173,6 @@ class Receiver:
                 except ConnectionClosedError as exc:  # (its bytes are here whole: applied, as any read before an end)
                     log.info("model %r: version %d taken, unheard: %s", self.where["model_id"], taken[-1].version, exc)
             except BaseException as exc:  # (an interrupt, an engine's own error: nothing was handed out, nothing held)
-                self._outstanding, self._prepared = None, None
                 self._cut_short(taken, exc)
                 raise
         return taken
@@ -253,7 +252,7 @@ class Receiver:
                     check_spec(layout.spec, weights_spec(dst), **where)
                     materialize(dst, update.pieces[0][1].device if update.pieces else torch.device("cpu"))
                 with self.weights_lock:  # weights and version change together for readers holding the lock
-                    gpus = self.bound.gpus() if held else cuda.cuda_devices(dst.values())
+                    gpus = self._gpus(dst, held)
                     in_thread = threading.current_thread() is self._thread
                     if gpus and cuda.settle_before_write(self.engine.placement, in_thread):
                         # Inference another thread queued under the lock, on a stream of its own, ends first.
@@ -290,7 +289,6 @@ class Receiver:
             self._ack(taken, self.version, exc)
             raise
         except BaseException as exc:  # (an interrupt, an engine's cancelled load: the worker goes on)
-            self._outstanding = None
             self._cut_short(taken, exc)
             raise
         self._outstanding = None
@@ -307,11 +305,12 @@ class Receiver:
         self._ack(taken, self.version, refused or LifecycleError("the worker discarded it, not applied", **where))
 
     def _cut_short(self, taken: list[Delivery], cause: BaseException) -> None:
-        """``taken`` was cut short by what is not an ``Exception`` (a Ctrl-C, an async engine's cancelled load):
-        acked as applied where the model holds it, else as not (what was written in part, the next version, sent
-        whole, mends). Unacked, its worker was late on it for good: passed by, never sent a newer version to ack."""
+        """``taken`` was cut short by ``cause``: let go, and where that is a Ctrl-C or an engine's cancelled load (not
+        an ``Exception``), acked as applied if it was, else as not (the next version, sent whole, mends a part
+        written). Unacked, its worker was late on it for good: passed by, never sent a newer version to ack."""
+        self._outstanding, self._prepared = None, None
         version, where = taken[-1].version, {**self.where, "version": taken[-1].version}
-        if not isinstance(cause, Exception):
+        if not isinstance(cause, Exception):  # (an Exception is acked where it is raised, or is the engine's own)
             error = LifecycleError(f"cut short before it was applied ({type(cause).__name__})", **where)
             with contextlib.suppress(Exception):  # (the interrupt is what the caller hears)
                 self._ack(taken, self.version, None if self.version == version else error)
@@ -355,6 +354,9 @@ class Receiver:
         if update.fence is not None:
             cuda.wait_event(update.fence, cuda.cuda_devices(views.values()), deadline)
         return views
+
+    def _gpus(self, dst: dict[str, torch.Tensor], held: bool) -> set[torch.device]:  # (held: the bound storage's)
+        return self.bound.gpus() if held else cuda.cuda_devices(dst.values())
 
     def _place(
         self, dst: dict[str, torch.Tensor], update: Delivery, layout: FlatLayout, held: bool

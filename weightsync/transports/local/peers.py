@@ -7,7 +7,8 @@ process may still be alive and still reading it (for ``shared_mem``, its model
 *is* that memory). :class:`PeerProcess` names that process by the kernel's
 word (``SO_PEERCRED`` of the connected socket, not what the peer says) and
 holds a ``pidfd`` on it, so its exit is seen without polling ``/proc`` and a
-reused pid is never mistaken for it.
+reused pid is never mistaken for it. :class:`Departed` keeps the CUDA shares
+handed to processes given up on until each has exited.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import os
 import select
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
-__all__ = ["PeerProcess"]
+from ...tensors import cuda
+
+__all__ = ["Departed", "PeerProcess"]
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -82,3 +86,32 @@ class PeerProcess:
 
     def __repr__(self) -> str:
         return f"process {self.pid}"
+
+
+class Departed:
+    """Transports (:class:`~.mp.MPTransport`) of worker processes given up on or replaced: the CUDA shares handed
+    to each (``shares``, what its process holds a reference of) are released once its process is known to have
+    exited, and only then (released before, they would take references a live process holds)."""
+
+    def __init__(self) -> None:
+        self.transports: list[Any] = []
+
+    def add(self, transport: Any) -> None:
+        if transport.shares and transport not in self.transports:
+            self.transports.append(transport)
+
+    def release(self, given_up: Iterable[Any] = ()) -> None:
+        """Release the shares of the processes known to have exited (``given_up``: transports of workers given up
+        on but still connected in name, added first)."""
+        for transport in given_up:
+            self.add(transport)
+        keep = []
+        for transport in self.transports:
+            if transport.process is not None and transport.process.gone():
+                for shares in transport.shares.values():
+                    for share in shares:
+                        cuda.release_share(share)
+                transport.shares = {}
+            else:
+                keep.append(transport)
+        self.transports = keep

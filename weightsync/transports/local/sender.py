@@ -48,7 +48,7 @@ from ..keyfiles import KEY_BYTES, remove_key_file, write_key_file
 from .channel import Channel, ChannelListener
 from .hello import hello_problem, refuse
 from .mp import MPTransport
-from .peers import PeerProcess
+from .peers import Departed, PeerProcess
 from .settings import MPSettings
 from .slots import DeviceSlot, SharedSlot, SlotPool, close_slot, device_pool_size, slot_kind
 
@@ -102,7 +102,7 @@ class LocalSender(SenderEngine):
         #: The trainer's GPU, by UUID (``None``: no GPU, or no CUDA here).
         self.gpu_uuid = cuda.device_uuid(gpu) if gpu is not None and torch.cuda.is_available() else None
         # Transports of worker processes given up on or replaced: their CUDA shares go once each process exited.
-        self._departed: list[MPTransport] = []
+        self.departed = Departed()
         self._staging: int | None = None  # the version staged last, and submitted last
         self._submitting: int | None = None
         self._authkey = secrets.token_bytes(KEY_BYTES)
@@ -219,26 +219,12 @@ class LocalSender(SenderEngine):
 
     def _retire(self, transport: MPTransport) -> None:
         """``transport``'s worker process was given up on or replaced: release its CUDA shares once it exited."""
-        if transport.shares and transport not in self._departed:
-            self._departed.append(transport)
+        self.departed.add(transport)
         self._release_departed()
 
     def _release_departed(self) -> None:
-        """Release the CUDA shares of departed worker processes known to have exited, and only theirs (those given
-        up on but still connected in name included)."""
-        for w, transport in self.transports.items():
-            if transport.shares and self.sink.is_dead(w) and transport not in self._departed:
-                self._departed.append(transport)
-        keep = []
-        for transport in self._departed:
-            if transport.process is not None and transport.process.gone():
-                for shares in transport.shares.values():
-                    for share in shares:
-                        cuda.release_share(share)
-                transport.shares = {}
-            else:
-                keep.append(transport)
-        self._departed = keep
+        """Release the CUDA shares of departed worker processes known to have exited (given up on ones included)."""
+        self.departed.release(t for w, t in self.transports.items() if self.sink.is_dead(w))
 
     def discard(self, candidate: Any, problem: str = "the sender is shutting down") -> None:
         """Tell a connecting process why it is turned away, and close its channel."""
@@ -279,7 +265,10 @@ class LocalSender(SenderEngine):
             readable(fds, remaining(deadline))
 
     def set_aside(self, worker: int) -> bool:
-        for pool in self.pools.values():
+        pool = self.pools.get(self._pool_key(worker))
+        if pool is not None and pool.device is not None:  # (the GPU's free memory sized it: nothing more fits)
+            return False
+        if pool is not None:
             pool.set_aside(worker)
         return True
 
@@ -322,30 +311,33 @@ class LocalSender(SenderEngine):
 
     def _acquire(self, pool: SlotPool, deadline: float, version: int) -> _Slot:
         """A slot of ``pool`` no worker reads, waiting (until ``deadline``) for workers to ack newer versions."""
-        slot = pool.acquire()
-        while slot is None:
-            busy = sorted(pool.busy_workers())
-            late = [w for w, t in self.transports.items() if w in busy and (t.acked < t.notified or t.has_unread())]
-            if busy and not late and pool.pinning:  # (every slot a model's memory: shared_mem)
-                raise ConfigurationError(pool.stuck(busy), model_id=self.sink.model_id, version=version)
-            if remaining(deadline) <= 0:
-                said = (
-                    f"no free weight slot in time: no ack from workers {late}, of the versions that would free one "
-                    f"(workers {busy} hold or read the slots, max_slots={pool.max_slots})"
-                )
-                errors.held_up(said, late, model_id=self.sink.model_id, version=version)
-            if busy:
-                self.wait(busy, deadline)
-                self.poll(busy)
-            else:  # (no reader left: the next acquire frees or retires a slot)
-                time.sleep(min(HOLDER_POLL_S, remaining(deadline)))
+        try:
             slot = pool.acquire()
-        self._close_retired(pool)
+            while slot is None:
+                busy = sorted(pool.busy_workers())
+                late = [w for w, t in self.transports.items() if w in busy and (t.acked < t.notified or t.has_unread())]
+                if busy and not late and pool.pinning:  # (every slot a model's memory: shared_mem)
+                    raise ConfigurationError(pool.stuck(busy), model_id=self.sink.model_id, version=version)
+                if remaining(deadline) <= 0:
+                    said = (
+                        f"no free weight slot in time: no ack from workers {late}, of the versions that would free one "
+                        f"(workers {busy} hold or read the slots, max_slots={pool.max_slots})"
+                    )
+                    errors.held_up(said, late, model_id=self.sink.model_id, version=version)
+                if busy:
+                    self.wait(busy, deadline)
+                    self.poll(busy)
+                else:  # (no reader left: the next acquire frees or retires a slot)
+                    time.sleep(min(HOLDER_POLL_S, remaining(deadline)))
+                slot = pool.acquire()
+        finally:  # (a new slot that could not be made leaves those that left the pool closed all the same)
+            self._close_retired(pool)
         return slot
 
     def _close_retired(self, pool: SlotPool) -> None:
-        """Close the slots ``pool`` retired (read only by processes given up on, which keep their memory alive while
-        they map it), telling the live workers that mapped them to let them go."""
+        """Close the slots ``pool`` retired (read only by processes given up on or late workers, which keep their
+        memory alive while they map it), telling the live workers that mapped them to let them go (a late reader,
+        once it acked past its slot: :meth:`_on_ack`)."""
         for slot in pool.retired:
             for w, transport in self.transports.items():
                 if slot.id in transport.slots_sent and w not in slot.readers:  # (a late reader: once it acked past)
@@ -473,15 +465,15 @@ class LocalSender(SenderEngine):
         if self._key_file is not None:  # first: a worker that sees the channel close may look for it
             remove_key_file(self._key_file)
             self._key_file = None
-        processes = [t.process for t in [*self.transports.values(), *self._departed] if t.process is not None]
+        processes = [t.process for t in [*self.transports.values(), *self.departed.transports] if t.process is not None]
         for w, transport in self.transports.items():
             if not self.sink.is_dead(w):
                 try:
                     transport.channel.send({"op": "bye"})
                 except WeightSyncError:
                     pass
-            elif transport not in self._departed:
-                self._departed.append(transport)
+            else:
+                self.departed.add(transport)
             transport.close()
         self.transports.clear()
         if self.listener is not None:
@@ -491,7 +483,7 @@ class LocalSender(SenderEngine):
         # frees the memory. A live worker's mapping (a worker given up on, still running, included) keeps its
         # slot's memory until it lets go, and torch frees it then.
         self._release_departed()
-        self._departed.clear()
+        self.departed.transports.clear()
         for pool in self.pools.values():
             pool.close(processes)
         if any(pool.device is not None for pool in self.pools.values()):

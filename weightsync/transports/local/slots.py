@@ -53,6 +53,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ...core.interrupts import held_interrupts
 from ...tensors import cuda
 from ...tensors.layout import FlatLayout
 
@@ -282,17 +283,20 @@ class SlotPool:
         A slot read only by processes given up on (see :meth:`drop_worker`) or by late workers (see
         :meth:`set_aside`) is never rewritten: it leaves the pool for :attr:`retired` (the sender closes it; its
         memory lives on while those processes map it: the kernel keeps a memfd's pages, torch an IPC-shared block)
-        and a new slot takes its place."""
+        and a new slot takes its place. The slot of the newest version stays (late readers or not: a worker that
+        rejoins is handed it)."""
+        newest = max((slot.version for slot in self.slots if slot.version is not None), default=None)
         for slot in list(self.slots):
-            if slot.readers - self.aside:
+            if slot.readers - self.aside or (slot.readers and slot.version == newest):
                 continue
             slot.holders = [holder for holder in slot.holders if not holder.gone()]
             if not slot.holders and not slot.readers:
                 return slot
-            self.slots.remove(slot)
-            self.retired.append(slot)
-            if slot.readers:
-                self.left.append(slot)
+            with held_interrupts():  # (out of the pool and into what the sender closes, in one step)
+                self.slots.remove(slot)
+                self.retired.append(slot)
+                if slot.readers:
+                    self.left.append(slot)
         if len(self.slots) < self.max_slots:
             n = self._next_id
             self._next_id += 1  # ids are never reused: a worker may still know a retired slot by its id

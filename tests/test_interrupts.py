@@ -7,6 +7,7 @@ import signal
 import threading
 
 import pytest
+import torch
 
 from weightsync.core.interrupts import held_interrupts
 
@@ -194,5 +195,53 @@ def test_a_ctrl_c_as_a_local_worker_reads_a_slots_share_leaves_its_channel_in_st
             assert (receiver.version, checksum(replica)) == (version, checksum(model))
             scheme.wait_async(timeout=5)
     finally:
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+@pytest.mark.parametrize("where", ["gpu_wait", "passing_on"])
+def test_a_ctrl_c_after_the_write_settles_the_gpu_work_and_acks_a_failure(where, monkeypatch):
+    """A Ctrl-C after the update was written: in the wait for the GPU copies (its likeliest place: the wait polls),
+    or as a driving program passes the version on. The copies are waited for before the ack frees their slot, and
+    the ack says the apply was cut short, with the version the model holds. (It was acked as applied at once: the
+    sender could rewrite the slot under copies still reading it, and heard that a version the program never got
+    was passed on; found by a review. On the CPU: the model is said to be on a GPU, whose waits are recorded.)"""
+    import weightsync as ws
+    import weightsync.core.receiver as receiver_module
+    from tests._bodies import optimizer_step
+    from tests._workers import build, in_process_receiver
+    from weightsync.tensors import cuda
+
+    model = build("tiny")
+    scheme = ws.MultiProcessWeightSyncScheme()
+    scheme.timeout = 5.0
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    receiver = in_process_receiver(scheme, build("tiny"))
+    runtime = receiver._runtime.receiving
+    settled: list[int | None] = []
+
+    def settle(devices, deadline, whole_device=False):
+        settled.append(runtime.version)
+        if where == "gpu_wait" and len(settled) == 1:
+            raise KeyboardInterrupt
+
+    def passing_on():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(receiver_module.Receiver, "_gpus", lambda self, dst, held: {torch.device("cuda", 0)})
+    monkeypatch.setattr(cuda, "settle_before_write", lambda *args: False)
+    monkeypatch.setattr(cuda, "settle", settle)
+    if where == "passing_on":
+        runtime.on_applied = passing_on
+    try:
+        optimizer_step(model, 1)
+        scheme.send_async()
+        with pytest.raises(KeyboardInterrupt):
+            receiver.receive(timeout=10)
+        assert runtime.version == 1 and settled == [1, 1]  # (written whole; its copies waited for once more)
+        with pytest.raises(ws.WeightSyncError, match="cut short after it was written \\(KeyboardInterrupt\\)"):
+            scheme.wait_async(timeout=5)
+    finally:
+        runtime.on_applied = None
         receiver.shutdown()
         scheme.shutdown()

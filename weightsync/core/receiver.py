@@ -40,6 +40,7 @@ from ..tensors.layout import FlatLayout
 from ..tensors.strategy import check_spec, flatten_weights, weights_spec
 from .engine import Delivery, ReceiverEngine
 from .external import ExternalModel
+from .interrupts import held_interrupts
 from .kept import KeptCopy
 from .rejoin import stop_thread
 from .timing import deadline_after, remaining
@@ -260,13 +261,14 @@ class Receiver:
                     if update.fence is not None:  # bytes another process's GPU stream wrote: read them after it
                         cuda.wait_event(update.fence, gpus, deadline)
                     mends = self.kept if self.engine.placement != "share" else None  # (memory it shares is remapped)
-                    if mends is not None and mends.write_changes(dst, update, layout):
-                        self._written = (dst, None)
-                    else:
-                        self._written = (dst, self._place(dst, update, layout, held))
-                        if self.kept is not None:  # (the program's writes show next time)
-                            self.kept.written(lambda: flatten_weights(self.model, self.strategy.extract_as))
-                    self.version = update.version  # (its memory now: held, even if the settle fails, as acked)
+                    with held_interrupts():  # (written and numbered in one step: a Ctrl-C left a model bound, unsaid)
+                        if mends is not None and mends.write_changes(dst, update, layout):
+                            self._written = (dst, None)
+                        else:
+                            self._written = (dst, self._place(dst, update, layout, held))
+                            if self.kept is not None:  # (the program's writes show next time)
+                                self.kept.written(lambda: flatten_weights(self.model, self.strategy.extract_as))
+                        self.version = update.version  # (its memory now: held, even if the settle fails, as acked)
                     if gpus:  # the copies are queued on the model's stream: done before the ack says so
                         cuda.settle(gpus, deadline, whole_device=cuda.settle_whole_device(self.engine.placement))
             if self.kept is not None:
@@ -279,17 +281,14 @@ class Receiver:
                         f"version {update.version} was applied here, then passing it on failed: "
                         f"{type(exc).__name__}: {exc}"
                     ) from exc
-        except Exception as exc:
+        except BaseException as exc:  # (an interrupt, an engine's cancelled load too: the worker goes on)
             if gpus:  # copies queued before the failure may still read the slot: done before the ack frees it
-                try:  # a deadline of its own: the failure may be that the first one ran out
-                    cuda.settle(gpus, deadline_after(self.update_timeout))
-                except Exception as late:  # noqa: BLE001 - the first failure is the one reported
-                    log.warning("model %r: after a failed update, its GPU work: %s", self.where["model_id"], str(late))
+                cuda.settle_after_failure(gpus, self.update_timeout, self.where["model_id"])
+            if not isinstance(exc, Exception):
+                self._cut_short(taken, exc)
+                raise
             self._outstanding = None  # (at the end: a take() while it applies is refused, as before it)
             self._ack(taken, self.version, exc)
-            raise
-        except BaseException as exc:  # (an interrupt, an engine's cancelled load: the worker goes on)
-            self._cut_short(taken, exc)
             raise
         self._outstanding = None
         self._ack(taken, update.version)
@@ -306,14 +305,14 @@ class Receiver:
 
     def _cut_short(self, taken: list[Delivery], cause: BaseException) -> None:
         """``taken`` was cut short by ``cause``: let go, and where that is a Ctrl-C or an engine's cancelled load (not
-        an ``Exception``), acked as applied if it was, else as not (the next version, sent whole, mends a part
-        written). Unacked, its worker was late on it for good: passed by, never sent a newer version to ack."""
+        an ``Exception``), acked as failed, with the version the model holds (written whole, or not at all). Unacked,
+        its worker was late on it for good: passed by, never sent a newer version to ack."""
         self._outstanding, self._prepared = None, None
         version, where = taken[-1].version, {**self.where, "version": taken[-1].version}
         if not isinstance(cause, Exception):  # (an Exception is acked where it is raised, or is the engine's own)
-            error = LifecycleError(f"cut short before it was applied ({type(cause).__name__})", **where)
+            stage = "after it was written" if self.version == version else "before it was applied"
             with contextlib.suppress(Exception):  # (the interrupt is what the caller hears)
-                self._ack(taken, self.version, None if self.version == version else error)
+                self._ack(taken, self.version, LifecycleError(f"cut short {stage} ({type(cause).__name__})", **where))
 
     def _ack(self, taken: list[Delivery], held: int | None, error: BaseException | None = None) -> None:
         """Ack ``taken``. An ack its sender is gone to hear is lost, no more: what was applied stays applied (and

@@ -46,6 +46,7 @@ __all__ = [
     "open_share",
     "release_share",
     "settle",
+    "settle_after_failure",
     "settle_before_write",
     "settle_whole_device",
     "share",
@@ -303,6 +304,16 @@ def settle(devices: set[torch.device], deadline: float, *, whole_device: bool = 
     if whole_device:
         for device in devices:
             torch.cuda.synchronize(device)
+
+
+def settle_after_failure(devices: set[torch.device], timeout: float, model_id: Any) -> None:
+    """:func:`settle` after an update failed, before its ack frees the slot that copies queued may still read:
+    within ``timeout`` of its own (the failure may be that the first wait ran out); a failure of its own is logged
+    (the first one is what is reported)."""
+    try:
+        settle(devices, time.monotonic() + timeout)
+    except Exception as late:  # noqa: BLE001 - the first failure is the one reported
+        log.warning("model %r: after a failed update, its GPU work: %s", model_id, str(late))
 
 
 def settle_whole_device(placement: str) -> bool:

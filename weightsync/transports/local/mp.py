@@ -258,20 +258,19 @@ class MPTransport(PeerTransport, TransportBackend):
         """
         if kwargs:
             raise TypeError(f"unexpected arguments {sorted(kwargs)}")
-        updates = self._arrived  # (kept here as they are read: a Ctrl-C as a read ends loses none)
-        if self.closed_by_sender and not updates:
+        if self.closed_by_sender and not self._arrived:
             raise ConnectionClosedError(self.ended, worker_idx=self.worker_idx)
         deadline = deadline_after(timeout or 0.0)
         # A slot's share comes in a message of its own, ahead of the update that names it: the wait goes on until
         # an update (or the deadline), never ends on a share alone.
-        while not updates and not self.closed_by_sender:
+        while not self._arrived and not self.closed_by_sender:
             try:
                 # (in slices: the sender's process is looked at between them)
                 if self.channel.poll(min(remaining(deadline), PEER_LOOK_S)):
                     # Read and acted on in one step that a Ctrl-C does not cut in two: a frame read in part, or a
                     # slot's share read without the descriptors behind it, left the channel out of step for good.
                     with held_interrupts():
-                        self._read(self.channel.recv(0.0), updates)
+                        self._read(self.channel.recv(0.0))
                     continue
             except ConnectionClosedError:
                 self.closed_by_sender = True
@@ -287,13 +286,17 @@ class MPTransport(PeerTransport, TransportBackend):
                 )
             if remaining(deadline) <= 0:
                 break
-        if not updates and self.closed_by_sender:
+        if not self._arrived and self.closed_by_sender:
             raise ConnectionClosedError(self.ended, worker_idx=self.worker_idx)
-        self._arrived = []
+        updates, self._arrived = self._arrived, []
         return updates
 
-    def _read(self, msg: dict[str, Any] | None, updates: list[Update]) -> None:
-        """Act on ``msg`` and every message queued behind it, adding the updates to ``updates``."""
+    def _read(self, msg: dict[str, Any] | None) -> None:
+        """Act on ``msg`` and every message queued behind it, keeping the updates in ``_arrived``.
+
+        The updates are kept on the transport, not handed back: a Ctrl-C raised as the read's held step ends
+        loses none, and the next ``receive_weights`` returns them.
+        """
         while msg is not None:
             op = msg["op"]
             if op == "slot":
@@ -304,7 +307,7 @@ class MPTransport(PeerTransport, TransportBackend):
                     fd, nbytes = self._unmapped[update.slot]
                     if self._map_host(update.slot, fd, nbytes):
                         os.close(self._unmapped.pop(update.slot)[0])
-                updates.append(update)
+                self._arrived.append(update)
             elif op == "forget":
                 self._unmap(int(msg["slot"]))
             elif op == "bye":

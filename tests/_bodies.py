@@ -374,6 +374,21 @@ def send_past_hung_worker_1(scheme, model, timeout: float) -> None:
     assert within_its_timeout(took, timeout), took
 
 
+def send_passing_worker_1_by(scheme, model, version: int, timeout: float, group) -> None:
+    """Send ``version`` while worker 1 is late on version 1: the send names it at once ("passed by", by this send's
+    version), not waiting ``timeout`` for it, and worker 0 holds the version."""
+    optimizer_step(model, version)
+    began = time.monotonic()
+    with pytest.raises(ws.SyncTimeoutError, match="passed by: still no ack for version 1, which timed out"):
+        try:
+            scheme.send()
+        except ws.SyncTimeoutError as exc:
+            assert (exc.worker_idx, exc.version, exc.model_id) == (1, version, "policy"), exc
+            raise
+    assert time.monotonic() - began < timeout  # (not waited for)
+    assert group.ask(0, "state")["policy"] == (version, checksum(model))
+
+
 def hung_worker_costs_one_timeout(scheme, workers, timeout=2.0, device=""):
     """A worker hung by SIGSTOP costs one ``timeout``: the send raises ``SyncTimeoutError`` naming it, or
     drops it (``on_failure``), within its timeout (:func:`within_its_timeout`); the other worker
@@ -412,7 +427,6 @@ def a_late_worker_is_passed_by_until_it_acks(scheme, workers, timeout=2.0, kind=
     ``distributed``; the local schemes' slots). Once it runs again and acks, the next send reaches it."""
     import os
     import signal
-    import time
 
     model = build(kind)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
@@ -423,16 +437,7 @@ def a_late_worker_is_passed_by_until_it_acks(scheme, workers, timeout=2.0, kind=
     try:
         send_past_hung_worker_1(scheme, model, timeout)
         for version in range(2, 8):
-            optimizer_step(model, version)
-            began = time.monotonic()
-            with pytest.raises(ws.SyncTimeoutError, match="passed by: still no ack for version 1, which timed out"):
-                try:
-                    scheme.send()
-                except ws.SyncTimeoutError as exc:
-                    assert (exc.worker_idx, exc.version, exc.model_id) == (1, version, "policy"), exc
-                    raise
-            assert time.monotonic() - began < timeout  # (not waited for)
-            assert group.ask(0, "state")["policy"] == (version, checksum(model))
+            send_passing_worker_1_by(scheme, model, version, timeout, group)
     finally:
         os.kill(group.procs[1].pid, signal.SIGCONT)
     scheme.wait_async()  # worker 1 takes version 1, the last sent to it, and acks it
@@ -442,6 +447,65 @@ def a_late_worker_is_passed_by_until_it_acks(scheme, workers, timeout=2.0, kind=
     assert [group.ask(w, "state")["policy"] for w in (0, 1)] == [(8, checksum(model))] * 2
     group.stop()
     scheme.shutdown()
+
+
+def a_stopped_worker_in_a_world_the_caller_runs_is_passed_by_until_it_answers(
+    scheme, workers, timeout=1.0, kind="flat4_64mb"
+):
+    """Your own RPC world (``worker_names=``), where a version's call is bounded by ``timeout`` (your graceful
+    ``rpc.shutdown()`` waits for every call still out): once a stopped worker's call ended unanswered, each later
+    send passes it by at once, naming it, and makes no call to it; the other worker holds every version. Each send
+    made a call of its own, which cost that ``timeout`` and whose bytes TensorPipe kept until the worker read again:
+    the trainer grew by the model's size (64 MiB) a send. Once the worker runs again and has answered that version,
+    the trainer hears of it (a small call asks) and the next send reaches it."""
+    import os
+    import signal
+    import socket
+
+    import torch.distributed.rpc as rpc
+
+    from tests._workers import live_rss, serves_in_a_world_it_joined
+    from weightsync.core.timing import deadline_after, wait_until
+
+    with socket.socket() as probe:  # (a port for the world's store, on loopback)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    group = workers(serves_in_a_world_it_joined, 2, lambda i, conn: (port, 3, {"policy": kind}, i, conn))
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=60, _transports=["uv"])
+    rpc.init_rpc("user-trainer", rank=0, world_size=3, rpc_backend_options=options)
+    try:
+        model = build(kind)
+        scheme.init_on_sender(model_id="policy", model=model, worker_names=["user-worker-0", "user-worker-1"])
+        for cmd in group.cmds:
+            cmd.send({"policy": scheme})
+        scheme.connect()
+        assert all(errors == {} for _, _, errors in (group.recv(0), group.recv(1)))
+        scheme.timeout = timeout
+        os.kill(group.procs[1].pid, signal.SIGSTOP)
+        try:
+            send_past_hung_worker_1(scheme, model, timeout)
+            for version in range(2, 7):
+                if version == 3:
+                    before = live_rss()
+                send_passing_worker_1_by(scheme, model, version, timeout, group)
+            grown = live_rss() - before
+            assert grown < 64 << 20, f"the trainer grew by {grown >> 20} MiB in 4 sends that passed worker 1 by"
+        finally:
+            os.kill(group.procs[1].pid, signal.SIGCONT)
+        # Worker 1 takes version 1, whose call ended: its answer reaches no one, and the trainer asks for it (asks that
+        # timed out while it was stopped wait longer before the next: up to 5 s).
+        assert wait_until(lambda: group.ask(1, "state")["policy"][0] == 1, deadline_after(30), 0.05)
+        scheme.wait_async(timeout=15)
+        assert scheme.acked_versions == {0: 6, 1: 1}
+        optimizer_step(model, 7)
+        scheme.send()
+        assert [group.ask(w, "state")["policy"] for w in (0, 1)] == [(7, checksum(model))] * 2
+    finally:
+        scheme.shutdown()
+        for cmd in group.cmds:
+            cmd.send(("stop",))
+        rpc.shutdown(graceful=True, timeout=60)
+        group.stop()
 
 
 def sends_that_do_not_wait_go_on_past_a_stopped_worker(scheme, workers, timeout=1.0, kind="flat2_8mb"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import os
@@ -202,6 +203,20 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
         cmd.send(("crashed", traceback.format_exc()))
 
 
+def serves_in_a_world_it_joined(port: int, world_size: int, kinds: dict, worker_idx: int, cmd) -> None:
+    """A worker whose own program runs RPC (``rpc.init_rpc`` before weightsync, the trainer's scheme given
+    ``worker_names=``): join that world on loopback, take the schemes the trainer pickled after ``init_on_sender``
+    from ``cmd``, :func:`serve` them, then leave the world with the trainer (its graceful shutdown)."""
+    import torch.distributed.rpc as rpc
+
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=60, _transports=["uv"])
+    rpc.init_rpc(f"user-worker-{worker_idx}", rank=worker_idx + 1, world_size=world_size, rpc_backend_options=options)
+    try:
+        serve(cmd.recv(), worker_idx, kinds, cmd)
+    finally:
+        rpc.shutdown(graceful=True, timeout=60)
+
+
 def torn_reader(scheme, worker_idx: int, kind: str, cmd, lock_reads: bool = False):
     """Read the model continuously; count reads that see a mix of two versions."""
     model = build(kind)
@@ -234,6 +249,17 @@ def _rss() -> int:
     import psutil
 
     return psutil.Process().memory_info().rss
+
+
+def live_rss() -> int:
+    """This process's resident memory once what it freed went back to the system (glibc's ``malloc_trim``): what
+    is still held, without the heap's leftovers of temporaries freed."""
+    import ctypes
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # (not glibc: the heap's leftovers count too)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return _rss()
 
 
 def connect_pair(sender, receiver, timeout: float = 20.0) -> None:

@@ -53,6 +53,7 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str
         "a_late_worker_is_passed_by_until_it_acks",
         "sends_that_do_not_wait_go_on_past_a_stopped_worker",
         "sends_that_do_not_wait_go_on_past_a_stopped_worker::on_failure=drop",
+        "a_stopped_worker_in_a_world_the_caller_runs_is_passed_by_until_it_answers",
         "a_worker_dropped_alive_hears_it_was_dropped::on_failure=drop",
         "connect_waits_its_timeout_for_absent_workers::connect_timeout=2",
         "a_worker_that_joins_then_dies_costs_connect_its_timeout::connect_timeout=4",
@@ -135,15 +136,24 @@ class _Sink:
 
     def __init__(self) -> None:
         self.failures: list[tuple[int, ws.WeightSyncError]] = []
+        self.late: list[tuple[int, ws.WeightSyncError]] = []  # calls that gave up waiting for the answer
+        self.acks: list[tuple[int, int]] = []
+        self.deaths: list[tuple[int, str]] = []
 
     def acked(self, worker, held) -> None:
-        pass
+        self.acks.append((worker, held))
 
     def failed(self, worker, error) -> None:
         self.failures.append((worker, error))
 
+    def unanswered(self, worker, error) -> None:
+        self.late.append((worker, error))
+
+    def died(self, worker, error) -> None:
+        self.deaths.append((worker, error))
+
     def is_dead(self, worker) -> bool:
-        return False
+        return any(w == worker for w, _ in self.deaths)
 
 
 def test_the_initial_versions_rpc_waits_connect_timeout_and_later_ones_have_no_bound_of_their_own():
@@ -174,6 +184,7 @@ def test_the_initial_versions_rpc_waits_connect_timeout_and_later_ones_have_no_b
         return transport.in_flight[version]
 
     transport.submit = submit
+    transport.ask_last_answer = lambda timeout: torch.futures.Future()  # (never answered: the worker is stopped)
     # (a version 0 that is not the initial one: the send after a connect() whose weights did not fit)
     for version, initial in ((0, True), (1, False), (0, False)):
         out = Outgoing(version, {"w": torch.full((8,), float(version))}, None, [0], initial=initial)
@@ -181,7 +192,7 @@ def test_the_initial_versions_rpc_waits_connect_timeout_and_later_ones_have_no_b
         transport.in_flight[version].set_exception(RuntimeError("RPC ran for more than set timeout (1 ms)"))
         sender.poll([0])
     assert bounds == [60.0, 2.0, 2.0]  # (the caller runs this world: names given)
-    assert [str(e.detail) for _, e in sink.failures] == [
+    assert [str(e.detail) for _, e in sink.late] == [
         "no ack for version 0 within 60s",
         "no ack for version 1 within 2s",
         "no ack for version 0 within 2s",
@@ -221,6 +232,7 @@ def test_a_buffer_an_rpc_may_still_write_is_never_reused():
 
     for transport in sender.transports.values():
         transport.submit = submitter(transport)
+        transport.ask_last_answer = lambda timeout: torch.futures.Future()  # (whether it answered since: not yet)
 
     def send(version: int, workers: list[int]) -> torch.Tensor:
         out = Outgoing(version, {"w": torch.full((8,), float(version))}, None, workers)
@@ -233,7 +245,7 @@ def test_a_buffer_an_rpc_may_still_write_is_never_reused():
         RuntimeError("RPC ran for more than set timeout (1000 ms) and will now be marked with an error")
     )
     sender.poll([0])
-    assert [(w, type(e).__name__) for w, e in sink.failures] == [(0, "SyncTimeoutError")]
+    assert [(w, type(e).__name__) for w, e in sink.late] == [(0, "SyncTimeoutError")]
     second = send(2, [1])
     assert second.data_ptr() != first.data_ptr()
     assert first.view(torch.float32)[:8].tolist() == [1.0] * 8  # what the late write sends is still version 1
@@ -246,6 +258,69 @@ def test_a_buffer_an_rpc_may_still_write_is_never_reused():
     futures[-1].set_result({"held": 3})  # an answered RPC releases its buffer: the next send reuses it
     sender.poll([0])
     assert send(4, [0]).data_ptr() == third.data_ptr()
+    sender.close(0.0)
+
+
+def test_a_worker_whose_call_gave_up_is_asked_for_the_answer_until_it_has_given_it():
+    """A version's call that gave up waiting (a world the caller runs bounds it by ``timeout``) leaves its worker
+    late (the core passes it by, sending it nothing). The engine asks the worker, one small call at a time, for the
+    newest version it answered; asks that time out wait longer before the next; an answer to an older version is
+    not the one awaited; once the worker answered that version (or a later one), its answer is the call's: the ack,
+    and the worker's failure where it failed. An ask that finds the worker gone says so."""
+    import torch
+
+    from weightsync.core.engine import Outgoing
+    from weightsync.tensors.layout import FlatLayout
+    from weightsync.transports.rpc.sender import RPCSender
+    from weightsync.transports.rpc.settings import RPCSettings
+
+    sink = _Sink()
+    sender = RPCSender(
+        sink, FlatLayout.from_weights({"w": torch.zeros(8)}), 2, RPCSettings(), names=["a", "b"], master=None
+    )
+    asks: list[torch.futures.Future] = []
+    for transport in sender.transports.values():
+        transport.submit = lambda version, *args, t=transport, **kw: t.in_flight.setdefault(
+            version, torch.futures.Future()
+        )
+        transport.ask_last_answer = lambda timeout: asks.append(torch.futures.Future()) or asks[-1]
+
+    def gave_up(worker: int, version: int) -> None:
+        out = Outgoing(version, {"w": torch.full((8,), float(version))}, None, [worker])
+        sender.submit(out, sender.stage(out, deadline=float("inf")))
+        sender.transports[worker].in_flight[version].set_exception(RuntimeError("RPC ran for more than set timeout"))
+
+    gave_up(0, 3)
+    sender.poll([0])
+    assert [(w, e.version) for w, e in sink.late] == [(0, 3)] and sink.failures == []
+    assert len(asks) == 1  # (asked at once)
+    sender.poll([0])
+    assert len(asks) == 1  # (one ask out at a time)
+    asks[0].set_exception(RuntimeError("RPC ran for more than set timeout (1000 ms)"))
+    sender.poll([0])
+    assert len(asks) == 1  # (an ask that timed out: the next waits)
+    sender._asking[0].due = 0.0
+    sender.poll([0])
+    assert len(asks) == 2
+    asks[1].set_result((2, {"held": 2}))  # (alive, but its answer to version 3 not given yet)
+    sender.poll([0])
+    assert sink.acks == [] and 0 in sender._asking
+    sender._asking[0].due = 0.0
+    sender.poll([0])
+    refused = {"held": 2, "error": {"type": "ChecksumError", "message": "version 3 did not match its digest"}}
+    asks[2].set_result((3, refused))
+    sender.poll([0])
+    assert sink.acks == [(0, 2)] and 0 not in sender._asking
+    assert [(w, e.version, type(e).__name__) for w, e in sink.failures] == [(0, 3, "ReceiverError")]
+    assert "did not match" in str(sink.failures[0][1])
+    sender.poll([0])
+    assert len(asks) == 3  # (heard: no more asks)
+
+    gave_up(1, 4)
+    sender.poll([1])
+    asks[3].set_exception(RuntimeError("connection reset by peer"))
+    sender.poll([1])
+    assert [w for w, _ in sink.deaths] == [1] and "went away" in sink.deaths[0][1]
     sender.close(0.0)
 
 

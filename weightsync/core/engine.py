@@ -21,7 +21,7 @@ from .. import integrity
 from ..tensors.copies import copy_tensors, write_into
 
 if TYPE_CHECKING:
-    from ..errors import WeightMismatchError, WeightSyncError
+    from ..errors import SyncTimeoutError, WeightMismatchError, WeightSyncError
     from ..tensors.delta import Delta
     from ..tensors.layout import FlatLayout
 
@@ -52,7 +52,12 @@ class Sink(Protocol):
         """``worker`` holds version ``held`` (applied, or kept after refusing a later one)."""
 
     def failed(self, worker: int, error: WeightSyncError) -> None:
-        """``worker`` is alive but failed: it refused an update (its error), or did not answer in time."""
+        """``worker`` is alive but failed: it refused an update (its error), or its call for ``error.version`` ended
+        with no answer, and none comes."""
+
+    def unanswered(self, worker: int, error: SyncTimeoutError) -> None:
+        """``worker``'s call for ``error.version`` gave up waiting for the answer, which the engine can still hear
+        of (it asks again): the worker is late on that version, as a wait that timed out finds it."""
 
     def died(self, worker: int, error: WeightSyncError | str) -> None:
         """``worker`` is gone; a string is the cause, and the core names the worker and the version."""

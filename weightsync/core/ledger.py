@@ -50,6 +50,14 @@ class Ledger:
             peer = self.peers[worker]
             peer.ended = max(error.version, peer.ended if peer.ended is not None else error.version)
 
+    def unanswered(self, worker: int, error: SyncTimeoutError) -> None:
+        """``worker``'s call for ``error.version`` gave up on its answer, which may still come (its engine asks for
+        it): the worker is late on that version (:meth:`late`), as a wait that timed out on it finds it, and the
+        next send that targets it names it so."""
+        if error.version is not None:
+            peer = self.peers[worker]
+            peer.timed_out = max(error.version, peer.timed_out if peer.timed_out is not None else error.version)
+
     def held_up(self, workers: list[int]) -> None:
         """``workers`` held up a send's staging for its whole wait (no earlier version taken off the wire): each is
         late on the newest version sent to it."""

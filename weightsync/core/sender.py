@@ -111,6 +111,9 @@ class Sender:
     def failed(self, worker: int, error: WeightSyncError) -> None:
         self.ledger.failed(worker, error)
 
+    def unanswered(self, worker: int, error: SyncTimeoutError) -> None:
+        self.ledger.unanswered(worker, error)
+
     def died(self, worker: int, error: WeightSyncError | str) -> None:
         if isinstance(error, str):
             version = self._naming if self._naming is not None else self.ledger.peers[worker].sent

@@ -106,6 +106,9 @@ class Gate(Rejoins, SenderEngine):
                 return
         self._tell(worker, error)
 
+    def unanswered(self, worker: int, error: errors.SyncTimeoutError) -> None:
+        self.failed(worker, error)  # (an engine is not passed by: it is sent the next version, which waits its turn)
+
     def _tell(self, worker: int, error: WeightSyncError) -> None:  # (a call failing later for it is not news)
         with self._lock:
             self._told[worker] = max(error.version if error.version is not None else -1, self._told.get(worker, -1))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed.rpc as rpc
 
-__all__ = ["Arrival", "Mailbox", "close_mailbox", "deliver", "drop_mailbox", "mailbox"]
+__all__ = ["Arrival", "Mailbox", "close_mailbox", "deliver", "drop_mailbox", "last_answer", "mailbox"]
 
 
 @dataclass
@@ -38,6 +38,9 @@ class Mailbox:
         self.closed = False
         #: The sender's goodbye said the whole world leaves with it (every worker alive): leave by its barrier.
         self.whole = False
+        #: The newest version answered, and the answer: the sender asks for it (:func:`last_answer`) where the call
+        #: that brought that version gave up waiting for it.
+        self.last: tuple[int, dict] | None = None
 
 
 _MAILBOXES: dict[str, Mailbox] = {}
@@ -78,6 +81,14 @@ def deliver(
         box.queue.append(arrival)
         box.cond.notify_all()
     return arrival.future
+
+
+def last_answer(model_id: str) -> tuple[int, dict] | None:
+    """Runs in the worker: the newest version it answered for ``model_id``, and its answer (``None``: none yet, or
+    no receiver here). A sender whose call for a version gave up waiting asks, to hear the answer."""
+    with _MAILBOX_LOCK:
+        box = _MAILBOXES.get(model_id)
+    return None if box is None else box.last
 
 
 def close_mailbox(model_id: str, whole: bool = True) -> bool:

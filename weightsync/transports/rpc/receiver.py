@@ -153,6 +153,7 @@ class RPCReceiver(ReceiverEngine):
             answer["error"] = {"type": type(error).__name__, "message": str(error)[:MAX_ERROR_TEXT]}
         for delivery in taken:
             delivery.token.future.set_result(answer)
+        self.mailbox.last = (taken[-1].version, answer)  # (for a sender whose call gave up on it: it asks)
         self._answered_at = time.monotonic()
 
     def close(self) -> None:

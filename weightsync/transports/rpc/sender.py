@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +32,10 @@ __all__ = ["RPCSender"]
 
 #: Seconds the sender's goodbye to each worker may take at shutdown.
 CLOSE_WAIT_S = 5.0
+#: Seconds between two asks of a worker for an answer its version's call gave up on; each ask in a row that timed
+#: out doubles that, up to :data:`ASK_AT_MOST_EVERY_S` (TensorPipe keeps each one's bytes until the worker reads).
+ASK_EVERY_S = 0.25
+ASK_AT_MOST_EVERY_S = 5.0
 
 
 def _timed_out(exc: BaseException) -> bool:
@@ -47,6 +53,17 @@ def _released(future: Any) -> bool:
     except RuntimeError as exc:
         return not _timed_out(exc)
     return True
+
+
+@dataclass
+class _Asking:
+    """A worker whose call for ``version`` gave up waiting for its answer: it is asked for it (:meth:`RPCSender._ask`)
+    until it has answered that version or a later one."""
+
+    version: int
+    due: float = 0.0  # when the next ask may go
+    out: Any = None  # the ask's future, while one is out
+    misses: int = 0  # asks in a row that timed out
 
 
 class RPCSender(SenderEngine):
@@ -91,6 +108,7 @@ class RPCSender(SenderEngine):
         self._answered = threading.Event()  # set by every answer's future
         self._initial: set[tuple[int, int]] = set()  # (worker, version) of the initial versions' RPCs in flight
         self._has_layout: set[int] = set()  # workers that answered once: they hold the layout
+        self._asking: dict[int, _Asking] = {}  # workers whose call gave up waiting for the answer (:meth:`_ask`)
         self._connected = False
 
     def handoff(self) -> dict[str, Any]:
@@ -175,10 +193,11 @@ class RPCSender(SenderEngine):
         """The longest one RPC of a version waits for its answer: the initial version's, ``connect_timeout``; a later
         one's, in a world this engine runs, no bound of its own (0: TensorPipe's "never"). The core's wait bounds
         the send, and a worker that did not answer in it is late, passed by while its call is out (its answer, when
-        it comes, is its ack). A call bounded by ``timeout`` ended there, so the next send made another, and
-        TensorPipe held the bytes of each until the worker read again: a trainer grew by the model's size per send
-        while a worker was stopped. In a world the caller runs, ``timeout``: the caller's own graceful shutdown
-        waits for every call still out, with no bound of its own (:meth:`close` bounds this engine's)."""
+        it comes, is its ack). In a world the caller runs, ``timeout``: the caller's own graceful shutdown waits for
+        every call still out, with no bound of its own (:meth:`close` bounds this engine's). A call that gave up
+        leaves its worker late as well, asked for the answer by small calls (:meth:`_ask`): sent each version
+        anew, a stopped worker cost each send that ``timeout``, and TensorPipe kept the bytes of every call until
+        it read again (the trainer grew by the model's size a send)."""
         if initial:
             return self.sink.connect_timeout
         return 0.0 if self.session is not None else self.sink.timeout
@@ -200,6 +219,8 @@ class RPCSender(SenderEngine):
                     self._answer(w, version, future)
                 if self.sink.is_dead(w):
                     break
+            if w in self._asking and not self.sink.is_dead(w):
+                self._ask(w)
 
     def _answer(self, w: int, version: int, future: Any) -> None:
         """Read one worker's answer: its ack, its failure, or that it is gone."""
@@ -211,7 +232,9 @@ class RPCSender(SenderEngine):
             if _timed_out(exc):
                 if self.pool is not None:
                     self.pool.retire(w)  # its bytes may still go out once the link is back
-                self.sink.failed(
+                asking = self._asking.setdefault(w, _Asking(version))
+                asking.version = max(asking.version, version)
+                self.sink.unanswered(
                     w,
                     SyncTimeoutError(
                         f"no ack for version {version} within {shown_seconds(self._bound(initial))}",
@@ -223,6 +246,10 @@ class RPCSender(SenderEngine):
             else:
                 self.sink.died(w, f"RPC peer {transport.worker_name} went away ({first_line(exc)})")
             return
+        self._take(w, version, answer)
+
+    def _take(self, w: int, version: int, answer: dict[str, Any]) -> None:
+        """``answer``, worker ``w``'s to ``version``: its ack, and its failure if it failed."""
         if answer.get("held") is not None:
             self._has_layout.add(w)
             self.sink.acked(w, int(answer["held"]))
@@ -236,8 +263,39 @@ class RPCSender(SenderEngine):
                 ),
             )  # fmt: skip
 
+    def _ask(self, w: int) -> None:
+        """Ask worker ``w``, whose call gave up waiting, for the newest version it answered (one ask out at a time,
+        backing off while they time out); once that is the version the call was for or a later one, its answer is
+        taken as the call's, and the worker is no longer late on it."""
+        asking, transport = self._asking[w], self.transports[w]
+        if asking.out is not None and asking.out.done():
+            out, asking.out = asking.out, None
+            try:
+                last = out.wait()
+            except RuntimeError as exc:
+                if not _timed_out(exc):
+                    self.sink.died(w, f"RPC peer {transport.worker_name} went away ({first_line(exc)})")
+                    return
+                asking.misses += 1
+                asking.due = time.monotonic() + min(ASK_EVERY_S * 2**asking.misses, ASK_AT_MOST_EVERY_S)
+                return
+            asking.misses = 0
+            if last is not None and int(last[0]) >= asking.version:
+                del self._asking[w]
+                self._take(w, int(last[0]), last[1])
+                return
+        if asking.out is None and time.monotonic() >= asking.due:
+            asking.due = time.monotonic() + ASK_EVERY_S
+            try:
+                asking.out = transport.ask_last_answer(self.sink.timeout)
+            except RuntimeError as exc:
+                self.sink.died(w, f"RPC peer {transport.worker_name} went away ({first_line(exc)})")
+                return
+            asking.out.add_done_callback(lambda _: self._answered.set())
+
     def wait(self, workers: list[int], deadline: float) -> None:
-        self._answered.wait(remaining(deadline))
+        asking = any(w in self._asking for w in workers)  # (its next ask is due within ASK_EVERY_S, made by a poll)
+        self._answered.wait(min(remaining(deadline), ASK_EVERY_S) if asking else remaining(deadline))
 
     def set_aside(self, worker: int) -> bool:
         if self.pool is not None:
@@ -246,6 +304,7 @@ class RPCSender(SenderEngine):
 
     def lost(self, worker: int, reason: str) -> None:
         self.transports[worker].in_flight.clear()
+        self._asking.pop(worker, None)
         if self.pool is not None:
             self.pool.retire(worker)  # RPC cannot cancel a send: what it still writes must not change
         # (a worker dropped alive, a stalled one, is told: RPC cannot take its rank back into the world)
@@ -258,6 +317,7 @@ class RPCSender(SenderEngine):
         whole = self._connected and not any(self.sink.is_dead(w) for w in self.transports)
         clean = whole
         calls = [future for transport in self.transports.values() for future in transport.in_flight.values()]
+        calls += [asking.out for asking in self._asking.values() if asking.out is not None]
         for w, transport in self.transports.items():
             alive = self._connected and not self.sink.is_dead(w)
             heard = alive and transport.close(min(timeout, CLOSE_WAIT_S), whole)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from ..base import PeerTransport
-from .mailbox import close_mailbox, deliver
+from .mailbox import close_mailbox, deliver, last_answer
 from .session import default_worker_name
 
 if TYPE_CHECKING:
@@ -58,6 +58,11 @@ class RPCTransport(PeerTransport):
         )
         self.in_flight[version] = future
         return future
+
+    def ask_last_answer(self, timeout: float) -> torch.futures.Future:
+        """Ask the worker for the newest version it answered, and its answer (``None``: none yet), at most
+        ``timeout``: a small call, for a version whose own call gave up waiting."""
+        return rpc.rpc_async(self.worker_name, last_answer, args=(self.model_id,), timeout=timeout)
 
     def close(self, timeout: float, whole: bool = True) -> bool:
         """Tell the worker the sender is gone (best effort, bounded; ``timeout`` 0: not at all), and whether the

@@ -463,7 +463,7 @@ def connect_channel(
     conn = Connection(sock.detach())
     channel = Channel(conn, f"sender at {address}")
     try:
-        while not conn.poll(min(remaining(deadline), 1.0)):
+        while not conn.poll(min(remaining(deadline), progress.every)):  # (in slices: a wait under 1 s says why too)
             if remaining(deadline) <= 0:
                 raise SyncTimeoutError(
                     f"the sender at {address!r} did not take this worker in within {shown_seconds(timeout)} "

@@ -7,6 +7,9 @@ starts its own workers and reports back.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 import weightsync as ws
@@ -302,13 +305,13 @@ def test_a_worker_whose_call_gave_up_is_asked_for_the_answer_until_it_has_given_
     sender._asking[0].due = 0.0
     sender.poll([0])
     assert len(asks) == 2
-    asks[1].set_result((2, {"held": 2}))  # (alive, but its answer to version 3 not given yet)
+    asks[1].set_result((2, True, {"held": 2}))  # (alive, but its answer to version 3 not given yet)
     sender.poll([0])
     assert sink.acks == [] and 0 in sender._asking
     sender._asking[0].due = 0.0
     sender.poll([0])
     refused = {"held": 2, "error": {"type": "ChecksumError", "message": "version 3 did not match its digest"}}
-    asks[2].set_result((3, refused))
+    asks[2].set_result((3, True, refused))
     sender.poll([0])
     assert sink.acks == [(0, 2)] and 0 not in sender._asking
     assert [(w, e.version, type(e).__name__) for w, e in sink.failures] == [(0, 3, "ReceiverError")]
@@ -322,6 +325,157 @@ def test_a_worker_whose_call_gave_up_is_asked_for_the_answer_until_it_has_given_
     sender.poll([1])
     assert [w for w, _ in sink.deaths] == [1] and "went away" in sink.deaths[0][1]
     sender.close(0.0)
+
+
+class _World:
+    """The sender core over an RPC engine of a world the caller runs, one worker, with no RPC: each call's future
+    is answered by ``reply(version, changes)`` (``None``: left out, as to a stopped worker), each ask's by ``ask()``."""
+
+    TIMED_OUT = "RPC ran for more than set timeout (300 ms) and will now be marked with an error"
+
+    def __init__(self, timeout: float = 0.3, **options) -> None:
+        import types
+
+        import torch
+
+        from weightsync.core.sender import Sender
+        from weightsync.tensors.layout import FlatLayout
+        from weightsync.transports.rpc.sender import RPCSender
+        from weightsync.transports.rpc.settings import RPCSettings
+
+        defaults = dict(sync=True, flatten_sender=False, check_finite=False, max_staleness=None, on_failure="raise")
+        options = types.SimpleNamespace(
+            timeout=timeout, connect_timeout=5.0, strategy_str="state_dict", **{**defaults, **options}
+        )
+        self.layout = FlatLayout.from_weights({"w": torch.zeros(1024)})
+        self.core = Sender(
+            options, model_id="policy", num_workers=1, layout=self.layout, flat_weights=lambda w: w,
+            lock=threading.RLock(),
+        )  # fmt: skip
+        self.engine = self.core.engine = RPCSender(self.core, self.layout, 1, RPCSettings(), names=["a"], master=None)
+        self.calls: list[tuple[int, str]] = []
+        self.asks: list[torch.futures.Future] = []
+        self.reply = lambda version, changes: {"held": version}
+        self.ask = lambda: None
+        self.transport = self.engine.transports[0]
+        self.transport.submit, self.transport.ask_last_answer = self._submit, self._ask
+
+    def _submit(self, version, buffer, layout, timeout, digest=None, delta=None):
+        import torch
+
+        future = self.transport.in_flight[version] = torch.futures.Future()
+        self.calls.append((version, "changes" if delta is not None else "whole"))
+        answer = self.reply(version, delta is not None)
+        if answer is not None:
+            future.set_result(answer)
+        return future
+
+    def _ask(self, timeout):
+        import torch
+
+        self.asks.append(torch.futures.Future())
+        if (answer := self.ask()) is not None:
+            self.asks[-1].set_result(answer)
+        return self.asks[-1]
+
+    def send(self, version: int, wait: bool = True) -> str:
+        """Publish ``version`` (every value ``version``): ``"ok"``, or what it raised."""
+        import torch
+
+        try:
+            self.core.publish({"w": torch.full((1024,), float(version))}, [0], wait)
+        except ws.WeightSyncError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+
+    def gives_up(self, version: int) -> None:
+        self.transport.in_flight[version].set_exception(RuntimeError(self.TIMED_OUT))
+
+
+def test_the_answer_asked_for_is_the_calls_own_not_a_refusal_of_the_same_versions_changes():
+    """A worker refuses version 1's changes and is sent version 1 whole in the same send, which gives up: the answer
+    its worker gave last is its refusal of the changes, not the answer to the whole version, which it has not read
+    yet. Taken for it, the worker was no longer late and was sent version 3 whole, one more model-sized call while
+    version 1 was still unread."""
+    world = _World(delta=True, checksum=False, track_writes=False)
+    assert world.send(0) == "ok"
+    refusal = {"held": 0, "error": {"type": "DeltaBaseError", "message": "it does not hold the base"}}
+    world.reply = lambda version, changes: refusal if changes else None  # (refuses the changes, then stops)
+    assert "no ack for version 1" in world.send(1)
+    assert world.calls[-2:] == [(1, "changes"), (1, "whole")]
+    world.gives_up(1)
+    world.ask = lambda: (1, False, refusal)  # (its last answer: to the changes)
+    assert "passed by: still no ack for version 1" in world.send(2)
+    assert "passed by: still no ack for version 1" in world.send(3)
+    assert world.calls[-1] == (1, "whole")  # (no call since)
+    world.ask = lambda: (1, True, {"held": 1})  # (it read the whole version 1, and applied it)
+    world.engine._asking[0].due = 0.0
+    world.reply = lambda version, changes: {"held": version}
+    assert "passed by" in world.send(4)  # (the ask goes out with this send's look)
+    assert world.send(5) == "ok" and world.calls[-1][0] == 5
+
+
+def test_an_answer_that_comes_by_its_own_call_ends_the_asks_and_is_taken_once():
+    """Two versions out to a worker (``send_async``); the first's call gives up, the second's is answered, with a
+    failure. The asks for the first end there: the ask's own answer, the same failure, was taken again, and the
+    next send raised it once more."""
+    world = _World()
+    assert world.send(0) == "ok"
+    world.reply = lambda version, changes: None
+    assert world.send(1, wait=False) == "ok" and world.send(2, wait=False) == "ok"
+    failure = {"held": 1, "error": {"type": "ChecksumError", "message": "version 2 did not match its digest"}}
+    world.gives_up(1)
+    world.transport.in_flight[2].set_result(failure)
+    world.reply = lambda version, changes: {"held": version}
+    assert "ChecksumError" in world.send(3)  # (the failure of version 2, reported by the next send)
+    assert world.engine._asking == {}
+    assert world.send(4) == "ok"
+
+
+def test_a_ctrl_c_as_an_asks_answer_is_taken_leaves_it_taken():
+    """A Ctrl-C as the answer an ask brought is taken is handled once it is taken whole: cut in two, the answer was
+    read and not taken, and the worker was late for good (asked no more), or taken and asked for again."""
+    import os
+    import signal
+
+    world = _World()
+    assert world.send(0) == "ok"
+    world.reply = lambda version, changes: None
+    assert "no ack for version 1" in world.send(1)
+    world.gives_up(1)
+    world.ask = lambda: (1, True, {"held": 1})
+    world.engine.poll([0])  # (the ask goes out, and is answered)
+    acked, acks = world.core.acked, []
+
+    def ctrl_c_as_it_is_taken(worker, held):
+        os.kill(os.getpid(), signal.SIGINT)  # (handled at once, between two steps, where nothing holds it)
+        acks.append(held)
+        acked(worker, held)
+
+    world.core.acked = ctrl_c_as_it_is_taken
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a run in the background ignores it)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            world.engine.poll([0])  # (its answer is read and taken)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    world.core.acked = acked
+    assert acks == [1] and world.engine._asking == {}
+    world.reply = lambda version, changes: {"held": version}
+    assert world.send(2) == "ok"
+
+
+def test_a_staleness_bound_does_not_wait_for_a_worker_whose_call_gave_up():
+    """``max_staleness``: a worker whose call gave up is late, passed by at once. The bound, which looked for the
+    late before hearing what came back, waited its whole ``timeout`` for it."""
+    world = _World(timeout=5.0, max_staleness=1)
+    assert world.send(0) == "ok"
+    world.reply = lambda version, changes: None
+    assert world.send(1, wait=False) == "ok"
+    world.gives_up(1)
+    started = time.monotonic()
+    assert "passed by: still no ack for version 1" in world.send(2, wait=False)
+    assert time.monotonic() - started < 5.0  # (not waited for)
 
 
 def test_a_worker_whose_check_of_its_sender_is_out_as_it_leaves_waits_for_it_and_leaves_with_the_world():

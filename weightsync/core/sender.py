@@ -295,7 +295,7 @@ class Sender:
         ledger = self.ledger
         self._naming = version
         try:
-            self.engine.poll(ledger.live(sorted(ledger.peers)))  # what came back since: acks, deaths
+            self.heard()
             passed = self.late(targets, version)
             for w in passed:  # (what the versions on their way to it hold leaves the pool: the others wait for none)
                 self.engine.set_aside(w)
@@ -340,6 +340,12 @@ class Sender:
         ledger.answered(failures)
         raise_failures(failures, model_id=self.model_id, version=version)
 
+    def heard(self) -> None:
+        """Take what came back from the live workers since the last look: acks, failures, deaths, calls that gave up
+        waiting."""
+        assert self.engine is not None
+        self.engine.poll(self.ledger.live(sorted(self.ledger.peers)))
+
     def late(self, targets: list[int], version: int | None = None) -> dict[int, WeightSyncError]:
         """The workers of ``targets`` a send passes by (:attr:`SenderEngine.passes_late_by`), each with its error."""
         late = self.engine is not None and self.engine.passes_late_by
@@ -354,7 +360,7 @@ class Sender:
         ledger = self.ledger
         failures: dict[int, WeightSyncError] = {}
         while True:
-            self.engine.poll(ledger.live(sorted(ledger.peers)))
+            self.heard()
             failures.update(ledger.gone_before_acking(expected, failures))
             for w, e in ledger.take_errors([w for w in expected if w not in failures]).items():
                 if not _moot(e, max(expected[w], ledger.peers[w].sent or -1), expected[w]):  # (a bound's is older)

@@ -38,9 +38,9 @@ class Mailbox:
         self.closed = False
         #: The sender's goodbye said the whole world leaves with it (every worker alive): leave by its barrier.
         self.whole = False
-        #: The newest version answered, and the answer: the sender asks for it (:func:`last_answer`) where the call
-        #: that brought that version gave up waiting for it.
-        self.last: tuple[int, dict] | None = None
+        #: The newest call answered: its version, whether it carried the version whole (not its changes), and the
+        #: answer. The sender asks for it (:func:`last_answer`) where a call gave up waiting for its answer.
+        self.last: tuple[int, bool, dict] | None = None
 
 
 _MAILBOXES: dict[str, Mailbox] = {}
@@ -83,9 +83,9 @@ def deliver(
     return arrival.future
 
 
-def last_answer(model_id: str) -> tuple[int, dict] | None:
-    """Runs in the worker: the newest version it answered for ``model_id``, and its answer (``None``: none yet, or
-    no receiver here). A sender whose call for a version gave up waiting asks, to hear the answer."""
+def last_answer(model_id: str) -> tuple[int, bool, dict] | None:
+    """Runs in the worker: the newest call it answered for ``model_id`` (:attr:`Mailbox.last`; ``None``: none yet,
+    or no receiver here). A sender whose call gave up waiting for its answer asks, to hear it."""
     with _MAILBOX_LOCK:
         box = _MAILBOXES.get(model_id)
     return None if box is None else box.last

@@ -153,7 +153,8 @@ class RPCReceiver(ReceiverEngine):
             answer["error"] = {"type": type(error).__name__, "message": str(error)[:MAX_ERROR_TEXT]}
         for delivery in taken:
             delivery.token.future.set_result(answer)
-        self.mailbox.last = (taken[-1].version, answer)  # (for a sender whose call gave up on it: it asks)
+        # (for a sender whose call gave up waiting for the answer: it asks)
+        self.mailbox.last = (taken[-1].version, taken[-1].token.delta is None, answer)
         self._answered_at = time.monotonic()
 
     def close(self) -> None:

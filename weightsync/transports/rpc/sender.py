@@ -57,13 +57,20 @@ def _released(future: Any) -> bool:
 
 @dataclass
 class _Asking:
-    """A worker whose call for ``version`` gave up waiting for its answer: it is asked for it (:meth:`RPCSender._ask`)
-    until it has answered that version or a later one."""
+    """A worker whose call for ``version`` (``whole``: the version whole, else its changes) gave up waiting for its
+    answer: it is asked for it (:meth:`RPCSender._ask`) until it has answered that call or a later one."""
 
     version: int
+    whole: bool
     due: float = 0.0  # when the next ask may go
     out: Any = None  # the ask's future, while one is out
     misses: int = 0  # asks in a row that timed out
+
+    def answered_by(self, version: int, whole: bool) -> bool:
+        """Whether an answer to ``version`` (``whole``, or its changes) answers the call asked about, or a later
+        one: changes refused and then sent whole in the same send are two calls of one version, the whole one
+        later."""
+        return version > self.version or (version == self.version and (whole or not self.whole))
 
 
 class RPCSender(SenderEngine):
@@ -109,6 +116,7 @@ class RPCSender(SenderEngine):
         self._initial: set[tuple[int, int]] = set()  # (worker, version) of the initial versions' RPCs in flight
         self._has_layout: set[int] = set()  # workers that answered once: they hold the layout
         self._asking: dict[int, _Asking] = {}  # workers whose call gave up waiting for the answer (:meth:`_ask`)
+        self._changes_out: set[tuple[int, int]] = set()  # (worker, version) of calls out that carry changes
         self._connected = False
 
     def handoff(self) -> dict[str, Any]:
@@ -183,6 +191,8 @@ class RPCSender(SenderEngine):
             future = transport.submit(version, buffer, layout, self._bound(initial), payload_digest, delta)
             if initial:
                 self._initial.add((w, version))
+            if delta is not None:
+                self._changes_out.add((w, version))
         except RuntimeError as exc:
             self.sink.died(w, f"RPC peer {transport.worker_name} went away ({first_line(exc)})")
             return None
@@ -225,15 +235,20 @@ class RPCSender(SenderEngine):
     def _answer(self, w: int, version: int, future: Any) -> None:
         """Read one worker's answer: its ack, its failure, or that it is gone."""
         transport, initial = self.transports[w], (w, version) in self._initial
+        whole = (w, version) not in self._changes_out
         self._initial.discard((w, version))
+        self._changes_out.discard((w, version))
         try:
             answer = future.wait()
         except RuntimeError as exc:
             if _timed_out(exc):
                 if self.pool is not None:
                     self.pool.retire(w)  # its bytes may still go out once the link is back
-                asking = self._asking.setdefault(w, _Asking(version))
-                asking.version = max(asking.version, version)
+                asking = self._asking.get(w)
+                if asking is None:
+                    self._asking[w] = _Asking(version, whole)
+                elif not asking.answered_by(version, whole):  # (a later call: its answer is the one asked for)
+                    asking.version, asking.whole = version, whole
                 self.sink.unanswered(
                     w,
                     SyncTimeoutError(
@@ -246,6 +261,9 @@ class RPCSender(SenderEngine):
             else:
                 self.sink.died(w, f"RPC peer {transport.worker_name} went away ({first_line(exc)})")
             return
+        asking = self._asking.get(w)
+        if asking is not None and asking.answered_by(version, whole):  # (the answer asked for is no longer news)
+            del self._asking[w]
         self._take(w, version, answer)
 
     def _take(self, w: int, version: int, answer: dict[str, Any]) -> None:
@@ -264,26 +282,27 @@ class RPCSender(SenderEngine):
             )  # fmt: skip
 
     def _ask(self, w: int) -> None:
-        """Ask worker ``w``, whose call gave up waiting, for the newest version it answered (one ask out at a time,
-        backing off while they time out); once that is the version the call was for or a later one, its answer is
-        taken as the call's, and the worker is no longer late on it."""
+        """Ask worker ``w``, whose call gave up waiting, for the newest call it answered (one ask out at a time,
+        backing off while they time out); once that is the call asked about or a later one, its answer is taken as
+        the call's, and the worker is no longer late on it."""
         asking, transport = self._asking[w], self.transports[w]
         if asking.out is not None and asking.out.done():
-            out, asking.out = asking.out, None
-            try:
-                last = out.wait()
-            except RuntimeError as exc:
-                if not _timed_out(exc):
-                    self.sink.died(w, f"RPC peer {transport.worker_name} went away ({first_line(exc)})")
+            with held_interrupts():  # (read and taken in one step: an answer read and not taken left it late for good)
+                out, asking.out = asking.out, None
+                try:
+                    last = out.wait()
+                except RuntimeError as exc:
+                    if not _timed_out(exc):
+                        self.sink.died(w, f"RPC peer {transport.worker_name} went away ({first_line(exc)})")
+                        return
+                    asking.misses += 1
+                    asking.due = time.monotonic() + min(ASK_EVERY_S * 2**asking.misses, ASK_AT_MOST_EVERY_S)
                     return
-                asking.misses += 1
-                asking.due = time.monotonic() + min(ASK_EVERY_S * 2**asking.misses, ASK_AT_MOST_EVERY_S)
-                return
-            asking.misses = 0
-            if last is not None and int(last[0]) >= asking.version:
-                del self._asking[w]
-                self._take(w, int(last[0]), last[1])
-                return
+                asking.misses = 0
+                if last is not None and asking.answered_by(int(last[0]), bool(last[1])):
+                    self._take(w, int(last[0]), last[2])
+                    del self._asking[w]
+                    return
         if asking.out is None and time.monotonic() >= asking.due:
             asking.due = time.monotonic() + ASK_EVERY_S
             try:
@@ -305,6 +324,7 @@ class RPCSender(SenderEngine):
     def lost(self, worker: int, reason: str) -> None:
         self.transports[worker].in_flight.clear()
         self._asking.pop(worker, None)
+        self._changes_out = {(w, v) for w, v in self._changes_out if w != worker}
         if self.pool is not None:
             self.pool.retire(worker)  # RPC cannot cancel a send: what it still writes must not change
         # (a worker dropped alive, a stalled one, is told: RPC cannot take its rank back into the world)

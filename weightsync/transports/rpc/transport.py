@@ -60,8 +60,8 @@ class RPCTransport(PeerTransport):
         return future
 
     def ask_last_answer(self, timeout: float) -> torch.futures.Future:
-        """Ask the worker for the newest version it answered, and its answer (``None``: none yet), at most
-        ``timeout``: a small call, for a version whose own call gave up waiting."""
+        """Ask the worker for the newest call it answered (:func:`~.mailbox.last_answer`), at most ``timeout``: a
+        small call, for a version whose own call gave up waiting."""
         return rpc.rpc_async(self.worker_name, last_answer, args=(self.model_id,), timeout=timeout)
 
     def close(self, timeout: float, whole: bool = True) -> bool:

@@ -735,6 +735,49 @@ def test_a_hung_engine_is_a_named_timeout_within_the_schemes_timeout_and_the_oth
                 thread.join(10)
 
 
+def test_an_engine_whose_calls_of_two_versions_hang_is_passed_by_and_the_other_is_sent_every_version():
+    """A hung engine's first two versions each cost a ``timeout`` (the second's calls wait behind the first's, as
+    for a load that outlasts one); then, its calls for version 1 still running, each send passes it by at once,
+    naming it, and the other engine serves every version. Sent each version, the hung engine held a slot of each,
+    and from the fourth send on no engine was sent any (``shared_mem``). Once its calls return, the next send
+    reaches it."""
+    model = build("tiny")
+    release = threading.Event()
+
+    class Hung(Engine):
+        def update_weights(self, update_info: dict) -> None:
+            release.wait(60)  # an engine that stopped answering, until it goes on
+            super().update_weights(update_info)
+
+    good, hung = Engine(engine_spec(model)), Hung(engine_spec(model))
+    scheme = ws.SharedMemWeightSyncScheme(timeout=2, connect_timeout=30)
+    engines = VLLMEngines([good, hung], pause_mode="none")
+    try:
+        scheme.init_on_sender(model=model, context=engines)
+        scheme.connect()
+        for version in (1, 2):
+            _step(model, 1)
+            with pytest.raises(ws.SyncTimeoutError, match=f"worker 1, version {version}.*no ack"):
+                scheme.send()
+            assert good.version == str(version) and _same(good, model)
+        for version in range(3, 7):
+            _step(model, 1)
+            started = time.monotonic()
+            with pytest.raises(ws.SyncTimeoutError, match="passed by: still no ack for version 2"):
+                scheme.send()
+            assert time.monotonic() - started < 2  # (not waited for)
+            assert good.version == str(version) and _same(good, model)
+        release.set()
+        assert engines.idle(10)  # (its calls return: version 1's load; version 2's gave up on their turn)
+        assert hung.version == "1"
+        _step(model, 1)
+        scheme.send()
+        assert good.version == hung.version == "7" and _same(good, model) and _same(hung, model)
+    finally:
+        release.set()
+        scheme.shutdown()
+
+
 class SlowToPause:
     """An ``AsyncLLM`` as vLLM 0.32 behaves (on the loop the test runs): its engine core takes the pause at once
     and answers once the requests in flight drained (``pause_mode="wait"``, here while ``draining``), and its worker

@@ -173,7 +173,8 @@ class SenderEngine(ABC):
     takes_deltas: ClassVar[bool] = False
     #: A worker late on a version (:meth:`~weightsync.core.ledger.Ledger.late`) is passed by until it acks it: each
     #: version on its way to a worker holds buffers or slots, kept while the worker may still read them. ``False``:
-    #: the engine holds a worker's later versions back itself (the vLLM gate's calls, one at a time, in order).
+    #: the engine holds a worker's later versions back itself (Ray's actors under ``latest_wins``). An engine that
+    #: tells its workers apart says so in :meth:`passes_by`.
     passes_late_by: ClassVar[bool] = True
 
     sink: Sink
@@ -250,6 +251,11 @@ class SenderEngine(ABC):
     def lost(self, worker: int, reason: str) -> None:
         """``worker`` is gone: release what it held."""
         return None
+
+    def passes_by(self, worker: int) -> bool:
+        """Whether a send passes ``worker`` by while it is late (:attr:`passes_late_by`, unless the engine tells its
+        workers apart: the vLLM gate)."""
+        return self.passes_late_by
 
     def set_aside(self, worker: int) -> bool:
         """``worker`` is late (a send passes it by, or it held up a version's staging past the send's wait): what

@@ -347,9 +347,10 @@ class Sender:
         self.engine.poll(self.ledger.live(sorted(self.ledger.peers)))
 
     def late(self, targets: list[int], version: int | None = None) -> dict[int, WeightSyncError]:
-        """The workers of ``targets`` a send passes by (:attr:`SenderEngine.passes_late_by`), each with its error."""
-        late = self.engine is not None and self.engine.passes_late_by
-        return self.ledger.late(targets, version) if late else {}
+        """The workers of ``targets`` a send passes by (:meth:`SenderEngine.passes_by`), each with its error."""
+        if self.engine is None:
+            return {}
+        return {w: e for w, e in self.ledger.late(targets, version).items() if self.engine.passes_by(w)}
 
     def collect(
         self, expected: dict[int, int], deadline: float, within: float | None = None
@@ -427,7 +428,7 @@ class Sender:
         dropped, else their engine sets aside what they hold; returns whether the send may go on past them."""
         assert self.engine is not None
         held = [w for w, e in by_worker(exc).items() if isinstance(e, SyncTimeoutError) and w in self.ledger.peers]
-        if not held or not self.engine.passes_late_by:
+        if not held or not all(self.engine.passes_by(w) for w in held):
             return False
         self.ledger.held_up(held)
         if self.options.on_failure == "drop":

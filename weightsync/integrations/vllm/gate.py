@@ -331,9 +331,18 @@ class Gate(Rejoins, SenderEngine):
     def rejoins(self) -> bool:  # type: ignore[override]
         return self.inner is not None and self.inner.rejoins
 
-    #: An engine whose update timed out is sent the next version, whose calls wait their turn behind the earlier's
-    #: (its undoing: resume, the session ended): served once those end, within the send's time.
-    passes_late_by = False
+    def passes_by(self, worker: int) -> bool:
+        """An engine late on a version is sent the next, whose calls wait their turn behind the earlier's (its
+        undoing: resume, the session ended): a load that outlasts one ``timeout`` is served by the next send. One
+        whose calls for a version still run when it was sent a later one already (hung, or loading slower than two
+        sends) is passed by until they end: sent each version, it held a slot or staging buffer of every one, and
+        from the fourth send on the other engines were sent none (``shared_mem``)."""
+        with self._lock:
+            calls = self._calls.get(worker, [])
+            return len(calls) >= 2 and any(not future.done() for _, future in calls)
+
+    def set_aside(self, worker: int) -> bool:
+        return self._inner().set_aside(worker)
 
     @property
     def takes_deltas(self) -> bool:  # type: ignore[override]

@@ -778,6 +778,61 @@ def test_an_engine_whose_calls_of_two_versions_hang_is_passed_by_and_the_other_i
         scheme.shutdown()
 
 
+def test_an_engine_whose_loads_outlast_a_send_or_two_is_served_by_the_next_send_not_passed_by():
+    """Only the newest version's calls running, an engine is slow, not hung: the next send serves it, as it did
+    before hung engines were passed by (its calls for version 1 done, those for version 2 running, it was passed by
+    for three sends)."""
+    model = build("tiny")
+    loads = {1: 1.2, 2: 0.9}  # (seconds: past the 1 s timeout)
+
+    class Slow(Engine):
+        def update_weights(self, update_info: dict) -> None:
+            time.sleep(loads.get(update_info["version"], 0.0))
+            super().update_weights(update_info)
+
+    good, slow = Engine(engine_spec(model)), Slow(engine_spec(model))
+    scheme = ws.SharedMemWeightSyncScheme(timeout=1, connect_timeout=30)
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([good, slow], pause_mode="none"))
+        scheme.connect()
+        for version in (1, 2):
+            _step(model, 1)
+            with pytest.raises(ws.SyncTimeoutError, match=f"worker 1, version {version}.*no ack"):
+                scheme.send()
+        for version in (3, 4, 5):
+            _step(model, 1)
+            scheme.send()
+            assert good.version == slow.version == str(version) and _same(slow, model)
+    finally:
+        scheme.shutdown()
+
+
+def test_a_hung_engine_whose_client_gives_up_on_its_calls_keeps_no_slot_outside_the_pool(loop):
+    """An ``AsyncLLM``'s client gives up on a call at its bound while the engine still runs it: its calls end, and
+    it is sent the next versions again. Passed by between those, it had the slots of each set aside, kept for it
+    (a new slot every other send, without end). It is not passed by: once the slots are full, each send names it,
+    and its slots stay in the pool."""
+    pytest.importorskip("vllm")  # (the client builds vLLM's request objects)
+    model = build("tiny")
+    good, hung = Engine(engine_spec(model)), InOrder(engine_spec(model))
+    scheme = ws.SharedMemWeightSyncScheme(timeout=1, connect_timeout=30)
+    engines = VLLMEngines([good, hung], pause_mode="none", loop=loop)
+    try:
+        scheme.init_on_sender(model=model, context=engines)
+        scheme.connect()
+        hung.loading = threading.Event()  # (never set: version 1's load hangs)
+        for _ in range(7):
+            _step(model, 1)
+            with pytest.raises(ws.SyncTimeoutError, match="worker 1"):
+                scheme.send()
+            assert all(pool.left == [] for pool in engines._gate.inner.pools.values())
+        assert int(good.version) >= 3  # (the others hold each version until the slots are full)
+    finally:
+        if hung.loading is not None:
+            hung.loading.set()
+        scheme.shutdown()
+
+
 class SlowToPause:
     """An ``AsyncLLM`` as vLLM 0.32 behaves (on the loop the test runs): its engine core takes the pause at once
     and answers once the requests in flight drained (``pause_mode="wait"``, here while ``draining``), and its worker

@@ -60,6 +60,10 @@ class EngineClient:
     #: The calls a send makes end before that send returns, whatever it raised (a ``vllm.LLM``: its owner calls it
     #: next, from its own thread, and it takes no call beside another).
     ends_within_send: bool = False
+    #: A call that outlasts its ``timeout`` ends there, whatever the engine still does (an ``AsyncLLM``'s future, an
+    #: HTTP request, ``ray.get``); ``False``: it runs until the engine returns (a ``vllm.LLM``'s, or a plain object's
+    #: synchronous calls, in a thread of their own).
+    gives_up: bool = False
 
     def __init__(self, target: Any, name: str) -> None:
         self.target, self.name = target, name
@@ -163,6 +167,7 @@ class AsyncLLMClient(EngineClient):
 
     pauses = True
     starts_with_pause = True
+    gives_up = True
 
     def __init__(self, target: Any, name: str, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(target, name)
@@ -246,6 +251,8 @@ class RayActorClient(EngineClient):
     ``RayVLLMWeightSyncClient`` drives one: each call is ``actor.<call>.remote(...)``, waited for at most
     ``timeout``. The actor runs its calls in the order they were made, the scheme's own (Ray's updates) included.
     It pauses if the actor has ``pause_generation`` (an ``AsyncLLM``'s)."""
+
+    gives_up = True
 
     def __init__(self, target: Any, name: str) -> None:
         super().__init__(target, name)

@@ -336,10 +336,14 @@ class Gate(Rejoins, SenderEngine):
         undoing: resume, the session ended): a load that outlasts one ``timeout`` is served by the next send. One
         whose calls for a version still run when it was sent a later one already (hung, or loading slower than two
         sends) is passed by until they end: sent each version, it held a slot or staging buffer of every one, and
-        from the fourth send on the other engines were sent none (``shared_mem``)."""
+        from the fourth send on the other engines were sent none (``shared_mem``). The newest version's calls alone
+        running, it is merely slow: the next send serves it. An engine whose client gives up on a call at its bound
+        (:attr:`~.clients.EngineClient.gives_up`) is not passed by: its calls end while it hangs, it is then sent
+        versions again, and each pass-by set aside the slots of those, kept for it (a slot every other send)."""
+        if self.engines.clients[worker].gives_up:
+            return False
         with self._lock:
-            calls = self._calls.get(worker, [])
-            return len(calls) >= 2 and any(not future.done() for _, future in calls)
+            return any(not future.done() for _, future in self._calls.get(worker, [])[:-1])
 
     def set_aside(self, worker: int) -> bool:
         return self._inner().set_aside(worker)

@@ -67,6 +67,7 @@ class HTTPEngineClient(EngineClient):
     """
 
     pauses = True
+    gives_up = True
 
     def __init__(self, url: str, name: str) -> None:
         self.url = _server_url(url, name)

@@ -107,7 +107,7 @@ class Gate(Rejoins, SenderEngine):
         self._tell(worker, error)
 
     def unanswered(self, worker: int, error: errors.SyncTimeoutError) -> None:
-        self.failed(worker, error)  # (an engine is not passed by: it is sent the next version, which waits its turn)
+        self.failed(worker, error)  # (to the gate, a call that gave up is a failure, as its own calls' time-outs are)
 
     def _tell(self, worker: int, error: WeightSyncError) -> None:  # (a call failing later for it is not news)
         with self._lock:

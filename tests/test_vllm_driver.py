@@ -42,6 +42,17 @@ def _step(model, by: float) -> None:
             p.add_(by)
 
 
+def _hangs_until(release: threading.Event, spec: dict) -> Engine:
+    """An engine whose loads stop answering until ``release`` is set (at most 60 s), then go on."""
+
+    class Hangs(Engine):
+        def update_weights(self, update_info: dict) -> None:
+            release.wait(60)
+            super().update_weights(update_info)
+
+    return Hangs(spec)
+
+
 @pytest.mark.parametrize("name", ["multiprocess", "shared_mem", "distributed"])
 def test_send_returns_when_every_engine_serves_the_version_it_names(name):
     model = build("tiny")
@@ -266,14 +277,8 @@ def test_an_engine_that_could_not_replace_one_still_joined_leaves_that_one_serve
     send failed with its error). Its call that hangs still holds its turn: the next version's calls wait behind it
     (they were made at once, and their cleanup ended the session of the call that hangs)."""
     release = threading.Event()
-
-    class Hangs(Engine):
-        def update_weights(self, update_info):
-            release.wait(60)
-            return super().update_weights(update_info)
-
     model = build("tiny")
-    good, hangs = Engine(engine_spec(model)), Hangs(engine_spec(model))
+    good, hangs = Engine(engine_spec(model)), _hangs_until(release, engine_spec(model))
     scheme = ws.MultiProcessWeightSyncScheme(timeout=3, connect_timeout=20)
     engines = VLLMEngines([good, hangs], pause_mode="none")
     try:
@@ -743,13 +748,7 @@ def test_an_engine_whose_calls_of_two_versions_hang_is_passed_by_and_the_other_i
     reaches it."""
     model = build("tiny")
     release = threading.Event()
-
-    class Hung(Engine):
-        def update_weights(self, update_info: dict) -> None:
-            release.wait(60)  # an engine that stopped answering, until it goes on
-            super().update_weights(update_info)
-
-    good, hung = Engine(engine_spec(model)), Hung(engine_spec(model))
+    good, hung = Engine(engine_spec(model)), _hangs_until(release, engine_spec(model))
     scheme = ws.SharedMemWeightSyncScheme(timeout=2, connect_timeout=30)
     engines = VLLMEngines([good, hung], pause_mode="none")
     try:

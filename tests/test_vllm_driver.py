@@ -806,30 +806,54 @@ def test_an_engine_whose_loads_outlast_a_send_or_two_is_served_by_the_next_send_
         scheme.shutdown()
 
 
-def test_a_hung_engine_whose_client_gives_up_on_its_calls_keeps_no_slot_outside_the_pool(loop):
-    """An ``AsyncLLM``'s client gives up on a call at its bound while the engine still runs it: its calls end, and
-    it is sent the next versions again. Passed by between those, it had the slots of each set aside, kept for it
-    (a new slot every other send, without end). It is not passed by: once the slots are full, each send names it,
-    and its slots stay in the pool."""
+@pytest.mark.parametrize("hangs_in", ["load", "engine"])
+def test_a_hung_engine_whose_client_gives_up_is_passed_by_until_it_answers_and_the_other_is_sent_every_version(
+    hangs_in, loop
+):
+    """An ``AsyncLLM``'s client gives up on a call at its bound while the engine still runs it: once its calls gave
+    up, the engine is passed by until it answers. Each send names it, the other engine is sent every version, and
+    no slot more leaves the pool for it. Released, it answers: its load of the version it was sent ends and acks it
+    (``load``), or, where its engine was stuck before the update began (``engine``), it is asked once more to load
+    that version; the next send reaches it. (Sent each version, it held a slot of each: from the third send on, the
+    other engine was sent none.)"""
     pytest.importorskip("vllm")  # (the client builds vLLM's request objects)
     model = build("tiny")
     good, hung = Engine(engine_spec(model)), InOrder(engine_spec(model))
     scheme = ws.SharedMemWeightSyncScheme(timeout=1, connect_timeout=30)
     engines = VLLMEngines([good, hung], pause_mode="none", loop=loop)
+    release = threading.Event()
     try:
         scheme.init_on_sender(model=model, context=engines)
         scheme.connect()
-        hung.loading = threading.Event()  # (never set: version 1's load hangs)
-        for _ in range(7):
+        if hangs_in == "load":
+            hung.loading = release  # (version 1's load goes on once it is set)
+        else:
+            hung.core.submit(release.wait, 60)  # (its engine core stuck: every call waits behind it)
+        pools = engines._gate.inner.pools.values()
+        left = []
+        for _ in range(10):
             _step(model, 1)
-            with pytest.raises(ws.SyncTimeoutError, match="worker 1"):
+            with pytest.raises(ws.SyncTimeoutError) as raised:
                 scheme.send()
-            assert all(pool.left == [] for pool in engines._gate.inner.pools.values())
-        assert int(good.version) >= 3  # (the others hold each version until the slots are full)
+            assert raised.value.worker_idx == 1, raised.value
+            left.append(sum(len(pool.left) for pool in pools))
+        assert good.version == "10" and _same(good, model)
+        assert left[-1] == left[4] <= 3, left  # (the slots of the versions sent to it before it was passed by)
+        release.set()
+        assert wait_until(lambda: _served_by_a_send(scheme), deadline_after(20), 0.2)
+        assert good.version == hung.engine.version == str(scheme.version)
+        assert _same(good, model) and _same(hung.engine, model)
     finally:
-        if hung.loading is not None:
-            hung.loading.set()
+        release.set()
         scheme.shutdown()
+
+
+def _served_by_a_send(scheme) -> bool:
+    try:
+        scheme.send()
+    except ws.SyncTimeoutError:
+        return False
+    return True
 
 
 class SlowToPause:
@@ -1129,13 +1153,13 @@ def _async_behind_a_held_load(loop, versions: int):
 
 def test_an_async_versions_time_out_is_raised_by_the_next_send_async_while_the_engine_acked_nothing_newer(loop):
     """``send_async`` alone (no ``wait_async``): the engine's calls for version 1 time out behind a load that lasts,
-    and nothing newer was acked since. The next ``send_async`` raises that time-out (no send raised it before: an
-    older version's time-out is moot only where a later answer of the engine's came or is waited for)."""
-    with (
-        _async_behind_a_held_load(loop, 1) as scheme,
-        pytest.raises(ws.SyncTimeoutError, match=r"worker 0, version 1\]"),
-    ):
-        scheme.send_async()
+    and nothing newer was acked since. The next ``send_async`` passes the engine by, naming that time-out (no send
+    raised it before), and ``wait_async`` raises the engine's own word of it."""
+    with _async_behind_a_held_load(loop, 1) as scheme:
+        with pytest.raises(ws.SyncTimeoutError, match=r"worker 0, version 2\] passed by: still no ack for version 1"):
+            scheme.send_async()
+        with pytest.raises(ws.SyncTimeoutError, match=r"worker 0, version 1\].*did not return"):
+            scheme.wait_async(timeout=0.5)
 
 
 def test_two_async_versions_that_fail_behind_one_load_are_raised_by_the_wait_for_the_later_at_once(loop):

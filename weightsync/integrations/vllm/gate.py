@@ -43,6 +43,7 @@ from .actor import update_in_actor
 from .calls import around_load, cause, engine_error, in_thread, turn_of
 from .clients import EngineClient
 from .engines import VLLMEngines
+from .passing import PassesBy
 from .rejoining import Rejoins
 
 __all__ = ["Gate"]
@@ -53,7 +54,7 @@ log = logging.getLogger("weightsync.vllm")
 SLICE_S = 0.002
 
 
-class Gate(Rejoins, SenderEngine):
+class Gate(Rejoins, PassesBy, SenderEngine):
     """The scheme's own engine, wrapped: the engines' control calls go around each version, and a worker's ack
     reaches the core (``core``) only once its engine's calls for that version returned. It is also the sink the
     scheme's engine reports to."""
@@ -87,6 +88,7 @@ class Gate(Rejoins, SenderEngine):
         #: workers whose new engine did not join in time, the old one put back, while its init call runs: its
         #: receiver, joining late, is turned away (:meth:`admit`)
         self._abandoned: set[int] = set()
+        self._gave_up: dict[int, tuple[int, float]] = {}  # (PassesBy's)
 
     # ------------------------------------------------ the sink the scheme's engine reports to
     timeout = property(lambda self: self.core.timeout, doc="The core's (the scheme's ``timeout``).")
@@ -97,7 +99,7 @@ class Gate(Rejoins, SenderEngine):
             if worker in self._calls:
                 self._held[worker] = max(held, self._held.get(worker, held))
                 return
-        self.core.acked(worker, held)
+        self._ack(worker, held)
 
     def failed(self, worker: int, error: WeightSyncError) -> None:
         with self._lock:
@@ -204,6 +206,7 @@ class Gate(Rejoins, SenderEngine):
         dropped, as (where, what) pairs."""
         with self._lock:
             kept = [(d, d.pop(worker)) for d in (self._calls, self._held, self._failures, self._told) if worker in d]
+            self._gave_up.pop(worker, None)
         return kept
 
     def _paused(self, client: EngineClient, left: Any, body: Any, worker: int, version: int, **calls: Any) -> None:
@@ -296,20 +299,24 @@ class Gate(Rejoins, SenderEngine):
             # version, reported late, would leave the core waiting for an ack already come).
             serves = max((v for v in served if v <= held.get(worker, -1)), default=None)
             if serves is not None and (failures or receiver is not None):
-                self.core.acked(worker, serves)
+                self._ack(worker, serves)
             if init or (failures and receiver is None):
                 # The first's cause (a later one is often its consequence), named with the newest version failed:
                 # a wait for that version takes a failure of an older one alone for moot.
                 after = [(v, e) for v, e in failures if v > max(served, default=-1)] or failures  # (not a served one's)
                 failed, error = init[0] if init else (after[-1][0], after[0][1])
                 if not self.core.is_dead(worker):
-                    self.core.failed(worker, engine_error(worker, failed, error, self.core.model_id))
+                    error = engine_error(worker, failed, error, self.core.model_id)
+                    self._report(worker, failed, error, answered=held.get(worker, -1) >= failed)
+                    continue
             elif receiver is not None:
                 self._tell(worker, receiver)
             elif worker in held:
-                self.core.acked(worker, held[worker])
+                self._ack(worker, held[worker])
             elif version == 0 and not self._inner().pushes:  # (the rendez-vous took the receiver's own word)
-                self.core.acked(worker, version)
+                self._ack(worker, version)
+            with self._lock:  # (its engine answered its calls)
+                self._gave_up.pop(worker, None)
 
     def _heard(self, worker: int, calls: list[tuple[int, concurrent.futures.Future]]) -> bool:
         """(Under the lock, ``worker``'s calls done) Whether what to tell the core of ``worker`` is known: a call
@@ -330,20 +337,6 @@ class Gate(Rejoins, SenderEngine):
     @property
     def rejoins(self) -> bool:  # type: ignore[override]
         return self.inner is not None and self.inner.rejoins
-
-    def passes_by(self, worker: int) -> bool:
-        """An engine late on a version is sent the next, whose calls wait their turn behind the earlier's (its
-        undoing: resume, the session ended): a load that outlasts one ``timeout`` is served by the next send. One
-        whose calls for a version still run when it was sent a later one already (hung, or loading slower than two
-        sends) is passed by until they end: sent each version, it held a slot or staging buffer of every one, and
-        from the fourth send on the other engines were sent none (``shared_mem``). The newest version's calls alone
-        running, it is merely slow: the next send serves it. An engine whose client gives up on a call at its bound
-        (:attr:`~.clients.EngineClient.gives_up`) is not passed by: its calls end while it hangs, it is then sent
-        versions again, and each pass-by set aside the slots of those, kept for it (a slot every other send)."""
-        if self.engines.clients[worker].gives_up:
-            return False
-        with self._lock:
-            return any(not future.done() for _, future in self._calls.get(worker, [])[:-1])
 
     def set_aside(self, worker: int) -> bool:
         return self._inner().set_aside(worker)
@@ -399,6 +392,7 @@ class Gate(Rejoins, SenderEngine):
         assert self.inner is not None
         self.inner.poll(workers)
         self._forward()
+        self._ask_again(workers)
 
     def wait(self, workers: list[int], deadline: float) -> None:
         assert self.inner is not None

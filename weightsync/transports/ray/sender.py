@@ -27,6 +27,8 @@ MAX_ERROR_TEXT = 2000
 #: How often the trainer looks for the call of a version held back (``latest_wins``) while Ray's thread has not
 #: yet reported the end of the call before it, which sends it.
 HELD_BACK_S = 0.002
+#: How long a close waits for calls still on their way to end, to read their failures (seconds).
+CLOSE_READ_S = 2.0
 
 
 def ray() -> Any:
@@ -244,10 +246,12 @@ class RaySender(SenderEngine):
     def close(self, timeout: float) -> None:
         # A call that failed and that no one read (an actor whose engine refused to start is sent version 0 all the
         # same) would be printed by Ray as an unhandled error, traceback and all, once its ref is dropped: those that
-        # ended are read here. (One still running when Ray reports it is the actor's to report.)
+        # end within a moment are read here (that one was still on its way at the close of a connect that raised at
+        # once, on a busy machine). One still running then is the actor's to report.
         refs = list(self._refs(list(self.transports)))
         with contextlib.suppress(Exception):  # Ray may be shut down already: nothing is reported then
-            ready, _ = ray().wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+            within = min(timeout, CLOSE_READ_S)
+            ready, _ = ray().wait(refs, num_returns=len(refs), timeout=within) if refs else ([], [])
             for ref in ready:
                 with contextlib.suppress(Exception):
                     ray().get(ref, timeout=0)

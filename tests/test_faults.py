@@ -455,6 +455,20 @@ def test_a_worker_is_late_while_the_version_it_timed_out_on_may_still_be_acked()
     assert ledger.late([3]) == {}
 
 
+def test_a_time_out_found_outside_a_wait_is_news_until_the_worker_acks_its_version():
+    """An engine's own time-out of a version (a vLLM engine's calls that did not return), found outside any wait,
+    is reported by the next call that targets the worker, unless the worker acked that version since: a
+    ``send_async`` raised it after the ack had come."""
+    from weightsync.core.ledger import Ledger, Peer
+
+    ledger = Ledger("policy", peers={w: Peer(sent=1, acked=0) for w in range(3)})
+    for w in range(3):
+        ledger.failed(w, ws.SyncTimeoutError("its calls did not return", model_id="policy", worker_idx=w, version=1))
+    ledger.ack(1, 1)
+    ledger.ack(2, 0)
+    assert sorted(ledger.take_errors([0, 1, 2])) == [0, 2]
+
+
 @pytest.mark.parametrize("on_failure", ["raise", "drop"])
 def test_a_staleness_bound_waits_for_no_ack_that_is_not_coming(workers, on_failure):
     """A worker that refused the last version sent to it, or that the sends between skipped, has nothing on its

@@ -18,11 +18,8 @@ class Peer:
     acked: int | None = None
     #: ``time.perf_counter()`` when :attr:`acked` last moved (the per-worker ack times of send metrics).
     acked_at: float = float("-inf")
-    #: The newest version this worker is late on: a wait timed out on it (:meth:`Ledger.timeouts`), or its call gave
-    #: up on the answer (:meth:`Ledger.unanswered`), or it held up a staging (:meth:`Ledger.held_up`).
+    #: The newest version a wait reported this worker timed out on (:meth:`Ledger.timeouts`).
     timed_out: int | None = None
-    #: The newest version a wait or a staging that timed out named it late on, to the caller.
-    named: int | None = None
     #: The newest version whose call ended without an ack (the worker's failure of it, or the engine's own time-out
     #: of it: an RPC's): no ack of it comes.
     ended: int | None = None
@@ -43,6 +40,9 @@ class Ledger:
         if peer.acked is None or held > peer.acked:
             peer.acked = held
             peer.acked_at = time.perf_counter()
+        error = self.errors.get(worker)
+        if isinstance(error, SyncTimeoutError) and error.version is not None and error.version <= held:
+            del self.errors[worker]  # (no ack of that version came in time, and now it has: no longer news)
 
     def failed(self, worker: int, error: WeightSyncError) -> None:
         """A failure found outside any wait, which the next call that targets ``worker`` reports. It also says no
@@ -55,12 +55,11 @@ class Ledger:
 
     def unanswered(self, worker: int, error: SyncTimeoutError) -> None:
         """``worker``'s call for ``error.version`` gave up on its answer, which may still come (its engine asks for
-        it): the worker is late on that version (:meth:`late`), as a wait that timed out on it finds it. The next
-        wait for it reports ``error`` (unless a wait named it already); the next send passes it by."""
+        it): the worker is late on that version (:meth:`late`), as a wait that timed out on it finds it, and the
+        next send that targets it names it so."""
         if error.version is not None:
             peer = self.peers[worker]
             peer.timed_out = max(error.version, peer.timed_out if peer.timed_out is not None else error.version)
-            self.errors[worker] = error
 
     def held_up(self, workers: list[int]) -> None:
         """``workers`` held up a send's staging for its whole wait (no earlier version taken off the wire): each is
@@ -69,7 +68,6 @@ class Ledger:
             peer = self.peers[w]
             if peer.sent is not None:
                 peer.timed_out = max(peer.sent, peer.timed_out if peer.timed_out is not None else peer.sent)
-                peer.named = max(peer.sent, peer.named if peer.named is not None else peer.sent)
 
     def resent(self, workers: list[int], version: int) -> None:
         """``version``, whose changes ``workers`` refused, is on its way to them again, whole: an ack of it can come
@@ -120,7 +118,7 @@ class Ledger:
         return {w: e for w, e in taken.items() if not self._reported(w, e)}
 
     def _reported(self, worker: int, error: WeightSyncError) -> bool:
-        reported = self.peers[worker].named
+        reported = self.peers[worker].timed_out
         timed_out = error.version if isinstance(error, SyncTimeoutError) else None
         return timed_out is not None and reported is not None and timed_out <= reported
 
@@ -162,7 +160,7 @@ class Ledger:
         self.dead.pop(worker, None)
         self.errors.pop(worker, None)
         peer = self.peers[worker]
-        peer.acked, peer.sent, peer.timed_out, peer.named, peer.ended = None, sent, None, None, None
+        peer.acked, peer.sent, peer.timed_out, peer.ended = None, sent, None, None
 
     @staticmethod
     def overtaken(error: WeightSyncError, answered: int | None) -> bool:
@@ -186,6 +184,5 @@ class Ledger:
             if not self.has_acked(w, expected[w])
         }
         for w in found:
-            peer = self.peers[w]
-            peer.timed_out, peer.named = max(expected[w], peer.timed_out or 0), max(expected[w], peer.named or 0)
+            self.peers[w].timed_out = max(expected[w], self.peers[w].timed_out or 0)
         return found

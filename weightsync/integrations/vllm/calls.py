@@ -18,7 +18,7 @@ from ...errors import WeightSyncError
 if TYPE_CHECKING:
     from .clients import EngineClient
 
-__all__ = ["around_load", "cause", "engine_error", "in_thread", "turn_of"]
+__all__ = ["around_load", "cause", "engine_error", "gave_up", "in_thread", "turn_of"]
 
 
 def in_thread(call: Any, name: str) -> concurrent.futures.Future:
@@ -50,11 +50,19 @@ def turn_of(turn: threading.Lock, name: str, timeout: float) -> Iterator[float]:
     """
     deadline = time.monotonic() + timeout
     if not turn.acquire(timeout=timeout):
-        raise errors.SyncTimeoutError(f"{name}: its previous calls did not return within {shown_seconds(timeout)}")
+        error = errors.SyncTimeoutError(f"{name}: its previous calls did not return within {shown_seconds(timeout)}")
+        error.made = False  # type: ignore[attr-defined]  # (none reached the engine, which runs none: gave_up)
+        raise error
     try:
         yield deadline
     finally:
         turn.release()
+
+
+def gave_up(error: BaseException) -> bool:
+    """Whether ``error`` ended an engine's calls at their bound while the engine may still run them (a client that
+    :attr:`~.clients.EngineClient.gives_up` raises it so), rather than before they reached the engine."""
+    return isinstance(error, errors.SyncTimeoutError) and getattr(error, "made", True)
 
 
 def cause(error: BaseException | None) -> str:

@@ -40,7 +40,7 @@ from ...core.timing import remaining, shown_seconds
 from ...errors import LifecycleError, WeightSyncError
 from ...transports.ray.sender import RaySender
 from .actor import update_in_actor
-from .calls import around_load, cause, engine_error, in_thread, turn_of
+from .calls import around_load, cause, engine_error, gave_up, in_thread, turn_of
 from .clients import EngineClient
 from .engines import VLLMEngines
 from .passing import PassesBy
@@ -88,7 +88,7 @@ class Gate(Rejoins, PassesBy, SenderEngine):
         #: workers whose new engine did not join in time, the old one put back, while its init call runs: its
         #: receiver, joining late, is turned away (:meth:`admit`)
         self._abandoned: set[int] = set()
-        self._gave_up: dict[int, tuple[int, float]] = {}  # (PassesBy's)
+        self._gave_up = {}  # (PassesBy's)
 
     # ------------------------------------------------ the sink the scheme's engine reports to
     timeout = property(lambda self: self.core.timeout, doc="The core's (the scheme's ``timeout``).")
@@ -205,8 +205,8 @@ class Gate(Rejoins, PassesBy, SenderEngine):
         """Drop ``worker``'s calls (its engine is gone or replaced: what its calls did is moot); return what was
         dropped, as (where, what) pairs."""
         with self._lock:
-            kept = [(d, d.pop(worker)) for d in (self._calls, self._held, self._failures, self._told) if worker in d]
-            self._gave_up.pop(worker, None)
+            state = (self._calls, self._held, self._failures, self._told, self._gave_up)
+            kept = [(d, d.pop(worker)) for d in state if worker in d]
         return kept
 
     def _paused(self, client: EngineClient, left: Any, body: Any, worker: int, version: int, **calls: Any) -> None:
@@ -306,8 +306,10 @@ class Gate(Rejoins, PassesBy, SenderEngine):
                 after = [(v, e) for v, e in failures if v > max(served, default=-1)] or failures  # (not a served one's)
                 failed, error = init[0] if init else (after[-1][0], after[0][1])
                 if not self.core.is_dead(worker):
-                    error = engine_error(worker, failed, error, self.core.model_id)
-                    self._report(worker, failed, error, answered=held.get(worker, -1) >= failed)
+                    # (its engine may still run calls that gave up: answered, if its receiver acked their version)
+                    hung = [e for v, e in failures if v > held.get(worker, -1) and gave_up(e)]
+                    error = engine_error(worker, failed, hung[0] if hung else error, self.core.model_id)
+                    self._report(worker, failed, error, hangs=bool(hung))
                     continue
             elif receiver is not None:
                 self._tell(worker, receiver)

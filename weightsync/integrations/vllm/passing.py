@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ... import errors
@@ -14,6 +15,19 @@ from ...errors import WeightSyncError
 from .engines import VLLMEngines
 
 __all__ = ["PassesBy"]
+
+#: The longest wait before an engine whose calls gave up is asked again (seconds; or the scheme's ``timeout``).
+ASK_AT_MOST_EVERY_S = 30.0
+
+
+@dataclass
+class _GaveUp:
+    """An engine's calls for ``version`` (the newest sent to it) gave up: they are made again at ``due``
+    (``time.monotonic()``), a ``timeout`` after they ended, twice as long after each time they gave up again."""
+
+    version: int
+    due: float
+    misses: int = 0
 
 
 class PassesBy:
@@ -24,9 +38,9 @@ class PassesBy:
     core: Sink
     _lock: threading.Lock
     _calls: dict[int, list[tuple[int, concurrent.futures.Future]]]
-    #: worker -> (the newest version whose calls gave up at their bound while its engine may still run them,
-    #: when they ended): it is passed by until it answers (:meth:`passes_by`, :meth:`_ask_again`)
-    _gave_up: dict[int, tuple[int, float]]
+    #: worker -> its engine's calls that gave up at their bound while the engine may still run them: it is passed by
+    #: until it answers (:meth:`passes_by`), and the calls are made again (:meth:`_ask_again`)
+    _gave_up: dict[int, _GaveUp]
 
     if TYPE_CHECKING:  # (the gate's)
 
@@ -41,44 +55,49 @@ class PassesBy:
         from the fourth send on the other engines were sent none (``shared_mem``). The newest version's calls alone
         running, it is merely slow: the next send serves it. An engine whose client gave up on its calls at their
         bound (:attr:`~.clients.EngineClient.gives_up`), which it may still run, is passed by until it answers (its
-        receiver acks their version, or calls made again end): with its calls' end alone, it was sent versions
-        again, and each pass-by set aside the slots of those, kept for it (a slot every other send)."""
+        receiver acks a version, or calls made again end): with its calls' end alone, it was sent versions again,
+        and each pass-by set aside the slots of those, kept for it (a slot every other send)."""
         with self._lock:
             running = any(not future.done() for _, future in self._calls.get(worker, [])[:-1])
             return running or worker in self._gave_up
 
     def _ask_again(self, workers: list[int]) -> None:
-        """Make the calls again for the version that each of ``workers`` gave up on, one ``timeout`` after they ended
-        (the next look after it), where none runs: an engine stuck before its update began (its calls queued behind
-        the engine's own) loads nothing once it goes on, and its receiver, holding the version, never acks it."""
+        """Make the calls again for the version each of ``workers`` gave up on, once due (at a look for acks), where
+        none runs: an engine stuck before its update began (its calls queued behind the engine's own) loads nothing
+        once it goes on, and its receiver, holding the version, never acks it. Each time they give up again the
+        next are made twice as long after (up to :data:`ASK_AT_MOST_EVERY_S`): each set left calls queued in a
+        stuck engine (a start, a pause, their undoing), which it runs once it goes on."""
         now = time.monotonic()
         with self._lock:
             due = [
-                (w, version)
-                for w, (version, ended) in self._gave_up.items()
-                if w in workers and w not in self._calls and now - ended >= self.core.timeout
+                (w, gave_up.version)
+                for w, gave_up in self._gave_up.items()
+                if w in workers and w not in self._calls and now >= gave_up.due
             ]
         for worker, version in due:
             if not self.core.is_dead(worker):
                 self._call(worker, version, self._update_steps(worker, version))
 
     def _ack(self, worker: int, held: int) -> None:
-        """Pass ``worker``'s ack of ``held`` on: an engine whose calls gave up answered, if it holds their version."""
+        """Pass ``worker``'s ack of ``held`` on: an engine whose calls gave up answered (its receiver loaded a
+        version since: a hung load went on), and the next send reaches it."""
         with self._lock:
-            if self._gave_up.get(worker, (held, 0.0))[0] <= held:
-                self._gave_up.pop(worker, None)
+            self._gave_up.pop(worker, None)
         self.core.acked(worker, held)
 
-    def _report(self, worker: int, version: int, error: WeightSyncError, answered: bool) -> None:
-        """Tell the core that ``worker``'s calls for ``version`` failed with ``error``. Where they gave up at their
-        bound while the engine may still run them (:attr:`~.clients.EngineClient.gives_up`), and its receiver did
-        not ack that version (``answered``), no answer came: the worker is late on that version (passed by until it
-        answers, :meth:`passes_by`), not done with it."""
-        gives_up = self.engines.clients[worker].gives_up
-        if version and isinstance(error, errors.SyncTimeoutError) and gives_up and not answered:
+    def _report(self, worker: int, version: int, error: WeightSyncError, hangs: bool) -> None:
+        """Tell the core that ``worker``'s calls, up to those for ``version``, failed with ``error``. Where calls that
+        reached the engine gave up at their bound (``hangs``; a client that
+        :attr:`~.clients.EngineClient.gives_up`), the engine may still run them and no answer came: the worker is
+        late on ``version`` (passed by until it answers, :meth:`passes_by`), not done with it."""
+        if version and hangs and self.engines.clients[worker].gives_up and isinstance(error, errors.SyncTimeoutError):
+            timeout = self.core.timeout
             with self._lock:
-                newest = max(version, self._gave_up.get(worker, (version, 0.0))[0])
-                self._gave_up[worker] = (newest, time.monotonic())
+                before = self._gave_up.get(worker)
+                misses = before.misses + 1 if before is not None else 0
+                wait = min(timeout * 2**misses, max(timeout, ASK_AT_MOST_EVERY_S))
+                newest = max(version, before.version if before is not None else version)
+                self._gave_up[worker] = _GaveUp(newest, time.monotonic() + wait, misses)
             self.core.unanswered(worker, error)
             return
         with self._lock:  # (its engine answered)

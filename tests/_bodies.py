@@ -350,6 +350,15 @@ def killed_worker_is_named_and_the_others_are_served(scheme, workers, device="")
     scheme.shutdown()
 
 
+def sent_without_a_time_out(scheme) -> bool:
+    """Send once: whether no worker timed out or was passed by (for ``wait_until``, until a late worker is back)."""
+    try:
+        scheme.send()
+    except ws.SyncTimeoutError:
+        return False
+    return True
+
+
 def within_its_timeout(took: float, timeout: float) -> bool:
     """The bound every documented wait keeps (docs/reliability.md): between 0.9 and 1.1 times its timeout,
     plus one second."""

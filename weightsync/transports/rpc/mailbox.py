@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed.rpc as rpc
 
-__all__ = ["Arrival", "Mailbox", "close_mailbox", "deliver", "drop_mailbox", "last_answer", "mailbox"]
+__all__ = ["NO_RECEIVER", "Arrival", "Mailbox", "close_mailbox", "deliver", "drop_mailbox", "last_answer", "mailbox"]
 
 
 @dataclass
@@ -83,12 +83,17 @@ def deliver(
     return arrival.future
 
 
-def last_answer(model_id: str) -> tuple[int, bool, dict] | None:
-    """Runs in the worker: the newest call it answered for ``model_id`` (:attr:`Mailbox.last`; ``None``: none yet,
-    or no receiver here). A sender whose call gave up waiting for its answer asks, to hear it."""
+#: What :func:`last_answer` says where no receiver of the model is here (it shut down, its mailbox dropped).
+NO_RECEIVER = "no receiver"
+
+
+def last_answer(model_id: str) -> tuple[int, bool, dict] | str | None:
+    """Runs in the worker: the newest call it answered for ``model_id`` (:attr:`Mailbox.last`; ``None``: none yet;
+    :data:`NO_RECEIVER`: its receiver shut down). A sender whose call gave up waiting for its answer asks, to hear
+    it."""
     with _MAILBOX_LOCK:
         box = _MAILBOXES.get(model_id)
-    return None if box is None else box.last
+    return NO_RECEIVER if box is None else box.last
 
 
 def close_mailbox(model_id: str, whole: bool = True) -> bool:

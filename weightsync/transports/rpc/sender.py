@@ -15,6 +15,7 @@ from ...core.timing import deadline_after, remaining, shown_seconds, wait_until
 from ...errors import ReceiverError, SyncTimeoutError, WeightSyncError, first_line
 from ...tensors.layout import FlatLayout
 from ..staging import Staging, StagingPool
+from .mailbox import NO_RECEIVER
 from .session import (
     GRACEFUL_S,
     SENDER_NAME,
@@ -299,6 +300,10 @@ class RPCSender(SenderEngine):
                     asking.due = time.monotonic() + min(ASK_EVERY_S * 2**asking.misses, ASK_AT_MOST_EVERY_S)
                     return
                 asking.misses = 0
+                if last == NO_RECEIVER:  # (asked four times a second while sends ran, it never answered)
+                    del self._asking[w]
+                    self.sink.died(w, f"RPC peer {transport.worker_name}: its receiver shut down")
+                    return
                 if last is not None and asking.answered_by(int(last[0]), bool(last[1])):
                     self._take(w, int(last[0]), last[2])
                     del self._asking[w]

@@ -434,6 +434,22 @@ def test_a_worker_whose_receiver_shut_down_while_its_call_was_out_is_named_gone_
     assert "WorkerDiedError" in world.send(4) and len(world.asks) == 1
 
 
+def test_a_worker_stopped_for_hours_is_still_asked_at_the_longest_interval():
+    """Asks that time out back off, doubling up to 5 s. About 1,100 in a row (a worker stopped for hours) made the
+    doubling overflow a float, and every send raised ``OverflowError``."""
+    world = _World()
+    assert world.send(0) == "ok"
+    world.reply = lambda version, changes: None
+    assert "no ack for version 1" in world.send(1)
+    world.gives_up(1)
+    assert "passed by: still no ack for version 1" in world.send(2)  # (the ask goes out, unanswered)
+    asking = world.engine._asking[0]
+    asking.misses = 1100
+    world.asks[-1].set_exception(RuntimeError(world.TIMED_OUT))
+    assert "passed by: still no ack for version 1" in world.send(3)
+    assert asking.misses == 1101 and 4.0 < asking.due - time.monotonic() <= 5.0
+
+
 def test_an_answer_that_comes_by_its_own_call_ends_the_asks_and_is_taken_once():
     """Two versions out to a worker (``send_async``); the first's call gives up, the second's is answered, with a
     failure. The asks for the first end there: the ask's own answer, the same failure, was taken again, and the

@@ -42,6 +42,15 @@ def test_a_bound_is_named_as_given_not_rounded_away(seconds, shown):
     assert shown_seconds(seconds) == shown
 
 
+def test_a_back_off_doubles_up_to_its_longest_however_many_tries_came_to_nothing():
+    """Asks of a worker stopped for hours count a thousand misses and more: the doubling overflowed a float there
+    (``OverflowError`` from every send), where it should have stayed at its longest."""
+    from weightsync.core.timing import backed_off
+
+    assert [backed_off(0.25, n, 5.0) for n in range(6)] == [0.25, 0.5, 1.0, 2.0, 4.0, 5.0]
+    assert backed_off(0.25, 1100, 5.0) == backed_off(2.0, 10**9, 30.0) / 6 == 5.0
+
+
 def timed(call) -> tuple[float, ws.WeightSyncError | None]:
     began = time.monotonic()
     try:

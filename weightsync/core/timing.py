@@ -9,7 +9,16 @@ from typing import Any
 
 from ..errors import context
 
-__all__ = ["WAIT_TICK_S", "Progress", "as_timedelta", "deadline_after", "remaining", "shown_seconds", "wait_until"]
+__all__ = [
+    "WAIT_TICK_S",
+    "Progress",
+    "as_timedelta",
+    "backed_off",
+    "deadline_after",
+    "remaining",
+    "shown_seconds",
+    "wait_until",
+]
 
 
 def as_timedelta(seconds: float) -> timedelta:
@@ -28,6 +37,12 @@ def shown_seconds(seconds: float) -> str:
 def deadline_after(timeout: float) -> float:
     """The ``time.monotonic()`` reading ``timeout`` seconds from now."""
     return time.monotonic() + timeout
+
+
+def backed_off(first: float, misses: int, at_most: float) -> float:
+    """The wait after ``misses`` tries in a row that came to nothing: ``first``, doubled at each, at most ``at_most``
+    (the doubling stops once past it: a float cannot hold 2 to the 1024th, and a long stop counts that many)."""
+    return min(first * 2 ** min(misses, 64), at_most)
 
 
 def remaining(deadline: float) -> float:

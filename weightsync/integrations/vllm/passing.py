@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import errors
 from ...core.engine import Sink
+from ...core.timing import backed_off
 from ...errors import WeightSyncError
 from .engines import VLLMEngines
 
@@ -95,7 +96,7 @@ class PassesBy:
             with self._lock:
                 before = self._gave_up.get(worker)
                 misses = before.misses + 1 if before is not None else 0
-                wait = min(timeout * 2**misses, max(timeout, ASK_AT_MOST_EVERY_S))
+                wait = backed_off(timeout, misses, max(timeout, ASK_AT_MOST_EVERY_S))
                 newest = max(version, before.version if before is not None else version)
                 self._gave_up[worker] = _GaveUp(newest, time.monotonic() + wait, misses)
             self.core.unanswered(worker, error)

@@ -11,7 +11,7 @@ import torch
 
 from ...core.engine import Outgoing, SenderEngine, Sink
 from ...core.interrupts import held_interrupts
-from ...core.timing import deadline_after, remaining, shown_seconds, wait_until
+from ...core.timing import backed_off, deadline_after, remaining, shown_seconds, wait_until
 from ...errors import ReceiverError, SyncTimeoutError, WeightSyncError, first_line
 from ...tensors.layout import FlatLayout
 from ..staging import Staging, StagingPool
@@ -297,7 +297,7 @@ class RPCSender(SenderEngine):
                         self.sink.died(w, f"RPC peer {transport.worker_name} went away ({first_line(exc)})")
                         return
                     asking.misses += 1
-                    asking.due = time.monotonic() + min(ASK_EVERY_S * 2**asking.misses, ASK_AT_MOST_EVERY_S)
+                    asking.due = time.monotonic() + backed_off(ASK_EVERY_S, asking.misses, ASK_AT_MOST_EVERY_S)
                     return
                 asking.misses = 0
                 if last == NO_RECEIVER:  # (asked four times a second while sends ran, it never answered)

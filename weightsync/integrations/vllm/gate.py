@@ -109,7 +109,7 @@ class Gate(Rejoins, PassesBy, SenderEngine):
         self._tell(worker, error)
 
     def unanswered(self, worker: int, error: errors.SyncTimeoutError) -> None:
-        self.failed(worker, error)  # (to the gate, a call that gave up is a failure, as its own calls' time-outs are)
+        self.failed(worker, error)  # (RPC's calls alone report this, and from_config refuses an engine RPC's receiver)
 
     def _tell(self, worker: int, error: WeightSyncError) -> None:  # (a call failing later for it is not news)
         with self._lock:

@@ -469,26 +469,11 @@ def a_stopped_worker_in_a_world_the_caller_runs_is_passed_by_until_it_answers(
     the trainer hears of it (a small call asks) and the next send reaches it."""
     import os
     import signal
-    import socket
 
-    import torch.distributed.rpc as rpc
-
-    from tests._workers import live_rss, serves_in_a_world_it_joined
+    from tests._workers import live_rss
     from weightsync.core.timing import deadline_after, wait_until
 
-    with socket.socket() as probe:  # (a port for the world's store, on loopback)
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    group = workers(serves_in_a_world_it_joined, 2, lambda i, conn: (port, 3, {"policy": kind}, i, conn))
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=60, _transports=["uv"])
-    rpc.init_rpc("user-trainer", rank=0, world_size=3, rpc_backend_options=options)
-    try:
-        model = build(kind)
-        scheme.init_on_sender(model_id="policy", model=model, worker_names=["user-worker-0", "user-worker-1"])
-        for cmd in group.cmds:
-            cmd.send({"policy": scheme})
-        scheme.connect()
-        assert all(errors == {} for _, _, errors in (group.recv(0), group.recv(1)))
+    with world_the_caller_runs(scheme, workers, kind) as (model, group):
         scheme.timeout = timeout
         os.kill(group.procs[1].pid, signal.SIGSTOP)
         try:
@@ -509,6 +494,66 @@ def a_stopped_worker_in_a_world_the_caller_runs_is_passed_by_until_it_answers(
         optimizer_step(model, 7)
         scheme.send()
         assert [group.ask(w, "state")["policy"] for w in (0, 1)] == [(7, checksum(model))] * 2
+
+
+def a_worker_whose_receiver_shut_down_in_a_world_the_caller_runs_is_named_gone(scheme, workers, timeout=1.0):
+    """Your own RPC world: worker 1's program shuts its scheme down, and its agent stays in the world. The next
+    version's call lands in a mailbox made anew that no receiver reads, and gives up at ``timeout``; an ask for its
+    answer then finds no receiver, and worker 1 is named gone (``WorkerDiedError``), while worker 0 holds every
+    version. Before, the call's mailbox made anew answered every ask with "nothing yet": worker 1 was asked four
+    times a second and named late, passed by, for as long as sends ran."""
+    from weightsync.core.timing import deadline_after, remaining
+
+    with world_the_caller_runs(scheme, workers, "tiny") as (model, group):
+        scheme.timeout = timeout
+        assert group.ask(1, "shutdown", "policy") == "shut down"
+        optimizer_step(model, 1)
+        with pytest.raises(ws.SyncTimeoutError, match="no ack for version 1") as info:
+            scheme.send()
+        assert info.value.worker_idx == 1
+        deadline, said = deadline_after(10), ""
+        while "WorkerDiedError" not in said and remaining(deadline) > 0:
+            optimizer_step(model, scheme.version + 1)
+            try:
+                scheme.send()
+            except ws.WeightSyncError as exc:
+                assert exc.worker_idx == 1, exc
+                said = f"{type(exc).__name__}: {exc}"
+            assert group.ask(0, "state")["policy"] == (scheme.version, checksum(model))
+            time.sleep(0.1)  # (the sends of a training loop: the ask goes out with one, its answer is read by one)
+        assert "its receiver shut down" in said, said
+        optimizer_step(model, scheme.version + 1)
+        with pytest.raises(ws.WorkerDiedError, match="its receiver shut down"):  # (named at once from now on)
+            scheme.send()
+        assert group.ask(0, "state")["policy"] == (scheme.version, checksum(model))
+
+
+@contextlib.contextmanager
+def world_the_caller_runs(scheme, workers, kind: str):
+    """Your own RPC world on loopback: this process's agent (``user-trainer``) and two workers' that joined it
+    (``user-worker-<i>``), serving ``scheme`` as the trainer pickled it after ``init_on_sender(worker_names=)``,
+    connected. Yields the trainer's model and the workers; then shuts the scheme down and leaves the world with the
+    workers (its graceful shutdown)."""
+    import socket
+
+    import torch.distributed.rpc as rpc
+
+    from tests._workers import serves_in_a_world_it_joined
+
+    with socket.socket() as probe:  # (a port for the world's store, on loopback)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    group = workers(serves_in_a_world_it_joined, 2, lambda i, conn: (port, 3, {"policy": kind}, i, conn))
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=60, _transports=["uv"])
+    rpc.init_rpc("user-trainer", rank=0, world_size=3, rpc_backend_options=options)
+    try:
+        model = build(kind)
+        scheme.init_on_sender(model_id="policy", model=model, worker_names=["user-worker-0", "user-worker-1"])
+        for cmd in group.cmds:
+            cmd.send({"policy": scheme})
+        scheme.connect()
+        assert all(errors == {} for _, _, errors in (group.recv(0), group.recv(1)))
+        yield model, group
     finally:
         scheme.shutdown()
         for cmd in group.cmds:

@@ -186,6 +186,11 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
                 elif op == "busy":  # the worker's loop is busy in its own code (its agent runs) until the test's
                     cmd.send("busy")  # next command, at most args[0] seconds
                     cmd.poll(args[0])
+                elif op == "shutdown":  # the worker's program shuts one scheme down and goes on (its RPC agent too)
+                    schemes[args[0]].shutdown()
+                    errors[args[0]] = "shut down"
+                    block = 0.0
+                    cmd.send("shut down")
                 elif op == "close_channel":  # the worker's end of the transport goes away; the process lives
                     schemes[args[0]].receiver_transport.close()
                     cmd.send("closed")

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 import weightsync as ws
 from tests import _rpc_trainer
@@ -57,6 +58,7 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str
         "sends_that_do_not_wait_go_on_past_a_stopped_worker",
         "sends_that_do_not_wait_go_on_past_a_stopped_worker::on_failure=drop",
         "a_stopped_worker_in_a_world_the_caller_runs_is_passed_by_until_it_answers",
+        "a_worker_whose_receiver_shut_down_in_a_world_the_caller_runs_is_named_gone",
         "a_worker_dropped_alive_hears_it_was_dropped::on_failure=drop",
         "connect_waits_its_timeout_for_absent_workers::connect_timeout=2",
         "a_worker_that_joins_then_dies_costs_connect_its_timeout::connect_timeout=4",
@@ -432,6 +434,36 @@ def test_a_worker_whose_receiver_shut_down_while_its_call_was_out_is_named_gone_
     assert "WorkerDiedError" in said and "its receiver shut down" in said, said
     assert world.engine._asking == {} and len(world.asks) == 1
     assert "WorkerDiedError" in world.send(4) and len(world.asks) == 1
+
+
+def test_a_second_receiver_of_a_model_in_one_process_is_refused_and_one_after_the_first_shut_down_takes_over():
+    """A sender's call names a process and a model, not a receiver. Two receivers of one model in a process shared
+    one mailbox: each update, and the old sender's goodbye, reached either, and the first one's close dropped the
+    mailbox the second read, which then heard of no update again. The second is now refused by name. Once the first
+    shut down, a receiver opened later takes the updates that came meanwhile; until then, an ask for the last
+    answer finds no receiver, though a call on its way made the mailbox anew."""
+    from weightsync.transports.rpc.mailbox import NO_RECEIVER, deliver, last_answer
+    from weightsync.transports.rpc.receiver import RPCReceiver
+
+    where = {"model_id": "policy-of-the-mailbox-test", "worker_idx": 0}
+    first = RPCReceiver({"external": True}, take=False, where=where)
+    with pytest.raises(ws.ConfigurationError, match="another receiver of model 'policy-of-the-mailbox-test' is open"):
+        RPCReceiver({"external": True}, take=False, where=where)
+    assert last_answer(where["model_id"]) is None  # (open, nothing answered yet)
+    first.close()
+    first.close()  # (idempotent: it leaves a later receiver's mailbox alone)
+    assert last_answer(where["model_id"]) == NO_RECEIVER
+    on_its_way = deliver(where["model_id"], 3, torch.zeros(4), None)
+    assert last_answer(where["model_id"]) == NO_RECEIVER and not on_its_way.done()
+    later = RPCReceiver({"external": True}, take=False, where=where)
+    try:
+        assert last_answer(where["model_id"]) is None
+        assert [a.version for a in later.mailbox.queue] == [3]
+        first.close()
+        assert [a.version for a in later.mailbox.queue] == [3] and not on_its_way.done()
+    finally:
+        later.close()
+    assert on_its_way.wait()["error"]["message"] == "the worker shut down"
 
 
 def test_a_worker_stopped_for_hours_is_still_asked_at_the_longest_interval():

@@ -8,13 +8,27 @@ applies the update and completes that future: the answer is the ack.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
 
-__all__ = ["NO_RECEIVER", "Arrival", "Mailbox", "close_mailbox", "deliver", "drop_mailbox", "last_answer", "mailbox"]
+from ...errors import ConfigurationError
+
+__all__ = [
+    "NO_RECEIVER",
+    "Arrival",
+    "Mailbox",
+    "close_mailbox",
+    "deliver",
+    "drop_mailbox",
+    "last_answer",
+    "mailbox",
+    "open_mailbox",
+]
 
 
 @dataclass
@@ -41,9 +55,14 @@ class Mailbox:
         #: The newest call answered: its version, whether it carried the version whole (not its changes), and the
         #: answer. The sender asks for it (:func:`last_answer`) where a call gave up waiting for its answer.
         self.last: tuple[int, bool, dict] | None = None
+        #: The receiver that takes from it (:func:`open_mailbox`), while it lives; ``None``: none yet.
+        self.receiver: weakref.ref | None = None
 
 
 _MAILBOXES: dict[str, Mailbox] = {}
+#: Models whose receiver in this process shut down, none opened since: a mailbox made for them again (by a call
+#: still on its way, or the sender's goodbye) has no receiver to answer.
+_CLOSED: set[str] = set()
 _MAILBOX_LOCK = threading.Lock()
 
 
@@ -52,16 +71,43 @@ def mailbox(model_id: str) -> Mailbox:
         return _MAILBOXES.setdefault(model_id, Mailbox())
 
 
-def drop_mailbox(model_id: str) -> None:
+def open_mailbox(receiver: Any, model_id: str, worker_idx: int | None = None) -> Mailbox:
+    """The mailbox of ``model_id`` for ``receiver`` (worker ``worker_idx``) to take from, with the updates that
+    arrived before it.
+
+    Raises:
+        ConfigurationError: another receiver of ``model_id`` is open in this process. A sender's call names a
+            process and a model, not a receiver: each update, and the sender's goodbye, would reach either one.
+    """
     with _MAILBOX_LOCK:
-        box = _MAILBOXES.pop(model_id, None)
-    if box is not None:
-        with box.cond:
-            for arrival in box.queue:
-                arrival.future.set_result(
-                    {"held": None, "error": {"type": "ConnectionClosedError", "message": "the worker shut down"}}
-                )
-            box.queue.clear()
+        box = _MAILBOXES.setdefault(model_id, Mailbox())
+        if box.receiver is not None and box.receiver() is not None:
+            raise ConfigurationError(
+                f"another receiver of model {model_id!r} is open in this process: updates sent to it would reach "
+                "either receiver; shut the other scheme down first",
+                model_id=model_id,
+                worker_idx=worker_idx,
+            )
+        box.receiver = weakref.ref(receiver)
+        _CLOSED.discard(model_id)
+        return box
+
+
+def drop_mailbox(model_id: str, box: Mailbox) -> None:
+    """``box``'s receiver shut down: the updates waiting in it are answered that it did, and :func:`last_answer`
+    says so from now on (a mailbox of the model made since, or later, by another receiver, is left as it is)."""
+    with _MAILBOX_LOCK:
+        if _MAILBOXES.get(model_id) is not box:
+            return
+        del _MAILBOXES[model_id]
+        box.receiver = None
+        _CLOSED.add(model_id)
+    with box.cond:
+        for arrival in box.queue:
+            arrival.future.set_result(
+                {"held": None, "error": {"type": "ConnectionClosedError", "message": "the worker shut down"}}
+            )
+        box.queue.clear()
 
 
 @rpc.functions.async_execution
@@ -83,7 +129,7 @@ def deliver(
     return arrival.future
 
 
-#: What :func:`last_answer` says where no receiver of the model is here (it shut down, its mailbox dropped).
+#: What :func:`last_answer` says where no receiver of the model is here: it shut down, and no other opened since.
 NO_RECEIVER = "no receiver"
 
 
@@ -93,7 +139,9 @@ def last_answer(model_id: str) -> tuple[int, bool, dict] | str | None:
     it."""
     with _MAILBOX_LOCK:
         box = _MAILBOXES.get(model_id)
-    return NO_RECEIVER if box is None else box.last
+        if box is None or model_id in _CLOSED:
+            return NO_RECEIVER
+        return box.last
 
 
 def close_mailbox(model_id: str, whole: bool = True) -> bool:

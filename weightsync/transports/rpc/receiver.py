@@ -16,7 +16,7 @@ from ...tensors.delta import Delta, chunks_of
 from ...tensors.layout import FlatLayout
 from ..store import SILENT_TIMEOUTS
 from ..storeclient import hung_up_at
-from .mailbox import Arrival, drop_mailbox, mailbox
+from .mailbox import Arrival, drop_mailbox, open_mailbox
 from .session import (
     Session,
     default_worker_name,
@@ -62,7 +62,7 @@ class RPCReceiver(ReceiverEngine):
         self.handoff, self._take, self.where = handoff, take, where
         self.placement = "take" if take else "write"
         self.session: Session | None = None
-        self.mailbox = mailbox(where["model_id"])  # updates that arrive before connect() wait here
+        self.mailbox = open_mailbox(self, **where)  # updates that arrive before connect() wait here
         self._probed_at = 0.0
         self._answered_at: float | None = None
 
@@ -160,7 +160,7 @@ class RPCReceiver(ReceiverEngine):
     def close(self) -> None:
         # The sender is shutting down the whole world (its goodbye said every worker is alive): leave with it.
         said_goodbye = self.mailbox.closed and self.mailbox.whole
-        drop_mailbox(self.where["model_id"] or "")
+        drop_mailbox(self.where["model_id"] or "", self.mailbox)
         if self.session is not None:
             # Leaving alone, give the last answer (a refusal at connect, answered just before this) time to go out.
             # Leaving with the sender, the world's barrier flushes it: the sender's agent waits for its answers.

@@ -505,12 +505,7 @@ def a_worker_whose_receiver_shut_down_in_a_world_the_caller_runs_is_named_gone(s
     from weightsync.core.timing import deadline_after, remaining
 
     with world_the_caller_runs(scheme, workers, "tiny") as (model, group):
-        scheme.timeout = timeout
-        assert group.ask(1, "shutdown", "policy") == "shut down"
-        optimizer_step(model, 1)
-        with pytest.raises(ws.SyncTimeoutError, match="no ack for version 1") as info:
-            scheme.send()
-        assert info.value.worker_idx == 1
+        worker_1_shuts_its_receiver_down_and_misses_version_1(scheme, model, group, timeout)
         deadline, said = deadline_after(10), ""
         while "WorkerDiedError" not in said and remaining(deadline) > 0:
             optimizer_step(model, scheme.version + 1)
@@ -526,6 +521,40 @@ def a_worker_whose_receiver_shut_down_in_a_world_the_caller_runs_is_named_gone(s
         with pytest.raises(ws.WorkerDiedError, match="its receiver shut down"):  # (named at once from now on)
             scheme.send()
         assert group.ask(0, "state")["policy"] == (scheme.version, checksum(model))
+
+
+def a_scheme_built_after_another_of_the_model_shut_down_takes_only_its_own_senders_calls(scheme, workers, timeout=1.0):
+    """Your own RPC world: worker 1's program shuts its scheme down; the trainer sends a version (its call to
+    worker 1 waits in vain) and shuts its scheme down, saying goodbye to worker 1 too. Then both build a scheme of
+    the same model anew: the new receiver connects and holds each version the new sender sends. Before, the new
+    receiver took what the old sender sent and said after its predecessor shut down: its connect failed at once,
+    hearing the old goodbye ("the sender shut down"), or took the old version sent without its layout."""
+    with world_the_caller_runs(scheme, workers, "tiny") as (model, group):
+        worker_1_shuts_its_receiver_down_and_misses_version_1(scheme, model, group, timeout)
+        scheme.shutdown()  # (its goodbye reaches worker 1's process, whose receiver shut down)
+        fresh = ws.RPCWeightSyncScheme(timeout=10.0, connect_timeout=20.0)
+        fresh.init_on_sender(model_id="policy", model=model, worker_names=["user-worker-1"])
+        try:
+            group.cmds[1].send(("serve_anew", "policy", fresh, 0))
+            fresh.connect()
+            assert group.recv(1) == "connected"
+            for version in (1, 2):
+                optimizer_step(model, 10 + version)
+                fresh.send()
+                assert group.ask(1, "state")["policy"] == (version, checksum(model))
+        finally:
+            fresh.shutdown()
+
+
+def worker_1_shuts_its_receiver_down_and_misses_version_1(scheme, model, group, timeout: float) -> None:
+    """Worker 1's program shuts its scheme down (its RPC agent stays); version 1's call to it then waits in vain,
+    and the send names it within ``timeout``."""
+    scheme.timeout = timeout
+    assert group.ask(1, "shutdown", "policy") == "shut down"
+    optimizer_step(model, 1)
+    with pytest.raises(ws.SyncTimeoutError, match="no ack for version 1") as info:
+        scheme.send()
+    assert info.value.worker_idx == 1
 
 
 @contextlib.contextmanager

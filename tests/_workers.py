@@ -191,6 +191,17 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
                     errors[args[0]] = "shut down"
                     block = 0.0
                     cmd.send("shut down")
+                elif op == "serve_anew":  # the worker's program builds a model's scheme anew (its sender's, pickled)
+                    mid, fresh, idx = args
+                    fresh.init_on_receiver(model_id=mid, model=models[mid], worker_idx=idx)
+                    try:
+                        fresh.connect()
+                    except ws.WeightSyncError as exc:
+                        cmd.send(f"{type(exc).__name__}: {exc}")
+                        continue
+                    schemes[mid], extract[mid] = fresh, fresh.strategy.extract_as
+                    errors.pop(mid, None)
+                    cmd.send("connected")
                 elif op == "close_channel":  # the worker's end of the transport goes away; the process lives
                     schemes[args[0]].receiver_transport.close()
                     cmd.send("closed")

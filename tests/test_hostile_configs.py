@@ -368,7 +368,15 @@ def test_pickling_engines_are_built_only_with_the_callers_opt_in(tripwires):
     # A worker with an RPC agent of its own joins no world the config names: nothing to opt into.
     external = {**_rpc_config(), "connection": {"external": True}}
     assert wc.from_config(external).receiver_unpickles({"external": True}) is None
-    for bad in ({"external": 1}, {"external": True, "master_addr": "x"}, {"token": "zz" * 8}):
+    named = {**_rpc_config(), "connection": {"external": True, "sender": "0123456789abcdef"}}  # (its sender's id)
+    assert wc.from_config(named).receiver_unpickles(named["connection"]) is None
+    for bad in (
+        {"external": 1},
+        {"external": True, "master_addr": "x"},
+        {"token": "zz" * 8},
+        {"external": True, "sender": "not an id"},
+        {"external": True, "sender": 7},
+    ):
         with pytest.raises(ws.ConfigurationError, match="connection"):
             wc.from_config({**_rpc_config(), "connection": bad}, allow_store_peers_to_run_code=True)
 

@@ -59,6 +59,7 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str
         "sends_that_do_not_wait_go_on_past_a_stopped_worker::on_failure=drop",
         "a_stopped_worker_in_a_world_the_caller_runs_is_passed_by_until_it_answers",
         "a_worker_whose_receiver_shut_down_in_a_world_the_caller_runs_is_named_gone",
+        "a_scheme_built_after_another_of_the_model_shut_down_takes_only_its_own_senders_calls",
         "a_worker_dropped_alive_hears_it_was_dropped::on_failure=drop",
         "connect_waits_its_timeout_for_absent_workers::connect_timeout=2",
         "a_worker_that_joins_then_dies_costs_connect_its_timeout::connect_timeout=4",
@@ -436,34 +437,49 @@ def test_a_worker_whose_receiver_shut_down_while_its_call_was_out_is_named_gone_
     assert "WorkerDiedError" in world.send(4) and len(world.asks) == 1
 
 
-def test_a_second_receiver_of_a_model_in_one_process_is_refused_and_one_after_the_first_shut_down_takes_over():
+def test_a_second_receiver_of_a_model_in_one_process_is_refused_and_one_after_the_first_takes_only_its_senders_calls():
     """A sender's call names a process and a model, not a receiver. Two receivers of one model in a process shared
-    one mailbox: each update, and the old sender's goodbye, reached either, and the first one's close dropped the
-    mailbox the second read, which then heard of no update again. The second is now refused by name. Once the first
-    shut down, a receiver opened later takes the updates that came meanwhile; until then, an ask for the last
-    answer finds no receiver, though a call on its way made the mailbox anew."""
-    from weightsync.transports.rpc.mailbox import NO_RECEIVER, deliver, last_answer
+    one mailbox, and the first one's close dropped the mailbox the second read. The second is now refused by name.
+    After the first shut down, what its sender sends and says is for no receiver: an ask finds none, and a receiver
+    opened later for another sender answers it that the worker shut down, hears nothing of its goodbye, and takes
+    its own sender's calls that came before it. (Before, it took the old sender's call and goodbye.)"""
+    from weightsync.transports.rpc.mailbox import NO_RECEIVER, close_mailbox, deliver, last_answer
     from weightsync.transports.rpc.receiver import RPCReceiver
 
-    where = {"model_id": "policy-of-the-mailbox-test", "worker_idx": 0}
-    first = RPCReceiver({"external": True}, take=False, where=where)
-    with pytest.raises(ws.ConfigurationError, match="another receiver of model 'policy-of-the-mailbox-test' is open"):
-        RPCReceiver({"external": True}, take=False, where=where)
-    assert last_answer(where["model_id"]) is None  # (open, nothing answered yet)
+    model, old, new = "policy-of-the-mailbox-test", "0" * 16, "1" * 16
+    where = {"model_id": model, "worker_idx": 0}
+
+    def receiver(sender):
+        return RPCReceiver({"external": True, "sender": sender}, take=False, where=where)
+
+    first = receiver(old)
+    with pytest.raises(ws.ConfigurationError, match=f"another receiver of model '{model}' is open"):
+        receiver(new)
+    assert last_answer(model, old) is None  # (open, nothing answered yet)
     first.close()
     first.close()  # (idempotent: it leaves a later receiver's mailbox alone)
-    assert last_answer(where["model_id"]) == NO_RECEIVER
-    on_its_way = deliver(where["model_id"], 3, torch.zeros(4), None)
-    assert last_answer(where["model_id"]) == NO_RECEIVER and not on_its_way.done()
-    later = RPCReceiver({"external": True}, take=False, where=where)
+    stale = deliver(model, 3, torch.zeros(4), None, None, None, old)  # (on its way as it shut down)
+    assert last_answer(model, old) == NO_RECEIVER and not stale.done()
+    assert close_mailbox(model, True, old)  # (the old sender's goodbye)
+    early = deliver(model, 0, torch.zeros(4), {"layout": "of the new sender"}, None, None, new)
+    later = receiver(new)
     try:
-        assert last_answer(where["model_id"]) is None
-        assert [a.version for a in later.mailbox.queue] == [3]
+        assert stale.wait()["error"]["message"] == "the worker shut down"
+        assert [a.version for a in later.mailbox.queue] == [0] and not later.mailbox.closed
+        assert last_answer(model, new) is None and last_answer(model, old) == NO_RECEIVER
+        late = deliver(model, 4, torch.zeros(4), None, None, None, old)
+        assert late.wait()["error"]["message"] == "the worker shut down"
+        assert close_mailbox(model, True, old) and not later.mailbox.closed
         first.close()
-        assert [a.version for a in later.mailbox.queue] == [3] and not on_its_way.done()
+        assert [a.version for a in later.mailbox.queue] == [0] and not early.done()
     finally:
         later.close()
-    assert on_its_way.wait()["error"]["message"] == "the worker shut down"
+    assert early.wait()["error"]["message"] == "the worker shut down"
+    unnamed = RPCReceiver({"external": True}, take=False, where=where)  # (a config that does not name its sender)
+    try:
+        assert last_answer(model, new) is None
+    finally:
+        unnamed.close()
 
 
 def test_a_worker_stopped_for_hours_is_still_asked_at_the_longest_interval():

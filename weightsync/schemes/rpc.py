@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from .. import checks, options
@@ -158,9 +159,11 @@ class RPCWeightSyncScheme(NetworkScheme, name="rpc"):
     @classmethod
     def check_receiver_connection(cls, connection: Any, model_id: str) -> dict[str, Any]:
         """``{"external": true}`` (the worker runs its own RPC agent), or the session to join: its token,
-        the sender's store (host, port), the world size and the sender's ``init_rpc`` counter."""
-        if connection == {"external": True} and type(connection["external"]) is bool:
-            return dict(connection)
+        the sender's store (host, port), the world size and the sender's ``init_rpc`` counter. Either may name the
+        sender (``sender``, the id its calls carry), whose calls alone the worker's receiver then takes."""
+        sender = {"sender": checks.text(r"[0-9a-f]{16}", what="16 hex digits")}
+        if isinstance(connection, Mapping) and connection.get("external") is True:
+            return checks.fields(connection, {"external": None, **sender}, "connection")
         fields = {
             "token": checks.text(r"[0-9a-f]{16}", what="16 hex digits"),
             "master_addr": checks.host,
@@ -168,7 +171,7 @@ class RPCWeightSyncScheme(NetworkScheme, name="rpc"):
             "world_size": WORLD_SIZE,
             "counter": checks.integer(0, 2**31 - 1),
         }
-        return checks.fields(connection, fields, "connection", required=tuple(fields))
+        return checks.fields(connection, {**fields, **sender}, "connection", required=tuple(fields))
 
     @classmethod
     def receiver_unpickles(cls, connection: Any) -> str | None:

@@ -62,7 +62,8 @@ class RPCReceiver(ReceiverEngine):
         self.handoff, self._take, self.where = handoff, take, where
         self.placement = "take" if take else "write"
         self.session: Session | None = None
-        self.mailbox = open_mailbox(self, **where)  # updates that arrive before connect() wait here
+        # (updates that arrive before connect() wait here)
+        self.mailbox = open_mailbox(self, **where, sender=handoff.get("sender"))
         self._probed_at = 0.0
         self._answered_at: float | None = None
 

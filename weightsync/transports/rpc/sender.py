@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -108,8 +109,10 @@ class RPCSender(SenderEngine):
             self.session = open_sender_session(master, num_workers + 1, sink.connect_timeout)
             for w in range(num_workers):
                 forget_ended(self.session, sink.model_id, w)
+        #: What this sender's calls carry: a worker's receiver takes only its own sender's (the mailbox module).
+        self.id = secrets.token_hex(8)
         self.transports = {
-            w: RPCTransport(w, names[w] if names else None, model_id=sink.model_id, sink=sink)
+            w: RPCTransport(w, names[w] if names else None, model_id=sink.model_id, sink=sink, sender=self.id)
             for w in range(num_workers)
         }
         self.pool: StagingPool | None = None
@@ -123,13 +126,14 @@ class RPCSender(SenderEngine):
     def handoff(self) -> dict[str, Any]:
         sess = self.session
         if sess is None:
-            return {"external": True}
+            return {"external": True, "sender": self.id}
         return {
             "token": sess.token,
             "master_addr": sess.host,
             "master_port": sess.port,
             "world_size": sess.world_size,
             "counter": sess.counter,
+            "sender": self.id,
         }
 
     connection = handoff

@@ -32,14 +32,21 @@ class RPCTransport(PeerTransport):
         worker_name: its RPC name (default ``weightsync-worker-<worker_idx>``).
         model_id: the model the updates are for (the worker's mailbox).
         sink: where the older API's calls go (the sender's pipeline).
+        sender: the id the calls carry (the sender's), whose calls alone the worker's receiver takes.
     """
 
     def __init__(
-        self, worker_idx: int = 0, worker_name: str | None = None, model_id: str | None = None, sink: Sink | None = None
+        self,
+        worker_idx: int = 0,
+        worker_name: str | None = None,
+        model_id: str | None = None,
+        sink: Sink | None = None,
+        sender: str | None = None,
     ) -> None:
         super().__init__(worker_idx, sink)
         self.worker_name = worker_name or default_worker_name(worker_idx)
         self.model_id = model_id
+        self.sender = sender
         self.in_flight: dict[int, torch.futures.Future] = {}  # version -> the RPC's future
 
     def submit(
@@ -54,7 +61,10 @@ class RPCTransport(PeerTransport):
         """Send ``version`` to the worker (``delta``: ``buffer`` is the body of the changes it describes); the
         returned future completes with its answer (the ack)."""
         future = rpc.rpc_async(
-            self.worker_name, deliver, args=(self.model_id, version, buffer, layout, digest, delta), timeout=timeout
+            self.worker_name,
+            deliver,
+            args=(self.model_id, version, buffer, layout, digest, delta, self.sender),
+            timeout=timeout,
         )
         self.in_flight[version] = future
         return future
@@ -62,7 +72,7 @@ class RPCTransport(PeerTransport):
     def ask_last_answer(self, timeout: float) -> torch.futures.Future:
         """Ask the worker for the newest call it answered (:func:`~.mailbox.last_answer`), at most ``timeout``: a
         small call, for a version whose own call gave up waiting."""
-        return rpc.rpc_async(self.worker_name, last_answer, args=(self.model_id,), timeout=timeout)
+        return rpc.rpc_async(self.worker_name, last_answer, args=(self.model_id, self.sender), timeout=timeout)
 
     def close(self, timeout: float, whole: bool = True) -> bool:
         """Tell the worker the sender is gone (best effort, bounded; ``timeout`` 0: not at all), and whether the
@@ -71,7 +81,7 @@ class RPCTransport(PeerTransport):
         heard = False
         if timeout > 0:
             with contextlib.suppress(RuntimeError):
-                said = (self.model_id, whole)
+                said = (self.model_id, whole, self.sender)
                 heard = bool(rpc.rpc_async(self.worker_name, close_mailbox, args=said, timeout=timeout).wait())
         self.in_flight.clear()
         return heard

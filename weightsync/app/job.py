@@ -37,7 +37,7 @@ from ..schemes.no_sync import NoWeightSyncScheme
 from ..schemes.ray import RayWeightSyncScheme
 from ..tensors.layout import wire_dtype_from_name
 from .early import PRELOAD
-from .models import ModelSpec, build_model, checksum
+from .models import build_model, checksum, model_specs
 
 __all__ = ["JobConfig", "resolve_schemes", "run_job"]
 
@@ -62,7 +62,9 @@ class JobConfig:
     # How workers start; None: forkserver where the platform has it, else spawn.
     start_method: Optional[str] = None  # noqa: UP045 - omegaconf 2.3 reads typing.Optional
     worker_timeout: float = 120.0
-    models: dict[str, ModelSpec] = field(default_factory=dict)
+    # Each model's size_mb and tensors (weightsync.app.models.ModelSpec), checked by model_specs: untyped here, so
+    # that `'+models.critic={size_mb:1}'` adds one (omegaconf 2.3 assigns no mapping to a dataclass-typed value).
+    models: dict[str, Any] = field(default_factory=dict)
     schemes: dict[str, Any] = field(default_factory=dict)
     scheme: Any = None
 
@@ -88,6 +90,18 @@ def resolve_schemes(cfg: DictConfig) -> dict[str, DictConfig]:
             f"every model needs a scheme and every scheme a model: models {sorted(models)}, schemes {sorted(out)}"
         )
     return out
+
+
+def _scheme_keys(cfg: DictConfig) -> dict[str, str]:
+    """The override that sets each model's scheme, which an error about it names: ``scheme`` where it follows the
+    default scheme, else ``schemes.<model>``, followed by ``=`` where it is given by name (``schemes.value=rpc``:
+    ``schemes.value.<option>`` cannot follow a name)."""
+    raw = OmegaConf.to_container(cfg.schemes, resolve=False)
+    assert isinstance(raw, dict)
+    return {
+        str(m): "scheme" if node == "${scheme}" else f"schemes.{m!s}" + ("=" if isinstance(node, str) else "")
+        for m, node in raw.items()
+    }
 
 
 def _worker(idx: int, configs: dict, specs: dict, reports, stop) -> None:
@@ -194,7 +208,7 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
     from hydra.utils import instantiate
 
     scheme_cfgs = resolve_schemes(cfg)
-    specs = {m: {"size_mb": float(cfg.models[m].size_mb), "tensors": int(cfg.models[m].tensors)} for m in cfg.models}
+    specs = model_specs(cfg.models)
     for m, spec in specs.items():  # (a size that is no number, or beyond any host, fails here and by name)
         if not math.isfinite(spec["size_mb"]) or not 0 < spec["size_mb"] <= MAX_SIZE_MB:
             raise ConfigurationError(f"models.{m}.size_mb must be in (0, {MAX_SIZE_MB:g}], got {spec['size_mb']}")
@@ -211,14 +225,15 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
             for p in model.parameters():
                 p.normal_()
     schemes: dict[str, WeightSyncScheme] = {}
+    keys = _scheme_keys(cfg)
     for model_id, scheme_cfg in scheme_cfgs.items():
-        schemes[model_id] = _instantiate_scheme(instantiate, scheme_cfg, model_id)
+        schemes[model_id] = _instantiate_scheme(instantiate, scheme_cfg, keys[model_id].rstrip("="))
         log.info(
             "model %r (%g MB in %d tensors): %s to %d workers, %d rounds, options %s", model_id,
             specs[model_id]["size_mb"], specs[model_id]["tensors"], type(schemes[model_id]).__name__, n,
             int(cfg.rounds), schemes[model_id].option_values(),
         )  # fmt: skip
-    _check_opt_ins(schemes)
+    _check_opt_ins(schemes, keys)
     # Ray schemes' workers are Ray actors the job starts; every other scheme's are processes.
     on_ray = {m for m, s in schemes.items() if isinstance(s, RayWeightSyncScheme)}
     in_procs = {m: s for m, s in schemes.items() if m not in on_ray}
@@ -286,25 +301,32 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
     ]
 
 
-def _check_opt_ins(schemes: dict[str, WeightSyncScheme]) -> None:
+def _check_opt_ins(schemes: dict[str, WeightSyncScheme], keys: dict[str, str]) -> None:
     """Refuse, before any process or actor starts, an rpc scheme the command line did not opt in to what it allows.
 
     Raises:
-        ConfigurationError: one line, naming the model and the override that opts in.
+        ConfigurationError: one line, naming the override that set the scheme (``keys``, :func:`_scheme_keys`)
+            and the one that opts in.
     """
     from ..schemes.rpc import RPCWeightSyncScheme
 
     for model_id, scheme in schemes.items():
         if isinstance(scheme, RPCWeightSyncScheme) and not scheme.allow_store_peers_to_run_code:
+            key = keys[model_id]
+            if key.endswith("="):  # (picked by name: options come only with the scheme given whole)
+                key = key[:-1]
+                opt_in = f"'{key}={{_target_:weightsync.RPCWeightSyncScheme,allow_store_peers_to_run_code:true}}'"
+            else:
+                opt_in = f"{key}.allow_store_peers_to_run_code=true"
             raise ConfigurationError(
-                f"schemes.{model_id}: the rpc scheme lets every process that can reach its TCP store (every local "
-                "user on loopback) run any code in this process and its workers; add "
-                "scheme.allow_store_peers_to_run_code=true only if every such process is yours, or use "
-                "scheme=distributed"
+                f"{key}: the rpc scheme lets every process that can reach its TCP store (every local user on "
+                f"loopback) run any code in this process and its workers; give {opt_in} only if every such process "
+                f"is yours, or use {key}=distributed"
             )
 
 
-def _instantiate_scheme(instantiate: Any, scheme_cfg: DictConfig, model_id: str) -> WeightSyncScheme:
+def _instantiate_scheme(instantiate: Any, scheme_cfg: DictConfig, key: str) -> WeightSyncScheme:
+    """The scheme ``scheme_cfg`` builds; an error names ``key``, the override that set it."""
     check_available(scheme_cfg._target_)
     try:
         return instantiate(scheme_cfg)
@@ -313,11 +335,11 @@ def _instantiate_scheme(instantiate: Any, scheme_cfg: DictConfig, model_id: str)
         if type(cause) is ConfigurationError:  # a scheme's own check: say which model's scheme (and node) it was
             # Hydra's message says which node's target failed: the scheme's own, or its transport or strategy.
             node = re.search(r"^full_key: \S*?\b(transport|strategy)$", str(exc), re.MULTILINE)
-            where = f"schemes.{model_id}" + (f".{node.group(1)}" if node else "")
+            where = key + (f".{node.group(1)}" if node else "")
             raise ConfigurationError(f"{where}: {cause.detail}", model_id=cause.model_id) from None
         if isinstance(cause, WeightSyncError):
             raise cause from None
-        raise ConfigurationError(f"schemes.{model_id}: cannot build {scheme_cfg._target_}: {cause}") from exc
+        raise ConfigurationError(f"{key}: cannot build {scheme_cfg._target_}: {cause}") from exc
 
 
 def _timed_send(scheme: WeightSyncScheme) -> float:

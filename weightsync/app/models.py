@@ -6,6 +6,7 @@ the same spec and hash what they hold the same way, so a report compares as is.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch import nn
 from ..errors import ConfigurationError
 from ..tensors.strategy import WeightStrategy
 
-__all__ = ["ModelSpec", "build_model", "checksum"]
+__all__ = ["ModelSpec", "build_model", "checksum", "model_specs"]
 
 
 @dataclass
@@ -25,6 +26,36 @@ class ModelSpec:
 
     size_mb: float = 8.0
     tensors: int = 4
+
+
+def model_specs(models: Any) -> dict[str, dict[str, Any]]:
+    """Each model's spec (``size_mb``, ``tensors``) from the job's ``models`` config (name: its fields; a field left
+    out takes :class:`ModelSpec`'s default). Its values are untyped, so that a model can be added from the command
+    line (``'+models.critic={size_mb:1}'``: omegaconf 2.3 cannot assign a mapping to a dataclass-typed value); they
+    are checked here, against :class:`ModelSpec`.
+
+    Raises:
+        ConfigurationError: a model that is not a mapping, an unknown field, or a value of the wrong type, named
+            (``models.critic.size_mb: ...``).
+    """
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    out = {}
+    for name in models:
+        node = models[name]
+        if not isinstance(node, DictConfig):
+            raise ConfigurationError(f"models.{name} must be a mapping of size_mb and tensors, got {node!r}")
+        try:
+            spec = OmegaConf.merge(OmegaConf.structured(ModelSpec), node)
+            out[str(name)] = {"size_mb": float(spec.size_mb), "tensors": int(spec.tensors)}
+        except ConfigKeyError as exc:
+            fields = sorted(f.name for f in dataclasses.fields(ModelSpec))
+            raise ConfigurationError(f"models.{name} has no field {exc.key!r}; a model takes {fields}") from None
+        except OmegaConfBaseException as exc:
+            key = f".{exc.key}" if getattr(exc, "key", None) is not None else ""
+            raise ConfigurationError(f"models.{name}{key}: {str(exc).splitlines()[0]}") from None
+    return out
 
 
 def build_model(spec: dict[str, Any]) -> nn.Module:

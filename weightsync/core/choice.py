@@ -83,7 +83,9 @@ def _settings_class(scheme: type, choices: tuple[type[TransportSettings], ...], 
         if transport in (cls, cls.name) or (cls.transport is not None and transport is _peer_class(cls)):
             return cls
     names = [cls.name for cls in choices]
-    raise ConfigurationError(f"{scheme.__name__} runs over the transports {sorted(names)}, got {transport!r}")
+    named = getattr(transport, "name", None)  # (a settings class, as Hydra builds a transport's config: its name)
+    shown = repr(named) if isinstance(transport, type) and isinstance(named, str) else repr(transport)
+    raise ConfigurationError(f"{scheme.__name__} runs over the transports {sorted(names)}, got {shown}")
 
 
 def _peer_class(cls: type[TransportSettings]) -> Any:

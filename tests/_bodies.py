@@ -496,65 +496,69 @@ def a_stopped_worker_in_a_world_the_caller_runs_is_passed_by_until_it_answers(
         assert [group.ask(w, "state")["policy"] for w in (0, 1)] == [(7, checksum(model))] * 2
 
 
-def a_worker_whose_receiver_shut_down_in_a_world_the_caller_runs_is_named_gone(scheme, workers, timeout=1.0):
+def a_worker_whose_receiver_shut_down_in_a_world_the_caller_runs_is_named_gone(scheme, workers, timeout=2.0):
     """Your own RPC world: worker 1's program shuts its scheme down, and its agent stays in the world. The next
-    version's call lands in a mailbox made anew that no receiver reads, and gives up at ``timeout``; an ask for its
-    answer then finds no receiver, and worker 1 is named gone (``WorkerDiedError``), while worker 0 holds every
-    version. Before, the call's mailbox made anew answered every ask with "nothing yet": worker 1 was asked four
-    times a second and named late, passed by, for as long as sends ran."""
-    from weightsync.core.timing import deadline_after, remaining
-
+    send names worker 1 gone at once (``WorkerDiedError``: its mailbox answers that its receiver shut down), and
+    each send after it; worker 0 holds every version. Before, the call landed in a mailbox made anew that nobody
+    read and gave up at ``timeout``; every ask for its answer found "nothing yet": worker 1 was asked four times a
+    second and named late, passed by, for as long as sends ran."""
     with world_the_caller_runs(scheme, workers, "tiny") as (model, group):
-        worker_1_shuts_its_receiver_down_and_misses_version_1(scheme, model, group, timeout)
-        deadline, said = deadline_after(10), ""
-        while "WorkerDiedError" not in said and remaining(deadline) > 0:
-            optimizer_step(model, scheme.version + 1)
-            try:
+        scheme.timeout = timeout
+        assert group.ask(1, "shutdown", "policy") == "shut down"
+        for version in (1, 2):
+            optimizer_step(model, version)
+            began = time.monotonic()
+            with pytest.raises(ws.WorkerDiedError, match="its receiver shut down") as info:
                 scheme.send()
-            except ws.WeightSyncError as exc:
-                assert exc.worker_idx == 1, exc
-                said = f"{type(exc).__name__}: {exc}"
-            assert group.ask(0, "state")["policy"] == (scheme.version, checksum(model))
-            time.sleep(0.1)  # (the sends of a training loop: the ask goes out with one, its answer is read by one)
-        assert "its receiver shut down" in said, said
-        optimizer_step(model, scheme.version + 1)
-        with pytest.raises(ws.WorkerDiedError, match="its receiver shut down"):  # (named at once from now on)
-            scheme.send()
-        assert group.ask(0, "state")["policy"] == (scheme.version, checksum(model))
+            assert info.value.worker_idx == 1 and time.monotonic() - began < timeout / 2
+            assert group.ask(0, "state")["policy"] == (version, checksum(model))
 
 
-def a_scheme_built_after_another_of_the_model_shut_down_takes_only_its_own_senders_calls(scheme, workers, timeout=1.0):
-    """Your own RPC world: worker 1's program shuts its scheme down; the trainer sends a version (its call to
-    worker 1 waits in vain) and shuts its scheme down, saying goodbye to worker 1 too. Then both build a scheme of
-    the same model anew: the new receiver connects and holds each version the new sender sends. Before, the new
-    receiver took what the old sender sent and said after its predecessor shut down: its connect failed at once,
-    hearing the old goodbye ("the sender shut down"), or took the old version sent without its layout."""
+def a_scheme_built_anew_after_the_workers_old_receiver_shut_down_takes_only_its_senders_calls(scheme, workers):
+    a_scheme_built_anew_for_a_model_takes_only_its_own_senders_calls(scheme, workers, "receiver_first")
+
+
+def a_scheme_built_anew_whose_sender_reaches_the_worker_first_takes_only_its_senders_calls(scheme, workers):
+    a_scheme_built_anew_for_a_model_takes_only_its_own_senders_calls(scheme, workers, "sender_first")
+
+
+def a_scheme_built_anew_for_a_model_takes_only_its_own_senders_calls(scheme, workers, order, timeout=1.0):
+    """Your own RPC world: the trainer shuts its scheme down and builds one anew for the same model, and so does
+    worker 1's program; the new receiver connects and holds each version the new sender sends. ``order``:
+    ``receiver_first``: worker 1 shuts its scheme down first, and the old sender still sends it a version (named
+    gone) and says goodbye after; ``sender_first``: the new sender's first call reaches worker 1 while its old
+    receiver is still open. Before, the new receiver took what the old sender sent and said (its connect failed
+    at once on the old goodbye, "the sender shut down", or took the old version, sent without its layout), or the
+    old receiver took the new sender's first version and the new one waited for it in vain."""
+    import threading
+
+    from weightsync.core.timing import deadline_after, wait_until
+
     with world_the_caller_runs(scheme, workers, "tiny") as (model, group):
-        worker_1_shuts_its_receiver_down_and_misses_version_1(scheme, model, group, timeout)
-        scheme.shutdown()  # (its goodbye reaches worker 1's process, whose receiver shut down)
+        scheme.timeout = timeout
+        if order == "receiver_first":
+            assert group.ask(1, "shutdown", "policy") == "shut down"
+            optimizer_step(model, 1)
+            with pytest.raises(ws.WorkerDiedError, match="its receiver shut down"):
+                scheme.send()
+        scheme.shutdown()  # (its goodbye reaches worker 1's process)
         fresh = ws.RPCWeightSyncScheme(timeout=10.0, connect_timeout=20.0)
         fresh.init_on_sender(model_id="policy", model=model, worker_names=["user-worker-1"])
+        connect = threading.Thread(target=fresh.connect)
         try:
-            group.cmds[1].send(("serve_anew", "policy", fresh, 0))
-            fresh.connect()
-            assert group.recv(1) == "connected"
+            connect.start()
+            if order == "sender_first":  # (the new sender's first call waits beside the old receiver, still open)
+                assert wait_until(lambda: group.ask(1, "waiting", "policy") == 1, deadline_after(15), 0.05)
+            assert group.ask(1, "serve_anew", "policy", fresh, 0) == "connected"
+            connect.join(30)
+            assert not connect.is_alive() and fresh.acked_versions == {0: 0}
             for version in (1, 2):
                 optimizer_step(model, 10 + version)
                 fresh.send()
                 assert group.ask(1, "state")["policy"] == (version, checksum(model))
         finally:
+            connect.join(30)
             fresh.shutdown()
-
-
-def worker_1_shuts_its_receiver_down_and_misses_version_1(scheme, model, group, timeout: float) -> None:
-    """Worker 1's program shuts its scheme down (its RPC agent stays); version 1's call to it then waits in vain,
-    and the send names it within ``timeout``."""
-    scheme.timeout = timeout
-    assert group.ask(1, "shutdown", "policy") == "shut down"
-    optimizer_step(model, 1)
-    with pytest.raises(ws.SyncTimeoutError, match="no ack for version 1") as info:
-        scheme.send()
-    assert info.value.worker_idx == 1
 
 
 @contextlib.contextmanager

@@ -193,6 +193,7 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
                     cmd.send("shut down")
                 elif op == "serve_anew":  # the worker's program builds a model's scheme anew (its sender's, pickled)
                     mid, fresh, idx = args
+                    schemes[mid].shutdown()  # (the old one first: one receiver of a model at a time)
                     fresh.init_on_receiver(model_id=mid, model=models[mid], worker_idx=idx)
                     try:
                         fresh.connect()
@@ -202,6 +203,10 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
                     schemes[mid], extract[mid] = fresh, fresh.strategy.extract_as
                     errors.pop(mid, None)
                     cmd.send("connected")
+                elif op == "waiting":  # rpc: how many calls for a model wait for a receiver of their sender
+                    from weightsync.transports.rpc import mailbox
+
+                    cmd.send(sum(len(box.queue) for box in mailbox._WAITING.get(args[0], {}).values()))
                 elif op == "close_channel":  # the worker's end of the transport goes away; the process lives
                     schemes[args[0]].receiver_transport.close()
                     cmd.send("closed")

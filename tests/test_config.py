@@ -275,6 +275,8 @@ def test_a_model_is_added_from_the_command_line_with_the_defaults_of_the_fields_
         assert model_specs(cfg.models)["critic"] == {"size_mb": 1.0, "tensors": 2}
     cfg = _main(["+models.critic.size_mb=1", "+schemes.critic=${scheme}"])
     assert model_specs(cfg.models)["critic"] == {"size_mb": 1.0, "tensors": 4}  # (ModelSpec's default)
+    cfg = _main(["models.value.size_mb=${models.policy.size_mb}"])  # (a value that names another key)
+    assert model_specs(cfg.models)["value"] == {"size_mb": 16.0, "tensors": 4}
 
 
 @pytest.mark.parametrize("override", ["scheme=pigeon", "num_workers=many", "scheme.timeout=soon", "scheme.colour=red"])
@@ -296,6 +298,8 @@ def test_bad_overrides_fail_in_hydra(override):
         ("scheme.timeout=-1", "^scheme: timeout must be a positive number of seconds"),
         ("models.policy.size_mb=0.01 models.policy.tensors=20000", "cannot be split into 20000 tensors"),
         ("models.policy.size_mb=abc", "^models.policy.size_mb: Value 'abc' of type 'str' could not be converted"),
+        ("models.policy=???", "^models.policy: Missing mandatory value"),
+        ("schemes.policy=${schemes.value} scheme.timeout=-1", "^scheme: timeout must be"),  # (it follows scheme)
         ("+models.critic={sizemb:1} +schemes.critic=shared_mem", "^models.critic has no field 'sizemb'; a model"),
         ("scheme=shared_mem scheme.transport.max_slots=1", "^scheme.transport: max_slots must be an int"),
         ("scheme/transport=distributed", r"^scheme: .* over the transports \['mp', 'shared_mem'\], got 'distributed'"),
@@ -307,7 +311,7 @@ def test_bad_overrides_fail_in_hydra(override):
         ),
         (
             "schemes.value={_target_:weightsync.RPCWeightSyncScheme}",
-            "^schemes.value: the rpc scheme .* give schemes.value.allow_store_peers_to_run_code=true only if",
+            r"^schemes.value: the rpc scheme .* give \+\+schemes.value.allow_store_peers_to_run_code=true only if",
         ),
         (
             "schemes.value={_target_:weightsync.MultiProcessWeightSyncScheme,timeout:-1}",

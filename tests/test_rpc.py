@@ -59,7 +59,8 @@ def _in_trainer_process(scenario: str, timeout: float = 240.0, host_address: str
         "sends_that_do_not_wait_go_on_past_a_stopped_worker::on_failure=drop",
         "a_stopped_worker_in_a_world_the_caller_runs_is_passed_by_until_it_answers",
         "a_worker_whose_receiver_shut_down_in_a_world_the_caller_runs_is_named_gone",
-        "a_scheme_built_after_another_of_the_model_shut_down_takes_only_its_own_senders_calls",
+        "a_scheme_built_anew_after_the_workers_old_receiver_shut_down_takes_only_its_senders_calls",
+        "a_scheme_built_anew_whose_sender_reaches_the_worker_first_takes_only_its_senders_calls",
         "a_worker_dropped_alive_hears_it_was_dropped::on_failure=drop",
         "connect_waits_its_timeout_for_absent_workers::connect_timeout=2",
         "a_worker_that_joins_then_dies_costs_connect_its_timeout::connect_timeout=4",
@@ -437,49 +438,56 @@ def test_a_worker_whose_receiver_shut_down_while_its_call_was_out_is_named_gone_
     assert "WorkerDiedError" in world.send(4) and len(world.asks) == 1
 
 
-def test_a_second_receiver_of_a_model_in_one_process_is_refused_and_one_after_the_first_takes_only_its_senders_calls():
+def test_a_receiver_takes_only_its_own_senders_calls_and_those_of_a_sender_whose_receiver_shut_down_are_refused():
     """A sender's call names a process and a model, not a receiver. Two receivers of one model in a process shared
-    one mailbox, and the first one's close dropped the mailbox the second read. The second is now refused by name.
-    After the first shut down, what its sender sends and says is for no receiver: an ask finds none, and a receiver
-    opened later for another sender answers it that the worker shut down, hears nothing of its goodbye, and takes
-    its own sender's calls that came before it. (Before, it took the old sender's call and goodbye.)"""
+    one mailbox, and the first one's close dropped the mailbox the second read: a second is now refused by name.
+    Calls carry their sender's id: those of a sender whose receiver is not open yet wait for it (a new scheme
+    connecting while the old receiver is still open); once a sender's receiver shut down, its calls are answered at
+    once that it did (the sender names the worker gone), and its goodbye says nothing to the next receiver. Before,
+    a receiver opened later took the old sender's calls and goodbye, and the old receiver took the new sender's."""
     from weightsync.transports.rpc.mailbox import NO_RECEIVER, close_mailbox, deliver, last_answer
     from weightsync.transports.rpc.receiver import RPCReceiver
 
-    model, old, new = "policy-of-the-mailbox-test", "0" * 16, "1" * 16
+    model, old, new, third, fourth = "policy-of-the-mailbox-test", "0" * 16, "1" * 16, "2" * 16, "3" * 16
     where = {"model_id": model, "worker_idx": 0}
 
-    def receiver(sender):
-        return RPCReceiver({"external": True, "sender": sender}, take=False, where=where)
+    def receiver(sender=None):
+        handoff = {"external": True, **({"sender": sender} if sender else {})}
+        return RPCReceiver(handoff, take=False, where=where)
+
+    def call(version, sender):
+        return deliver(model, version, torch.zeros(4), {"layout": sender}, None, None, sender)
 
     first = receiver(old)
     with pytest.raises(ws.ConfigurationError, match=f"another receiver of model '{model}' is open"):
         receiver(new)
-    assert last_answer(model, old) is None  # (open, nothing answered yet)
+    early = call(0, new)  # (the new scheme connects while the old receiver is still open: it waits)
+    assert last_answer(model, old) is None and last_answer(model, new) is None
+    assert list(first.mailbox.queue) == [] and not early.done()
     first.close()
-    first.close()  # (idempotent: it leaves a later receiver's mailbox alone)
-    stale = deliver(model, 3, torch.zeros(4), None, None, None, old)  # (on its way as it shut down)
-    assert last_answer(model, old) == NO_RECEIVER and not stale.done()
+    first.close()  # (idempotent)
+    stale = call(3, old)
+    assert stale.wait()["gone"] == "its receiver shut down" and last_answer(model, old) == NO_RECEIVER
     assert close_mailbox(model, True, old)  # (the old sender's goodbye)
-    early = deliver(model, 0, torch.zeros(4), {"layout": "of the new sender"}, None, None, new)
     later = receiver(new)
     try:
-        assert stale.wait()["error"]["message"] == "the worker shut down"
-        assert [a.version for a in later.mailbox.queue] == [0] and not later.mailbox.closed
+        assert [a.version for a in later.mailbox.queue] == [0] and not later.mailbox.closed and not early.done()
         assert last_answer(model, new) is None and last_answer(model, old) == NO_RECEIVER
-        late = deliver(model, 4, torch.zeros(4), None, None, None, old)
-        assert late.wait()["error"]["message"] == "the worker shut down"
-        assert close_mailbox(model, True, old) and not later.mailbox.closed
+        assert call(4, old).wait()["gone"] and close_mailbox(model, True, old) and not later.mailbox.closed
         first.close()
-        assert [a.version for a in later.mailbox.queue] == [0] and not early.done()
+        assert [a.version for a in later.mailbox.queue] == [0]
+        gone_before_its_receiver = call(0, third)  # (a sender that says goodbye before its receiver opens)
+        assert close_mailbox(model, True, third) and gone_before_its_receiver.wait()["gone"]
+        pending = call(0, fourth)
     finally:
         later.close()
-    assert early.wait()["error"]["message"] == "the worker shut down"
-    unnamed = RPCReceiver({"external": True}, take=False, where=where)  # (a config that does not name its sender)
+    assert early.wait()["gone"] and not pending.done()
+    unnamed = receiver()  # (a config that does not name its sender: the one heard from last that is still there)
     try:
-        assert last_answer(model, new) is None
+        assert unnamed.mailbox.sender == fourth and [a.version for a in unnamed.mailbox.queue] == [0]
     finally:
         unnamed.close()
+    assert pending.wait()["gone"]
 
 
 def test_a_worker_stopped_for_hours_is_still_asked_at_the_longest_interval():

@@ -120,7 +120,8 @@ def test_the_main_job_without_the_opt_in_fails_with_one_line_before_any_process_
         }
     )  # fmt: skip
     before = _started()
-    with pytest.raises(ws.ConfigurationError, match=f"scheme.{OPT_IN}=true"):
+    whole = f"'schemes.policy={{_target_:weightsync.RPCWeightSyncScheme,{OPT_IN}:true}}'"  # (picked by name)
+    with pytest.raises(ws.ConfigurationError, match=whole):
         job.run_job(cfg)
     _nothing_started(before)
     # From the command line: one clear line, exit status 2.
@@ -130,7 +131,7 @@ def test_the_main_job_without_the_opt_in_fails_with_one_line_before_any_process_
     )  # fmt: skip
     errors = [line for line in out.stderr.splitlines() if line.startswith("weightsync: error:")]
     assert out.returncode == 2 and len(errors) == 1, out.stderr[-2000:]
-    assert f"add scheme.{OPT_IN}=true" in errors[0] and "every local user on loopback" in errors[0]
+    assert f"give scheme.{OPT_IN}=true" in errors[0] and "every local user on loopback" in errors[0]
 
 
 # ------------------------------------------------- (b) opted in: what it allows

@@ -94,14 +94,26 @@ def resolve_schemes(cfg: DictConfig) -> dict[str, DictConfig]:
 
 def _scheme_keys(cfg: DictConfig) -> dict[str, str]:
     """The override that sets each model's scheme, which an error about it names: ``scheme`` where it follows the
-    default scheme, else ``schemes.<model>``, followed by ``=`` where it is given by name (``schemes.value=rpc``:
-    ``schemes.value.<option>`` cannot follow a name)."""
+    default scheme (``${scheme}``, or another model's that does: ``${schemes.value}``), else ``schemes.<model>``,
+    followed by ``=`` where it is given by name (``schemes.value=rpc``: ``schemes.value.<option>`` cannot follow a
+    name)."""
     raw = OmegaConf.to_container(cfg.schemes, resolve=False)
     assert isinstance(raw, dict)
-    return {
-        str(m): "scheme" if node == "${scheme}" else f"schemes.{m!s}" + ("=" if isinstance(node, str) else "")
-        for m, node in raw.items()
-    }
+    keys = {}
+    for m in raw:
+        key, node, seen = f"schemes.{m!s}", raw[m], {m}
+        while isinstance(node, str):
+            if node == "${scheme}":
+                key = "scheme"
+                break
+            other = re.fullmatch(r"\$\{schemes\.(\w+)\}", node)
+            if other is None or other.group(1) not in raw or other.group(1) in seen:
+                key += "" if node.startswith("${") else "="  # (another interpolation: no name, no hint)
+                break
+            key, node = f"schemes.{other.group(1)}", raw[other.group(1)]
+            seen.add(other.group(1))
+        keys[str(m)] = key
+    return keys
 
 
 def _worker(idx: int, configs: dict, specs: dict, reports, stop) -> None:
@@ -316,8 +328,10 @@ def _check_opt_ins(schemes: dict[str, WeightSyncScheme], keys: dict[str, str]) -
             if key.endswith("="):  # (picked by name: options come only with the scheme given whole)
                 key = key[:-1]
                 opt_in = f"'{key}={{_target_:weightsync.RPCWeightSyncScheme,allow_store_peers_to_run_code:true}}'"
-            else:
-                opt_in = f"{key}.allow_store_peers_to_run_code=true"
+            elif key == "scheme":
+                opt_in = "scheme.allow_store_peers_to_run_code=true"
+            else:  # (given whole: the field is added to it)
+                opt_in = f"++{key}.allow_store_peers_to_run_code=true"
             raise ConfigurationError(
                 f"{key}: the rpc scheme lets every process that can reach its TCP store (every local user on "
                 f"loopback) run any code in this process and its workers; give {opt_in} only if every such process "

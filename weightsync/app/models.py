@@ -43,11 +43,15 @@ def model_specs(models: Any) -> dict[str, dict[str, Any]]:
 
     out = {}
     for name in models:
-        node = models[name]
-        if not isinstance(node, DictConfig):
+        try:  # (resolved where it is: a value may name another key of the config, `${models.policy.size_mb}`)
+            node = models[name]
+            given = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else None
+        except OmegaConfBaseException as exc:
+            raise ConfigurationError(f"models.{name}: {str(exc).splitlines()[0]}") from None
+        if given is None:
             raise ConfigurationError(f"models.{name} must be a mapping of size_mb and tensors, got {node!r}")
         try:
-            spec = OmegaConf.merge(OmegaConf.structured(ModelSpec), node)
+            spec = OmegaConf.merge(OmegaConf.structured(ModelSpec), given)
             out[str(name)] = {"size_mb": float(spec.size_mb), "tensors": int(spec.tensors)}
         except ConfigKeyError as exc:
             fields = sorted(f.name for f in dataclasses.fields(ModelSpec))

@@ -6,13 +6,16 @@ applies the update and completes that future: the answer is the ack.
 
 A process has one receiver of a model at a time, and its mailbox takes the
 calls of one sender, named by the id its calls carry (the receiver knows it from
-its handoff): in a world you run, a scheme built after another of the same model
-shut down never takes what the old sender sent or said after that.
+its handoff). Calls of a sender whose receiver is not open here wait for it; once
+its receiver here shut down, they are answered at once that it did, and the
+sender names the worker gone. So in a world you run, a scheme built anew beside
+or after another of the same model takes only its own sender's calls and words.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -63,8 +66,10 @@ class Mailbox:
         self.sender = sender
         #: The receiver that takes from it (:func:`open_mailbox`), while it lives; ``None``: none yet.
         self.receiver: weakref.ref | None = None
-        #: Its receiver shut down, or another sender's opened: a call that finds it now is answered so at once.
+        #: Its receiver shut down: a call that finds it now is answered so at once.
         self.dropped = False
+        #: When its sender's last call or word came (``time.monotonic()``).
+        self.heard_at = time.monotonic()
 
     def takes_from(self, sender: str | None) -> bool:
         return self.sender is None or sender is None or self.sender == sender
@@ -72,50 +77,69 @@ class Mailbox:
 
 #: The mailbox of each model whose receiver is open in this process.
 _OPEN: dict[str, Mailbox] = {}
-#: Calls that came for a model no receiver has open here, by sender: each waits for a receiver of its sender.
+#: Calls and words of senders whose receiver of the model is not open here, by sender: each waits for it.
 _WAITING: dict[str, dict[str | None, Mailbox]] = {}
-#: Models whose receiver in this process shut down, none opened since: no receiver is here to answer an ask.
+#: Senders whose receiver of the model here shut down (by model): their calls are answered so at once.
+_ENDED: dict[str, set[str]] = {}
+#: Models whose receiver shut down, none opened since: what an ask of a sender without an id hears.
 _CLOSED: set[str] = set()
 _MAILBOX_LOCK = threading.Lock()
-_SHUT_DOWN = {"held": None, "error": {"type": "ConnectionClosedError", "message": "the worker shut down"}}
+#: The answer to a call its receiver cannot take: it shut down. ``gone`` tells the sender to name the worker gone;
+#: ``error`` says why to a sender before that field.
+_SHUT_DOWN = {
+    "held": None,
+    "gone": "its receiver shut down",
+    "error": {"type": "ConnectionClosedError", "message": "the worker shut down"},
+}
 
 
 def _open_box(model_id: str) -> Mailbox | None:
     """(Under the lock.) The mailbox of the model's receiver open here: ``None`` where none is, or it was dropped
-    unclosed (its calls waiting are then answered that it shut down)."""
+    unclosed (then closed here)."""
     box = _OPEN.get(model_id)
     if box is not None and box.receiver is not None and box.receiver() is None:
-        del _OPEN[model_id]
-        _CLOSED.add(model_id)
-        _shut([box])
+        _close(model_id, box)
         return None
     return box
 
 
+def _close(model_id: str, box: Mailbox) -> None:
+    """(Under the lock.) ``box``, open, lost its receiver: its calls, and its sender's from now on, are answered
+    that the worker shut down."""
+    del _OPEN[model_id]
+    box.receiver = None
+    _CLOSED.add(model_id)
+    if box.sender is not None:
+        _ENDED.setdefault(model_id, set()).add(box.sender)
+    _shut(box)
+
+
 def _box_for(model_id: str, sender: str | None) -> Mailbox | None:
-    """(Under the lock.) The mailbox a call or goodbye of ``sender`` goes to: the open receiver's that takes its
-    calls (``None``: the receiver open takes another sender's), else the one where its calls wait for a receiver."""
+    """(Under the lock.) Where a call or word of ``sender`` goes: the open receiver's mailbox if it takes its calls,
+    else the one where they wait for its receiver; ``None``: its receiver here shut down."""
+    if sender is not None and sender in _ENDED.get(model_id, ()):
+        return None
     box = _open_box(model_id)
-    if box is not None:
-        return box if box.takes_from(sender) else None
-    return _WAITING.setdefault(model_id, {}).setdefault(sender, Mailbox(sender))
+    if box is None or not box.takes_from(sender):
+        box = _WAITING.setdefault(model_id, {}).setdefault(sender, Mailbox(sender))
+    box.heard_at = time.monotonic()
+    return box
 
 
-def _shut(boxes: list[Mailbox]) -> None:
-    """Answer every call waiting in ``boxes`` that the worker shut down; calls that find them later are answered so."""
-    for box in boxes:
-        with box.cond:
-            box.dropped = True
-            for arrival in box.queue:
-                arrival.future.set_result(_SHUT_DOWN)
-            box.queue.clear()
-            box.cond.notify_all()
+def _shut(box: Mailbox) -> None:
+    """Answer every call waiting in ``box`` that the worker shut down; calls that find it later are answered so."""
+    with box.cond:
+        box.dropped = True
+        for arrival in box.queue:
+            arrival.future.set_result(_SHUT_DOWN)
+        box.queue.clear()
+        box.cond.notify_all()
 
 
 def open_mailbox(receiver: Any, model_id: str, worker_idx: int | None = None, sender: str | None = None) -> Mailbox:
     """The mailbox of ``model_id`` for ``receiver`` (worker ``worker_idx``) to take from, with the updates and
-    goodbye that ``sender`` sent before it opened; those of other senders are answered that it shut down. (A
-    receiver that does not know its sender, ``None``, takes those of the sender heard from last.)
+    goodbye that ``sender`` sent before it opened (a receiver that does not know its sender, ``None``, takes those
+    of the sender heard from last, one that did not say goodbye first). Other senders' calls wait on.
 
     Raises:
         ConfigurationError: another receiver of ``model_id`` is open in this process. A sender's call names a
@@ -129,27 +153,26 @@ def open_mailbox(receiver: Any, model_id: str, worker_idx: int | None = None, se
                 model_id=model_id,
                 worker_idx=worker_idx,
             )
-        waiting = _WAITING.pop(model_id, {})
+        waiting = _WAITING.get(model_id, {})
         if sender is None and waiting:
-            sender = list(waiting)[-1]
+            sender = max(waiting.values(), key=lambda b: (not b.closed, b.heard_at)).sender
         box = waiting.pop(sender, None) or Mailbox(sender)
+        if not waiting:
+            _WAITING.pop(model_id, None)
         box.receiver = weakref.ref(receiver)
         _OPEN[model_id] = box
         _CLOSED.discard(model_id)
-    _shut(list(waiting.values()))
+        if sender is not None:
+            _ENDED.get(model_id, set()).discard(sender)
     return box
 
 
 def drop_mailbox(model_id: str, box: Mailbox) -> None:
-    """``box``'s receiver shut down: the updates waiting in it are answered that it did, and :func:`last_answer`
-    says so from now on (a mailbox of the model opened since by another receiver is left as it is)."""
+    """``box``'s receiver shut down: the calls waiting in it, and its sender's from now on, are answered that it
+    did (a mailbox of the model opened since by another receiver is left as it is)."""
     with _MAILBOX_LOCK:
-        if _OPEN.get(model_id) is not box:
-            return
-        del _OPEN[model_id]
-        box.receiver = None
-        _CLOSED.add(model_id)
-    _shut([box])
+        if _OPEN.get(model_id) is box:
+            _close(model_id, box)
 
 
 @rpc.functions.async_execution
@@ -164,7 +187,7 @@ def deliver(
 ) -> torch.futures.Future:
     """Runs in the worker's RPC agent: queue the update (``delta``: the description of the changes ``buffer``
     holds) from ``sender``; the answer comes once the worker applied it, or at once where the worker's receiver of
-    the model shut down or takes another sender's calls."""
+    ``sender`` shut down."""
     arrival = Arrival(version, buffer, layout, digest, delta)
     with _MAILBOX_LOCK:
         box = _box_for(model_id, sender)
@@ -180,30 +203,38 @@ def deliver(
     return arrival.future
 
 
-#: What :func:`last_answer` says where no receiver of the model is here for the sender who asks: it shut down, and
-#: none opened since, or the one open takes another sender's calls.
+#: What :func:`last_answer` says where the receiver of the sender who asks shut down here.
 NO_RECEIVER = "no receiver"
 
 
 def last_answer(model_id: str, sender: str | None = None) -> tuple[int, bool, dict] | str | None:
     """Runs in the worker: the newest call from ``sender`` it answered for ``model_id`` (:attr:`Mailbox.last`;
-    ``None``: none yet; :data:`NO_RECEIVER`: no receiver of it here). A sender whose call gave up waiting for its
-    answer asks, to hear it."""
+    ``None``: none yet, its receiver not open yet; :data:`NO_RECEIVER`: its receiver shut down). A sender whose
+    call gave up waiting for its answer asks, to hear it."""
     with _MAILBOX_LOCK:
+        if sender is not None and sender in _ENDED.get(model_id, ()):
+            return NO_RECEIVER
         box = _open_box(model_id)
-        if box is None:  # (none opened yet, or it shut down)
-            return NO_RECEIVER if model_id in _CLOSED else None
-        return box.last if box.takes_from(sender) else NO_RECEIVER
+        if box is not None and box.takes_from(sender):
+            return box.last
+        return NO_RECEIVER if sender is None and box is None and model_id in _CLOSED else None
 
 
 def close_mailbox(model_id: str, whole: bool = True, sender: str | None = None) -> bool:
-    """Runs in the worker: ``sender`` shut down; ``whole``: with every worker alive (the world leaves whole). The
-    goodbye of another sender than the one whose calls the model's mailbox takes says nothing to its receiver."""
+    """Runs in the worker: ``sender`` shut down; ``whole``: with every worker alive (the world leaves whole). Its
+    calls still waiting for its receiver to open are answered (it is gone), and that receiver hears the goodbye
+    once it opens. The goodbye of another sender than the one whose calls the receiver open takes says nothing to
+    it."""
     with _MAILBOX_LOCK:
-        box = _box_for(model_id, sender)  # (one waiting: for the receiver still to open, its sender left before it)
+        box = _box_for(model_id, sender)
+        waiting = box is not None and _WAITING.get(model_id, {}).get(sender) is box
     if box is None:
         return True
     with box.cond:
         box.closed, box.whole = True, whole
+        if waiting:  # (nobody is left to take their answers: no memory is kept for them)
+            for arrival in box.queue:
+                arrival.future.set_result(_SHUT_DOWN)
+            box.queue.clear()
         box.cond.notify_all()
     return True

@@ -38,6 +38,8 @@ CLOSE_WAIT_S = 5.0
 #: out doubles that, up to :data:`ASK_AT_MOST_EVERY_S` (TensorPipe keeps each one's bytes until the worker reads).
 ASK_EVERY_S = 0.25
 ASK_AT_MOST_EVERY_S = 5.0
+#: The most characters of a worker's word of why it is gone that an error quotes.
+MAX_GONE = 200
 
 
 def _timed_out(exc: BaseException) -> bool:
@@ -272,7 +274,10 @@ class RPCSender(SenderEngine):
         self._take(w, version, answer)
 
     def _take(self, w: int, version: int, answer: dict[str, Any]) -> None:
-        """``answer``, worker ``w``'s to ``version``: its ack, and its failure if it failed."""
+        """``answer``, worker ``w``'s to ``version``: its ack, and its failure if it failed, or that it is gone."""
+        if answer.get("gone"):  # (its receiver of this sender shut down: the mailbox answers for it)
+            self.sink.died(w, f"RPC peer {self.transports[w].worker_name}: {str(answer['gone'])[:MAX_GONE]}")
+            return
         if answer.get("held") is not None:
             self._has_layout.add(w)
             self.sink.acked(w, int(answer["held"]))

@@ -95,10 +95,102 @@ def test_bad_arguments():
         scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1, pipes=[])
     with pytest.raises(ws.ConfigurationError, match="model path"):
         scheme.init_on_sender(model_id="policy.net", context=object(), num_workers=1)
+    with pytest.raises(ws.ConfigurationError, match="model= or weights=, not both"):  # (weights= was ignored)
+        scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), weights={"x": torch.zeros(1)}, num_workers=1)
     assert scheme.state == "new"  # a refused init leaves the scheme usable
     receiver = ws.MultiProcessWeightSyncScheme()
     with pytest.raises(ws.LifecycleError, match="does not know where its sender is"):
         receiver.init_on_receiver(model_id="policy", model=nn.Linear(2, 2), worker_idx=0)
+
+
+@pytest.mark.parametrize("backend", ["multiprocess", "distributed"])
+def test_weights_that_do_not_fit_fail_connect_before_its_wait_and_it_connects_again(backend):
+    """``connect(weights=...)`` that do not fit the model were refused only after the rendez-vous: with no worker
+    there it waited its whole ``connect_timeout``; with one, the scheme was left connected with no version sent
+    (a worker waited in vain, ``connect()`` could not be made again, a ``distributed`` send then timed out)."""
+    import time
+
+    from tests._workers import connect_pair
+
+    model = nn.Linear(2, 2)
+    sender = ws.WeightSyncScheme.from_backend(backend, timeout=10, connect_timeout=20)
+    sender.init_on_sender(model_id="policy", model=model, num_workers=1)
+    receiver = pickle.loads(pickle.dumps(sender))
+    receiver.init_on_receiver(model_id="policy", model=nn.Linear(2, 2), worker_idx=0)
+    try:
+        began = time.monotonic()
+        with pytest.raises(ws.WeightMismatchError, match=r"missing keys \['bias', 'weight'\]; extra keys \['x'\]"):
+            sender.connect(weights={"x": torch.zeros(1)})
+        assert time.monotonic() - began < 5 and sender.state == "initialized as sender"
+        connect_pair(sender, receiver)
+        assert receiver.version == 0 and torch.equal(receiver.model.weight, model.weight)
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        sender.send_async()
+        assert receiver.receive(timeout=10) is not None
+        sender.wait_async()
+        assert receiver.version == 1 and torch.equal(receiver.model.weight, model.weight)
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["multiprocess", "distributed"])
+def test_a_receiver_shut_down_while_another_thread_waits_in_receive_says_so_there(backend):
+    """The waiting thread got what the closed engine then raised: ``distributed``, a bare ``AttributeError``
+    ('NoneType' object has no attribute 'frame'); ``multiprocess``, that the sender closed the channel."""
+    import threading
+    import time
+
+    from tests._workers import connect_pair
+
+    sender = ws.WeightSyncScheme.from_backend(backend, timeout=20, connect_timeout=20)
+    sender.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    receiver = pickle.loads(pickle.dumps(sender))
+    receiver.init_on_receiver(model_id="policy", model=nn.Linear(2, 2), worker_idx=0)
+    raised = []
+
+    def waits():
+        try:
+            receiver.receive(timeout=15)
+        except BaseException as exc:  # noqa: BLE001 - what the test reads
+            raised.append(exc)
+
+    try:
+        connect_pair(sender, receiver)
+        waiting = threading.Thread(target=waits)
+        waiting.start()
+        time.sleep(0.5)  # (the fault: the shutdown comes while the thread waits in receive)
+        receiver.shutdown()
+        waiting.join(15)
+        assert not waiting.is_alive() and len(raised) == 1
+        assert isinstance(raised[0], ws.LifecycleError), repr(raised[0])
+        assert "shut down while it waited for an update" in str(raised[0])
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def test_a_sender_whose_worker_was_refused_says_why_when_its_connect_gives_up():
+    """A worker refused at its hello (here its model_id is another model's) was only logged: ``connect()`` said
+    "workers [0] did not connect" after its whole wait. (It waits on: another process may yet take the index.)"""
+    import threading
+
+    sender = ws.MultiProcessWeightSyncScheme(connect_timeout=3)
+    sender.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    worker = pickle.loads(pickle.dumps(sender))
+    worker.init_on_receiver(model_id="value", model=nn.Linear(2, 2), worker_idx=0)
+    raised = []
+    joining = threading.Thread(target=lambda: raised.append(pytest.raises(ws.ConfigurationError, worker.connect)))
+    try:
+        joining.start()
+        with pytest.raises(ws.SyncTimeoutError, match=r"\[0\] did not connect within 3s; worker 0: it was refused: "):
+            sender.connect()
+        joining.join(10)
+        assert "the sender refused this worker" in str(raised[0].value)
+    finally:
+        worker.shutdown()
+        sender.shutdown()
 
 
 def test_worker_ids_take_numpys_ints_and_refuse_what_names_no_worker_by_name():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 
@@ -438,6 +439,43 @@ def test_receive_returns_the_weights_the_model_now_holds(scheme_name, extract_as
     scheme.wait_async()
     receiver.shutdown()
     scheme.shutdown()
+
+
+@pytest.mark.parametrize("can_swap", [True, False])
+def test_apply_weights_on_a_shared_mem_worker_changes_its_model_alone_and_the_next_version_maps_its_slot(
+    monkeypatch, can_swap
+):
+    """A ``shared_mem`` worker's model maps the slot of its version, which the other workers read too: its own
+    ``apply_weights`` wrote into the slot, and the other worker held weights nobody sent it under the same
+    version. It now gives the model memory of its own first; the next version maps its slot again."""
+    from tests._workers import connect_all
+
+    monkeypatch.setattr(ws.tensors.bound.BoundModel, "can_swap", can_swap)
+    model = torch.nn.Linear(64, 64)
+    scheme = ws.SharedMemWeightSyncScheme(sync=False, timeout=10)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    receivers = [pickle.loads(pickle.dumps(scheme)) for _ in range(2)]
+    for w, receiver in enumerate(receivers):
+        receiver.init_on_receiver(model_id="policy", model=torch.nn.Linear(64, 64), worker_idx=w)
+    try:
+        connect_all(scheme, receivers)
+        own = {"weight": torch.full((64, 64), -99.0), "bias": torch.full((64,), -99.0)}
+        receivers[0].apply_weights(own)
+        assert bool((receivers[0].model.weight == -99).all()) and bool((receivers[0].model.bias == -99).all())
+        assert torch.equal(receivers[1].model.weight, model.weight)  # (was -99)
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        scheme.send_async()
+        for receiver in receivers:
+            assert receiver.receive(timeout=5) is not None
+        scheme.wait_async()
+        for r in receivers:
+            assert torch.equal(r.model.weight, model.weight) and torch.equal(r.model.bias, model.bias)
+        assert receivers[0]._runtime.receiving.bound.storage is not None  # (it maps the new version's slot)
+    finally:
+        for receiver in receivers:
+            receiver.shutdown()
+        scheme.shutdown()
 
 
 @pytest.mark.parametrize(

@@ -84,7 +84,8 @@ class SchemeFacades(SchemeProperties):
         self.connect(**kwargs)
 
     def apply_weights(self, weights: Any, inplace: bool = True) -> None:
-        """Write ``weights`` into this side's registered model, whole or not at all."""
+        """Write ``weights`` into this side's registered model, whole or not at all. A worker whose model maps the
+        slot of its version (``shared_mem``) is given memory of its own first: the slot is the other workers' too."""
         rt = self._runtime
         if not inplace:
             raise ConfigurationError(
@@ -92,7 +93,10 @@ class SchemeFacades(SchemeProperties):
             )
         if rt.model is None:
             raise LifecycleError("apply_weights needs a registered model (init_on_sender/init_on_receiver)")
-        rt.strategy.apply_weights(rt.model, weights, model_id=rt.model_id, worker_idx=rt.worker_idx)
+        with rt.weights_lock:
+            if rt.receiving is not None and rt.receiving.engine.placement == "share":
+                rt.receiving.bound.release()  # (the next version maps its slot again)
+            rt.strategy.apply_weights(rt.model, weights, model_id=rt.model_id, worker_idx=rt.worker_idx)
 
     def get_sender(self) -> Any:
         """The sender facade. Raises :class:`LifecycleError` before ``init_on_sender``."""

@@ -69,8 +69,7 @@ class Receiver:
         self.engine, self.where = engine, where
         self.model, self.strategy, self.weights_lock = scheme.model, scheme.strategy, scheme.weights_lock
         self.latest_wins = getattr(scheme, "latest_wins", True)
-        #: The longest one update may take (the scheme's timeout): its GPU waits here (the sender's event, the
-        #: copies), and the engine's waits for it (given at join).
+        #: The longest one update may take (the scheme's timeout): its GPU waits here, the engine's (given at join).
         self.update_timeout = float(getattr(scheme, "timeout", None) or 60.0)
         self.bound = BoundModel()
         self.version: int | None = None
@@ -81,8 +80,7 @@ class Receiver:
         # The model's tensors the last update went to, and the views they now are, if they read them.
         self._written: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None] = ({}, None)
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._applied = threading.Condition()
+        self._stop, self._applied = threading.Event(), threading.Condition()
         self._thread_error: BaseException | None = None
         #: Called after each update applied, before its ack (a driving program counts its model's versions).
         self.on_applied: Callable[[], None] | None = None
@@ -151,7 +149,7 @@ class Receiver:
 
         Raises:
             LifecycleError: a version taken earlier is not applied yet (a later one applied first would be rolled
-                back by it, and a shared-memory slot it reads may be given to another version meanwhile).
+                back by it, and a slot it reads may go to another version), or the receiver was shut down as it waited.
         """
         if self._outstanding is not None:
             raise LifecycleError(
@@ -161,8 +159,11 @@ class Receiver:
             )
         try:
             taken = self.engine.take(timeout, self.latest_wins)
-        except ConnectionClosedError:
-            self._leave_sender_memory()
+        except Exception as exc:
+            if self.closed:  # (shut down by another thread as it waited: what the engine then raised says nothing)
+                raise LifecycleError("this receiver was shut down while it waited for an update", **self.where) from exc
+            if isinstance(exc, ConnectionClosedError):
+                self._leave_sender_memory()
             raise
         if taken:
             try:

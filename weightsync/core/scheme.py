@@ -132,7 +132,7 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
 
         Raises:
             LifecycleError: the scheme was already initialized.
-            ConfigurationError: a required argument is missing or invalid.
+            ConfigurationError: a required argument is missing or invalid, or both ``model=`` and ``weights=``.
         """
         rt = self._runtime
         with rt.lock:
@@ -147,8 +147,9 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
             rt.driver = driver = driver_of(context)
             rt.drive = driver.terms(context)
             driver.extras(context, {extra: kwargs.pop(extra, None) for extra in driver.sender_extras})
-            model = kwargs.pop("model", None)
-            weights = kwargs.pop("weights", None)
+            model, weights = kwargs.pop("model", None), kwargs.pop("weights", None)
+            if model is not None and weights is not None:  # (one would be sent, the other silently not)
+                raise ConfigurationError("init_on_sender takes model= or weights=, not both", model_id=model_id)
             if model is None and weights is None and context is not None:
                 model = driver.model(context, model_id)
             rt.model = model if model is not None else weights

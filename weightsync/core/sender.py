@@ -250,8 +250,11 @@ class Sender:
 
     # -------------------------------------------------------------- pipeline
     def connect(self, weights: Any, timeout: float) -> None:
-        """The rendez-vous, then version 0 to every worker that joined; raise naming those that failed."""
+        """The rendez-vous, then version 0 to every worker that joined; raise naming those that failed. ``weights``
+        that do not fit are refused first (``WeightMismatchError``), before any wait: the scheme connects as before."""
         assert self.engine is not None
+        if weights is not None:
+            check_spec(weights_spec(self._flat_weights(weights)), self.layout.spec, model_id=self.model_id)
         deadline = deadline_after(timeout)
         n = len(self.ledger.peers)
         self._progress = Progress(log, f"{n} worker{'s' if n != 1 else ''} to connect", timeout, model_id=self.model_id)

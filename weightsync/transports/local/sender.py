@@ -169,6 +169,9 @@ class LocalSender(SenderEngine):
         problem = self._hello_problem(hello)
         if problem is not None:
             self.discard((channel, hello), problem)
+            w = hello.get("worker_idx")  # (named by a process with the key, checked or not: the timeout says why)
+            if type(w) is int and 0 <= w < self.num_workers and w not in self.transports:
+                self._unwelcome[w] = f"it was refused: {problem}"
         else:
             try:
                 self._take_over(channel, hello)

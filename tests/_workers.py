@@ -198,7 +198,8 @@ def serve(schemes: dict, worker_idx: int, kinds: dict, cmd, use_facade: bool = F
                     try:
                         fresh.connect()
                     except ws.WeightSyncError as exc:
-                        cmd.send(f"{type(exc).__name__}: {exc}")
+                        errors[mid] = said = f"{type(exc).__name__}: {exc}"  # (the old one is shut down)
+                        cmd.send(said)
                         continue
                     schemes[mid], extract[mid] = fresh, fresh.strategy.extract_as
                     errors.pop(mid, None)

@@ -490,6 +490,54 @@ def test_a_receiver_takes_only_its_own_senders_calls_and_those_of_a_sender_whose
     assert pending.wait()["gone"]
 
 
+def test_a_receiver_that_does_not_name_its_sender_or_is_dropped_unclosed_still_ends_its_senders_calls():
+    """A receiver config without the sender's id (written before it existed, or by hand) takes the first sender it
+    hears from as its own, so that once it shut down, that sender's calls are answered so (they waited for a
+    receiver for good: the sender asked four times a second). A receiver dropped without a close ends its sender's
+    calls too (the next call waited, holding its buffer, for good). A call that comes after its sender's goodbye
+    is answered at once. And a thread waiting in the receiver's take hears that it was closed meanwhile (it slept
+    its whole timeout)."""
+    import gc
+    import threading
+
+    from weightsync.errors import ConnectionClosedError
+    from weightsync.transports.rpc.mailbox import NO_RECEIVER, close_mailbox, deliver, last_answer
+    from weightsync.transports.rpc.receiver import RPCReceiver
+
+    model, one, two, three = "policy-of-the-unnamed-test", "a" * 16, "b" * 16, "c" * 16
+    where = {"model_id": model, "worker_idx": 0}
+
+    def call(sender):
+        return deliver(model, 1, torch.zeros(4), None, None, None, sender)
+
+    unnamed = RPCReceiver({"external": True}, take=False, where=where)
+    first = call(one)
+    assert unnamed.mailbox.sender == one and not first.done()
+    unnamed.close()
+    assert first.wait()["gone"] and call(one).wait()["gone"] and last_answer(model, one) == NO_RECEIVER
+    dropped = RPCReceiver({"external": True, "sender": two}, take=False, where=where)
+    del dropped
+    gc.collect()
+    assert call(two).wait()["gone"] and last_answer(model, two) == NO_RECEIVER
+    assert close_mailbox(model, True, three)  # (a sender whose receiver never opened here says goodbye)
+    assert call(three).wait()["gone"]
+    waiting = RPCReceiver({"external": True, "sender": one}, take=False, where=where)
+    raised = []
+
+    def takes():
+        try:
+            waiting.take(10, True)
+        except ConnectionClosedError as exc:
+            raised.append(exc)
+
+    taker = threading.Thread(target=takes)
+    taker.start()
+    time.sleep(0.2)  # (the fault: the close comes while the thread waits)
+    waiting.close()
+    taker.join(5)
+    assert not taker.is_alive() and "this receiver shut down" in str(raised[0])
+
+
 def test_a_worker_stopped_for_hours_is_still_asked_at_the_longest_interval():
     """Asks that time out back off, doubling up to 5 s. About 1,100 in a row (a worker stopped for hours) made the
     doubling overflow a float, and every send raised ``OverflowError``."""

@@ -66,7 +66,8 @@ class Mailbox:
         self.sender = sender
         #: The receiver that takes from it (:func:`open_mailbox`), while it lives; ``None``: none yet.
         self.receiver: weakref.ref | None = None
-        #: Its receiver shut down: a call that finds it now is answered so at once.
+        #: Its receiver shut down (or, waiting for it, its sender said goodbye): a call that finds it now is
+        #: answered at once that the worker shut down.
         self.dropped = False
         #: When its sender's last call or word came (``time.monotonic()``).
         self.heard_at = time.monotonic()
@@ -115,11 +116,14 @@ def _close(model_id: str, box: Mailbox) -> None:
 
 
 def _box_for(model_id: str, sender: str | None) -> Mailbox | None:
-    """(Under the lock.) Where a call or word of ``sender`` goes: the open receiver's mailbox if it takes its calls,
-    else the one where they wait for its receiver; ``None``: its receiver here shut down."""
+    """(Under the lock.) Where a call or word of ``sender`` goes: the open receiver's mailbox if it takes its calls
+    (one that did not know its sender takes the first it hears from as its own), else the one where they wait for
+    its receiver; ``None``: its receiver here shut down."""
+    box = _open_box(model_id)  # (first: a receiver found dropped unclosed here ends its sender)
     if sender is not None and sender in _ENDED.get(model_id, ()):
         return None
-    box = _open_box(model_id)
+    if box is not None and box.sender is None:
+        box.sender = sender
     if box is None or not box.takes_from(sender):
         box = _WAITING.setdefault(model_id, {}).setdefault(sender, Mailbox(sender))
     box.heard_at = time.monotonic()
@@ -232,7 +236,8 @@ def close_mailbox(model_id: str, whole: bool = True, sender: str | None = None) 
         return True
     with box.cond:
         box.closed, box.whole = True, whole
-        if waiting:  # (nobody is left to take their answers: no memory is kept for them)
+        if waiting:  # (nobody is left to take their answers, nor a call that races this: no memory is kept)
+            box.dropped = True
             for arrival in box.queue:
                 arrival.future.set_result(_SHUT_DOWN)
             box.queue.clear()

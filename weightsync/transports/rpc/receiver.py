@@ -89,10 +89,12 @@ class RPCReceiver(ReceiverEngine):
     def take(self, timeout: float, newest: bool) -> list[Delivery]:
         box = self.mailbox
         with box.cond:
-            box.cond.wait_for(lambda: box.queue or box.closed, timeout)
+            box.cond.wait_for(lambda: box.queue or box.closed or box.dropped, timeout)
             if not box.queue:
                 if box.closed:
                     raise ConnectionClosedError("the sender shut down", **self.where)
+                if box.dropped:  # (this receiver was closed, by another thread, as it waited)
+                    raise ConnectionClosedError("this receiver shut down", **self.where)
                 self._probe()
                 return []
             if newest:

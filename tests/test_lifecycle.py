@@ -140,7 +140,6 @@ def test_a_receiver_shut_down_while_another_thread_waits_in_receive_says_so_ther
     """The waiting thread got what the closed engine then raised: ``distributed``, a bare ``AttributeError``
     ('NoneType' object has no attribute 'frame'); ``multiprocess``, that the sender closed the channel."""
     import threading
-    import time
 
     from tests._workers import connect_pair
 
@@ -158,9 +157,17 @@ def test_a_receiver_shut_down_while_another_thread_waits_in_receive_says_so_ther
 
     try:
         connect_pair(sender, receiver)
+        engine, entered = receiver._runtime.receiving.engine, threading.Event()
+        take = engine.take
+
+        def marked(*args):  # (the thread is in the engine's wait for an update once this is set)
+            entered.set()
+            return take(*args)
+
+        engine.take = marked
         waiting = threading.Thread(target=waits)
         waiting.start()
-        time.sleep(0.5)  # (the fault: the shutdown comes while the thread waits in receive)
+        assert entered.wait(10)
         receiver.shutdown()
         waiting.join(15)
         assert not waiting.is_alive() and len(raised) == 1

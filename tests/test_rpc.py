@@ -530,9 +530,17 @@ def test_a_receiver_that_does_not_name_its_sender_or_is_dropped_unclosed_still_e
         except ConnectionClosedError as exc:
             raised.append(exc)
 
+    entered = threading.Event()
+
+    class Marked(threading.Condition):  # (the thread is in the mailbox's wait once this is set)
+        def wait(self, timeout=None):
+            entered.set()
+            return super().wait(timeout)
+
+    waiting.mailbox.cond = Marked()
     taker = threading.Thread(target=takes)
     taker.start()
-    time.sleep(0.2)  # (the fault: the close comes while the thread waits)
+    assert entered.wait(10)
     waiting.close()
     taker.join(5)
     assert not taker.is_alive() and "this receiver shut down" in str(raised[0])

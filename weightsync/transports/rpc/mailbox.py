@@ -82,8 +82,6 @@ _OPEN: dict[str, Mailbox] = {}
 _WAITING: dict[str, dict[str | None, Mailbox]] = {}
 #: Senders whose receiver of the model here shut down (by model): their calls are answered so at once.
 _ENDED: dict[str, set[str]] = {}
-#: Models whose receiver shut down, none opened since: what an ask of a sender without an id hears.
-_CLOSED: set[str] = set()
 _MAILBOX_LOCK = threading.Lock()
 #: The answer to a call its receiver cannot take: it shut down. ``gone`` tells the sender to name the worker gone;
 #: ``error`` says why to a sender before that field.
@@ -109,7 +107,6 @@ def _close(model_id: str, box: Mailbox) -> None:
     that the worker shut down."""
     del _OPEN[model_id]
     box.receiver = None
-    _CLOSED.add(model_id)
     if box.sender is not None:
         _ENDED.setdefault(model_id, set()).add(box.sender)
     _shut(box)
@@ -165,7 +162,6 @@ def open_mailbox(receiver: Any, model_id: str, worker_idx: int | None = None, se
             _WAITING.pop(model_id, None)
         box.receiver = weakref.ref(receiver)
         _OPEN[model_id] = box
-        _CLOSED.discard(model_id)
         if sender is not None:
             _ENDED.get(model_id, set()).discard(sender)
     return box
@@ -216,12 +212,12 @@ def last_answer(model_id: str, sender: str | None = None) -> tuple[int, bool, di
     ``None``: none yet, its receiver not open yet; :data:`NO_RECEIVER`: its receiver shut down). A sender whose
     call gave up waiting for its answer asks, to hear it."""
     with _MAILBOX_LOCK:
+        box = _open_box(model_id)  # (first: a receiver found dropped unclosed here ends its sender)
         if sender is not None and sender in _ENDED.get(model_id, ()):
             return NO_RECEIVER
-        box = _open_box(model_id)
         if box is not None and box.takes_from(sender):
             return box.last
-        return NO_RECEIVER if sender is None and box is None and model_id in _CLOSED else None
+        return None  # (its receiver is not open here yet; every RPC sender of weightsync's asks with its id)
 
 
 def close_mailbox(model_id: str, whole: bool = True, sender: str | None = None) -> bool:

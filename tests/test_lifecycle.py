@@ -48,7 +48,7 @@ def test_calls_out_of_order(cls):
     scheme.shutdown()
 
 
-def test_connect_twice_and_receive_on_a_sender():
+def test_connect_twice_and_receive_on_a_sender_and_the_senders_reads_on_a_worker():
 
     scheme = ws.MultiProcessWeightSyncScheme(timeout=5, connect_timeout=10)
     scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
@@ -62,6 +62,12 @@ def test_connect_twice_and_receive_on_a_sender():
     with pytest.raises(ws.LifecycleError, match="cannot send: scheme is connected receiver"):
         receiver.send()
     assert receiver.receive() is None  # nothing pending: returns at once
+    # What the sends did is the sender's to tell: a worker's scheme refuses, where an empty answer would say "no
+    # worker acked anything".
+    for read in ("acked_versions", "failed_workers", "last_send", "stats"):
+        with pytest.raises(ws.LifecycleError, match=f"{read}.*ask the sender's scheme"):
+            receiver.stats() if read == "stats" else getattr(receiver, read)
+    assert receiver.version == 0 and scheme.acked_versions == {0: 0} and scheme.stats()["acked_versions"] == {0: 0}
     scheme.shutdown()
     with pytest.raises(ws.ConnectionClosedError):
         receiver.receive(timeout=5)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import WeightSyncError
+from ..errors import LifecycleError, WeightSyncError
 from ..metrics import SendMetrics, SendRecord
 from ..model_path import resolve_weights
 from ..tensors.bound import one_device
@@ -183,16 +183,37 @@ class SchemeProperties:
             return rt.sending.layout
         return rt.receiving.engine.layout if rt.receiving is not None else None
 
+    def _senders_alone(self, what: str) -> Sender | None:
+        """The sender's state, read by ``what`` (``None`` before ``init_on_sender``).
+
+        Raises:
+            LifecycleError: this scheme is a worker's, which holds none of it: an empty answer would read as
+                "nothing sent, no worker acked".
+        """
+        if self._runtime.receiving is not None:
+            raise LifecycleError(
+                f"{what} tells what the trainer's sends did: ask the sender's scheme; this one is a worker's "
+                "(the version it holds: scheme.version)",
+                model_id=self._runtime.model_id,
+                worker_idx=self._runtime.worker_idx,
+            )
+        return self._runtime.sending
+
     @property
     def acked_versions(self) -> dict[int, int | None]:
-        """Sender only: the last version each worker acked (``None`` if none yet)."""
-        peers = self._runtime.sending.ledger.peers if self._runtime.sending is not None else {}
+        """Sender only: the last version each worker acked (``None`` if none yet; empty before ``init_on_sender``).
+
+        Raises:
+            LifecycleError: on a worker's scheme (as ``failed_workers``, ``last_send`` and ``stats()``).
+        """
+        sending = self._senders_alone("acked_versions")
+        peers = sending.ledger.peers if sending is not None else {}
         return {w: p.acked for w, p in sorted(peers.items())}
 
     @property
     def failed_workers(self) -> dict[int, WeightSyncError]:
         """Sender only: workers found dead, with the error that revealed it."""
-        sending = self._runtime.sending
+        sending = self._senders_alone("failed_workers")
         return dict(sending.ledger.dead) if sending is not None else {}
 
     @property
@@ -257,15 +278,16 @@ class SchemeProperties:
 
     @property
     def last_send(self) -> SendRecord | None:
-        """Sender: what the last send did (version, workers, bytes, seconds, per-worker ack times, failures)."""
-        sending = self._runtime.sending
+        """Sender only: what the last send did (version, workers, bytes, seconds, per-worker ack times, failures)."""
+        sending = self._senders_alone("last_send")
         return sending.metrics.last if sending is not None else None
 
     def stats(self) -> dict[str, Any]:
-        """Sender: a summary of every send so far: counts, bytes, send-time and ack-time medians and
+        """Sender only: a summary of every send so far: counts, bytes, send-time and ack-time medians and
         maxima, failures, dropped workers (with the cause), rejoins, staleness, and each worker's
         last acked version and lag."""
         with self._runtime.lock:  # a rejoin may be admitted from the listener's thread meanwhile
-            if self._runtime.sending is None:
+            sending = self._senders_alone("stats()")
+            if sending is None:
                 return SendMetrics().summary(version=self.version, acked={}, failed={})
-            return self._runtime.sending.stats()
+            return sending.stats()

@@ -122,3 +122,18 @@ def test_block_runs_as_written(block: Block, tmp_path):
     # A clean run prints no traceback, no Python warning, no TensorPipe complaint about a closed connection.
     noise = re.search(r"Traceback \(most recent call last\)|\w+Warning: |encountered error", out.stdout)
     assert noise is None, f"{block.name} printed {noise.group()!r}:\n{out.stdout[-6000:]}"
+    for table in repo.glob("multirun/**/results.md"):
+        _check_sweep_report(table.parent, block)
+
+
+def _check_sweep_report(sweep: Path, block: Block) -> None:
+    """What a sweep of the main job wrote (``python -m weightsync -m ...``): one table, CSV and plot of every job
+    it ran (a folder each), every model of every job verified."""
+    where = f"{block.name}: {sweep.relative_to(sweep.parents[2])}"
+    rows = [line.split(" | ") for line in (sweep / "results.md").read_text().splitlines()[2:]]
+    jobs = sorted(int(d.name) for d in sweep.iterdir() if d.is_dir() and d.name.isdigit())
+    assert jobs and sorted({int(row[0].strip("| ")) for row in rows}) == jobs, (where, rows, jobs)
+    assert all(row[10] == "yes" for row in rows), (where, rows)
+    csv = (sweep / "results.csv").read_text().splitlines()
+    assert len(csv) == len(rows) + 1 and all(",yes," in line for line in csv[1:]), (where, csv)
+    assert (sweep / "results.png").read_bytes()[:4] == b"\x89PNG", where

@@ -176,37 +176,6 @@ def test_a_main_job_that_drops_a_killed_worker_names_it_at_once(tmp_path):
     assert re.search(r"worker processes \[[01]\] exited \(codes \[-9\]\) before reporting", out), out
 
 
-def test_main_job_multirun_writes_a_combined_table_csv_and_plot(tmp_path):
-    # Ray's workers are actors the job starts on a local cluster; the namespace keeps it on loopback. rpc runs on
-    # its own: it needs its opt-in (scheme.allow_store_peers_to_run_code=true), a field the other schemes lack.
-    with loopback_only_network():
-        out = _run(
-            [
-                "-m",
-                "weightsync",
-                "-m",
-                "scheme=multiprocess,shared_mem,ray,distributed",
-                "num_workers=1",
-                *SMALL,
-                f"hydra.sweep.dir={tmp_path}",
-            ]
-        )
-        rpc = _run(
-            ["-m", "weightsync", "scheme=rpc", "scheme.allow_store_peers_to_run_code=true", "num_workers=1", *SMALL,
-             f"hydra.run.dir={tmp_path / 'rpc'}"]
-        )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert rpc.returncode == 0, rpc.stderr
-    assert "encountered error" not in rpc.stderr, rpc.stderr  # TensorPipe's, at an RPC world's unclean end
-    assert "| rpc | policy |" in rpc.stdout and "| rpc | value |" in rpc.stdout and rpc.stdout.count("| yes |") == 2
-    table = (tmp_path / "results.md").read_text()
-    assert table.count("| yes |") == 8, table
-    for scheme in ("multiprocess", "shared_mem", "ray", "distributed"):
-        assert f"| {scheme} | policy |" in table and f"| {scheme} | value |" in table
-    assert (tmp_path / "results.csv").read_text().count("\n") == 9
-    assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
-
-
 _FAILING_JOB = """
 import weightsync.app.main as main
 row = dict(scheme="multiprocess", model_mb=1.0, workers=1, sync=True, rounds=2, median_ms=1.0, p95_ms=1.0, gb_s=1.0)

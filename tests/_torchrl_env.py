@@ -80,3 +80,15 @@ def make_env_that_fails_in_a_worker() -> TinyEnv:
     if multiprocessing.parent_process() is not None:
         raise RuntimeError("this env cannot be built in a worker: missing ROM")
     return make_env()
+
+
+def make_recurrent_policy(offset: float = 0.0) -> TensorDictModule:
+    from tests._workers import Recurrent
+
+    return TensorDictModule(Recurrent(offset), in_keys=["observation"], out_keys=["action"])
+
+
+def action_of(policy: TensorDictModule) -> float:
+    """The action ``policy`` takes on the environment's observation, rounded as :func:`actions` rounds."""
+    with torch.no_grad():
+        return round(float(policy(TensorDict(observation=torch.ones(2)))["action"]), 3)

@@ -17,6 +17,21 @@ from torch import nn
 import weightsync as ws
 
 
+class Recurrent(nn.Module):
+    """An LSTM over an observation (a sequence of one step), a linear head, and an offset kept as a non-persistent
+    buffer: ``nn.LSTM`` keeps weak references to its weights, so torch cannot swap them in place, and
+    ``state_dict`` leaves the buffer out."""
+
+    def __init__(self, offset: float = 0.0) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(2, 4, batch_first=True)
+        self.head = nn.Linear(4, 1)
+        self.register_buffer("offset", torch.tensor([offset]), persistent=False)
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(observation.unsqueeze(-2))[0][..., -1, :]) + self.offset
+
+
 class TinyNet(nn.Module):
     """Parameters, a BatchNorm (persistent buffers, an int64 one) and a non-persistent buffer."""
 

@@ -322,3 +322,39 @@ def test_a_dotted_key_and_a_nested_one_of_the_same_name_are_refused_not_merged()
         with pytest.raises(ws.InvalidWeightsError, match="two weights are named 'a.b'"):
             ws.WeightStrategy().flat(weights)
     assert list(ws.WeightStrategy().flat({"a": {"b": torch.ones(1)}, "a.c": torch.ones(1)})) == ["a.b", "a.c"]
+
+
+@pytest.mark.parametrize("backend", ["multiprocess", "shared_mem"])
+def test_a_worker_model_sent_without_weights_is_given_memory_or_refused_naming_what_no_update_fills(backend):
+    """A worker's model on the meta device (TorchRL's collectors send a policy so): its first update gives it memory
+    in place, and where torch cannot (an LSTM's weights, weakly referenced), its module is given memory anew; the
+    LSTM computes with each version. Under ``state_dict``, a non-persistent buffer would stay without data: the
+    worker is refused by name at connect, where its first forward pass failed far from there ("Tensor on device
+    meta")."""
+    from tests._workers import Recurrent, in_process_receiver
+
+    torch.manual_seed(0)
+    trainer, x = Recurrent(offset=5.0), torch.randn(3, 2)
+    scheme = ws.WeightSyncScheme.from_backend(backend, sync=False, timeout=20, connect_timeout=20)
+    scheme.init_on_sender(model_id="policy", model=trainer, num_workers=1)
+    worker = Recurrent().to("meta")
+    receiver = in_process_receiver(scheme, worker)
+    try:
+        assert not any(t.is_meta for t in [*worker.parameters(), *worker.buffers()])
+        assert torch.equal(worker(x), trainer(x)) and float(worker.offset) == 5.0
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.mul_(-2.0)
+        scheme.send_async()
+        assert receiver.receive(timeout=10) is not None
+        scheme.wait_async()
+        assert torch.equal(worker(x), trainer(x))
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()
+    scheme = ws.WeightSyncScheme.from_backend(backend, strategy="state_dict", timeout=10, connect_timeout=20)
+    scheme.init_on_sender(model_id="policy", model=trainer, num_workers=1)
+    worker = Recurrent().to("meta")
+    with pytest.raises(ws.WeightSyncError, match=r"missing keys \['offset'\]: .*meta device.*strategy 'tensordict'"):
+        in_process_receiver(scheme, worker)
+    scheme.shutdown()

@@ -25,7 +25,14 @@ from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollecto
 from torchrl.collectors.distributed import DistributedCollector  # noqa: E402
 
 import weightsync as ws  # noqa: E402
-from tests._torchrl_env import actions, factory_policy, make_env, make_policy  # noqa: E402
+from tests._torchrl_env import (  # noqa: E402
+    action_of,
+    actions,
+    factory_policy,
+    make_env,
+    make_policy,
+    make_recurrent_policy,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -106,6 +113,25 @@ def test_multi_collector_isolates_updates_and_names_a_dead_worker(cls_name, back
         collector.shutdown()
     assert scheme.state == "shut down"
     assert not any(p.is_alive() for p in collector.procs)
+
+
+def test_a_recurrent_policy_sent_without_its_weights_takes_each_version():
+    """TorchRL hands each worker the policy with its weights on the meta device. An LSTM's could not be given memory
+    in place (it keeps weak references to them): the collector failed at its start ("Cannot swap t1 because it
+    has weakref associated with it") where TorchRL's own schemes run. Its non-persistent buffer comes too."""
+    torch.manual_seed(0)
+    policy = make_recurrent_policy(offset=5.0)
+    collector = multi("MultiSyncCollector", ws.SharedMemWeightSyncScheme(timeout=30), policy=policy)
+    try:
+        batches = iter(collector)
+        assert actions(next(batches)) == {action_of(policy)}
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.mul_(-2.0)
+        collector.update_policy_weights_()
+        assert actions(next(batches)) == {action_of(policy)}
+    finally:
+        collector.shutdown()
 
 
 def test_a_collector_that_forks_its_workers_is_refused_at_once_by_name(monkeypatch):

@@ -115,6 +115,7 @@ class WeightMismatchError(InvalidWeightsError):
         missing: keys the target has and the update lacks.
         extra: keys the update has and the target lacks.
         mismatched: ``{key: (update_spec, target_spec)}`` for shape or dtype differences.
+        why: what the keys have in common and the way out, where the keys alone do not say it.
     """
 
     def __init__(
@@ -123,6 +124,7 @@ class WeightMismatchError(InvalidWeightsError):
         missing: Iterable[str] = (),
         extra: Iterable[str] = (),
         mismatched: Mapping[str, tuple[str, str]] | None = None,
+        why: str = "",
         **where: Any,
     ) -> None:
         self.missing = sorted(missing)
@@ -136,7 +138,8 @@ class WeightMismatchError(InvalidWeightsError):
         if self.mismatched:
             shown = ", ".join(f"{k!r}: got {a}, expected {b}" for k, a, b in _triples(self.mismatched))
             parts.append(f"mismatched {{{shown}}}")
-        super().__init__("weights do not match the target: " + "; ".join(parts) + " (target left unchanged)", **where)
+        said = "; ".join(parts) + (f": {why}" if why else "")
+        super().__init__(f"weights do not match the target: {said} (target left unchanged)", **where)
 
 
 def _triples(mismatched: Mapping[str, tuple[str, str]]) -> list[tuple[str, str, str]]:

@@ -35,8 +35,9 @@ from ..errors import (
 from ..integrity import check_digest
 from ..tensors import cuda
 from ..tensors.bound import BoundModel, one_device
-from ..tensors.copies import materialize, write_into
+from ..tensors.copies import write_into
 from ..tensors.layout import FlatLayout
+from ..tensors.skeleton import filled, materialize
 from ..tensors.strategy import check_spec, flatten_weights, weights_spec
 from .engine import Delivery, ReceiverEngine
 from .external import ExternalModel
@@ -105,7 +106,7 @@ class Receiver:
         """``{name: (shape, dtype)}`` of what the model takes, from a sender that sends ``sent``."""
         if isinstance(self.model, ExternalModel):
             return self.model.spec_for(sent)
-        return weights_spec(flatten_weights(self.model, self.strategy.extract_as))
+        return weights_spec(filled(self.model, self.strategy.extract_as, **self.where))
 
     def _check(self, layout: FlatLayout) -> WeightMismatchError | None:
         """Whether the model fits ``layout``; a misfit is remembered, and the first update fails with it."""
@@ -252,7 +253,7 @@ class Receiver:
                 held = self.engine.placement != "write" and self.bound.holds(dst)  # exactly as bound: checks hold
                 if not held:
                     check_spec(layout.spec, weights_spec(dst), **where)
-                    materialize(dst, update.pieces[0][1].device if update.pieces else torch.device("cpu"))
+                    dst = materialize(self.model, dst, update.pieces, self.strategy.extract_as, **where)
                 with self.weights_lock:  # weights and version change together for readers holding the lock
                     gpus = self._gpus(dst, held)
                     in_thread = threading.current_thread() is self._thread
@@ -467,8 +468,7 @@ class Receiver:
     def _leave_sender_memory(self) -> None:
         """The sender closed the channel (shut down or died): a model that runs on the sender's GPU memory
         (``shared_mem`` device slots, CUDA IPC) gets private memory now, while a sender that said goodbye still
-        keeps that memory for it. Copying later (at ``close()``) would read memory CUDA no longer defines once
-        the sender exited."""
+        keeps it. Copying later (at ``close()``) would read memory CUDA no longer defines once the sender exited."""
         if self.engine.placement != "share":
             return
         with self.weights_lock:

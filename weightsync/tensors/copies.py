@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["copy_tensors", "in_shared_memory", "materialize", "point_at", "write_into"]
+__all__ = ["copy_tensors", "in_shared_memory", "point_at", "write_into"]
 
 #: torch copies a CPU tensor of this many elements or more on all its threads (``at::internal::GRAIN_SIZE``).
 PARALLEL_MIN_NUMEL = 32768
@@ -162,13 +162,3 @@ def point_at(dst: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tensor])
         for key, tensor in dst.items():
             tensor.data = views[key]
 
-
-def materialize(dst: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Give every tensor of ``dst`` on the meta device (a policy its driving program sent the worker without its
-    weights) real memory on ``device`` (where the update's bytes are), for an update to be placed into."""
-    for tensor in dst.values():
-        if tensor.is_meta:
-            real = torch.empty_like(tensor, device=device)
-            if isinstance(tensor, torch.nn.Parameter):
-                real = torch.nn.Parameter(real, requires_grad=tensor.requires_grad)
-            torch.utils.swap_tensors(tensor, real)  # the same tensor objects (Parameters stay Parameters), now real

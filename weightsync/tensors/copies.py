@@ -161,4 +161,3 @@ def point_at(dst: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tensor])
     with torch.no_grad():
         for key, tensor in dst.items():
             tensor.data = views[key]
-

@@ -18,7 +18,7 @@ from ...errors import ConfigurationError, LifecycleError
 from .clients import PAUSE_MODES, PROTOCOL, AsyncLLMClient, EngineClient, LLMClient, RayActorClient
 from .served import HTTPEngineClient
 
-__all__ = ["EngineTiming", "VLLMEngines", "engine_client"]
+__all__ = ["EngineTiming", "VLLMEngines", "check_options", "engine_client"]
 
 
 class _Serving(Protocol):
@@ -69,9 +69,10 @@ class VLLMEngines:
             ``weight_transfer_config={"backend": "weightsync"}``.
         pause_mode: what requests in flight do while an engine loads a version: ``"keep"`` (frozen, then
             continued under the new version), ``"wait"`` (finished under the old one first), ``"abort"``, or
-            ``"none"`` (no pause: an ``LLM`` driven between its ``generate`` calls has nothing in flight). Engines
-            that cannot pause (an ``LLM``, in an actor or not; vLLM's ``RayVLLMWeightSyncClient``) are not paused
-            whatever the mode.
+            ``"none"`` (no pause: an ``LLM`` driven between its ``generate`` calls has nothing in flight; refused
+            for an engine that serves requests while it loads, which would compute with a mix of two versions).
+            Engines that cannot pause (an ``LLM``, in an actor or not; vLLM's ``RayVLLMWeightSyncClient``) are not
+            paused whatever the mode.
         loop: the event loop an ``AsyncLLM`` runs on (running in another thread than the trainer's sends).
         load_ahead: ``True``: a CPU engine runs vLLM's processing of each version (its loader and post-load
             packing, most of a load there) on a shadow of its model as soon as the version arrives, while it goes
@@ -82,7 +83,8 @@ class VLLMEngines:
             next to nothing).
 
     Raises:
-        ConfigurationError: an unknown pause mode, no engine, or an engine that is not one.
+        ConfigurationError: an unknown pause mode, ``"none"`` for an engine that pauses, no engine, an engine
+            that is not one, or one engine given twice.
     """
 
     def __init__(
@@ -93,22 +95,41 @@ class VLLMEngines:
         loop: asyncio.AbstractEventLoop | None = None,
         load_ahead: bool = False,
     ) -> None:
-        if pause_mode not in PAUSE_MODES:
-            raise ConfigurationError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
-        if not isinstance(load_ahead, bool):
-            raise ConfigurationError(f"load_ahead must be True or False, got {load_ahead!r}")
-        self.load_ahead = load_ahead
+        check_options(pause_mode, load_ahead)
         if isinstance(engines, (str, bytes)) or not isinstance(engines, Sequence) or not engines:
             raise ConfigurationError("VLLMEngines needs a non-empty list of engines, one per worker")
-        self.pause_mode = pause_mode
         self.loop = loop
         self.clients: list[EngineClient] = [engine_client(e, f"vLLM engine {i}", loop) for i, e in enumerate(engines)]
+        _each_once(self.clients)
         self.num_workers = len(self.clients)
         self._gate: _Serving | None = None  # the driver's, while a connected scheme serves these engines
+        self.pause_mode, self.load_ahead = "keep", False
+        self.serve_with(pause_mode, load_ahead)
         self._closed: _Serving | None = None  # the last that did: its calls may outlast it (idle)
         #: The last updates' calls, per engine (newest last, at most :data:`KEPT`): see :meth:`record`.
         self.timings: list[EngineTiming] = []
         self._timings_lock = threading.Lock()
+
+    def serve_with(self, pause_mode: str, load_ahead: bool) -> None:
+        """Serve the engines from now on with ``pause_mode`` and ``load_ahead`` (as the constructor takes them; a
+        :class:`~.scheme.VLLMWeightSyncScheme` given these engines sets its own).
+
+        Raises:
+            ConfigurationError: an unknown mode, ``"none"`` for an engine that serves requests while it loads, or
+                engines another scheme serves.
+        """
+        if self._gate is not None:
+            raise ConfigurationError("these VLLMEngines already serve another scheme: give each scheme its own")
+        check_options(pause_mode, load_ahead)
+        serving = [c.name for c in self.clients if c.pauses]
+        if pause_mode == "none" and serving:
+            raise ConfigurationError(
+                f"pause_mode='none' would load each version into {', '.join(serving)} while its requests in flight "
+                "run: they would compute with a mix of two versions, named for one. It is for a vllm.LLM, which "
+                "generates only inside generate(); an engine that serves requests meanwhile pauses: 'keep' (the "
+                "default: frozen for the load, then continued), 'wait' or 'abort'"
+            )
+        self.pause_mode, self.load_ahead = pause_mode, load_ahead
 
     @property
     def remote_collectors(self) -> list[Any]:
@@ -191,6 +212,32 @@ class VLLMEngines:
         gate.scheme.send(worker_ids=[worker_idx])
         if not gate.scheme.sync:
             gate.scheme.wait_async()
+
+
+def check_options(pause_mode: str, load_ahead: bool) -> None:
+    """Refuse an unknown pause mode, or a ``load_ahead`` that is not a bool (:class:`VLLMEngines` takes them)."""
+    if pause_mode not in PAUSE_MODES:
+        raise ConfigurationError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
+    if not isinstance(load_ahead, bool):
+        raise ConfigurationError(f"load_ahead must be True or False, got {load_ahead!r}")
+
+
+def _each_once(clients: list[EngineClient]) -> None:
+    """Refuse an engine given twice: its two workers' calls would meet in it (an ``LLM`` takes no call beside
+    another), and the first worker's connect waits for the version 0 that the second's, queued behind it, holds up.
+
+    Raises:
+        ConfigurationError: naming both places.
+    """
+    seen: dict[Any, str] = {}
+    for client in clients:
+        target = client.target  # (a server's URL, made canonical by its client; a Ray actor's handles share its id)
+        key = target if isinstance(target, str) else getattr(target, "_actor_id", None) or id(target)
+        if key in seen:
+            raise ConfigurationError(
+                f"{seen[key]} and {client.name} are the same engine: give each worker an engine of its own"
+            )
+        seen[key] = client.name
 
 
 def engine_client(target: Any, name: str, loop: asyncio.AbstractEventLoop | None = None) -> EngineClient:

@@ -9,8 +9,7 @@ from typing import Any
 from ... import registry
 from ...core.scheme import WeightSyncScheme
 from ...errors import ConfigurationError
-from .clients import PAUSE_MODES
-from .engines import VLLMEngines
+from .engines import VLLMEngines, check_options
 
 __all__ = ["VLLMWeightSyncScheme"]
 
@@ -50,10 +49,7 @@ class VLLMWeightSyncScheme:
             )
         if not isinstance(scheme, WeightSyncScheme):
             raise ConfigurationError(f"scheme must be a weightsync scheme or its name, got {type(scheme).__name__}")
-        if pause_mode not in PAUSE_MODES:
-            raise ConfigurationError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
-        if not isinstance(load_ahead, bool):
-            raise ConfigurationError(f"load_ahead must be True or False, got {load_ahead!r}")
+        check_options(pause_mode, load_ahead)
         self.scheme = scheme
         self.pause_mode, self.load_ahead = pause_mode, load_ahead
         self.engines: VLLMEngines | None = None
@@ -62,14 +58,35 @@ class VLLMWeightSyncScheme:
         self,
         model_id: str = "policy",
         *,
-        engines: Sequence[Any],
+        engines: Sequence[Any] | VLLMEngines | None = None,
+        context: VLLMEngines | None = None,
         model: Any = None,
         loop: asyncio.AbstractEventLoop | None = None,
         **kwargs: Any,
     ) -> None:
-        """Serve ``engines`` (one worker each: see :class:`VLLMEngines`) with ``model``, the trainer's
-        ``transformers`` model (``kwargs``: the wrapped scheme's own, such as ``weights=``)."""
-        self.engines = VLLMEngines(engines, pause_mode=self.pause_mode, loop=loop, load_ahead=self.load_ahead)
+        """Serve ``engines`` (one worker each: a list, as :class:`VLLMEngines` takes it with ``loop``; or a
+        ``VLLMEngines``, given as ``engines=`` or as ``context=``, as every scheme takes it) with ``model``, the
+        trainer's ``transformers`` model (``kwargs``: the wrapped scheme's own, such as ``weights=``). The engines
+        are served with this scheme's ``pause_mode`` and ``load_ahead``, the options its config sets.
+
+        Raises:
+            ConfigurationError: no engines, both ``engines=`` and ``context=``, or ``loop=`` with a ``VLLMEngines``
+                (it has its own).
+        """
+        if engines is not None and context is not None:
+            raise ConfigurationError("give the engines once: engines=[...] or context=VLLMEngines([...])")
+        given = engines if context is None else context
+        if isinstance(given, VLLMEngines):
+            if loop is not None:
+                raise ConfigurationError("loop= is for a list of engines: a VLLMEngines has its own (its loop=)")
+            given.serve_with(self.pause_mode, self.load_ahead)
+            self.engines = given
+        elif given is None:
+            raise ConfigurationError(
+                "VLLMWeightSyncScheme.init_on_sender needs the engines: engines=[...] or context=VLLMEngines([...])"
+            )
+        else:
+            self.engines = VLLMEngines(given, pause_mode=self.pause_mode, loop=loop, load_ahead=self.load_ahead)
         self.scheme.init_on_sender(model_id, context=self.engines, model=model, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

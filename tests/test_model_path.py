@@ -32,6 +32,21 @@ def test_context_get_model_wins():
         ws.resolve_model(Collector(), "value")
 
 
+def test_a_path_its_contexts_get_model_cannot_find_is_walked_and_a_missing_one_named_with_what_it_said():
+    """TorchRL's ``get_model`` raises what its own walk met (``AttributeError: Attribute env from ['env'] not found
+    in MultiSyncCollector()``, ``TypeError: 'ModuleTransform' object is not subscriptable``), which reached the
+    user as it was, from deep in a collector's start."""
+    module = nn.Linear(2, 2)
+
+    class Collector(Holder):
+        def get_model(self, model_id):
+            raise AttributeError(f"Attribute {model_id.split('.')[0]} not found")
+
+    assert ws.resolve_model(Collector(module), "env.transform[0].module") is module
+    with pytest.raises(ws.ConfigurationError, match=r"at '<context>' has no 'nets' \(Collector.get_model said "):
+        ws.resolve_model(Collector(module), "nets.value")
+
+
 def test_missing_segment_is_named():
     with pytest.raises(ws.ConfigurationError, match="'env.transform\\[0\\]' has no 'policy'"):
         ws.resolve_model(Holder(nn.Linear(1, 1)), "env.transform[0].policy")

@@ -313,6 +313,16 @@ def test_weights_whose_bytes_cannot_be_sent_are_refused_by_name_at_init_and_at_s
     assert skeleton.prepare_weights({"w": torch.ones(2, 3)})["w"].sum() == 6
 
 
+def test_keys_that_are_not_names_are_refused_and_weights_keyed_by_worker_say_how_to_send_them():
+    """TorchRL's per-worker form, ``update_policy_weights_({0: w0, 1: w1})``, was refused as "weight keys must be
+    strings, got 0 (int)": it says now that it is not one model's weights, and how to send each its own."""
+    weights = {"w": torch.zeros(2)}
+    with pytest.raises(ws.InvalidWeightsError, match=r"keyed by worker index \(\[0, 1\]\).*worker_ids=i"):
+        ws.WeightStrategy().flat({0: weights, 1: weights})
+    with pytest.raises(ws.InvalidWeightsError, match="weight keys must be strings, got 3 \\(int\\)"):
+        ws.WeightStrategy().flat({"w": torch.zeros(2), 3: torch.zeros(2)})
+
+
 def test_a_dotted_key_and_a_nested_one_of_the_same_name_are_refused_not_merged():
     """``{"a.b": x, "a": {"b": y}}`` flattened to one ``a.b`` (``y``), and ``x`` was dropped without a word."""
     for weights in (

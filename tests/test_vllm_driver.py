@@ -1277,6 +1277,19 @@ class Resetting:
         return reset_running_requests
 
 
+def test_an_async_engine_whose_loop_does_not_run_is_named_at_its_first_call_not_waited_for():
+    """Its calls are scheduled on the loop given: one that does not run never ran them, and connect waited its whole
+    timeout ("workers [0] did not connect within 5s"), saying nothing of the loop."""
+    stopped = asyncio.new_event_loop()
+    target = Resetting()
+    try:
+        with pytest.raises(ws.ConfigurationError, match="engine 0: the event loop given for it does not run"):
+            AsyncLLMClient(target, "engine 0", stopped).reset_prefix_cache(60)
+    finally:
+        stopped.close()
+    assert target.asked == []
+
+
 def test_an_engine_not_paused_resets_its_running_requests_prefixes_too_and_a_refused_reset_is_an_error(loop):
     """An engine not paused when its prefix cache is reset (its update failed before the pause) may have a request
     running: its cached prefix is reset with the others (vLLM refuses a reset of the cache while a request holds

@@ -48,20 +48,27 @@ def _step(obj: Any, token: str | int) -> Any:
 def resolve_model(context: Any, model_id: str) -> Any:
     """Return the object that ``model_id`` names in ``context``.
 
-    ``context.get_model(model_id)`` is used when the context provides it; otherwise
-    the path is walked: attribute names separated by dots, ``[i]`` to index a
-    sequence (``nn.Sequential``, list) and ``["key"]`` or ``.key`` for mappings.
+    ``context.get_model(model_id)`` is used when the context provides it; otherwise,
+    or where it cannot find the path (TorchRL's raises what its walk met), the path
+    is walked: attribute names separated by dots, ``[i]`` to index a sequence
+    (``nn.Sequential``, list) and ``["key"]`` or ``.key`` for mappings.
 
     Raises:
         ConfigurationError: the path does not exist; the message names the first
-            segment that could not be found and what was there instead.
+            segment that could not be found and what was there instead (and what
+            ``get_model`` said).
     """
     getter = getattr(context, "get_model", None)
+    said = ""
     if callable(getter):
-        model = getter(model_id)
-        if model is None:
-            raise ConfigurationError(f"context.get_model({model_id!r}) returned None", model_id=model_id)
-        return model
+        try:
+            model = getter(model_id)
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+            said = f" ({type(context).__name__}.get_model said {type(exc).__name__}: {exc})"
+        else:
+            if model is None:
+                raise ConfigurationError(f"context.get_model({model_id!r}) returned None", model_id=model_id)
+            return model
     obj = context
     walked = ""
     for token in _tokens(model_id):
@@ -70,7 +77,7 @@ def resolve_model(context: Any, model_id: str) -> Any:
         except (AttributeError, IndexError, KeyError, TypeError) as exc:
             seg = f"[{token}]" if isinstance(token, int) else token
             raise ConfigurationError(
-                f"model path {model_id!r}: {type(obj).__name__} at {walked or '<context>'!r} has no {seg!r}",
+                f"model path {model_id!r}: {type(obj).__name__} at {walked or '<context>'!r} has no {seg!r}{said}",
                 model_id=model_id,
             ) from exc
         walked += f"[{token}]" if isinstance(token, int) else (f".{token}" if walked else token)

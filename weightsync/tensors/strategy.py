@@ -40,6 +40,11 @@ def _module_tensors(module: nn.Module, extract_as: str) -> dict[str, torch.Tenso
 def _flatten_mapping(src: Mapping, prefix: str, out: dict[str, Any]) -> None:
     for key, value in src.items():
         if not isinstance(key, str):
+            if not prefix and all(isinstance(k, int) for k in src):  # (TorchRL's per-worker form)
+                raise InvalidWeightsError(
+                    f"weights keyed by worker index ({sorted(src)}) are not one model's weights: send each worker "
+                    "its own, send(weights, worker_ids=i) (update_policy_weights_(weights, worker_ids=i))"
+                )
             raise InvalidWeightsError(f"weight keys must be strings, got {key!r} ({type(key).__name__})")
         name = f"{prefix}{key}"
         if isinstance(value, Mapping) and not isinstance(value, torch.Tensor):

@@ -23,7 +23,7 @@ import inspect
 from typing import Any
 
 from ...core.timing import shown_seconds
-from ...errors import SyncTimeoutError, WorkerDiedError
+from ...errors import ConfigurationError, SyncTimeoutError, WorkerDiedError
 
 __all__ = [
     "PAUSE_MODES",
@@ -175,6 +175,12 @@ class AsyncLLMClient(EngineClient):
         _requests()  # (as RayActorClient's)
 
     def _run(self, call: Any, timeout: float, what: str) -> Any:
+        if not self.loop.is_running():  # (scheduled there, the call would wait its whole timeout, unsaid why)
+            call.close()
+            raise ConfigurationError(
+                f"{self.name}: the event loop given for it does not run, so its {what} cannot: run the loop its "
+                "AsyncLLM was made on in a thread of its own (loop.run_forever()), and pass that loop"
+            )
         future = asyncio.run_coroutine_threadsafe(call, self.loop)
         try:
             return future.result(timeout)

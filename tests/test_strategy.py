@@ -368,3 +368,16 @@ def test_a_worker_model_sent_without_weights_is_given_memory_or_refused_naming_w
     with pytest.raises(ws.WeightSyncError, match=r"missing keys \['offset'\]: .*meta device.*strategy 'tensordict'"):
         in_process_receiver(scheme, worker)
     scheme.shutdown()
+
+
+def test_a_skeleton_whose_weakly_referenced_weights_are_tied_across_modules_is_refused_and_left_as_it_was():
+    """Given memory module by module (``to_empty``), two modules sharing a weight would each get one of their own,
+    and the tie would be gone: refused, naming the weights, before any module is changed."""
+    from weightsync.tensors.skeleton import materialize
+    from weightsync.tensors.strategy import flatten_weights
+
+    model = nn.ModuleDict({"a": nn.LSTM(2, 2), "b": nn.LSTM(2, 2)}).to("meta")
+    model.b.weight_ih_l0 = model.a.weight_ih_l0
+    with pytest.raises(ws.ConfigurationError, match=r"'b.weight_hh_l0'\] .* shares them with another \(tied\)"):
+        materialize(model, flatten_weights(model, "tensordict"), [], "tensordict")
+    assert all(p.is_meta for p in model.parameters()) and model.b.weight_ih_l0 is model.a.weight_ih_l0

@@ -66,17 +66,22 @@ def materialize(
                 stuck[id(tensor)] = key
     if not stuck:
         return dst
-    for module in model.modules() if isinstance(model, nn.Module) else ():
-        own = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
-        if not any(id(t) in stuck for t in own):
-            continue
-        if not all(t.is_meta for t in own):
+    owners = [
+        (module, [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None])
+        for module in (model.modules() if isinstance(model, nn.Module) else ())
+    ]
+    owners = [(module, own) for module, own in owners if any(id(t) in stuck for t in own)]
+    for module, own in owners:  # (all checked before any is changed)
+        tied = [t for t in own if sum(any(t is u for u in other) for _, other in owners) > 1]
+        if tied or not all(t.is_meta for t in own):
             raise ConfigurationError(
                 f"{sorted(stuck.values())} of this worker's model are on the meta device and cannot be given memory "
-                f"in place (weak references to them), and their module {type(module).__name__} holds weights with "
-                "data too: give the worker its model with data",
+                f"in place (weak references to them), and their module {type(module).__name__} "
+                + ("shares them with another (tied)" if tied else "holds weights with data too")
+                + ": give the worker its model with data",
                 **where,
             )
+    for module, _ in owners:
         module.to_empty(device=device, recurse=False)  # (nn.RNNBase lets go of its weak references first)
     fresh = flatten_weights(model, extract_as)
     left = sorted(k for k, t in fresh.items() if t.is_meta)

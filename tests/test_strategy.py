@@ -370,14 +370,29 @@ def test_a_worker_model_sent_without_weights_is_given_memory_or_refused_naming_w
     scheme.shutdown()
 
 
-def test_a_skeleton_whose_weakly_referenced_weights_are_tied_across_modules_is_refused_and_left_as_it_was():
-    """Given memory module by module (``to_empty``), two modules sharing a weight would each get one of their own,
-    and the tie would be gone: refused, naming the weights, before any module is changed."""
+def test_a_skeleton_whose_weakly_referenced_weights_are_tied_is_refused_and_left_as_it_was():
+    """Given memory module by module (``to_empty``), a weight two modules share, or one module under two names,
+    would become two, and the tie would be gone: refused, naming the weights, before any tensor is given memory
+    (a module beside them too). A module whose other tensors torch can swap (an LSTM subclass's learnt initial
+    state) is given memory whole: it was refused as holding data, once that tensor had been given memory."""
     from weightsync.tensors.skeleton import materialize
     from weightsync.tensors.strategy import flatten_weights
 
-    model = nn.ModuleDict({"a": nn.LSTM(2, 2), "b": nn.LSTM(2, 2)}).to("meta")
-    model.b.weight_ih_l0 = model.a.weight_ih_l0
-    with pytest.raises(ws.ConfigurationError, match=r"'b.weight_hh_l0'\] .* shares them with another \(tied\)"):
-        materialize(model, flatten_weights(model, "tensordict"), [], "tensordict")
-    assert all(p.is_meta for p in model.parameters()) and model.b.weight_ih_l0 is model.a.weight_ih_l0
+    across = nn.ModuleDict({"a": nn.LSTM(2, 2), "b": nn.LSTM(2, 2), "head": nn.Linear(2, 1)}).to("meta")
+    across.b.weight_ih_l0 = across.a.weight_ih_l0
+    within = nn.LSTM(2, 2, num_layers=2).to("meta")
+    within.weight_hh_l1 = within.weight_hh_l0
+    for model in (across, within):
+        with pytest.raises(ws.ConfigurationError, match=r"weight_hh_l0'.*\] .* shares one of them \(tied\)"):
+            materialize(model, flatten_weights(model, "tensordict"), [], "tensordict")
+        assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert across.b.weight_ih_l0 is across.a.weight_ih_l0 and within.weight_hh_l1 is within.weight_hh_l0
+
+    class WithInitialState(nn.LSTM):
+        def __init__(self) -> None:
+            super().__init__(2, 2)
+            self.h0 = nn.Parameter(torch.zeros(1, 2))
+
+    model = WithInitialState().to("meta")
+    flat = materialize(model, flatten_weights(model, "tensordict"), [], "tensordict")
+    assert list(flat) == list(dict(model.named_parameters())) and not any(t.is_meta for t in flat.values())

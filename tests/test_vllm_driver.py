@@ -457,6 +457,9 @@ def test_a_replaced_engine_serves_the_trainers_weights_as_a_new_version():
         for bad in (7200, -1):  # (refused before the engine is called or the scheme takes the worker back)
             with pytest.raises(ws.ConfigurationError, match=r"replace\(timeout\) must be None or a number"):
                 engines.replace(0, second, timeout=bad)
+        # (an engine that serves requests while it loads, under pause_mode="none": refused as VLLMEngines refuses it)
+        with pytest.raises(ws.ConfigurationError, match="pause_mode='none' would load each version into vLLM engine 0"):
+            engines.replace(0, "http://127.0.0.1:8000")
         assert second.calls == [] and engines.clients[0].target is first
         engines.replace(0, second)
         assert second.version == str(scheme.version) == "3" and _same(second, model)
@@ -644,6 +647,10 @@ def test_vllm_weight_sync_scheme_takes_its_engines_as_context_too_and_serves_the
         finally:
             scheme.shutdown()
     scheme = VLLMWeightSyncScheme("multiprocess", timeout=10, connect_timeout=30)
+    engines = VLLMEngines([Engine(engine_spec(model))], pause_mode="none", load_ahead=True)
+    with pytest.raises(ws.ConfigurationError, match="unexpected"):  # (the wrapped scheme's refusal)
+        scheme.init_on_sender(model=model, context=engines, pipes=[])
+    assert (engines.pause_mode, engines.load_ahead, scheme.engines) == ("none", True, None)
     with pytest.raises(ws.ConfigurationError, match="needs the engines"):
         scheme.init_on_sender(model=model)
     with pytest.raises(ws.ConfigurationError, match="give the engines once"):

@@ -326,18 +326,19 @@ def test_engine_client_takes_a_url_and_vllms_http_client_as_an_http_engine_clien
         VLLMEngines(["not a url"])
 
 
-@pytest.mark.parametrize("mode", ["keep", "none"])
-def test_engines_behind_two_servers_are_driven_in_vllms_order_for_each_version(mode):
+def test_engines_behind_two_servers_are_driven_in_vllms_order_for_each_version():
     """Two servers, each in front of an engine with weightsync's backend, given to VLLMEngines by their URLs: per
-    version each gets start, then (paused, or not in mode "none") update and finish, then resume or the prefix
-    cache's reset, and serves the trainer's weights when send() returns."""
+    version each gets start, pause, update and finish, then resume, and serves the trainer's weights when send()
+    returns. (Not paused, in mode "none", they are refused: their requests in flight would compute with a mix of
+    two versions.)"""
     model = build("tiny")
     engines = [PausingEngine(engine_spec(model)), PausingEngine(engine_spec(model))]
     servers = [Server(engine) for engine in engines]
+    with pytest.raises(ws.ConfigurationError, match="pause_mode='none' would load each version into vLLM engine 0"):
+        VLLMEngines([s.url for s in servers], pause_mode="none")
     scheme = ws.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=30)
-    paused = ["/pause", "/resume"] if mode == "keep" else [None, "/reset_prefix_cache"]
     try:
-        scheme.init_on_sender(model=model, context=VLLMEngines([s.url for s in servers], pause_mode=mode))
+        scheme.init_on_sender(model=model, context=VLLMEngines([s.url for s in servers], pause_mode="keep"))
         scheme.connect()
         for version in (1, 2, 3):
             _step(model, version)
@@ -348,10 +349,9 @@ def test_engines_behind_two_servers_are_driven_in_vllms_order_for_each_version(m
         for server in servers:
             server.stop()
     # (not paused at its init, the engine is resumed after it: one a trainer that died in an update left paused)
-    joined = [paused[0], "/init_weight_transfer_engine", "/update_weight_version", paused[1]]
-    joined += ["/resume"] if mode == "none" else []
-    each = ["/start_weight_update", paused[0], "/update_weights", "/finish_weight_update", paused[1]]
-    wanted = [r for r in [*joined, *each * 3, "/shutdown_weight_transfer_engine"] if r]
+    joined = ["/pause", "/init_weight_transfer_engine", "/update_weight_version", "/resume"]
+    each = ["/start_weight_update", "/pause", "/update_weights", "/finish_weight_update", "/resume"]
+    wanted = [*joined, *each * 3, "/shutdown_weight_transfer_engine"]
     for server in servers:
         assert server.routes() == wanted
         bodies = [c.body for c in server.calls if c.route in ("/update_weights", "/finish_weight_update")]

@@ -3,6 +3,7 @@ given memory by its first update, or refused at once where no update would fill 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -50,45 +51,48 @@ def materialize(
     their weights), its module is given memory by torch's own ``to_empty``, which new tensor objects take.
 
     Raises:
-        ConfigurationError: such a module also holds tensors with data, which ``to_empty`` would lose; or the model
-            is not a module.
+        ConfigurationError: such a module also holds tensors with data, which ``to_empty`` would lose, or shares
+            one (tied), which it would untie; or the model is not a module. Nothing is changed then.
     """
     device = pieces[0][1].device if pieces else torch.device("cpu")
-    stuck: dict[int, str] = {}
-    for key, tensor in dst.items():
-        if tensor.is_meta:
-            real = torch.empty_like(tensor, device=device)
-            if isinstance(tensor, nn.Parameter):
-                real = nn.Parameter(real, requires_grad=tensor.requires_grad)
-            try:
-                torch.utils.swap_tensors(tensor, real)  # the same tensor object (a Parameter stays one), now real
-            except RuntimeError:  # (weak references to it)
-                stuck[id(tensor)] = key
-    if not stuck:
-        return dst
+    meta = {key: t for key, t in dst.items() if t.is_meta}
+    # Weakly referenced tensors torch cannot swap: their modules are given memory whole, once every one of them
+    # was checked (nothing is changed before).
+    stuck = {id(t): key for key, t in meta.items() if weakref.getweakrefs(t)}
+    if stuck and not isinstance(model, nn.Module):
+        raise ConfigurationError(
+            f"{sorted(stuck.values())} of this worker's model are on the meta device and cannot be given memory in "
+            "place (weak references to them): give the worker its model with data",
+            **where,
+        )
     owners = [
         (module, [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None])
-        for module in (model.modules() if isinstance(model, nn.Module) else ())
+        for module in (model.modules() if stuck else ())
     ]
     owners = [(module, own) for module, own in owners if any(id(t) in stuck for t in own)]
-    for module, own in owners:  # (all checked before any is changed)
-        tied = [t for t in own if sum(any(t is u for u in other) for _, other in owners) > 1]
+    for module, own in owners:
+        tied = len({id(t) for t in own}) < len(own) or any(
+            any(t is u for t in own for u in other) for m, other in owners if m is not module
+        )
         if tied or not all(t.is_meta for t in own):
             raise ConfigurationError(
                 f"{sorted(stuck.values())} of this worker's model are on the meta device and cannot be given memory "
                 f"in place (weak references to them), and their module {type(module).__name__} "
-                + ("shares them with another (tied)" if tied else "holds weights with data too")
+                + ("shares one of them (tied)" if tied else "holds weights with data too")
                 + ": give the worker its model with data",
                 **where,
             )
+    for tensor in meta.values():
+        if id(tensor) in stuck:
+            continue
+        real = torch.empty_like(tensor, device=device)
+        if isinstance(tensor, nn.Parameter):
+            real = nn.Parameter(real, requires_grad=tensor.requires_grad)
+        torch.utils.swap_tensors(tensor, real)  # the same tensor object (a Parameter stays one), now real
+    if not stuck:
+        return dst
     for module, _ in owners:
         module.to_empty(device=device, recurse=False)  # (nn.RNNBase lets go of its weak references first)
     fresh = flatten_weights(model, extract_as)
-    left = sorted(k for k, t in fresh.items() if t.is_meta)
-    if left:  # (not a module: nothing to give them memory through)
-        raise ConfigurationError(
-            f"{left} of this worker's model are on the meta device and cannot be given memory in place (weak "
-            "references to them): give the worker its model with data",
-            **where,
-        )
+    assert list(fresh) == list(dst) and not any(t.is_meta for t in fresh.values())  # (as checked above)
     return fresh

@@ -121,14 +121,7 @@ class VLLMEngines:
         if self._gate is not None:
             raise ConfigurationError("these VLLMEngines already serve another scheme: give each scheme its own")
         check_options(pause_mode, load_ahead)
-        serving = [c.name for c in self.clients if c.pauses]
-        if pause_mode == "none" and serving:
-            raise ConfigurationError(
-                f"pause_mode='none' would load each version into {', '.join(serving)} while its requests in flight "
-                "run: they would compute with a mix of two versions, named for one. It is for a vllm.LLM, which "
-                "generates only inside generate(); an engine that serves requests meanwhile pauses: 'keep' (the "
-                "default: frozen for the load, then continued), 'wait' or 'abort'"
-            )
+        _paused_where_it_serves(pause_mode, self.clients)
         self.pause_mode, self.load_ahead = pause_mode, load_ahead
 
     @property
@@ -182,8 +175,8 @@ class VLLMEngines:
 
         Raises:
             LifecycleError: the scheme these engines serve is not connected.
-            ConfigurationError: no such worker, ``engine`` is not an engine, or the scheme's engine does not take
-                workers back.
+            ConfigurationError: no such worker, ``engine`` is not an engine, serves another worker already, or
+                pauses under ``pause_mode="none"``, or the scheme's engine does not take workers back.
             WeightSyncError: the engine could not join (named), or not within ``timeout`` (default: the scheme's
                 ``connect_timeout``): the engine it was to replace is served as before (one that hangs, its receiver
                 still joined, must be killed or dropped first), unless the worker is dropped (it was, or the new
@@ -201,8 +194,10 @@ class VLLMEngines:
                 "it (restart the trainer's scheme instead)"
             )
         within = checks.within(timeout, gate.core.connect_timeout, "replace(timeout)")  # (before the engine is called)
-        old = self.clients[worker_idx]
-        self.clients[worker_idx] = engine_client(engine, f"vLLM engine {worker_idx}", self.loop)
+        old, new = self.clients[worker_idx], engine_client(engine, f"vLLM engine {worker_idx}", self.loop)
+        _each_once([*self.clients[:worker_idx], new, *self.clients[worker_idx + 1 :]])
+        _paused_where_it_serves(self.pause_mode, [new])
+        self.clients[worker_idx] = new
         try:
             gate.rejoin(worker_idx, within)
         except BaseException:  # the engine it was to replace is served as before (one that hangs, still joined),
@@ -220,6 +215,22 @@ def check_options(pause_mode: str, load_ahead: bool) -> None:
         raise ConfigurationError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
     if not isinstance(load_ahead, bool):
         raise ConfigurationError(f"load_ahead must be True or False, got {load_ahead!r}")
+
+
+def _paused_where_it_serves(pause_mode: str, clients: list[EngineClient]) -> None:
+    """Refuse ``pause_mode="none"`` for an engine that serves requests while it loads (one that pauses).
+
+    Raises:
+        ConfigurationError: naming those engines.
+    """
+    serving = [c.name for c in clients if c.pauses]
+    if pause_mode == "none" and serving:
+        raise ConfigurationError(
+            f"pause_mode='none' would load each version into {', '.join(serving)} while its requests in flight "
+            "run: they would compute with a mix of two versions, named for one. It is for a vllm.LLM, which "
+            "generates only inside generate(); an engine that serves requests meanwhile pauses: 'keep' (the "
+            "default: frozen for the load, then continued), 'wait' or 'abort'"
+        )
 
 
 def _each_once(clients: list[EngineClient]) -> None:

@@ -76,18 +76,22 @@ class VLLMWeightSyncScheme:
         if engines is not None and context is not None:
             raise ConfigurationError("give the engines once: engines=[...] or context=VLLMEngines([...])")
         given = engines if context is None else context
-        if isinstance(given, VLLMEngines):
-            if loop is not None:
-                raise ConfigurationError("loop= is for a list of engines: a VLLMEngines has its own (its loop=)")
-            given.serve_with(self.pause_mode, self.load_ahead)
-            self.engines = given
-        elif given is None:
+        if given is None:
             raise ConfigurationError(
                 "VLLMWeightSyncScheme.init_on_sender needs the engines: engines=[...] or context=VLLMEngines([...])"
             )
-        else:
-            self.engines = VLLMEngines(given, pause_mode=self.pause_mode, loop=loop, load_ahead=self.load_ahead)
-        self.scheme.init_on_sender(model_id, context=self.engines, model=model, **kwargs)
+        if not isinstance(given, VLLMEngines):
+            given = VLLMEngines(given, pause_mode=self.pause_mode, loop=loop, load_ahead=self.load_ahead)
+        elif loop is not None:
+            raise ConfigurationError("loop= is for a list of engines: a VLLMEngines has its own (its loop=)")
+        before = given.pause_mode, given.load_ahead
+        given.serve_with(self.pause_mode, self.load_ahead)
+        try:
+            self.scheme.init_on_sender(model_id, context=given, model=model, **kwargs)
+        except BaseException:  # (the engines as they were given)
+            given.pause_mode, given.load_ahead = before
+            raise
+        self.engines = given
 
     def __getattr__(self, name: str) -> Any:
         scheme = self.__dict__.get("scheme")

@@ -581,10 +581,14 @@ def test_module_actor_failures_are_named():
     from tests._ray_actors import make_value
 
     model = build("value")
-    with pytest.raises(ws.ConfigurationError, match="ONE actor"):
-        ws.RayModuleTransformScheme().init_on_sender(model=model, remote_collectors=[1, 2])
     scheme = ws.RayModuleTransformScheme(timeout=20)
     host = ray.remote(num_cpus=0)(ws.ModuleActor).remote(make_value, scheme, "transform")
+    with pytest.raises(ws.ConfigurationError, match="ONE actor"):
+        ws.RayModuleTransformScheme().init_on_sender(model=model, remote_collectors=[host, host])
+    # What is not a list of actor handles is named (it failed deep in connect(), or as "not iterable").
+    for bad, said in ((host, "got ActorHandle"), ([ws.ModuleActor], r"a list holding \['type'\]")):
+        with pytest.raises(ws.ConfigurationError, match=rf"takes a list of Ray actor handles .*{said}"):
+            ws.RayWeightSyncScheme().init_on_sender(model=model, remote_collectors=bad)
     scheme.init_on_sender(model_id="transform", model=model, actor=host)
     scheme.connect()
     kill_actor(host, no_restart=True)  # (its process ended: the next send cannot reach it)
@@ -922,3 +926,60 @@ def test_an_interrupted_send_never_leaves_its_version_number_to_other_weights(wh
             assert ray.get([a.state.remote() for a in actors]) == [(scheme.version, checksum(model))] * 2
     finally:
         scheme.shutdown()
+
+
+def _shut_down_and_join_twice(collector) -> str:
+    """In the actor: a second receiver of the model beside the open one is refused; then the open one shuts down."""
+    try:
+        ws.RayWeightSyncScheme().init_on_receiver(model_id="policy", model=build("tiny"), worker_idx=1)
+    except ws.ConfigurationError as exc:
+        said = str(exc)
+    else:
+        said = "accepted"
+    collector.scheme.shutdown()
+    return said
+
+
+def test_an_actor_whose_receiver_shut_down_is_named_gone_and_dropped_and_a_second_receiver_is_refused():
+    """An actor alive whose receiver shut down was taken for one that refused each update ("no receiver for
+    model ... call init_on_receiver"): raised at every send, never dropped under ``drop``. A second receiver of the
+    model in the same actor silently replaced the first, whose model was never written again while the sends'
+    acks said it was."""
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=20, on_failure="drop")
+    actors = _joined(scheme, model)
+    try:
+        scheme.connect()
+        said = ray.get(actors[1].__ray_call__.remote(_shut_down_and_join_twice), timeout=60)
+        assert "already has a receiver of model 'policy'" in said, said
+        optimizer_step(model, 1)
+        scheme.send()
+        assert list(scheme.stats()["dropped_workers"]) == [1]
+        assert "its receiver shut down" in str(scheme.stats()["dropped_workers"][1])
+        assert ray.get(actors[0].state.remote(), timeout=30) == (1, checksum(model))
+        optimizer_step(model, 2)
+        scheme.send()  # the other goes on, and the dropped one is not waited for
+        assert scheme.acked_versions[0] == 2
+    finally:
+        scheme.shutdown()
+    for actor in actors:
+        kill_actor(actor)
+
+
+def test_a_module_actors_forward_waits_for_the_update_under_way_and_it_for_the_forward():
+    """A ``ModuleActor`` that runs calls side by side (``max_concurrency`` above 1) computed forwards with two
+    versions at once (9 of 144 beside updates in a user's audit): its forward holds the receiver's weights lock."""
+    import threading
+
+    class Scheme:
+        weights_lock = threading.RLock()
+
+    host = ws.ModuleActor(torch.nn.Linear(2, 2))
+    host.scheme = Scheme()  # type: ignore[assignment]
+    done = threading.Event()
+    with Scheme.weights_lock:  # (as an update holds it while it writes)
+        forward = threading.Thread(target=lambda: (host.forward(torch.ones(2)), done.set()), daemon=True)
+        forward.start()
+        assert not done.wait(0.5)  # (it waits for the update)
+    assert done.wait(30)
+    forward.join(30)

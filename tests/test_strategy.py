@@ -396,3 +396,32 @@ def test_a_skeleton_whose_weakly_referenced_weights_are_tied_is_refused_and_left
     model = WithInitialState().to("meta")
     flat = materialize(model, flatten_weights(model, "tensordict"), [], "tensordict")
     assert list(flat) == list(dict(model.named_parameters())) and not any(t.is_meta for t in flat.values())
+
+
+def test_a_state_dict_with_tied_weights_sent_under_tensordict_is_refused_naming_the_tie():
+    """``send(weights=model.state_dict())`` of a model with tied embeddings was refused as "extra keys
+    ['head.weight']", a real parameter of the user's model, without a word of the tie or what to send instead."""
+    from tests._workers import in_process_receiver
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(4, 3), nn.Linear(3, 4, bias=False)
+            self.head.weight = self.emb.weight
+
+    model = Tied()
+    scheme = ws.MultiProcessWeightSyncScheme(sync=False, timeout=20, connect_timeout=20)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=1)
+    receiver = in_process_receiver(scheme, Tied())
+    try:
+        with pytest.raises(ws.WeightMismatchError, match=r"extra keys \['head.weight'\]: they are tied to \['emb.we"):
+            scheme.send_async(weights=model.state_dict())
+        with pytest.raises(ws.WeightMismatchError, match=r"extra keys \['head.weight', 'x'\] \(target left"):
+            scheme.send_async(weights={**model.state_dict(), "x": torch.zeros(1)})
+        assert scheme.version == 0
+        scheme.send_async(weights=dict(model.named_parameters()))
+        assert receiver.receive(timeout=10) is not None
+        scheme.wait_async()
+    finally:
+        receiver.shutdown()
+        scheme.shutdown()

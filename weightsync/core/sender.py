@@ -20,7 +20,7 @@ from ..errors import SyncTimeoutError, TransportError, WeightSyncError, WorkerDi
 from ..metrics import SendMetrics, SendRecord
 from ..tensors.bound import BoundModel
 from ..tensors.layout import FlatLayout
-from ..tensors.strategy import check_finite, check_spec, flatten_weights, weights_spec
+from ..tensors.strategy import check_finite, check_sent, flatten_weights
 from .changes import Changes
 from .children import KnownProcesses
 from .engine import Outgoing, SenderEngine
@@ -243,7 +243,7 @@ class Sender:
         flatten = self.options.flatten_sender
         held = flatten and self.bound.holds(flat)  # exactly as bound: keys, shapes and dtypes hold
         if not held:
-            check_spec(weights_spec(flat), self.layout.spec, model_id=self.model_id)
+            check_sent(flat, self.layout.spec, model_id=self.model_id)
         if not flatten:
             return flat, None
         return flat, self.bound.published(flat, self.layout, held, weights is None, self.model_id)
@@ -254,7 +254,7 @@ class Sender:
         that do not fit are refused first (``WeightMismatchError``), before any wait: the scheme connects as before."""
         assert self.engine is not None
         if weights is not None:
-            check_spec(weights_spec(self._flat_weights(weights)), self.layout.spec, model_id=self.model_id)
+            check_sent(self._flat_weights(weights), self.layout.spec, model_id=self.model_id)
         deadline = deadline_after(timeout)
         n = len(self.ledger.peers)
         self._progress = Progress(log, f"{n} worker{'s' if n != 1 else ''} to connect", timeout, model_id=self.model_id)

@@ -153,6 +153,39 @@ def check_spec(
         raise WeightMismatchError(missing=missing, extra=extra, mismatched=mismatched, **where)
 
 
+def check_sent(
+    flat: Mapping[str, torch.Tensor], target: Mapping[str, tuple[tuple[int, ...], torch.dtype]], **where: Any
+) -> None:
+    """:func:`check_spec` of weights a caller gives against what the scheme sends; where the extra keys are other
+    names of tensors given under a registered key (tied weights, as a ``state_dict()`` names them), the error says
+    so, and what to send instead.
+
+    Raises:
+        WeightMismatchError: the weights do not match ``target``.
+    """
+    try:
+        check_spec(weights_spec(flat), target, **where)
+    except WeightMismatchError as exc:
+        first = {(t.data_ptr(), t.shape, t.dtype): k for k, t in reversed(list(flat.items())) if k in target}
+        said = {first.get((flat[k].data_ptr(), flat[k].shape, flat[k].dtype)) for k in exc.extra}
+        tied = sorted(k for k in said if k is not None)
+        if (
+            not exc.extra
+            or None in said
+            or exc.missing
+            or exc.mismatched
+            or not all(flat[k].data_ptr() for k in exc.extra)
+        ):
+            raise
+        raise WeightMismatchError(
+            extra=exc.extra,
+            why=f"they are tied to {tied} (one tensor under several names, as state_dict() "
+            "gives it), and strategy 'tensordict' names such a tensor once, as named_parameters() does: send "
+            "those weights, or use strategy 'state_dict', which names it under each",
+            **where,
+        ) from None
+
+
 class WeightStrategy:
     """Extracts weights from a model and applies them back.
 

@@ -112,7 +112,9 @@ def start_ray() -> bool:
     root = str(Path(__file__).resolve().parent.parent)  # so that vLLM's worker can import FixedStorageWorker
     path = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)
     # num_gpus=1: a logical GPU for AsyncVLLM's num_gpus=1 actor (workaround 1); nothing uses a GPU.
-    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.init(
+        address="local", num_cpus=2, num_gpus=1, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}}
+    )
     return True
 
 

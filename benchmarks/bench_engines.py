@@ -289,6 +289,7 @@ def _ray_init(mb: float, workers: int, models: int = 1) -> None:
     # Touching the 5 GB the 1000 MB case needs outlasts the raylet's start-up timeout.
     store = max(1 << 30, int((3 * models + 2) * mb * 1e6))  # each scheme's objects, the floor's, and room
     ray.init(
+        address="local",  # (a new cluster: with no address, Ray joins the one a file any user can write names)
         num_cpus=workers + 1,
         include_dashboard=False,
         log_to_driver=False,

@@ -167,7 +167,8 @@ def local_ray_cluster(**init_kwargs):
     from tests._netns import loopback_only_network
 
     with loopback_only_network():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, **init_kwargs)
+        # ("local": a new cluster; with no address, Ray joins the one a file any user can write names)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, **init_kwargs)
         try:
             assert ray.nodes()[0]["NodeManagerAddress"] == "127.0.0.1"
             yield

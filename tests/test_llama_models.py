@@ -4,6 +4,7 @@ without building them, and a second write of the same spec that writes nothing."
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -127,3 +128,19 @@ def test_a_second_write_of_the_same_spec_writes_nothing_and_another_spec_replace
     with pytest.raises(FileExistsError, match="did not write"):
         write_llama(mine, TINY)
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_a_folder_another_user_could_have_written_is_refused_not_taken_for_the_model(tmp_path):
+    """The docs write their models to folders in ``/tmp``, where another user may make them first, with the spec
+    file and their own weights (a review did, as uid 65534): the trainer loaded the stranger's weights."""
+    folder = write_llama(tmp_path / "m", TINY)
+    folder.chmod(0o777)  # (others may write in it)
+    with pytest.raises(FileExistsError, match=r"mode 777: a model in it may be anyone's"):
+        write_llama(folder, TINY)
+    folder.chmod(0o755)
+    assert write_llama(folder, TINY) == folder
+    if os.getuid() != 0:
+        pytest.skip("giving the folder to another user needs root")
+    os.chown(folder, 65534, 65534)
+    with pytest.raises(FileExistsError, match=rf"is a folder of user 65534 \(this is user {os.getuid()}\)"):
+        write_llama(folder, TINY)

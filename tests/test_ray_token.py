@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
 
 import weightsync as ws
-from weightsync.transports.ray.auth_token import keep_token_private, starts_cluster, token_path
+from weightsync.transports.ray.auth_token import keep_token_private, token_path
+from weightsync.transports.ray.cluster import LOCAL, bootstrap_address
 
 
 @pytest.fixture
@@ -86,46 +89,68 @@ def test_a_token_open_to_others_that_cannot_be_made_private_is_refused_by_name(h
         keep_token_private(new_cluster=False)
 
 
-def test_a_token_is_made_only_where_ray_would_start_a_cluster_not_join_one(tmp_path, monkeypatch):
-    """``ray.init()`` with no address joins the cluster ``ray start`` left its address for in the temp dir: a token
-    made there (where that cluster runs without one) turned the driver to token mode, and the cluster then ran
-    none of its actors (a review, with Ray 2.60)."""
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert starts_cluster(None, str(tmp_path)) and starts_cluster("local", str(tmp_path))
-    assert not starts_cluster("127.0.0.1:6379", str(tmp_path)) and not starts_cluster("ray://10.0.0.1:10001", None)
-    (tmp_path / "ray_current_cluster").write_text("127.0.0.1:6379")  # (what `ray start --head` leaves)
-    assert not starts_cluster(None, str(tmp_path))
-    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6380")
-    assert not starts_cluster(None, str(tmp_path / "elsewhere"))
+def test_a_scheme_joins_the_cluster_it_is_given_or_starts_one_never_one_another_user_named(tmp_path):
+    """Ray's own default (no address) joins the cluster named in ``ray_current_cluster`` in Ray's temp dir, which
+    every user of the host can write (``/tmp/ray`` is open to all), and ``"auto"`` falls back to any cluster
+    running on the host: another user had the trainer join theirs, whose workers then ran code in it (a security
+    review, as uid 65534). No address now starts a new local cluster, whatever that file says; ``"auto"`` takes
+    the file only where this user wrote it."""
+    assert bootstrap_address(None, str(tmp_path)) == bootstrap_address("", str(tmp_path)) == LOCAL
+    assert bootstrap_address("127.0.0.1:6379") == "127.0.0.1:6379"
+    assert bootstrap_address("ray://10.0.0.1:10001") == "ray://10.0.0.1:10001"
+    with pytest.raises(ws.ConfigurationError, match="address='auto' found no cluster started by `ray start`"):
+        bootstrap_address("auto", str(tmp_path))
+    planted = tmp_path / "ray_current_cluster"
+    planted.write_text("127.0.0.1:6379\n")  # (what `ray start --head` leaves)
+    assert bootstrap_address(None, str(tmp_path)) == LOCAL  # (not the cluster the file names)
+    assert bootstrap_address("auto", str(tmp_path)) == "127.0.0.1:6379"  # (this user's own)
+    if os.getuid() != 0:
+        pytest.skip("giving the file to another user needs root")
+    os.chown(planted, 65534, 65534)
+    with pytest.raises(ws.ConfigurationError, match=r"would join the cluster named in .*which user 65534 wrote"):
+        bootstrap_address("auto", str(tmp_path))
 
 
 def test_a_scheme_that_starts_a_local_cluster_starts_it_on_a_private_token_ray_then_uses(home):
     script = textwrap.dedent(
         """
-        import pathlib, stat
+        import contextlib, os, pathlib, socket, stat
         import ray
         import weightsync as ws
         from tests._netns import loopback_only_network
 
         with loopback_only_network():
+            # Another user's cluster, named where Ray's own default looks: the scheme starts its own
+            stranger = socket.create_server(("127.0.0.1", 0))
+            stranger.setblocking(False)
+            named = pathlib.Path(os.environ["RAY_TMPDIR"]) / "ray"
+            named.mkdir(mode=0o777)
+            (named / "ray_current_cluster").write_text(f"127.0.0.1:{stranger.getsockname()[1]}")
             assert ws.RayWeightSyncScheme().join_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
             try:
                 token = pathlib.Path.home() / ".ray" / "auth_token"
                 assert ray.get(ray.remote(lambda: 1).remote(), timeout=60) == 1  # (the cluster admits its driver)
+                with contextlib.suppress(BlockingIOError):
+                    stranger.accept()
+                    raise AssertionError("the scheme reached the cluster another user named")
                 print(oct(stat.S_IMODE(token.stat().st_mode)), len(token.read_text()))
             finally:
                 ray.shutdown()
         """
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-    ran = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=Path(__file__).parents[1],
-    )
+    env["RAY_TMPDIR"] = short_tmp = tempfile.mkdtemp(prefix="wsrt", dir="/tmp")  # (short: Ray's sockets live in it)
+    try:
+        ran = subprocess.run(
+            [sys.executable, "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            cwd=Path(__file__).parents[1],
+        )
+    finally:
+        shutil.rmtree(short_tmp, ignore_errors=True)
     if "needs root" in ran.stderr:
         pytest.skip("a private network namespace needs root here")
     assert ran.returncode == 0, ran.stderr[-3000:]

@@ -324,6 +324,27 @@ def test_a_replaced_layout_is_refused(how):
         scheme.shutdown()
 
 
+def test_a_hello_deleted_once_seen_or_too_large_is_refused_at_once_not_waited_for_or_parsed():
+    """A stranger who replaced worker 0's hello with 8 MB and deleted worker 1's once the trainer had seen it held
+    the trainer's connect 21 s at ``connect_timeout=8`` (a review): the read of the deleted key waited the store's
+    own timeout, and the 8 MB were parsed and their proof computed (3.3 s) before they were refused."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from weightsync.transports.distributed.rejoins import read_hello
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    key = b"k" * 32
+    assert read_hello(store, "hello/1", key, 1, 1) == (
+        {},
+        "store key 'hello/1' holds nothing (deleted once seen); refusing it",
+    )
+    store.set("hello/0", b'{"a":[' + b"1," * 40_000 + b"1]}")
+    hello, problem = read_hello(store, "hello/0", key, 0, 1)
+    assert hello == {} and problem is not None and "80009 bytes, over 65536" in problem, problem
+
+
 @needs_stranger
 def test_a_deep_hello_refuses_that_worker_by_name_within_the_bound():
     """Finding 5: worker 0's hello replaced by JSON 200,000 deep; the trainer names it, the worker is told."""
@@ -351,8 +372,8 @@ def test_a_deep_hello_refuses_that_worker_by_name_within_the_bound():
 @pytest.mark.parametrize(
     ("attack", "seen"),
     [
-        # Finding 5: a request to rejoin 200,000 deep is answered (refused).
-        ("rejoin", ["answered: True", "nests deeper"]),
+        # Finding 5: a request to rejoin 200,000 deep is answered (refused: for its 400,000 bytes, before its depth).
+        ("rejoin", ["answered: True", "holds 400000 bytes, over 65536"]),
         # The store's count of rejoins overwritten with words (its server drops any client that adds to one): the
         # trainer reads counts as data and puts the count back.
         ("counters", ["restored by the trainer: True"]),

@@ -203,7 +203,8 @@ ADDRESS = Option(
     "address",
     None,
     Optional[str],  # noqa: UP045
-    "Ray cluster to join when Ray is not initialized yet (``None``: ``RAY_ADDRESS``, else a new local cluster).",
+    "Ray cluster to join when Ray is not initialized yet (``None``: ``RAY_ADDRESS``, else a new local cluster; "
+    '``"auto"``: the one this user started with ``ray start``).',
     checks.optional(checks.text()),
 )
 NAMESPACE = Option("namespace", None, Optional[str], "Ray namespace.", checks.optional(checks.text()))  # noqa: UP045

@@ -12,10 +12,12 @@ this module.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
+import stat
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -180,7 +182,7 @@ def write_llama(path: str | os.PathLike[str], spec: LlamaSpec = TINY) -> Path:
         ImportError: ``transformers`` or ``tokenizers`` is missing (``pip install -e ".[vllm]"``).
     """
     path = Path(path)
-    if _spec_in(path) == spec:
+    if _holds(path, spec):
         return path
     _check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -188,14 +190,14 @@ def write_llama(path: str | os.PathLike[str], spec: LlamaSpec = TINY) -> Path:
     try:
         staging.chmod(0o755)  # mkdtemp's 0o700 would follow the folder into place
         _write(staging, spec)
-        if _spec_in(path) == spec:  # another process wrote it meanwhile
+        if _holds(path, spec):  # another process wrote it meanwhile
             return path
         _check_replaceable(path)
         if path.exists() and any(path.iterdir()):  # an older spec of ours
             shutil.rmtree(path)
         os.replace(staging, path)  # rename(2) replaces an empty folder
     except OSError:
-        if _spec_in(path) == spec:  # lost a race to a process that wrote the same spec
+        if _holds(path, spec):  # lost a race to a process that wrote the same spec
             return path
         raise
     finally:
@@ -238,6 +240,23 @@ def _spec_in(path: Path) -> LlamaSpec | None:
         return LlamaSpec(**recorded)
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
+
+
+def _holds(path: Path, spec: LlamaSpec) -> bool:
+    """Whether the folder ``path``, this user's alone, holds the model of ``spec``.
+
+    Raises:
+        FileExistsError: the folder is another user's, or others may write in it: its model may be anyone's (the
+            docs' folders are in ``/tmp``, where another user may make them first: a review did, as uid 65534).
+    """
+    with contextlib.suppress(FileNotFoundError):
+        found = path.lstat()
+        if stat.S_ISDIR(found.st_mode) and (found.st_uid != os.getuid() or found.st_mode & 0o022):
+            raise FileExistsError(
+                f"{path} is a folder of user {found.st_uid} (this is user {os.getuid()}), mode "
+                f"{stat.S_IMODE(found.st_mode):o}: a model in it may be anyone's; give write_llama a folder of yours"
+            )
+    return _spec_in(path) == spec
 
 
 def _check_replaceable(path: Path) -> None:

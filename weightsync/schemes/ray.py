@@ -84,18 +84,24 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
 
     def join_ray(self, **options: Any) -> bool:
         """Unless Ray is up in this process, join the cluster this scheme names (``address``, else
-        ``RAY_ADDRESS``, else a new local one) in its ``namespace``; ``options`` go to ``ray.init``.
-        Returns whether this call initialized Ray."""
+        ``RAY_ADDRESS``, else a new local one: never the one Ray's own default would join, which another user of
+        the host can name, :mod:`~weightsync.transports.ray.cluster`) in its ``namespace``; ``options`` go to
+        ``ray.init``. Returns whether this call initialized Ray.
+
+        Raises:
+            ConfigurationError: ``"auto"`` names no cluster of this user's.
+        """
         from ..transports.network import await_listener
-        from ..transports.ray.auth_token import keep_token_private, starts_cluster
+        from ..transports.ray.auth_token import keep_token_private
+        from ..transports.ray.cluster import LOCAL, bootstrap_address
         from ..transports.ray.sender import ray
 
-        address = self.address or os.environ.get("RAY_ADDRESS")
-        joined = ray().is_initialized()  # (a token open to others lets them run code in the cluster: kept private)
-        keep_token_private(new_cluster=not joined and starts_cluster(address, options.get("_temp_dir")))
-        if joined:
+        if ray().is_initialized():
+            keep_token_private(new_cluster=False)  # (a token open to others lets them run code in the cluster)
             return False
-        host, colon, port = (address or "").removeprefix("ray://").rpartition(":")
+        address = bootstrap_address(self.address or os.environ.get("RAY_ADDRESS"), options.get("_temp_dir"))
+        keep_token_private(new_cluster=address == LOCAL)
+        host, colon, port = address.removeprefix("ray://").rpartition(":")
         if colon and host and port.isdigit():  # (Ray's own connect retries for minutes, past connect_timeout)
             timeout = float(self.connect_timeout)
             await_listener(host.strip("[]"), int(port), deadline_after(timeout), timeout, "Ray cluster")

@@ -15,19 +15,20 @@ from typing import Any
 import torch.distributed as dist
 
 from ..core.timing import Progress, as_timedelta, deadline_after, shown_seconds, wait_until
-from ..errors import ConfigurationError, SyncTimeoutError
+from ..errors import ConfigurationError, SyncTimeoutError, TransportError
 from .network import addresses_of, await_listener, ip_of
 from .plainjson import loads_object
 from .storeclient import connect_store
 
 __all__ = [
-    "store_set",
+    "MAX_HELLO_JSON",
     "MAX_STORE_JSON",
     "SILENT_TIMEOUTS",
     "await_key",
     "open_store",
     "store_count",
     "store_json",
+    "store_set",
 ]
 
 log = logging.getLogger("weightsync.transports.store")
@@ -42,15 +43,25 @@ KEY_POLL_S = 0.02
 #: The largest store value read as JSON: a layout of some 100,000 tensors. Anyone who reaches the store can
 #: write its keys (it has no authentication), so what is read there is bounded and checked, never unpickled.
 MAX_STORE_JSON = 16 * 1024 * 1024
+#: The largest hello (or request to rejoin) read: a worker's error text (4000 characters) and its process's names.
+MAX_HELLO_JSON = 64 * 1024
+#: What :func:`store_json` asks the store to answer for a key that holds nothing (no JSON starts with a NUL byte).
+_ABSENT = "\x00weightsync: nothing"
 
 
-def store_json(store: dist.Store, key: str) -> dict[str, Any]:
-    """The JSON object stored under ``key``, read as data (bounded, an object, nothing else).
+def store_json(store: dist.Store, key: str, max_bytes: int = MAX_STORE_JSON) -> dict[str, Any]:
+    """The JSON object stored under ``key``, read as data (at most ``max_bytes``, an object, nothing else), without
+    waiting: ``get`` waits for a key that is not there, up to the store's own timeout, and anyone who reaches the
+    store may delete a key between a look for it and its read (a review held a trainer's connect twice its bound
+    so).
 
     Raises:
-        TransportError: the value is too large, too deep, not plain JSON, or not a JSON object.
+        TransportError: no value under ``key``, or one too large, too deep, not plain JSON, or not a JSON object.
     """
-    return loads_object(store.get(key), f"store key {key!r}", max_bytes=MAX_STORE_JSON)
+    raw = store.compare_set(key, _ABSENT, _ABSENT)  # (the value; where there is none, what it was given, unset)
+    if raw == _ABSENT.encode():
+        raise TransportError(f"store key {key!r} holds nothing (deleted once seen); refusing it")
+    return loads_object(raw, f"store key {key!r}", max_bytes=max_bytes)
 
 
 def store_count(store: dist.Store, key: str) -> int:

@@ -17,7 +17,7 @@ from ...core.timing import deadline_after, remaining
 from ...errors import SyncTimeoutError, TransportError, WeightSyncError, first_line
 from ...tensors.copies import copy_tensors
 from ..processes import process_is_gone
-from ..store import store_count, store_json, store_set
+from ..store import MAX_HELLO_JSON, store_count, store_json, store_set
 from ..storeclient import connect_store
 from .auth import Sealer, new_nonce, proof, proven
 from .group import GROUP_TIMEOUT_FACTOR, gpu_identity, new_group_within
@@ -66,7 +66,7 @@ def read_hello(store: dist.Store, key: str, key_bytes: bytes, w: int, gen: int) 
     proof with the run key; whatever is wrong refuses that worker and nothing else.
     """
     try:
-        hello = store_json(store, key)
+        hello = store_json(store, key, MAX_HELLO_JSON)  # (parsed and proven only once it is that small)
     except TransportError as exc:
         return {}, f"{exc}"
     if not proven(key_bytes, w, gen, hello):

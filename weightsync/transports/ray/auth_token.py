@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ...errors import ConfigurationError
 
-__all__ = ["keep_token_private", "starts_cluster", "token_path"]
+__all__ = ["keep_token_private", "token_path"]
 
 log = logging.getLogger("weightsync.ray")
 
@@ -61,19 +61,6 @@ def keep_token_private(new_cluster: bool) -> None:
                 f"could run code in the Ray cluster with it, and could not be made private: {exc}"
             ) from None
         log.warning("Ray's token file %s was readable by other users (mode %o): made private (0600)", path, mode)
-
-
-def starts_cluster(address: str | None, temp_dir: str | None) -> bool:
-    """Whether ``ray.init(address=address)`` starts a new local cluster, as Ray decides it: no address (nor one in
-    ``RAY_ADDRESS``, nor a cluster ``ray start`` left its address for in the temp dir), or ``"local"``."""
-    if address and address.startswith("ray://"):
-        return False
-    from ray._private.services import canonicalize_bootstrap_address  # (what ray.init asks)
-
-    try:
-        return canonicalize_bootstrap_address(address, temp_dir) is None  # type: ignore[arg-type]
-    except (ValueError, ConnectionError):  # (an address ray.init refuses itself; "auto" and no cluster)
-        return False
 
 
 def _create(path: Path) -> None:

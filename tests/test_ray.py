@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import weightsync as ws
-from tests._bodies import optimizer_step, rounded, send_past_hung_worker_1, wire_nbytes
+from tests._bodies import optimizer_step, rounded, send_past_hung_worker_1, wire_nbytes, within_its_timeout
 from tests._workers import _scramble, build, checksum
 from tests.conftest import kill_actor
 from weightsync.core.timing import deadline_after, wait_until
@@ -339,14 +339,15 @@ def test_drop_policy_goes_on_without_a_killed_actor():
     ray.kill(actors[0])
 
 
-@pytest.mark.parametrize("policy", ["raise", "drop"])
-def test_hung_actor_costs_one_timeout_then_is_raised_or_dropped(policy):
+@pytest.mark.parametrize(
+    "policy,latest_wins", [("raise", False), ("raise", True), ("drop", True)], ids=["raise", "raise-latest", "drop"]
+)
+def test_a_hung_actor_costs_a_timeout_or_two_then_is_passed_by_or_dropped(policy, latest_wins):
     import os
     import signal
 
     model = build("tiny")
-    # (latest_wins holds an actor's later versions back behind its call on its way: a late one is not passed by)
-    scheme = ws.RayWeightSyncScheme(timeout=20, on_failure=policy, latest_wins=policy == "drop")
+    scheme = ws.RayWeightSyncScheme(timeout=20, on_failure=policy, latest_wins=latest_wins)
     actors = _joined(scheme, model)
     scheme.connect()
     scheme.timeout = 2.0
@@ -355,20 +356,40 @@ def test_hung_actor_costs_one_timeout_then_is_raised_or_dropped(policy):
     try:
         send_past_hung_worker_1(scheme, model, 2.0)
         assert ray.get(actors[0].state.remote()) == (1, checksum(model, "tensordict"))
-        if policy == "raise":  # a late actor is passed by (named at once) until it acks: the other gets each version
+        late_on = 1
+        if policy == "raise" and latest_wins:
+            # Version 2 waits behind the call on its way (an outage may end: the two-host cable pull): one more wait
             optimizer_step(model, 2)
             began = time.monotonic()
-            with pytest.raises(ws.SyncTimeoutError, match="passed by: still no ack for version 1") as info:
+            with pytest.raises(ws.SyncTimeoutError, match="no ack for version 2 within 2s"):
                 scheme.send()
-            assert (info.value.worker_idx, info.value.version) == (1, 2) and time.monotonic() - began < 2.0
-            assert ray.get(actors[0].state.remote()) == (2, checksum(model, "tensordict"))
+            assert within_its_timeout(time.monotonic() - began, 2.0)
+            late_on = 2
+        if policy == "raise":  # then a late actor is passed by (named at once) until it acks: the other gets each
+            for version in (late_on + 1, late_on + 2):
+                optimizer_step(model, version)
+                began = time.monotonic()
+                with pytest.raises(ws.SyncTimeoutError, match=f"passed by: still no ack for version {late_on}") as info:
+                    scheme.send()
+                assert (info.value.worker_idx, info.value.version) == (1, version) and time.monotonic() - began < 2.0
+                assert ray.get(actors[0].state.remote()) == (version, checksum(model, "tensordict"))
+            # ... and a staleness bound does not wait for it either (it waited, raised, and published nothing)
+            scheme.sync, scheme.max_staleness = False, 1
+            optimizer_step(model, late_on + 3)
+            began = time.monotonic()
+            with pytest.raises(ws.SyncTimeoutError, match="passed by"):
+                scheme.send()
+            assert time.monotonic() - began < 2.0 and scheme.stats()["version"] == late_on + 3
+            scheme.sync, scheme.max_staleness = True, None
     finally:
         os.kill(pid, signal.SIGCONT)
     if policy == "raise":  # once it ran again and acked, the next send reaches it
         scheme.wait_async()
-        optimizer_step(model, 3)
+        optimizer_step(model, 9)
         scheme.send()
-        assert [ray.get(a.state.remote()) for a in actors] == [(3, checksum(model, "tensordict"))] * 2
+        assert [ray.get(a.state.remote()) for a in actors] == [
+            (scheme.stats()["version"], checksum(model, "tensordict"))
+        ] * 2
     if policy == "drop":  # the next send does not wait for it again
         optimizer_step(model, 2)
         began = time.monotonic()

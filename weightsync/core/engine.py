@@ -173,8 +173,9 @@ class SenderEngine(ABC):
     takes_deltas: ClassVar[bool] = False
     #: A worker late on a version (:meth:`~weightsync.core.ledger.Ledger.late`) is passed by until it acks it: each
     #: version on its way to a worker holds buffers or slots, kept while the worker may still read them. ``False``:
-    #: the engine holds a worker's later versions back itself (Ray's actors under ``latest_wins``). An engine that
-    #: tells its workers apart says so in :meth:`passes_by`.
+    #: the engine holds a worker's later versions back itself (Ray's actors under ``latest_wins``): a late worker is
+    #: sent one more and waited for, and passed by once that wait timed out too. An engine that tells its workers
+    #: apart says so in :meth:`passes_by`.
     passes_late_by: ClassVar[bool] = True
 
     sink: Sink

@@ -20,6 +20,8 @@ class Peer:
     acked_at: float = float("-inf")
     #: The newest version a wait reported this worker timed out on (:meth:`Ledger.timeouts`).
     timed_out: int | None = None
+    #: How many waits reported it timed out since its last ack (:meth:`Ledger.late_again`).
+    timeouts: int = 0
     #: The newest version whose call ended without an ack (the worker's failure of it, or the engine's own time-out
     #: of it: an RPC's): no ack of it comes.
     ended: int | None = None
@@ -38,7 +40,7 @@ class Ledger:
     def ack(self, worker: int, held: int) -> None:
         peer = self.peers[worker]
         if peer.acked is None or held > peer.acked:
-            peer.acked = held
+            peer.acked, peer.timeouts = held, 0
             peer.acked_at = time.perf_counter()
         error = self.errors.get(worker)
         if isinstance(error, SyncTimeoutError) and error.version is not None and error.version <= held:
@@ -160,7 +162,7 @@ class Ledger:
         self.dead.pop(worker, None)
         self.errors.pop(worker, None)
         peer = self.peers[worker]
-        peer.acked, peer.sent, peer.timed_out, peer.ended = None, sent, None, None
+        peer.acked, peer.sent, peer.timed_out, peer.ended, peer.timeouts = None, sent, None, None, 0
 
     @staticmethod
     def overtaken(error: WeightSyncError, answered: int | None) -> bool:
@@ -185,4 +187,11 @@ class Ledger:
         }
         for w in found:
             self.peers[w].timed_out = max(expected[w], self.peers[w].timed_out or 0)
+            self.peers[w].timeouts += 1
         return found
+
+    def late_again(self, worker: int) -> bool:
+        """Whether waits timed out on ``worker`` more than once with no ack from it in between: an engine that holds
+        its later versions back (:attr:`~.engine.SenderEngine.passes_late_by` false) gave it one more send, for an
+        outage that ends, and passes it by from then on (a hung worker cost each send its whole wait)."""
+        return self.peers[worker].timeouts > 1

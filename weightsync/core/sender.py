@@ -350,10 +350,13 @@ class Sender:
         self.engine.poll(self.ledger.live(sorted(self.ledger.peers)))
 
     def late(self, targets: list[int], version: int | None = None) -> dict[int, WeightSyncError]:
-        """The workers of ``targets`` a send passes by (:meth:`SenderEngine.passes_by`), each with its error."""
+        """The workers of ``targets`` a send passes by (:meth:`SenderEngine.passes_by`; late again, where the engine
+        holds versions back), each with its error."""
         if self.engine is None:
             return {}
-        return {w: e for w, e in self.ledger.late(targets, version).items() if self.engine.passes_by(w)}
+        again = not self.engine.passes_late_by  # (it holds back: one more send, then passed by)
+        late = self.ledger.late(targets, version)
+        return {w: e for w, e in late.items() if self.engine.passes_by(w) or again and self.ledger.late_again(w)}
 
     def collect(
         self, expected: dict[int, int], deadline: float, within: float | None = None

@@ -1297,6 +1297,35 @@ def test_an_async_engine_whose_loop_does_not_run_is_named_at_its_first_call_not_
     assert target.asked == []
 
 
+def test_a_send_from_the_async_engines_own_loop_is_refused_at_once_and_one_from_another_thread_serves(loop):
+    """A coroutine on the loop an ``AsyncLLM`` runs on that calls ``send()`` holds that loop, where the engine's
+    calls are scheduled: they cannot run, and the send waited its whole ``timeout`` (a user's audit). It is refused
+    before anything is published, naming the way out."""
+    pytest.importorskip("vllm")  # (the client builds vLLM's request objects)
+    model = build("tiny")
+    target = InOrder(engine_spec(model))
+    scheme = ws.SharedMemWeightSyncScheme(timeout=60, connect_timeout=30)
+
+    async def send_here() -> None:
+        scheme.send()
+
+    async def send_beside() -> None:
+        await asyncio.to_thread(scheme.send)
+
+    try:
+        scheme.init_on_sender(model=model, context=VLLMEngines([target], pause_mode="keep", loop=loop))
+        scheme.connect()
+        _step(model, 1)
+        began = time.monotonic()
+        with pytest.raises(ws.ConfigurationError, match="engine 0: called from the event loop its AsyncLLM runs on"):
+            asyncio.run_coroutine_threadsafe(send_here(), loop).result(90)
+        assert time.monotonic() - began < 30 and scheme.stats()["version"] == 0  # (nothing published)
+        asyncio.run_coroutine_threadsafe(send_beside(), loop).result(90)
+        assert target.engine.version == "1" and _same(target.engine, model)
+    finally:
+        scheme.shutdown()
+
+
 def test_an_engine_not_paused_resets_its_running_requests_prefixes_too_and_a_refused_reset_is_an_error(loop):
     """An engine not paused when its prefix cache is reset (its update failed before the pause) may have a request
     running: its cached prefix is reset with the others (vLLM refuses a reset of the cache while a request holds

@@ -68,6 +68,14 @@ class EngineClient:
     def __init__(self, target: Any, name: str) -> None:
         self.target, self.name = target, name
 
+    def check_caller(self) -> None:
+        """Refuse a connect, send or wait made where this engine's calls cannot run meanwhile (an ``AsyncLLM``'s
+        own event loop: they would each wait their whole ``timeout``).
+
+        Raises:
+            ConfigurationError: naming the engine and where to call from.
+        """
+
     def queue_init(self, init_info: dict[str, Any]) -> None:
         """Called in the sender's thread before its scheme publishes the initial version, and before :meth:`init`
         (in another thread): a client whose engine runs its calls in the order they were made (a Ray actor) makes
@@ -173,6 +181,18 @@ class AsyncLLMClient(EngineClient):
         super().__init__(target, name)
         self.loop = loop
         _requests()  # (as RayActorClient's)
+
+    def check_caller(self) -> None:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # (no loop runs in this thread)
+            return
+        if running is self.loop:
+            raise ConfigurationError(
+                f"{self.name}: called from the event loop its AsyncLLM runs on, which cannot run the engine's calls "
+                "while this waits for them: connect, send and wait from another thread (in a coroutine: "
+                "await asyncio.to_thread(scheme.send))"
+            )
 
     def _run(self, call: Any, timeout: float, what: str) -> Any:
         if not self.loop.is_running():  # (scheduled there, the call would wait its whole timeout, unsaid why)

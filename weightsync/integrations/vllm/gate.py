@@ -370,6 +370,7 @@ class Gate(Rejoins, PassesBy, SenderEngine):
 
     def rendezvous(self, deadline: float, timeout: float) -> dict[int, WeightSyncError]:
         assert self.inner is not None
+        self._check_caller()
         for worker in range(self.engines.num_workers):
             self._call(worker, 0, self._init_steps(worker, initial=True))
         return self.inner.rendezvous(deadline, timeout)
@@ -378,7 +379,12 @@ class Gate(Rejoins, PassesBy, SenderEngine):
         return self._inner().rendezvous_complete()
 
     def stage(self, out: Outgoing, deadline: float) -> Any:
+        self._check_caller()  # (before anything is published)
         return self._inner().stage(out, deadline)
+
+    def _check_caller(self) -> None:
+        for client in self.engines.clients:
+            client.check_caller()
 
     def submit(self, out: Outgoing, staged: Any) -> None:
         assert self.inner is not None
@@ -398,6 +404,7 @@ class Gate(Rejoins, PassesBy, SenderEngine):
 
     def wait(self, workers: list[int], deadline: float) -> None:
         assert self.inner is not None
+        self._check_caller()  # (a wait_async)
         with self._lock:
             calls = [f for w in workers for _, f in self._calls.get(w, [])]
             unheard = [w for w in workers if w not in self._calls or self._held.get(w, -1) < self._calls[w][-1][0]]

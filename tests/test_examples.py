@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests._netns import loopback_only_network
+from weightsync.app.early import PRELOAD
 from weightsync.core.timing import deadline_after, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -297,6 +298,15 @@ def test_the_main_jobs_forkserver_starts_before_its_imports_and_ends_with_it(tmp
     assert servers, "no forkserver while the app imported"
     _, alive = psutil.wait_procs(servers, timeout=30)
     assert not alive, "the forkserver outlived the run"
+
+
+def test_the_jobs_forkserver_ends_at_its_exits_start_with_its_streams_flushed():
+    """The server's teardown of the torch it imported took 0.9 s after the job ended, and whatever read the job's
+    output (the server holds its stdout and stderr) waited for it: the server ends as its exit begins."""
+    assert PRELOAD[-1] == "weightsync.app.forkserver_exit"
+    out = _run(["-c", "import atexit; atexit.register(print, 'torn down')\nimport weightsync.app.forkserver_exit\n"
+                "print('out', end='')\nraise SystemExit(3)"])  # fmt: skip
+    assert (out.returncode, out.stdout, out.stderr) == (0, "out", "")
 
 
 def test_the_main_job_ends_its_process_as_sys_exit_would_once_its_threads_and_atexit_callbacks_are_done(tmp_path):

@@ -15,8 +15,8 @@ from multiprocessing import forkserver
 
 __all__ = ["PRELOAD", "may_fork_workers", "start_forkserver_early"]
 
-#: What the forkserver imports before it forks a worker (the worker's code, and what that imports).
-PRELOAD = ["torch", "tensordict", "weightsync.app.job"]
+#: What the forkserver imports before it forks a worker (the worker's code, and what that imports), then how it ends.
+PRELOAD = ["torch", "tensordict", "weightsync.app.job", "weightsync.app.forkserver_exit"]
 #: Options after which the app starts no worker (Hydra's help, config printing, shell completion).
 _NO_WORKERS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-p", "--package", "-sc")
 _NO_WORKERS_PREFIXES = ("--shell-completion", "--cfg=", "--info=")

@@ -59,12 +59,12 @@ def materialize(
     # Weakly referenced tensors torch cannot swap: their modules are given memory whole, once every one of them
     # was checked (nothing is changed before).
     stuck = {id(t): key for key, t in meta.items() if weakref.getweakrefs(t)}
+    why = (
+        f"{sorted(stuck.values())} of this worker's model are on the meta device and cannot be given memory in place "
+        "(weak references to them)"
+    )
     if stuck and not isinstance(model, nn.Module):
-        raise ConfigurationError(
-            f"{sorted(stuck.values())} of this worker's model are on the meta device and cannot be given memory in "
-            "place (weak references to them): give the worker its model with data",
-            **where,
-        )
+        raise ConfigurationError(f"{why}: give the worker its model with data", **where)
     owners = [
         (module, [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None])
         for module in (model.modules() if stuck else ())
@@ -76,8 +76,7 @@ def materialize(
         )
         if tied or not all(t.is_meta for t in own):
             raise ConfigurationError(
-                f"{sorted(stuck.values())} of this worker's model are on the meta device and cannot be given memory "
-                f"in place (weak references to them), and their module {type(module).__name__} "
+                f"{why}, and their module {type(module).__name__} "
                 + ("shares one of them (tied)" if tied else "holds weights with data too")
                 + ": give the worker its model with data",
                 **where,

@@ -16,6 +16,7 @@ import inspect
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -202,6 +203,17 @@ def _hydra() -> dict[str, Any]:
     }
 
 
+def _main_job_help() -> str:
+    """The groups of ``python -m weightsync --help``, as its Hydra config renders them."""
+    from hydra import compose, initialize_config_module
+
+    import weightsync.app.main  # noqa: F401 - its groups, and the resolver its help reads them with
+
+    with initialize_config_module("weightsync.conf", version_base="1.3"):
+        cfg = compose("config", return_hydra_config=True)
+    return cfg.hydra.help.template.split("== Configuration groups ==")[1].split("== Config ==")[0]
+
+
 def _receiver_config(cls: type) -> dict[str, Any]:
     scheme = cls(poll_ms=3.0, timeout=9.0)
     scheme.init_on_sender(model=_model(0), num_workers=2)
@@ -257,6 +269,7 @@ def facts() -> dict[str, Any]:
     fact("hydra", _hydra)
     fact("receiver_config", lambda: _receiver_config(cls))
     fact("apidoc", _apidoc)
+    fact("main_job_help", _main_job_help)  # (last: it adds the main job's groups to Hydra's store)
     return out
 
 
@@ -322,6 +335,14 @@ def test_the_entry_point_adds_the_backend_and_nothing_else_does(run, tmp_path):
     (tmp_path / "scratch").mkdir()
     bare = _python("import weightsync; print(weightsync.available_backends())", site, tmp_path / "scratch", 60)
     assert bare.returncode == 0 and "wsfile" not in bare.stdout, bare.stdout + bare.stderr
+
+
+def test_the_main_jobs_help_lists_it_with_the_others(run):
+    """The help's groups were written out in conf/config.yaml: an installed engine ran (``scheme=wsfile``) but was
+    missing from them (a user's audit)."""
+    groups = dict(re.findall(r"^([\w/]+): (.+)$", _fact(run, "main_job_help"), re.M))
+    assert "wsfile" in groups["scheme"].split(", ") and "shared_mem" in groups["scheme"].split(", "), groups
+    assert "wsfile" in groups["scheme/transport"].split(", "), groups
 
 
 def test_its_classes_are_lazy_public_names_of_weightsync(run):

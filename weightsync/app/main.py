@@ -17,9 +17,9 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from ..config.store import register_scheme_group
+from ..config.store import SCHEMES, TRANSPORTS, register_scheme_group
 from ..errors import WeightSyncError
 from .job import JobConfig, run_job
 from .report import RESULTS_FILE, error_row, failed_models, markdown_table, verification_error
@@ -32,6 +32,13 @@ log = logging.getLogger("weightsync.app")
 def _register() -> None:
     ConfigStore.instance().store(name="job_schema", node=JobConfig)
     register_scheme_group("scheme")  # the job's own `scheme` group, so `scheme=shared_mem` works
+    # --help lists the group's options as registered: an installed package's engines too (conf/config.yaml)
+    OmegaConf.register_new_resolver("weightsync_options", _listed, replace=True)
+
+
+def _listed(group: str) -> str:
+    """The options of the job's group ``group`` (``scheme`` or ``scheme/transport``), for its help."""
+    return ", ".join(sorted(SCHEMES if group == "scheme" else TRANSPORTS))
 
 
 _register()

@@ -1010,3 +1010,20 @@ def test_a_second_receiver_of_the_same_worker_in_the_same_process_is_refused_and
             with contextlib.suppress(ws.WeightSyncError):
                 receiver.shutdown()
         scheme.shutdown()
+
+
+def test_a_receiver_config_whose_worker_is_out_of_the_senders_range_is_refused_at_once():
+    """Its hello was one the sender never reads: the worker waited its whole ``connect_timeout`` and the sender
+    named only the worker missing (a user's audit of a hand-edited config); the local schemes refuse it at once."""
+    scheme = ws.DistributedWeightSyncScheme(timeout=5, connect_timeout=60)
+    scheme.init_on_sender(model_id="policy", model=torch.nn.Linear(4, 2), num_workers=1)
+    try:
+        cfg = {**scheme.receiver_config(0), "worker_idx": 5}
+        began = time.monotonic()
+        with pytest.raises(ws.ConfigurationError, match=r"worker_idx 5 is not in 0\.\.0: the sender has 1"):
+            receiver = ws.from_config(cfg)
+            receiver.init_on_receiver(model_id="policy", model=torch.nn.Linear(4, 2))
+            receiver.connect()
+        assert time.monotonic() - began < 30
+    finally:
+        scheme.shutdown()

@@ -334,7 +334,7 @@ def test_the_main_job_ends_its_process_as_sys_exit_would_once_its_threads_and_at
         ("start_method=pigeon", "start_method must be one of"),
         ("scheme.timeout=-1", "timeout must be a positive number"),
         ("scheme=distributed scheme.transport.backend=mpi", "backend must be 'gloo' or 'nccl'"),
-        ("scheme=ray_module_transform", "hosts the module in ONE actor; run it with num_workers=1"),
+        ("scheme=ray_module_transform", "scheme: ray_module_transform hosts the module in ONE actor; run it with"),
     ],
 )
 def test_main_job_bad_overrides_fail_before_any_worker_starts(tmp_path, override, message):

@@ -245,7 +245,7 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
             specs[model_id]["size_mb"], specs[model_id]["tensors"], type(schemes[model_id]).__name__, n,
             int(cfg.rounds), schemes[model_id].option_values(),
         )  # fmt: skip
-    _check_opt_ins(schemes, keys)
+    _check_before_start(schemes, keys, n)
     # Ray schemes' workers are Ray actors the job starts; every other scheme's are processes.
     on_ray = {m for m, s in schemes.items() if isinstance(s, RayWeightSyncScheme)}
     in_procs = {m: s for m, s in schemes.items() if m not in on_ray}
@@ -313,16 +313,23 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
     ]
 
 
-def _check_opt_ins(schemes: dict[str, WeightSyncScheme], keys: dict[str, str]) -> None:
-    """Refuse, before any process or actor starts, an rpc scheme the command line did not opt in to what it allows.
+def _check_before_start(schemes: dict[str, WeightSyncScheme], keys: dict[str, str], num_workers: int) -> None:
+    """Refuse, before any process or actor starts, an rpc scheme the command line did not opt in to what it allows,
+    and a ``ray_module_transform`` scheme with more than one worker (it hosts the module in one actor).
 
     Raises:
         ConfigurationError: one line, naming the override that set the scheme (``keys``, :func:`_scheme_keys`)
-            and the one that opts in.
+            and the one that opts in, or the worker count.
     """
+    from ..schemes.ray import RayModuleTransformScheme
     from ..schemes.rpc import RPCWeightSyncScheme
 
     for model_id, scheme in schemes.items():
+        if isinstance(scheme, RayModuleTransformScheme) and num_workers != 1:
+            raise ConfigurationError(
+                f"{keys[model_id].rstrip('=')}: ray_module_transform hosts the module in ONE actor; run it with "
+                f"num_workers=1 (got {num_workers})"
+            )
         if isinstance(scheme, RPCWeightSyncScheme) and not scheme.allow_store_peers_to_run_code:
             key = keys[model_id]
             if key.endswith("="):  # (picked by name: options come only with the scheme given whole)

@@ -17,7 +17,7 @@ import torch
 from ..config import from_config
 from ..core.scheme import WeightSyncScheme
 from ..core.timing import shown_seconds
-from ..errors import ConfigurationError, WeightSyncError
+from ..errors import WeightSyncError
 from ..schemes.ray import RayModuleTransformScheme
 from ..transports.ray import apply_in_actor
 from ..transports.ray.sender import ray as ray_module
@@ -68,13 +68,6 @@ class RayWorkers:
     """
 
     def __init__(self, schemes: dict[str, Any], specs: dict[str, dict], num_workers: int, timeout: float) -> None:
-        for model_id, scheme in schemes.items():
-            if isinstance(scheme, RayModuleTransformScheme) and num_workers != 1:
-                raise ConfigurationError(
-                    f"schemes.{model_id}: ray_module_transform hosts the module in ONE actor; "
-                    f"run it with num_workers=1 (got {num_workers})",
-                    model_id=model_id,
-                )
         ray = ray_module()  # a one-line error naming the extra where Ray is not installed
 
         self.ray, self.timeout = ray, timeout

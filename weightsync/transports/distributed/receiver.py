@@ -63,9 +63,8 @@ log = logging.getLogger("weightsync.transports.distributed")
 
 
 class DistributedReceiver(ReceiverEngine):
-    """The worker's store client, group, receive buffers and transport.
-
-    Each update is checked against the sender's keyed digest, whatever the scheme's ``checksum``.
+    """The worker's store client, group, receive buffers and transport. Each update is checked against the sender's
+    keyed digest, whatever the scheme's ``checksum``.
 
     Args:
         handoff: ``master_addr``, ``master_port``, ``prefix``, ``world_size``.
@@ -93,6 +92,9 @@ class DistributedReceiver(ReceiverEngine):
                 "or its receiver_config(worker_idx) and the run key file it names",
                 model_id=where["model_id"],
             )
+        w, workers = where["worker_idx"], int(handoff.get("world_size", 0)) - 1
+        if not 0 <= w < workers:  # (its hello would be one the sender never reads: it waited its whole bound)
+            raise ConfigurationError(f"worker_idx {w} is not in 0..{workers - 1}: the sender has {workers}", **where)
         self.handoff = handoff
         self._key = bytes.fromhex(handoff.get("authkey") or read_key_file(handoff["authkey_file"], NO_KEY, **where))
         self._key_file = None if handoff.get("authkey") else handoff["authkey_file"]  # swept once its sender died
@@ -229,8 +231,7 @@ class DistributedReceiver(ReceiverEngine):
         return link, line, hello, refusal
 
     def _dial(self, store: dist.Store, deadline: float) -> Dialing | None:
-        """This worker's line to the sender (:mod:`.line`), dialled at the address the sender sealed; ``None``
-        where it named none (the worker is then reached through its doorbell)."""
+        """This worker's line to the sender (:mod:`.line`), at the address it sealed; ``None``: it named none."""
         try:
             at = sealed_object(self.sealer, store, "line", **self.where)
             address = (str(at["host"]), int(at["port"]))
@@ -260,8 +261,7 @@ class DistributedReceiver(ReceiverEngine):
         return Link(pg, pair, self.sealer.scoped(f"pair/{w}/{gen}/")), None
 
     def _rejoin(self, timeout: float) -> list[Delivery]:
-        """This live worker is out of its sender's group (dropped: no ack in time; or its connection closed): connect
-        again as a new generation and receive the newest version, as a restarted worker does."""
+        """Out of the sender's group (dropped, or its line closed): join as a new generation, as a restart does."""
         assert self._stores is not None and self._dropped is not None and self._calls is not None
         store, w, why = self._stores[1], self.where["worker_idx"], self._dropped
         deadline = deadline_after(self.update_timeout * GROUP_TIMEOUT_FACTOR)

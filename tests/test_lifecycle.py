@@ -441,3 +441,62 @@ sender.shutdown()
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["False", "True"], done.stdout + done.stderr[-2000:]
+
+
+TRAINER_THAT_RAISES = """
+import multiprocessing as mp, torch, weightsync as ws
+
+def worker(scheme, idx):
+    policy = torch.nn.Linear(4, 2)
+    scheme.init_on_receiver(model_id="policy", model=policy, worker_idx=idx)
+    scheme.connect()
+    while True:
+        try:
+            scheme.receive(timeout=1.0)
+        except ws.ConnectionClosedError:
+            break
+
+if __name__ == "__main__":
+    policy = torch.nn.Linear(4, 2)
+    scheme = ws.{cls}(timeout=30)
+    scheme.init_on_sender(model_id="policy", model=policy, num_workers=1)
+    procs = [mp.get_context("forkserver").Process(target=worker, args=(scheme, 0))]  # (not daemons)
+    for p in procs:
+        p.start()
+    scheme.connect()
+    scheme.send()
+    raise RuntimeError("loss is NaN")
+"""
+
+
+@pytest.mark.parametrize("cls", ["SharedMemWeightSyncScheme", "DistributedWeightSyncScheme"])
+def test_a_trainer_that_raises_with_its_workers_alive_ends_and_so_do_they(tmp_path, cls):
+    """The README's program shape, its loop raising: multiprocessing joins the process's children at its exit, and
+    a worker waiting for its sender's next version never ended: the trainer hung for good (a user's audit). Its
+    senders still open are shut down first, and the workers hear it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER_THAT_RAISES.replace("{cls}", cls))
+    ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert ran.returncode == 1 and "RuntimeError: loss is NaN" in ran.stderr, ran.stderr[-3000:]
+
+
+def test_no_sync_refuses_what_every_scheme_refuses_in_the_caller():
+    """Switched to no_sync, a run lost its NaN guard and its check of worker_ids and weights (a user's audit)."""
+    model = nn.Linear(2, 2)
+    scheme = ws.NoWeightSyncScheme(check_finite=True)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    scheme.connect()
+    scheme.send(worker_ids=[1])
+    with pytest.raises(ws.ConfigurationError, match=r"worker_ids \[7\] are not workers of this scheme"):
+        scheme.send(worker_ids=[0, 7])
+    with pytest.raises(ws.InvalidWeightsError, match="weights must be an nn.Module"):
+        scheme.send(weights=42)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    with pytest.raises(ws.InvalidWeightsError, match="NaN or Inf"):
+        scheme.send()
+    assert scheme.version == 1
+    scheme.shutdown()

@@ -1,11 +1,9 @@
 """The scheme lifecycle shared by every backend: :class:`WeightSyncScheme`.
 
-A scheme object plays one role. In the trainer it is a *sender*:
-``init_on_sender`` → ``connect`` → ``send``/``send_async``/``wait_async`` →
-``shutdown``. In a worker it is a *receiver*: ``init_on_receiver`` →
-``connect(worker_idx=...)`` → ``receive`` → ``shutdown``. A sender pickled
-after ``init_on_sender`` arrives in the worker as a fresh, receiver-ready
-scheme that knows how to reach the sender.
+A scheme object plays one role. In the trainer it is a *sender*: ``init_on_sender`` → ``connect`` →
+``send``/``send_async``/``wait_async`` → ``shutdown`` (at the process's exit if not before). In a worker it is a
+*receiver*: ``init_on_receiver`` → ``connect(worker_idx=...)`` → ``receive`` → ``shutdown``. A sender pickled after
+``init_on_sender`` arrives in the worker as a fresh, receiver-ready scheme that knows how to reach the sender.
 
 This module owns the state machine, argument checking and model resolution;
 the sender's pipeline is :class:`~weightsync.core.sender.Sender`, the
@@ -35,6 +33,7 @@ from .drivers import driver_for, driver_of
 from .engine import ReceiverEngine, SenderEngine, Sink
 from .facade import SchemeFacades
 from .handoff import SchemeHandoff
+from .leaving import shut_down_at_exit
 from .pending import PendingUpdate
 from .receiver import Receiver
 from .sender import Sender
@@ -184,6 +183,7 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
             raise
         rt.num_workers, rt.sending = num_workers, sending
         sending.last_words = functools.partial(rt.driver.last_words, rt.context)
+        shut_down_at_exit(self)
 
     def _count_workers(self, kwargs: dict[str, Any]) -> int:
         """How many workers this sender serves (``num_workers``, unless the engine's handles say so)."""

@@ -9,6 +9,7 @@ from .. import checks
 from ..core.scheme import WeightSyncScheme
 from ..core.states import RECEIVER_CONNECTED
 from ..errors import ConfigurationError
+from ..tensors.strategy import check_finite
 
 __all__ = ["NoWeightSyncScheme"]
 
@@ -56,6 +57,11 @@ class NoWeightSyncScheme(WeightSyncScheme, name="no_sync", aliases=("none",), co
             )
 
     def _send(self, weights: Any, targets: list[int], wait: bool) -> None:
+        # What another scheme refuses in the caller is refused here too: a switch to no_sync hides no bug
+        if weights is not None or self._runtime.model is not None:  # (with neither, nothing to look at)
+            flat = self._flat_weights(weights)  # (weights it cannot take: named)
+            if self.check_finite:
+                check_finite(flat, model_id=self.model_id)
         self._count = (self._count or 0) + 1
 
     def _receive(self, timeout: float) -> Any:
@@ -71,4 +77,6 @@ class NoWeightSyncScheme(WeightSyncScheme, name="no_sync", aliases=("none",), co
         self._closing.set()
 
     def _targets(self, worker_ids: Any) -> list[int]:
+        if self._runtime.num_workers is not None:  # (checked as every scheme checks them)
+            return super()._targets(worker_ids)
         return [] if worker_ids is None else ([worker_ids] if isinstance(worker_ids, int) else list(worker_ids))

@@ -790,3 +790,39 @@ def test_slots_that_left_the_pool_are_closed_where_a_new_slot_cannot_be_made(mon
         for receiver in receivers:
             receiver.shutdown()
         scheme.shutdown()
+
+
+@pytest.mark.parametrize("closes", ["before", "after the proof"])
+def test_a_sender_that_closes_before_its_handshake_is_named_gone_and_one_that_closes_after_a_key_refused(closes):
+    """A worker whose sender shut down or exited before its connect() took it was told "closed the handshake
+    (wrong auth key?)", the key right (a user's audit): no key had been shown yet."""
+    import secrets
+    import socket
+    import struct
+    import threading
+
+    from weightsync.transports.local.channel import connect_channel
+
+    address = f"\0weightsync-test-{secrets.token_hex(8)}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(1)
+
+    def sender() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            if closes != "before":
+                conn.sendall(struct.pack("!i", 32) + b"n" * 32)  # a challenge (a frame as multiprocessing's)
+                conn.recv(1024)  # the worker's proof: then the sender closes (it refused the key, or ended)
+
+    serving = threading.Thread(target=sender)
+    serving.start()
+    wanted = (ws.ConnectionClosedError, "closed the connection before its handshake began: it shut down or exited")
+    if closes != "before":
+        wanted = (ws.AuthenticationError, "closed the handshake")
+    try:
+        with pytest.raises(wanted[0], match=wanted[1]):
+            connect_channel(address.replace("\0", "@"), b"k" * 32, {"worker": 0}, 10)
+    finally:
+        serving.join(10)
+        listener.close()

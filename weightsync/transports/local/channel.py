@@ -427,8 +427,8 @@ def connect_channel(
 
     Raises:
         SyncTimeoutError: no listener answered in time.
-        ConnectionRefusedError, FileNotFoundError: nothing listens at ``address`` here (``wait_for_listener``
-            false).
+        ConnectionRefusedError, FileNotFoundError: nothing listens at ``address`` here (``wait_for_listener`` false).
+        ConnectionClosedError: the sender closed the connection before its handshake (it shut down or exited).
         AuthenticationError: the key was refused, or the listener could not prove it holds it.
     """
     deadline = deadline_after(timeout)
@@ -461,7 +461,7 @@ def connect_channel(
             sock.close()
             raise
     conn = Connection(sock.detach())
-    channel = Channel(conn, f"sender at {address}")
+    channel, proving = Channel(conn, f"sender at {address}"), False
     try:
         while not conn.poll(min(remaining(deadline), progress.every)):  # (in slices: a wait under 1 s says why too)
             if remaining(deadline) <= 0:
@@ -472,6 +472,7 @@ def connect_channel(
             progress.tick("it listens, but its connect() has not taken this worker in yet")
         what = f"the sender at {address!r}"
         nonce = read_frame(conn.fileno(), deadline, _HANDSHAKE_MAX, what)
+        proving = True  # (a close before this says nothing of the key: the sender went away)
         conn.send_bytes(_digest(authkey, nonce, b"worker"))
         my_nonce = secrets.token_bytes(_NONCE)
         channel.send({**hello, "op": "hello", "nonce": my_nonce.hex()})
@@ -481,6 +482,10 @@ def connect_channel(
         raise
     except (EOFError, OSError, ConnectionClosedError) as exc:
         channel.close()
+        if not proving:
+            raise ConnectionClosedError(
+                f"the sender at {address!r} closed the connection before its handshake began: it shut down or exited"
+            ) from exc
         raise AuthenticationError(f"sender at {address!r} closed the handshake (wrong auth key?)") from exc
     except TransportError as exc:  # a frame over the handshake's bound
         channel.close()

@@ -234,6 +234,23 @@ def test_restarted_worker_rejoins_and_gets_the_current_version(workers, name):
     scheme.shutdown()
 
 
+@pytest.mark.parametrize("name", REJOINING)
+def test_a_version_sent_to_no_worker_is_the_one_a_rejoining_worker_gets(workers, name):
+    """``worker_ids=[]`` publishes the version for workers that rejoin (docs/guide.md): the local schemes staged
+    nothing then, and a restarted worker was handed the version before it, bytes and number (a user's audit)."""
+    model, scheme, group = _connected(name, workers, on_failure="drop")
+    optimizer_step(model, 1)
+    scheme.send(worker_ids=[])
+    latest = checksum(model)
+    _kill(group, 1)
+    optimizer_step(model, 2)  # not sent: the rejoiner gets version 1
+    again, (_, log, errors) = _rejoin(workers, scheme, 1)
+    assert errors == {} and log == [("policy", 1, latest)], (errors, log)
+    again.stop()
+    group.stop()
+    scheme.shutdown()
+
+
 @pytest.mark.parametrize("name", LOCAL)
 def test_a_version_a_ctrl_c_cut_off_before_any_worker_was_told_is_never_handed_to_a_rejoin(workers, name):
     """A Ctrl-C once a version was written into its slot, before it was submitted: its number is not spent, and a

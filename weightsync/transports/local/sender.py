@@ -358,6 +358,8 @@ class LocalSender(SenderEngine):
         by_pool: dict[_PoolKey, list[int]] = {}
         for w in out.workers:
             by_pool.setdefault(self._pool_key(w), []).append(w)
+        if not by_pool:  # (sent to no worker, none alive: published all the same, for workers that rejoin)
+            by_pool[self._pool_key(0)] = []
         # Every slot is secured before anything is written, so a send that times out here publishes nothing.
         slots = {key: self._acquire(self._pool(key), deadline, out.version) for key in by_pool}
         self._staging = out.version

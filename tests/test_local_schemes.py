@@ -826,3 +826,48 @@ def test_a_sender_that_closes_before_its_handshake_is_named_gone_and_one_that_cl
     finally:
         serving.join(10)
         listener.close()
+
+
+@pytest.mark.parametrize("cls", [ws.MultiProcessWeightSyncScheme, ws.SharedMemWeightSyncScheme])
+def test_an_update_into_a_buffer_made_under_inference_mode_is_refused_before_anything_is_written(cls):
+    """A rollout loop replaced a buffer under ``torch.inference_mode`` (an inference tensor, which only that mode
+    may write): the next update's copy stopped at it, the tensors before it already written, the version left at
+    0 (a user's audit, ``keep_storage=True``). It is refused whole, naming the buffer; the model keeps its
+    weights."""
+    import threading
+
+    class Policy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(3, 3)
+            self.register_buffer("obs_mean", torch.zeros(3))
+
+    trainer = Policy()
+    options = {"keep_storage": True} if cls is ws.MultiProcessWeightSyncScheme else {}
+    scheme = cls(timeout=10, **options)
+    scheme.init_on_sender(model_id="policy", model=trainer, num_workers=1)
+    worker = Policy()
+    receiver = in_process_receiver(scheme, worker)
+    with torch.inference_mode():  # (the rollout loop's normalizer statistics)
+        worker.obs_mean = worker.obs_mean * 0 + 1
+    before = {k: v.clone() for k, v in worker.state_dict().items()}
+    with torch.no_grad():
+        for t in trainer.state_dict().values():
+            t.fill_(2.0)
+    refused: list[BaseException] = []
+    applying = threading.Thread(target=lambda: _receive_into(receiver, refused))
+    applying.start()
+    with pytest.raises(ws.ReceiverError, match=r"\['obs_mean'\] of this worker's model are inference tensors"):
+        scheme.send()
+    applying.join(30)
+    assert len(refused) == 1 and isinstance(refused[0], ws.ConfigurationError), refused
+    assert receiver.version == 0 and all(torch.equal(v, before[k]) for k, v in worker.state_dict().items())
+    receiver.shutdown()
+    scheme.shutdown()
+
+
+def _receive_into(receiver, refused: list[BaseException]) -> None:
+    try:
+        receiver.receive(timeout=20)
+    except BaseException as exc:  # noqa: BLE001 - looked at by the test
+        refused.append(exc)

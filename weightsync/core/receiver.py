@@ -38,7 +38,7 @@ from ..tensors.bound import BoundModel, one_device
 from ..tensors.copies import write_into
 from ..tensors.layout import FlatLayout
 from ..tensors.skeleton import filled, materialize
-from ..tensors.strategy import check_spec, flatten_weights, weights_spec
+from ..tensors.strategy import check_fits, check_spec, flatten_weights, weights_spec
 from .engine import Delivery, ReceiverEngine
 from .external import ExternalModel
 from .interrupts import held_interrupts
@@ -252,7 +252,7 @@ class Receiver:
                 dst = flatten_weights(self.model, self.strategy.extract_as)
                 held = self.engine.placement != "write" and self.bound.holds(dst)  # exactly as bound: checks hold
                 if not held:
-                    check_spec(layout.spec, weights_spec(dst), **where)
+                    check_fits(layout.spec, dst, **where)  # (before any is written)
                     dst = materialize(self.model, dst, update.pieces, self.strategy.extract_as, **where)
                 with self.weights_lock:  # weights and version change together for readers holding the lock
                     gpus = self._gpus(dst, held)

@@ -153,6 +153,31 @@ def check_spec(
         raise WeightMismatchError(missing=missing, extra=extra, mismatched=mismatched, **where)
 
 
+def check_fits(
+    update: Mapping[str, tuple[tuple[int, ...], torch.dtype]], dst: Mapping[str, torch.Tensor], **where: Any
+) -> None:
+    """:func:`check_spec` of an update against the tensors ``dst`` it is written into, and that none is an inference
+    tensor, before any is written: the copy stopped at the first such tensor, those before it written, the
+    version left as it was (a user's audit: a rollout loop had replaced a buffer under ``torch.inference_mode``).
+
+    Raises:
+        WeightMismatchError: keys, shapes or dtypes differ.
+        ConfigurationError: inference tensors (made under ``torch.inference_mode``, which alone may write them),
+            named, where this is not inside it.
+    """
+    check_spec(update, weights_spec(dst), **where)
+    if torch.is_inference_mode_enabled():
+        return
+    stuck = sorted(k for k, t in dst.items() if t.is_inference())
+    if stuck:
+        raise ConfigurationError(
+            f"{stuck} of this worker's model are inference tensors (made under torch.inference_mode, which alone "
+            "may write them): an update cannot be written into them. Change the model's tensors in place under "
+            "inference_mode (tensor.copy_(...)), or make new ones outside it",
+            **where,
+        )
+
+
 def check_sent(
     flat: Mapping[str, torch.Tensor], target: Mapping[str, tuple[tuple[int, ...], torch.dtype]], **where: Any
 ) -> None:

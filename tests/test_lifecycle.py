@@ -456,7 +456,7 @@ def worker(scheme, idx):
         except ws.ConnectionClosedError:
             break
 
-if __name__ == "__main__":
+def train():
     policy = torch.nn.Linear(4, 2)
     scheme = ws.{cls}(timeout=30)
     scheme.init_on_sender(model_id="policy", model=policy, num_workers=1)
@@ -466,11 +466,23 @@ if __name__ == "__main__":
     scheme.connect()
     scheme.send()
     raise RuntimeError("loss is NaN")
+
+if __name__ == "__main__":
+    if {as_process}:  # (a trainer that is itself a process: a DDP rank; its exit runs no atexit hook)
+        trainer = mp.get_context("forkserver").Process(target=train)
+        trainer.start()
+        trainer.join()
+        raise SystemExit(trainer.exitcode)
+    train()
 """
 
 
-@pytest.mark.parametrize("cls", ["SharedMemWeightSyncScheme", "DistributedWeightSyncScheme"])
-def test_a_trainer_that_raises_with_its_workers_alive_ends_and_so_do_they(tmp_path, cls):
+@pytest.mark.parametrize(
+    "cls,as_process",
+    [("SharedMemWeightSyncScheme", False), ("DistributedWeightSyncScheme", False), ("SharedMemWeightSyncScheme", True)],
+    ids=["shared_mem", "distributed", "shared_mem-in-a-process"],
+)
+def test_a_trainer_that_raises_with_its_workers_alive_ends_and_so_do_they(tmp_path, cls, as_process):
     """The README's program shape, its loop raising: multiprocessing joins the process's children at its exit, and
     a worker waiting for its sender's next version never ended: the trainer hung for good (a user's audit). Its
     senders still open are shut down first, and the workers hear it."""
@@ -478,7 +490,7 @@ def test_a_trainer_that_raises_with_its_workers_alive_ends_and_so_do_they(tmp_pa
     import sys
 
     script = tmp_path / "trainer.py"
-    script.write_text(TRAINER_THAT_RAISES.replace("{cls}", cls))
+    script.write_text(TRAINER_THAT_RAISES.replace("{cls}", cls).replace("{as_process}", str(as_process)))
     ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert ran.returncode == 1 and "RuntimeError: loss is NaN" in ran.stderr, ran.stderr[-3000:]
 

@@ -139,6 +139,9 @@ def test_a_folder_another_user_could_have_written_is_refused_not_taken_for_the_m
         write_llama(folder, TINY)
     folder.chmod(0o755)
     assert write_llama(folder, TINY) == folder
+    (tmp_path / "link").symlink_to(folder)  # (a stranger's link to a folder of theirs, in /tmp)
+    with pytest.raises(FileExistsError, match="is a symbolic link"):
+        write_llama(tmp_path / "link", TINY)
     if os.getuid() != 0:
         pytest.skip("giving the folder to another user needs root")
     os.chown(folder, 65534, 65534)

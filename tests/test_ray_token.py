@@ -89,12 +89,13 @@ def test_a_token_open_to_others_that_cannot_be_made_private_is_refused_by_name(h
         keep_token_private(new_cluster=False)
 
 
-def test_a_scheme_joins_the_cluster_it_is_given_or_starts_one_never_one_another_user_named(tmp_path):
+def test_a_scheme_joins_the_cluster_it_is_given_or_starts_one_never_one_another_user_named(tmp_path, monkeypatch):
     """Ray's own default (no address) joins the cluster named in ``ray_current_cluster`` in Ray's temp dir, which
     every user of the host can write (``/tmp/ray`` is open to all), and ``"auto"`` falls back to any cluster
     running on the host: another user had the trainer join theirs, whose workers then ran code in it (a security
     review, as uid 65534). No address now starts a new local cluster, whatever that file says; ``"auto"`` takes
     the file only where this user wrote it."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert bootstrap_address(None, str(tmp_path)) == bootstrap_address("", str(tmp_path)) == LOCAL
     assert bootstrap_address("127.0.0.1:6379") == "127.0.0.1:6379"
     assert bootstrap_address("ray://10.0.0.1:10001") == "ray://10.0.0.1:10001"
@@ -104,6 +105,13 @@ def test_a_scheme_joins_the_cluster_it_is_given_or_starts_one_never_one_another_
     planted.write_text("127.0.0.1:6379\n")  # (what `ray start --head` leaves)
     assert bootstrap_address(None, str(tmp_path)) == LOCAL  # (not the cluster the file names)
     assert bootstrap_address("auto", str(tmp_path)) == "127.0.0.1:6379"  # (this user's own)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6380")  # (as Ray reads "auto": the environment's first)
+    assert bootstrap_address("auto", str(tmp_path)) == "127.0.0.1:6380"
+    monkeypatch.delenv("RAY_ADDRESS")
+    planted.chmod(0o666)  # (this user's, but any user may have rewritten it)
+    with pytest.raises(ws.ConfigurationError, match=r"mode 666\)"):
+        bootstrap_address("auto", str(tmp_path))
+    planted.chmod(0o644)
     if os.getuid() != 0:
         pytest.skip("giving the file to another user needs root")
     os.chown(planted, 65534, 65534)

@@ -251,6 +251,8 @@ def _holds(path: Path, spec: LlamaSpec) -> bool:
     """
     with contextlib.suppress(FileNotFoundError):
         found = path.lstat()
+        if stat.S_ISLNK(found.st_mode):  # (a link's target is anyone's folder)
+            raise FileExistsError(f"{path} is a symbolic link: give write_llama a folder of yours")
         if stat.S_ISDIR(found.st_mode) and (found.st_uid != os.getuid() or found.st_mode & 0o022):
             raise FileExistsError(
                 f"{path} is a folder of user {found.st_uid} (this is user {os.getuid()}), mode "

@@ -1,38 +1,48 @@
 """Senders still open when their process exits are shut down first, before multiprocessing joins the process's
 children: a worker that waits for its sender's next version never ends on its own, and a trainer that raised (or
 was interrupted) with its workers started as non-daemon processes, as the README's are, hung at its exit for good
-(a user's audit). Shut down, each sender says goodbye to its workers, which end."""
+(a user's audit). Shut down, each sender says goodbye to its workers, which end.
+
+The hook is a multiprocessing finalizer of positive priority: multiprocessing's own exit runs those before it
+joins the children, in the main process (at its atexit) and in a process it started (as its target returns, where
+no atexit hook runs), and a forked child starts with none of its parent's.
+"""
 
 from __future__ import annotations
 
-import atexit
-import contextlib
+import logging
+import os
 import threading
 import weakref
+from multiprocessing import util
 from typing import Any
 
 __all__ = ["shut_down_at_exit"]
 
+log = logging.getLogger("weightsync")
+
+#: Where the hook runs among multiprocessing's exit finalizers (higher first; its queues' own are 10 and below).
+EXIT_PRIORITY = 50
+
 _open: weakref.WeakSet[Any] = weakref.WeakSet()
 _lock = threading.Lock()
-_hooked = False
+_hooked_in: int | None = None  # the process the hook is registered in (a forked child has to register its own)
 
 
 def shut_down_at_exit(scheme: Any) -> None:
     """Shut ``scheme`` (a sender) down as this process exits, if it is still open then (bounded as its
-    ``shutdown()`` is). Holds no strong reference to it."""
-    global _hooked
+    ``shutdown()`` is: each open sender in turn). Holds no strong reference to it."""
+    global _hooked_in
     with _lock:
-        if not _hooked:
-            # Its exit hook, which joins the children, registered first: atexit runs ours before it.
-            import multiprocessing.util  # noqa: F401
-
-            atexit.register(_shut_down_open)
-            _hooked = True
+        if _hooked_in != os.getpid():
+            util.Finalize(None, _shut_down_open, exitpriority=EXIT_PRIORITY)
+            _hooked_in = os.getpid()
         _open.add(scheme)
 
 
 def _shut_down_open() -> None:
     for scheme in list(_open):
-        with contextlib.suppress(Exception):  # (one that fails leaves the others to shut down)
+        try:
             scheme.shutdown()
+        except Exception as exc:  # noqa: BLE001 - one that fails leaves the others to shut down, said
+            log.warning("model %r: its shutdown at the process's exit failed: %s", scheme.model_id, exc)

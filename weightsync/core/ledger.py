@@ -20,7 +20,7 @@ class Peer:
     acked_at: float = float("-inf")
     #: The newest version a wait reported this worker timed out on (:meth:`Ledger.timeouts`).
     timed_out: int | None = None
-    #: How many waits reported it timed out since its last ack (:meth:`Ledger.late_again`).
+    #: How many waits reported it timed out since it last acked a version it timed out on (:meth:`Ledger.late_again`).
     timeouts: int = 0
     #: The newest version whose call ended without an ack (the worker's failure of it, or the engine's own time-out
     #: of it: an RPC's): no ack of it comes.
@@ -40,8 +40,10 @@ class Ledger:
     def ack(self, worker: int, held: int) -> None:
         peer = self.peers[worker]
         if peer.acked is None or held > peer.acked:
-            peer.acked, peer.timeouts = held, 0
+            peer.acked = held
             peer.acked_at = time.perf_counter()
+            if peer.timed_out is None or held >= peer.timed_out:  # (an older version's ack: still late)
+                peer.timeouts = 0
         error = self.errors.get(worker)
         if isinstance(error, SyncTimeoutError) and error.version is not None and error.version <= held:
             del self.errors[worker]  # (no ack of that version came in time, and now it has: no longer news)

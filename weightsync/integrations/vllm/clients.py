@@ -337,7 +337,10 @@ class RayActorClient(EngineClient):
         self._call("resume_generation", timeout)
 
     def shutdown(self, timeout: float) -> None:
-        self._call("shutdown_weight_transfer_engine", timeout)
+        import ray
+
+        if ray.is_initialized():  # (Ray's own exit ran first: its calls would start a cluster anew, Ray's way)
+            self._call("shutdown_weight_transfer_engine", timeout)
 
 
 def _takes(call: Any, name: str) -> bool:

@@ -231,7 +231,7 @@ class DistributedReceiver(ReceiverEngine):
         return link, line, hello, refusal
 
     def _dial(self, store: dist.Store, deadline: float) -> Dialing | None:
-        """This worker's line to the sender (:mod:`.line`), at the address it sealed; ``None``: it named none."""
+        """This worker's line to the sender (:mod:`.line`), at the address it sealed; ``None``: none (doorbell)."""
         try:
             at = sealed_object(self.sealer, store, "line", **self.where)
             address = (str(at["host"]), int(at["port"]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from pathlib import Path
 
 from ...errors import ConfigurationError
@@ -34,6 +35,8 @@ def bootstrap_address(address: str | None, temp_dir: str | None = None) -> str:
         return LOCAL
     if address != "auto":
         return address
+    if os.environ.get("RAY_ADDRESS") not in (None, "", "auto"):  # (Ray's own rule: it names the cluster)
+        return os.environ["RAY_ADDRESS"]
     from ray._private.utils import get_ray_address_file  # (where ray.init looks)
 
     path = Path(get_ray_address_file(temp_dir))
@@ -45,12 +48,14 @@ def bootstrap_address(address: str | None, temp_dir: str | None = None) -> str:
             "address (host:port), or none for a new local cluster"
         ) from None
     with contextlib.closing(os.fdopen(fd)) as file:
-        owner = os.fstat(fd).st_uid
-        if owner != os.getuid():
+        found_stat = os.fstat(fd)
+        owner = found_stat.st_uid
+        if owner != os.getuid() or found_stat.st_mode & 0o022:
             raise ConfigurationError(
-                f"address='auto' would join the cluster named in {path}, which user {owner} wrote, not this user "
-                f"({os.getuid()}): every user of this host can write there, and a cluster another user runs runs "
-                "code in this process. Give the cluster's address (host:port)"
+                f"address='auto' would join the cluster named in {path}, which user {owner} wrote (this is user "
+                f"{os.getuid()}; mode {stat.S_IMODE(found_stat.st_mode):o}): every user of this host can write "
+                "there, and a cluster another user runs runs code in this process. Give the cluster's address "
+                "(host:port)"
             )
         found = file.read().strip()
     if not found:

@@ -251,7 +251,8 @@ class RaySender(SenderEngine):
         # same) would be printed by Ray as an unhandled error, traceback and all, once its ref is dropped: those that
         # end within a moment are read here (that one was still on its way at the close of a connect that raised at
         # once, on a busy machine). One still running then is the actor's to report.
-        refs = list(self._refs(list(self.transports)))
+        # (Ray shut down already, at the process's exit: its calls would start a cluster anew, Ray's default way)
+        refs = list(self._refs(list(self.transports))) if ray().is_initialized() else []
         with contextlib.suppress(Exception):  # Ray may be shut down already: nothing is reported then
             within = min(timeout, CLOSE_READ_S)
             ready, _ = ray().wait(refs, num_returns=len(refs), timeout=within) if refs else ([], [])

@@ -94,7 +94,7 @@ class DistributedReceiver(ReceiverEngine):
             )
         w, workers = where["worker_idx"], int(handoff.get("world_size", 0)) - 1
         if not 0 <= w < workers:  # (its hello would be one the sender never reads: it waited its whole bound)
-            raise ConfigurationError(f"worker_idx {w} is not in 0..{workers - 1}: the sender has {workers}", **where)
+            raise ConfigurationError(f"worker_idx {w} is not a worker of its sender (0..{workers - 1})", **where)
         self.handoff = handoff
         self._key = bytes.fromhex(handoff.get("authkey") or read_key_file(handoff["authkey_file"], NO_KEY, **where))
         self._key_file = None if handoff.get("authkey") else handoff["authkey_file"]  # swept once its sender died

@@ -25,11 +25,12 @@ LOCAL = "local"
 
 def bootstrap_address(address: str | None, temp_dir: str | None = None) -> str:
     """What ``ray.init(address=...)`` is given for ``address`` (the scheme's, else ``RAY_ADDRESS``): an address as
-    it is; :data:`LOCAL` (a new local cluster) where there is none; for ``"auto"``, the address ``ray start``, run
-    by this user, left in Ray's temp dir (``temp_dir``, else Ray's default).
+    it is; :data:`LOCAL` (a new local cluster) where there is none; for ``"auto"``, ``RAY_ADDRESS`` where it names
+    one (as Ray reads it), else the address ``ray start``, run by this user, left in Ray's temp dir (``temp_dir``,
+    else Ray's default).
 
     Raises:
-        ConfigurationError: ``"auto"``, and that file is missing or another user's.
+        ConfigurationError: ``"auto"``, and that file is missing, another user's, or one others may write.
     """
     if not address:
         return LOCAL

@@ -479,8 +479,8 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize(
     "cls,as_process",
-    [("SharedMemWeightSyncScheme", False), ("DistributedWeightSyncScheme", False), ("SharedMemWeightSyncScheme", True)],
-    ids=["shared_mem", "distributed", "shared_mem-in-a-process"],
+    [("SharedMemWeightSyncScheme", False), ("DistributedWeightSyncScheme", True)],
+    ids=["shared_mem", "distributed-in-a-process"],
 )
 def test_a_trainer_that_raises_with_its_workers_alive_ends_and_so_do_they(tmp_path, cls, as_process):
     """The README's program shape, its loop raising: multiprocessing joins the process's children at its exit, and

@@ -405,3 +405,12 @@ def test_receiver_config_through_yaml_into_a_process_started_by_hand(tmp_path):
     version, total = out.split()
     assert int(version) == 1
     assert float(total) == pytest.approx(float(sum(p.double().sum() for p in model.parameters())), rel=1e-12)
+
+
+def test_a_scheme_given_its_transports_config_uninstantiated_says_so():
+    """``instantiate(cfg, _recursive_=False)`` hands the transport's config over as it is: the scheme said the
+    transport, its own, was not one it runs over (a Hydra user's audit)."""
+    with pytest.raises(ws.ConfigurationError, match=r"given its transport's config uninstantiated .*_recursive_=False"):
+        ws.MultiProcessWeightSyncScheme(transport={"_target_": "weightsync.MPSettings", "max_slots": None})
+    with pytest.raises(ws.ConfigurationError, match=r"runs over the transports \['mp', 'shared_mem'\]"):
+        ws.MultiProcessWeightSyncScheme(transport={"_target_": "weightsync.RaySettings"})

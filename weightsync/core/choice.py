@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ..errors import ConfigurationError
@@ -85,6 +86,13 @@ def _settings_class(scheme: type, choices: tuple[type[TransportSettings], ...], 
     names = [cls.name for cls in choices]
     named = getattr(transport, "name", None)  # (a settings class, as Hydra builds a transport's config: its name)
     shown = repr(named) if isinstance(transport, type) and isinstance(named, str) else repr(transport)
+    target = transport.get("_target_") if isinstance(transport, Mapping) else None
+    if isinstance(target, str) and target.rpartition(".")[2] in {cls.__name__ for cls in choices}:
+        # (hydra's instantiate(..., _recursive_=False) hands the transport's config over as it is)
+        raise ConfigurationError(
+            f"{scheme.__name__} was given its transport's config uninstantiated ({shown}): instantiate the scheme's "
+            "config without _recursive_=False, or give transport= the transport's name or settings"
+        )
     raise ConfigurationError(f"{scheme.__name__} runs over the transports {sorted(names)}, got {shown}")
 
 

@@ -1165,3 +1165,43 @@ def test_a_worker_restarted_during_the_rendezvous_takes_its_place(name):
                 if proc.is_alive():
                     proc.kill()
             scheme.shutdown()
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "shared_mem"])
+def test_a_worker_whose_connect_timed_out_in_the_rendezvous_takes_its_place_when_it_tries_again(name):
+    # Worker 0's connect() gave up while the trainer still waited for worker 1; its channel, closed, was counted as
+    # connected until its process exited, and the retry was refused as "already connected".
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.core.timing import deadline_after, wait_until
+
+    model = build("tiny")
+    scheme = _scheme(name)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    receivers = [ws.from_config(scheme.receiver_config(i)) for i in (0, 1)]
+    for i, receiver in enumerate(receivers):
+        receiver.init_on_receiver(model_id="policy", model=build("tiny"), worker_idx=i)
+    engine = scheme._runtime.sending.engine
+    with ThreadPoolExecutor(3) as pool:
+        connecting = pool.submit(scheme.connect)
+        try:
+            receivers[0].connect_timeout = 4.0
+            with pytest.raises(ws.SyncTimeoutError, match="no initial weights"):
+                receivers[0].connect(worker_idx=0)  # (worker 1 is not there: no version 0 yet)
+            first = engine.transports[0]
+            receivers[0].connect_timeout = 60.0
+            again = pool.submit(receivers[0].connect, worker_idx=0)
+            assert wait_until(lambda: engine.transports.get(0) is not first, deadline_after(60), 0.01), again
+            receivers[1].connect(worker_idx=1)
+            again.result(60)
+            connecting.result(60)
+            optimizer_step(model, 1)
+            scheme.send_async()
+            assert all(receiver.receive(timeout=60) is not None for receiver in receivers)
+            scheme.wait_async()
+            assert scheme.acked_versions == {0: 1, 1: 1}
+            assert [checksum(receiver.model) for receiver in receivers] == [checksum(model)] * 2
+        finally:
+            for receiver in receivers:
+                receiver.shutdown()
+            scheme.shutdown()

@@ -117,10 +117,10 @@ class Receiver:
         return self._refusal
 
     def connect(self, timeout: float, background_thread: bool = False) -> None:
-        """Join the sender and apply the initial version (engines that push: it arrives as a call)."""
-        deadline = deadline_after(timeout)
+        """Join the sender, apply the initial version (a pusher's comes as a call); ``timeout`` counts after imports."""
         if not isinstance(self.model, ExternalModel):  # (what receive() returns is the strategy's format)
             self.strategy.warm()
+        deadline = deadline_after(timeout)
         self.engine.join(deadline, self._check, self.update_timeout)
         if not self.engine.pushes:
             while self.version is None:

@@ -251,16 +251,14 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
     def connect(
         self, *, worker_idx: int | None = None, weights: Any = None, processes: Iterable[Any] | None = None
     ) -> None:
-        """Rendez-vous. Sender: wait for every worker and give each the initial weights
-        (``weights`` overrides the registered model's). Receiver: join the sender,
-        receive and apply the initial weights. Blocks for at most ``connect_timeout``,
-        saying at INFO (``logging``) which workers it still waits for when that lasts.
+        """Rendez-vous. Sender: wait for every worker and give each the initial weights (``weights`` overrides the
+        registered model's). Receiver: join the sender, receive and apply the initial weights. Blocks for at most
+        ``connect_timeout`` (a receiver's counted after it imported what its strategy needs: tensordict takes
+        seconds), saying at INFO (``logging``) which workers it still waits for when that lasts.
 
-        A sender watches the worker processes it knows of while it waits: those
-        ``multiprocessing`` started with this scheme among their arguments, and
-        ``processes`` (``multiprocessing`` processes or ``subprocess.Popen`` objects,
-        such as workers started from receiver configs). One that exits before it
-        connected is named at once.
+        A sender watches the worker processes it knows of while it waits: those ``multiprocessing`` started with
+        this scheme among their arguments, and ``processes`` (``multiprocessing`` processes or ``subprocess.Popen``
+        objects, such as workers started from receiver configs). One that exits before it connected is named at once.
 
         Raises:
             LifecycleError: called before init, or twice.

@@ -1,22 +1,18 @@
 """An authenticated message channel between a sender and one local worker.
 
-The listener binds a Linux abstract-namespace Unix socket: it has no file to
-leave behind and vanishes with the process, even on SIGKILL. Anyone on the
-host can reach an abstract socket, so both ends prove they hold the scheme's
+The listener binds a Linux abstract-namespace Unix socket: it has no file to leave behind and vanishes with the
+process, even on SIGKILL. Anyone on the host can reach an abstract socket, so both ends prove they hold the scheme's
 random auth key (an HMAC challenge each way) before any message is read.
 
-Messages are small JSON objects framed as :class:`multiprocessing.connection.Connection`
-frames (a 4-byte big-endian length, then the bytes); nothing received is ever
-unpickled. File descriptors (shared-memory slots) travel as ``SCM_RIGHTS``
-ancillary data on the same socket.
+Messages are small JSON objects framed as :class:`multiprocessing.connection.Connection` frames (a 4-byte big-endian
+length, then the bytes); nothing received is ever unpickled. File descriptors (shared-memory slots) travel as
+``SCM_RIGHTS`` ancillary data on the same socket.
 
-Every read is bounded in size and in time, a frame as a whole: before the
-handshake by :data:`_HANDSHAKE_MAX` / :data:`_HELLO_MAX` bytes and
-:data:`HANDSHAKE_TIMEOUT` seconds per peer, after it by :data:`MAX_MESSAGE`
-bytes and :data:`FRAME_TIMEOUT` seconds once a frame has begun. The listener
-runs the handshakes of all connecting peers at once, as a non-blocking state
-machine over ``poll(2)`` (at most :data:`MAX_PENDING` of them), so a peer that
-sends half a frame and holds delays nobody but itself.
+Every read is bounded in size and in time, a frame as a whole: before the handshake by :data:`_HANDSHAKE_MAX` /
+:data:`_HELLO_MAX` bytes and :data:`HANDSHAKE_TIMEOUT` seconds per peer, after it by :data:`MAX_MESSAGE` bytes and
+:data:`FRAME_TIMEOUT` seconds once a frame has begun. The listener runs the handshakes of all connecting peers at
+once, as a non-blocking state machine over ``poll(2)`` (at most :data:`MAX_PENDING` of them), so a peer that sends
+half a frame and holds delays nobody but itself.
 """
 
 from __future__ import annotations
@@ -39,13 +35,7 @@ from typing import Any
 
 from ...core.interrupts import held_interrupts
 from ...core.timing import Progress, deadline_after, remaining, shown_seconds
-from ...errors import (
-    AuthenticationError,
-    ConnectionClosedError,
-    SyncTimeoutError,
-    TransportError,
-    WeightSyncError,
-)
+from ...errors import AuthenticationError, ConnectionClosedError, SyncTimeoutError, TransportError, WeightSyncError
 from ..descriptors import poll_ms, readable
 from ..network import crowded_out
 from ..plainjson import loads_object
@@ -179,6 +169,13 @@ class Channel:
         if self._conn.closed:
             return True  # reading says how (a closed descriptor's number may belong to another file by now)
         return bool(self._poller.poll(poll_ms(timeout)))
+
+    def hung_up(self) -> bool:
+        """True where the peer closed its end and nothing is left to read (looked at, not read)."""
+        try:
+            return self._conn.closed or (self.poll(0) and not self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except OSError as exc:  # (a reset: hung up too)
+            return not isinstance(exc, BlockingIOError)
 
     def recv(self, timeout: float = 0.0) -> dict[str, Any] | None:
         """Next message, or ``None`` if none arrives within ``timeout`` seconds.

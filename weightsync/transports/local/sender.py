@@ -159,8 +159,11 @@ class LocalSender(SenderEngine):
         worker is connected already."""
         problem = hello_problem(hello, self.num_workers, self.sink.model_id)
         w = int(hello["worker_idx"]) if problem is None else -1
-        old = self.transports.get(w)  # (one whose process is gone is replaced: a restart in the rendez-vous too)
-        if old is not None and not self.sink.is_dead(w) and not (old.process is not None and old.process.gone()):
+        # One whose process is gone (a restart), or that hung up (a connect() retried after its timeout), is replaced:
+        # in the rendez-vous too.
+        old = self.transports.get(w)
+        gone = old is None or (old.process is not None and old.process.gone()) or old.channel.hung_up()
+        if not gone and not self.sink.is_dead(w):
             return f"worker {w} is already connected"
         return problem
 

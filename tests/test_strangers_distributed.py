@@ -345,6 +345,65 @@ def test_a_hello_deleted_once_seen_or_too_large_is_refused_at_once_not_waited_fo
     assert hello == {} and problem is not None and "80009 bytes, over 65536" in problem, problem
 
 
+class _DeletesWhatIsSeen:
+    """A store a stranger shares, who deletes each key the moment a look (``check``) found it: the timing a review
+    hit in 3 to 14 tries, watching the rejoin thread's polls."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def check(self, keys: list[str]) -> bool:
+        found = self._store.check(keys)
+        for key in keys:
+            self._store.delete_key(key)
+        return found
+
+
+def test_a_count_deleted_once_seen_is_read_in_one_step_not_waited_for():
+    """The review deleted ``gen/0`` between the rejoin thread's look and its read: the read waited its client's own
+    timeout (35 s), and each send to a rejoined worker (announced on that client) waited behind it: 34 s at
+    ``timeout=5``. Counts, like hellos, are read in one step that does not wait."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from weightsync.transports.distributed.rejoins import RejoinRequests
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    for key, value in {"rejoins": "1", "gen/0": "2", "rejoin/0/2": "{}"}.items():
+        store.set(key, value)
+    requests = RejoinRequests("", ("127.0.0.1", store.port), 2, "policy")
+    requests.store = _DeletesWhatIsSeen(store)
+    assert requests.next() == (0, 2)  # (its hello, deleted too, is then refused as holding nothing: above)
+
+
+def test_a_word_of_a_drop_the_sender_did_not_seal_is_not_obeyed_and_holds_no_worker(workers):
+    """A value at ``dropped/1`` from anyone who reaches the store (no key: not sealed) made worker 1 refuse every
+    version too large to carry its digest in its announcement (over 4 MiB) with an AuthenticationError, and the
+    trainer time it out, for good: one write held a worker (and ended a vLLM engine's stager thread)."""
+    from tests._bodies import optimizer_step, start
+    from tests._workers import build, checksum
+
+    model = build("flat2_8mb")
+    scheme = ws.DistributedWeightSyncScheme(timeout=5, connect_timeout=60)
+    scheme.init_on_sender(model_id="policy", model=model, num_workers=2)
+    group, ready = start(workers, {"policy": scheme}, {"policy": "flat2_8mb"}, n=2)
+    try:
+        assert all(errors == {} for _, _, errors in ready)
+        scheme._sending.engine.store.set("dropped/1", b"not sealed")
+        for version in (1, 2):
+            optimizer_step(model, version)
+            scheme.send()
+        assert scheme.acked_versions == {0: 2, 1: 2}
+        assert group.ask(1, "state")["policy"] == (2, checksum(model))
+    finally:
+        group.stop()
+        scheme.shutdown()
+
+
 @needs_stranger
 def test_a_deep_hello_refuses_that_worker_by_name_within_the_bound():
     """Finding 5: worker 0's hello replaced by JSON 200,000 deep; the trainer names it, the worker is told."""

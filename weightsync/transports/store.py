@@ -28,7 +28,9 @@ __all__ = [
     "open_store",
     "store_count",
     "store_json",
+    "store_read",
     "store_set",
+    "store_value",
 ]
 
 log = logging.getLogger("weightsync.transports.store")
@@ -49,19 +51,31 @@ MAX_HELLO_JSON = 64 * 1024
 _ABSENT = "\x00weightsync: nothing"
 
 
+def store_read(store: dist.Store, key: str) -> bytes | None:
+    """The value under ``key`` (``None``: none), read without waiting, in one round trip. ``get`` waits for a key
+    that is not there, up to the store's own timeout, holding every other call on that client behind it; and anyone
+    who reaches the store may delete a key between a look for it and its read (reviews held a trainer's connect, and
+    then its sends, that long so)."""
+    raw = store.compare_set(key, _ABSENT, _ABSENT)  # (the value; where there is none, what it was given, unset)
+    return None if raw == _ABSENT.encode() else raw
+
+
+def store_value(store: dist.Store, key: str) -> bytes:
+    """:func:`store_read` of a key that was seen there (or must be): TransportError where it holds nothing."""
+    raw = store_read(store, key)
+    if raw is None:
+        raise TransportError(f"store key {key!r} holds nothing (deleted once seen); refusing it")
+    return raw
+
+
 def store_json(store: dist.Store, key: str, max_bytes: int = MAX_STORE_JSON) -> dict[str, Any]:
-    """The JSON object stored under ``key``, read as data (at most ``max_bytes``, an object, nothing else), without
-    waiting: ``get`` waits for a key that is not there, up to the store's own timeout, and anyone who reaches the
-    store may delete a key between a look for it and its read (a review held a trainer's connect twice its bound
-    so).
+    """The JSON object stored under ``key`` (:func:`store_value`), read as data: at most ``max_bytes``, an object,
+    nothing else.
 
     Raises:
         TransportError: no value under ``key``, or one too large, too deep, not plain JSON, or not a JSON object.
     """
-    raw = store.compare_set(key, _ABSENT, _ABSENT)  # (the value; where there is none, what it was given, unset)
-    if raw == _ABSENT.encode():
-        raise TransportError(f"store key {key!r} holds nothing (deleted once seen); refusing it")
-    return loads_object(raw, f"store key {key!r}", max_bytes=max_bytes)
+    return loads_object(store_value(store, key), f"store key {key!r}", max_bytes=max_bytes)
 
 
 def store_count(store: dist.Store, key: str) -> int:
@@ -71,9 +85,9 @@ def store_count(store: dist.Store, key: str) -> int:
     Raises:
         ValueError: the value is not a count (at most 18 digits).
     """
-    if not store.check([key]):
+    raw = store_read(store, key)
+    if raw is None:
         return 0
-    raw = store.get(key)
     if len(raw) > 18 or not raw.isdigit():
         raise ValueError(f"store key {key!r} holds no count")
     return int(raw)

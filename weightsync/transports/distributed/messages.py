@@ -4,18 +4,22 @@ worker opens the other objects the sender seals in the store (its layout, its ve
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import TYPE_CHECKING, Any
 
 from ...errors import AuthenticationError, TransportError
 from ...tensors.layout import FlatLayout
 from ..plainjson import loads_object
-from ..store import MAX_STORE_JSON
+from ..store import MAX_STORE_JSON, store_read, store_value
 from .auth import MACS, Sealer, layout_tag
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["addressed", "announcement", "checked_announcement", "sealed_layout", "sealed_object"]
+__all__ = ["addressed", "announcement", "checked_announcement", "sealed_layout", "sealed_object", "sealed_word"]
+
+log = logging.getLogger("weightsync.transports.distributed")
 
 
 def announcement(
@@ -76,9 +80,11 @@ def sealed_object(sealer: Sealer, store: dist.Store, key: str, **where: Any) -> 
 
     Raises:
         AuthenticationError: it is not sealed with the run key (for this key).
-        TransportError: it is not a bounded JSON object.
+        TransportError: it holds nothing (deleted once seen), or no bounded JSON object.
     """
-    return loads_object(sealer.open(store.get(key), key, **where), f"store key {key!r}", max_bytes=MAX_STORE_JSON)
+    return loads_object(
+        sealer.open(store_value(store, key), key, **where), f"store key {key!r}", max_bytes=MAX_STORE_JSON
+    )
 
 
 def addressed(said: dict[str, Any], key: str, nonce: str, **where: Any) -> None:
@@ -108,7 +114,7 @@ def sealed_layout(sealer: Sealer, store: dist.Store, **where: Any) -> tuple[Flat
         AuthenticationError: it is not sealed with the run key.
         TransportError: it is no layout, or not one as a sender describes it.
     """
-    content = sealer.open(store.get("layout"), "layout", **where)
+    content = sealer.open(store_value(store, "layout"), "layout", **where)
     plain = loads_object(content, "store key 'layout'", max_bytes=MAX_STORE_JSON)
     layout = FlatLayout.from_plain(plain)
     if layout.to_plain() != plain:
@@ -118,3 +124,24 @@ def sealed_layout(sealer: Sealer, store: dist.Store, **where: Any) -> tuple[Flat
             **where,
         )
     return layout, layout_tag(content)
+
+
+def sealed_word(sealer: Sealer, store: dist.Store, key: str, **where: Any) -> bool:
+    """Whether the sender's word ``key`` (that it dropped this worker, or shut down) is in ``store``, sealed. One not
+    sealed with the run key is a stranger's: logged, neither obeyed nor raised (a worker that stopped at it was held
+    for good by anyone who reaches the store; what it applies is checked against the sender's sealed digest all the
+    same)."""
+    raw = store_read(store, key)
+    if raw is None:
+        return False
+    try:
+        sealer.open(raw, key, **where)
+    except AuthenticationError as exc:
+        _warn_once(f"{exc}; not obeyed")
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=64)
+def _warn_once(text: str) -> None:
+    log.warning("%s", text)

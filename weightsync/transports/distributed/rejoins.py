@@ -21,7 +21,7 @@ from ..store import MAX_HELLO_JSON, store_count, store_json, store_set
 from ..storeclient import connect_store
 from .auth import Sealer, new_nonce, proof, proven
 from .group import GROUP_TIMEOUT_FACTOR, gpu_identity, new_group_within
-from .messages import addressed, announcement, sealed_object
+from .messages import addressed, announcement, sealed_object, sealed_word
 from .transport import MAX_ERROR_TEXT, DistributedTransport
 
 if TYPE_CHECKING:
@@ -131,8 +131,7 @@ def ask_to_rejoin(
         store.add("rejoins", 1)
         verdict = f"verdict/{w}/{gen}"
         while not store.check([verdict]):
-            if store.check(["shutdown"]):
-                sealer.open(store.get("shutdown"), "shutdown", **where)  # said by the sender, or refused
+            if sealed_word(sealer, store, "shutdown", **where):
                 return gen, "the sender shut down"
             if remaining(deadline) <= 0:
                 raise SyncTimeoutError("the sender did not answer this request to rejoin in time", **where)

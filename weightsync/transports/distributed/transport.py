@@ -45,7 +45,7 @@ from ...errors import (
     first_line,
 )
 from ..base import PeerTransport
-from ..store import store_set
+from ..store import store_set, store_value
 from ..storeclient import StoreCalls
 from .auth import ACK_TAG_WORDS, Sealer
 from .doorbell import Doorbell, ring
@@ -181,7 +181,8 @@ class DistributedTransport(WorkerSide, PeerTransport):
 
     def _opened(self, key: str, version: int | None = None) -> bytes:
         """The sealed value at ``key``, opened (AuthenticationError: not sealed with the run key)."""
-        return self.sealer.open(self.store.get(key), key, version, **self._where(version))
+        raw = store_value(self.store, key)  # (first: a store gone is told as such)
+        return self.sealer.open(raw, key, version, **self._where(version))
 
     @property
     def store(self) -> dist.Store:
@@ -274,7 +275,7 @@ class DistributedTransport(WorkerSide, PeerTransport):
         key = f"taken/{self.worker_idx}"
         while True:
             try:  # (looked at, not waited on: a store wait that times out logs torch's warnings each time)
-                if self.store.check([key]) and int(self._opened(key)) >= self.seq:
+                if int(self._opened(key)) >= self.seq:  # (TransportError: not there yet)
                     return True
             except dist.DistNetworkError:  # the store is gone: no word can come (each look would fail, logged)
                 return False

@@ -15,13 +15,13 @@ import torch.distributed as dist
 
 from ...core.timing import as_timedelta, deadline_after, remaining
 from ...errors import ConnectionClosedError, SyncTimeoutError, TransportError, WeightSyncError, first_line
-from ..store import store_set
+from ..store import store_read, store_set, store_value
 from ..storeclient import StoreCalls, Unanswered
 from .auth import PayloadMac, Unverifiable
 from .doorbell import MAX_SAID_BYTES
 from .group import is_timeout
 from .line import ACK, PeerClosed
-from .messages import checked_announcement
+from .messages import checked_announcement, sealed_word
 
 if TYPE_CHECKING:
     from .auth import Sealer
@@ -112,7 +112,7 @@ class WorkerSide:
                     break
                 try:
                     raw = self.calls.ask(
-                        lambda: store.get(key) if store.check([key]) else None,
+                        lambda: store_read(store, key),
                         max(deadline, deadline_after(ANSWER_S)),
                         "a look for the next announcement",
                         key=key,
@@ -175,8 +175,7 @@ class WorkerSide:
             asked = time.monotonic()
             if self._said_dropped():
                 return {"dropped": "what came on its line stopped midway, and it did not ack in time"}, asked
-            if self.store.check(["shutdown"]):
-                self._opened("shutdown")  # a word from anyone else is refused, not obeyed
+            if sealed_word(self.sealer, self.store, "shutdown", **self._where()):
                 return {"closed": True}, asked
             return None, asked
 
@@ -302,7 +301,7 @@ class WorkerSide:
 
         Raises:
             Unanswered: the store did not answer by ``deadline`` (its process stopped).
-            ConnectionClosedError: it went away. AuthenticationError: the word is not sealed with the run key.
+            ConnectionClosedError: it went away. (A word not sealed with the run key is not obeyed: `sealed_word`.)
         """
         try:
             within = deadline_after(self.timeout) if deadline is None else deadline
@@ -316,11 +315,7 @@ class WorkerSide:
 
     def _said_dropped(self) -> bool:
         """:meth:`was_dropped`, asked of the store by the caller."""
-        key = f"dropped/{self.worker_idx}"
-        if not self.store.check([key]):
-            return False
-        self._opened(key)  # a word from anyone else is refused, not obeyed
-        return True
+        return sealed_word(self.sealer, self.store, f"dropped/{self.worker_idx}", **self._where())
 
     def expected_digest(self, seq: int, version: int, timeout: float) -> str:
         """The sender's keyed digest of message ``seq`` (version ``version``): set once every bucket was written,
@@ -334,7 +329,7 @@ class WorkerSide:
 
         def digest() -> bytes:
             store.wait([key], as_timedelta(timeout))
-            return store.get(key)
+            return store_value(store, key)
 
         try:  # (torch's wait may outlast its timeout by a store round trip, with no bound if the store is stopped)
             raw = self.calls.ask(digest, deadline_after(timeout + ANSWER_S), "its digest", **self._where(version))

@@ -26,7 +26,7 @@ import torch.distributed.rpc as rpc
 from ...core.timing import WAIT_TICK_S, Progress, deadline_after, shown_seconds, wait_until
 from ...errors import ConfigurationError, SyncTimeoutError, first_line
 from ..network import interface_for, local_address
-from ..store import open_store
+from ..store import open_store, store_read
 from ..storeclient import Probe, dial_store
 
 __all__ = [
@@ -343,8 +343,9 @@ class _Listening(Probe):
     def _ask(self) -> None:
         super()._ask()
         for key in [k for k in list(self.watched) if k not in self.said]:
-            if self.store.check([key]):
-                self.said[key] = self.store.get(key)[: 4 * MAX_WORD].decode("utf-8", "replace")[:MAX_WORD]
+            raw = store_read(self.store, key)
+            if raw is not None:
+                self.said[key] = raw[: 4 * MAX_WORD].decode("utf-8", "replace")[:MAX_WORD]
 
 
 def forget_ended(sess: Session, model_id: str | None, worker_idx: int) -> None:

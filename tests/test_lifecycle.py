@@ -495,6 +495,30 @@ def test_a_trainer_that_raises_with_its_workers_alive_ends_and_so_do_they(tmp_pa
     assert ran.returncode == 1 and "RuntimeError: loss is NaN" in ran.stderr, ran.stderr[-3000:]
 
 
+def test_the_senders_open_at_exit_are_shut_down_side_by_side(monkeypatch):
+    """Shut down in turn, two senders whose workers hung took the sum of their timeouts to exit: here, each one's
+    shutdown ends only once the other's began."""
+    import threading
+    import weakref
+
+    from weightsync.core import leaving
+
+    both = threading.Barrier(2, timeout=10)
+    ended = []
+
+    class Sender:
+        model_id, timeout = "policy", 10.0
+
+        def shutdown(self) -> None:
+            both.wait()
+            ended.append(self)
+
+    senders = [Sender(), Sender()]
+    monkeypatch.setattr(leaving, "_open", weakref.WeakSet(senders))
+    leaving._shut_down_open()
+    assert len(ended) == 2
+
+
 def test_no_sync_refuses_what_every_scheme_refuses_in_the_caller():
     """Switched to no_sync, a run lost its NaN guard and its check of worker_ids and weights (a user's audit)."""
     model = nn.Linear(2, 2)
@@ -506,9 +530,14 @@ def test_no_sync_refuses_what_every_scheme_refuses_in_the_caller():
         scheme.send(worker_ids=[0, 7])
     with pytest.raises(ws.InvalidWeightsError, match="weights must be an nn.Module"):
         scheme.send(weights=42)
+    with pytest.raises(ws.WeightMismatchError, match=r"mismatched \{'weight': got \[3, 2\]"):
+        scheme.send(weights={"weight": torch.zeros(3, 2), "bias": torch.zeros(2)})
+    with pytest.raises(ws.WeightMismatchError, match=r"missing keys \['bias'\]"):
+        scheme.send(weights={"weight": torch.zeros(2, 2)})
+    scheme.send(weights={k: v.clone() for k, v in model.state_dict().items()})
     with torch.no_grad():
         model.weight[0, 0] = float("nan")
     with pytest.raises(ws.InvalidWeightsError, match="NaN or Inf"):
         scheme.send()
-    assert scheme.version == 1
+    assert scheme.version == 2
     scheme.shutdown()

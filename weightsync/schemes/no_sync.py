@@ -9,7 +9,7 @@ from .. import checks
 from ..core.scheme import WeightSyncScheme
 from ..core.states import RECEIVER_CONNECTED
 from ..errors import ConfigurationError
-from ..tensors.strategy import check_finite
+from ..tensors.strategy import check_finite, check_sent, weights_spec
 
 __all__ = ["NoWeightSyncScheme"]
 
@@ -60,6 +60,8 @@ class NoWeightSyncScheme(WeightSyncScheme, name="no_sync", aliases=("none",), co
         # What another scheme refuses in the caller is refused here too: a switch to no_sync hides no bug
         if weights is not None or self._runtime.model is not None:  # (with neither, nothing to look at)
             flat = self._flat_weights(weights)  # (weights it cannot take: named)
+            if weights is not None and self._runtime.model is not None:  # (keys, shapes, dtypes: the model's)
+                check_sent(flat, weights_spec(self._flat_weights(None)), model_id=self.model_id)
             if self.check_finite:
                 check_finite(flat, model_id=self.model_id)
         self._count = (self._count or 0) + 1

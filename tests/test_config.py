@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from hydra import compose, initialize, initialize_config_module
 from hydra.errors import HydraException
@@ -293,6 +294,8 @@ def test_bad_overrides_fail_in_hydra(override):
         ("models.policy.size_mb=nan", r"models.policy.size_mb must be in \(0, 1e\+06\], got nan"),
         ("models.value.size_mb=inf", "models.value.size_mb must be"),
         ("seed=99999999999999999999", r"seed must be in \[0, 2\*\*63\)"),
+        ("changed=0", r"changed \(the fraction of values a round changes\) must be in \(0, 1\], got 0.0"),
+        ("changed=nan", r"changed .* must be in \(0, 1\], got nan"),
         # Each names the override the user typed (it named schemes.policy, and a transport by its class), and the
         # opt-in that applies to it (scheme.allow_... for a model whose scheme was picked by name, which cannot work).
         ("scheme.timeout=-1", "^scheme: timeout must be a positive number of seconds"),
@@ -329,6 +332,20 @@ def test_the_jobs_own_bad_values_fail_by_name_before_a_worker_starts(override, n
     monkeypatch.setattr(job, "_Collector", no_workers)
     with pytest.raises(ws.ConfigurationError, match=named):
         job.run_job(_main(["rounds=1", "num_workers=1", *override.split()]))
+
+
+def test_the_jobs_rounds_change_the_fraction_of_values_asked_and_leave_the_others_bits():
+    """``changed=0.01``: a round changes about 1% of the values (a scheme with ``delta=auto`` then sends changes);
+    before the option, every round changed every value, and no version of the main job went as changes."""
+    from weightsync.app.job import _perturb
+
+    model = nn.Linear(1000, 100)
+    before = model.weight.detach().clone()
+    _perturb(model, torch.Generator().manual_seed(0), 0.01)
+    same = model.weight.detach().view(torch.int32) == before.view(torch.int32)
+    assert 0.005 < 1 - same.float().mean().item() < 0.02
+    _perturb(model, torch.Generator().manual_seed(0))
+    assert not torch.equal(model.weight, before)
 
 
 def test_receiver_config_is_plain_and_secret_free():

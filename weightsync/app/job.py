@@ -62,6 +62,9 @@ class JobConfig:
     # How workers start; None: forkserver where the platform has it, else spawn.
     start_method: Optional[str] = None  # noqa: UP045 - omegaconf 2.3 reads typing.Optional
     worker_timeout: float = 120.0
+    # The fraction of each model's values a round changes, in (0, 1]: under 1, the rest keep their bits, as most do
+    # between two steps of fine-tuning (docs/delta.md), and a scheme with delta=auto sends the changes.
+    changed: float = 1.0
     # Each model's size_mb and tensors (weightsync.app.models.ModelSpec), checked by model_specs: untyped here, so
     # that `'+models.critic={size_mb:1}'` adds one (omegaconf 2.3 assigns no mapping to a dataclass-typed value).
     models: dict[str, Any] = field(default_factory=dict)
@@ -181,11 +184,15 @@ def _has_channel(scheme: WeightSyncScheme) -> bool:
     return hasattr(scheme.receiver_transport, "channel")
 
 
-def _perturb(model: nn.Module, gen: torch.Generator) -> None:
-    """An optimizer-like in-place change."""
+def _perturb(model: nn.Module, gen: torch.Generator, changed: float = 1.0) -> None:
+    """An optimizer-like in-place change of about ``changed`` of the values (the others keep their bits)."""
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
+            step = torch.randn(p.shape, generator=gen) * 1e-3
+            if changed < 1:
+                p.copy_(torch.where(torch.rand(p.shape, generator=gen) < changed, p + step, p))
+            else:
+                p.add_(step)
 
 
 def _process_context(
@@ -228,6 +235,9 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
     if n < 1 or int(cfg.rounds) < 1:
         raise ConfigurationError(f"num_workers and rounds must be >= 1, got {n} and {cfg.rounds}")
     checks.seconds(cfg.worker_timeout, "worker_timeout")
+    changed = float(cfg.changed)
+    if not 0 < changed <= 1:  # (NaN too)
+        raise ConfigurationError(f"changed (the fraction of values a round changes) must be in (0, 1], got {changed}")
     if not 0 <= int(cfg.seed) < 2**63:  # (torch's generator takes a 64-bit seed)
         raise ConfigurationError(f"seed must be in [0, 2**63), got {cfg.seed}")
     torch.manual_seed(int(cfg.seed))
@@ -283,7 +293,7 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
         rounds = range(1, int(cfg.rounds) + 1)
         for _ in progress(rounds) if progress else rounds:
             for model_id, scheme in schemes.items():
-                _perturb(models[model_id], gen)
+                _perturb(models[model_id], gen, changed)
                 times[model_id].append(_timed_send(scheme))
                 collector.promise(model_id, models[model_id])
                 if model_id in moving:  # workers check this version before the next send is timed

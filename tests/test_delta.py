@@ -15,6 +15,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from unittest import mock
 
 import numpy as np
@@ -514,11 +515,11 @@ def _flat_bytes(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ws.WeightStrategy().flat(model).values()])
 
 
-def _connected(n: int = 2, taking: bool = False, **kw):
-    model = build("tiny")
+def _connected(n: int = 2, taking: bool = False, kind: Callable[[], torch.nn.Module] = lambda: build("tiny"), **kw):
+    model = kind()
     scheme = ws.DistributedWeightSyncScheme(connect_timeout=60, **{"timeout": 20, "delta": "auto", **kw})
     scheme.init_on_sender(model_id="policy", model=model, num_workers=n)
-    workers = [_Worker(scheme, i, build("tiny"), taking) for i in range(n)]
+    workers = [_Worker(scheme, i, kind(), taking) for i in range(n)]
     joiners = [threading.Thread(target=w.scheme.connect) for w in workers]
     for t in joiners:
         t.start()
@@ -578,6 +579,43 @@ def test_many_versions_of_changes_are_bit_exact_on_every_worker(wire_dtype, chec
         assert all(not w.errors for w in workers)
     finally:
         _stop(scheme, workers)
+
+
+class _Odd(torch.nn.Module):
+    """A bool mask whose bytes may be other than 0 and 1 (a view of uint8 data: torch's copy of a bool writes 1 for
+    each), and a channels_last conv weight: dense, not contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(2, 4, 3).to(memory_format=torch.channels_last)
+        self.register_buffer("mask", torch.zeros(8, dtype=torch.bool))
+
+
+@pytest.mark.parametrize(("wire_dtype", "track"), [(None, True), ("bfloat16", False)])
+def test_a_bool_mask_and_a_nan_in_a_permuted_tensor_end_as_a_whole_send_leaves_them(wire_dtype, track):
+    """(an audit) The trainer's copy for changes took a bool's bytes as they were (3, where a whole send's copy
+    writes 1: a worker sent changes, or sent whole from that copy, held 3; with a checksum every later change was
+    refused), and converted a permuted tensor with ``.to()``, another loop than a whole send's ``copy_``: a NaN
+    became 0xffff, not 0x7fc0, in bfloat16."""
+    ran = {d: _connected(kind=_Odd, delta=d, wire_dtype=wire_dtype, track_writes=track) for d in ("auto", False)}
+    try:
+        for step in range(1, 5):
+            for model, scheme, _ in ran.values():
+                with torch.no_grad():
+                    model.mask.view(torch.uint8)[step] = 3
+                    model.conv.weight[0, 0, step % 3, 0] = float("nan")
+                    model.conv.bias += 1
+                scheme.send(worker_ids=0 if step == 2 else None)  # (worker 1 is sent version 3 whole)
+            changed, whole = ([w.scheme.version for w in workers] for _, _, workers in ran.values())
+            assert changed == whole == [step, step - 1 if step == 2 else step]
+            for w, v in zip(ran["auto"][2], ran[False][2]):
+                assert torch.equal(_flat_bytes(w.model), _flat_bytes(v.model)), (step, w.model.mask, v.model.mask)
+        assert all(not w.errors for _, _, workers in ran.values() for w in workers)
+        assert ran["auto"][1].stats()["changes_sent"] > 0
+    finally:
+        for _, scheme, workers in ran.values():
+            _stop(scheme, workers)
 
 
 @TRACKED

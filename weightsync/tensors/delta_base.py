@@ -317,11 +317,17 @@ class _Inline:
 
 def wire_sources(layout: FlatLayout, flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``flat``'s tensors as :meth:`DeltaBase.update` reads them: in the layout's wire dtype, contiguous, on the
-    CPU (the trainer's own memory where it already is so; a copy otherwise)."""
+    CPU (the trainer's own memory where it already is so, bools aside; a copy otherwise).
+
+    A copy is made as a whole send stages a tensor, by ``copy_`` into contiguous memory, so that both give the same
+    bits: ``.to()`` of a permuted dense tensor keeps its strides and converts in another loop (a NaN became 0xffff,
+    not 0x7fc0, in bfloat16), and a bool's bytes read as they are may hold 3 (a view of uint8 data), which torch's
+    copy of a bool writes as 1."""
     out = {}
     for slot in layout.slots:
         tensor = flat[slot.key].detach()
-        if tensor.dtype != slot.wire or not tensor.is_contiguous() or tensor.device.type != "cpu":
-            tensor = tensor.to(device="cpu", dtype=slot.wire).contiguous()
+        as_is = tensor.dtype == slot.wire and tensor.dtype != torch.bool
+        if not (as_is and tensor.is_contiguous() and tensor.device.type == "cpu"):
+            tensor = torch.empty(tensor.shape, dtype=slot.wire).copy_(tensor)
         out[slot.key] = tensor
     return out

@@ -54,3 +54,22 @@ def test_missing_segment_is_named():
         ws.resolve_model(Holder(nn.Linear(1, 1)), "env.transform[3].module")
     with pytest.raises(ws.ConfigurationError, match="cannot parse"):
         ws.resolve_model(Holder(nn.Linear(1, 1)), "env..transform")
+
+
+def test_a_dataset_without_the_key_or_a_path_to_none_is_named():
+    """TorchRL's collectors are torch ``IterableDataset``s, whose ``__getitem__`` raises ``NotImplementedError``:
+    a path the collector did not hold reached the user as "Subclasses of Dataset should implement __getitem__";
+    and a collector given a ``policy_factory`` and no ``policy`` holds ``None`` there, which was taken for its
+    model (every weightsync scheme then failed that collector's start)."""
+    from torch.utils.data import IterableDataset
+
+    class Collector(IterableDataset):
+        policy = None
+
+        def __iter__(self):
+            return iter(())
+
+    with pytest.raises(ws.ConfigurationError, match="Collector at '<context>' has no 'value_net'"):
+        ws.resolve_model(Collector(), "value_net")
+    with pytest.raises(ws.ConfigurationError, match="model path 'policy' names None in Collector"):
+        ws.resolve_model(Collector(), "policy")

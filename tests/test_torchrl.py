@@ -233,6 +233,67 @@ def test_no_sync_keeps_the_factory_weights():
         collector.shutdown()
 
 
+def test_a_multi_collector_given_only_a_policy_factory_takes_a_scheme_and_its_updates():
+    """As docs/torchrl.md says to: the scheme uninitialized, a ``policy_factory``, weights sent explicitly. Its
+    start failed ("init_on_sender needs model= or weights="): the collector's ``policy``, None, was taken for the
+    model. Its workers act with the factory's weights, then with the ones sent."""
+    collector = MultiSyncCollector(
+        [make_env, make_env],
+        policy_factory=factory_policy,
+        frames_per_batch=8,
+        total_frames=-1,
+        weight_sync_schemes={"policy": ws.SharedMemWeightSyncScheme(timeout=30)},
+    )
+    try:
+        batches = iter(collector)
+        assert rows(next(batches)) == [{9.0}, {9.0}]
+        collector.update_policy_weights_(TensorDict.from_module(make_policy(1.0)))
+        assert rows(next(batches)) == [{1.0}, {1.0}]
+    finally:
+        collector.shutdown()
+
+
+DROPPED_COLLECTOR = """
+import sys
+sys.path[:0] = {paths!r}
+import psutil, torch
+import weightsync as ws
+from tests._torchrl_env import make_env, make_policy
+from torchrl.collectors import MultiSyncCollector
+
+
+def train():
+    scheme = ws.WeightSyncScheme.from_backend({backend!r}, timeout=10)
+    collector = MultiSyncCollector([make_env] * 2, policy=make_policy(0.0), frames_per_batch=8, total_frames=16,
+                                   weight_sync_schemes={{"policy": scheme}})
+    for _ in collector:
+        collector.update_policy_weights_()
+    workers = [p.pid for p in psutil.Process().children() if "resource_tracker" not in " ".join(p.cmdline())]
+    return workers  # (no collector.shutdown(): the collector goes out of scope)
+
+
+if __name__ == "__main__":
+    started = train()
+    print("alive:", [pid for pid in started if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"])
+"""
+
+
+@pytest.mark.parametrize("backend", ["shared_mem", "distributed"])
+def test_a_collector_dropped_without_its_shutdown_ends_its_workers_and_its_process_exits(tmp_path, backend):
+    """A ``train()`` that returns without ``collector.shutdown()``: the collector's ``__del__`` ends its workers
+    (with TorchRL's own schemes too). The scheme held the collector alive (its context, and the wrapper of its
+    ``shutdown``), a thread of the scheme's held the scheme: the workers lived on and the process hung at its exit
+    joining them (a user's audit)."""
+    import subprocess
+    import sys
+
+    paths = [WITHOUT_VLLM, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    script = tmp_path / "train.py"
+    script.write_text(DROPPED_COLLECTOR.format(paths=paths, backend=backend))
+    ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    assert ran.returncode == 0 and "alive: []" in ran.stdout, (ran.stdout, ran.stderr[-3000:])
+
+
 def test_no_sync_refuses_a_policy_it_cannot_fill():
     """TorchRL hands workers a policy with its weights on the meta device; no_sync would never give them any."""
     with pytest.raises(Exception, match="no_sync|NoWeightSyncScheme") as err:

@@ -41,7 +41,7 @@ def _step(obj: Any, token: str | int) -> Any:
     # Containers (dict, nn.ModuleDict, TensorDict) are addressed by key with the same dotted syntax.
     try:
         return obj[token]
-    except (KeyError, TypeError, IndexError):
+    except (KeyError, TypeError, IndexError, NotImplementedError):  # (the last: a torch Dataset, a collector)
         raise AttributeError(token) from None
 
 
@@ -74,13 +74,15 @@ def resolve_model(context: Any, model_id: str) -> Any:
     for token in _tokens(model_id):
         try:
             obj = _step(obj, token)
-        except (AttributeError, IndexError, KeyError, TypeError) as exc:
+        except (AttributeError, IndexError, KeyError, TypeError, NotImplementedError) as exc:
             seg = f"[{token}]" if isinstance(token, int) else token
             raise ConfigurationError(
                 f"model path {model_id!r}: {type(obj).__name__} at {walked or '<context>'!r} has no {seg!r}{said}",
                 model_id=model_id,
             ) from exc
         walked += f"[{token}]" if isinstance(token, int) else (f".{token}" if walked else token)
+    if obj is None:  # (a collector given a policy_factory and no policy holds None there)
+        raise ConfigurationError(f"model path {model_id!r} names None in {type(context).__name__}", model_id=model_id)
     return obj
 
 

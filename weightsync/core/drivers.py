@@ -84,6 +84,8 @@ class Driver:
     name: ClassVar[str] = ""
     #: Keyword arguments the program passes to ``init_on_sender`` that the scheme takes and does not need.
     sender_extras: ClassVar[tuple[str, ...]] = ()
+    #: The program holds the schemes it drives: a sender holds it (its context) weakly, not to keep it alive.
+    holds_its_schemes: ClassVar[bool] = False
 
     def __init_subclass__(cls, *, name: str = "", **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

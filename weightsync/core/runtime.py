@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +34,8 @@ class Runtime:
         strategy: how the scheme's weights are read and written (its ``strategy`` option).
         state: where it is in its lifecycle (:mod:`weightsync.core.states`).
         model_id: the model's name or path inside ``context`` (``None`` before init).
-        context: the object the model was found in, or the program that drives the scheme.
+        context: the object the model was found in, or the program that drives the scheme (a sender's, held weakly
+            where the program holds the scheme: :attr:`~weightsync.core.drivers.Driver.holds_its_schemes`).
         model: the registered model (sender: or its weights).
         skeleton: sender: the registered model holds tensors without data (the meta device): a send that reads it
             is checked (and refused), and weights must be given (``send(weights=...)``).
@@ -57,7 +59,7 @@ class Runtime:
     strategy: WeightStrategy
     state: str = NEW
     model_id: str | None = None
-    context: Any = None
+    held_context: Any = None  # (the context, or a weak reference to it: read :attr:`context`)
     model: Any = None
     skeleton: bool = False
     worker_idx: int | None = None
@@ -108,6 +110,21 @@ class Runtime:
                 model_id=self.model_id,
                 worker_idx=self.worker_idx,
             )
+
+    @property
+    def context(self) -> Any:
+        held = self.held_context
+        return held() if isinstance(held, weakref.ref) else held
+
+    @context.setter
+    def context(self, context: Any) -> None:
+        self.held_context = context
+
+    def hold_context(self, context: Any, *, weakly: bool) -> None:
+        """Hold ``context``; ``weakly``: where it is a program that holds its schemes (a TorchRL collector), which
+        a sender kept alive past its owner's last reference (a thread of the scheme's holds the scheme): its
+        ``__del__``, which ends its workers, never ran, and the process hung at its exit joining them (an audit)."""
+        self.held_context = weakref.ref(context) if weakly and context is not None else context
 
     @property
     def applies_itself(self) -> bool:

@@ -142,8 +142,8 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
                     model_id=model_id,
                 )
             rt.model_id = checks.model_id(model_id, "model_id")
-            rt.context = context
             rt.driver = driver = driver_of(context)
+            rt.hold_context(context, weakly=driver.holds_its_schemes)
             rt.drive = driver.terms(context)
             driver.extras(context, {extra: kwargs.pop(extra, None) for extra in driver.sender_extras})
             model, weights = kwargs.pop("model", None), kwargs.pop("weights", None)
@@ -182,7 +182,7 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
             rt.driver.abandon(self, sink)
             raise
         rt.num_workers, rt.sending = num_workers, sending
-        sending.last_words = functools.partial(rt.driver.last_words, rt.context)
+        sending.last_words = lambda workers: rt.driver.last_words(rt.context, workers)
         shut_down_at_exit(self)
 
     def _count_workers(self, kwargs: dict[str, Any]) -> int:

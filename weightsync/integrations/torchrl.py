@@ -104,6 +104,7 @@ class TorchRLDriver(Driver, name="torchrl"):
     """TorchRL's collectors, as the core sees them (see the module's docstring)."""
 
     sender_extras = ("ctx",)  # the collectors' multiprocessing context: weightsync's channels are its own
+    holds_its_schemes = True
 
     def drives(self, context: Any) -> bool:
         return is_torchrl_collector(context)
@@ -192,13 +193,17 @@ class TorchRLDriver(Driver, name="torchrl"):
 
 
 def _shut_down_with(collector: Any, scheme: Any) -> None:
-    """``collector.shutdown()`` shuts ``scheme`` down after it; the collector does not keep the scheme alive."""
-    scheme_ref = weakref.ref(scheme)
-    original = collector.shutdown
+    """``collector.shutdown()`` shuts ``scheme`` down after it; neither keeps the other alive (the collector's own
+    ``shutdown``, bound, did: its ``__del__``, which ends its workers, never ran, and its process hung at exit)."""
+    scheme_ref, collector_ref = weakref.ref(scheme), weakref.ref(collector)
+    earlier = vars(collector).get("shutdown")  # (another scheme's, which holds neither either)
 
     def shutdown(*args: Any, **kwargs: Any) -> Any:
         try:
-            return original(*args, **kwargs)
+            if earlier is not None:
+                return earlier(*args, **kwargs)
+            held = collector_ref()
+            return None if held is None else type(held).shutdown(held, *args, **kwargs)
         finally:
             follower = scheme_ref()
             if follower is not None:

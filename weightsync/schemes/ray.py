@@ -257,6 +257,7 @@ class RayModuleTransformScheme(RayWeightSyncScheme, name="ray_module_transform")
     :class:`ModuleActor` provides those methods; wrap it with ``ray.remote``
     and give it the scheme (pickled, or its ``receiver_config(0)``)::
 
+        scheme.join_ray()  # before any actor: Ray's own start would join the cluster a world-writable file names
         host = ray.remote(ModuleActor).remote(make_module, scheme, model_id="module")  # pickled before init
         scheme.init_on_sender(model_id="module", model=trained, actor=host)
         scheme.connect()

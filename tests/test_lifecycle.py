@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -502,12 +503,13 @@ def test_the_senders_open_at_exit_are_shut_down_side_by_side(monkeypatch):
     import weakref
 
     from weightsync.core import leaving
+    from weightsync.core.states import SENDER_CONNECTED
 
     both = threading.Barrier(2, timeout=10)
     ended = []
 
     class Sender:
-        model_id, timeout = "policy", 10.0
+        model_id, timeout, state, _runtime = "policy", 10.0, SENDER_CONNECTED, SimpleNamespace(forked=False)
 
         def shutdown(self) -> None:
             both.wait()
@@ -517,6 +519,33 @@ def test_the_senders_open_at_exit_are_shut_down_side_by_side(monkeypatch):
     monkeypatch.setattr(leaving, "_open", weakref.WeakSet(senders))
     leaving._shut_down_open()
     assert len(ended) == 2
+
+
+def test_the_senders_open_at_exit_are_shut_down_in_turn_where_no_thread_can_start(monkeypatch):
+    """Python 3.12 starts no thread in an ``atexit`` hook, where the main process's exit shuts its senders down (a
+    review): each is shut down in turn then, not left open."""
+    import threading
+    import weakref
+
+    from weightsync.core import leaving
+    from weightsync.core.states import SENDER_CONNECTED
+
+    ended = []
+
+    class Sender:
+        model_id, timeout, state, _runtime = "policy", 10.0, SENDER_CONNECTED, SimpleNamespace(forked=False)
+
+        def shutdown(self) -> None:
+            ended.append(self)
+
+    def refused(self) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    senders = [Sender(), Sender()]
+    monkeypatch.setattr(leaving, "_open", weakref.WeakSet(senders))
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    leaving._shut_down_open()
+    assert sorted(map(id, ended)) == sorted(map(id, senders))
 
 
 def test_no_sync_refuses_what_every_scheme_refuses_in_the_caller():

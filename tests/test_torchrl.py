@@ -254,7 +254,7 @@ def test_a_multi_collector_given_only_a_policy_factory_takes_a_scheme_and_its_up
 
 
 DROPPED_COLLECTOR = """
-import sys
+import gc, sys
 sys.path[:0] = {paths!r}
 import psutil, torch
 import weightsync as ws
@@ -266,6 +266,8 @@ def train():
     scheme = ws.WeightSyncScheme.from_backend({backend!r}, timeout=10)
     collector = MultiSyncCollector([make_env] * 2, policy=make_policy(0.0), frames_per_batch=8, total_frames=16,
                                    weight_sync_schemes={{"policy": scheme}})
+    if {cycle}:  # (a program's own cycle through it: it is freed by a garbage collection, which finalizes it)
+        collector.itself = collector
     for _ in collector:
         collector.update_policy_weights_()
     workers = [p.pid for p in psutil.Process().children() if "resource_tracker" not in " ".join(p.cmdline())]
@@ -274,22 +276,24 @@ def train():
 
 if __name__ == "__main__":
     started = train()
+    gc.collect()
     print("alive:", [pid for pid in started if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"])
 """
 
 
-@pytest.mark.parametrize("backend", ["shared_mem", "distributed"])
-def test_a_collector_dropped_without_its_shutdown_ends_its_workers_and_its_process_exits(tmp_path, backend):
+@pytest.mark.parametrize(("backend", "cycle"), [("shared_mem", False), ("distributed", False), ("shared_mem", True)])
+def test_a_collector_dropped_without_its_shutdown_ends_its_workers_and_its_process_exits(tmp_path, backend, cycle):
     """A ``train()`` that returns without ``collector.shutdown()``: the collector's ``__del__`` ends its workers
     (with TorchRL's own schemes too). The scheme held the collector alive (its context, and the wrapper of its
     ``shutdown``), a thread of the scheme's held the scheme: the workers lived on and the process hung at its exit
-    joining them (a user's audit)."""
+    joining them (a user's audit). In a cycle of the program's, the collector is finalized by a garbage collection,
+    which clears weak references first: a wrapper holding it weakly ended the scheme and not its workers."""
     import subprocess
     import sys
 
     paths = [WITHOUT_VLLM, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
     script = tmp_path / "train.py"
-    script.write_text(DROPPED_COLLECTOR.format(paths=paths, backend=backend))
+    script.write_text(DROPPED_COLLECTOR.format(paths=paths, backend=backend, cycle=cycle))
     ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150, cwd=tmp_path)
     assert ran.returncode == 0 and "alive: []" in ran.stdout, (ran.stdout, ran.stderr[-3000:])
 

@@ -41,7 +41,7 @@ def _step(obj: Any, token: str | int) -> Any:
     # Containers (dict, nn.ModuleDict, TensorDict) are addressed by key with the same dotted syntax.
     try:
         return obj[token]
-    except (KeyError, TypeError, IndexError, NotImplementedError):  # (the last: a torch Dataset, a collector)
+    except (KeyError, TypeError, IndexError, NotImplementedError):  # (the last: a torch Dataset's)
         raise AttributeError(token) from None
 
 
@@ -81,7 +81,7 @@ def resolve_model(context: Any, model_id: str) -> Any:
                 model_id=model_id,
             ) from exc
         walked += f"[{token}]" if isinstance(token, int) else (f".{token}" if walked else token)
-    if obj is None:  # (a collector given a policy_factory and no policy holds None there)
+    if obj is None:  # (a program given a factory of its model, and no model, may hold None there)
         raise ConfigurationError(f"model path {model_id!r} names None in {type(context).__name__}", model_id=model_id)
     return obj
 

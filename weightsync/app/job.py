@@ -235,7 +235,7 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
     if n < 1 or int(cfg.rounds) < 1:
         raise ConfigurationError(f"num_workers and rounds must be >= 1, got {n} and {cfg.rounds}")
     checks.seconds(cfg.worker_timeout, "worker_timeout")
-    changed = float(cfg.changed)
+    changed = float(cfg.get("changed", 1.0))  # (a config made before the option holds none)
     if not 0 < changed <= 1:  # (NaN too)
         raise ConfigurationError(f"changed (the fraction of values a round changes) must be in (0, 1], got {changed}")
     if not 0 <= int(cfg.seed) < 2**63:  # (torch's generator takes a 64-bit seed)

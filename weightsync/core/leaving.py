@@ -17,7 +17,7 @@ import weakref
 from multiprocessing import util
 from typing import Any
 
-from .timing import deadline_after, remaining
+from .states import CLOSED, NEW
 
 __all__ = ["shut_down_at_exit"]
 
@@ -25,9 +25,6 @@ log = logging.getLogger("weightsync")
 
 #: Where the hook runs among multiprocessing's exit finalizers (higher first; its queues' own are 10 and below).
 EXIT_PRIORITY = 50
-#: How many of the longest ``timeout`` of the open senders the exit waits for their shutdowns, at most (a shutdown
-#: is bounded by its ``timeout`` once per step that waits: a goodbye, then a thread's end).
-JOIN_TIMEOUTS = 2.0
 
 _open: weakref.WeakSet[Any] = weakref.WeakSet()
 _lock = threading.Lock()
@@ -47,16 +44,24 @@ def shut_down_at_exit(scheme: Any) -> None:
 
 def _shut_down_open() -> None:
     """Shut the open senders down side by side, each in a thread of its own: the exit takes the longest of their
-    bounds, not their sum (a trainer of a policy and a value net, its workers hung: two timeouts in turn)."""
-    schemes = list(_open)
-    threads = [threading.Thread(target=_shut_down, args=(s,), name="weightsync-exit", daemon=True) for s in schemes]
+    shutdowns, not their sum (a trainer of a policy and a value net, its workers hung: two timeouts in turn). Each
+    is bounded as ``shutdown()`` is; where no thread can start (Python 3.12 starts none in an ``atexit`` hook, which
+    the main process's exit runs this in), the rest are shut down in turn, here."""
+    schemes = [s for s in list(_open) if s.state not in (CLOSED, NEW) and not s._runtime.forked]
+    if len(schemes) == 1:  # (no thread: a process forked from a threaded one starts none it can do without)
+        _shut_down(schemes[0])
+        return
+    threads: list[threading.Thread] = []
+    for scheme in schemes:
+        thread = threading.Thread(target=_shut_down, args=(scheme,), name="weightsync-exit", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # "can't create new thread at interpreter shutdown"
+            _shut_down(scheme)
+            continue
+        threads.append(thread)
     for thread in threads:
-        thread.start()
-    deadline = deadline_after(max((float(s.timeout) for s in schemes), default=0.0) * JOIN_TIMEOUTS)
-    for scheme, thread in zip(schemes, threads):
-        thread.join(remaining(deadline))
-        if thread.is_alive():
-            log.warning("model %r: its shutdown at the process's exit did not end in time; left", scheme.model_id)
+        thread.join()  # (bounded by its shutdown's own bounds)
 
 
 def _shut_down(scheme: Any) -> None:

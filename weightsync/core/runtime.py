@@ -121,9 +121,9 @@ class Runtime:
         self.held_context = context
 
     def hold_context(self, context: Any, *, weakly: bool) -> None:
-        """Hold ``context``; ``weakly``: where it is a program that holds its schemes (a TorchRL collector), which
-        a sender kept alive past its owner's last reference (a thread of the scheme's holds the scheme): its
-        ``__del__``, which ends its workers, never ran, and the process hung at its exit joining them (an audit)."""
+        """Hold ``context``; ``weakly``: where it is a program that holds its schemes, which a sender kept alive past
+        its owner's last reference (a thread of the scheme's holds the scheme): its ``__del__``, which ends its
+        workers, never ran, and the process hung at its exit joining them (an audit)."""
         self.held_context = weakref.ref(context) if weakly and context is not None else context
 
     @property

@@ -26,6 +26,7 @@ meta device: the first update gives it real memory.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import weakref
@@ -192,24 +193,33 @@ class TorchRLDriver(Driver, name="torchrl"):
             bump()
 
 
+#: Where a collector keeps (weakly) the schemes its ``shutdown()`` shuts down after it.
+_FOLLOWERS = "_weightsync_followers"
+
+
 def _shut_down_with(collector: Any, scheme: Any) -> None:
-    """``collector.shutdown()`` shuts ``scheme`` down after it; neither keeps the other alive (the collector's own
-    ``shutdown``, bound, did: its ``__del__``, which ends its workers, never ran, and its process hung at exit)."""
-    scheme_ref, collector_ref = weakref.ref(scheme), weakref.ref(collector)
-    earlier = vars(collector).get("shutdown")  # (another scheme's, which holds neither either)
+    """``collector.shutdown()`` shuts ``scheme`` down after it, and neither keeps the other alive: the collector's
+    class's ``shutdown`` is wrapped (once), so nothing holds the collector but its owners (a wrapper on the instance
+    held its bound ``shutdown``: its ``__del__``, which ends its workers, ran only at a garbage collection, and its
+    process hung at exit joining them; one holding it weakly found it gone in a collection, which clears weak
+    references before it finalizes)."""
+    vars(collector).setdefault(_FOLLOWERS, []).append(weakref.ref(scheme))
+    cls = type(collector)
+    if getattr(cls.shutdown, _FOLLOWERS, False):
+        return
+    original = cls.shutdown
 
-    def shutdown(*args: Any, **kwargs: Any) -> Any:
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            if earlier is not None:
-                return earlier(*args, **kwargs)
-            held = collector_ref()
-            return None if held is None else type(held).shutdown(held, *args, **kwargs)
+            return original(self, *args, **kwargs)
         finally:
-            follower = scheme_ref()
-            if follower is not None:
-                follower.shutdown()
+            for follower in [ref() for ref in vars(self).get(_FOLLOWERS, ())]:
+                if follower is not None:
+                    follower.shutdown()
 
-    collector.shutdown = shutdown
+    functools.update_wrapper(shutdown, original)
+    setattr(shutdown, _FOLLOWERS, True)
+    cls.shutdown = shutdown
 
 
 class InProcessEngine(SenderEngine):

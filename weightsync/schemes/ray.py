@@ -299,7 +299,7 @@ class RayModuleTransformScheme(RayWeightSyncScheme, name="ray_module_transform")
 class ModuleActor:
     """A module served from a Ray actor and kept up to date by :class:`RayModuleTransformScheme`.
 
-    Use as ``ray.remote(ModuleActor).remote(module, scheme, model_id="module")``.
+    Use as ``ray.remote(ModuleActor).remote(module, scheme, model_id="module")``, after ``scheme.join_ray()``.
 
     Args:
         module: an ``nn.Module``, or a callable that builds one inside the actor.

@@ -162,8 +162,8 @@ class LocalSender(SenderEngine):
         # One whose process is gone (a restart), or that hung up (a connect() retried after its timeout), is replaced:
         # in the rendez-vous too.
         old = self.transports.get(w)
-        gone = old is None or (old.process is not None and old.process.gone()) or old.channel.hung_up()
-        if not gone and not self.sink.is_dead(w):
+        replaceable = old is None or (old.process is not None and old.process.gone()) or old.channel.hung_up()
+        if not replaceable and not self.sink.is_dead(w):
             return f"worker {w} is already connected"
         return problem
 

@@ -503,13 +503,12 @@ def test_the_senders_open_at_exit_are_shut_down_side_by_side(monkeypatch):
     import weakref
 
     from weightsync.core import leaving
-    from weightsync.core.states import SENDER_CONNECTED
 
     both = threading.Barrier(2, timeout=10)
     ended = []
 
     class Sender:
-        model_id, timeout, state, _runtime = "policy", 10.0, SENDER_CONNECTED, SimpleNamespace(forked=False)
+        model_id, timeout, _runtime = "policy", 10.0, SimpleNamespace(holds_nothing=False)
 
         def shutdown(self) -> None:
             both.wait()
@@ -528,12 +527,11 @@ def test_the_senders_open_at_exit_are_shut_down_in_turn_where_no_thread_can_star
     import weakref
 
     from weightsync.core import leaving
-    from weightsync.core.states import SENDER_CONNECTED
 
     ended = []
 
     class Sender:
-        model_id, timeout, state, _runtime = "policy", 10.0, SENDER_CONNECTED, SimpleNamespace(forked=False)
+        model_id, timeout, _runtime = "policy", 10.0, SimpleNamespace(holds_nothing=False)
 
         def shutdown(self) -> None:
             ended.append(self)

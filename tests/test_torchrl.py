@@ -215,40 +215,28 @@ def test_single_collector_with_no_sync_keeps_its_policy():
         collector.shutdown()
 
 
-def test_no_sync_keeps_the_factory_weights():
-    scheme = ws.NoWeightSyncScheme()
-    collector = MultiSyncCollector(
-        [make_env, make_env],
-        policy_factory=factory_policy,
-        frames_per_batch=8,
-        total_frames=-1,
-        weight_sync_schemes={"policy": scheme},
-    )
-    try:
-        batches = iter(collector)
-        assert rows(next(batches)) == [{9.0}, {9.0}]
-        collector.update_policy_weights_(TensorDict.from_module(make_policy(1.0)))
-        assert rows(next(batches)) == [{9.0}, {9.0}]
-    finally:
-        collector.shutdown()
-
-
-def test_a_multi_collector_given_only_a_policy_factory_takes_a_scheme_and_its_updates():
+@pytest.mark.parametrize(
+    ("make_scheme", "after"),
+    [(ws.NoWeightSyncScheme, 9.0), (lambda: ws.SharedMemWeightSyncScheme(timeout=30), 1.0)],
+    ids=["no_sync", "shared_mem"],
+)
+def test_a_multi_collector_given_only_a_policy_factory_acts_with_its_weights_then_with_those_sent(make_scheme, after):
     """As docs/torchrl.md says to: the scheme uninitialized, a ``policy_factory``, weights sent explicitly. Its
-    start failed ("init_on_sender needs model= or weights="): the collector's ``policy``, None, was taken for the
-    model. Its workers act with the factory's weights, then with the ones sent."""
+    start failed with a scheme that moves weights ("init_on_sender needs model= or weights="): the collector's
+    ``policy``, None, was taken for the model. Its workers act with the factory's weights, then with the ones sent
+    (``no_sync``: the factory's still)."""
     collector = MultiSyncCollector(
         [make_env, make_env],
         policy_factory=factory_policy,
         frames_per_batch=8,
         total_frames=-1,
-        weight_sync_schemes={"policy": ws.SharedMemWeightSyncScheme(timeout=30)},
+        weight_sync_schemes={"policy": make_scheme()},
     )
     try:
         batches = iter(collector)
         assert rows(next(batches)) == [{9.0}, {9.0}]
         collector.update_policy_weights_(TensorDict.from_module(make_policy(1.0)))
-        assert rows(next(batches)) == [{1.0}, {1.0}]
+        assert rows(next(batches)) == [{after}, {after}]
     finally:
         collector.shutdown()
 

@@ -17,8 +17,6 @@ import weakref
 from multiprocessing import util
 from typing import Any
 
-from .states import CLOSED, NEW
-
 __all__ = ["shut_down_at_exit"]
 
 log = logging.getLogger("weightsync")
@@ -47,7 +45,7 @@ def _shut_down_open() -> None:
     shutdowns, not their sum (a trainer of a policy and a value net, its workers hung: two timeouts in turn). Each
     is bounded as ``shutdown()`` is; where no thread can start (Python 3.12 starts none in an ``atexit`` hook, which
     the main process's exit runs this in), the rest are shut down in turn, here."""
-    schemes = [s for s in list(_open) if s.state not in (CLOSED, NEW) and not s._runtime.forked]
+    schemes = [s for s in list(_open) if not s._runtime.holds_nothing]
     if len(schemes) == 1:  # (no thread: a process forked from a threaded one starts none it can do without)
         _shut_down(schemes[0])
         return

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import LifecycleError
 from .drivers import UNDRIVEN, Drive, Driver, ModelHold
-from .states import NEW
+from .states import CLOSED, NEW
 
 if TYPE_CHECKING:
     from ..tensors.strategy import WeightStrategy
@@ -88,6 +88,11 @@ class Runtime:
         """This is a copy ``fork`` made of a scheme another process set up: what it holds is that process's (its
         shutdown here lets go of nothing: a worker's ``finally: shutdown()`` removed its trainer's key file)."""
         return self.state != NEW and self.pid != os.getpid()
+
+    @property
+    def holds_nothing(self) -> bool:
+        """Nothing for a shutdown to let go of: never initialized, shut down, or a copy ``fork`` made."""
+        return self.state in (NEW, CLOSED) or self.forked
 
     def require(self, *states: str, action: str) -> None:
         """Refuse ``action`` unless the scheme is in one of ``states``.

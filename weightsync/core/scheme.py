@@ -438,7 +438,7 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
 
     def _shutdown(self, timeout: float) -> None:
         rt = self._runtime
-        if rt.state in (NEW, CLOSED) or rt.forked:
+        if rt.holds_nothing:
             rt.state = CLOSED
             return
         try:

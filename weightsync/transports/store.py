@@ -49,6 +49,7 @@ MAX_STORE_JSON = 16 * 1024 * 1024
 MAX_HELLO_JSON = 64 * 1024
 #: What :func:`store_json` asks the store to answer for a key that holds nothing (no JSON starts with a NUL byte).
 _ABSENT = "\x00weightsync: nothing"
+_ABSENT_BYTES = _ABSENT.encode()
 
 
 def store_read(store: dist.Store, key: str) -> bytes | None:
@@ -57,7 +58,7 @@ def store_read(store: dist.Store, key: str) -> bytes | None:
     who reaches the store may delete a key between a look for it and its read (reviews held a trainer's connect, and
     then its sends, that long so)."""
     raw = store.compare_set(key, _ABSENT, _ABSENT)  # (the value; where there is none, what it was given, unset)
-    return None if raw == _ABSENT.encode() else raw
+    return None if raw == _ABSENT_BYTES else raw
 
 
 def store_value(store: dist.Store, key: str) -> bytes:

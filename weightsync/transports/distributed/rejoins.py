@@ -33,6 +33,7 @@ __all__ = [
     "ASK_AGAIN_S",
     "NO_WHOLE_VERSION",
     "REJOIN_POLL_S",
+    "REJOIN_SCAN_S",
     "UNPROVEN",
     "Admitting",
     "RejoinRequests",
@@ -45,6 +46,9 @@ log = logging.getLogger("weightsync.transports.distributed")
 
 #: Seconds between two looks at the store for requests to rejoin (the sender), or for the answer (a worker).
 REJOIN_POLL_S = 0.05
+#: Seconds between two looks at every worker's count of connections, whether or not the count of rejoins moved: that
+#: count is a hint anyone who reaches the store can set (a count set high, then back, hid every later request).
+REJOIN_SCAN_S = 1.0
 #: Seconds a worker told to ask again (:data:`NO_WHOLE_VERSION`) waits before it does.
 ASK_AGAIN_S = 0.2
 #: Why a hello without a valid proof is refused.
@@ -151,7 +155,9 @@ def ask_to_rejoin(
 class RejoinRequests:
     """The requests to rejoin, as the rejoin thread finds them in the store: a restarted worker ``w`` bumps
     ``gen/<w>`` and ``rejoins``, and leaves its hello at ``rejoin/<w>/<gen>``; each is read once, whatever it holds
-    (garbage is answered, never read again), and answered with a sealed verdict.
+    (garbage is answered, never read again), and answered with a sealed verdict. The workers' counts are looked at
+    when the count of rejoins changed, and every :data:`REJOIN_SCAN_S` whatever it holds; a worker's count found
+    lower than a generation read before is put back (it only grows: a process that reached the store set it back).
 
     Args:
         prefix: the run's prefix in the store.
@@ -165,7 +171,8 @@ class RejoinRequests:
         #: The thread's own client of the store (``None``: closed, or not open yet).
         self.store: dist.Store | None = None
         self._gens: dict[int, int] = {}  # worker -> the generation (connection count) read last
-        self._seen = 0
+        self._seen = 0  # the count of rejoins at the last look at the workers' counts
+        self._next_scan = 0.0  # (time.monotonic()) when the workers' counts are looked at, unless it moved first
         #: Whether the last reconnect failed (the store gone): the failures that follow are logged at debug level.
         self.unreachable = False
 
@@ -189,18 +196,22 @@ class RejoinRequests:
             log.warning("model %r: the store's count of rejoins was overwritten; restored", self.model_id)
             store.set("rejoins", str(self._seen))
             asked = self._seen
-        if asked <= self._seen:
+        now = time.monotonic()
+        if asked == self._seen and now < self._next_scan:
             return None
+        self._seen, self._next_scan = asked, now + REJOIN_SCAN_S
         for w in range(self.num_workers):
             try:
                 gen = store_count(store, f"gen/{w}")
             except ValueError:  # that worker's count was overwritten: it cannot rejoin, the others can
                 continue
-            if gen > self._gens.get(w, 1) and store.check([f"rejoin/{w}/{gen}"]):
+            if gen < self._gens.get(w, 0):
+                log.warning("model %r: worker %d's count of connections was set back; restored", self.model_id, w)
+                store.add(f"gen/{w}", self._gens[w] - gen)  # (a request made meanwhile still counts on from it)
+            elif gen > self._gens.get(w, 1) and store.check([f"rejoin/{w}/{gen}"]):
                 self._gens[w] = gen
-                self._seen += 1
+                self._next_scan = now  # (more may wait: looked for at the next poll)
                 return w, gen
-        self._seen = asked
         return None
 
     def answer(self, w: int, gen: int, hello: dict[str, Any], problem: str | None, sealer: Sealer) -> None:

@@ -320,8 +320,49 @@ def test_killed_actor_is_named_and_the_others_are_updated():
     assert ray.get(actors[0].state.remote())[0] == 2
     scheme.send(worker_ids=[0])
     assert not scheme.sender_transports[1].check_connection()
+    with pytest.raises(ws.ConfigurationError, match="worker 1's new actor is worker 0's actor too"):
+        scheme.rejoin(1, actors[0])  # (nothing sent: worker 0 still holds version 3 alone)
+    assert scheme.acked_versions[0] == 3 and ray.get(actors[0].state.remote())[0] == 3
     scheme.shutdown()
     ray.kill(actors[0])
+
+
+def test_an_actor_that_missed_the_connects_timeout_is_late_and_served_once_it_applied_version_0():
+    # A slow actor (busy, or still starting) is not gone: the call of version 0 is on its way to it
+    import os
+    import signal
+
+    model = build("tiny")
+    scheme = ws.RayWeightSyncScheme(timeout=20, connect_timeout=3)  # (latest_wins: late actors get one more)
+    actors = _joined(scheme, model)
+    pid = ray.get(actors[1].pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(ws.SyncTimeoutError, match="no ack for version 0 within 3s") as info:
+            scheme.connect()
+        assert info.value.worker_idx == 1 and scheme.initialized_on_sender
+        scheme.timeout = 2.0
+        optimizer_step(model, 1)
+        # Version 1 waits behind its call (held back), and the trainer once for it; then it is passed by
+        with pytest.raises(ws.SyncTimeoutError, match="no ack for version 1 within 2s") as info:
+            scheme.send()
+        assert info.value.worker_idx == 1 and ray.get(actors[0].state.remote())[0] == 1
+        optimizer_step(model, 2)
+        with pytest.raises(ws.SyncTimeoutError, match="passed by: still no ack for version 1") as info:
+            scheme.send()
+        assert info.value.worker_idx == 1 and ray.get(actors[0].state.remote())[0] == 2
+        os.kill(pid, signal.SIGCONT)
+        assert ray.get(actors[1].state.remote(), timeout=30)[0] >= 0  # (after its version 0)
+        scheme.wait_async()  # (the version held back goes once version 0's call ended)
+        optimizer_step(model, 3)
+        scheme.send()
+        assert [ray.get(a.state.remote()) for a in actors] == [(3, checksum(model, "tensordict"))] * 2
+        assert scheme.stats()["failed_workers"] == {}
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        scheme.shutdown()
+        for a in actors:
+            ray.kill(a)
 
 
 def test_drop_policy_goes_on_without_a_killed_actor():
@@ -342,7 +383,8 @@ def test_drop_policy_goes_on_without_a_killed_actor():
 @pytest.mark.parametrize(
     "policy,latest_wins", [("raise", False), ("raise", True), ("drop", True)], ids=["raise", "raise-latest", "drop"]
 )
-def test_a_hung_actor_costs_a_timeout_or_two_then_is_passed_by_or_dropped(policy, latest_wins):
+def test_a_hung_actor_costs_a_timeout_or_two_then_is_passed_by_or_dropped(policy, latest_wins, caplog):
+    import logging
     import os
     import signal
 
@@ -354,7 +396,12 @@ def test_a_hung_actor_costs_a_timeout_or_two_then_is_passed_by_or_dropped(policy
     pid = ray.get(actors[1].pid.remote())
     os.kill(pid, signal.SIGSTOP)
     try:
-        send_past_hung_worker_1(scheme, model, 2.0)
+        with caplog.at_level(logging.WARNING, logger="weightsync"):
+            send_past_hung_worker_1(scheme, model, 2.0)
+        if policy == "drop":  # (said once: it was said as gone too)
+            assert [r.getMessage() for r in caplog.records if "worker 1 " in r.getMessage()] == [
+                "model 'policy': dropped worker 1 at version 1: no ack for version 1 within 2s (last acked: 0)"
+            ]
         assert ray.get(actors[0].state.remote()) == (1, checksum(model, "tensordict"))
         late_on = 1
         if policy == "raise" and latest_wins:
@@ -559,6 +606,9 @@ def test_actor_without_a_receiver_and_bad_arguments():
     with pytest.raises(ws.ReceiverError, match="has no receiver for model 'policy'"):
         scheme.connect()
     scheme.shutdown()
+    # One actor for two workers: its one receiver would take the updates of both (refused before any is sent)
+    with pytest.raises(ws.ConfigurationError, match="actor 1 is worker 0's actor too"):
+        ws.RayWeightSyncScheme().init_on_sender(model_id="policy", model=model, actors=[actors[0], actors[0]])
     ray.kill(actors[0])
 
 

@@ -195,20 +195,16 @@ class Sender:
         failures.update(self.collect({w: out.version for w in refused if w not in failures}, deadline, within))
 
     # ----------------------------------------------------------- the workers
-    def mark_dead(self, worker: int, exc: WeightSyncError) -> WeightSyncError:
-        """Record ``worker`` as gone (once); later sends name it with ``exc``."""
+    def mark_dead(self, worker: int, exc: WeightSyncError, *, said: bool = False) -> WeightSyncError:
+        """Record ``worker`` as gone (once; logged unless ``said``: the caller logged why); later sends name it with
+        ``exc``."""
         if worker not in self.ledger.dead:
-            # The message, not the exception: a log handler that keeps records must not keep its traceback's frames.
-            log.warning("model %r: worker %d is gone: %s", self.model_id, worker, str(exc))
+            if not said:  # (the message, not the exception: a handler that keeps records must not keep its frames)
+                log.warning("model %r: worker %d is gone: %s", self.model_id, worker, str(exc))
             self.ledger.dead[worker] = exc
             if self.engine is not None:
                 self.engine.lost(worker, str(exc))
         return self.ledger.dead[worker]
-
-    def mark_named_dead(self, exc: WeightSyncError) -> None:
-        """Record every worker ``exc`` names as gone: one that failed the initial weights gave up on its side."""
-        for w, failure in by_worker(exc).items():
-            self.mark_dead(w, failure)
 
     def rejoined(self, worker: int, version: int | None) -> None:
         """``worker`` is back, and was sent ``version``: it counts as live again (its engine said it was coming
@@ -275,7 +271,11 @@ class Sender:
             if joined:
                 self.send_version(weights, joined, wait=True, deadline=deadline, initial=True)
         except WeightSyncError as exc:
-            self.mark_named_dead(exc)  # a worker whose model does not fit is out for good
+            for w, failure in by_worker(exc).items():
+                # A worker whose model does not fit is out for good, as is one that gave up on its side; where a
+                # call pushes version 0, it is still on its way to a slow worker: late (passed by until it acks it).
+                if not (self.engine.pushes and isinstance(failure, SyncTimeoutError)):
+                    self.mark_dead(w, failure)
             if not by_worker(exc):
                 raise
             failures.update(by_worker(exc))
@@ -464,7 +464,7 @@ class Sender:
                         "model %r: dropped worker %d at version %s: %s", self.model_id, w, version, error.detail
                     )
                     self.metrics.dropped[w] = f"{type(error).__name__}: {error.detail}"
-                self.mark_dead(w, error)
+                self.mark_dead(w, error, said=True)
             else:
                 kept[w] = error
         if len(self.metrics.dropped) > dropped and not self.ledger.live(sorted(self.ledger.peers)):

@@ -152,6 +152,8 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
                 f"), got {f'a list holding {held}' if held else type(actors).__name__}",
                 model_id=self.model_id,
             )
+        for i, actor in enumerate(actors):
+            _not_twice(actor, dict(enumerate(actors[:i])), f"actor {i}", self.model_id)
         return list(actors)
 
     def _count_workers(self, kwargs: dict[str, Any]) -> int:
@@ -217,6 +219,9 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
         with self._runtime.lock:
             # this scheme's engine (RaySender), or a driver's wrapping it (vLLM engines: VLLMEngines.replace)
             engine: Any = sending.engine
+            if actor is not None:
+                others = {w: getattr(t, "actor", None) for w, t in self.sender_transports.items() if w != worker_idx}
+                _not_twice(actor, others, f"worker {worker_idx}'s new actor", self.model_id)
             version = engine.resubmit(worker_idx, actor)
             deadline = deadline_after(within)
             failures = sending.collect({worker_idx: version}, deadline, within)
@@ -225,6 +230,20 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
                 raise_failures(failures, model_id=self.model_id, version=version)
             sending.rejoined(worker_idx, version)
             return version
+
+
+def _not_twice(actor: Any, others: dict[int, Any], what: str, model_id: str | None) -> None:
+    """Refuse ``actor`` (``what``: how to name it) where it is one of ``others`` (the other workers' actors): one
+    actor holds one receiver of a model, so two workers on it would be told apart by nothing.
+
+    Raises:
+        ConfigurationError: it is.
+    """
+    for w, other in others.items():
+        if actor == other:
+            raise ConfigurationError(
+                f"{what} is worker {w}'s actor too: give each worker an actor of its own", model_id=model_id
+            )
 
 
 @registry.public

@@ -446,6 +446,10 @@ def test_a_replaced_engine_serves_the_trainers_weights_as_a_new_version():
     engines = VLLMEngines([first], pause_mode="none")
     try:
         scheme.init_on_sender(model=model, context=engines)
+        early = Engine(engine_spec(model))
+        with pytest.raises(ws.LifecycleError, match="replace: the scheme these engines serve is initialized as"):
+            engines.replace(0, early)  # (it took the worker back, then its send said the scheme was not connected)
+        assert early.calls == [] and engines.clients[0].target is first
         scheme.connect()
         _step(model, 1)
         scheme.send()

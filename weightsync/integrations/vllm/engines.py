@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ... import checks
+from ...core.states import SENDER_CONNECTED
 from ...core.timing import deadline_after, remaining
 from ...core.workers import targets
 from ...errors import ConfigurationError, LifecycleError
@@ -184,8 +185,9 @@ class VLLMEngines:
                 send to it failed.
         """
         gate = self._gate
-        if gate is None:
-            raise LifecycleError("VLLMEngines.replace: the scheme these engines serve is not connected")
+        if gate is None or gate.scheme.state != SENDER_CONNECTED:  # (its gate is made at init_on_sender)
+            state = "not initialized" if gate is None else gate.scheme.state
+            raise LifecycleError(f"VLLMEngines.replace: the scheme these engines serve is {state}, not connected")
         if type(worker_idx) is not int or not 0 <= worker_idx < self.num_workers:
             raise ConfigurationError(f"worker_idx must be an int in [0, {self.num_workers}), got {worker_idx!r}")
         if not gate.takes_back:

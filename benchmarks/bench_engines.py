@@ -283,6 +283,8 @@ class _RayActor:
 def _ray_init(mb: float, workers: int, models: int = 1) -> None:
     import ray
 
+    from weightsync.transports.ray.cluster import private_temp_dir
+
     # Up to 1 GiB, Ray's object store touches its pages once, at start-up, instead of whenever it first hands
     # them out: first-touching 100 MB of fresh memory costs 42 ms on this VM (250 ms on other days), and it
     # landed in whichever column drew fresh pages that round (docs/benchmarks.md, "Where the time goes").
@@ -295,6 +297,7 @@ def _ray_init(mb: float, workers: int, models: int = 1) -> None:
         log_to_driver=False,
         object_store_memory=store,
         _system_config={"preallocate_plasma_memory": store <= 1 << 30},
+        _temp_dir=private_temp_dir(),  # (Ray's default, /tmp/ray, is open to every user: docs/security.md)
     )
 
 

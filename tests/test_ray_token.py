@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import weightsync as ws
+from tests._as_stranger import run_stranger, stranger_unavailable
 from weightsync.transports.ray.auth_token import keep_token_private, token_path
 from weightsync.transports.ray.cluster import LOCAL, bootstrap_address
 
@@ -141,6 +142,7 @@ def test_a_scheme_that_starts_a_local_cluster_starts_it_on_a_private_token_ray_t
                 with contextlib.suppress(BlockingIOError):
                     stranger.accept()
                     raise AssertionError("the scheme reached the cluster another user named")
+                print(ray._private.worker._global_node.get_session_dir_path())
                 print(oct(stat.S_IMODE(token.stat().st_mode)), len(token.read_text()))
             finally:
                 ray.shutdown()
@@ -148,6 +150,8 @@ def test_a_scheme_that_starts_a_local_cluster_starts_it_on_a_private_token_ray_t
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     env["RAY_TMPDIR"] = short_tmp = tempfile.mkdtemp(prefix="wsrt", dir="/tmp")  # (short: Ray's sockets live in it)
+    os.chmod(short_tmp, 0o1777)  # (as /tmp is: every user may enter, and make files of their own)
+    planted = None
     try:
         ran = subprocess.run(
             [sys.executable, "-c", script],
@@ -157,9 +161,18 @@ def test_a_scheme_that_starts_a_local_cluster_starts_it_on_a_private_token_ray_t
             timeout=180,
             cwd=Path(__file__).parents[1],
         )
+        if "needs root" in ran.stderr:
+            pytest.skip("a private network namespace needs root here")
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        assert ran.stdout.split()[-2:] == ["0o600", "64"]
+        # Ray makes its temp dir, and each session's sockets dir, writable by every user: another user replaced the
+        # socket files there. The cluster's files are in a directory only this user may enter.
+        session = Path(ran.stdout.split()[-3])
+        assert Path(short_tmp) / "ray" not in session.parents and (session / "sockets").is_dir(), session
+        if stranger_unavailable() is None:
+            planted = session / "sockets" / "planted"
+            tried = run_stranger(["-c", f"open({str(planted)!r}, 'w')"], timeout=60)
+            assert tried.returncode != 0 and "PermissionError" in tried.stdout, tried.stdout[-2000:]
     finally:
         shutil.rmtree(short_tmp, ignore_errors=True)
-    if "needs root" in ran.stderr:
-        pytest.skip("a private network namespace needs root here")
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    assert ran.stdout.split()[-2:] == ["0o600", "64"]
+    assert planted is None or not planted.exists()

@@ -86,14 +86,16 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
         """Unless Ray is up in this process, join the cluster this scheme names (``address``, else
         ``RAY_ADDRESS``, else a new local one: never the one Ray's own default would join, which another user of
         the host can name, :mod:`~weightsync.transports.ray.cluster`) in its ``namespace``; ``options`` go to
-        ``ray.init``. Returns whether this call initialized Ray.
+        ``ray.init``. A new local cluster keeps its files where only this user may enter, unless ``options`` give
+        ``_temp_dir`` (:func:`~weightsync.transports.ray.cluster.private_temp_dir`). Returns whether this call
+        initialized Ray.
 
         Raises:
             ConfigurationError: ``"auto"`` names no cluster of this user's.
         """
         from ..transports.network import await_listener
         from ..transports.ray.auth_token import keep_token_private
-        from ..transports.ray.cluster import LOCAL, bootstrap_address
+        from ..transports.ray.cluster import LOCAL, bootstrap_address, private_temp_dir
         from ..transports.ray.sender import ray
 
         if ray().is_initialized():
@@ -101,6 +103,8 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
             return False
         address = bootstrap_address(self.address or os.environ.get("RAY_ADDRESS"), options.get("_temp_dir"))
         keep_token_private(new_cluster=address == LOCAL)
+        if address == LOCAL and "_temp_dir" not in options:  # (Ray's default temp dir is open to every user)
+            options["_temp_dir"] = private_temp_dir()
         host, colon, port = address.removeprefix("ray://").rpartition(":")
         if colon and host and port.isdigit():  # (Ray's own connect retries for minutes, past connect_timeout)
             timeout = float(self.connect_timeout)

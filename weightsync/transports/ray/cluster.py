@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from ...errors import ConfigurationError
 
-__all__ = ["LOCAL", "bootstrap_address"]
+__all__ = ["LOCAL", "bootstrap_address", "private_temp_dir"]
 
 #: What ``ray.init(address=...)`` takes for "start a new local cluster".
 LOCAL = "local"
@@ -62,3 +63,17 @@ def bootstrap_address(address: str | None, temp_dir: str | None = None) -> str:
     if not found:
         raise ConfigurationError(f"address='auto': {path} names no cluster: give the cluster's address (host:port)")
     return found
+
+
+def private_temp_dir() -> str:
+    """Where a new local cluster keeps its files (``ray.init(_temp_dir=...)``): ``ray`` in a directory of its own
+    that only this user may enter, under Ray's usual place (``RAY_TMPDIR``, else the system's temp dir).
+
+    Ray makes its temp dir, and each session's directory, sockets and logs in it, writable by every user (mode
+    0777, no sticky bit): under ``/tmp/ray`` another user can replace a running cluster's socket files and the
+    files that name its ports, which Ray's processes started later connect to and read. A directory only this
+    user enters (0700, made by :func:`tempfile.mkdtemp`) above Ray's keeps them out; it stays after the cluster,
+    as Ray's own session directories do (their logs). The path is short: Ray's sockets live in it (108 bytes).
+    """
+    parent = tempfile.mkdtemp(prefix="ws-ray-", dir=os.environ.get("RAY_TMPDIR") or None)
+    return os.path.join(parent, "ray")

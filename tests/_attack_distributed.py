@@ -203,15 +203,9 @@ def main(mode: str, port: str, *args: str) -> None:
     elif mode == "rollback":  # the next process of worker 0 counts itself as the (N+1)th, as an earlier one did
         store.set("gen/0", args[0])
         print(f"gen/0 set back to {store.get('gen/0').decode()}", flush=True)
-        if len(args) > 1:  # the count of a worker that rejoined: the trainer read it, and puts it back
+        if len(args) > 1:  # the count the trainer read last: it puts it back
             restored = wait_until(lambda: store.get("gen/0") == args[1].encode(), deadline_after(20), 0.02)
             print(f"gen/0 put back by the trainer: {restored}", flush=True)
-    elif mode == "inflate":  # the count of rejoins set high, then back once the trainer saw it (then any request
-        # counted up to that height went unread)
-        store.set("rejoins", "99999999999999999")
-        time.sleep(1.5)  # (the trainer's rejoin thread looks every 0.05 s)
-        store.set("rejoins", "0")
-        print("rejoins set high, then back to 0", flush=True)
     elif mode == "counters":
         store.set("rejoins", "not a number")  # an add to it makes the store's server drop the adding client
         restored = wait_until(lambda: store.get("rejoins").isdigit(), deadline_after(20), 0.02)

@@ -320,7 +320,7 @@ def test_killed_actor_is_named_and_the_others_are_updated():
     assert ray.get(actors[0].state.remote())[0] == 2
     scheme.send(worker_ids=[0])
     assert not scheme.sender_transports[1].check_connection()
-    with pytest.raises(ws.ConfigurationError, match="worker 1's new actor is worker 0's actor too"):
+    with pytest.raises(ws.ConfigurationError, match="workers 0 and 1 were given the same actor"):
         scheme.rejoin(1, actors[0])  # (nothing sent: worker 0 still holds version 3 alone)
     assert scheme.acked_versions[0] == 3 and ray.get(actors[0].state.remote())[0] == 3
     scheme.shutdown()
@@ -607,7 +607,7 @@ def test_actor_without_a_receiver_and_bad_arguments():
         scheme.connect()
     scheme.shutdown()
     # One actor for two workers: its one receiver would take the updates of both (refused before any is sent)
-    with pytest.raises(ws.ConfigurationError, match="actor 1 is worker 0's actor too"):
+    with pytest.raises(ws.ConfigurationError, match="workers 0 and 1 were given the same actor"):
         ws.RayWeightSyncScheme().init_on_sender(model_id="policy", model=model, actors=[actors[0], actors[0]])
     ray.kill(actors[0])
 

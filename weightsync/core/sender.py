@@ -273,7 +273,7 @@ class Sender:
         except WeightSyncError as exc:
             for w, failure in by_worker(exc).items():
                 # A worker whose model does not fit is out for good, as is one that gave up on its side; where a
-                # call pushes version 0, it is still on its way to a slow worker: late (passed by until it acks it).
+                # call pushes version 0, it is still on its way to a slow worker: late, as after any send's wait.
                 if not (self.engine.pushes and isinstance(failure, SyncTimeoutError)):
                     self.mark_dead(w, failure)
             if not by_worker(exc):

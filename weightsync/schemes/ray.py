@@ -156,8 +156,6 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
                 f"), got {f'a list holding {held}' if held else type(actors).__name__}",
                 model_id=self.model_id,
             )
-        for i, actor in enumerate(actors):
-            _not_twice(actor, dict(enumerate(actors[:i])), f"actor {i}", self.model_id)
         return list(actors)
 
     def _count_workers(self, kwargs: dict[str, Any]) -> int:
@@ -172,6 +170,7 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
         from ..transports.ray.sender import RaySender
 
         actors = self._actors(kwargs)
+        _one_worker_each(dict(enumerate(actors)), self.model_id)
         self.join_ray()
         self._check_exposure()
         settings = self.settings
@@ -224,8 +223,8 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
             # this scheme's engine (RaySender), or a driver's wrapping it (vLLM engines: VLLMEngines.replace)
             engine: Any = sending.engine
             if actor is not None:
-                others = {w: getattr(t, "actor", None) for w, t in self.sender_transports.items() if w != worker_idx}
-                _not_twice(actor, others, f"worker {worker_idx}'s new actor", self.model_id)
+                held = {w: getattr(t, "actor", None) for w, t in self.sender_transports.items()}
+                _one_worker_each({**held, worker_idx: actor}, self.model_id)
             version = engine.resubmit(worker_idx, actor)
             deadline = deadline_after(within)
             failures = sending.collect({worker_idx: version}, deadline, within)
@@ -236,18 +235,21 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
             return version
 
 
-def _not_twice(actor: Any, others: dict[int, Any], what: str, model_id: str | None) -> None:
-    """Refuse ``actor`` (``what``: how to name it) where it is one of ``others`` (the other workers' actors): one
-    actor holds one receiver of a model, so two workers on it would be told apart by nothing.
+def _one_worker_each(actors: dict[int, Any], model_id: str | None) -> None:
+    """Refuse one actor given for two workers (``actors``: by worker): it holds one receiver of a model, so the two
+    would be told apart by nothing.
 
     Raises:
-        ConfigurationError: it is.
+        ConfigurationError: naming the two workers.
     """
-    for w, other in others.items():
-        if actor == other:
+    first: dict[Any, int] = {}
+    for w, actor in sorted(actors.items()):
+        if actor is not None and actor in first:  # (a handle compares, and hashes, by its actor's id)
             raise ConfigurationError(
-                f"{what} is worker {w}'s actor too: give each worker an actor of its own", model_id=model_id
+                f"workers {first[actor]} and {w} were given the same actor: give each worker an actor of its own",
+                model_id=model_id,
             )
+        first.setdefault(actor, w)
 
 
 @registry.public

@@ -26,7 +26,9 @@ __all__ = [
     "SILENT_TIMEOUTS",
     "await_key",
     "open_store",
+    "put_back_count",
     "store_count",
+    "store_counted",
     "store_json",
     "store_read",
     "store_set",
@@ -86,12 +88,24 @@ def store_count(store: dist.Store, key: str) -> int:
     Raises:
         ValueError: the value is not a count (at most 18 digits).
     """
+    return store_counted(store, key)[0]
+
+
+def store_counted(store: dist.Store, key: str) -> tuple[int, str]:
+    """:func:`store_count`, with the value it read (``""``: none), for :func:`put_back_count`."""
     raw = store_read(store, key)
     if raw is None:
-        return 0
+        return 0, ""
     if len(raw) > 18 or not raw.isdigit():
         raise ValueError(f"store key {key!r} holds no count")
-    return int(raw)
+    return int(raw), raw.decode()
+
+
+def put_back_count(store: dist.Store, key: str, read: str, count: int) -> None:
+    """Set the count under ``key`` to ``count`` where it still holds what was ``read`` there (:func:`store_counted`),
+    in one step: a count is never added to (a word written there meanwhile would make the store's server drop this
+    client), and one that moved since is left as it is."""
+    store.compare_set(key, read, str(count))
 
 
 def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, bool]:

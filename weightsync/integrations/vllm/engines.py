@@ -186,7 +186,7 @@ class VLLMEngines:
         """
         gate = self._gate
         if gate is None or gate.scheme.state != SENDER_CONNECTED:  # (its gate is made at init_on_sender)
-            state = "not initialized" if gate is None else gate.scheme.state
+            state = "not initialized, or shut down" if gate is None else gate.scheme.state
             raise LifecycleError(f"VLLMEngines.replace: the scheme these engines serve is {state}, not connected")
         if type(worker_idx) is not int or not 0 <= worker_idx < self.num_workers:
             raise ConfigurationError(f"worker_idx must be an int in [0, {self.num_workers}), got {worker_idx!r}")

@@ -17,7 +17,7 @@ from ...core.timing import deadline_after, remaining
 from ...errors import SyncTimeoutError, TransportError, WeightSyncError, first_line
 from ...tensors.copies import copy_tensors
 from ..processes import process_is_gone
-from ..store import MAX_HELLO_JSON, store_count, store_json, store_set
+from ..store import MAX_HELLO_JSON, put_back_count, store_count, store_counted, store_json, store_set
 from ..storeclient import connect_store
 from .auth import Sealer, new_nonce, proof, proven
 from .group import GROUP_TIMEOUT_FACTOR, gpu_identity, new_group_within
@@ -170,9 +170,11 @@ class RejoinRequests:
         self.prefix, self.address, self.num_workers, self.model_id = prefix, address, num_workers, model_id
         #: The thread's own client of the store (``None``: closed, or not open yet).
         self.store: dist.Store | None = None
-        self._gens: dict[int, int] = {}  # worker -> the generation (connection count) read last
+        #: worker -> the generation (connection count) read last: every worker joined as the first, at the rendez-vous
+        self._gens: dict[int, int] = dict.fromkeys(range(num_workers), 1)
         self._seen = 0  # the count of rejoins at the last look at the workers' counts
         self._next_scan = 0.0  # (time.monotonic()) when the workers' counts are looked at, unless it moved first
+        self._set_back: set[int] = set()  # the workers whose count was found set back (said once each)
         #: Whether the last reconnect failed (the store gone): the failures that follow are logged at debug level.
         self.unreachable = False
 
@@ -202,13 +204,16 @@ class RejoinRequests:
         self._seen, self._next_scan = asked, now + REJOIN_SCAN_S
         for w in range(self.num_workers):
             try:
-                gen = store_count(store, f"gen/{w}")
+                gen, read = store_counted(store, f"gen/{w}")
             except ValueError:  # that worker's count was overwritten: it cannot rejoin, the others can
                 continue
-            if gen < self._gens.get(w, 0):
-                log.warning("model %r: worker %d's count of connections was set back; restored", self.model_id, w)
-                store.add(f"gen/{w}", self._gens[w] - gen)  # (a request made meanwhile still counts on from it)
-            elif gen > self._gens.get(w, 1) and store.check([f"rejoin/{w}/{gen}"]):
+            if gen < self._gens[w]:  # (a process that counted itself from the lower count meanwhile is refused)
+                if w not in self._set_back:
+                    log.warning("model %r: worker %d's count of connections was set back; put back (said once)",
+                                self.model_id, w)  # fmt: skip
+                    self._set_back.add(w)
+                put_back_count(store, f"gen/{w}", read, self._gens[w])
+            elif gen > self._gens[w] and store.check([f"rejoin/{w}/{gen}"]):
                 self._gens[w] = gen
                 self._next_scan = now  # (more may wait: looked for at the next poll)
                 return w, gen

@@ -25,6 +25,16 @@ def ray_cluster():
         yield
 
 
+#: Each pair of a strategy, a way of handing the scheme to an actor, and ``delta`` (every pair, not every triple:
+#: each case starts actors, which costs seconds).
+PAIRS = [
+    pytest.param("state_dict", "pickled", False, id="state_dict-pickled"),
+    pytest.param("state_dict", "receiver_config", True, id="state_dict-receiver_config-delta"),
+    pytest.param("tensordict", "pickled", True, id="tensordict-pickled-delta"),
+    pytest.param("tensordict", "receiver_config", False, id="tensordict-receiver_config"),
+]
+
+
 def _collectors(n=2, kinds=None):
     from tests._ray_actors import Collector
 
@@ -39,9 +49,7 @@ def _joined(scheme, model, n=2, kinds=None):
     return actors
 
 
-@pytest.mark.parametrize("strategy", ["state_dict", "tensordict"])
-@pytest.mark.parametrize("handed_as", ["pickled", "receiver_config"])
-@pytest.mark.parametrize("delta", [False, True], ids=["", "delta"])
+@pytest.mark.parametrize(("strategy", "handed_as", "delta"), PAIRS)
 def test_every_send_reaches_every_targeted_actor(strategy, handed_as, delta):
     model = build("tiny")
     # (handed as plain data, the actors also track the pages written: the Hydra road, and the trainer too)
@@ -612,9 +620,7 @@ def test_actor_without_a_receiver_and_bad_arguments():
     ray.kill(actors[0])
 
 
-@pytest.mark.parametrize("strategy", ["state_dict", "tensordict"])
-@pytest.mark.parametrize("handed_as", ["pickled", "receiver_config"])
-@pytest.mark.parametrize("delta", [False, True], ids=["", "delta"])
+@pytest.mark.parametrize(("strategy", "handed_as", "delta"), PAIRS)
 def test_module_hosted_in_one_actor_follows_the_trainer(strategy, handed_as, delta):
     import torch
 

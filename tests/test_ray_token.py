@@ -151,7 +151,6 @@ def test_a_scheme_that_starts_a_local_cluster_starts_it_on_a_private_token_ray_t
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     env["RAY_TMPDIR"] = short_tmp = tempfile.mkdtemp(prefix="wsrt", dir="/tmp")  # (short: Ray's sockets live in it)
     os.chmod(short_tmp, 0o1777)  # (as /tmp is: every user may enter, and make files of their own)
-    planted = None
     try:
         ran = subprocess.run(
             [sys.executable, "-c", script],
@@ -173,6 +172,56 @@ def test_a_scheme_that_starts_a_local_cluster_starts_it_on_a_private_token_ray_t
             planted = session / "sockets" / "planted"
             tried = run_stranger(["-c", f"open({str(planted)!r}, 'w')"], timeout=60)
             assert tried.returncode != 0 and "PermissionError" in tried.stdout, tried.stdout[-2000:]
+            assert not planted.exists()
     finally:
         shutil.rmtree(short_tmp, ignore_errors=True)
-    assert planted is None or not planted.exists()
+
+
+def test_a_new_clusters_files_go_where_only_this_user_may_enter_and_its_paths_fit_rays_sockets(monkeypatch):
+    """Ray opens its temp dir to every user (0777, no sticky bit); the directory above it is this user's alone.
+    Ray refuses a socket path over 107 bytes ("AF_UNIX path length cannot exceed"): a base too long for one is
+    left for /tmp."""
+    from weightsync.transports.ray import cluster
+
+    made = []
+    for base in ("/tmp", "/tmp/" + "x" * 40):
+        monkeypatch.setenv("RAY_TMPDIR", base)
+        os.makedirs(base, exist_ok=True)
+        made.append(Path(cluster.private_temp_dir()))
+    try:
+        for path in made:
+            assert path.name == "ray" and not path.exists() and path.parent.parent == Path("/tmp")
+            assert _mode(path.parent) == 0o700 and path.parent.stat().st_uid == os.getuid()
+            socket = f"{path}/session_2026-12-07_11-11-07_275980_4194304/sockets/plasma_store"
+            assert len(socket) <= 107, socket
+    finally:
+        for path in made:
+            path.parent.rmdir()
+        os.rmdir("/tmp/" + "x" * 40)
+
+
+def test_tpu_logs_in_the_shared_temp_dir_are_not_linked_into_a_new_clusters_logs(tmp_path, monkeypatch):
+    """Ray links a new cluster's logs to /tmp/tpu_logs where TPU_LOG_DIR names no directory, and its log monitor
+    sends every line of the files there to the driver: any user may make that directory. Unless it is this
+    user's, TPU_LOG_DIR names an empty directory beside the cluster's while it starts."""
+    from weightsync.transports.ray import cluster
+
+    shared = tmp_path / "tpu_logs"
+    monkeypatch.setattr(cluster, "_SHARED_TPU_LOGS", str(shared))
+    monkeypatch.delenv("TPU_LOG_DIR", raising=False)
+    files = str(tmp_path / "ws-ray-1" / "ray")
+    for made_by_another in (False, True):  # absent (another user may make it), then another user's
+        if made_by_another:
+            shared.mkdir(mode=0o777)
+            shared.chmod(0o777)
+        with cluster.own_tpu_logs(files):
+            named = Path(os.environ["TPU_LOG_DIR"])
+            assert named == tmp_path / "ws-ray-1" / "tpu_logs" and named.is_dir() and not list(named.iterdir())
+            assert _mode(named) == 0o700
+        assert "TPU_LOG_DIR" not in os.environ
+    shared.chmod(0o755)  # this user's, not open to others: Ray's own way
+    with cluster.own_tpu_logs(files):
+        assert "TPU_LOG_DIR" not in os.environ
+    monkeypatch.setenv("TPU_LOG_DIR", str(tmp_path))  # the user's own choice
+    with cluster.own_tpu_logs(files):
+        assert os.environ["TPU_LOG_DIR"] == str(tmp_path)

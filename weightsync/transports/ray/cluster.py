@@ -13,15 +13,23 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from ...errors import ConfigurationError
 
-__all__ = ["LOCAL", "bootstrap_address", "private_temp_dir"]
+__all__ = ["LOCAL", "bootstrap_address", "own_tpu_logs", "private_temp_dir"]
 
 #: What ``ray.init(address=...)`` takes for "start a new local cluster".
 LOCAL = "local"
+#: The longest socket path Ray makes under its temp dir (``/session_<date>_<pid>/sockets/plasma_store``), and the
+#: longest it takes (an ``AF_UNIX`` path: 107 bytes on Linux, 103 on macOS).
+_SESSION_SOCKET = len("/session_2026-12-07_11-11-07_275980_4194304/sockets/plasma_store")
+_MAX_SOCKET = 103 if sys.platform.startswith("darwin") else 107
+#: Where Ray looks for TPU logs to link into a new cluster's logs, where ``TPU_LOG_DIR`` names no directory.
+_SHARED_TPU_LOGS = "/tmp/tpu_logs"
 
 
 def bootstrap_address(address: str | None, temp_dir: str | None = None) -> str:
@@ -67,13 +75,44 @@ def bootstrap_address(address: str | None, temp_dir: str | None = None) -> str:
 
 def private_temp_dir() -> str:
     """Where a new local cluster keeps its files (``ray.init(_temp_dir=...)``): ``ray`` in a directory of its own
-    that only this user may enter, under Ray's usual place (``RAY_TMPDIR``, else the system's temp dir).
+    that only this user may enter, under Ray's usual place (``RAY_TMPDIR``, else ``TMPDIR`` on Linux, else
+    ``/tmp``; ``/tmp`` where that is too long for Ray's socket paths).
 
     Ray makes its temp dir, and each session's directory, sockets and logs in it, writable by every user (mode
     0777, no sticky bit): under ``/tmp/ray`` another user can replace a running cluster's socket files and the
     files that name its ports, which Ray's processes started later connect to and read. A directory only this
     user enters (0700, made by :func:`tempfile.mkdtemp`) above Ray's keeps them out; it stays after the cluster,
-    as Ray's own session directories do (their logs). The path is short: Ray's sockets live in it (108 bytes).
+    as Ray's own session directories do (their logs).
     """
-    parent = tempfile.mkdtemp(prefix="ws-ray-", dir=os.environ.get("RAY_TMPDIR") or None)
-    return os.path.join(parent, "ray")
+    base = os.environ.get("RAY_TMPDIR") or (os.environ.get("TMPDIR") if sys.platform.startswith("linux") else None)
+    base = os.path.abspath(base or "/tmp")
+    if len(os.fsencode(base)) + len("/ws-ray-XXXXXXXX/ray") + _SESSION_SOCKET > _MAX_SOCKET:
+        base = "/tmp"  # (Ray refused to start: "AF_UNIX path length cannot exceed 107 bytes")
+    return os.path.join(tempfile.mkdtemp(prefix="ws-ray-", dir=base), "ray")
+
+
+@contextlib.contextmanager
+def own_tpu_logs(temp_dir: str) -> Iterator[None]:
+    """While a new local cluster starts in ``temp_dir`` (:func:`private_temp_dir`): Ray links its logs to
+    ``/tmp/tpu_logs`` where ``TPU_LOG_DIR`` names no directory, and its log monitor sends each line of the files
+    there to the driver; any user may make that directory (and link other files into it). Unless it is this
+    user's, not open to others, ``TPU_LOG_DIR`` names an empty directory beside the cluster's for the start."""
+    named = os.environ.get("TPU_LOG_DIR")
+    try:
+        shared = os.lstat(_SHARED_TPU_LOGS)
+        ours = stat.S_ISDIR(shared.st_mode) and shared.st_uid == os.getuid() and not shared.st_mode & 0o022
+    except OSError:
+        ours = False  # (absent: another user may make it before Ray looks)
+    if ours or (named and os.path.isdir(named)):
+        yield
+        return
+    empty = os.path.join(os.path.dirname(temp_dir), "tpu_logs")
+    os.makedirs(empty, mode=0o700, exist_ok=True)
+    os.environ["TPU_LOG_DIR"] = empty
+    try:
+        yield
+    finally:
+        if named is None:
+            os.environ.pop("TPU_LOG_DIR", None)
+        else:
+            os.environ["TPU_LOG_DIR"] = named

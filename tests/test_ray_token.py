@@ -164,8 +164,8 @@ def test_a_scheme_that_starts_a_local_cluster_starts_it_on_a_private_token_ray_t
             pytest.skip("a private network namespace needs root here")
         assert ran.returncode == 0, ran.stderr[-3000:]
         assert ran.stdout.split()[-2:] == ["0o600", "64"]
-        # Ray makes its temp dir, and each session's sockets dir, writable by every user: another user replaced the
-        # socket files there. The cluster's files are in a directory only this user may enter.
+        # Ray makes its temp dir, and each session's sockets dir, writable by every user: another user could make
+        # and replace files there. The cluster's files are in a directory only this user may enter.
         session = Path(ran.stdout.split()[-3])
         assert Path(short_tmp) / "ray" not in session.parents and (session / "sockets").is_dir(), session
         if stranger_unavailable() is None:
@@ -183,12 +183,11 @@ def test_a_new_clusters_files_go_where_only_this_user_may_enter_and_its_paths_fi
     left for /tmp."""
     from weightsync.transports.ray import cluster
 
-    made = []
-    for base in ("/tmp", "/tmp/" + "x" * 40):
-        monkeypatch.setenv("RAY_TMPDIR", base)
-        os.makedirs(base, exist_ok=True)
-        made.append(Path(cluster.private_temp_dir()))
+    made, long_base = [], tempfile.mkdtemp(prefix="ws-long-" + "x" * 30, dir="/tmp")  # (45 bytes: this test's)
     try:
+        for base in ("/tmp", long_base):
+            monkeypatch.setenv("RAY_TMPDIR", base)
+            made.append(Path(cluster.private_temp_dir()))
         for path in made:
             assert path.name == "ray" and not path.exists() and path.parent.parent == Path("/tmp")
             assert _mode(path.parent) == 0o700 and path.parent.stat().st_uid == os.getuid()
@@ -197,7 +196,7 @@ def test_a_new_clusters_files_go_where_only_this_user_may_enter_and_its_paths_fi
     finally:
         for path in made:
             path.parent.rmdir()
-        os.rmdir("/tmp/" + "x" * 40)
+        os.rmdir(long_base)
 
 
 def test_tpu_logs_in_the_shared_temp_dir_are_not_linked_into_a_new_clusters_logs(tmp_path, monkeypatch):

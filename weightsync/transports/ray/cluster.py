@@ -87,7 +87,7 @@ def private_temp_dir() -> str:
     base = os.environ.get("RAY_TMPDIR") or (os.environ.get("TMPDIR") if sys.platform.startswith("linux") else None)
     base = os.path.abspath(base or "/tmp")
     if len(os.fsencode(base)) + len("/ws-ray-XXXXXXXX/ray") + _SESSION_SOCKET > _MAX_SOCKET:
-        base = "/tmp"  # (Ray refused to start: "AF_UNIX path length cannot exceed 107 bytes")
+        base = "/tmp"  # (Ray refuses to start past it: "AF_UNIX path length cannot exceed 107 bytes")
     return os.path.join(tempfile.mkdtemp(prefix="ws-ray-", dir=base), "ray")
 
 

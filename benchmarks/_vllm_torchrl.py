@@ -107,15 +107,14 @@ def start_ray() -> bool:
     it must offer a GPU resource and put the repository root on the workers' PYTHONPATH itself."""
     import ray
 
-    from weightsync.transports.ray.cluster import own_tpu_logs, private_temp_dir
+    from weightsync.transports.ray.cluster import private_ray_files
 
     if ray.is_initialized():
         return False
     root = str(Path(__file__).resolve().parent.parent)  # so that vLLM's worker can import FixedStorageWorker
     path = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)
     # num_gpus=1: a logical GPU for AsyncVLLM's num_gpus=1 actor (workaround 1); nothing uses a GPU.
-    files = private_temp_dir()  # (Ray's default, /tmp/ray, is open to every user: docs/security.md)
-    with own_tpu_logs(files):
+    with private_ray_files() as files:  # (Ray's default, /tmp/ray, is open to every user: docs/security.md)
         ray.init(
             address="local",
             num_cpus=2,

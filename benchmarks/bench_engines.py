@@ -283,15 +283,14 @@ class _RayActor:
 def _ray_init(mb: float, workers: int, models: int = 1) -> None:
     import ray
 
-    from weightsync.transports.ray.cluster import own_tpu_logs, private_temp_dir
+    from weightsync.transports.ray.cluster import private_ray_files
 
     # Up to 1 GiB, Ray's object store touches its pages once, at start-up, instead of whenever it first hands
     # them out: first-touching 100 MB of fresh memory costs 42 ms on this VM (250 ms on other days), and it
     # landed in whichever column drew fresh pages that round (docs/benchmarks.md, "Where the time goes").
     # Touching the 5 GB the 1000 MB case needs outlasts the raylet's start-up timeout.
     store = max(1 << 30, int((3 * models + 2) * mb * 1e6))  # each scheme's objects, the floor's, and room
-    files = private_temp_dir()  # (Ray's default, /tmp/ray, is open to every user: docs/security.md)
-    with own_tpu_logs(files):
+    with private_ray_files() as files:  # (Ray's default, /tmp/ray, is open to every user: docs/security.md)
         ray.init(
             address="local",  # (a new cluster: with no address, Ray joins the one a file any user can write names)
             num_cpus=workers + 1,

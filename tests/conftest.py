@@ -165,11 +165,12 @@ def local_ray_cluster(**init_kwargs):
     import ray
 
     from tests._netns import loopback_only_network
-    from weightsync.transports.ray.cluster import own_tpu_logs, private_temp_dir
+    from weightsync.transports.ray.cluster import private_ray_files
 
-    files = private_temp_dir()  # (Ray's default, /tmp/ray, is open to every user: others could plant files there)
     with loopback_only_network():
-        with own_tpu_logs(files):  # ("local": a new cluster; with no address, Ray joins the one a file names)
+        # ("local": a new cluster; with no address, Ray joins the one a file any user can write names; its files
+        # where only this user may enter: Ray's default, /tmp/ray, is open to every user)
+        with private_ray_files() as files:
             ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=files,
                      **init_kwargs)  # fmt: skip
         try:

@@ -95,7 +95,7 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
         """
         from ..transports.network import await_listener
         from ..transports.ray.auth_token import keep_token_private
-        from ..transports.ray.cluster import LOCAL, bootstrap_address, own_tpu_logs, private_temp_dir
+        from ..transports.ray.cluster import LOCAL, bootstrap_address, private_ray_files
         from ..transports.ray.sender import ray
 
         if ray().is_initialized():
@@ -103,15 +103,15 @@ class RayWeightSyncScheme(PayloadScheme, name="ray"):
             return False
         address = bootstrap_address(self.address or os.environ.get("RAY_ADDRESS"), options.get("_temp_dir"))
         keep_token_private(new_cluster=address == LOCAL)
-        new_here = address == LOCAL and options.get("_temp_dir") is None
-        if new_here:  # (Ray's default temp dir is open to every user)
-            options["_temp_dir"] = private_temp_dir()
+        given = options.pop("_temp_dir", None)
+        # (a new local cluster's files: Ray's default temp dir is open to every user)
+        files = private_ray_files() if address == LOCAL and given is None else contextlib.nullcontext(given)
         host, colon, port = address.removeprefix("ray://").rpartition(":")
         if colon and host and port.isdigit():  # (Ray's own connect retries for minutes, past connect_timeout)
             timeout = float(self.connect_timeout)
             await_listener(host.strip("[]"), int(port), deadline_after(timeout), timeout, "Ray cluster")
-        with own_tpu_logs(options["_temp_dir"]) if new_here else contextlib.nullcontext():
-            ray().init(address=address, namespace=self.namespace, **options)
+        with files as temp_dir:
+            ray().init(address=address, namespace=self.namespace, _temp_dir=temp_dir, **options)
         return True
 
     def _check_exposure(self) -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "ORPHAN_GRACE_S",
     "check_key_file_path",
     "check_run_key_path",
+    "is_own_dir",
     "key_name",
     "key_dir",
     "read_key_file",
@@ -84,7 +85,7 @@ def key_dir() -> str:
         pass
     except OSError as exc:
         raise ConfigurationError(f"cannot make the auth key directory {path}: {exc.strerror}") from exc
-    if _is_private_dir(path):
+    if is_own_dir(path):
         return path
     return _fallback_dir(base)
 
@@ -100,7 +101,7 @@ def _fallback_dir(base: str) -> str:
     for name in names:
         outer = os.path.join(base, name)
         inner = os.path.join(outer, _dir_name())
-        if _is_private_dir(outer) and _is_private_dir(inner):
+        if is_own_dir(outer) and is_own_dir(inner):
             return inner
     try:
         outer = tempfile.mkdtemp(prefix=prefix, dir=base)  # mode 0700, a name no one could guess
@@ -111,18 +112,19 @@ def _fallback_dir(base: str) -> str:
     return inner
 
 
-def _is_private_dir(path: str) -> bool:
-    """Whether ``path`` itself (not what a link there points to) is a directory of this user's, mode 0700."""
+def is_own_dir(path: str, closed: int = 0o077) -> bool:
+    """Whether ``path`` itself (not what a link there points to) is a directory of this user's whose mode has none
+    of the bits ``closed`` (the default: 0700, private; ``0o022``: no other user may write in it)."""
     try:
         info = os.lstat(path)
     except OSError:
         return False
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not stat.S_IMODE(info.st_mode) & 0o077
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not stat.S_IMODE(info.st_mode) & closed
 
 
 def _check_dir(path: str, **where: Any) -> None:
     os.lstat(path)  # FileNotFoundError: the caller says what a missing directory means
-    if not _is_private_dir(path):
+    if not is_own_dir(path):
         raise ConfigurationError(
             f"{path} must be a directory owned by this user with mode 0700 (it holds auth keys)", **where
         )

@@ -19,8 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ...errors import ConfigurationError
+from ..keyfiles import is_own_dir
 
-__all__ = ["LOCAL", "bootstrap_address", "own_tpu_logs", "private_temp_dir"]
+__all__ = ["LOCAL", "bootstrap_address", "own_tpu_logs", "private_ray_files", "private_temp_dir"]
 
 #: What ``ray.init(address=...)`` takes for "start a new local cluster".
 LOCAL = "local"
@@ -98,12 +99,8 @@ def own_tpu_logs(temp_dir: str) -> Iterator[None]:
     there to the driver; any user may make that directory (and link other files into it). Unless it is this
     user's, not open to others, ``TPU_LOG_DIR`` names an empty directory beside the cluster's for the start."""
     named = os.environ.get("TPU_LOG_DIR")
-    try:
-        shared = os.lstat(_SHARED_TPU_LOGS)
-        ours = stat.S_ISDIR(shared.st_mode) and shared.st_uid == os.getuid() and not shared.st_mode & 0o022
-    except OSError:
-        ours = False  # (absent: another user may make it before Ray looks)
-    if ours or (named and os.path.isdir(named)):
+    # (absent, it is not this user's either: another user may make it before Ray looks)
+    if is_own_dir(_SHARED_TPU_LOGS, closed=0o022) or (named and os.path.isdir(named)):
         yield
         return
     empty = os.path.join(os.path.dirname(temp_dir), "tpu_logs")
@@ -116,3 +113,12 @@ def own_tpu_logs(temp_dir: str) -> Iterator[None]:
             os.environ.pop("TPU_LOG_DIR", None)
         else:
             os.environ["TPU_LOG_DIR"] = named
+
+
+@contextlib.contextmanager
+def private_ray_files() -> Iterator[str]:
+    """For a new local cluster's start (``ray.init(_temp_dir=...)`` inside it): its files' place,
+    :func:`private_temp_dir`, with :func:`own_tpu_logs` around the start."""
+    temp_dir = private_temp_dir()
+    with own_tpu_logs(temp_dir):
+        yield temp_dir

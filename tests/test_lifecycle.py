@@ -52,14 +52,19 @@ def test_calls_out_of_order(cls):
 def test_connect_twice_and_receive_on_a_sender_and_the_senders_reads_on_a_worker():
 
     scheme = ws.MultiProcessWeightSyncScheme(timeout=5, connect_timeout=10)
-    scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    scheme.init_on_sender(model_id="policy", context=SimpleNamespace(policy=nn.Linear(2, 2)), num_workers=1)
     receiver = in_process_receiver(scheme, nn.Linear(2, 2))
-    with pytest.raises(ws.LifecycleError, match="cannot connect: scheme is connected sender"):
+    # What a second program handed the same scheme (a second TorchRL collector) meets: it says why
+    with pytest.raises(ws.LifecycleError, match="cannot connect: scheme is connected sender.*serves a SimpleNamespace"):
         scheme.connect()
-    with pytest.raises(ws.LifecycleError, match="cannot connect: scheme is connected receiver"):
+    with pytest.raises(ws.LifecycleError, match="cannot init_on_sender: .*serves a SimpleNamespace already"):
+        scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    with pytest.raises(ws.LifecycleError, match="cannot connect: scheme is connected receiver") as refused:
         receiver.connect(worker_idx=0)
-    with pytest.raises(ws.LifecycleError, match="cannot receive: scheme is connected sender"):
+    assert "serves" not in str(refused.value)
+    with pytest.raises(ws.LifecycleError, match="cannot receive: scheme is connected sender") as refused:
         scheme.receive()
+    assert "serves" not in str(refused.value)
     with pytest.raises(ws.LifecycleError, match="cannot send: scheme is connected receiver"):
         receiver.send()
     assert receiver.receive() is None  # nothing pending: returns at once

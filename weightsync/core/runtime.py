@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import LifecycleError
 from .drivers import UNDRIVEN, Drive, Driver, ModelHold
-from .states import CLOSED, NEW
+from .states import CLOSED, NEW, SENDER_CONNECTED
 
 if TYPE_CHECKING:
     from ..tensors.strategy import WeightStrategy
@@ -111,10 +111,22 @@ class Runtime:
             )
         if self.state not in states:
             raise LifecycleError(
-                f"cannot {action}: scheme is {self.state}; {action} needs it {' or '.join(states)}",
+                f"cannot {action}: scheme is {self.state}; {action} needs it {' or '.join(states)}"
+                f"{self._taken(action)}",
                 model_id=self.model_id,
                 worker_idx=self.worker_idx,
             )
+
+    def _taken(self, action: str) -> str:
+        """Why a set-up call meets a sender connected already: a program (a second TorchRL collector) handed a
+        scheme that serves another's workers (the first refused the second's workers by then)."""
+        if self.state != SENDER_CONNECTED or action not in ("init_on_sender", "connect"):
+            return ""
+        serves = f"a {type(self.context).__name__}" if self.context is not None else "another program"
+        return (
+            f" (it serves {serves} already: a scheme serves one program's workers; give each program a scheme of "
+            "its own, built from the same config)"
+        )
 
     @property
     def context(self) -> Any:

@@ -113,7 +113,7 @@ def bench(mb: float, workers: int, rounds: int, idle: tuple[float, float]) -> tu
     n = sum(p.numel() for p in params)
     key = secrets.token_bytes(32)
     sealer, alg = Sealer(key, PREFIX), fastest_mac(n * 4)
-    store, port, _ = open_store("127.0.0.1", 0, 120)
+    store, (_, port), _ = open_store("127.0.0.1", 0, 120)
     listener = socket.create_server(("127.0.0.1", 0))
     ctx = processes()
     pipes = [ctx.Pipe() for _ in range(workers)]

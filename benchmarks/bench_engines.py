@@ -106,7 +106,7 @@ def bench_distributed(
     from weightsync.transports.store import open_store
 
     model = make_model(mb, tensors)
-    store, port, _ = open_store("127.0.0.1", 0, 120)
+    store, (_, port), _ = open_store("127.0.0.1", 0, 120)
     scheme = ws.DistributedWeightSyncScheme(timeout=120, **scheme_kw)
     scheme.init_on_sender(model_id="policy", model=model, num_workers=workers)
     ctx = processes()

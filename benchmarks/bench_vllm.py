@@ -287,7 +287,7 @@ def gloo_times(nbytes: int, n: int = 5) -> list[float]:
     from weightsync.transports.distributed import new_group
     from weightsync.transports.store import open_store
 
-    store, port, _ = open_store("127.0.0.1", 0, 120)
+    store, (_, port), _ = open_store("127.0.0.1", 0, 120)
     peer = mp.get_context("spawn").Process(target=_gloo_peer, args=(port, nbytes, n), daemon=True)
     peer.start()
     try:

@@ -157,8 +157,8 @@ def test_a_store_this_process_serves_is_served_while_a_scheme_that_joined_it_on_
     from weightsync.core.timing import deadline_after, wait_until
     from weightsync.transports.store import open_store
 
-    first, port, owned = open_store("127.0.0.1", 0, 10)
-    second, same_port, served_here = open_store("127.0.0.1", port, 10)
+    first, (_, port), owned = open_store("127.0.0.1", 0, 10)
+    second, (_, same_port), served_here = open_store("127.0.0.1", port, 10)
     assert owned and not served_here and same_port == port and second is not first
     second.set("second/key", "still served")
     del first  # (the first scheme shut down)
@@ -186,7 +186,7 @@ def test_a_trainer_waiting_for_a_workers_word_in_a_store_gone_stops_waiting_at_o
     from weightsync.transports.distributed.transport import DistributedTransport
     from weightsync.transports.store import connect_store, open_store
 
-    served, port, _ = open_store("127.0.0.1", 0, 10)
+    served, (_, port), _ = open_store("127.0.0.1", 0, 10)
     client = connect_store("127.0.0.1", port, 10)
     del served  # (the store's server closes)
     gc.collect()
@@ -194,6 +194,69 @@ def test_a_trainer_waiting_for_a_workers_word_in_a_store_gone_stops_waiting_at_o
     began = time.monotonic()
     assert transport.wait_taken(deadline_after(5.0)) is False
     assert time.monotonic() - began < 2.0
+
+
+def _a_store_that_claims(claim: int) -> tuple[socket.socket, threading.Thread]:
+    """A listener on 127.0.0.1 that speaks torch's store protocol just far enough for a client to connect, and
+    answers each value read (``compare_set``) with a length header of ``claim`` bytes and no byte after: what
+    a store that is not the sender's (another user's, on the port of a sender gone) may answer."""
+    import struct
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def exactly(conn: socket.socket, n: int) -> bytes:
+        got = b""
+        while len(got) < n:
+            more = conn.recv(n - len(got))
+            if not more:
+                raise EOFError
+            got += more
+        return got
+
+    def text(conn: socket.socket) -> bytes:
+        return exactly(conn, struct.unpack("<Q", exactly(conn, 8))[0])
+
+    def serve(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(EOFError, OSError):
+            while True:
+                query = exactly(conn, 1)[0]
+                if query == 0:  # VALIDATE: a magic number, no answer
+                    exactly(conn, 4)
+                elif query == 13:  # PING: its number back
+                    conn.sendall(exactly(conn, 4))
+                elif query == 2:  # COMPARE_SET: key, expected, desired; answered by a claim and nothing more
+                    text(conn), text(conn), text(conn)
+                    conn.sendall(struct.pack("<Q", claim))
+                else:
+                    return
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # (the listener closed)
+            while True:
+                conn, _ = listener.accept()
+                threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    return listener, acceptor
+
+
+def test_a_stores_answer_that_claims_more_than_the_process_can_hold_is_refused_by_name():
+    """torch's client makes room for the length an answer's header claims before any byte of it: a worker that
+    dialled a store not its sender's (another user's, on a port its sender left) and was told 2^62 bytes raised a
+    bare ``MemoryError`` (std::bad_alloc) out of ``connect()`` (a review). It is a weightsync error naming the key."""
+    from weightsync.transports.store import connect_store, store_read
+
+    listener, acceptor = _a_store_that_claims(2**62)
+    try:
+        client = connect_store("127.0.0.1", listener.getsockname()[1], 10)
+        with pytest.raises(ws.TransportError, match="store key 'layout': the store's answer claims more bytes"):
+            store_read(client, "layout")
+        del client
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        acceptor.join(10)
 
 
 def test_receiver_config_carries_what_a_worker_on_another_host_needs(monkeypatch):

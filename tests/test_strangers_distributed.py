@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import shutil
 import threading
 import time
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 import weightsync as ws
-from tests._as_stranger import needs_stranger, run_stranger, start_stranger
+from tests._as_stranger import ROOT, needs_stranger, run_stranger, start_stranger
 from weightsync.core.timing import remaining
 from weightsync.transports.distributed import sender as sender_module
 from weightsync.transports.distributed.auth import MACS, Sealer
@@ -690,6 +691,44 @@ def test_a_master_port_another_user_listens_on_is_refused_not_joined(scheme, how
 
 
 @needs_stranger
+def test_a_master_addr_that_names_ipv6_loopback_first_is_served_and_dialled_at_one_address(tmp_path):
+    """``master_addr="localhost"`` where ``localhost`` gives ``::1`` first, then ``127.0.0.1`` (many hosts' files),
+    and a stranger listens on the run's port of ``::1`` alone. The trainer bound 127.0.0.1 (a socket's bind takes
+    a name's IPv4 address), found nothing taken, and torch's own client of its store, and every worker, dialled the
+    name: the stranger's socket first (a review: the stranger served the whole run's store and saw every key; a
+    silent one held ``init_on_sender`` for minutes). The store is now served and dialled at the one address the
+    trainer bound, and a receiver config names that address; a worker whose config names the host dials its IPv4
+    address. The run goes on, and the stranger is never dialled."""
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("a private mount namespace (for /etc/hosts) needs unshare")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("::1 localhost\n127.0.0.1 localhost\n")
+    hosts.chmod(0o644)
+    listen = (
+        "import socket, sys; s = socket.socket(socket.AF_INET6); "
+        "s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1); s.bind(('::1', 0)); s.listen(); "
+        "print(s.getsockname()[1], flush=True); s.settimeout(120); c, _ = s.accept(); print('dialled', flush=True)"
+    )
+    attacker = start_stranger(["-c", listen])  # (until killed: it says if anything dials it)
+    try:
+        line = attacker.stdout.readline()
+        assert line.strip().isdigit(), line
+        port = int(line)
+        mounted = f'mount --make-rprivate / && mount --bind {hosts} /etc/hosts && exec "$@"'
+        run = subprocess.run(
+            ["unshare", "-m", "sh", "-c", mounted, "sh", sys.executable, "-m", "tests._localhost_v6", str(port)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 0 and run.stdout.splitlines() == ["served at 127.0.0.1", "ok"], run.stdout + run.stderr
+    finally:
+        _end(attacker)
+    assert attacker.stdout.read() == ""  # (never dialled: it says so once something does)
+
+
+@needs_stranger
 def test_a_job_store_is_joined_though_a_stranger_listens_on_its_port_at_another_address():
     """The job's store serves 127.0.0.1 alone; a stranger listens on the same port of ``::`` only (``IPV6_V6ONLY``,
     which shares no address with it). The trainer reaches the job's store there, and joins it: a table of
@@ -699,7 +738,7 @@ def test_a_job_store_is_joined_though_a_stranger_listens_on_its_port_at_another_
 
     serve = (
         "from weightsync.transports.store import open_store\n"
-        "store, port, _ = open_store('127.0.0.1', 0, 60)\n"
+        "store, (_, port), _ = open_store('127.0.0.1', 0, 60)\n"
         "store.set('job-key', 'x')\n"
         "print(port, flush=True)\n"
         "import sys; sys.stdin.readline()\n"

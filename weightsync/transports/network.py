@@ -30,6 +30,7 @@ __all__ = [
     "local_address",
     "local_interfaces",
     "resolve_master",
+    "store_address",
     "tcp_peer_uids",
 ]
 
@@ -236,6 +237,21 @@ def ip_of(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
     return ip
+
+
+def store_address(host: str) -> str:
+    """The one address a TCP store "at ``host``" is served and dialled at: ``host`` where it is an IP address,
+    else the first IPv4 address it names (the one a store's socket binds: a sender serves on IPv4). Never the name
+    itself: torch's client tries each address a name gives in turn, and ``localhost`` names ``::1`` first on many
+    hosts, where another user may listen on the same port (a review: a trainer ran its whole run on such a
+    user's store, and one that stayed silent held its ``init_on_sender`` for minutes).
+
+    Raises:
+        OSError: ``host`` names no IPv4 address (``socket.gaierror``).
+    """
+    if ip_of(host) is not None:
+        return host
+    return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
 
 
 def addresses_of(host: str, port: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:

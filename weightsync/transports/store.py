@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..core.timing import Progress, as_timedelta, deadline_after, shown_seconds, wait_until
 from ..errors import ConfigurationError, SyncTimeoutError, TransportError
-from .network import addresses_of, await_listener, ip_of
+from .network import addresses_of, await_listener, ip_of, store_address
 from .plainjson import loads_object
 from .storeclient import connect_store
 
@@ -59,7 +59,13 @@ def store_read(store: dist.Store, key: str) -> bytes | None:
     that is not there, up to the store's own timeout, holding every other call on that client behind it; and anyone
     who reaches the store may delete a key between a look for it and its read (reviews held a trainer's connect, and
     then its sends, that long so)."""
-    raw = store.compare_set(key, _ABSENT, _ABSENT)  # (the value; where there is none, what it was given, unset)
+    try:
+        raw = store.compare_set(key, _ABSENT, _ABSENT)  # (the value; where there is none, what it was given, unset)
+    except MemoryError:  # torch's client makes room for what the answer's header claims, before any byte of it
+        raise TransportError(
+            f"store key {key!r}: the store's answer claims more bytes than this process can hold (a store that is "
+            "not its sender's?); refusing it"
+        ) from None
     return None if raw == _ABSENT_BYTES else raw
 
 
@@ -108,8 +114,10 @@ def put_back_count(store: dist.Store, key: str, read: str, count: int) -> None:
     store.compare_set(key, read, str(count))
 
 
-def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, bool]:
-    """Serve a TCP store bound to ``host:port`` (only that address); return (store, port, owned).
+def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, tuple[str, int], bool]:
+    """Serve a TCP store bound to ``host:port`` (only that address: :func:`~.network.store_address`, which the
+    store's own clients dial too); return (store, (address, port), owned): the address and port it is served at,
+    for workers to dial.
 
     If the port is taken (typically by the training job's own store at
     ``MASTER_PORT``), join that store as a client instead (refused, with
@@ -121,15 +129,16 @@ def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, b
     """
     with _served_guard:  # (two schemes opening one port at once: the second finds the first's store)
         try:
-            sock = socket.create_server((host, port), backlog=BACKLOG)
+            address = store_address(host)
+            sock = socket.create_server((address, port), backlog=BACKLOG)
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE or port == 0:
                 raise ConfigurationError(f"cannot serve a TCP store on {host}:{port}: {exc}") from exc
-            served = _served_here(host, port)
+            served = _served_here(address, port)
         else:
             bound = sock.getsockname()
             store = dist.TCPStore(
-                host,
+                address,
                 bound[1],
                 is_master=True,
                 wait_for_workers=False,
@@ -137,14 +146,14 @@ def open_store(host: str, port: int, timeout: float) -> tuple[dist.Store, int, b
                 master_listen_fd=sock.detach(),
             )
             _served[(os.getpid(), ip_of(str(bound[0])), bound[1])] = store
-            return store, bound[1], True
+            return store, (address, bound[1]), True
     if served is None:
-        _refuse_a_strangers(host, port, timeout)
-    log.info("%s:%d is taken; joining the store there under weightsync's own prefix", host, port)
-    client = connect_store(host, port, timeout)
+        _refuse_a_strangers(address, port, timeout)
+    log.info("%s:%d is taken; joining the store there under weightsync's own prefix", address, port)
+    client = connect_store(address, port, timeout)
     if served is not None:  # (a client of its own all the same: calls on one client wait behind each other)
         weakref.finalize(client, _let_go, served)
-    return client, port, False
+    return client, (address, port), False
 
 
 def _refuse_a_strangers(host: str, port: int, timeout: float) -> None:

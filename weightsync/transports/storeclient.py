@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..core.timing import as_timedelta, deadline_after, remaining, shown_seconds
 from ..errors import ConnectionClosedError, SyncTimeoutError, first_line
-from .network import addresses_of, await_listener, bound_silence, ip_of
+from .network import addresses_of, await_listener, bound_silence, ip_of, store_address
 
 __all__ = ["Hangup", "Probe", "StoreCalls", "Unanswered", "connect_store", "dial_store", "hung_up_at"]
 
@@ -58,7 +58,11 @@ def dial_store(
             f"no TCP store answered at {host}:{port} within {shown_seconds(timeout)} (another dial to it did not end)",
             **where,
         )
-    store, found, error = _client(host, port, deadline, timeout, dialing, where)
+    try:  # (the address its sender serves at, never another the name gives: one another user may listen on)
+        address = store_address(host)
+    except OSError:  # (a name that names nothing now: dialled as it is, and ended by its own error in time)
+        address = host
+    store, found, error = _client(address, port, deadline, timeout, dialing, where)
     if store is None:
         why = f": {first_line(error)}" if error is not None else ""
         raise SyncTimeoutError(

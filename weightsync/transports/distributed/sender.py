@@ -105,8 +105,7 @@ class DistributedSender(Admitting, SenderEngine):
         self.buckets = layout.buckets(settings.bucket_bytes)
         host, port = master
         self._base_store: dist.Store | None
-        self._base_store, port, _ = open_store(host, port, sink.connect_timeout)
-        self.address = (host, port)
+        self._base_store, self.address, _ = open_store(host, port, sink.connect_timeout)  # (an IP: workers dial it)
         # The run key, which workers get out of band, and the prefix drawn from it: several models (or the job's
         # own store) share nothing, and only a holder of the key knows where the run's keys are.
         self.authkey = secrets.token_bytes(KEY_BYTES)

@@ -150,8 +150,8 @@ def open_sender_session(master: tuple[str, int], world_size: int, timeout: float
                 "RPC is already initialized in this process: pass worker_names= (the RPC names of the workers) "
                 "to init_on_sender to use that agent"
             )
-        store, port, _ = open_store(master[0], master[1], timeout)
-        _SESSION = Session(secrets.token_hex(8), master[0], port, world_size, _init_counter(), store, users=1)
+        store, (host, port), _ = open_store(master[0], master[1], timeout)  # (an IP: workers dial it)
+        _SESSION = Session(secrets.token_hex(8), host, port, world_size, _init_counter(), store, users=1)
         return _SESSION
 
 

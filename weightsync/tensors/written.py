@@ -9,7 +9,11 @@ reads those marks and protects the pages again, in one ioctl per run of memory. 
 whenever the kernel cannot say otherwise: the first time a tensor is seen, memory unmapped and mapped again, a
 tensor moved or resized. What it does not see: writes by another process into memory it shares (such memory is
 never tracked: only memory that ``/proc/self/maps`` shows private and anonymous is registered, and any other
-tensor counts as written whole), and writes by a device (DMA: GPU tensors are not tracked).
+tensor counts as written whole), and writes by a device or by the kernel through pages pinned for it (DMA, an
+io_uring fixed buffer's read, an RDMA registration: they reach the page without the fault that marks it). So GPU
+tensors are not tracked, nor are CPU tensors page-locked for a device (``is_pinned``), and while this process pins
+any memory that way (``VmPin`` in ``/proc/self/status``, which the kernel counts and which says not where) every
+tensor counts as written whole.
 
 Where the kernel lacks either feature, or a seccomp profile refuses the ``userfaultfd`` system call (Docker's
 default does), :func:`open_tracker` returns ``None`` and callers read everything, as without it.
@@ -171,6 +175,9 @@ class WrittenPages:
         out: dict[str, Ranges | None] = dict.fromkeys(tensors)
         if kernel.pid != os.getpid():  # (made before a fork: its record is of the parent's pages)
             return out
+        if _pins_memory():  # (writes through a pin leave no mark, and the kernel does not say which pages it pins)
+            self._seen = {}  # (each tensor is written whole at the next call too, which protects its pages again)
+            return out
         extents = [(where, key) for key, where in ((k, _extent(t)) for k, t in tensors.items()) if where is not None]
         # (tensors sharing a page are scanned as one run: a scan clears the marks of the whole page)
         runs: list[tuple[int, int, list[tuple[str, tuple[int, int]]]]] = []
@@ -283,7 +290,31 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int] | None:
     empty)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
         return None
+    if torch.cuda.is_initialized() and tensor.is_pinned():  # (a device's copies into it are DMA; asked only where
+        return None  # CUDA runs: the question makes a CUDA context where none is)
     return tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
+
+_said_pinned = False
+
+
+def _pins_memory() -> bool:
+    """Whether this process holds memory pinned for a device or for the kernel (``VmPin``: io_uring's fixed
+    buffers, RDMA registrations), said once in the log; about 30 microseconds."""
+    global _said_pinned
+    try:
+        with open("/proc/self/status") as status:
+            pinned = next((int(line.split()[1]) for line in status if line.startswith("VmPin:")), 0)
+    except (OSError, ValueError, IndexError):
+        return False
+    if pinned and not _said_pinned:
+        _said_pinned = True
+        log.info(
+            "this process pins %d kB of memory for a device or the kernel (VmPin: io_uring, RDMA), whose writes "
+            "there leave no mark: every tensor is read whole while it does",
+            pinned,
+        )
+    return pinned > 0
 
 
 _kernels: dict[int, _Kernel | None] = {}  # per process (a forked child opens its own)

@@ -118,15 +118,14 @@ class Runtime:
             )
 
     def _taken(self, action: str) -> str:
-        """Why a set-up call meets a sender connected already: a program (a second TorchRL collector) handed a
-        scheme that serves another's workers (the first refused the second's workers by then)."""
+        """Why a set-up call meets a sender connected already: a second program (one that starts its workers before
+        it calls the scheme) handed a scheme that serves another's workers, whose own the first refused by then."""
         if self.state != SENDER_CONNECTED or action not in ("init_on_sender", "connect"):
             return ""
-        serves = f"a {type(self.context).__name__}" if self.context is not None else "another program"
-        return (
-            f" (it serves {serves} already: a scheme serves one program's workers; give each program a scheme of "
-            "its own, built from the same config)"
-        )
+        each = "give each program a scheme of its own, built from the same config)"
+        if self.context is None:
+            return f" (it is connected already; where another program was handed it, {each}"
+        return f" (it serves a {type(self.context).__name__} already: a scheme serves one program's workers; {each}"
 
     @property
     def context(self) -> Any:

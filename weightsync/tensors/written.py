@@ -12,8 +12,8 @@ never tracked: only memory that ``/proc/self/maps`` shows private and anonymous 
 tensor counts as written whole), and writes by a device or by the kernel through pages pinned for it (DMA, an
 io_uring fixed buffer's read, an RDMA registration: they reach the page without the fault that marks it). So GPU
 tensors are not tracked, nor are CPU tensors page-locked for a device (``is_pinned``), and while this process pins
-any memory that way (``VmPin`` in ``/proc/self/status``, which the kernel counts and which says not where) every
-tensor counts as written whole.
+memory that way (``VmPin`` in ``/proc/self/status``, which the kernel counts and which says not where; pins it
+counts elsewhere, VFIO's, are not seen) every tensor counts as written whole.
 
 Where the kernel lacks either feature, or a seccomp profile refuses the ``userfaultfd`` system call (Docker's
 default does), :func:`open_tracker` returns ``None`` and callers read everything, as without it.
@@ -169,7 +169,8 @@ class WrittenPages:
         memory the kernel will not protect, memory another owner tracks); the tensors' pages are then protected
         again, so that the next call reports the writes from now on.
 
-        Blocks for the ioctls alone (one per run of pages, microseconds each).
+        Blocks for the ioctls (one per run of pages, microseconds each), a read of ``/proc/self/status`` and, where
+        a device runtime runs, a question to it per tensor.
         """
         kernel = self._kernel
         out: dict[str, Ranges | None] = dict.fromkeys(tensors)
@@ -290,9 +291,19 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int] | None:
     empty)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
         return None
-    if torch.cuda.is_initialized() and tensor.is_pinned():  # (a device's copies into it are DMA; asked only where
-        return None  # CUDA runs: the question makes a CUDA context where none is)
+    if _pinned(tensor):  # (page-locked for a device: its copies into it are DMA)
+        return None
     return tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
+
+def _pinned(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory is page-locked for a device (torch asks the device's runtime only where it
+    started: a microsecond or so then); where the question fails (a process forked from one that ran CUDA), it
+    counts as pinned."""
+    try:
+        return bool(tensor.is_pinned())
+    except RuntimeError:
+        return True
 
 
 _said_pinned = False
@@ -309,9 +320,9 @@ def _pins_memory() -> bool:
         return False
     if pinned and not _said_pinned:
         _said_pinned = True
-        log.info(
-            "this process pins %d kB of memory for a device or the kernel (VmPin: io_uring, RDMA), whose writes "
-            "there leave no mark: every tensor is read whole while it does",
+        log.warning(
+            "track_writes: this process pins %d kB of memory for a device or the kernel (VmPin: io_uring, RDMA, an "
+            "InfiniBand connection), whose writes there leave no mark: every tensor is read whole while it does",
             pinned,
         )
     return pinned > 0

@@ -50,6 +50,10 @@ def dial_store(
     """:func:`connect_store`, and the :class:`Hangup` of the client's connection: for a client whose calls block
     a thread of its own, which nothing else wakes while its store is silent."""
     deadline = deadline_after(timeout)
+    try:  # (the address its sender serves at, never another the name gives: one another user may listen on)
+        address = store_address(host)
+    except (OSError, UnicodeError):  # (a name that names nothing now: dialled as it is, ended by its own error)
+        address = host
     # No dial of ours to that port (the host spelled any way) opens a connection meanwhile, a listener's probe
     # included: the connection the client opens is found as the one new connection to the port.
     dialing = _dialing(port)
@@ -58,10 +62,6 @@ def dial_store(
             f"no TCP store answered at {host}:{port} within {shown_seconds(timeout)} (another dial to it did not end)",
             **where,
         )
-    try:  # (the address its sender serves at, never another the name gives: one another user may listen on)
-        address = store_address(host)
-    except OSError:  # (a name that names nothing now: dialled as it is, and ended by its own error in time)
-        address = host
     store, found, error = _client(address, port, deadline, timeout, dialing, where)
     if store is None:
         why = f": {first_line(error)}" if error is not None else ""

@@ -118,7 +118,7 @@ class DistributedSender(Admitting, SenderEngine):
         self.layout_tag = layout_tag(described)  # what each version's digest binds: the layout, in order
         store_set(self.store, "layout", self.sealer.seal("layout", described))
         # Each worker's line (.line): the port is open until the rendez-vous took the lines, its address sealed.
-        self.listener: Listener | None = Listener(local_address(host))
+        self.listener: Listener | None = Listener(local_address(self.address[0]))
         line_at = {"host": self.listener.address[0], "port": self.listener.address[1]}
         store_set(self.store, "line", self.sealer.seal("line", json.dumps(line_at)))
         self._nonce = ""  # the one-time key's nonce of the version being staged

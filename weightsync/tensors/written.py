@@ -179,7 +179,12 @@ class WrittenPages:
         if _pins_memory():  # (writes through a pin leave no mark, and the kernel does not say which pages it pins)
             self._seen = {}  # (each tensor is written whole at the next call too, which protects its pages again)
             return out
-        extents = [(where, key) for key, where in ((k, _extent(t)) for k, t in tensors.items()) if where is not None]
+        # (a tensor page-locked for a device is never claimed, so protect and unprotect, within claims, skip it too)
+        extents = [
+            (where, key)
+            for key, tensor in tensors.items()
+            if (where := _extent(tensor)) is not None and not _pinned(tensor)
+        ]
         # (tensors sharing a page are scanned as one run: a scan clears the marks of the whole page)
         runs: list[tuple[int, int, list[tuple[str, tuple[int, int]]]]] = []
         for where, key in sorted(extents):
@@ -291,15 +296,13 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int] | None:
     empty)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
         return None
-    if _pinned(tensor):  # (page-locked for a device: its copies into it are DMA)
-        return None
     return tensor.data_ptr(), tensor.numel() * tensor.element_size()
 
 
 def _pinned(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s memory is page-locked for a device (torch asks the device's runtime only where it
-    started: a microsecond or so then); where the question fails (a process forked from one that ran CUDA), it
-    counts as pinned."""
+    """Whether ``tensor``'s memory is page-locked for a device, whose copies into it are DMA (torch asks the
+    device's runtime only where it started: a microsecond or so then); where the question fails (a process forked
+    from one that ran CUDA), it counts as pinned."""
     try:
         return bool(tensor.is_pinned())
     except RuntimeError:

@@ -1,10 +1,12 @@
 """Writes ``docs/api.md``, the API reference, from the public names and their docstrings.
 
-``python -m weightsync._apidoc docs/api.md``; a test checks that the file is current.
+``python -m weightsync._apidoc docs/api.md``; a test checks that the file is current. With ``--installed``, the
+engines of installed packages are listed too (an engine's author documents their own this way).
 """
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import re
 import sys
@@ -184,10 +186,17 @@ def render(own: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    text = render(own=True)
-    if args:
-        Path(args[0]).write_text(text)
+    parser = argparse.ArgumentParser(prog="python -m weightsync._apidoc", description=__doc__.split("\n")[0])
+    parser.add_argument("path", nargs="?", help="the file to write (default: standard output)")
+    parser.add_argument(
+        "--installed",
+        action="store_true",
+        help="list the engines of installed packages too (docs/api.md lists weightsync's own only)",
+    )
+    args = parser.parse_args(argv)
+    text = render(own=not args.installed)
+    if args.path:
+        Path(args.path).write_text(text)
     else:
         sys.stdout.write(text)
     return 0

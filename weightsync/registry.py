@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import threading
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
@@ -69,22 +70,36 @@ _schemes: dict[str, type | str] = {}  # a name -> the class ("module:Class" unti
 _aliases: dict[str, str] = {}
 _transports: dict[str, Any] = {}  # a transport's name -> its settings class
 _public: dict[str, Any] = {}  # a public name -> the object ("module:Name" until imported)
+_configs: dict[str, type] = {}  # a scheme's config name -> the scheme class
 _loaded = False
 _drivers: dict[str, Any] = {}  # a name -> the driver (an instance of a Driver subclass)
 _integrations_loaded = False
 
 
-def add_scheme(cls: type, name: str, aliases: tuple[str, ...] = ()) -> None:
-    """Register ``cls`` under ``name`` (and ``aliases``); called as a scheme class is defined.
+def add_scheme(cls: type, name: str, aliases: tuple[str, ...] = (), config: str | None = None) -> None:
+    """Register ``cls`` under ``name`` (and ``aliases``), its config under the name ``config``; called as a scheme
+    class is defined. Another package's class loads the engines first (:func:`load`), so that it meets every
+    name weightsync's own hold, whichever was imported first.
 
     Raises:
-        ConfigurationError: ``name`` or an alias is another class's already.
+        ConfigurationError: ``name`` or an alias is another class's already, or the class's own name (a public
+            name of ``weightsync``) or its config's name is.
     """
     with _lock:
+        _load_before(cls)
         for key in (name, *aliases):
             taken = _schemes.get(_aliases.get(key, key))
             if taken is not None and not _same_class(taken, cls):
                 raise ConfigurationError(f"backend {key!r} is already registered ({_describe(taken)})")
+        _check_public(cls.__name__, cls)
+        if config is not None:
+            taken = _configs.get(config)
+            if taken is not None and not _same_class(taken, cls):
+                raise ConfigurationError(
+                    f"{_describe(cls)}: config name {config!r} is {_describe(taken)}'s already: pass config= "
+                    "another name"
+                )
+            _configs[config] = cls
         _schemes[name] = cls
         _aliases.update(dict.fromkeys(aliases, name))
         _public[cls.__name__] = cls
@@ -92,15 +107,21 @@ def add_scheme(cls: type, name: str, aliases: tuple[str, ...] = ()) -> None:
 
 def add_transport(settings: type, name: str, transport: str | None) -> None:
     """Register a transport's settings class under ``name``, and its transport class (``"module:Class"``) as a
-    public name; called as the settings class is defined.
+    public name; called as the settings class is defined (another package's loads the engines first, as
+    :func:`add_scheme`).
 
     Raises:
-        ConfigurationError: ``name`` is another class's already.
+        ConfigurationError: ``name``, or the public name of the settings or transport class, is another
+            class's already.
     """
     with _lock:
+        _load_before(settings)
         taken = _transports.get(name)
         if taken is not None and not _same_class(taken, settings):
             raise ConfigurationError(f"transport {name!r} is already registered ({_describe(taken)})")
+        _check_public(settings.__name__, settings)
+        if transport is not None:
+            _check_public(transport.rpartition(":")[2], transport)
         _transports[name] = settings
         _public[settings.__name__] = settings
         if transport is not None:
@@ -140,8 +161,14 @@ def drivers() -> dict[str, Any]:
 
 
 def public(obj: T) -> T:
-    """Make ``obj`` (a class or function an engine defines) a public name of ``weightsync``; returns it."""
+    """Make ``obj`` (a class or function an engine defines) a public name of ``weightsync``; returns it.
+
+    Raises:
+        ConfigurationError: the name is another object's already.
+    """
     with _lock:
+        _load_before(obj)
+        _check_public(obj.__name__, obj)  # type: ignore[attr-defined]
         _public[obj.__name__] = obj  # type: ignore[attr-defined]
     return obj
 
@@ -168,18 +195,27 @@ def register_backend(name: str, scheme: type | str, *, replace: bool = False) ->
 
 def load() -> None:
     """Import weightsync's own engines and those of entry points, once (a broken entry point is logged and
-    skipped: another package's error does not take weightsync down)."""
+    skipped, and what its import registered before it broke is taken back: another package's error does not
+    take weightsync down)."""
     global _loaded
     with _lock:
         if _loaded:
             return
         _loaded = True  # set first: the modules imported below register here, and may ask
-        for module in BUILTIN:
-            importlib.import_module(module)
+        try:
+            for module in BUILTIN:
+                importlib.import_module(module)
+        except BaseException:
+            _loaded = False  # asked again, it tries again (nothing is left half-registered by name)
+            raise
         for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if _importing(ep.module):
+                continue  # its import asked for the engines: its classes register as they are defined
+            before = tuple(dict(table) for table in _tables())
             try:
                 loaded = ep.load()
             except Exception as exc:  # noqa: BLE001 - any error of another package's import
+                _restore(before)
                 log.warning("weightsync: entry point %s = %r failed to load: %s", ep.name, ep.value, exc)
                 continue
             if isinstance(loaded, type) and ep.name not in _schemes and ep.name not in _aliases:
@@ -239,11 +275,47 @@ def resolve(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _same_class(taken: Any, cls: type) -> bool:
+def _same_class(taken: Any, obj: Any) -> bool:
     # A module imported twice (a test reloading it) defines a new class of the same place: it replaces the old.
-    path = taken if isinstance(taken, str) else f"{taken.__module__}:{taken.__qualname__}"
-    return path == f"{cls.__module__}:{cls.__qualname__}"
+    return _place(taken) == _place(obj)
+
+
+def _place(obj: Any) -> str:
+    return obj if isinstance(obj, str) else f"{obj.__module__}:{obj.__qualname__}"
 
 
 def _describe(obj: Any) -> str:
     return obj if isinstance(obj, str) else f"{obj.__module__}.{obj.__qualname__}"
+
+
+def _load_before(obj: Any) -> None:
+    # weightsync's own classes register as their modules are imported (by load() or by a user's import);
+    # another package's would otherwise take a name of an engine not imported yet.
+    if not obj.__module__.startswith("weightsync."):
+        load()
+
+
+def _check_public(name: str, obj: Any) -> None:
+    # A public name resolves receiver configs' and Hydra configs' targets (``weightsync.X``): another package's
+    # class of the same name would silently stand in for weightsync's own there.
+    taken = _public.get(name)
+    if taken is not None and not _same_class(taken, obj):
+        raise ConfigurationError(
+            f"{_describe(obj)}: weightsync.{name} is {_describe(taken)} already: give the class another name"
+        )
+
+
+def _importing(module: str) -> bool:
+    """Whether ``module`` is being imported now (its import asked for the engines)."""
+    spec = getattr(sys.modules.get(module), "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
+
+
+def _tables() -> tuple[dict[str, Any], ...]:
+    return (_schemes, _aliases, _transports, _public, _configs)
+
+
+def _restore(saved: tuple[dict[str, Any], ...]) -> None:
+    for table, before in zip(_tables(), saved, strict=True):
+        table.clear()
+        table.update(before)

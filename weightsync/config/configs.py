@@ -21,12 +21,16 @@ dataclasses; choices are checked by the options themselves.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from .. import registry
-from ..core.scheme import WeightSyncScheme
+from ..core.scheme import WeightSyncScheme, config_name_for
 from ..core.settings import TransportSettings
+from ..errors import ConfigurationError
 from ..options import Option
+
+log = logging.getLogger("weightsync.config")
 
 #: Each transport's config by its name, and each scheme's by its name (every registered one).
 TRANSPORTS: dict[str, type] = {}
@@ -73,10 +77,10 @@ def _transport_config(settings: type[TransportSettings]) -> type:
     return _config(name, _path(settings), settings.OPTIONS, _summary(settings), base)
 
 
-def _scheme_config(scheme: type[WeightSyncScheme]) -> type:
+def _scheme_config(scheme: type[WeightSyncScheme], name: str, registered: list[type[WeightSyncScheme]]) -> type:
     """The config of a scheme: its own options (its transport's settings are in its ``transport``), based on
     the config of its nearest base class that has one."""
-    parent = next((b for b in scheme.__mro__[1:] if issubclass(b, WeightSyncScheme) and b.config_name), None)
+    parent: Any = next((b for b in scheme.__mro__[1:] if b in _CONFIGS), None)
     base = _CONFIGS[parent] if parent is not None else None
     settings = set(scheme.setting_names())
     own = tuple(o for o in scheme.OPTIONS if o.name not in settings)
@@ -84,20 +88,28 @@ def _scheme_config(scheme: type[WeightSyncScheme]) -> type:
     if scheme.TRANSPORTS and (parent is None or scheme.TRANSPORTS != parent.TRANSPORTS):
         default = TRANSPORTS[scheme.TRANSPORTS[0].name]
         extra["transport"] = (Any, dataclasses.field(default_factory=default))
-    target = _path(_concrete(scheme))
-    assert scheme.config_name is not None
-    return _config(scheme.config_name, target, own, _summary(scheme), base, **extra)
+    return _config(name, _path(_concrete(scheme, registered)), own, _summary(scheme), base, **extra)
 
 
-def _concrete(scheme: type[WeightSyncScheme]) -> type:
+def _concrete(scheme: type[WeightSyncScheme], registered: list[type[WeightSyncScheme]]) -> type:
     """What a config of ``scheme`` builds: itself, or for a base class its first registered subclass."""
-    if scheme.backend_name or scheme is WeightSyncScheme:
-        return registry.get_backend("no_sync") if scheme is WeightSyncScheme else scheme
-    return next(s for s in _registered() if issubclass(s, scheme))
+    if scheme is WeightSyncScheme:
+        return registry.get_backend("no_sync")
+    if scheme.backend_name or scheme in registered:
+        return scheme
+    return next(s for s in registered if issubclass(s, scheme))
 
 
-def _registered() -> list[type[WeightSyncScheme]]:
-    return [registry.get_backend(name) for name in registry.schemes()]
+def _registered() -> dict[str, type[WeightSyncScheme]]:
+    """Every registered scheme class by name; one whose module does not import (a ``"module:Class"``
+    registration of an engine not installed here) is left out, and said so in the log."""
+    out = {}
+    for name in registry.schemes():
+        try:
+            out[name] = registry.get_backend(name)
+        except ConfigurationError as exc:
+            log.warning("weightsync.config: no config for %s", exc)
+    return out
 
 
 _CONFIGS: dict[type, type] = {}
@@ -106,13 +118,24 @@ _CONFIGS: dict[type, type] = {}
 def _build() -> None:
     for name, settings in registry.transports().items():
         TRANSPORTS[name] = _transport_config(settings)
-    classes: list[type[WeightSyncScheme]] = [WeightSyncScheme, *_registered()]
-    for scheme in classes:
+    registered = _registered()
+    classes: list[type[WeightSyncScheme]] = list(dict.fromkeys(registered.values()))
+    every: list[type] = [WeightSyncScheme, *classes]
+    for scheme in every:
         for cls in reversed(scheme.__mro__):
-            if isinstance(cls, type) and issubclass(cls, WeightSyncScheme) and cls.config_name and cls not in _CONFIGS:
-                _CONFIGS[cls] = _scheme_config(cls)
-    for name in registry.schemes():
-        SCHEMES[name] = _CONFIGS[registry.get_backend(name)]
+            if cls in _CONFIGS or not (isinstance(cls, type) and issubclass(cls, WeightSyncScheme)):
+                continue
+            # A class registered without name= (by an entry point or register_backend) is named as one with it.
+            config = cls.config_name or (config_name_for(cls) if cls in classes else None)
+            if config is None:
+                continue
+            if cls.config_name is None and config in globals():
+                log.warning("weightsync.config: no config for %s: %s is another's", cls.__qualname__, config)
+                continue
+            _CONFIGS[cls] = _scheme_config(cls, config, classes)
+    for name, scheme in registered.items():
+        if scheme in _CONFIGS:
+            SCHEMES[name] = _CONFIGS[scheme]
 
 
 # ----------------------------------------------------------------- strategy

@@ -136,16 +136,15 @@ def _under(target: str, prefixes: list[str]) -> bool:
 
 def _known_targets() -> dict[str, str]:
     """Every spelling of a registered scheme's target a receiver config may hold -> its registered name
-    (weightsync's own, an installed package's entry point, or a class its process registered)."""
+    (weightsync's own, an installed package's entry point, or a class its process registered). Nothing is
+    imported: a ``"module:Class"`` registration is spelled from its path."""
     out = {}
-    for name in schemes():
-        cls = get_backend(name)
-        for target in (
-            f"{cls.__module__}.{cls.__qualname__}",
-            f"weightsync.schemes.{cls.__name__}",
-            f"weightsync.{cls.__name__}",
-        ):
-            out[target] = name
+    for name, cls in schemes().items():
+        module, qualname = cls.partition(":")[::2] if isinstance(cls, str) else (cls.__module__, cls.__qualname__)
+        out[f"{module}.{qualname}"] = name
+        if module.startswith("weightsync."):  # weightsync's own also by their public names
+            short = qualname.rpartition(".")[2]
+            out[f"weightsync.schemes.{short}"] = out[f"weightsync.{short}"] = name
     return out
 
 
@@ -309,8 +308,8 @@ def from_config(
     fields = scheme_fields(spec.scheme_class)
     # The caller's word, never the config's: each scheme names the option it takes it as.
     opt_ins = {"allow_pickle": allow_pickle, "allow_store_peers_to_run_code": allow_store_peers_to_run_code}
-    opt_in = getattr(spec.scheme_class, "RECEIVER_OPT_IN", "allow_pickle")
-    if spec.unpickles is not None and not opt_ins.get(opt_in, False):
+    opt_in = spec.scheme_class.RECEIVER_OPT_IN
+    if spec.unpickles is not None and not opt_ins[opt_in]:
         raise ConfigurationError(
             f"this receiver config builds a {spec.scheme_class.__name__} receiver, which unpickles and runs what "
             f"{spec.unpickles} sends it (that is how its engine calls functions): pass "

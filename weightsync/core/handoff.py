@@ -5,22 +5,37 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from .. import checks, options
-from ..errors import LifecycleError
+from ..errors import ConfigurationError, LifecycleError
 from .choice import TransportChoice
 from .properties import SchemeProperties
 from .states import NEW, SENDING
 from .workers import check_worker_idx, same_worker
 
-__all__ = ["SchemeHandoff"]
+__all__ = ["RECEIVER_OPT_INS", "SchemeHandoff"]
+
+#: The opt-ins :func:`weightsync.config.from_config` takes, by name: a scheme's ``RECEIVER_OPT_IN`` is one.
+RECEIVER_OPT_INS = ("allow_pickle", "allow_store_peers_to_run_code")
 
 
 class SchemeHandoff(SchemeProperties, TransportChoice, options.Declared):
     """Receiver configs and pickling of :class:`~weightsync.core.scheme.WeightSyncScheme`: what a scheme hands a
     worker is its options (:class:`~weightsync.options.Declared`), its transport (:class:`TransportChoice`) and,
     from its runtime (:class:`SchemeProperties`), the sender's handoff, model and workers."""
+
+    #: The caller's opt-in :func:`weightsync.config.from_config` needs to build a receiver that unpickles what a
+    #: peer sends (:meth:`receiver_unpickles`): one of :data:`RECEIVER_OPT_INS`, the arguments it takes.
+    RECEIVER_OPT_IN: ClassVar[str] = "allow_pickle"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.RECEIVER_OPT_IN not in RECEIVER_OPT_INS:  # from_config could never be given it
+            raise ConfigurationError(
+                f"{cls.__qualname__}.RECEIVER_OPT_IN is {cls.RECEIVER_OPT_IN!r}: from_config takes one of "
+                f"{list(RECEIVER_OPT_INS)}"
+            )
 
     def receiver_config(self, worker_idx: int) -> dict[str, Any]:
         """Plain data (YAML-able, no live objects, no secrets) from which worker ``worker_idx`` builds its side.
@@ -66,7 +81,8 @@ class SchemeHandoff(SchemeProperties, TransportChoice, options.Declared):
         """The peer whose messages a receiver built from ``connection`` would unpickle (``None``: none).
 
         :func:`weightsync.config.from_config` builds such a receiver only with the caller's opt-in (the option the
-        class names in ``RECEIVER_OPT_IN``, default ``allow_pickle``).
+        class names in ``RECEIVER_OPT_IN``: ``allow_pickle`` unless it names the other of
+        :data:`RECEIVER_OPT_INS`).
         """
         return None
 

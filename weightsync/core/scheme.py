@@ -40,7 +40,7 @@ from .sender import Sender
 from .states import CLOSED, NEW, RECEIVER, RECEIVER_CONNECTED, SENDER, SENDER_CONNECTED
 from .workers import check_num_workers, targets
 
-__all__ = ["WeightSyncScheme"]
+__all__ = ["WeightSyncScheme", "config_name_for"]
 
 
 class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
@@ -91,10 +91,10 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
         super().__init_subclass__(**kwargs)
         for setting in cls.setting_names():  # held by the transport's settings, read through the scheme
             setattr(cls, setting, property(functools.partial(_setting, name=setting), doc=cls.option(setting).doc))
-        cls.config_name = config or (_config_name(cls) if name else None)
+        cls.config_name = config or (config_name_for(cls) if name else None)
         if name:
             cls.backend_name = name
-            registry.add_scheme(cls, name, aliases)
+            registry.add_scheme(cls, name, aliases, cls.config_name)
 
     def _configure(self, given: dict[str, Any], extras: dict[str, Any]) -> None:
         settings = self.setting_names()
@@ -492,7 +492,7 @@ def _setting(scheme: WeightSyncScheme, name: str) -> Any:
     return getattr(scheme.settings, name)
 
 
-def _config_name(cls: type) -> str:
+def config_name_for(cls: type) -> str:
     """``MultiProcessWeightSyncScheme`` -> ``MultiProcessSchemeConfig``."""
     stem = cls.__name__.removesuffix("Scheme").removesuffix("WeightSync")
     return f"{stem}SchemeConfig"

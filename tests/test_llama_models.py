@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 from dataclasses import replace
 
 import pytest
 import torch
 
+from weightsync.app import llama
 from weightsync.app.llama import SPEC_FILE, TINY, LlamaSpec, load_llama, spec_for_size, write_llama
 from weightsync.errors import ConfigurationError
 
@@ -147,3 +151,46 @@ def test_a_folder_another_user_could_have_written_is_refused_not_taken_for_the_m
     os.chown(folder, 65534, 65534)
     with pytest.raises(FileExistsError, match=rf"is a folder of user 65534 \(this is user {os.getuid()}\)"):
         write_llama(folder, TINY)
+
+
+_FLIP = """
+import os, sys, time
+theirs, name, until = sys.argv[1], sys.argv[2], time.monotonic() + float(sys.argv[3])
+while time.monotonic() < until:
+    os.rename(theirs, name)
+    os.rename(name, theirs)
+"""
+
+
+class _WouldWrite(Exception):
+    pass
+
+
+def test_a_folder_another_user_swaps_in_while_it_is_looked_at_is_never_taken(tmp_path, monkeypatch):
+    """A review's race, as uid 65534: a folder of theirs (the spec asked for, weights of their own) renamed in and
+    out of the model's name; write_llama looked at the name while it was free, then read the spec through it
+    while it was theirs, and the trainer and its engine loaded their weights (one run in three)."""
+    if os.getuid() != 0:
+        pytest.skip("giving the folder to another user needs root")
+    theirs = write_llama(tmp_path / "theirs", TINY)
+    os.chown(theirs, 65534, 65534)
+    monkeypatch.setattr(llama, "_write", lambda folder, spec: (_ for _ in ()).throw(_WouldWrite()))
+    name = tmp_path / "m"
+    outcomes = {"taken": 0, "refused": 0, "absent": 0}
+    flipper = subprocess.Popen([sys.executable, "-c", _FLIP, str(theirs), str(name), "3"])
+    try:
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline and flipper.poll() is None:
+            try:
+                write_llama(name, TINY)
+                outcomes["taken"] += 1
+            except FileExistsError:
+                outcomes["refused"] += 1
+            except _WouldWrite:
+                outcomes["absent"] += 1
+            except FileNotFoundError:  # (gone between two looks: no model taken either)
+                outcomes["absent"] += 1
+    finally:
+        flipper.kill()
+        flipper.wait(10)
+    assert outcomes["taken"] == 0 and outcomes["refused"] > 0, outcomes

@@ -37,6 +37,7 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2}
 #: The file :func:`write_llama` writes last, holding the spec: a folder that has it holds that model whole.
 SPEC_FILE = "weightsync_spec.json"
 _SPEC_FORMAT = 1
+_MAX_SPEC_BYTES = 1 << 16  # a spec file is a few hundred bytes: more is not one
 _BOS, _EOS = "<s>", "</s>"  # token ids 0 and 1: the tokenizer's special tokens come first
 #: Widths :func:`spec_for_size` chooses from (head_dim 64: 4 to 16 heads).
 _HIDDEN_SIZES = (256, 384, 512, 640, 768, 896, 1024)
@@ -178,7 +179,9 @@ def write_llama(path: str | os.PathLike[str], spec: LlamaSpec = TINY) -> Path:
         ``path`` as a :class:`pathlib.Path`. When it already held ``spec``, nothing was written.
 
     Raises:
-        FileExistsError: ``path`` is a file, or a non-empty folder that :func:`write_llama` did not write.
+        FileExistsError: ``path`` is a file, a link, a non-empty folder that :func:`write_llama` did not write, a
+            folder of another user or one others may write in, or in a parent folder every user may write in
+            without the sticky bit.
         ImportError: ``transformers`` or ``tokenizers`` is missing (``pip install -e ".[vllm]"``).
     """
     path = Path(path)
@@ -231,42 +234,88 @@ def load_llama(path: str | os.PathLike[str], *, dtype: Dtype | None = None) -> L
     return model.train(False)
 
 
-def _spec_in(path: Path) -> LlamaSpec | None:
-    """The spec :func:`write_llama` recorded in ``path``; ``None`` when there is none or it does not parse."""
+def _spec_at(folder: int) -> LlamaSpec | None:
+    """The spec :func:`write_llama` recorded in the open folder ``folder``; ``None`` when there is none, it is not
+    a plain file, or it does not parse."""
     try:
-        recorded = json.loads((path / SPEC_FILE).read_text())
+        fd = os.open(SPEC_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+    except OSError:
+        return None
+    try:
+        with open(fd, "rb", closefd=False) as file:  # (a FIFO would block a read: only a plain file is read)
+            raw = file.read(_MAX_SPEC_BYTES) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        recorded = json.loads(raw)
         if recorded.pop("format") != _SPEC_FORMAT:
             return None
         return LlamaSpec(**recorded)
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
+    finally:
+        os.close(fd)
+
+
+def _open_folder(path: Path) -> int | None:
+    """The folder ``path`` opened, once it is known to be this user's alone; ``None`` where there is no folder.
+
+    What is checked is the folder opened, and what is read is read through it: a name in ``/tmp`` may stand for
+    another user's folder a moment later (a review swapped one in between a look at the name and a read of it).
+
+    Raises:
+        FileExistsError: the folder is another user's, or others may write in it, or in its parent without the
+            sticky bit (they could put their folder in its place): its model may be anyone's (the docs'
+            folders are in ``/tmp``, where another user may make them first: a review did, as uid 65534).
+    """
+    with contextlib.suppress(FileNotFoundError):
+        parent = os.stat(path.parent)
+        if parent.st_mode & 0o002 and not parent.st_mode & stat.S_ISVTX:
+            raise FileExistsError(
+                f"{path.parent} is writable by every user, without the sticky bit: any of them may put a folder of "
+                "theirs in place of the model's; give write_llama a folder of yours"
+            )
+    try:
+        folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:  # (O_NOFOLLOW: a link too)
+        if path.is_symlink():  # (a link's target is anyone's folder)
+            raise FileExistsError(f"{path} is a symbolic link: give write_llama a folder of yours") from None
+        return None
+    found = os.fstat(folder)
+    if found.st_uid != os.getuid() or found.st_mode & 0o022:
+        os.close(folder)
+        raise FileExistsError(
+            f"{path} is a folder of user {found.st_uid} (this is user {os.getuid()}), mode "
+            f"{stat.S_IMODE(found.st_mode):o}: a model in it may be anyone's; give write_llama a folder of yours"
+        )
+    return folder
 
 
 def _holds(path: Path, spec: LlamaSpec) -> bool:
     """Whether the folder ``path``, this user's alone, holds the model of ``spec``.
 
     Raises:
-        FileExistsError: the folder is another user's, or others may write in it: its model may be anyone's (the
-            docs' folders are in ``/tmp``, where another user may make them first: a review did, as uid 65534).
+        FileExistsError: as :func:`_open_folder`.
     """
-    with contextlib.suppress(FileNotFoundError):
-        found = path.lstat()
-        if stat.S_ISLNK(found.st_mode):  # (a link's target is anyone's folder)
-            raise FileExistsError(f"{path} is a symbolic link: give write_llama a folder of yours")
-        if stat.S_ISDIR(found.st_mode) and (found.st_uid != os.getuid() or found.st_mode & 0o022):
-            raise FileExistsError(
-                f"{path} is a folder of user {found.st_uid} (this is user {os.getuid()}), mode "
-                f"{stat.S_IMODE(found.st_mode):o}: a model in it may be anyone's; give write_llama a folder of yours"
-            )
-    return _spec_in(path) == spec
+    folder = _open_folder(path)
+    if folder is None:
+        return False
+    try:
+        return _spec_at(folder) == spec
+    finally:
+        os.close(folder)
 
 
 def _check_replaceable(path: Path) -> None:
-    if path.is_dir():
-        if _spec_in(path) is None and any(path.iterdir()):
+    folder = _open_folder(path)
+    if folder is None:
+        if path.exists() or path.is_symlink():
+            raise FileExistsError(f"{path} exists and is not a folder")
+        return
+    try:
+        if _spec_at(folder) is None and os.listdir(folder):
             raise FileExistsError(f"{path} is a folder write_llama did not write (no {SPEC_FILE}): not replacing it")
-    elif path.exists() or path.is_symlink():
-        raise FileExistsError(f"{path} exists and is not a folder")
+    finally:
+        os.close(folder)
 
 
 def _write(folder: Path, spec: LlamaSpec) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import select
 import signal
@@ -399,6 +400,29 @@ def test_the_listener_holds_at_most_max_pending_handshakes():
         for peer in peers:
             peer.close()
         listener.close()
+
+
+def test_a_flood_of_refused_connections_is_logged_once_a_period_not_once_each(caplog):
+    """Anyone on the host can connect: a review's flood, as uid 65534, of connections that fail the handshake
+    wrote a warning for each into the trainer's log (100,000 lines, 11 MB, in 12 s)."""
+    from weightsync.transports.local.channel import ChannelListener
+
+    listener = ChannelListener(os.urandom(32))
+    last = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with caplog.at_level(logging.WARNING, logger="weightsync"):
+            for _ in range(30):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
+                    peer.connect("\0" + listener.address[1:])
+            last.connect("\0" + listener.address[1:])
+            deadline = time.monotonic() + 10
+            while not _has_data(last) or listener.pending > 1:  # every one before it taken in, and refused
+                assert listener.accept(0.05) is None and time.monotonic() < deadline
+    finally:
+        last.close()
+        listener.close()
+    said = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(said) == 1 and "it closed the connection" in said[0], said
 
 
 @needs_stranger

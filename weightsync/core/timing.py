@@ -1,7 +1,10 @@
-"""Deadlines: every wait in weightsync is bounded, and measured against one clock."""
+"""Deadlines: every wait in weightsync is bounded, and measured against one clock; and logs anyone may cause,
+said at most once a period."""
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -12,6 +15,7 @@ from ..errors import context
 __all__ = [
     "WAIT_TICK_S",
     "Progress",
+    "Throttled",
     "as_timedelta",
     "backed_off",
     "deadline_after",
@@ -97,3 +101,24 @@ class Progress:
         text = status() if callable(status) else status
         waited = now - self.began
         self.log.info("%swaiting for %s: %s (%.0fs of %.0fs)", self.prefix, self.what, text, waited, self.timeout)
+
+
+class Throttled:
+    """A warning said at most once every ``period`` seconds, the times left unsaid counted in the next one said:
+    what anyone on the host may cause (connections to a listener) must not grow a log without bound (a review's
+    flood wrote 100,000 lines in 12 s)."""
+
+    def __init__(self, log: logging.Logger, period: float = 10.0) -> None:
+        self._log, self._period = log, period
+        self._said = -math.inf
+        self.unsaid = 0
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._said < self._period:
+            self.unsaid += 1
+            return
+        if self.unsaid:
+            msg = f"{msg} (and {self.unsaid} more like it in the {shown_seconds(now - self._said)} before)"
+        self._log.warning(msg, *args)
+        self._said, self.unsaid = now, 0

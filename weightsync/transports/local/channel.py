@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ...core.interrupts import held_interrupts
-from ...core.timing import Progress, deadline_after, remaining, shown_seconds
+from ...core.timing import Progress, Throttled, deadline_after, remaining, shown_seconds
 from ...errors import AuthenticationError, ConnectionClosedError, SyncTimeoutError, TransportError, WeightSyncError
 from ..descriptors import poll_ms, readable
 from ..network import crowded_out
@@ -270,6 +270,7 @@ class ChannelListener:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._pending: dict[int, _Pending] = {}  # by descriptor, oldest first
         self._closed = False
+        self.refusals = Throttled(log)
         try:
             self._sock.bind(_abstract(self.address))
             self._sock.listen(128)
@@ -320,7 +321,7 @@ class ChannelListener:
     def _drop(self, peer: _Pending, why: str | None) -> None:
         self._pending.pop(peer.sock.fileno(), None)
         if why is not None:
-            log.warning("refused a connection on %s: %s", self.address, why)
+            self.refusals.warning("refused a connection on %s: %s", self.address, why)
         peer.sock.close()
 
     def _expire(self) -> None:

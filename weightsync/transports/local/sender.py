@@ -410,7 +410,7 @@ class LocalSender(SenderEngine):
         try:
             return listener.accept(REJOIN_POLL_S)
         except WeightSyncError as exc:  # a stranger, a wrong key: refused, and logged without the key
-            log.warning("model %r: refused a connection: %s", self.sink.model_id, exc)
+            listener.refusals.warning("model %r: refused a connection: %s", self.sink.model_id, exc)
         except OSError:  # the listener was closed under us: shutting down
             raise EOFError from None
         return None

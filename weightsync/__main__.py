@@ -1,9 +1,4 @@
-import sys
-
-from weightsync.app.early import start_forkserver_early
+from weightsync.app.main import main
 
 if __name__ == "__main__":
-    start_forkserver_early(sys.argv[1:])  # (before the app's imports, which it overlaps)
-    from weightsync.app.main import main
-
     main()

@@ -253,16 +253,15 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
         log.info(
             "model %r (%g MB in %d tensors): %s to %d workers, %d rounds, options %s", model_id,
             specs[model_id]["size_mb"], specs[model_id]["tensors"], type(schemes[model_id]).__name__, n,
-            int(cfg.rounds), schemes[model_id].option_values(),
+            int(cfg.rounds), {"transport": schemes[model_id].transport_name, **schemes[model_id].option_values()},
         )  # fmt: skip
     _check_before_start(schemes, keys, n)
     # Ray schemes' workers are Ray actors the job starts; every other scheme's are processes.
     on_ray = {m for m, s in schemes.items() if isinstance(s, RayWeightSyncScheme)}
     in_procs = {m: s for m, s in schemes.items() if m not in on_ray}
     ctx = _process_context(cfg.start_method)
-    reports, stop = ctx.Queue(), ctx.Event()
     procs: list = []
-    actors = None
+    actors = stop = None
     try:
         if on_ray:
             from .ray_workers import RayWorkers
@@ -270,7 +269,11 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
             actors = RayWorkers({m: schemes[m] for m in on_ray}, specs, n, float(cfg.worker_timeout))
         for model_id, scheme in schemes.items():
             extra = actors.sender_kwargs(scheme) if actors is not None and model_id in on_ray else {}
-            scheme.init_on_sender(model_id=model_id, model=models[model_id], num_workers=n, **extra)
+            try:
+                scheme.init_on_sender(model_id=model_id, model=models[model_id], num_workers=n, **extra)
+            except ConfigurationError as exc:  # (what this process cannot run: nccl without CUDA, say)
+                raise ConfigurationError(f"{keys[model_id].rstrip('=')}: {exc.detail}") from None
+        reports, stop = ctx.Queue(), ctx.Event()
         for i in range(n if in_procs else 0):
             configs = {m: s.receiver_config(i) for m, s in in_procs.items()}
             proc = ctx.Process(target=_worker, args=(i, configs, specs, reports, stop), daemon=True)
@@ -303,7 +306,8 @@ def run_job(cfg: DictConfig, progress: Any = None) -> list[dict[str, Any]]:
     finally:
         for scheme in schemes.values():
             scheme.shutdown()
-        stop.set()
+        if stop is not None:
+            stop.set()
         for proc in procs:
             proc.join(30)
             if proc.is_alive():
@@ -360,7 +364,7 @@ def _instantiate_scheme(instantiate: Any, scheme_cfg: DictConfig, key: str) -> W
     """The scheme ``scheme_cfg`` builds; an error names ``key``, the override that set it."""
     check_available(scheme_cfg._target_)
     try:
-        return instantiate(scheme_cfg)
+        built = instantiate(scheme_cfg)
     except Exception as exc:  # Hydra wraps the target's error; surface ours as it is, name the model otherwise
         cause = exc.__cause__ or exc
         if type(cause) is ConfigurationError:  # a scheme's own check: say which model's scheme (and node) it was
@@ -371,6 +375,12 @@ def _instantiate_scheme(instantiate: Any, scheme_cfg: DictConfig, key: str) -> W
         if isinstance(cause, WeightSyncError):
             raise cause from None
         raise ConfigurationError(f"{key}: cannot build {scheme_cfg._target_}: {cause}") from exc
+    if not isinstance(built, WeightSyncScheme):  # (a strategy or settings class given whole: a traceback later)
+        raise ConfigurationError(
+            f"{key}: {scheme_cfg._target_} builds a {type(built).__name__}, not a weight-sync scheme; name a scheme "
+            f"({key}=shared_mem, say)"
+        )
+    return built
 
 
 def _timed_send(scheme: WeightSyncScheme) -> float:
@@ -454,6 +464,7 @@ def _row(model_id: str, scheme: WeightSyncScheme, nbytes: int, n: int, times: li
     return {
         "scheme": type(scheme).backend_name or type(scheme).__name__,
         "model": model_id,
+        "transport": scheme.transport_name or "",
         "model_mb": round(nbytes / 1e6, 3),
         "workers": n,
         "rounds": len(times),

@@ -27,7 +27,9 @@ __all__ = [
 
 log = logging.getLogger("weightsync.app")
 
-COLUMNS = ["scheme", "model", "model_mb", "workers", "sync", "rounds", "median_ms", "p95_ms", "gb_s", "verified"]
+COLUMNS = [
+    "scheme", "model", "transport", "model_mb", "workers", "sync", "rounds", "median_ms", "p95_ms", "gb_s", "verified"
+]  # fmt: skip
 RESULTS_FILE = "results.json"
 
 

@@ -34,6 +34,7 @@ from .configs import SCHEMES, TRANSPORTS, VLLMWeightSyncSchemeConfig, WeightStra
 
 __all__ = [
     "SCHEMES",
+    "Composed",
     "STRATEGIES",
     "TRANSPORTS",
     "composed",
@@ -58,17 +59,34 @@ def _transport_name(cls: type) -> str | None:
 
 def composed(cls: type) -> Any:
     """``cls`` as its group stores it: with a defaults entry that composes its transport from the
-    ``transport`` group beside it, so that the command line can swap the transport."""
+    ``transport`` group beside it, so that the command line can swap the transport (one class per ``cls``)."""
     name = _transport_name(cls)
     if name is None:
         return cls
-    entries = [{"transport": name}, "_self_"]
-    fields = [
-        ("defaults", list[Any], dataclasses.field(default_factory=lambda: list(entries))),
-        # Left to the group: a default of a transport's own type would refuse another transport's config.
-        ("transport", Any, dataclasses.field(default=MISSING)),
-    ]
-    return dataclasses.make_dataclass(cls.__name__, fields, bases=(cls,))
+    if cls not in _COMPOSED:
+        entries = [{"transport": name}, "_self_"]
+        fields = [
+            ("defaults", list[Any], dataclasses.field(default_factory=lambda: list(entries))),
+            # Left to the group: a default of a transport's own type would refuse another transport's config.
+            ("transport", Any, dataclasses.field(default=MISSING)),
+        ]
+        _COMPOSED[cls] = _found(dataclasses.make_dataclass(cls.__name__, fields, bases=(cls,)))
+    return _COMPOSED[cls]
+
+
+class Composed:
+    """The config classes the groups store (:func:`composed`, :func:`serving_vllm`), each an attribute here: a
+    config composed from a group is of that class, and pickles (into a spawned process, say) only where the class
+    is found by its module and name (it was ``types.MultiProcessSchemeConfig``: a Hydra user's audit)."""
+
+
+_COMPOSED: dict[type, type] = {}
+
+
+def _found(cls: type) -> type:
+    cls.__module__, cls.__qualname__ = __name__, f"{Composed.__name__}.{cls.__name__}"
+    setattr(Composed, cls.__name__, cls)
+    return cls
 
 
 #: TorchRL's group of scheme configs (``torchrl.trainers.algorithms.configs``), and the prefix of weightsync's
@@ -98,7 +116,10 @@ def serving_vllm() -> Any:
         ),
         ("scheme", Any, dataclasses.field(default=MISSING)),
     ]
-    return dataclasses.make_dataclass(VLLMWeightSyncSchemeConfig.__name__, fields, bases=(VLLMWeightSyncSchemeConfig,))
+    if VLLMWeightSyncSchemeConfig not in _COMPOSED:
+        base = VLLMWeightSyncSchemeConfig
+        _COMPOSED[base] = _found(dataclasses.make_dataclass(base.__name__, fields, bases=(base,)))
+    return _COMPOSED[VLLMWeightSyncSchemeConfig]
 
 
 _registered = False

@@ -38,6 +38,7 @@ def main(mode: str, *args: str) -> None:
     elif mode == "worker":
         cfg = OmegaConf.to_container(OmegaConf.load(args[0]))
         cfg["connection"]["authkey_file"] = write_key_file(key_name(), secrets.token_bytes(32))  # its own key
+        del cfg["connection"]["run"]  # (which its own key does not give: a worker would refuse to start)
         cfg["scheme"]["connect_timeout"] = 4
         scheme = ws.from_config(cfg)
         scheme.init_on_receiver(model=torch.nn.Linear(2, 2))

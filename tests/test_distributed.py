@@ -271,12 +271,13 @@ def test_receiver_config_carries_what_a_worker_on_another_host_needs(monkeypatch
     listening = [c for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"]
     store_sockets = [c for c in listening if c.laddr.port == conn["master_port"]]
     assert store_sockets and all(c.laddr.ip in ("127.0.0.1", "::ffff:127.0.0.1") for c in store_sockets)
-    # The run key travels apart: the config names an owner-only file, and holds neither the key nor the prefix
-    # drawn from it; a worker without the file is told to copy it.
+    # The run key travels apart: the config names an owner-only file, never the key; a worker without the file is
+    # told to copy it. It names the run's prefix in the store, which anyone who reaches the store lists (not a
+    # secret: SPEC section 11), so that a worker under another prefix is refused by name.
     key_file = conn["authkey_file"]
     assert os.stat(key_file).st_mode & 0o777 == 0o600
     key = open(key_file).read()
-    assert key not in repr(cfg) and scheme._sending.engine.prefix not in repr(cfg)
+    assert key not in repr(cfg) and conn["run"] == scheme._sending.engine.prefix
     elsewhere = os.path.join(os.path.dirname(key_file), "not-copied-here.key")
     with pytest.raises(ws.ConfigurationError, match="copy the run key file from the trainer's host"):
         ws.from_config(cfg).init_on_receiver(model=build("tiny"), authkey_file=elsewhere)
@@ -1090,3 +1091,29 @@ def test_a_receiver_config_whose_worker_is_out_of_the_senders_range_is_refused_a
         assert time.monotonic() - began < 30
     finally:
         scheme.shutdown()
+
+
+def test_a_receiver_config_edited_to_another_model_or_run_key_is_refused_by_name():
+    """A worker whose config names another model_id, or another run's key file, waited under a store prefix its
+    sender never reads: the sender timed out on a worker that "did not join", and the worker on torch's "Failed
+    to recv" once the store closed (a Hydra user's audit). The config names the prefix its sender serves."""
+    senders = [ws.DistributedWeightSyncScheme(timeout=5, connect_timeout=5) for _ in range(2)]
+    for sender in senders:
+        sender.init_on_sender(model_id="policy", model=torch.nn.Linear(2, 2), num_workers=1)
+    try:
+        cfg, theirs = (s.receiver_config(0) for s in senders)
+        another_key = {**cfg, "connection": {**cfg["connection"], "authkey_file": theirs["connection"]["authkey_file"]}}
+        for edited, why in [
+            ({**cfg, "model_id": "value"}, r"model_id 'value' is not the model its sender serves \('policy'\)"),
+            (another_key, "the run key in connection.authkey_file is not its sender's"),
+        ]:
+            receiver = ws.from_config(edited)
+            with pytest.raises(ws.ConfigurationError, match=why):
+                receiver.init_on_receiver(model=torch.nn.Linear(2, 2))
+                receiver.connect()
+            receiver.shutdown()
+        unnamed = {**cfg, "connection": {k: v for k, v in cfg["connection"].items() if k != "run"}}
+        ws.from_config(unnamed)  # (a config written by hand may leave the prefix out)
+    finally:
+        for sender in senders:
+            sender.shutdown()

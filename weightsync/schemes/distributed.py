@@ -131,8 +131,9 @@ class DistributedWeightSyncScheme(NetworkScheme, name="distributed", aliases=("t
 
     @classmethod
     def check_receiver_connection(cls, connection: Any, model_id: str) -> dict[str, Any]:
-        """The sender's store (host, port), the world size, and the path of the run key's file (copied to the
-        worker's host out of band; the key prefixes the run's keys in the store and proves the worker's hello)."""
+        """The sender's store (host, port), the world size, the path of the run key's file (copied to the
+        worker's host out of band; the key prefixes the run's keys in the store and proves the worker's hello),
+        and, optional, that prefix (``run``), which the worker checks its ``model_id`` and key against."""
         from ..transports.keyfiles import check_run_key_path
 
         fields = {
@@ -140,7 +141,8 @@ class DistributedWeightSyncScheme(NetworkScheme, name="distributed", aliases=("t
             "master_port": checks.port,
             "world_size": WORLD_SIZE,
             "authkey_file": None,
+            "run": checks.text(r"weightsync/.+/[0-9a-f]{16}", what="a run's prefix (weightsync/<model_id>/<16 hex>)"),
         }
-        checked = checks.fields(connection, fields, "connection", required=tuple(fields))
+        checked = checks.fields(connection, fields, "connection", required=tuple(fields)[:4])  # (run: optional)
         checked["authkey_file"] = check_run_key_path(checked["authkey_file"], "connection.authkey_file")
         return checked

@@ -61,6 +61,7 @@ __all__ = [
     "proof",
     "proven",
     "run_prefix",
+    "worker_prefix",
 ]
 
 _PREFIX_TAG = b"weightsync distributed store prefix\0"
@@ -179,6 +180,30 @@ def run_prefix(model_id: str, key: bytes) -> str:
     sharing one store keep apart by it; it is not a secret (``list_keys()`` shows it)."""
     digest = hmac.new(key, _PREFIX_TAG + model_id.encode(), hashlib.sha256).hexdigest()
     return f"weightsync/{model_id}/{digest[:16]}"
+
+
+def worker_prefix(key: bytes, served: str | None, **where: Any) -> str:
+    """A worker's :func:`run_prefix` (``where`` names its model and index), checked against ``served``, the
+    prefix its sender named in the receiver config (``None``: none named, as in a pickled scheme): a worker under
+    another prefix waits where its sender never looks, and both ended on time-outs that said nothing of why (a
+    Hydra user's audit: a config whose ``model_id`` was edited).
+
+    Raises:
+        ConfigurationError: the prefixes differ, naming the model the sender serves or, for the same model, the
+            run key (another run's key file).
+    """
+    model_id = where["model_id"]
+    prefix = run_prefix(model_id, key)
+    if served is None or served == prefix:
+        return prefix
+    theirs = served[len("weightsync/") : served.rfind("/")]
+    if theirs != model_id:
+        raise ConfigurationError(
+            f"model_id {model_id!r} is not the model its sender serves ({theirs!r}): a receiver config's model_id "
+            "must be its sender's",
+            **where,
+        )
+    raise ConfigurationError("the run key in connection.authkey_file is not its sender's (another run's?)", **where)
 
 
 def proof(key: bytes, worker: int, gen: int, hello: dict[str, Any]) -> str:

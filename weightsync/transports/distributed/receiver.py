@@ -41,7 +41,7 @@ from ..keyfiles import ORPHAN_GRACE_S, read_key_file, remove_key_file_if_orphane
 from ..processes import process_identity
 from ..store import SILENT_TIMEOUTS, await_key
 from ..storeclient import StoreCalls, dial_store, hung_up_at
-from .auth import NO_BYTES, PayloadMac, Sealer, Unverifiable, new_nonce, proof, run_prefix
+from .auth import NO_BYTES, PayloadMac, Sealer, Unverifiable, new_nonce, proof, worker_prefix
 from .doorbell import Doorbell, dial_doorbell
 from .group import GROUP_TIMEOUT_FACTOR, Link, gpu_identity, new_group_within
 from .line import Dialing, Line, PeerClosed
@@ -98,7 +98,7 @@ class DistributedReceiver(ReceiverEngine):
         self.handoff = handoff
         self._key = bytes.fromhex(handoff.get("authkey") or read_key_file(handoff["authkey_file"], NO_KEY, **where))
         self._key_file = None if handoff.get("authkey") else handoff["authkey_file"]  # swept once its sender died
-        self.prefix = run_prefix(where["model_id"], self._key)
+        self.prefix = worker_prefix(self._key, handoff.get("run"), **where)
         self.sealer = Sealer(self._key, self.prefix)
         self._layout_tag = b""
         self.settings, self.device = settings, settings.device

@@ -139,10 +139,11 @@ class DistributedSender(Admitting, SenderEngine):
         return {**self._where_to(), "authkey": self.authkey.hex()}
 
     def connection(self) -> dict[str, Any]:
-        """Where to connect, and the path of the run key's file (written now): never the key itself."""
+        """Where to connect, the path of the run key's file (written now): never the key itself, and the run's
+        prefix in the store (not a secret), which the worker checks its model_id and key against."""
         if self._key_file is None:
             self._key_file = write_key_file(key_name(), self.authkey)
-        return {**self._where_to(), "authkey_file": self._key_file}
+        return {**self._where_to(), "authkey_file": self._key_file, "run": self.prefix}
 
     def _where_to(self) -> dict[str, Any]:
         return {"master_addr": self.address[0], "master_port": self.address[1], "world_size": self.num_workers + 1}

@@ -15,6 +15,7 @@ from tests import _bodies as bodies
 from tests._bodies import optimizer_step
 from tests._bodies import start as start_workers
 from tests._workers import build, checksum, in_process_receiver, serve
+from weightsync.core.timing import deadline_after, wait_until
 
 
 @pytest.mark.parametrize("strategy", ["tensordict", "state_dict"])
@@ -144,6 +145,22 @@ def test_a_ctrl_c_as_the_trainer_reads_an_ack_leaves_the_channel_in_step(cls, wo
         _every_worker_holds_the_next_version(model, scheme, group)
     finally:
         scheme.shutdown()
+
+
+@pytest.mark.parametrize("cls", [ws.MultiProcessWeightSyncScheme, ws.SharedMemWeightSyncScheme])
+def test_a_ctrl_c_in_the_trainers_shutdown_is_raised_once_everything_is_released(cls, workers):
+    """A Ctrl-C as shutdown() stopped its rejoin thread cut it short: the key file, the slots, the listener and the
+    channels stayed held for the rest of the process, its workers were never told, and a second shutdown() did
+    nothing: the scheme said it was closed (a local schemes user's audit)."""
+    from weightsync.core.rejoin import Admitter
+
+    model, scheme, group = _two_connected(cls, workers)
+    key_file = scheme.receiver_config(0)["connection"]["authkey_file"]
+    with bodies.sigint_at_first_call(Admitter, "stop") as hits, pytest.raises(KeyboardInterrupt):
+        scheme.shutdown()
+    assert hits == ["stop"] and not os.path.exists(key_file)
+    for i in range(2):  # (each hears it at its next look)
+        assert wait_until(lambda i=i: group.ask(i, "closed"), deadline_after(30), 0.05), i
 
 
 class _ChannelSocket:

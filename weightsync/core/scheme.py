@@ -33,6 +33,7 @@ from .drivers import driver_for, driver_of
 from .engine import ReceiverEngine, SenderEngine, Sink
 from .facade import SchemeFacades
 from .handoff import SchemeHandoff
+from .interrupts import held_interrupts
 from .leaving import shut_down_at_exit
 from .pending import PendingUpdate
 from .receiver import Receiver
@@ -432,7 +433,8 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
         return PendingUpdate(rt.receiving, taken) if taken else None
 
     def shutdown(self) -> None:
-        """Release every process, thread, socket and shared-memory slot this side holds. Idempotent."""
+        """Release every process, thread, socket and shared-memory slot this side holds. Idempotent. A Ctrl-C
+        meanwhile is raised once all is released (each of its waits is bounded by ``timeout``)."""
         with self._runtime.lock:
             self._shutdown(self.timeout)
 
@@ -442,7 +444,8 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
             rt.state = CLOSED
             return
         try:
-            self._close(timeout)
+            with held_interrupts():  # (cut short, it held everything, and its next call did nothing)
+                self._close(timeout)
         finally:
             rt.state = CLOSED
 

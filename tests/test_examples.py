@@ -271,11 +271,10 @@ def test_main_job_help_lists_the_groups_it_takes_and_only_those():
     assert works.returncode == 0 and "_target_: weightsync.MPSettings" in works.stdout, works.stderr
 
 
-def test_the_main_jobs_forkserver_starts_as_the_job_begins_and_ends_with_it(tmp_path):
-    """``python -m weightsync`` starts the forkserver its workers come from as the job begins (it imports torch
-    while the job builds its models), once Hydra composed the config (an override Hydra refuses starts nothing:
-    ``test_config.py::test_an_override_hydra_refuses_starts_no_process``), unless its command line says no worker
-    is forked; the server exits with the run, even one that fails at once."""
+def test_the_main_jobs_forkserver_starts_before_its_imports_and_ends_with_it(tmp_path):
+    """``python -m weightsync`` starts the forkserver its workers come from before it imports the app (the two
+    imports overlap: 5.4 s against 6.9 s for the default job), unless its command line says no worker is forked;
+    the server exits with the run, even one that fails at once."""
     import psutil
 
     from weightsync.app.early import may_fork_workers
@@ -284,7 +283,7 @@ def test_the_main_jobs_forkserver_starts_as_the_job_begins_and_ends_with_it(tmp_
     for argv in (["--help"], ["--cfg", "job"], ["--shell-completion", "install=bash"], ["start_method=spawn"]):
         assert not may_fork_workers(argv), argv
     run = subprocess.Popen(
-        [sys.executable, "-m", "weightsync", "scheme.timeout=-1", f"hydra.run.dir={tmp_path}"],
+        [sys.executable, "-m", "weightsync", "scheme=pigeon", f"hydra.run.dir={tmp_path}"],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -298,8 +297,8 @@ def test_the_main_jobs_forkserver_starts_as_the_job_begins_and_ends_with_it(tmp_
 
     wait_until(seen, deadline_after(60), 0.005)
     _, err = run.communicate(timeout=120)
-    assert run.returncode == 2 and b"scheme: timeout must be a positive number" in err, err[-2000:]
-    assert servers, "no forkserver while the job began"
+    assert run.returncode != 0 and b"Could not find 'scheme/pigeon'" in err
+    assert servers, "no forkserver while the app imported"
     _, alive = psutil.wait_procs(servers, timeout=30)
     assert not alive, "the forkserver outlived the run"
 

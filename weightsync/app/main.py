@@ -21,7 +21,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..config.store import SCHEMES, TRANSPORTS, register_scheme_group
 from ..errors import WeightSyncError
-from .early import start_forkserver_early
 from .job import JobConfig, run_job
 from .report import RESULTS_FILE, error_row, failed_models, markdown_table, verification_error
 
@@ -48,9 +47,6 @@ _register()
 @hydra.main(version_base="1.3", config_path="pkg://weightsync.conf", config_name="config")
 def _app(cfg: DictConfig) -> None:
     from tqdm import tqdm
-
-    # Once Hydra has composed the config: an override it refuses starts no process (SPEC section 4).
-    start_forkserver_early(sys.argv[1:])
 
     def progress(rounds):
         # disable=None: no bar where stderr is not a terminal (a file, a pipe), where it would run into the table

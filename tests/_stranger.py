@@ -4,7 +4,7 @@ not the run key file that config names. Each mode prints what it could do.
 
     python -m tests._stranger store ADDR PORT            # reach the store; read what it can name
     python -m tests._stranger worker YAML                # be worker 0 with a key of its own
-    python -m tests._stranger rejoin ADDR PORT PREFIX    # knows the run's prefix (it sniffed it): claim worker 0
+    python -m tests._stranger rejoin ADDR PORT PREFIX    # with the run's prefix (the YAML names it): claim worker 0
     python -m tests._stranger rpc YAML                   # an rpc run: read the world's keys, join as worker 0
 """
 

@@ -1105,7 +1105,7 @@ def test_a_receiver_config_edited_to_another_model_or_run_key_is_refused_by_name
         another_key = {**cfg, "connection": {**cfg["connection"], "authkey_file": theirs["connection"]["authkey_file"]}}
         for edited, why in [
             ({**cfg, "model_id": "value"}, r"model_id 'value' is not the model its sender serves \('policy'\)"),
-            (another_key, "the run key in connection.authkey_file is not its sender's"),
+            (another_key, "connection.run and the key in connection.authkey_file are of different runs"),
         ]:
             receiver = ws.from_config(edited)
             with pytest.raises(ws.ConfigurationError, match=why):

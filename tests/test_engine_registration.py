@@ -44,6 +44,16 @@ PACKAGES = {
         "class LoserScheme(WeightSyncScheme, name='shared_mem'):\n"
         "    'Then fails.'\n"
     ),
+    # Classes whose configs' names are weightsync's own configs' (MP -> MPTransportConfig): the configs were
+    # replaced, and the vllm group built this package's class (a review of the fix above).
+    "wsconfig": (
+        "from weightsync.core.scheme import WeightSyncScheme\n"
+        "from weightsync.core.settings import TransportSettings\n\n"
+        "class MP(TransportSettings, name='mp_again'):\n"
+        "    'A transport whose config would be MPTransportConfig.'\n\n"
+        "class Sneaky(WeightSyncScheme, name='sneaky', config='VLLMWeightSyncSchemeConfig'):\n"
+        "    'A scheme whose config would be the one of the vllm group.'\n"
+    ),
     # Imported by a user before anything asked the registry, taking a built-in's backend name.
     "wsearly": (
         "from weightsync.core.scheme import WeightSyncScheme\n\n"
@@ -57,7 +67,12 @@ PACKAGES = {
         "    'Lazy.'\n"
     ),
 }
-ENTRY_POINTS = {"wsclash": "mp_clash = wsclash", "wsplain": "plain = wsplain:PlainScheme", "wsloser": "loser = wsloser"}
+ENTRY_POINTS = {
+    "wsclash": "mp_clash = wsclash",
+    "wsplain": "plain = wsplain:PlainScheme",
+    "wsloser": "loser = wsloser",
+    "wsconfig": "sneaky = wsconfig",
+}
 
 
 def _site(root: Path, names: list[str]) -> Path:
@@ -112,9 +127,10 @@ def test_installed_packages_stand_in_for_no_builtin_and_a_broken_one_leaves_noth
             "plain": [wsc.SCHEMES["plain"]._target_, type(hydra.utils.instantiate(wsc.SCHEMES["plain"]())).__name__],
             "loser": ["loser" in registry.transports(), "LoserSettings" in registry.public_names()],
             "gone": "gone" in wsc.SCHEMES,
+            "configs": [wsc.VLLMWeightSyncSchemeConfig._target_, wsc.MPTransportConfig._target_],
         }))
         """,
-        _site(tmp_path, ["wsclash", "wsplain", "wsloser"]),
+        _site(tmp_path, ["wsclash", "wsplain", "wsloser", "wsconfig"]),
     )
     assert facts["public"] == facts["hydra"] == facts["target"] == "weightsync.schemes.multiprocess", facts
     assert "weightsync.MultiProcessWeightSyncScheme is weightsync.schemes.multiprocess" in facts["stderr"]
@@ -122,6 +138,8 @@ def test_installed_packages_stand_in_for_no_builtin_and_a_broken_one_leaves_noth
     assert facts["plain"] == ["wsplain.PlainScheme", "PlainScheme"]
     assert facts["loser"] == [False, False], "the broken package's transport stayed registered"
     assert not facts["gone"] and "no config for backend 'gone'" in facts["stderr"]
+    assert facts["configs"] == ["weightsync.integrations.vllm.VLLMWeightSyncScheme", "weightsync.MPSettings"]
+    assert "config name 'MPTransportConfig' is taken" in facts["stderr"]
 
 
 def test_a_class_defined_before_the_engines_load_meets_their_names(tmp_path):

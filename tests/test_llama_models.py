@@ -15,6 +15,7 @@ import torch
 
 from weightsync.app import llama
 from weightsync.app.llama import SPEC_FILE, TINY, LlamaSpec, load_llama, spec_for_size, write_llama
+from weightsync.core.timing import deadline_after, wait_until
 from weightsync.errors import ConfigurationError
 
 transformers = pytest.importorskip(
@@ -177,10 +178,12 @@ def test_a_folder_another_user_swaps_in_while_it_is_looked_at_is_never_taken(tmp
     monkeypatch.setattr(llama, "_write", lambda folder, spec: (_ for _ in ()).throw(_WouldWrite()))
     name = tmp_path / "m"
     outcomes = {"taken": 0, "refused": 0, "absent": 0}
-    flipper = subprocess.Popen([sys.executable, "-c", _FLIP, str(theirs), str(name), "3"])
+    flipper = subprocess.Popen([sys.executable, "-c", _FLIP, str(theirs), str(name), "20"])
     try:
-        deadline = time.monotonic() + 2.5
-        while time.monotonic() < deadline and flipper.poll() is None:
+        assert wait_until(lambda: not theirs.exists() or flipper.poll() is not None, deadline_after(20), 0.01)
+        began = time.monotonic()  # (it flips: at least 2.5 s of looks, until one met the folder, 15 s at most)
+        while (time.monotonic() < began + 2.5 or not outcomes["refused"]) and time.monotonic() < began + 15:
+            assert flipper.poll() is None, "the renaming process ended"
             try:
                 write_llama(name, TINY)
                 outcomes["taken"] += 1

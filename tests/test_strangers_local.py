@@ -423,6 +423,8 @@ def test_a_flood_of_refused_connections_is_logged_once_a_period_not_once_each(ca
         listener.close()
     said = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
     assert len(said) == 1 and "it closed the connection" in said[0], said
+    left = [r.getMessage() for r in caplog.records if "connections refused on" in r.getMessage()]
+    assert left == [f"29 more connections refused on {listener.address} of user {os.getuid()}, unsaid"], left
 
 
 @needs_stranger

@@ -210,10 +210,10 @@ def test_distributed_across_a_stranger_a_pulled_cable_a_killed_worker_and_a_vani
     """distributed, ``on_failure=drop``, three hosts: the trainer on A, its workers on B, and on C a stranger.
 
     1. The stranger knows the trainer's address and store port and holds worker 0's YAML, not the run key file it
-       names. It reaches the store (torch's TCP store has no authentication) but cannot name the run's keys;
-       posing as worker 0 with a key of its own it finds no run; one that learned the run's prefix (sniffed off
-       the wire: the test derives it from the key) is refused when it claims worker 0, and the real workers go
-       on receiving.
+       names. It reaches the store (torch's TCP store has no authentication) but a prefix it guesses holds
+       nothing; posing as worker 0 with a key of its own it finds no run; with the run's prefix (the YAML names
+       it: the test derives it from the key) it is refused when it claims worker 0, and the real workers go on
+       receiving.
     2. The worker host's cable is pulled: the trainer drops both workers after its ``timeout`` and goes on;
        plugged back, the same worker processes connect again by themselves and hold the newest version.
     3. A worker killed and started again from its YAML rejoins too.

@@ -179,6 +179,9 @@ def register_backend(name: str, scheme: type | str, *, replace: bool = False) ->
     A scheme class defined with ``name=`` registers itself; this is for a class defined without one, or for
     another name.
 
+    ``replace=True`` may take a built-in's name too: receiver configs naming the built-in class are then refused
+    (it is no longer a scheme by that name).
+
     Raises:
         ConfigurationError: ``name`` is empty or taken and ``replace`` is false.
     """
@@ -209,13 +212,15 @@ def load() -> None:
             _loaded = False  # asked again, it tries again (nothing is left half-registered by name)
             raise
         for ep in entry_points(group=ENTRY_POINT_GROUP):
-            if _importing(ep.module):
-                continue  # its import asked for the engines: its classes register as they are defined
+            if _importing(ep.module):  # its import asked for the engines: its classes register as defined
+                if ep.attr:  # (and one defined without name= is found by the entry point's name, when asked)
+                    _schemes.setdefault(ep.name, ep.value)
+                continue
             before = tuple(dict(table) for table in _tables())
             try:
                 loaded = ep.load()
             except Exception as exc:  # noqa: BLE001 - any error of another package's import
-                _restore(before)
+                _restore(before, ep.module.partition(".")[0])
                 log.warning("weightsync: entry point %s = %r failed to load: %s", ep.name, ep.value, exc)
                 continue
             if isinstance(loaded, type) and ep.name not in _schemes and ep.name not in _aliases:
@@ -315,7 +320,20 @@ def _tables() -> tuple[dict[str, Any], ...]:
     return (_schemes, _aliases, _transports, _public, _configs)
 
 
-def _restore(saved: tuple[dict[str, Any], ...]) -> None:
+def _restore(saved: tuple[dict[str, Any], ...], package: str) -> None:
+    """Take back what the modules of ``package`` registered since ``saved`` (another package its import
+    imported on the way keeps what it registered: its module stays imported, and would not register again)."""
     for table, before in zip(_tables(), saved, strict=True):
-        table.clear()
-        table.update(before)
+        if table is _aliases:  # (an alias names a backend: it goes with it, below)
+            continue
+        for key in [k for k in table if table[k] is not before.get(k) and _in(table[k], package)]:
+            if key in before:
+                table[key] = before[key]
+            else:
+                del table[key]
+    for alias in [a for a in _aliases if a not in saved[1] and _aliases[a] not in _schemes]:
+        del _aliases[alias]
+
+
+def _in(obj: Any, package: str) -> bool:
+    return _place(obj).partition(":")[0].partition(".")[0] == package

@@ -180,8 +180,8 @@ def write_llama(path: str | os.PathLike[str], spec: LlamaSpec = TINY) -> Path:
 
     Raises:
         FileExistsError: ``path`` is a file, a link, a non-empty folder that :func:`write_llama` did not write, a
-            folder of another user or one others may write in, or in a parent folder every user may write in
-            without the sticky bit.
+            folder of another user or one others may write in, or in a parent folder of another user (not
+            root) or that others may write in without the sticky bit.
         ImportError: ``transformers`` or ``tokenizers`` is missing (``pip install -e ".[vllm]"``).
     """
     path = Path(path)
@@ -261,16 +261,18 @@ def _open_folder(path: Path) -> int | None:
     another user's folder a moment later (a review swapped one in between a look at the name and a read of it).
 
     Raises:
-        FileExistsError: the folder is another user's, or others may write in it, or in its parent without the
-            sticky bit (they could put their folder in its place): its model may be anyone's (the docs'
-            folders are in ``/tmp``, where another user may make them first: a review did, as uid 65534).
+        FileExistsError: the folder is another user's, or others may write in it; or its parent is another
+            user's (not root's), or others may write in it without the sticky bit (they could put their folder in
+            its place): its model may be anyone's (the docs' folders are in ``/tmp``, where another user may make
+            them first: a review did, as uid 65534).
     """
     with contextlib.suppress(FileNotFoundError):
         parent = os.stat(path.parent)
-        if parent.st_mode & 0o002 and not parent.st_mode & stat.S_ISVTX:
+        others_write = parent.st_mode & 0o022 and not parent.st_mode & stat.S_ISVTX
+        if others_write or parent.st_uid not in (0, os.getuid()):
             raise FileExistsError(
-                f"{path.parent} is writable by every user, without the sticky bit: any of them may put a folder of "
-                "theirs in place of the model's; give write_llama a folder of yours"
+                f"{path.parent} is a folder of user {parent.st_uid}, mode {stat.S_IMODE(parent.st_mode):o}: others "
+                "may put a folder of theirs in place of the model's; give write_llama a folder in one of yours"
             )
     try:
         folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -280,14 +282,21 @@ def _open_folder(path: Path) -> int | None:
         if path.is_symlink():  # (a link's target is anyone's folder)
             raise FileExistsError(f"{path} is a symbolic link: give write_llama a folder of yours") from None
         return None
+    except PermissionError:  # (another user's folder, closed to this one)
+        found = path.lstat()
+        raise _not_ours(path, found) from None
     found = os.fstat(folder)
     if found.st_uid != os.getuid() or found.st_mode & 0o022:
         os.close(folder)
-        raise FileExistsError(
-            f"{path} is a folder of user {found.st_uid} (this is user {os.getuid()}), mode "
-            f"{stat.S_IMODE(found.st_mode):o}: a model in it may be anyone's; give write_llama a folder of yours"
-        )
+        raise _not_ours(path, found)
     return folder
+
+
+def _not_ours(path: Path, found: os.stat_result) -> FileExistsError:
+    return FileExistsError(
+        f"{path} is a folder of user {found.st_uid} (this is user {os.getuid()}), mode "
+        f"{stat.S_IMODE(found.st_mode):o}: a model in it may be anyone's; give write_llama a folder of yours"
+    )
 
 
 def _holds(path: Path, spec: LlamaSpec) -> bool:

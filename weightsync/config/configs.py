@@ -20,8 +20,10 @@ dataclasses; choices are checked by the options themselves.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from .. import registry
@@ -50,6 +52,8 @@ def _config(name: str, target: str, opts: tuple[Option, ...], summary: str, base
     fields: list[Any] = [("_target_", str, dataclasses.field(default=target))]
     fields += [(o.name, o.annotation, dataclasses.field(default=o.default)) for o in opts if o.name not in inherited]
     fields += [(key, annotation, value) for key, (annotation, value) in extra.items()]
+    if name in globals():  # (a name of this module, or another class's config: it would stand in for it)
+        raise ConfigurationError(f"config name {name!r} is taken in weightsync.config")
     cls = dataclasses.make_dataclass(name, fields, bases=(base,) if base else ())
     cls.__module__ = __name__
     cls.__doc__ = _doc(summary, tuple(o for o in opts if o.name not in inherited))
@@ -107,8 +111,8 @@ def _registered() -> dict[str, type[WeightSyncScheme]]:
     for name in registry.schemes():
         try:
             out[name] = registry.get_backend(name)
-        except ConfigurationError as exc:
-            log.warning("weightsync.config: no config for %s", exc)
+        except Exception as exc:  # noqa: BLE001 - any error of another package's import
+            log.warning("weightsync.config: no config for backend %r: %s", name, exc)
     return out
 
 
@@ -116,8 +120,12 @@ _CONFIGS: dict[type, type] = {}
 
 
 def _build() -> None:
+    """Every registered transport's and scheme's config, weightsync's own first (registered first). Another
+    package's class whose config cannot be made (its name is taken, or its transport has none) is left out, and
+    said so in the log: weightsync's own and the others' still have theirs."""
     for name, settings in registry.transports().items():
-        TRANSPORTS[name] = _transport_config(settings)
+        with _or_left_out(settings):
+            TRANSPORTS[name] = _transport_config(settings)
     registered = _registered()
     classes: list[type[WeightSyncScheme]] = list(dict.fromkeys(registered.values()))
     every: list[type] = [WeightSyncScheme, *classes]
@@ -127,15 +135,22 @@ def _build() -> None:
                 continue
             # A class registered without name= (by an entry point or register_backend) is named as one with it.
             config = cls.config_name or (config_name_for(cls) if cls in classes else None)
-            if config is None:
-                continue
-            if cls.config_name is None and config in globals():
-                log.warning("weightsync.config: no config for %s: %s is another's", cls.__qualname__, config)
-                continue
-            _CONFIGS[cls] = _scheme_config(cls, config, classes)
+            if config is not None:
+                with _or_left_out(cls):
+                    _CONFIGS[cls] = _scheme_config(cls, config, classes)
     for name, scheme in registered.items():
         if scheme in _CONFIGS:
             SCHEMES[name] = _CONFIGS[scheme]
+
+
+@contextlib.contextmanager
+def _or_left_out(cls: type) -> Iterator[None]:
+    try:
+        yield
+    except (ConfigurationError, KeyError) as exc:
+        if cls.__module__.startswith("weightsync."):
+            raise
+        log.warning("weightsync.config: no config for %s.%s: %s", cls.__module__, cls.__qualname__, exc)
 
 
 # ----------------------------------------------------------------- strategy

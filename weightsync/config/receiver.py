@@ -309,7 +309,7 @@ def from_config(
     # The caller's word, never the config's: each scheme names the option it takes it as.
     opt_ins = {"allow_pickle": allow_pickle, "allow_store_peers_to_run_code": allow_store_peers_to_run_code}
     opt_in = spec.scheme_class.RECEIVER_OPT_IN
-    if spec.unpickles is not None and not opt_ins[opt_in]:
+    if spec.unpickles is not None and not opt_ins.get(opt_in, False):
         raise ConfigurationError(
             f"this receiver config builds a {spec.scheme_class.__name__} receiver, which unpickles and runs what "
             f"{spec.unpickles} sends it (that is how its engine calls functions): pass "

@@ -434,18 +434,16 @@ class WeightSyncScheme(SchemeHandoff, SchemeFacades, kw_only=False):
 
     def shutdown(self) -> None:
         """Release every process, thread, socket and shared-memory slot this side holds. Idempotent. A Ctrl-C
-        meanwhile is raised once all is released (each of its waits is bounded by ``timeout``)."""
+        meanwhile is raised once all is released (each of its two waits is bounded by ``timeout``)."""
         with self._runtime.lock:
             self._shutdown(self.timeout)
 
     def _shutdown(self, timeout: float) -> None:
         rt = self._runtime
-        if rt.holds_nothing:
-            rt.state = CLOSED
-            return
         try:
-            with held_interrupts():  # (cut short, it held everything, and its next call did nothing)
-                self._close(timeout)
+            if not rt.holds_nothing:
+                with held_interrupts():  # (cut short, it held everything, and its next call did nothing)
+                    self._close(timeout)
         finally:
             rt.state = CLOSED
 

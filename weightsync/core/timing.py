@@ -104,21 +104,30 @@ class Progress:
 
 
 class Throttled:
-    """A warning said at most once every ``period`` seconds, the times left unsaid counted in the next one said:
-    what anyone on the host may cause (connections to a listener) must not grow a log without bound (a review's
-    flood wrote 100,000 lines in 12 s)."""
+    """Warnings said at most once every ``period`` seconds for each ``key`` (whose: a user's id, say), the times
+    left unsaid counted in the next one said, or by :meth:`flush`: what anyone on the host may cause (connections
+    to a listener) must not grow a log without bound (a review's flood wrote 100,000 lines in 12 s), nor hide what
+    others cause (a flood by one user, the refusal of another's worker)."""
 
     def __init__(self, log: logging.Logger, period: float = 10.0) -> None:
         self._log, self._period = log, period
-        self._said = -math.inf
-        self.unsaid = 0
+        self._said: dict[Any, float] = {}
+        self.unsaid: dict[Any, int] = {}
 
-    def warning(self, msg: str, *args: Any) -> None:
+    def warning(self, msg: str, *args: Any, key: Any = None) -> None:
         now = time.monotonic()
-        if now - self._said < self._period:
-            self.unsaid += 1
+        said = self._said.get(key, -math.inf)
+        if now - said < self._period:
+            self.unsaid[key] = self.unsaid.get(key, 0) + 1
             return
-        if self.unsaid:
-            msg = f"{msg} (and {self.unsaid} more like it in the {shown_seconds(now - self._said)} before)"
+        unsaid = self.unsaid.pop(key, 0)
+        if unsaid:
+            msg = f"{msg} (and {unsaid} more like it in the {shown_seconds(now - said)} before)"
         self._log.warning(msg, *args)
-        self._said, self.unsaid = now, 0
+        self._said[key] = now
+
+    def flush(self, what: str) -> None:
+        """Say what is left unsaid (``what``: a warning's kind, in the plural), at the end."""
+        for key, unsaid in sorted(self.unsaid.items(), key=str):
+            self._log.warning("%d more %s%s, unsaid", unsaid, what, "" if key is None else f" of {key}")
+        self.unsaid.clear()

@@ -143,6 +143,7 @@ class DistributedWeightSyncScheme(NetworkScheme, name="distributed", aliases=("t
             "authkey_file": None,
             "run": checks.text(r"weightsync/.+/[0-9a-f]{16}", what="a run's prefix (weightsync/<model_id>/<16 hex>)"),
         }
-        checked = checks.fields(connection, fields, "connection", required=tuple(fields)[:4])  # (run: optional)
+        required = ("master_addr", "master_port", "world_size", "authkey_file")  # (run: optional)
+        checked = checks.fields(connection, fields, "connection", required=required)
         checked["authkey_file"] = check_run_key_path(checked["authkey_file"], "connection.authkey_file")
         return checked

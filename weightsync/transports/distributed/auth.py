@@ -203,7 +203,11 @@ def worker_prefix(key: bytes, served: str | None, **where: Any) -> str:
             "must be its sender's",
             **where,
         )
-    raise ConfigurationError("the run key in connection.authkey_file is not its sender's (another run's?)", **where)
+    raise ConfigurationError(
+        "connection.run and the key in connection.authkey_file are of different runs (a config or a key file of "
+        "another run?)",
+        **where,
+    )
 
 
 def proof(key: bytes, worker: int, gen: int, hello: dict[str, Any]) -> str:

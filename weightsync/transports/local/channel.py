@@ -321,7 +321,7 @@ class ChannelListener:
     def _drop(self, peer: _Pending, why: str | None) -> None:
         self._pending.pop(peer.sock.fileno(), None)
         if why is not None:
-            self.refusals.warning("refused a connection on %s: %s", self.address, why)
+            self.refusals.warning("refused a connection on %s: %s", self.address, why, key=f"user {peer.uid}")
         peer.sock.close()
 
     def _expire(self) -> None:
@@ -409,10 +409,9 @@ class ChannelListener:
         self._closed = True
         for peer in list(self._pending.values()):
             self._drop(peer, None)
-        try:
+        with contextlib.suppress(OSError):
             self._sock.close()
-        except OSError:
-            pass
+        self.refusals.flush(f"connections refused on {self.address}")
 
 
 def connect_channel(

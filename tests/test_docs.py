@@ -130,12 +130,14 @@ def _check_sweep_report(sweep: Path, block: Block) -> None:
     """What a sweep of the main job wrote (``python -m weightsync -m ...``): one table, CSV and plot of every job
     it ran (a folder each), each job's row of every model, verified."""
     where = f"{block.name}: {sweep.relative_to(sweep.parents[2])}"
-    rows = [line.split(" | ") for line in (sweep / "results.md").read_text().splitlines()[2:]]
+    lines = (sweep / "results.md").read_text().splitlines()
+    column = {name.strip("| "): i for i, name in enumerate(lines[0].split(" | "))}
+    rows = [line.split(" | ") for line in lines[2:]]
     jobs = sorted(int(d.name) for d in sweep.iterdir() if d.is_dir() and d.name.isdigit())
     assert jobs and sorted({int(row[0].strip("| ")) for row in rows}) == jobs, (where, rows, jobs)
-    models = [sorted(row[2] for row in rows if int(row[0].strip("| ")) == job) for job in jobs]
+    models = [sorted(row[column["model"]] for row in rows if int(row[0].strip("| ")) == job) for job in jobs]
     assert all(m == models[0] for m in models), (where, rows)  # every job, every model
-    assert all(row[10] == "yes" for row in rows), (where, rows)
+    assert all(row[column["verified"]] == "yes" for row in rows), (where, rows)
     csv = (sweep / "results.csv").read_text().splitlines()
     assert len(csv) == len(rows) + 1 and all(",yes," in line for line in csv[1:]), (where, csv)
     assert (sweep / "results.png").read_bytes()[:4] == b"\x89PNG", where

@@ -123,7 +123,7 @@ def test_an_engine_behind_vllm_serve_on_another_host_serves_each_version_sent_ov
         assert v["weight_version"] == str(v["version"])
     assert result["paused"] == [True] * 4  # pause_mode="keep": the server was paused through /pause for each
     # What the engine was sent over HTTP names the run key's file (host B reads it), never the key.
-    assert set(result["connection"]) == {"master_addr", "master_port", "world_size", "authkey_file"}
+    assert set(result["connection"]) == {"master_addr", "master_port", "world_size", "authkey_file", "run"}
     assert result["connection"]["master_addr"] == a.addr
     sends = [v["send_s"] for v in versions[1:]]
     print(f"vllm serve on host B: {took:.0f} s in all, up in {result['server_up_s']} s, sends took {sends} s")

@@ -63,15 +63,13 @@ def composed(cls: type) -> Any:
     name = _transport_name(cls)
     if name is None:
         return cls
-    if cls not in _COMPOSED:
-        entries = [{"transport": name}, "_self_"]
-        fields = [
-            ("defaults", list[Any], dataclasses.field(default_factory=lambda: list(entries))),
-            # Left to the group: a default of a transport's own type would refuse another transport's config.
-            ("transport", Any, dataclasses.field(default=MISSING)),
-        ]
-        _COMPOSED[cls] = _found(dataclasses.make_dataclass(cls.__name__, fields, bases=(cls,)))
-    return _COMPOSED[cls]
+    entries = [{"transport": name}, "_self_"]
+    fields = [
+        ("defaults", list[Any], dataclasses.field(default_factory=lambda: list(entries))),
+        # Left to the group: a default of a transport's own type would refuse another transport's config.
+        ("transport", Any, dataclasses.field(default=MISSING)),
+    ]
+    return _stored(cls, fields)
 
 
 class Composed:
@@ -83,10 +81,14 @@ class Composed:
 _COMPOSED: dict[type, type] = {}
 
 
-def _found(cls: type) -> type:
-    cls.__module__, cls.__qualname__ = __name__, f"{Composed.__name__}.{cls.__name__}"
-    setattr(Composed, cls.__name__, cls)
-    return cls
+def _stored(base: type, fields: list[Any]) -> type:
+    """``base`` with ``fields`` added, made once, and found as an attribute of :class:`Composed`."""
+    if base not in _COMPOSED:
+        cls = dataclasses.make_dataclass(base.__name__, fields, bases=(base,))
+        cls.__module__, cls.__qualname__ = __name__, f"{Composed.__name__}.{cls.__name__}"
+        setattr(Composed, cls.__name__, cls)
+        _COMPOSED[base] = cls
+    return _COMPOSED[base]
 
 
 #: TorchRL's group of scheme configs (``torchrl.trainers.algorithms.configs``), and the prefix of weightsync's
@@ -116,10 +118,7 @@ def serving_vllm() -> Any:
         ),
         ("scheme", Any, dataclasses.field(default=MISSING)),
     ]
-    if VLLMWeightSyncSchemeConfig not in _COMPOSED:
-        base = VLLMWeightSyncSchemeConfig
-        _COMPOSED[base] = _found(dataclasses.make_dataclass(base.__name__, fields, bases=(base,)))
-    return _COMPOSED[VLLMWeightSyncSchemeConfig]
+    return _stored(VLLMWeightSyncSchemeConfig, fields)
 
 
 _registered = False

@@ -237,11 +237,13 @@ def test_worker_ids_take_numpys_ints_and_refuse_what_names_no_worker_by_name():
             targets(bad, 2, "policy")
 
 
-def _init_in_fork(scheme, conn, as_sender_first: bool = False) -> None:
+def _init_in_fork(scheme, conn, models, as_sender_first: bool = False) -> None:
+    # (the models come made from the parent: a fork child drawing random numbers hung for good where another thread
+    # of the parent held torch's generator at the fork, as happened in CI)
     try:
         if as_sender_first:  # (a scheme forked new, made a sender here: a misuse here is not the fork's)
-            scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
-        scheme.init_on_receiver(model_id="policy", model=nn.Linear(2, 2), worker_idx=0)
+            scheme.init_on_sender(model_id="policy", model=models[0], num_workers=1)
+        scheme.init_on_receiver(model_id="policy", model=models[1], worker_idx=0)
         conn.send("initialized")
     except ws.WeightSyncError as exc:
         conn.send(f"{type(exc).__name__}: {exc}")
@@ -258,7 +260,8 @@ def test_a_sender_that_reached_a_worker_by_fork_is_refused_there_by_name():
 
     def forked(scheme, as_sender_first: bool = False) -> str:
         ours, theirs = ctx.Pipe()
-        child = ctx.Process(target=_init_in_fork, args=(scheme, theirs, as_sender_first))
+        models = (nn.Linear(2, 2), nn.Linear(2, 2))
+        child = ctx.Process(target=_init_in_fork, args=(scheme, theirs, models, as_sender_first))
         try:
             child.start()
             assert ours.poll(60), "the forked process said nothing"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -251,34 +252,63 @@ def _init_in_fork(scheme, conn, models, as_sender_first: bool = False) -> None:
         scheme.shutdown()  # (a worker's own, or a copy of its parent's: that lets go of nothing of the parent's)
 
 
-def test_a_sender_that_reached_a_worker_by_fork_is_refused_there_by_name():
-    # ('fork', Linux's default start method before Python 3.14, hands the child the trainer's object, not a pickled
-    # one: it said "scheme is initialized as sender; init_on_receiver needs it new", naming no cause)
+def _forked(scheme, as_sender_first: bool = False) -> str:
+    """What :func:`_init_in_fork` says of ``scheme`` in a process ``fork`` made of this one."""
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
-
-    def forked(scheme, as_sender_first: bool = False) -> str:
-        ours, theirs = ctx.Pipe()
-        models = (nn.Linear(2, 2), nn.Linear(2, 2))
-        child = ctx.Process(target=_init_in_fork, args=(scheme, theirs, models, as_sender_first))
-        try:
-            child.start()
-            assert ours.poll(60), "the forked process said nothing"
-            return ours.recv()
-        finally:
+    ours, theirs = ctx.Pipe()
+    models = (nn.Linear(2, 2), nn.Linear(2, 2))
+    child = ctx.Process(target=_init_in_fork, args=(scheme, theirs, models, as_sender_first))
+    try:
+        child.start()
+        assert ours.poll(60), "the forked process said nothing"
+        return ours.recv()
+    finally:
+        child.join(30)
+        if child.exitcode is None:
+            child.kill()
             child.join(30)
 
+
+def test_a_sender_that_reached_a_worker_by_fork_is_refused_there_by_name():
+    # ('fork', Linux's default start method before Python 3.14, hands the child the trainer's object, not a pickled
+    # one: it said "scheme is initialized as sender; init_on_receiver needs it new", naming no cause)
     scheme = ws.MultiProcessWeightSyncScheme(timeout=20)
-    said = forked(scheme, as_sender_first=True)  # (forked new: the fork is not the cause)
+    said = _forked(scheme, as_sender_first=True)  # (forked new: the fork is not the cause)
     assert said.startswith("LifecycleError") and "fork" not in said and "initialized as sender" in said, said
     scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
     try:
         key_file = scheme.receiver_config(0)["connection"]["authkey_file"]
-        said = forked(scheme)
+        said = _forked(scheme)
         assert said.startswith("LifecycleError") and "by fork, not pickled" in said and "receiver_config" in said, said
         assert os.path.exists(key_file)  # (the child's shutdown removed it: workers from configs could not join)
     finally:
+        scheme.shutdown()
+
+
+def test_a_scheme_forked_while_another_thread_holds_it_is_refused_in_the_child_not_waited_on_for_good():
+    """A send under way in another thread of the trainer (or a rejoin's admission) holds the scheme's lock; ``fork``
+    copied the lock held, and in the child, where that thread does not exist, ``init_on_receiver`` and the
+    ``shutdown`` after it waited on it forever."""
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=20)
+    scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    held, done = threading.Event(), threading.Event()
+
+    def sending() -> None:  # (as a send holds it, for as long as the test needs)
+        with scheme._runtime.lock:
+            held.set()
+            done.wait(120)
+
+    thread = threading.Thread(target=sending, name="test-sending")
+    thread.start()
+    try:
+        assert held.wait(30)
+        said = _forked(scheme)
+        assert said.startswith("LifecycleError") and "by fork, not pickled" in said, said
+    finally:
+        done.set()
+        thread.join(30)
         scheme.shutdown()
 
 

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Runtime"]
 
+#: Every scheme's runtime in this process, for :func:`_free_locks_in_fork_child`.
+_RUNTIMES: weakref.WeakSet[Runtime] = weakref.WeakSet()
+
 
 @dataclass(eq=False)
 class Runtime:
@@ -77,6 +80,7 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.hold = ModelHold(self.weights_lock)
+        _RUNTIMES.add(self)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state" and value != NEW and getattr(self, "state", NEW) == NEW:  # (a new one forked is new)
@@ -146,3 +150,19 @@ class Runtime:
     def applies_itself(self) -> bool:
         """A program drives this receiver: it applies updates itself, and its model's sharing is the program's."""
         return self.drive is not None and self.drive.applies_itself
+
+
+def _free_locks_in_fork_child() -> None:
+    """A fork copies a lock as it is: one another thread of the parent held at that moment (a send or a rejoin's
+    admission under way in a trainer, an update being applied in a worker) stayed held in the child for good, where
+    that thread does not exist, and the child's ``init_on_receiver`` and ``shutdown`` (and, with a hold, its model's
+    forward passes) waited on it forever. Here it is freed in the child, as the standard library frees its logging
+    handlers' locks; one the forking thread holds stays held (it goes on in the child, and releases it). The child's
+    weights are what the fork copied, and its copy of the scheme is refused there by name (:attr:`Runtime.forked`)."""
+    for rt in list(_RUNTIMES):
+        for lock in (rt.lock, rt.weights_lock):
+            if not lock._is_owned():  # type: ignore[attr-defined]
+                lock._at_fork_reinit()  # type: ignore[attr-defined]
+
+
+os.register_at_fork(after_in_child=_free_locks_in_fork_child)

@@ -28,7 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _CLONE_NEWNS = 0x00020000
 
 #: Groups of tests that run one after the other in one test process (``--dist loadgroup``) and take long:
-#: collected first, so that their process starts on them while the other takes everything else.
+#: collected first, so that their process starts on them while the others take everything else.
 LONG_GROUPS = ("vllm",)
 
 

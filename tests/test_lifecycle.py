@@ -238,6 +238,10 @@ def test_worker_ids_take_numpys_ints_and_refuse_what_names_no_worker_by_name():
             targets(bad, 2, "policy")
 
 
+#: (Python 3.12 warns where a process with threads forks: these tests do so on purpose)
+_FORK_WITH_THREADS = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+
+
 def _init_in_fork(scheme, conn, models, as_sender_first: bool = False) -> None:
     # (the models come made from the parent: a fork child drawing random numbers hung for good where another thread
     # of the parent held torch's generator at the fork, as happened in CI)
@@ -271,6 +275,7 @@ def _forked(scheme, as_sender_first: bool = False) -> str:
             child.join(30)
 
 
+@_FORK_WITH_THREADS
 def test_a_sender_that_reached_a_worker_by_fork_is_refused_there_by_name():
     # ('fork', Linux's default start method before Python 3.14, hands the child the trainer's object, not a pickled
     # one: it said "scheme is initialized as sender; init_on_receiver needs it new", naming no cause)
@@ -287,28 +292,90 @@ def test_a_sender_that_reached_a_worker_by_fork_is_refused_there_by_name():
         scheme.shutdown()
 
 
-def test_a_scheme_forked_while_another_thread_holds_it_is_refused_in_the_child_not_waited_on_for_good():
-    """A send under way in another thread of the trainer (or a rejoin's admission) holds the scheme's lock; ``fork``
-    copied the lock held, and in the child, where that thread does not exist, ``init_on_receiver`` and the
-    ``shutdown`` after it waited on it forever."""
-    scheme = ws.MultiProcessWeightSyncScheme(timeout=20)
-    scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
-    held, done = threading.Event(), threading.Event()
+def _use_in_fork(scheme, conn, model) -> None:
+    # (what a forked worker does with its copy: init_on_receiver, a forward pass of a held model, shutdown)
+    try:
+        scheme.init_on_receiver(model_id="policy", model=model, worker_idx=0)
+        said = "initialized"
+    except ws.WeightSyncError as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    free = scheme._runtime.weights_lock.acquire(timeout=20)  # (what a held model's forward pass takes)
+    scheme.shutdown()
+    conn.send((said, free))
 
-    def sending() -> None:  # (as a send holds it, for as long as the test needs)
-        with scheme._runtime.lock:
-            held.set()
+
+@_FORK_WITH_THREADS
+@pytest.mark.parametrize(
+    "held, initialized",
+    [("lock", True), ("weights_lock", True), ("lock", False)],
+    ids=["a send under way", "an update being written", "an init_on_sender under way"],
+)
+def test_a_scheme_forked_while_another_thread_holds_it_is_refused_in_the_child_not_waited_on_for_good(
+    held, initialized
+):
+    """Another thread of the parent holds one of the scheme's locks (a send, an update's write, a set-up call);
+    ``fork`` copied the lock held, and in the child, where that thread does not exist, ``init_on_receiver`` and the
+    ``shutdown`` after it waited on it forever. A copy made in the middle of ``init_on_sender`` is new, yet holds
+    the trainer's half-made sender: refused too, its shutdown letting go of nothing of the trainer's."""
+    import multiprocessing as mp
+
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=20)
+    if initialized:
+        scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
+    taken, done = threading.Event(), threading.Event()
+
+    def holding() -> None:  # (as such a call holds it, for as long as the test needs)
+        with getattr(scheme._runtime, held):
+            taken.set()
             done.wait(120)
 
-    thread = threading.Thread(target=sending, name="test-sending")
+    thread = threading.Thread(target=holding, name="test-holding")
     thread.start()
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=_use_in_fork, args=(scheme, theirs, nn.Linear(2, 2)))
     try:
-        assert held.wait(30)
-        said = _forked(scheme)
+        assert taken.wait(30)
+        child.start()
+        assert ours.poll(60), "the forked process said nothing"
+        said, free = ours.recv()
         assert said.startswith("LifecycleError") and "by fork, not pickled" in said, said
+        assert free
     finally:
         done.set()
         thread.join(30)
+        child.join(30)
+        if child.exitcode is None:
+            child.kill()
+            child.join(30)
+        scheme.shutdown()
+
+
+def _release_in_fork(scheme, conn) -> None:
+    try:
+        scheme._runtime.lock.release()  # (the forking thread's hold, which goes on in the child)
+        conn.send("released")
+    except RuntimeError as exc:
+        conn.send(str(exc))
+
+
+def test_a_lock_the_forking_thread_holds_stays_its_own_in_the_child():
+    import multiprocessing as mp
+
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=20)
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=_release_in_fork, args=(scheme, theirs))
+    try:
+        with scheme._runtime.lock:
+            child.start()
+        assert ours.poll(60), "the forked process said nothing"
+        assert ours.recv() == "released"
+    finally:
+        child.join(30)
+        if child.exitcode is None:
+            child.kill()
+            child.join(30)
         scheme.shutdown()
 
 

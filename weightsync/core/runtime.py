@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Runtime"]
 
-#: Every scheme's runtime in this process, for :func:`_free_locks_in_fork_child`.
+#: Every scheme's runtime in this process, for :func:`_free_locks_in_fork_child` (registered with the first).
 _RUNTIMES: weakref.WeakSet[Runtime] = weakref.WeakSet()
+_watching = False
 
 
 @dataclass(eq=False)
@@ -57,6 +58,8 @@ class Runtime:
             updates itself.
         pid: the process it left :data:`NEW` in (its construction's until then): one that reached another process by
             ``fork`` after that is refused by name there.
+        forked_in_use: this is a copy ``fork`` made while another thread of the parent held one of its locks (in a
+            set-up call, a send, an update's write): refused by name as a forked copy, whatever its state.
     """
 
     strategy: WeightStrategy
@@ -77,9 +80,11 @@ class Runtime:
     weights_lock: threading.RLock = field(default_factory=threading.RLock)
     hold: ModelHold = field(init=False)
     pid: int = field(default_factory=os.getpid)
+    forked_in_use: bool = False
 
     def __post_init__(self) -> None:
         self.hold = ModelHold(self.weights_lock)
+        _watch_forks()
         _RUNTIMES.add(self)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -91,7 +96,7 @@ class Runtime:
     def forked(self) -> bool:
         """This is a copy ``fork`` made of a scheme another process set up: what it holds is that process's (its
         shutdown here lets go of nothing: a worker's ``finally: shutdown()`` removed its trainer's key file)."""
-        return self.state != NEW and self.pid != os.getpid()
+        return self.forked_in_use or (self.state != NEW and self.pid != os.getpid())
 
     @property
     def holds_nothing(self) -> bool:
@@ -104,9 +109,10 @@ class Runtime:
         Raises:
             LifecycleError: naming the state it is in, the ones ``action`` needs, the model and the worker.
         """
-        if self.state not in states and self.forked:
+        if self.forked_in_use or (self.state not in states and self.forked):
             raise LifecycleError(
-                f"cannot {action}: this scheme is {self.state} in process {self.pid}, and reached process "
+                f"cannot {action}: this scheme is {self.state} in process {self.pid}"
+                f"{', in use by another thread there,' if self.forked_in_use else ','} and reached process "
                 f"{os.getpid()} by fork, not pickled: give each worker the scheme pickled (multiprocessing's 'spawn' "
                 "or 'forkserver' start method does; 'fork', Linux's default before Python 3.14, does not) or its "
                 "receiver_config(worker_idx)",
@@ -153,16 +159,27 @@ class Runtime:
 
 
 def _free_locks_in_fork_child() -> None:
-    """A fork copies a lock as it is: one another thread of the parent held at that moment (a send or a rejoin's
-    admission under way in a trainer, an update being applied in a worker) stayed held in the child for good, where
-    that thread does not exist, and the child's ``init_on_receiver`` and ``shutdown`` (and, with a hold, its model's
-    forward passes) waited on it forever. Here it is freed in the child, as the standard library frees its logging
-    handlers' locks; one the forking thread holds stays held (it goes on in the child, and releases it). The child's
-    weights are what the fork copied, and its copy of the scheme is refused there by name (:attr:`Runtime.forked`)."""
+    """A fork copies a lock as it is: one another thread of the parent held at that moment (a set-up call or a send
+    under way in a trainer, a rejoin's admission, an update being written in a worker) stayed held in the child for
+    good, where that thread does not exist, and the child's ``init_on_receiver`` and ``shutdown`` (and, with a hold,
+    its model's forward passes) waited on it forever. Such a lock is freed in the child, much as the standard library
+    frees its logging handlers' locks, and its scheme marked :attr:`Runtime.forked_in_use`: refused there by name, its
+    shutdown letting go of nothing. A lock free at the fork, or held by the forking thread (which goes on in the
+    child, and releases it), is left as it is. A worker forked while its receiver wrote an update holds, in the child,
+    the weights as they were at that instant: part of the old version, part of the new."""
     for rt in list(_RUNTIMES):
         for lock in (rt.lock, rt.weights_lock):
-            if not lock._is_owned():  # type: ignore[attr-defined]
+            if lock.acquire(blocking=False):  # (free, or the forking thread's own: an RLock takes it again)
+                lock.release()
+            else:
                 lock._at_fork_reinit()  # type: ignore[attr-defined]
+                rt.forked_in_use = True
 
 
-os.register_at_fork(after_in_child=_free_locks_in_fork_child)
+def _watch_forks() -> None:
+    """Register :func:`_free_locks_in_fork_child`, once a process, with its first scheme (an import registers
+    nothing)."""
+    global _watching
+    if not _watching:
+        os.register_at_fork(after_in_child=_free_locks_in_fork_child)
+        _watching = True

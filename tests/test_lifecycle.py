@@ -242,7 +242,25 @@ def test_worker_ids_take_numpys_ints_and_refuse_what_names_no_worker_by_name():
 _FORK_WITH_THREADS = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 
 
-def _init_in_fork(scheme, conn, models, as_sender_first: bool = False) -> None:
+def _in_fork(target, *args):
+    """What ``target(*args, conn)`` sends on ``conn`` from a process ``fork`` made of this one (at most 60 s)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=target, args=(*args, theirs))
+    child.start()
+    try:
+        assert ours.poll(60), "the forked process said nothing"
+        return ours.recv()
+    finally:
+        child.join(30)
+        if child.exitcode is None:
+            child.kill()
+            child.join(30)
+
+
+def _init_in_fork(scheme, models, as_sender_first, conn) -> None:
     # (the models come made from the parent: a fork child drawing random numbers hung for good where another thread
     # of the parent held torch's generator at the fork, as happened in CI)
     try:
@@ -256,43 +274,28 @@ def _init_in_fork(scheme, conn, models, as_sender_first: bool = False) -> None:
         scheme.shutdown()  # (a worker's own, or a copy of its parent's: that lets go of nothing of the parent's)
 
 
-def _forked(scheme, as_sender_first: bool = False) -> str:
-    """What :func:`_init_in_fork` says of ``scheme`` in a process ``fork`` made of this one."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("fork")
-    ours, theirs = ctx.Pipe()
-    models = (nn.Linear(2, 2), nn.Linear(2, 2))
-    child = ctx.Process(target=_init_in_fork, args=(scheme, theirs, models, as_sender_first))
-    try:
-        child.start()
-        assert ours.poll(60), "the forked process said nothing"
-        return ours.recv()
-    finally:
-        child.join(30)
-        if child.exitcode is None:
-            child.kill()
-            child.join(30)
-
-
 @_FORK_WITH_THREADS
 def test_a_sender_that_reached_a_worker_by_fork_is_refused_there_by_name():
     # ('fork', Linux's default start method before Python 3.14, hands the child the trainer's object, not a pickled
     # one: it said "scheme is initialized as sender; init_on_receiver needs it new", naming no cause)
+    def forked(scheme, as_sender_first: bool = False) -> str:
+        return _in_fork(_init_in_fork, scheme, (nn.Linear(2, 2), nn.Linear(2, 2)), as_sender_first)
+
     scheme = ws.MultiProcessWeightSyncScheme(timeout=20)
-    said = _forked(scheme, as_sender_first=True)  # (forked new: the fork is not the cause)
+    said = forked(scheme, as_sender_first=True)  # (forked new: the fork is not the cause)
     assert said.startswith("LifecycleError") and "fork" not in said and "initialized as sender" in said, said
     scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
     try:
         key_file = scheme.receiver_config(0)["connection"]["authkey_file"]
-        said = _forked(scheme)
+        said = forked(scheme)
         assert said.startswith("LifecycleError") and "by fork, not pickled" in said and "receiver_config" in said, said
+        assert "in use by another thread" not in said
         assert os.path.exists(key_file)  # (the child's shutdown removed it: workers from configs could not join)
     finally:
         scheme.shutdown()
 
 
-def _use_in_fork(scheme, conn, model) -> None:
+def _use_in_fork(scheme, model, conn) -> None:
     # (what a forked worker does with its copy: init_on_receiver, a forward pass of a held model, shutdown)
     try:
         scheme.init_on_receiver(model_id="policy", model=model, worker_idx=0)
@@ -317,8 +320,6 @@ def test_a_scheme_forked_while_another_thread_holds_it_is_refused_in_the_child_n
     ``fork`` copied the lock held, and in the child, where that thread does not exist, ``init_on_receiver`` and the
     ``shutdown`` after it waited on it forever. A copy made in the middle of ``init_on_sender`` is new, yet holds
     the trainer's half-made sender: refused too, its shutdown letting go of nothing of the trainer's."""
-    import multiprocessing as mp
-
     scheme = ws.MultiProcessWeightSyncScheme(timeout=20)
     if initialized:
         scheme.init_on_sender(model_id="policy", model=nn.Linear(2, 2), num_workers=1)
@@ -331,51 +332,33 @@ def test_a_scheme_forked_while_another_thread_holds_it_is_refused_in_the_child_n
 
     thread = threading.Thread(target=holding, name="test-holding")
     thread.start()
-    ctx = mp.get_context("fork")
-    ours, theirs = ctx.Pipe()
-    child = ctx.Process(target=_use_in_fork, args=(scheme, theirs, nn.Linear(2, 2)))
     try:
         assert taken.wait(30)
-        child.start()
-        assert ours.poll(60), "the forked process said nothing"
-        said, free = ours.recv()
-        assert said.startswith("LifecycleError") and "by fork, not pickled" in said, said
-        assert free
+        said, free = _in_fork(_use_in_fork, scheme, nn.Linear(2, 2))
+        assert said.startswith("LifecycleError") and "in use by another thread there" in said, said
+        assert "by fork, not pickled" in said and free
     finally:
         done.set()
         thread.join(30)
-        child.join(30)
-        if child.exitcode is None:
-            child.kill()
-            child.join(30)
         scheme.shutdown()
 
 
 def _release_in_fork(scheme, conn) -> None:
     try:
         scheme._runtime.lock.release()  # (the forking thread's hold, which goes on in the child)
-        conn.send("released")
+        conn.send(("released", scheme._runtime.forked_in_use))
     except RuntimeError as exc:
-        conn.send(str(exc))
+        conn.send((str(exc), scheme._runtime.forked_in_use))
 
 
+@_FORK_WITH_THREADS
 def test_a_lock_the_forking_thread_holds_stays_its_own_in_the_child():
-    import multiprocessing as mp
-
     scheme = ws.MultiProcessWeightSyncScheme(timeout=20)
-    ctx = mp.get_context("fork")
-    ours, theirs = ctx.Pipe()
-    child = ctx.Process(target=_release_in_fork, args=(scheme, theirs))
     try:
         with scheme._runtime.lock:
-            child.start()
-        assert ours.poll(60), "the forked process said nothing"
-        assert ours.recv() == "released"
+            said = _in_fork(_release_in_fork, scheme)
+        assert said == ("released", False)  # (its own: the copy is the child's to use)
     finally:
-        child.join(30)
-        if child.exitcode is None:
-            child.kill()
-            child.join(30)
         scheme.shutdown()
 
 

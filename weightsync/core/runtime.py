@@ -80,7 +80,7 @@ class Runtime:
     weights_lock: threading.RLock = field(default_factory=threading.RLock)
     hold: ModelHold = field(init=False)
     pid: int = field(default_factory=os.getpid)
-    forked_in_use: bool = False
+    forked_in_use: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.hold = ModelHold(self.weights_lock)
@@ -94,8 +94,9 @@ class Runtime:
 
     @property
     def forked(self) -> bool:
-        """This is a copy ``fork`` made of a scheme another process set up: what it holds is that process's (its
-        shutdown here lets go of nothing: a worker's ``finally: shutdown()`` removed its trainer's key file)."""
+        """This is a copy ``fork`` made of a scheme another process set up, or of one another thread of it held at the
+        fork (:attr:`forked_in_use`): what it holds is that process's (its shutdown here lets go of nothing: a
+        worker's ``finally: shutdown()`` removed its trainer's key file)."""
         return self.forked_in_use or (self.state != NEW and self.pid != os.getpid())
 
     @property

@@ -260,16 +260,22 @@ def _in_fork(target, *args):
             child.join(30)
 
 
-def _init_in_fork(scheme, models, as_sender_first, conn) -> None:
+def _init_says(scheme, models, as_sender_first: bool = False) -> str:
+    """What ``init_on_receiver`` (after ``init_on_sender``, if asked) says in a forked child."""
     # (the models come made from the parent: a fork child drawing random numbers hung for good where another thread
     # of the parent held torch's generator at the fork, as happened in CI)
     try:
         if as_sender_first:  # (a scheme forked new, made a sender here: a misuse here is not the fork's)
             scheme.init_on_sender(model_id="policy", model=models[0], num_workers=1)
-        scheme.init_on_receiver(model_id="policy", model=models[1], worker_idx=0)
-        conn.send("initialized")
+        scheme.init_on_receiver(model_id="policy", model=models[-1], worker_idx=0)
+        return "initialized"
     except ws.WeightSyncError as exc:
-        conn.send(f"{type(exc).__name__}: {exc}")
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _init_in_fork(scheme, models, as_sender_first, conn) -> None:
+    try:
+        conn.send(_init_says(scheme, models, as_sender_first))
     finally:
         scheme.shutdown()  # (a worker's own, or a copy of its parent's: that lets go of nothing of the parent's)
 
@@ -297,11 +303,7 @@ def test_a_sender_that_reached_a_worker_by_fork_is_refused_there_by_name():
 
 def _use_in_fork(scheme, model, conn) -> None:
     # (what a forked worker does with its copy: init_on_receiver, a forward pass of a held model, shutdown)
-    try:
-        scheme.init_on_receiver(model_id="policy", model=model, worker_idx=0)
-        said = "initialized"
-    except ws.WeightSyncError as exc:
-        said = f"{type(exc).__name__}: {exc}"
+    said = _init_says(scheme, (model,))
     free = scheme._runtime.weights_lock.acquire(timeout=20)  # (what a held model's forward pass takes)
     scheme.shutdown()
     conn.send((said, free))

@@ -7,6 +7,7 @@ that state from here (its facts, its handoff, the older facade), so none has to 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -26,7 +27,6 @@ __all__ = ["Runtime"]
 
 #: Every scheme's runtime in this process, for :func:`_free_locks_in_fork_child` (registered with the first).
 _RUNTIMES: weakref.WeakSet[Runtime] = weakref.WeakSet()
-_watching = False
 
 
 @dataclass(eq=False)
@@ -177,10 +177,8 @@ def _free_locks_in_fork_child() -> None:
                 rt.forked_in_use = True
 
 
+@functools.cache
 def _watch_forks() -> None:
     """Register :func:`_free_locks_in_fork_child`, once a process, with its first scheme (an import registers
     nothing)."""
-    global _watching
-    if not _watching:
-        os.register_at_fork(after_in_child=_free_locks_in_fork_child)
-        _watching = True
+    os.register_at_fork(after_in_child=_free_locks_in_fork_child)

@@ -21,6 +21,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from tests._workers import stop_process
 from weightsync.transports.distributed.doorbell import Doorbell
 from weightsync.transports.storeclient import dial_store
 
@@ -43,17 +44,6 @@ class KillInTeardown:
         self.sleep(1.0)
 
 
-def stopped(pid: int, timeout: float = 10.0) -> None:
-    """Wait until process ``pid`` is stopped (a signal is delivered when the process next runs)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as stat:
-            if stat.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.01)
-    raise TimeoutError(f"process {pid} did not stop within {timeout}s")
-
-
 def main(mode: str) -> None:
     server = subprocess.Popen(  # (not on this process's stderr: whoever reads it to its end would wait for it)
         [sys.executable, "-c", SERVE], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
@@ -67,8 +57,7 @@ def main(mode: str) -> None:
             ringer = dist.PrefixStore("run", dist.TCPStore("127.0.0.1", port, is_master=False))
         bell = Doorbell(dist.PrefixStore("run", client), "bell/0", "test-doorbell", hangup, ringer)
         if mode == "silent":
-            os.kill(server.pid, signal.SIGSTOP)  # no answer, no reset: a host that vanished
-            stopped(server.pid)
+            stop_process(server.pid)  # no answer, no reset: a host that vanished
             began = time.monotonic()
             bell.close()
             print(f"closed in {time.monotonic() - began:.1f}s, listening: {bell._thread.is_alive()}", flush=True)

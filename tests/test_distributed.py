@@ -23,7 +23,7 @@ import torch.distributed as dist
 import weightsync as ws
 from tests import _bodies as bodies
 from tests._bodies import optimizer_step, start
-from tests._workers import build, checksum, in_process_receiver
+from tests._workers import build, checksum, in_process_receiver, stop_process
 from weightsync.transports.distributed import auth
 from weightsync.transports.distributed import sender as sender_module
 from weightsync.transports.distributed.auth import MACS
@@ -671,7 +671,7 @@ def test_a_workers_writes_are_never_held_by_a_stopped_store_and_land_once_it_res
     then was dropped.)"""
     transport, store, calls, server, signal = _stopped_store_transport(timeout=3.0)
     try:
-        os.kill(server.pid, signal.SIGSTOP)
+        stop_process(server.pid)
         transport._spent = ["msg/0/1"]
         transport.sweep()  # out, unanswered
         began = time.monotonic()
@@ -712,7 +712,7 @@ def test_a_worker_whose_line_failed_and_whose_store_does_not_answer_hears_its_se
 
     transport.line = DeadLine()
     try:
-        os.kill(server.pid, signal.SIGSTOP)
+        stop_process(server.pid)
         began = time.monotonic()
         if closed:
             with pytest.raises(ws.SyncTimeoutError, match="whether it dropped this worker"):
@@ -752,7 +752,7 @@ def test_a_rejoin_given_up_on_asks_nothing_more_and_the_next_is_made_anew():
     receiver = _rejoining_receiver(transport, store, calls)
     receiver.handoff, receiver.prefix = {"master_addr": "127.0.0.1", "master_port": store.underlying_store.port}, "p"
     try:
-        os.kill(server.pid, signal.SIGSTOP)
+        stop_process(server.pid)
         began = time.monotonic()
         with pytest.raises(ws.SyncTimeoutError, match="a rejoin"):
             receiver._rejoin(0.05)
@@ -772,7 +772,7 @@ def test_a_rejoin_given_up_on_asks_nothing_more_and_the_next_is_made_anew():
         assert left == [last]
 
         def paired(_store, gen, hello, deadline):  # the pair formed; the trainer stopped right after
-            os.kill(server.pid, signal.SIGSTOP)
+            stop_process(server.pid)
             return Link(object(), _store, transport.sealer.scoped(f"pair/0/{gen}/")), None
 
         receiver._pair = paired  # type: ignore[method-assign]
@@ -858,7 +858,7 @@ def test_a_worker_closes_at_once_with_a_look_still_out_to_a_stopped_store_and_it
     receiver._key_file, receiver._closed, receiver.transport, receiver._calls = None, None, transport, calls
     receiver.update_timeout, receiver._buffers, receiver._views = 0.5, [], []
     try:
-        os.kill(server.pid, signal.SIGSTOP)
+        stop_process(server.pid)
         assert transport.next_message(0.05) is None  # its look is left out
         closing = threading.Thread(target=receiver.close)
         began = time.monotonic()

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import weightsync as ws
 from tests._bodies import optimizer_step
-from tests._workers import build, checksum, in_process_receiver, store_in_a_child
+from tests._workers import build, checksum, in_process_receiver, stop_process, store_in_a_child
 from weightsync.core.timing import deadline_after, wait_until
 from weightsync.transports import store as store_module
 from weightsync.transports import storeclient
@@ -382,7 +382,7 @@ def _stopped_store():
     takes connections (the kernel does) and answers nothing. Yields its port, and a call that resumes it."""
     server, port = store_in_a_child()
     try:
-        os.kill(server.pid, signal.SIGSTOP)
+        stop_process(server.pid)
         yield port, lambda: os.kill(server.pid, signal.SIGCONT)
     finally:
         os.kill(server.pid, signal.SIGCONT)

@@ -26,7 +26,7 @@ import weightsync as ws
 from tests._as_stranger import needs_stranger, start_stranger
 from tests._attack_distributed import heard_back
 from tests._bodies import optimizer_step
-from tests._workers import build, checksum, in_process_receiver
+from tests._workers import build, checksum, in_process_receiver, stop_process
 from weightsync.core.timing import deadline_after
 from weightsync.errors import ConnectionClosedError, SyncTimeoutError, TransportError
 from weightsync.transports.distributed import sender as sender_module
@@ -596,7 +596,7 @@ def test_a_sender_on_a_job_store_that_stopped_drops_a_worker_within_its_bound():
         _send_while_receiving(model, scheme, replica, receiver, 1)
         optimizer_step(model, 2)
         scheme.send_async()  # not received: no ack, the worker is dropped after the timeout
-        os.kill(server.pid, signal.SIGSTOP)
+        stop_process(server.pid)
         began = time.monotonic()
         scheme.wait_async()
         took = time.monotonic() - began
